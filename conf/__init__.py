@@ -1,0 +1,1 @@
+"""Packaged Hydra config tree (installed as ntp_nemo.conf)."""

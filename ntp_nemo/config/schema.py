@@ -1,0 +1,124 @@
+"""Structured-config schemas: types and defaults of every config group.
+
+Registered in Hydra's ConfigStore (see `register.py`) as the base of each group's YAML files, so
+a typo'd key or a wrong type fails at composition time; `validate.py` then checks the values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ModelConfig:
+    _target_: str = "ntp_nemo.models.build_model"
+    arch: str = "gpt2"  # gpt2 (LayerNorm, learned positions, GELU, biases) | llama (RMSNorm, RoPE, SwiGLU)
+    name: str = "gpt_tiny"
+    vocab_size: int = 257
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int | None = None  # grouped-query attention; None = num_heads
+    ffn_hidden_size: int = 1024
+    max_seq_len: int = 256
+    tie_embeddings: bool = True
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    init_std: float = 0.02
+    init_from: str | None = None  # a Hugging Face model directory to start from
+
+
+@dataclass
+class MeshConfig:
+    dp: int = 1  # DP replicas
+    tp: int = 1  # nominal (healthy) TP degree
+    pp: int = 1  # pipeline stages per replica
+
+
+@dataclass
+class NTPConfig:
+    replica_tp: list[int] | None = None  # active TP ranks per replica; None = all at mesh.tp
+    power_boost: Any = None  # float or per-replica list; NTP-PW capacity multiplier of degraded replicas
+    min_replica_tp: int = 1  # failover drops a replica below this many ranks
+    grad_bucket_mb: float = 25.0
+
+
+@dataclass
+class LayoutConfig:
+    layer_tp: Any = None  # None | int | list (embedding, each layer, head) | compact pattern string | "auto"
+    stage_layers: list[int] | None = None  # explicit layers per pipeline stage
+    schedule: str = "1f1b"  # gpipe | 1f1b
+
+
+@dataclass
+class DataConfig:
+    path: str | None = None  # None = embedded corpus; text file/dir or pre-tokenised .bin
+    tokenizer: str = "byte"
+    seq_len: int = 128
+    global_batch_size: int = 16
+    micro_batch_size: int = 4
+    val_fraction: float = 0.05
+    val_batches: int = 4
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_steps: int = 10
+    grad_clip: float = 1.0
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 200
+    precision: str = "32-true"  # 32-true | 64-true | bf16-mixed
+    accelerator: str = "cpu"
+    log_every_n_steps: int = 1
+    val_every_n_steps: int = 50
+    progress_bar: bool = True
+    deterministic: bool = True
+    process_group_backend: str | None = None  # None: gloo on CPU, nccl on GPU
+    start_method: str = "fork"
+
+
+@dataclass
+class CheckpointConfig:
+    every_n_steps: int = 50
+    keep_last: int = 2
+    save_on_end: bool = True
+    async_save: bool = False
+    dir: str = "checkpoints"
+
+
+@dataclass
+class FaultConfig:
+    kind: str = "none"
+    rank: int | None = None
+    step: int | None = None
+    policy: str = "ntp"  # ntp | dp_drop | restart
+    repair_after_steps: int | None = None
+    max_restarts: int = 3
+
+
+@dataclass
+class RootConfig:
+    recipe: str = "gpt_tiny"
+    seed: int = 1234
+    resume: str = "auto"  # auto | never | PATH
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    ntp: NTPConfig = field(default_factory=NTPConfig)
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    callbacks: dict[str, Any] = field(default_factory=dict)
+    logger: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,40 @@
+"""The built-in default corpus (Python standard library text), tokenized once and cached.
+
+See `stdlib_text` for what text is used. The token file lives under the cache directory
+(`$NTP_NEMO_CACHE`, default `~/.cache/ntp_nemo/corpus/`), named by a hash of the Python version,
+the selected files and sizes, the byte cap and the tokenizer; concurrent first use is safe.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ntp_nemo.data.cache import cache_dir, fingerprint
+from ntp_nemo.data.stdlib_text import DEFAULT_MAX_BYTES, corpus_identity, stdlib_documents
+from ntp_nemo.data.tokenizer import build_tokenizer
+from ntp_nemo.data.tokens import TokenFileWriter, sidecar_path
+from ntp_nemo.errors import ConfigError
+
+MIN_CORPUS_BYTES = 64 * 1024
+
+
+def default_corpus_tokens(tokenizer_name: str = "byte", max_bytes: int = DEFAULT_MAX_BYTES) -> Path:
+    """Path of the built-in corpus' token file for `tokenizer_name`, building it on first use."""
+    tokenizer = build_tokenizer(tokenizer_name)
+    identity = corpus_identity(max_bytes)
+    key = fingerprint({"corpus": identity, "tokenizer": tokenizer.name, "vocab": tokenizer.vocab_size})
+    out = cache_dir("corpus") / f"stdlib-py{identity['python']}-{tokenizer.name}-{key}.bin"
+    if sidecar_path(out).exists():
+        return out
+    if sum(size for _, size in identity["files"]) < min(MIN_CORPUS_BYTES, max_bytes):
+        raise ConfigError(
+            "data.path",
+            f"the built-in corpus needs the Python standard library sources, but only "
+            f"{len(identity['files'])} .py files were found under {identity['stdlib']!r} (this Python "
+            "installation ships without them). Set data.path to a text file or a token file instead.",
+        )
+    with TokenFileWriter(out, tokenizer.name, tokenizer.vocab_size) as writer:
+        for doc in stdlib_documents(max_bytes):
+            writer.append(tokenizer.encode(doc))
+            writer.append([tokenizer.eos_id])
+    return out

@@ -1,0 +1,420 @@
+"""Offline goodput calculator: goodput.jsonl events -> time breakdown.
+
+Two stages, both pure functions of the event stream so tests can feed synthetic streams:
+`build_timeline` turns events (spanning any number of process lifetimes) into intervals,
+and `compute_goodput` assigns every instant of job time to exactly one category, so
+productive time plus the badput categories add up to the total.
+
+Rules (DESIGN.md section 4):
+- A step is productive only in its last completed execution; earlier completed executions
+  (undone by a restart from an older checkpoint) and executions cut short by a failure are
+  wasted progress.
+- Recovery downtime runs from a failure to the first step that completes after it.
+  A lifetime that stopped without `job_end` (or with status "failed") after running steps,
+  with no `failure_detected` recorded for it, counts as an implicit failure at its last event.
+- When intervals overlap, the more specific measurement wins, in the order of `_PRIORITY`:
+  a checkpoint save or restore, initialization or data wait inside another interval is
+  charged to its own category, never to the step or the recovery around it.
+- Gaps between a clean `job_end` and the next `job_start` (a finished run extended later)
+  are idle, not job time.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ntp_nemo.errors import ConfigError
+from ntp_nemo.goodput import events as ev
+from ntp_nemo.goodput.recorder import goodput_path
+
+
+@dataclass(frozen=True)
+class Span:
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return max(0.0, self.end - self.start)
+
+
+@dataclass
+class StepRun:
+    """One execution of one step; `completed` is False when a failure cut it short."""
+
+    step: int
+    start: float
+    end: float
+    layout: str
+    capacity: float
+    tokens: int | None
+    completed: bool
+    productive: bool = False
+
+
+@dataclass(frozen=True)
+class Failure:
+    t: float
+    rank: int | None
+    reason: str
+    implicit: bool = False
+
+
+@dataclass
+class Timeline:
+    """Intervals reconstructed from an event stream, in absolute Unix time."""
+
+    start: float
+    end: float
+    lifetimes: list[Span] = field(default_factory=list)
+    steps: list[StepRun] = field(default_factory=list)
+    initializations: list[Span] = field(default_factory=list)
+    saves: list[Span] = field(default_factory=list)
+    restores: list[Span] = field(default_factory=list)
+    data_waits: list[Span] = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)
+    recoveries: list[Span] = field(default_factory=list)
+    idle: list[Span] = field(default_factory=list)
+    recoveries_done: list[tuple[float, str]] = field(default_factory=list)
+
+
+@dataclass
+class GoodputReport:
+    """Where the job's time went. `badput_s` holds every category of `events.BADPUT_CATEGORIES`."""
+
+    total_s: float
+    productive_s: float
+    goodput: float
+    badput_s: dict[str, float]
+    capacity_fraction: float
+    steps_completed: int
+    steps_redone: int
+    failures: int
+    lifetimes: int = 1
+    idle_s: float = 0.0
+    productive_by_layout: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def effective_goodput(self) -> float:
+        """Goodput weighted by NTP capacity: the fraction of nominal GPU time doing useful work."""
+        return self.goodput * self.capacity_fraction
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "effective_goodput": self.effective_goodput}
+
+
+# High to low: the first category whose interval covers an instant gets it.
+_IDLE = "idle"
+_PRIORITY: tuple[str, ...] = (
+    _IDLE,
+    ev.CHECKPOINT_SAVE,
+    ev.CHECKPOINT_RESTORE,
+    ev.INITIALIZATION,
+    ev.DATA_LOADING,
+    ev.PRODUCTIVE,
+    ev.WASTED_PROGRESS,
+    ev.RECOVERY_DOWNTIME,
+)
+# Events after which an unfinished step can no longer be running.
+_DISRUPTING = frozenset(
+    {ev.FAILURE_DETECTED, ev.CKPT_RESTORE_START, ev.RECOVERY_DONE, ev.JOB_END, ev.INIT_DONE}
+)
+
+
+def load_events(path: str | Path) -> list[dict[str, Any]]:
+    """Read a run directory's (or a file's) goodput events; bad input raises ConfigError naming the path.
+
+    A last line without its newline is what a crash in mid-write leaves: it is skipped with a warning.
+    """
+    file = goodput_path(path)
+    fix = "pass a run directory written by ntp-train (it holds goodput.jsonl) or the .jsonl file itself"
+    if not file.is_file():
+        raise ConfigError("run_dir", f"goodput event file {file} does not exist; {fix}.")
+    text = file.read_text(encoding="utf-8", errors="replace")
+    lines = text.split("\n")
+    out: list[dict[str, Any]] = []
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as err:
+            if lineno == len(lines):  # no trailing newline: interrupted write
+                warnings.warn(f"{file}:{lineno}: skipping a truncated last line", stacklevel=2)
+                continue
+            raise ConfigError("run_dir", f"{file}:{lineno} is not valid JSON ({err.msg}); {fix}.") from None
+        if not (
+            isinstance(obj, dict)
+            and isinstance(obj.get("t"), int | float)
+            and isinstance(obj.get("event"), str)
+        ):
+            what = "is not a goodput event (needs numeric 't' and string 'event')"
+            raise ConfigError("run_dir", f"{file}:{lineno} {what}; {fix}.")
+        out.append(obj)
+    if not out:
+        raise ConfigError("run_dir", f"goodput event file {file} holds no events; {fix}.")
+    return out
+
+
+def _num(e: Mapping[str, Any], key: str, default: float | None = None) -> float:
+    value = e.get(key, default)
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise ValueError(f"event {e.get('event')!r} at t={e.get('t')} needs a numeric {key!r}, got {value!r}")
+    return float(value)
+
+
+def _split_lifetimes(events: list[Mapping[str, Any]]) -> list[list[Mapping[str, Any]]]:
+    lifetimes: list[list[Mapping[str, Any]]] = []
+    for e in events:
+        if e["event"] == ev.JOB_START or not lifetimes:
+            lifetimes.append([])
+        lifetimes[-1].append(e)
+    return lifetimes
+
+
+class _LifetimeParser:
+    """Turns one process lifetime's events into spans; open intervals end at the lifetime's last event."""
+
+    def __init__(self, tl: Timeline, events: list[Mapping[str, Any]]) -> None:
+        self.tl = tl
+        self.events = events
+        self.open_step: tuple[int, float] | None = None
+        self.disrupted_at: float | None = None
+        self.open_saves: list[tuple[Any, float]] = []
+        self.open_restore: float | None = None
+        self.init_start: float | None = events[0]["t"] if events[0]["event"] == ev.JOB_START else None
+        self.layout, self.capacity = "unknown", 1.0
+        self.status: str | None = None
+
+    def _interrupt(self, t: float) -> None:
+        if self.open_step is not None:
+            step, start = self.open_step
+            end = self.disrupted_at if self.disrupted_at is not None else t
+            self.tl.steps.append(StepRun(step, start, end, self.layout, self.capacity, None, completed=False))
+        self.open_step, self.disrupted_at = None, None
+
+    def parse(self) -> str | None:
+        prev_t = self.events[0]["t"]
+        for e in self.events:
+            name, t = e["event"], float(e["t"])
+            if name in _DISRUPTING and self.open_step is not None and self.disrupted_at is None:
+                self.disrupted_at = t
+            handler = getattr(self, f"_on_{name}", None)
+            if handler is not None:
+                handler(e, t, prev_t)
+            prev_t = t
+        end = float(self.events[-1]["t"])
+        self._interrupt(end)
+        if self.init_start is not None:
+            self.tl.initializations.append(Span(self.init_start, end))
+        self.tl.saves.extend(Span(start, end) for _, start in self.open_saves)
+        if self.open_restore is not None:
+            self.tl.restores.append(Span(self.open_restore, end))
+        return self.status
+
+    def _on_init_done(self, e: Mapping[str, Any], t: float, prev_t: float) -> None:
+        if self.init_start is not None:
+            self.tl.initializations.append(Span(self.init_start, t))
+            self.init_start = None
+
+    def _on_step_start(self, e: Mapping[str, Any], t: float, prev_t: float) -> None:
+        self._interrupt(t)
+        self.open_step = (int(_num(e, "step")), t)
+
+    def _on_step_end(self, e: Mapping[str, Any], t: float, prev_t: float) -> None:
+        step = int(_num(e, "step"))
+        if self.open_step is not None and self.open_step[0] == step:
+            start = self.open_step[1]
+            self.open_step, self.disrupted_at = None, None
+        else:  # no matching step_start: the step ran since the previous event
+            self._interrupt(prev_t)
+            start = prev_t
+        capacity = _num(e, "capacity", 1.0)
+        if not 0.0 < capacity <= 1.0:
+            raise ValueError(f"step_end of step {step} at t={t} has capacity {capacity}, outside (0, 1]")
+        self.layout, self.capacity = str(e.get("layout", "single")), capacity
+        tokens = e.get("tokens")
+        tokens = int(tokens) if isinstance(tokens, int | float) else None
+        self.tl.steps.append(StepRun(step, start, t, self.layout, capacity, tokens, completed=True))
+
+    def _on_ckpt_save_start(self, e: Mapping[str, Any], t: float, prev_t: float) -> None:
+        self.open_saves.append((e.get("step"), t))
+
+    def _on_ckpt_save_end(self, e: Mapping[str, Any], t: float, prev_t: float) -> None:
+        same_step = (i for i, (step, _) in enumerate(self.open_saves) if step == e.get("step"))
+        match = next(same_step, 0 if self.open_saves else None)
+        blocking = e.get("blocking_s")
+        if match is not None:
+            start = self.open_saves.pop(match)[1]
+            end = min(t, start + float(blocking)) if isinstance(blocking, int | float) else t
+            self.tl.saves.append(Span(start, end))
+        elif isinstance(blocking, int | float):
+            self.tl.saves.append(Span(t - float(blocking), t))
+
+    def _on_ckpt_restore_start(self, e: Mapping[str, Any], t: float, prev_t: float) -> None:
+        self.open_restore = t
+
+    def _on_ckpt_restore_end(self, e: Mapping[str, Any], t: float, prev_t: float) -> None:
+        start = self.open_restore if self.open_restore is not None else prev_t
+        self.tl.restores.append(Span(start, t))
+        self.open_restore = None
+
+    def _on_data_wait(self, e: Mapping[str, Any], t: float, prev_t: float) -> None:
+        self.tl.data_waits.append(Span(t - _num(e, "seconds"), t))
+
+    def _on_failure_detected(self, e: Mapping[str, Any], t: float, prev_t: float) -> None:
+        rank = e.get("rank")
+        self.tl.failures.append(Failure(t, rank if isinstance(rank, int) else None, str(e.get("reason", ""))))
+
+    def _on_recovery_done(self, e: Mapping[str, Any], t: float, prev_t: float) -> None:
+        self.tl.recoveries_done.append((t, str(e.get("layout", ""))))
+
+    def _on_job_end(self, e: Mapping[str, Any], t: float, prev_t: float) -> None:
+        self.status = str(e.get("status", ev.STATUS_OK))
+
+
+def _first_step_end_after(steps: list[StepRun], t: float, default: float) -> float:
+    return min((s.end for s in steps if s.completed and s.end > t), default=default)
+
+
+def build_timeline(events: Iterable[Mapping[str, Any]]) -> Timeline:
+    """Reconstruct steps, checkpoints, failures and recoveries from events of any number of lifetimes."""
+    stream = sorted((e for e in events if e.get("event") in ev.EVENTS), key=lambda e: float(e["t"]))
+    if not stream:
+        raise ValueError("no goodput events to analyse")
+    tl = Timeline(start=float(stream[0]["t"]), end=float(stream[-1]["t"]))
+    lifetimes = _split_lifetimes(stream)
+    statuses = []
+    for life in lifetimes:
+        tl.lifetimes.append(Span(float(life[0]["t"]), float(life[-1]["t"])))
+        statuses.append(_LifetimeParser(tl, life).parse())
+    tl.steps.sort(key=lambda s: s.start)
+
+    for i, (span, status) in enumerate(zip(tl.lifetimes[:-1], statuses[:-1], strict=True)):
+        nxt = tl.lifetimes[i + 1]
+        if status == ev.STATUS_OK:
+            tl.idle.append(Span(span.end, nxt.start))
+            continue
+        ran_steps = any(span.start <= s.start <= span.end for s in tl.steps)
+        resumed_at = _first_step_end_after(tl.steps, nxt.start, tl.end)
+        if ran_steps and not any(span.start <= f.t <= resumed_at for f in tl.failures):
+            reason = "process ended without job_end" if status is None else f"job_end status {status}"
+            tl.failures.append(Failure(span.end, None, reason, implicit=True))
+    tl.failures.sort(key=lambda f: f.t)
+    tl.recoveries = [Span(f.t, _first_step_end_after(tl.steps, f.t, tl.end)) for f in tl.failures]
+
+    last_completion: dict[int, StepRun] = {}
+    for run in tl.steps:
+        if run.completed and (run.step not in last_completion or run.end >= last_completion[run.step].end):
+            last_completion[run.step] = run
+    for run in last_completion.values():
+        run.productive = True
+    return tl
+
+
+def _intervals(tl: Timeline) -> list[tuple[float, float, str, StepRun | None]]:
+    out: list[tuple[float, float, str, StepRun | None]] = []
+    for category, spans in (
+        (_IDLE, tl.idle),
+        (ev.CHECKPOINT_SAVE, tl.saves),
+        (ev.CHECKPOINT_RESTORE, tl.restores),
+        (ev.INITIALIZATION, tl.initializations),
+        (ev.DATA_LOADING, tl.data_waits),
+        (ev.RECOVERY_DOWNTIME, tl.recoveries),
+    ):
+        out.extend((s.start, s.end, category, None) for s in spans)
+    for run in tl.steps:
+        out.append((run.start, run.end, ev.PRODUCTIVE if run.productive else ev.WASTED_PROGRESS, run))
+    # Clip to the stream's extent (a data wait may reach back before the first event).
+    clipped = [(max(a, tl.start), min(b, tl.end), c, r) for a, b, c, r in out]
+    return [(a, b, c, r) for a, b, c, r in clipped if b > a]
+
+
+def compute_goodput(events: Iterable[Mapping[str, Any]]) -> GoodputReport:
+    """Assign every instant of job time to productive or one badput category (they sum to total_s)."""
+    return breakdown(build_timeline(events))
+
+
+def breakdown(tl: Timeline) -> GoodputReport:
+    """The report for an already built timeline (see `compute_goodput`)."""
+    intervals = _intervals(tl)
+    rank = {c: i for i, c in enumerate(_PRIORITY)}
+    points: list[tuple[float, int, int]] = []
+    for idx, (a, b, _, _) in enumerate(intervals):
+        points += [(a, 1, idx), (b, -1, idx)]
+    points.sort()
+
+    seconds = dict.fromkeys((*_PRIORITY, ev.OTHER), 0.0)
+    by_layout: dict[str, float] = {}
+    weighted_capacity = 0.0
+    active: list[dict[int, StepRun | None]] = [{} for _ in _PRIORITY]
+    prev = tl.start
+    for t, kind, idx in points:
+        if t > prev:
+            winner = next((i for i, group in enumerate(active) if group), None)
+            length = t - prev
+            if winner is None:
+                seconds[ev.OTHER] += length
+            else:
+                seconds[_PRIORITY[winner]] += length
+                if _PRIORITY[winner] == ev.PRODUCTIVE:
+                    run = next(iter(active[winner].values()))
+                    assert run is not None
+                    weighted_capacity += run.capacity * length
+                    by_layout[run.layout] = by_layout.get(run.layout, 0.0) + length
+            prev = t
+        _, _, category, run = intervals[idx]
+        group = active[rank[category]]
+        if kind > 0:
+            group[idx] = run
+        else:
+            group.pop(idx, None)
+    seconds[ev.OTHER] += max(0.0, tl.end - prev)
+
+    idle = seconds.pop(_IDLE)
+    productive = seconds.pop(ev.PRODUCTIVE)
+    total = (tl.end - tl.start) - idle
+    completed = [s for s in tl.steps if s.completed]
+    unique = {s.step for s in completed}
+    return GoodputReport(
+        total_s=total,
+        productive_s=productive,
+        goodput=productive / total if total > 0 else 0.0,
+        badput_s={c: seconds[c] for c in ev.BADPUT_CATEGORIES},
+        capacity_fraction=weighted_capacity / productive if productive > 0 else 0.0,
+        steps_completed=len(unique),
+        steps_redone=len(completed) - len(unique),
+        failures=len(tl.failures),
+        lifetimes=len(tl.lifetimes),
+        idle_s=idle,
+        productive_by_layout=by_layout,
+    )
+
+
+_SHORT = {
+    ev.INITIALIZATION: "init",
+    ev.CHECKPOINT_SAVE: "ckpt save",
+    ev.CHECKPOINT_RESTORE: "ckpt restore",
+    ev.WASTED_PROGRESS: "wasted",
+    ev.RECOVERY_DOWNTIME: "recovery",
+    ev.DATA_LOADING: "data",
+    ev.OTHER: "other",
+}
+
+
+def summary_line(report: GoodputReport) -> str:
+    """One line for the end-of-run summary: goodput, the largest badput, capacity and failures."""
+    badput = sorted(((s, c) for c, s in report.badput_s.items() if s > 0), reverse=True)[:3]
+    parts = [f"goodput {100 * report.goodput:.1f}% ({report.productive_s:.1f} s of {report.total_s:.1f} s)"]
+    if badput:
+        parts.append("badput " + ", ".join(f"{_SHORT[c]} {s:.1f} s" for s, c in badput))
+    if report.capacity_fraction < 1.0 and report.productive_s > 0:
+        parts.append(f"NTP capacity {report.capacity_fraction:.3f}")
+    if report.failures or report.steps_redone:
+        parts.append(f"{report.failures} failure(s), {report.steps_redone} step(s) redone")
+    return "; ".join(parts)

@@ -1,0 +1,74 @@
+"""Names of the goodput events and badput categories.
+
+The recorder writes these names into `goodput.jsonl` and the calculator reads them back,
+so both sides (and every component that records an event) share one vocabulary.
+Each event line holds `t` (Unix time, seconds), `event`, `pid` and the fields listed here.
+"""
+
+from __future__ import annotations
+
+GOODPUT_FILENAME = "goodput.jsonl"
+
+# Process lifetime. A run directory's file spans several lifetimes (restarts append).
+JOB_START = "job_start"
+JOB_END = "job_end"  # status: "ok" | "failed"
+INIT_DONE = "init_done"
+
+# Training steps. step_end carries the layout that ran it and its capacity
+# (active ranks / nominal ranks, in (0, 1]) and the tokens it consumed.
+STEP_START = "step_start"  # step
+STEP_END = "step_end"  # step, layout, capacity, tokens
+
+# Checkpoints. blocking_s on ckpt_save_end: the part of an asynchronous save that blocked training.
+CKPT_SAVE_START = "ckpt_save_start"  # step
+CKPT_SAVE_END = "ckpt_save_end"  # step, blocking_s (optional)
+CKPT_RESTORE_START = "ckpt_restore_start"
+CKPT_RESTORE_END = "ckpt_restore_end"  # step (the step restored)
+
+# Faults.
+FAILURE_DETECTED = "failure_detected"  # rank, reason
+RECOVERY_DONE = "recovery_done"  # layout (the new one)
+
+# Input pipeline stalls, recorded after the wait; the wait ends at `t`.
+DATA_WAIT = "data_wait"  # seconds
+
+EVENTS: frozenset[str] = frozenset(
+    {
+        JOB_START,
+        JOB_END,
+        INIT_DONE,
+        STEP_START,
+        STEP_END,
+        CKPT_SAVE_START,
+        CKPT_SAVE_END,
+        CKPT_RESTORE_START,
+        CKPT_RESTORE_END,
+        FAILURE_DETECTED,
+        RECOVERY_DONE,
+        DATA_WAIT,
+    }
+)
+
+STATUS_OK = "ok"
+STATUS_FAILED = "failed"
+
+# Badput categories (DESIGN.md section 4), in the order reports show them.
+INITIALIZATION = "initialization"
+CHECKPOINT_SAVE = "checkpoint_save"
+CHECKPOINT_RESTORE = "checkpoint_restore"
+WASTED_PROGRESS = "wasted_progress"
+RECOVERY_DOWNTIME = "recovery_downtime"
+DATA_LOADING = "data_loading"
+OTHER = "other"
+
+BADPUT_CATEGORIES: tuple[str, ...] = (
+    INITIALIZATION,
+    CHECKPOINT_SAVE,
+    CHECKPOINT_RESTORE,
+    WASTED_PROGRESS,
+    RECOVERY_DOWNTIME,
+    DATA_LOADING,
+    OTHER,
+)
+
+PRODUCTIVE = "productive"

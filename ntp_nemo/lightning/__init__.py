@@ -1,0 +1,1 @@
+"""ntp_nemo.lightning."""

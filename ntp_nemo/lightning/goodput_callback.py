@@ -1,0 +1,140 @@
+"""Lightning callback that records goodput events for the trainer's loop.
+
+Only global rank 0 writes. The strategy and other components record their own events
+(job start, restores, failures, asynchronous save ends) through `GoodputCallback.record`,
+so all of a process's events go through one recorder and one state machine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from ntp_nemo.goodput import events as ev
+from ntp_nemo.goodput.recorder import GoodputRecorder
+
+DEFAULT_LAYOUT = {"layout": "single", "capacity": 1.0, "tokens_per_step": None}
+
+
+class GoodputCallback(Callback):
+    """Writes `run_dir/goodput.jsonl`: init done, step start/end with layout and capacity,
+    checkpoint saves and job end. Each `record` costs one fsync'ed append."""
+
+    def __init__(self, run_dir: str, fsync: bool = True) -> None:
+        self.run_dir = Path(run_dir)
+        self.fsync = fsync
+        self._recorder: GoodputRecorder | None = None
+        self._is_zero: bool | None = None
+        self._open_step: int | None = None
+        self._last_step_end = -1
+        self._save_open = False  # a ckpt_save_start without its end
+        self._external_saves = False  # another component records save start/end itself
+        self._ended = False
+
+    # -- recording -------------------------------------------------------------------------
+    def _writer(self) -> GoodputRecorder | None:
+        if self._is_zero is None:  # record() before setup: ask Lightning's rank-zero tracker
+            from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+            self._is_zero = getattr(rank_zero_only, "rank", 0) == 0
+        if self._is_zero and self._recorder is None:
+            self._recorder = GoodputRecorder(self.run_dir, fsync=self.fsync)
+        return self._recorder if self._is_zero else None
+
+    def record(self, event: str, **fields: Any) -> None:
+        """Record an event on global rank 0 (no-op elsewhere); for the strategy and other components."""
+        if event in (ev.CKPT_SAVE_START, ev.CKPT_SAVE_END):
+            self._external_saves = True
+            if event == ev.CKPT_SAVE_START and self._save_open:
+                return  # on_save_checkpoint already opened this save
+            self._save_open = event == ev.CKPT_SAVE_START
+        if event == ev.JOB_END:
+            self._ended = True
+        writer = self._writer()
+        if writer is not None:
+            writer.record(event, **fields)
+
+    def _close_auto_save(self, trainer: Trainer) -> None:
+        """Lightning has no hook after the file is written: the save ended when the loop resumed."""
+        if self._save_open and not self._external_saves:
+            self._save_open = False
+            self._write(ev.CKPT_SAVE_END, step=trainer.global_step)
+
+    def _write(self, event: str, **fields: Any) -> None:
+        writer = self._writer()
+        if writer is not None:
+            writer.record(event, **fields)
+
+    # -- Lightning hooks -----------------------------------------------------------------
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._is_zero = trainer.is_global_zero
+        self._ended = False
+        self._open_step, self._last_step_end = None, -1
+        writer = self._writer()
+        if writer is not None and not writer.recorded_in_this_process(ev.JOB_START):
+            writer.record(ev.JOB_START, source="GoodputCallback")
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._last_step_end = trainer.global_step
+        self._write(ev.INIT_DONE, step=trainer.global_step)
+
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._close_auto_save(trainer)
+        if self._open_step is None:  # with gradient accumulation a step spans several batches
+            self._open_step = trainer.global_step + 1
+            self._write(ev.STEP_START, step=self._open_step)
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if step <= self._last_step_end:
+            return  # accumulating: the optimizer has not stepped yet
+        info = getattr(trainer.strategy, "layout_info", None) or DEFAULT_LAYOUT
+        self._write(
+            ev.STEP_END,
+            step=step,
+            layout=str(info.get("layout", "single")),
+            capacity=float(info.get("capacity", 1.0)),
+            tokens=info.get("tokens_per_step"),
+        )
+        self._open_step, self._last_step_end = None, step
+
+    def on_save_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if not self._save_open:
+            self._save_open = True
+            self._write(ev.CKPT_SAVE_START, step=trainer.global_step)
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._close_auto_save(trainer)
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._close_auto_save(trainer)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._finish(trainer, ev.STATUS_OK)
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._finish(trainer, ev.STATUS_FAILED, reason=f"{type(exception).__name__}: {exception}"[:500])
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._finish(trainer, ev.STATUS_OK)
+        if self._recorder is not None:
+            self._recorder.close()
+            self._recorder = None
+
+    def _finish(self, trainer: Trainer, status: str, **fields: Any) -> None:
+        self._close_auto_save(trainer)
+        if not self._ended:
+            self._ended = True
+            self._write(ev.JOB_END, status=status, step=trainer.global_step, **fields)

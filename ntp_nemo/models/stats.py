@@ -1,0 +1,31 @@
+"""Parameter count and training FLOPs per token of the logical (unsharded) model."""
+
+from __future__ import annotations
+
+from ntp_nemo.config.schema import ModelConfig
+
+
+def param_count(cfg: ModelConfig) -> int:
+    h, f, L, V = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers, cfg.vocab_size
+    nkv = cfg.num_kv_heads or cfg.num_heads
+    d = h // cfg.num_heads
+    llama = cfg.arch == "llama"
+    attn = h * cfg.num_heads * d * 2 + h * nkv * d * 2
+    mlp = (3 if llama else 2) * h * f
+    norms = 2 * h * (1 if llama else 2)
+    biases = 0 if llama else (cfg.num_heads * d + 2 * nkv * d + h) + (f + h)
+    per_layer = attn + mlp + norms + biases
+    emb = V * h + (0 if llama else cfg.max_seq_len * h)
+    head = 0 if cfg.tie_embeddings else V * h
+    final_norm = h * (1 if llama else 2)
+    return L * per_layer + emb + head + final_norm
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Forward+backward FLOPs per token: 6 x matmul parameters + causal attention scores."""
+    h, f, L, V = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers, cfg.vocab_size
+    nkv = cfg.num_kv_heads or cfg.num_heads
+    d = h // cfg.num_heads
+    matmul = L * (2 * h * cfg.num_heads * d + 2 * h * nkv * d + (3 if cfg.arch == "llama" else 2) * h * f) + V * h
+    attention = L * 2 * cfg.num_heads * d * seq_len  # QK^T and AV, causal half of 2*s*h each
+    return 6.0 * matmul + 6.0 * attention

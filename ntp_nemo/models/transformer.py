@@ -1,0 +1,230 @@
+"""GPT-2- and Llama-style decoders as plain PyTorch modules.
+
+The same class runs unsharded and sharded: its linear and embedding layers are the
+tensor-parallel layers of `ntp_nemo.parallel`, which degrade to ordinary layers under a
+single-device plan.  Attention is sharded by heads (grouped-query KV heads kept with their query
+heads, replicated when the degree exceeds the KV-head count), the MLP by hidden columns, the
+vocabulary by rows; norms are replicated.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ntp_nemo.config.schema import ModelConfig
+from ntp_nemo.models.plan import SingleDevicePlan, TPPlan
+from ntp_nemo.parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    replicated_param,
+    vocab_parallel_cross_entropy,
+)
+from ntp_nemo.parallel.comm import copy_to_tp
+from ntp_nemo.parallel.shard import unit_interval
+from ntp_nemo.parallel.tp_context import TPContext
+
+
+class Norm(nn.Module):
+    """LayerNorm (GPT-2) or RMSNorm (Llama); replicated on every rank."""
+
+    def __init__(self, dim: int, tp: TPContext, *, rms: bool, eps: float, bias: bool) -> None:
+        super().__init__()
+        self.rms, self.eps = rms, eps
+        self.weight = replicated_param((dim,), tp, ("ones",))
+        self.bias = replicated_param((dim,), tp, ("zeros",)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rms:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
+def attention_head_intervals(num_heads: int, num_kv_heads: int, tp: TPContext) -> tuple[tuple, tuple]:
+    """(query-head interval, KV-head interval) held by this rank.
+
+    Up to `num_kv_heads` ranks split whole KV groups (a KV head with its query heads); beyond that
+    query heads are split and each rank keeps the KV heads its query heads read (replicated KV).
+    """
+    group = num_heads // num_kv_heads
+    if tp.size <= num_kv_heads:
+        klo, khi = unit_interval(tp.rank, tp.size, num_kv_heads)
+        return (klo * group, khi * group), (klo, khi)
+    qlo, qhi = unit_interval(tp.rank, tp.size, num_heads)
+    return (qlo, qhi), (qlo // group, (qhi - 1) // group + 1)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
+    ang = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float64), inv)
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in the rotate-half layout (as Llama's Hugging Face weights expect)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPContext, out_std: float) -> None:
+        super().__init__()
+        h, nh = cfg.hidden_size, cfg.num_heads
+        nkv = cfg.num_kv_heads or nh
+        self.head_dim = h // nh
+        self.group = nh // nkv
+        self.llama = cfg.arch == "llama"
+        bias = not self.llama
+        (qlo, qhi), (klo, khi) = attention_head_intervals(nh, nkv, tp)
+        self.q_lo, self.kv_lo = qlo, klo
+        d = self.head_dim
+        self.q_proj = ColumnParallelLinear(h, nh * d, tp, unit_size=d, interval=(qlo, qhi), bias=bias, std=cfg.init_std)
+        self.k_proj = ColumnParallelLinear(h, nkv * d, tp, unit_size=d, interval=(klo, khi), bias=bias, std=cfg.init_std)
+        self.v_proj = ColumnParallelLinear(h, nkv * d, tp, unit_size=d, interval=(klo, khi), bias=bias, std=cfg.init_std)
+        self.o_proj = RowParallelLinear(nh * d, h, tp, unit_size=d, interval=(qlo, qhi), bias=bias, std=out_std)
+        # Local KV head each local query head reads.
+        kv_of_q = torch.tensor([q // self.group - klo for q in range(qlo, qhi)], dtype=torch.long)
+        self.register_buffer("kv_of_q", kv_of_q, persistent=False)
+        self.regular_gqa = tp.size <= nkv
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        b, s, _ = x.shape
+        d = self.head_dim
+        q = self.q_proj(x).view(b, s, -1, d).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, -1, d).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, -1, d).transpose(1, 2)
+        if rope is not None:
+            cos, sin = rope
+            q, k = apply_rope(q, cos[:s], sin[:s]), apply_rope(k, cos[:s], sin[:s])
+        if self.regular_gqa:
+            if self.group > 1:
+                k = k.repeat_interleave(self.group, dim=1)
+                v = v.repeat_interleave(self.group, dim=1)
+        else:
+            k, v = k.index_select(1, self.kv_of_q), v.index_select(1, self.kv_of_q)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPContext, out_std: float) -> None:
+        super().__init__()
+        h, f = cfg.hidden_size, cfg.ffn_hidden_size
+        self.gated = cfg.arch == "llama"
+        bias = not self.gated
+        if self.gated:
+            self.gate_proj = ColumnParallelLinear(h, f, tp, bias=False, std=cfg.init_std)
+        self.up_proj = ColumnParallelLinear(h, f, tp, bias=bias, std=cfg.init_std)
+        self.down_proj = RowParallelLinear(f, h, tp, bias=bias, std=out_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPContext) -> None:
+        super().__init__()
+        rms = cfg.arch == "llama"
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        self.attn_norm = Norm(cfg.hidden_size, tp, rms=rms, eps=cfg.norm_eps, bias=not rms)
+        self.attn = Attention(cfg, tp, out_std)
+        self.mlp_norm = Norm(cfg.hidden_size, tp, rms=rms, eps=cfg.norm_eps, bias=not rms)
+        self.mlp = MLP(cfg, tp, out_std)
+
+    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class DecoderLM(nn.Module):
+    """Decoder-only language model; `layers` may be a contiguous range (a pipeline stage).
+
+    Slots of the layout: 0 = embedding, 1..L = transformer layers, L+1 = output head.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        plan: TPPlan | None = None,
+        *,
+        layers: range | None = None,
+        has_embedding: bool = True,
+        has_head: bool = True,
+    ) -> None:
+        super().__init__()
+        plan = plan or SingleDevicePlan()
+        self.cfg = cfg
+        self.layer_range = layers if layers is not None else range(cfg.num_layers)
+        self.llama = cfg.arch == "llama"
+        emb_tp = plan.context(0)
+        head_tp = plan.context(cfg.num_layers + 1)
+        self.tied = cfg.tie_embeddings
+        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, emb_tp, std=cfg.init_std) if (
+            has_embedding or (has_head and self.tied)
+        ) else None
+        self.has_embedding, self.has_head = has_embedding, has_head
+        if has_embedding and not self.llama:
+            self.pos_embed = replicated_param((cfg.max_seq_len, cfg.hidden_size), emb_tp, ("normal", 0.01))
+        # Keyed by global layer index so parameter names do not depend on the pipeline split.
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, plan.context(i + 1)) for i in self.layer_range})
+        if has_head:
+            self.head_tp = emb_tp if self.tied else head_tp
+            self.final_norm = Norm(cfg.hidden_size, self.head_tp, rms=self.llama, eps=cfg.norm_eps,
+                                   bias=not self.llama)
+            if not self.tied:
+                self.head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, head_tp, bias=False,
+                                                 std=cfg.init_std)
+        self._rope_cache: dict = {}
+
+    def _rope(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not self.llama:
+            return None
+        key = (x.device, x.dtype)
+        if key not in self._rope_cache:
+            self._rope_cache[key] = rope_tables(
+                self.cfg.max_seq_len, self.cfg.hidden_size // self.cfg.num_heads, self.cfg.rope_theta, x.device, x.dtype
+            )
+        return self._rope_cache[key]
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        if not self.llama:
+            x = x + self.pos_embed[: ids.shape[1]]
+        return x
+
+    def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        rope = self._rope(x)
+        for block in self.blocks.values():
+            x = block(x, rope)
+        return x
+
+    def logits_local(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary slice of the logits."""
+        x = self.final_norm(x)
+        if self.tied:
+            return F.linear(copy_to_tp(x, self.head_tp), self.embed.weight)
+        return self.head(x)
+
+    @property
+    def vocab_start(self) -> int:
+        return self.embed.vocab_start if self.tied else self.head.weight.ntp_spec.start
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Full-model forward to local logits (for one-stage layouts)."""
+        return self.logits_local(self.run_blocks(self.embed_tokens(ids)))
+
+    def token_losses(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(self.logits_local(hidden), targets, self.vocab_start, self.head_tp)
+
+    def loss_sum(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Sum of per-token losses of a [b, s+1] token batch (inputs = tokens[:, :-1])."""
+        hidden = self.run_blocks(self.embed_tokens(tokens[:, :-1]))
+        return self.token_losses(hidden, tokens[:, 1:]).sum()

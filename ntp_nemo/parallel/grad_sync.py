@@ -1,0 +1,170 @@
+"""Data-parallel gradient sync across replicas of unequal TP (the fragment holder-set all-reduce).
+
+For every parameter take the common refinement of all ranks' unit intervals.  Each fragment is
+held by some set of ranks (one per replica for a sharded layer, several where a layer is
+replicated inside a replica or a KV head is shared).  Fragments with the same holder set are
+packed into flat buffers (bucketed) and all-reduced in that holder set's process group.  A
+rank contributes its gradient weighted by `1 / copies` (identical copies inside its replica
+count once), so the sum is exactly the gradient of the whole global batch.  With equal
+replicas this is standard DP: one group per TP slot holding that slot's shard.
+
+The plan is built once from the ranks' ShardSpecs (exchanged with one `all_gather_object`),
+so any two layouts are handled by the same code: healthy TP T with reduced TP R needs at most
+T+R-1 holder sets per sharded parameter, and no gradient moves inside a replica.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Fragment:
+    name: str
+    dim: int
+    start: int  # local element offset along dim
+    length: int
+    weight: float  # 1 / copies of the holder's replica
+    norm_weight: float  # 1 / number of holders (each logical element counted once in the norm)
+
+
+@dataclass
+class SyncPlan:
+    """This rank's fragments grouped by holder set, and every holder set of the world."""
+
+    rank: int
+    by_holders: dict[tuple[int, ...], list[Fragment]] = field(default_factory=dict)
+    local_only: list[Fragment] = field(default_factory=list)
+    all_holder_sets: list[tuple[int, ...]] = field(default_factory=list)
+
+    def fragments(self) -> list[Fragment]:
+        return [f for fs in self.by_holders.values() for f in fs] + self.local_only
+
+
+def param_descriptors(model: nn.Module) -> dict[str, tuple]:
+    """(global shape, dim, unit size, lo, hi, copies) of every parameter this rank holds."""
+    out = {}
+    for name, p in model.named_parameters():
+        s = p.ntp_spec
+        out[name] = (s.global_shape, s.dim, s.unit_size, s.lo, s.hi, p.ntp_copies)
+    return out
+
+
+def build_sync_plan(rank: int, descriptors: Sequence[dict[str, tuple]]) -> SyncPlan:
+    """Pure function of every rank's descriptors (index = global rank)."""
+    holders_of: dict[str, list[tuple[int, tuple]]] = defaultdict(list)
+    for r, desc in enumerate(descriptors):
+        for name, d in desc.items():
+            holders_of[name].append((r, d))
+    plan = SyncPlan(rank)
+    sets: set[tuple[int, ...]] = set()
+    for name in sorted(holders_of):
+        entries = holders_of[name]
+        shapes = {d[0] for _, d in entries}
+        if len(shapes) != 1:
+            raise RuntimeError(f"parameter {name} has different global shapes across ranks: {shapes}")
+        bounds = sorted({d[3] for _, d in entries} | {d[4] for _, d in entries})
+        mine = dict(entries).get(rank)
+        for a, b in zip(bounds[:-1], bounds[1:], strict=False):
+            holders = tuple(r for r, d in entries if d[3] <= a and b <= d[4])
+            if not holders:
+                continue
+            if len(holders) > 1:
+                sets.add(holders)
+            if mine is None or rank not in holders:
+                continue
+            _, dim, unit, lo, _, copies = mine
+            frag = Fragment(name, dim, (a - lo) * unit, (b - a) * unit, 1.0 / copies, 1.0 / len(holders))
+            if len(holders) > 1:
+                plan.by_holders.setdefault(holders, []).append(frag)
+            else:
+                plan.local_only.append(frag)
+    plan.all_holder_sets = sorted(sets)
+    return plan
+
+
+def _view(p: torch.Tensor, f: Fragment) -> torch.Tensor:
+    return p if p.dim() == 0 else p.narrow(f.dim, f.start, f.length)
+
+
+class GradientSynchronizer:
+    """Runs a SyncPlan: bucketed flat all-reduces, one process group per holder set."""
+
+    def __init__(self, model: nn.Module, plan: SyncPlan, group_of: Callable, bucket_bytes: int = 25 << 20,
+                 world_group=None) -> None:
+        self.params = dict(model.named_parameters())
+        self.plan = plan
+        self.group_of = group_of
+        self.bucket_bytes = bucket_bytes
+        self.world_group = world_group
+        self.counter: Callable[[str, int, tuple[int, ...]], None] | None = None  # comm accounting hook
+
+    def _grad(self, name: str) -> torch.Tensor:
+        p = self.params[name]
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        return p.grad
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        for holders in self.plan.all_holder_sets:  # global order: no cross-group deadlock
+            frags = self.plan.by_holders.get(holders)
+            if not frags:
+                continue
+            group = self.group_of(holders)
+            bucket: list[Fragment] = []
+            size = 0
+            for f in frags:
+                g = self._grad(f.name)
+                bucket.append(f)
+                size += _view(g, f).numel() * g.element_size()
+                if size >= self.bucket_bytes:
+                    self._reduce(bucket, group, holders)
+                    bucket, size = [], 0
+            if bucket:
+                self._reduce(bucket, group, holders)
+        for f in self.plan.local_only:
+            if f.weight != 1.0:
+                _view(self._grad(f.name), f).mul_(f.weight)
+
+    def _reduce(self, frags: list[Fragment], group, holders: tuple[int, ...]) -> None:
+        views = [_view(self._grad(f.name), f) for f in frags]
+        flat = torch.cat([(v * f.weight).reshape(-1) for v, f in zip(views, frags, strict=True)])
+        if self.counter is not None:
+            self.counter("dp_all_reduce", flat.numel() * flat.element_size(), holders)
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for v in views:
+            n = v.numel()
+            v.copy_(flat[offset : offset + n].view(v.shape))
+            offset += n
+
+    @torch.no_grad()
+    def grad_norm_sq_local(self) -> torch.Tensor:
+        """This rank's share of the global squared gradient norm (sum over ranks = the full norm^2)."""
+        total = torch.zeros((), dtype=torch.float64)
+        for f in self.plan.fragments():
+            g = self.params[f.name].grad
+            if g is not None:
+                total += _view(g, f).double().pow(2).sum() * f.norm_weight
+        return total
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip by the norm of the logical (unsharded) gradient; returns that norm."""
+        sq = self.grad_norm_sq_local()
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(sq, group=self.world_group)
+        norm = float(sq.sqrt())
+        if max_norm and max_norm > 0 and norm > max_norm:
+            coef = max_norm / (norm + 1e-6)
+            for p in self.params.values():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return norm

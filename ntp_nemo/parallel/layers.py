@@ -1,0 +1,169 @@
+"""Tensor-parallel layers with uneven shards (Megatron names and semantics).
+
+A layer holds only its rank's slice of the logical parameter; the slice is described by a
+`ShardSpec` stored on the parameter (`param.ntp_spec`), together with the number of identical
+copies of it inside this rank's DP replica (`param.ntp_copies`) and how the unsharded tensor is
+initialised (`param.ntp_init`).  Gradient sync, checkpoints and initialisation read those
+attributes; nothing else about parallelism leaks into the model code.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ntp_nemo.parallel.comm import copy_to_tp, reduce_from_tp
+from ntp_nemo.parallel.shard import ShardSpec, unit_interval
+from ntp_nemo.parallel.tp_context import TPContext
+
+
+def annotate(param: nn.Parameter, spec: ShardSpec, copies: int, init: tuple) -> nn.Parameter:
+    """Attach sharding metadata: the slice held, identical copies in the replica, the init rule."""
+    param.ntp_spec = spec  # type: ignore[attr-defined]
+    param.ntp_copies = copies  # type: ignore[attr-defined]
+    param.ntp_init = init  # type: ignore[attr-defined]
+    return param
+
+
+def sharded_param(spec: ShardSpec, copies: int, init: tuple) -> nn.Parameter:
+    return annotate(nn.Parameter(torch.empty(spec.local_shape)), spec, copies, init)
+
+
+def replicated_param(shape: tuple[int, ...], tp: TPContext, init: tuple) -> nn.Parameter:
+    """A parameter every rank of the replica holds whole (norms, row-parallel biases)."""
+    return sharded_param(ShardSpec.full(shape), tp.size * tp.copies, init)
+
+
+def _interval(tp: TPContext, units: int, interval: tuple[int, int] | None) -> tuple[int, int]:
+    return interval if interval is not None else unit_interval(tp.rank, tp.size, units)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's output rows split into units across the TP group (output stays local)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tp: TPContext,
+        *,
+        unit_size: int = 1,
+        interval: tuple[int, int] | None = None,
+        bias: bool = True,
+        std: float = 0.02,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        units = out_features // unit_size
+        lo, hi = _interval(tp, units, interval)
+        self.weight = sharded_param(
+            ShardSpec.split((out_features, in_features), 0, unit_size, lo, hi), tp.copies, ("normal", std)
+        )
+        self.bias = (
+            sharded_param(ShardSpec.split((out_features,), 0, unit_size, lo, hi), tp.copies, ("zeros",))
+            if bias
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_tp(x, self.tp), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W's input columns split across the TP group; partial sums all-reduced."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tp: TPContext,
+        *,
+        unit_size: int = 1,
+        interval: tuple[int, int] | None = None,
+        bias: bool = True,
+        std: float = 0.02,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        units = in_features // unit_size
+        lo, hi = _interval(tp, units, interval)
+        self.weight = sharded_param(
+            ShardSpec.split((out_features, in_features), 1, unit_size, lo, hi), tp.copies, ("normal", std)
+        )
+        self.bias = replicated_param((out_features,), tp, ("zeros",)) if bias else None
+
+    def forward(self, x_local: torch.Tensor) -> torch.Tensor:
+        y = reduce_from_tp(F.linear(x_local, self.weight), self.tp)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary rows; out-of-range ids contribute zeros before the all-reduce."""
+
+    def __init__(self, num_embeddings: int, dim: int, tp: TPContext, *, std: float = 0.02) -> None:
+        super().__init__()
+        self.tp = tp
+        lo, hi = unit_interval(tp.rank, tp.size, num_embeddings)
+        self.vocab_start, self.vocab_end = lo, hi
+        self.weight = sharded_param(ShardSpec.split((num_embeddings, dim), 0, 1, lo, hi), tp.copies, ("normal", std))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.tp.sharded:
+            return F.embedding(ids, self.weight)
+        inside = (ids >= self.vocab_start) & (ids < self.vocab_end)
+        local = torch.where(inside, ids - self.vocab_start, torch.zeros_like(ids))
+        out = F.embedding(local, self.weight) * inside.unsqueeze(-1).to(self.weight.dtype)
+        return reduce_from_tp(out, self.tp)
+
+
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """Half-precision logits are upcast for the softmax; float32/float64 stay as they are."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, vocab_start, group):  # type: ignore[override]
+        import torch.distributed as dist
+
+        logits = _upcast(logits)
+        logits_max = logits.max(dim=-1).values
+        if group is not None:
+            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - logits_max.unsqueeze(-1)
+        local_vocab = logits.shape[-1]
+        inside = (target >= vocab_start) & (target < vocab_start + local_vocab)
+        local_target = torch.where(inside, target - vocab_start, torch.zeros_like(target))
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) * inside
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        if group is not None:
+            # One fused all-reduce for the two per-token sums.
+            both = torch.stack([sum_exp, target_logit])
+            dist.all_reduce(both, group=group)
+            sum_exp, target_logit = both[0], both[1]
+        loss = sum_exp.log() - target_logit
+        exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(exp, inside, local_target)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):  # type: ignore[override]
+        softmax, inside, local_target = ctx.saved_tensors
+        grad = softmax.clone()
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -inside.to(grad.dtype).unsqueeze(-1))
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits_local: torch.Tensor, target: torch.Tensor, vocab_start: int, tp: TPContext
+) -> torch.Tensor:
+    """Per-token cross entropy of vocabulary-sharded logits, identical to the unsharded value."""
+    if not tp.sharded:
+        return F.cross_entropy(_upcast(logits_local).flatten(0, -2), target.flatten(), reduction="none").view(
+            target.shape
+        )
+    flat = _VocabParallelCrossEntropy.apply(logits_local.flatten(0, -2), target.flatten(), vocab_start, tp.group)
+    return flat.view(target.shape)

@@ -1,0 +1,95 @@
+"""One rank's NTP runtime: its place in the Topology, its model slice, gradient sync and batch share.
+
+Kept free of Lightning so tests and benchmarks drive exactly the code the NTPStrategy runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ntp_nemo.config.schema import ModelConfig
+from ntp_nemo.parallel.grad_sync import GradientSynchronizer, build_sync_plan, param_descriptors
+from ntp_nemo.topology import Topology
+
+
+def assign_microbatches(num_microbatches: int, capacities: Sequence[float]) -> list[int]:
+    """Largest-remainder split of the micro-batches in proportion to capacity (ties -> lower replica)."""
+    total = sum(capacities)
+    quotas = [num_microbatches * c / total for c in capacities]
+    counts = [int(q) for q in quotas]
+    order = sorted(range(len(quotas)), key=lambda i: (-(quotas[i] - counts[i]), i))
+    for i in order[: num_microbatches - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+class NTPRuntime:
+    def __init__(self, topology: Topology, rank: int, power_boost=None) -> None:
+        self.topology = topology
+        self.rank = rank
+        self.coord = topology.coord(rank)
+        self.power_boost = power_boost
+        self.sync: GradientSynchronizer | None = None
+        if topology.world_size > 1:
+            topology.build_groups()
+        self.plan = topology.plan_for(rank)
+
+    # ---- model --------------------------------------------------------------------------------
+    def build_model(self, cfg: ModelConfig, seed: int, dtype: torch.dtype = torch.float32) -> nn.Module:
+        from ntp_nemo.models import DecoderLM, initialize_
+
+        model = DecoderLM(cfg, self.plan)
+        model.to(dtype)
+        initialize_(model, seed)
+        return model
+
+    def attach(self, model: nn.Module, bucket_mb: float = 25.0) -> GradientSynchronizer:
+        """Build the fragment sync plan (one all_gather_object) and its process groups."""
+        desc = param_descriptors(model)
+        if self.topology.world_size > 1:
+            everyone: list = [None] * self.topology.world_size
+            dist.all_gather_object(everyone, desc)
+        else:
+            everyone = [desc]
+        plan = build_sync_plan(self.rank, everyone)
+        if self.topology.world_size > 1:
+            self.topology.build_groups(extra=plan.all_holder_sets)
+        self.sync = GradientSynchronizer(model, plan, self.topology.group, int(bucket_mb * (1 << 20)))
+        return self.sync
+
+    # ---- batch share ----------------------------------------------------------------------------
+    def microbatch_counts(self, num_microbatches: int) -> list[int]:
+        return assign_microbatches(num_microbatches, self.topology.capacities(self.power_boost))
+
+    def my_microbatches(self, num_microbatches: int) -> range:
+        counts = self.microbatch_counts(num_microbatches)
+        start = sum(counts[: self.coord.replica])
+        return range(start, start + counts[self.coord.replica])
+
+    # ---- reductions -----------------------------------------------------------------------------
+    def global_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum a per-replica quantity (identical on a replica's ranks) over replicas."""
+        if self.topology.world_size == 1:
+            return value
+        n = self.topology.replica_tp[self.coord.replica] * self.topology.pp
+        out = value.detach().double() / n
+        dist.all_reduce(out)
+        return out
+
+    def train_microbatches(self, model: nn.Module, microbatches: Sequence[torch.Tensor], global_tokens: int,
+                           backward=None) -> torch.Tensor:
+        """Forward/backward this replica's micro-batches; loss normalised by the global token count.
+
+        Returns the replica's summed token loss (not normalised).
+        """
+        backward = backward or (lambda loss: loss.backward())
+        total = torch.zeros((), dtype=torch.float64)
+        for mb in microbatches:
+            loss_sum = model.loss_sum(mb)
+            backward(loss_sum / global_tokens)
+            total += loss_sum.detach().double()
+        return total

@@ -1,0 +1,5 @@
+"""Topology: ranks -> (replica, stage, tp slot), per-layer degrees, process groups."""
+
+from ntp_nemo.topology.topology import RankCoord, RankPlan, Topology, effective_degree
+
+__all__ = ["RankCoord", "RankPlan", "Topology", "effective_degree"]

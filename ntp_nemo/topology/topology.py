@@ -1,0 +1,181 @@
+"""Topology: global ranks -> (replica, stage, tp slot), per-layer TP degrees and process groups.
+
+Built once from the mesh and layout config and passed explicitly; there is no global parallel
+state.  Unlike a uniform `dp x pp x tp` mesh, replicas may hold different numbers of active TP
+ranks (`replica_tp`), so the world size is `pp * sum(replica_tp)` and the groups are a registry of
+rank tuples rather than the axes of a grid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ntp_nemo.parallel.tp_context import TPContext
+
+
+@dataclass(frozen=True)
+class RankCoord:
+    rank: int
+    replica: int
+    stage: int
+    slot: int
+
+
+def effective_degree(requested: int, active: int) -> int:
+    """Degree a layer takes in a replica of `active` ranks: `requested` if it divides, else the
+    largest divisor of `active` not above it."""
+    if active % requested == 0:
+        return requested
+    return max(d for d in range(1, min(requested, active) + 1) if active % d == 0)
+
+
+class Topology:
+    def __init__(
+        self,
+        tp: int,
+        replica_tp: Sequence[int],
+        layer_tp: Sequence[int],
+        pp: int = 1,
+        stage_layers: Sequence[int] | None = None,
+    ) -> None:
+        self.tp = tp
+        self.replica_tp = list(replica_tp)
+        self.layer_tp = list(layer_tp)
+        self.num_layers = len(self.layer_tp) - 2
+        self.pp = pp
+        self.stage_layers = list(stage_layers) if stage_layers else [self.num_layers]
+        self.coords: list[RankCoord] = []
+        self._base: list[int] = []
+        for r, n in enumerate(self.replica_tp):
+            self._base.append(len(self.coords))
+            for s in range(pp):
+                for j in range(n):
+                    self.coords.append(RankCoord(len(self.coords), r, s, j))
+        self._groups: dict[tuple[int, ...], Any] = {}
+
+    # ---- coordinates -------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return len(self.coords)
+
+    @property
+    def dp(self) -> int:
+        return len(self.replica_tp)
+
+    def coord(self, rank: int) -> RankCoord:
+        return self.coords[rank]
+
+    def stage_ranks(self, replica: int, stage: int = 0) -> list[int]:
+        n = self.replica_tp[replica]
+        start = self._base[replica] + stage * n
+        return list(range(start, start + n))
+
+    def degree(self, replica: int, slot: int) -> int:
+        """Effective TP degree of layout slot `slot` (0 = embedding, L+1 = head) in `replica`."""
+        return effective_degree(self.layer_tp[slot], self.replica_tp[replica])
+
+    def layer_group_ranks(self, rank: int, slot: int) -> tuple[int, ...]:
+        c = self.coord(rank)
+        t = self.degree(c.replica, slot)
+        ranks = self.stage_ranks(c.replica, c.stage)
+        k = c.slot // t
+        return tuple(ranks[k * t : (k + 1) * t])
+
+    def capacities(self, power_boost: float | Sequence[float] | None = None) -> list[float]:
+        """Per-replica share of work: active ranks / nominal TP, times the power boost of degraded ones."""
+        caps = []
+        for r, n in enumerate(self.replica_tp):
+            boost = 1.0
+            if power_boost is not None and n < self.tp:
+                boost = power_boost[r] if isinstance(power_boost, Sequence) else float(power_boost)
+            caps.append(min(1.0, n / self.tp * boost))
+        return caps
+
+    @property
+    def capacity_fraction(self) -> float:
+        return sum(self.replica_tp) / (self.tp * self.dp)
+
+    def describe(self) -> str:
+        return "(" + ",".join(str(n) for n in self.replica_tp) + ")" + (f"xPP{self.pp}" if self.pp > 1 else "")
+
+    # ---- process groups ----------------------------------------------------------------------
+    def tp_group_tuples(self) -> list[tuple[int, ...]]:
+        """Every per-layer TP subgroup of size > 1, deterministic order (all ranks create them alike)."""
+        seen: dict[tuple[int, ...], None] = {}
+        for rank in range(self.world_size):
+            for slot in range(len(self.layer_tp)):
+                g = self.layer_group_ranks(rank, slot)
+                if len(g) > 1:
+                    seen[g] = None
+        return sorted(seen)
+
+    def build_groups(self, extra: Sequence[tuple[int, ...]] = (), new_group: Callable | None = None) -> None:
+        """Create every process group this topology and `extra` (e.g. DP fragment holder sets) need.
+
+        Collective: all ranks call it with the same arguments, in the same order.
+        """
+        if new_group is None:
+            import torch.distributed as dist
+
+            new_group = dist.new_group
+        for ranks in sorted(set(self.tp_group_tuples()) | {tuple(e) for e in extra if len(e) > 1}):
+            if ranks not in self._groups:
+                self._groups[ranks] = new_group(list(ranks))
+
+    def group(self, ranks: Sequence[int]) -> Any:
+        ranks = tuple(ranks)
+        if len(ranks) <= 1:
+            return None
+        if ranks == tuple(range(self.world_size)):
+            import torch.distributed as dist
+
+            return dist.group.WORLD
+        return self._groups[ranks]
+
+    def plan_for(self, rank: int) -> RankPlan:
+        return RankPlan(self, rank)
+
+    # ---- reporting ---------------------------------------------------------------------------
+    def units_held(self, rank: int, slot: int, units: int) -> tuple[int, int]:
+        from ntp_nemo.parallel.shard import unit_interval
+
+        g = self.layer_group_ranks(rank, slot)
+        return unit_interval(g.index(rank), len(g), units)
+
+    def table(self, num_heads: int, ffn_hidden: int, vocab: int) -> str:
+        """Readable layout: rank -> replica, stage, slot, and the units held per layer kind."""
+        from rich.console import Console
+        from rich.table import Table
+
+        tbl = Table(title=f"NTP layout {self.describe()} (nominal TP {self.tp}, world {self.world_size})")
+        for col in ("rank", "replica", "stage", "slot", "replica TP", "vocab rows", "heads (layer 1)",
+                    "ffn cols (layer 1)", "layer degrees"):
+            tbl.add_column(col)
+        for c in self.coords:
+            degs = sorted({self.degree(c.replica, s) for s in range(len(self.layer_tp))})
+            v = self.units_held(c.rank, 0, vocab)
+            h = self.units_held(c.rank, 1, num_heads)
+            f = self.units_held(c.rank, 1, ffn_hidden)
+            tbl.add_row(str(c.rank), str(c.replica), str(c.stage), str(c.slot), str(self.replica_tp[c.replica]),
+                        f"[{v[0]},{v[1]})", f"[{h[0]},{h[1]})", f"[{f[0]},{f[1]})", ",".join(map(str, degs)))
+        console = Console(width=140, record=True, force_terminal=False)
+        with console.capture() as cap:
+            console.print(tbl)
+        return cap.get()
+
+
+class RankPlan:
+    """One rank's view of the layout: the TPContext of every layout slot (implements TPPlan)."""
+
+    def __init__(self, topology: Topology, rank: int) -> None:
+        self.topology = topology
+        self.rank = rank
+
+    def context(self, slot: int) -> TPContext:
+        topo = self.topology
+        ranks = topo.layer_group_ranks(self.rank, slot)
+        n = topo.replica_tp[topo.coord(self.rank).replica]
+        return TPContext(size=len(ranks), rank=ranks.index(self.rank), group=topo.group(ranks),
+                         copies=n // len(ranks))

@@ -1,0 +1,1 @@
+"""Packaged recipes (installed as ntp_nemo.recipes)."""

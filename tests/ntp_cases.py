@@ -1,0 +1,60 @@
+"""Shared tiny models and the exactness worker used by the NTP tests (float64 on CPU/gloo)."""
+
+from __future__ import annotations
+
+import torch
+
+from ntp_nemo.config.schema import ModelConfig
+from ntp_nemo.models import build_model
+from ntp_nemo.parallel.runtime import NTPRuntime
+from ntp_nemo.topology import Topology
+
+GPT = ModelConfig(arch="gpt2", vocab_size=67, hidden_size=40, num_layers=2, num_heads=5, ffn_hidden_size=84,
+                  max_seq_len=16, tie_embeddings=True)
+LLAMA = ModelConfig(arch="llama", vocab_size=67, hidden_size=48, num_layers=2, num_heads=6, num_kv_heads=2,
+                    ffn_hidden_size=70, max_seq_len=16, tie_embeddings=False)
+SEQ, GLOBAL_BATCH, SEED = 8, 6, 7
+
+
+def tokens(cfg: ModelConfig) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(99)
+    return torch.randint(0, cfg.vocab_size, (GLOBAL_BATCH, SEQ + 1), generator=gen)
+
+
+def reference(cfg: ModelConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """Unsharded loss (per token), gradients and logits of the whole global batch."""
+    model = build_model(cfg, seed=SEED).double()
+    toks = tokens(cfg)
+    loss = model.loss_sum(toks) / toks[:, 1:].numel()
+    loss.backward()
+    with torch.no_grad():
+        logits = model(toks[:, :-1])
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, logits
+
+
+def exactness_worker(rank: int, world: int, cfg: ModelConfig, tp: int, replica_tp: list[int],
+                     layer_tp: list[int]) -> dict:
+    topo = Topology(tp, replica_tp, layer_tp)
+    rt = NTPRuntime(topo, rank)
+    model = rt.build_model(cfg, SEED, dtype=torch.float64)
+    rt.attach(model)
+    ref_loss, ref_grads, ref_logits = reference(cfg)
+    toks = tokens(cfg)
+    mine = rt.my_microbatches(GLOBAL_BATCH)  # micro-batch size 1
+    total = rt.train_microbatches(model, [toks[i : i + 1] for i in mine], toks[:, 1:].numel())
+    rt.sync.sync()
+    loss = rt.global_sum(total) / toks[:, 1:].numel()
+    worst = {"loss": abs(float(loss) - float(ref_loss)) / abs(float(ref_loss))}
+    grad_err = 0.0
+    for name, p in model.named_parameters():
+        want = p.ntp_spec.narrow(ref_grads[name])
+        # Floor: some gradients are exactly zero in theory (a key bias under softmax) and pure noise here.
+        grad_err = max(grad_err, float((p.grad - want).abs().max() / max(float(want.abs().max()), 1e-6)))
+    worst["grad"] = grad_err
+    if len(mine):
+        with torch.no_grad():
+            logits = model(toks[mine.start : mine.stop, :-1])
+        vs = model.vocab_start
+        want = ref_logits[mine.start : mine.stop, :, vs : vs + logits.shape[-1]]
+        worst["logits"] = float((logits - want).abs().max() / want.abs().max())
+    return worst
