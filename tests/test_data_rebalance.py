@@ -30,12 +30,12 @@ def _check_largest_remainder(m, caps, counts):
     total = sum(Fraction(c) for c in caps)
     quotas = [m * Fraction(c) / total for c in caps]
     assert sum(counts) == m
-    for c, q, n in zip(caps, quotas, counts):
+    for c, q, n in zip(caps, quotas, counts, strict=True):
         assert abs(n - q) < 1
         if c == 0:
             assert n == 0
-    rounded_up = [i for i, (n, q) in enumerate(zip(counts, quotas)) if n > q]
-    rounded_down = [i for i, (n, q) in enumerate(zip(counts, quotas)) if n <= q]
+    rounded_up = [i for i, (n, q) in enumerate(zip(counts, quotas, strict=True)) if n > q]
+    rounded_down = [i for i, (n, q) in enumerate(zip(counts, quotas, strict=True)) if n <= q]
     for i in rounded_up:
         for j in rounded_down:
             fi, fj = quotas[i] - int(quotas[i]), quotas[j] - int(quotas[j])

@@ -38,7 +38,11 @@ class DataBundle:
 
 
 def resolve_token_file(path: str | os.PathLike | None, tokenizer: str) -> Path:
-    """The token file behind `data.path` (building and caching it for text input)."""
+    """The token file behind `data.path` (building and caching it for text input).
+
+    A token file keeps whatever tokenizer name its sidecar records; `tokenizer` must name one this
+    package can run (`byte`, `bpe`) only when text has to be tokenized.
+    """
     if path is None or str(path).strip() == "":
         return default_corpus_tokens(tokenizer)
     p = Path(path).expanduser()
@@ -78,14 +82,13 @@ def build_data(
     """Build the train/validation datasets and the global sampler from the `data.*` config."""
     if seq_len < 1:
         raise ConfigError("data.seq_len", f"must be >= 1, got {seq_len}. Use e.g. data.seq_len=128.")
-    build_tokenizer(tokenizer)  # rejects unknown names before any work
     tf = open_token_file(resolve_token_file(path, tokenizer))
     if tf.tokenizer != tokenizer:
         raise ConfigError(
             "data.tokenizer",
             f"{tokenizer!r} does not match the token file {str(tf.path)!r}, which was written with "
-            f"tokenizer {tf.tokenizer!r}. Set data.tokenizer={tf.tokenizer}, or re-run ntp-preprocess "
-            f"with --tokenizer {tokenizer}.",
+            f"tokenizer {tf.tokenizer!r}. Set data.tokenizer={tf.tokenizer}, or re-tokenize the text with "
+            f"`ntp-preprocess TEXT_FILES --out {tf.path} --tokenizer {tokenizer}`.",
         )
     _check_vocab(tf, model_vocab_size)
     (t0, t1), (v0, v1) = split_train_val(tf.num_tokens, val_fraction, seq_len)

@@ -52,12 +52,13 @@ def expand_inputs(inputs: Sequence[str | os.PathLike], key: str = "data.path") -
         elif path.is_file():
             (skipped if _looks_binary(path) else files).append(path)
         else:
-            raise ConfigError(
-                key,
-                f"{str(item)!r} does not exist (resolved to {str(path)!r}). Give an existing text file, a "
-                "directory of text files, or a token file written by ntp-preprocess; leave data.path empty "
-                "to train on the built-in corpus.",
+            fix = (
+                "Give an existing text file, a directory of text files, or a token file written by "
+                "ntp-preprocess; leave data.path empty to train on the built-in corpus."
+                if key == "data.path"
+                else "Give existing text files or directories of text files."
             )
+            raise ConfigError(key, f"{str(item)!r} does not exist (resolved to {str(path)!r}). {fix}")
     return TextInputs(files, skipped)
 
 

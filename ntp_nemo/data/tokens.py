@@ -56,7 +56,7 @@ class TokenFileWriter:
         self.num_tokens = 0
         self.max_token_id = -1
         self._tmp = temp_path_beside(self.path)
-        self._fh = open(self._tmp, "xb")  # noqa: SIM115 - closed in commit/abort
+        self._fh = open(self._tmp, "xb")  # closed by commit() or abort()
 
     def append(self, ids: Iterable[int] | np.ndarray) -> None:
         arr = np.asarray(ids)

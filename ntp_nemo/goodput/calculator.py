@@ -10,8 +10,9 @@ Rules (DESIGN.md section 4):
   (undone by a restart from an older checkpoint) and executions cut short by a failure are
   wasted progress.
 - Recovery downtime runs from a failure to the first step that completes after it.
-  A lifetime that stopped without `job_end` (or with status "failed") after running steps,
-  with no `failure_detected` recorded for it, counts as an implicit failure at its last event.
+  A lifetime that ran steps and then stopped without `job_end` (followed by a restart) or
+  with status "failed", with no `failure_detected` recorded for it, counts as an implicit
+  failure at its last event.
 - When intervals overlap, the more specific measurement wins, in the order of `_PRIORITY`:
   a checkpoint save or restore, initialization or data wait inside another interval is
   charged to its own category, never to the step or the recovery around it.
@@ -295,13 +296,16 @@ def build_timeline(events: Iterable[Mapping[str, Any]]) -> Timeline:
         statuses.append(_LifetimeParser(tl, life).parse())
     tl.steps.sort(key=lambda s: s.start)
 
-    for i, (span, status) in enumerate(zip(tl.lifetimes[:-1], statuses[:-1], strict=True)):
-        nxt = tl.lifetimes[i + 1]
+    for i, (span, status) in enumerate(zip(tl.lifetimes, statuses, strict=True)):
+        last = i + 1 == len(tl.lifetimes)
         if status == ev.STATUS_OK:
-            tl.idle.append(Span(span.end, nxt.start))
+            if not last:
+                tl.idle.append(Span(span.end, tl.lifetimes[i + 1].start))
             continue
+        if last and status is None:
+            continue  # still running, or killed with nothing after it to tell
         ran_steps = any(span.start <= s.start <= span.end for s in tl.steps)
-        resumed_at = _first_step_end_after(tl.steps, nxt.start, tl.end)
+        resumed_at = tl.end if last else _first_step_end_after(tl.steps, tl.lifetimes[i + 1].start, tl.end)
         if ran_steps and not any(span.start <= f.t <= resumed_at for f in tl.failures):
             reason = "process ended without job_end" if status is None else f"job_end status {status}"
             tl.failures.append(Failure(span.end, None, reason, implicit=True))

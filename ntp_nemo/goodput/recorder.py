@@ -15,12 +15,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ntp_nemo.goodput.events import EVENTS, GOODPUT_FILENAME
+from ntp_nemo.goodput.events import EVENTS, GOODPUT_FILENAME, JOB_END, JOB_START
 
-# Events written by any recorder of this process, per file. A forked worker inherits its
-# parent's entries on purpose: the fork belongs to the same job lifetime.
-_WRITTEN: dict[str, set[str]] = {}
-_WRITTEN_LOCK = threading.Lock()
+# The last job_start/job_end any recorder of this process wrote, per file. A forked worker
+# inherits its parent's entries on purpose: the fork belongs to the same job lifetime.
+_LIFECYCLE: dict[str, str] = {}
+_LIFECYCLE_LOCK = threading.Lock()
 
 
 def _jsonable(value: Any) -> Any:
@@ -70,14 +70,18 @@ class GoodputRecorder:
                 view = view[os.write(fd, view) :]
             if self.fsync:
                 os.fsync(fd)
-        with _WRITTEN_LOCK:
-            _WRITTEN.setdefault(self._key, set()).add(event)
+        if event in (JOB_START, JOB_END):
+            with _LIFECYCLE_LOCK:
+                _LIFECYCLE[self._key] = event
         return obj
 
-    def recorded_in_this_process(self, event: str) -> bool:
-        """Whether any recorder of this process (or of the parent it was forked from) wrote `event` here."""
-        with _WRITTEN_LOCK:
-            return event in _WRITTEN.get(self._key, ())
+    def job_open(self) -> bool:
+        """Whether this process (or the parent it was forked from) recorded a job_start here not yet ended.
+
+        Lets several components share one lifetime: whoever comes first records job_start.
+        """
+        with _LIFECYCLE_LOCK:
+            return _LIFECYCLE.get(self._key) == JOB_START
 
     def close(self) -> None:
         with self._lock:

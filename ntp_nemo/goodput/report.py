@@ -10,13 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from ntp_nemo.errors import ConfigError, cli_main
 from ntp_nemo.goodput import events as ev
-from ntp_nemo.goodput.calculator import GoodputReport, Span, Timeline, breakdown, build_timeline, load_events
+from ntp_nemo.goodput.calculator import GoodputReport, Timeline, breakdown, build_timeline, load_events
 from ntp_nemo.goodput.recorder import goodput_path
 
 TIMELINE_PNG = "goodput_timeline.png"
@@ -55,57 +56,58 @@ def plot_timeline(tl: Timeline, report: GoodputReport, out: Path) -> Path:
 
     t0 = tl.start
     layouts = list(dict.fromkeys(s.layout for s in tl.steps if s.completed))
-    palette = plt.get_cmap("tab10")
-    colour = {name: palette(i % 10) for i, name in enumerate(layouts)}
-    fig, ax = plt.subplots(figsize=(12, 3.6))
-    lanes = {"steps": 3.0, "checkpoint": 2.0, "init / recovery": 1.0}
+    palette = plt.get_cmap("Set2")
+    colour = {name: palette(i % 8) for i, name in enumerate(layouts)}
+    lanes = {"steps": 4.0, "checkpoint": 3.0, "init": 2.0, "recovery": 1.0}
+    fig, ax = plt.subplots(figsize=(12, 3.8))
 
-    for run in tl.steps:
-        face = colour.get(run.layout, "lightgrey") if run.completed else "lightgrey"
-        ax.broken_barh(
-            [(run.start - t0, run.end - run.start)],
-            (lanes["steps"] - 0.35, 0.7),
-            facecolors=face,
-            edgecolor="black" if not run.productive else "none",
-            hatch=None if run.productive else "///",
-            linewidth=0.4,
+    def bars(spans: list[tuple[float, float]], lane: str, face: Any, **style: Any) -> None:
+        if spans:
+            ax.broken_barh(
+                [(a - t0, b - a) for a, b in spans], (lanes[lane] - 0.35, 0.7), facecolors=face, **style
+            )
+
+    # One collection per (layout, kind) keeps long runs cheap to draw; thin edges separate steps.
+    edge = {"edgecolor": "white", "linewidth": 0.3} if len(tl.steps) <= 300 else {}
+    for name in layouts:
+        bars(
+            [(r.start, r.end) for r in tl.steps if r.productive and r.layout == name],
+            "steps",
+            colour[name],
+            **edge,
         )
-
-    def lane(spans: list[Span], y: float, height: float, colour: str) -> None:
-        ax.broken_barh(
-            [(s.start - t0, s.duration) for s in spans], (y - height / 2, height), facecolors=colour
-        )
-
-    lane(tl.saves, lanes["checkpoint"], 0.7, "tab:blue")
-    lane(tl.restores, lanes["checkpoint"], 0.7, "tab:purple")
-    lane(tl.initializations, lanes["init / recovery"], 0.7, "grey")
-    lane(tl.recoveries, lanes["init / recovery"], 0.3, "salmon")
+    wasted = [(r.start, r.end) for r in tl.steps if not r.productive]
+    bars(wasted, "steps", "lightgrey", edgecolor="black", hatch="///", linewidth=0.3)
+    bars([(s.start, s.end) for s in tl.saves], "checkpoint", "tab:blue")
+    bars([(s.start, s.end) for s in tl.restores], "checkpoint", "tab:purple")
+    bars([(s.start, s.end) for s in tl.initializations], "init", "grey")
+    bars([(s.start, s.end) for s in tl.recoveries], "recovery", "salmon")
     for f in tl.failures:
         ax.axvline(f.t - t0, color="red", linestyle="--", linewidth=1)
-        label = "failure (implicit)" if f.implicit else "failure"
-        ax.annotate(label, (f.t - t0, 3.55), color="red", fontsize=7)
+        label = f"failure (rank {f.rank})" if f.rank is not None else "failure"
+        ax.annotate(label + (" ?" if f.implicit else ""), (f.t - t0, 4.45), color="red", fontsize=7)
     previous = None
     for run in (s for s in tl.steps if s.completed):
         if previous is not None and run.layout != previous:
             ax.axvline(run.start - t0, color="black", linestyle=":", linewidth=0.8)
-            ax.annotate(f"layout → {run.layout}", (run.start - t0, 2.55), fontsize=7, rotation=20)
+            ax.annotate(f"layout -> {run.layout}", (run.start - t0, 4.6), fontsize=7)
         previous = run.layout
 
     ax.set_yticks(list(lanes.values()), list(lanes.keys()))
-    ax.set_ylim(0.4, 3.9)
+    ax.set_ylim(0.5, 4.85)
     ax.set_xlim(0, max(tl.end - t0, 1e-9))
     ax.set_xlabel("seconds since first event")
     ax.set_title(
         f"goodput {100 * report.goodput:.1f}%, NTP capacity {100 * report.capacity_fraction:.1f}%, "
-        f"{report.steps_redone} steps redone, {report.failures} failures"
+        f"steps redone: {report.steps_redone}, failures: {report.failures}"
     )
-    handles = [Patch(facecolor=colour[name], label=f"step: {name}") for name in layouts]
+    handles = [Patch(facecolor=colour[name], label=f"step on {name}") for name in layouts]
     handles += [
         Patch(facecolor="lightgrey", hatch="///", edgecolor="black", label="wasted step"),
         Patch(facecolor="tab:blue", label="ckpt save"),
         Patch(facecolor="tab:purple", label="ckpt restore"),
         Patch(facecolor="grey", label="init"),
-        Patch(facecolor="salmon", label="recovery"),
+        Patch(facecolor="salmon", label="failure -> first step"),
     ]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
     fig.tight_layout()
@@ -140,7 +142,7 @@ def _main() -> int:
     console = Console()
     console.print(breakdown_table(report))
     if png is not None:
-        console.print(f"timeline: {png}")
+        console.print(f"timeline: {png}", soft_wrap=True)
     return 0
 
 

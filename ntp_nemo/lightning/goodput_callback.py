@@ -33,6 +33,11 @@ class GoodputCallback(Callback):
         self._external_saves = False  # another component records save start/end itself
         self._ended = False
 
+    @classmethod
+    def of(cls, trainer: Trainer) -> GoodputCallback | None:
+        """The trainer's goodput callback, for components (the strategy) that record through it."""
+        return next((cb for cb in trainer.callbacks if isinstance(cb, cls)), None)
+
     # -- recording -------------------------------------------------------------------------
     def _writer(self) -> GoodputRecorder | None:
         if self._is_zero is None:  # record() before setup: ask Lightning's rank-zero tracker
@@ -75,7 +80,7 @@ class GoodputCallback(Callback):
         self._ended = False
         self._open_step, self._last_step_end = None, -1
         writer = self._writer()
-        if writer is not None and not writer.recorded_in_this_process(ev.JOB_START):
+        if writer is not None and not writer.job_open():
             writer.record(ev.JOB_START, source="GoodputCallback")
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -17,6 +17,7 @@ from torch import nn
 
 from ntp_nemo.config.schema import ModelConfig
 from ntp_nemo.models.plan import SingleDevicePlan, TPPlan
+from ntp_nemo.parallel.comm import copy_to_tp
 from ntp_nemo.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -24,7 +25,6 @@ from ntp_nemo.parallel.layers import (
     replicated_param,
     vocab_parallel_cross_entropy,
 )
-from ntp_nemo.parallel.comm import copy_to_tp
 from ntp_nemo.parallel.shard import unit_interval
 from ntp_nemo.parallel.tp_context import TPContext
 

@@ -12,19 +12,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ntp_nemo.config.schema import ModelConfig
+from ntp_nemo.data.rebalance import assign_microbatches
 from ntp_nemo.parallel.grad_sync import GradientSynchronizer, build_sync_plan, param_descriptors
 from ntp_nemo.topology import Topology
-
-
-def assign_microbatches(num_microbatches: int, capacities: Sequence[float]) -> list[int]:
-    """Largest-remainder split of the micro-batches in proportion to capacity (ties -> lower replica)."""
-    total = sum(capacities)
-    quotas = [num_microbatches * c / total for c in capacities]
-    counts = [int(q) for q in quotas]
-    order = sorted(range(len(quotas)), key=lambda i: (-(quotas[i] - counts[i]), i))
-    for i in order[: num_microbatches - sum(counts)]:
-        counts[i] += 1
-    return counts
 
 
 class NTPRuntime:
@@ -39,11 +29,13 @@ class NTPRuntime:
         self.plan = topology.plan_for(rank)
 
     # ---- model --------------------------------------------------------------------------------
-    def build_model(self, cfg: ModelConfig, seed: int, dtype: torch.dtype = torch.float32) -> nn.Module:
+    def build_model(self, cfg: ModelConfig, seed: int, dtype: torch.dtype | None = None) -> nn.Module:
+        """This rank's slice of the model, initialised layout-independently (default dtype unless given)."""
         from ntp_nemo.models import DecoderLM, initialize_
 
         model = DecoderLM(cfg, self.plan)
-        model.to(dtype)
+        if dtype is not None:
+            model.to(dtype)
         initialize_(model, seed)
         return model
 

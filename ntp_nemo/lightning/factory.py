@@ -1,0 +1,75 @@
+"""Build the Lightning Trainer, NTPStrategy and LightningModule from a validated config."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from ntp_nemo.config.schema import ModelConfig
+from ntp_nemo.config.validate import resolved_replica_tp
+from ntp_nemo.data.module import DataBundle
+from ntp_nemo.errors import ConfigError
+from ntp_nemo.lightning.callbacks import MetricsJSONL, RunSummary
+from ntp_nemo.lightning.goodput_callback import GoodputCallback
+from ntp_nemo.lightning.module import NTPLanguageModule
+from ntp_nemo.lightning.strategy import NTPStrategy
+
+
+def process_layout(world_size: int) -> tuple[int, int]:
+    """(devices per node, nodes): from torchrun/SLURM when they launched us, else all ranks on this machine."""
+    if "LOCAL_WORLD_SIZE" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+        local, world = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["WORLD_SIZE"])
+    elif "SLURM_NTASKS" in os.environ and "SLURM_NTASKS_PER_NODE" in os.environ:
+        local, world = int(os.environ["SLURM_NTASKS_PER_NODE"]), int(os.environ["SLURM_NTASKS"])
+    else:
+        return world_size, 1
+    if world != world_size:
+        raise ConfigError("mesh", f"the launcher started {world} processes but the layout needs {world_size} "
+                          "(pp x sum(ntp.replica_tp)); adjust ntp.replica_tp/mesh.* or the launcher's process count.")
+    return local, world // local
+
+
+def model_config(cfg: DictConfig) -> ModelConfig:
+    fields = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "_target_"}
+    return ModelConfig(**fields)
+
+
+def build_trainer(cfg: DictConfig, run_dir: Path, data: DataBundle, layer_tp: list[int]
+                  ) -> tuple[pl.Trainer, NTPLanguageModule, NTPStrategy]:
+    t = cfg.trainer
+    strategy = NTPStrategy(
+        tp=int(cfg.mesh.tp), replica_tp=resolved_replica_tp(cfg), layer_tp=layer_tp, pp=int(cfg.mesh.pp),
+        power_boost=OmegaConf.to_container(cfg.ntp.power_boost) if OmegaConf.is_list(cfg.ntp.power_boost)
+        else cfg.ntp.power_boost,
+        bucket_mb=float(cfg.ntp.grad_bucket_mb), start_method=t.start_method,
+        process_group_backend=t.process_group_backend,
+    )
+    devices, nodes = process_layout(strategy.topology.world_size)
+    metrics = MetricsJSONL(run_dir)
+    callbacks: list[Any] = [metrics, GoodputCallback(str(run_dir)), RunSummary(run_dir, metrics)]
+    if t.progress_bar:
+        from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+
+        callbacks.append(RichProgressBar() if os.isatty(1) else TQDMProgressBar(refresh_rate=10))
+    callbacks += [instantiate(c) for c in (cfg.callbacks or {}).values() if c is not None]
+    loggers = [instantiate(lg) for lg in (cfg.logger or {}).values() if lg is not None]
+    trainer = pl.Trainer(
+        accelerator="gpu" if t.accelerator in ("gpu", "cuda") else t.accelerator,
+        devices=devices, num_nodes=nodes, strategy=strategy, precision=t.precision,
+        max_steps=int(t.max_steps), max_epochs=-1, val_check_interval=int(t.val_every_n_steps),
+        check_val_every_n_epoch=None, num_sanity_val_steps=0, log_every_n_steps=int(t.log_every_n_steps),
+        enable_progress_bar=bool(t.progress_bar), enable_checkpointing=False, callbacks=callbacks,
+        logger=loggers or False, use_distributed_sampler=False, default_root_dir=str(run_dir),
+        enable_model_summary=False,
+    )
+    module = NTPLanguageModule(
+        model_config(cfg), OmegaConf.to_container(cfg.optim, resolve=True), data, seed=int(cfg.seed),
+        micro_batch_size=int(cfg.data.micro_batch_size), val_batches=int(cfg.data.val_batches),
+        max_steps=int(t.max_steps),
+    )
+    return trainer, module, strategy

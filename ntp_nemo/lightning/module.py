@@ -1,0 +1,114 @@
+"""LightningModule for NTP language-model training.
+
+The model is built in `configure_model` from the strategy's runtime (its rank's slice of every
+layer); one `training_step` is one optimizer step over this replica's share of the global batch
+(manual optimisation, since replicas run different numbers of micro-batches), followed by the
+fragment gradient sync, the TP-aware clipping, the optimizer and the LR schedule.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader
+
+from ntp_nemo.config.schema import ModelConfig
+from ntp_nemo.data.module import DataBundle
+from ntp_nemo.lightning.data import StepBatches, ValBatches
+
+
+def warmup_cosine(warmup: int, max_steps: int, min_ratio: float):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+class NTPLanguageModule(pl.LightningModule):
+    def __init__(self, model_cfg: ModelConfig, optim: dict, data: DataBundle, *, seed: int, micro_batch_size: int,
+                 val_batches: int, max_steps: int) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.model_cfg, self.optim_cfg, self.data = model_cfg, optim, data
+        self.seed, self.micro_batch_size, self.val_batches, self.max_steps = seed, micro_batch_size, val_batches, max_steps
+        self.model: torch.nn.Module | None = None
+        self._train_set: StepBatches | None = None
+        self.last_step: dict[str, Any] = {}
+
+    @property
+    def runtime(self):
+        return self.trainer.strategy.runtime
+
+    # ---- model and optimizer --------------------------------------------------------------------
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        self.model = self.runtime.build_model(self.model_cfg, self.seed)
+        self.runtime.attach(self.model, self.trainer.strategy.bucket_mb)
+
+    def configure_optimizers(self):
+        o = self.optim_cfg
+        decay = [p for p in self.model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": o["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=o["lr"], betas=(o["beta1"], o["beta2"]), eps=o["eps"],
+        )
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(o["warmup_steps"], self.max_steps,
+                                                                     o["min_lr_ratio"]))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # ---- data -------------------------------------------------------------------------------------
+    def train_dataloader(self) -> DataLoader:
+        self._train_set = StepBatches(self.data.train, self.data.sampler, self.micro_batch_size, self.max_steps,
+                                      self.runtime.my_microbatches)
+        self._train_set.start_step = self.trainer.global_step
+        return DataLoader(self._train_set, batch_size=None, shuffle=False, num_workers=0)
+
+    def val_dataloader(self) -> DataLoader:
+        ds = ValBatches(self.data.val, self.val_batches, self.micro_batch_size, self.runtime.my_microbatches)
+        return DataLoader(ds, batch_size=None, num_workers=0)
+
+    def on_train_start(self) -> None:
+        # The loops are restored before the first batch is fetched: start from the restored step.
+        if self._train_set is not None:
+            self._train_set.start_step = self.trainer.global_step
+
+    # ---- steps ------------------------------------------------------------------------------------
+    def training_step(self, batch: dict, batch_idx: int) -> dict:
+        t0 = time.perf_counter()
+        opt = self.optimizers()
+        sched = self.lr_schedulers()
+        global_tokens = int(batch["global_tokens"])
+        loss_sum = self.runtime.train_microbatches(self.model, list(batch["micro"]), global_tokens,
+                                                   backward=self.manual_backward)
+        sync = self.runtime.sync
+        sync.sync()
+        grad_norm = sync.clip_grad_norm_(self.optim_cfg["grad_clip"])
+        lr = sched.get_last_lr()[0]
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        sched.step()
+        loss = float(self.runtime.global_sum(loss_sum)) / global_tokens
+        self.log("train/loss", loss, prog_bar=True, rank_zero_only=True, batch_size=1)
+        self.log("train/grad_norm", grad_norm, rank_zero_only=True, batch_size=1)
+        self.last_step = {"step": int(batch["step"]) + 1, "loss": loss, "tokens": global_tokens, "lr": lr,
+                          "grad_norm": grad_norm, "compute_s": time.perf_counter() - t0,
+                          "microbatches": self.runtime.microbatch_counts(
+                              self.data.sampler.global_batch_size // self.micro_batch_size)}
+        return {"loss": torch.tensor(loss)}
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        total = torch.zeros((), dtype=torch.float64)
+        for mb in batch["micro"]:
+            total += self.model.loss_sum(mb).double()
+        loss = float(self.runtime.global_sum(total)) / int(batch["global_tokens"])
+        self.log("val/loss", loss, prog_bar=True, rank_zero_only=True, batch_size=1)
+        self.last_val_loss = loss

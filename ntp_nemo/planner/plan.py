@@ -1,0 +1,185 @@
+"""The planner: per-item TP degrees and per-replica batch shares that minimise modelled step time.
+
+Objective. Replica r (n_r active ranks) processes one micro-batch per pipeline period
+a_r = max over stages of the summed item times at the items' effective degrees. Giving each
+replica a batch share proportional to 1/a_r makes all replicas finish together, so the time per
+micro-batch of the global batch is J = 1 / sum_r (1/a_r); the planner minimises J (ties broken
+by the summed stage times) subject to every (replica, stage) fitting the memory limit.
+
+Search. Start from every item at its highest valid degree (the least memory any layout can
+use, so if it does not fit nothing does), then coordinate descent: move one item at a time to
+the degree that most lowers (J, total time) while staying within memory, until no move helps.
+Fixed per-step costs (pipeline bubble, data-parallel gradient sync) are not in the objective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ntp_nemo.errors import ConfigError
+from ntp_nemo.planner.cost import ItemCost, item_cost, item_kinds, item_names, stage_of_items, units_of
+from ntp_nemo.planner.layout import divisors, effective_degree, validate_layer_tp
+from ntp_nemo.planner.shapes import DeviceModel, LinkModel, ModelShape
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One item of the plan, costed in the smallest replica (the one with the least ranks)."""
+
+    item: str
+    degree: int
+    effective_degree: int
+    flops: float
+    comm_bytes: float
+    time_s: float
+    memory_gb: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A validated layout: per-item degrees, per-replica batch shares and the costing behind them."""
+
+    layer_tp: list[int]
+    batch_shares: list[float]
+    table: list[PlanRow]
+    tp: int
+    replica_tp: list[int]
+    microbatch_time_s: list[float] = field(default_factory=list)
+    memory_gb: list[float] = field(default_factory=list)
+    time_per_microbatch_s: float = 0.0
+
+    def overrides(self) -> list[str]:
+        """Hydra overrides that apply this plan to a training run."""
+        return [f"layout.layer_tp=[{','.join(str(t) for t in self.layer_tp)}]"]
+
+    def format_table(self) -> str:
+        header = f"{'item':<10} {'tp':>3} {'eff':>3} {'GFLOP':>12} {'comm MB':>10} {'time ms':>10} {'mem GB':>9}"
+        lines = [header, "-" * len(header)]
+        for r in self.table:
+            lines.append(
+                f"{r.item:<10} {r.degree:>3} {r.effective_degree:>3} {r.flops / 1e9:>12.3f} "
+                f"{r.comm_bytes / 1e6:>10.3f} {r.time_s * 1e3:>10.4f} {r.memory_gb:>9.3f}"
+            )
+        return "\n".join(lines)
+
+
+def _check_inputs(tp: int, replica_tp: Sequence[int], seq_len: int, micro_batch_size: int, pp: int, layers: int) -> None:
+    for key, value in (("mesh.tp", tp), ("data.seq_len", seq_len), ("data.micro_batch_size", micro_batch_size),
+                       ("mesh.pp", pp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(key, f"must be a positive integer, got {value!r}.")
+    if pp > layers:
+        raise ConfigError("mesh.pp", f"{pp} stages for {layers} layers; use at most one stage per layer.")
+    if not replica_tp:
+        raise ConfigError("ntp.replica_tp", "is empty; give one entry (active TP ranks) per DP replica.")
+    for n in replica_tp:
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= tp:
+            raise ConfigError("ntp.replica_tp", f"entry {n!r} must be an integer in [1, mesh.tp={tp}].")
+
+
+def plan_layout(
+    model: ModelShape,
+    tp: int,
+    replica_tp: list[int],
+    seq_len: int,
+    micro_batch_size: int,
+    links: LinkModel | None = None,
+    memory_limit_gb: float | None = None,
+    *,
+    pp: int = 1,
+    device: DeviceModel | None = None,
+) -> Plan:
+    """Choose per-item degrees (layout.layer_tp) and batch shares minimising modelled step time."""
+    links = links or LinkModel()
+    device = device or DeviceModel()
+    replica_tp = list(replica_tp)
+    _check_inputs(tp, replica_tp, seq_len, micro_batch_size, pp, model.num_layers)
+    kinds, names = item_kinds(model), item_names(model)
+    stages = np.array(stage_of_items(model.num_layers, pp))
+    sizes = sorted(set(replica_tp))
+    counts = np.array([replica_tp.count(n) for n in sizes], dtype=float)
+    cands = [[d for d in divisors(tp) if d <= units_of(model, k)] for k in kinds]
+    n_c = max(len(c) for c in cands)
+
+    cache: dict[tuple[str, int], ItemCost] = {}
+
+    def cost(kind: str, degree: int) -> ItemCost:
+        if (kind, degree) not in cache:
+            cache[(kind, degree)] = item_cost(model, kind, degree, seq_len, micro_batch_size, device, links)
+        return cache[(kind, degree)]
+
+    # time[u, i, c] and mem[u, i, c]: item i at candidate c inside a replica of sizes[u] ranks.
+    shape = (len(sizes), len(kinds), n_c)
+    time, mem = np.full(shape, np.inf), np.full(shape, np.inf)
+    for u, n in enumerate(sizes):
+        for i, kind in enumerate(kinds):
+            for c, t in enumerate(cands[i]):
+                ic = cost(kind, effective_degree(t, n))
+                in_flight = pp - stages[i]  # 1F1B: stage s holds pp - s micro-batches of activations
+                act = ic.memory_bytes - ic.params * device.state_bytes_per_param
+                time[u, i, c] = ic.time_s
+                mem[u, i, c] = ic.params * device.state_bytes_per_param + act * in_flight
+    send = 2 * links.send_time(micro_batch_size * seq_len * model.hidden_size * device.act_bytes) if pp > 1 else 0.0
+    onehot = np.zeros((len(kinds), pp))
+    onehot[np.arange(len(kinds)), stages] = 1.0
+    limit = np.inf if memory_limit_gb is None else memory_limit_gb * GB
+
+    def evaluate(choice: np.ndarray) -> tuple[float, float, np.ndarray, np.ndarray]:
+        t_items = np.take_along_axis(time, choice[None, :, None], axis=2)[..., 0]  # (U, I)
+        m_items = np.take_along_axis(mem, choice[None, :, None], axis=2)[..., 0]
+        stage_t = t_items @ onehot + send  # (U, S)
+        stage_m = m_items @ onehot
+        period = stage_t.max(axis=1)
+        return 1.0 / float(np.sum(counts / period)), float(stage_t.sum()), period, stage_m.max(axis=1)
+
+    choice = np.array([len(c) - 1 for c in cands])
+    best_j, best_total, _, best_mem = evaluate(choice)
+    if best_mem.max() > limit:
+        raise ConfigError(
+            "memory_limit_gb",
+            f"{memory_limit_gb} GB per GPU is too small: even at the highest degrees the busiest GPU needs "
+            f"{best_mem.max() / GB:.2f} GB; raise the limit, add pipeline stages or use more TP ranks.",
+        )
+    for _ in range(4 * len(kinds)):
+        improved = False
+        for i in range(len(kinds)):
+            for c in range(len(cands[i])):
+                if c == choice[i]:
+                    continue
+                trial = choice.copy()
+                trial[i] = c
+                j, total, _, m = evaluate(trial)
+                if m.max() > limit:
+                    continue
+                better = j < best_j * (1 - 1e-12)
+                tie_better = j <= best_j * (1 + 1e-12) and total < best_total * (1 - 1e-12)
+                if better or tie_better:
+                    choice, best_j, best_total, best_mem, improved = trial, j, total, m, True
+        if not improved:
+            break
+    _, _, period, mem_u = evaluate(choice)
+    layer_tp = [cands[i][c] for i, c in enumerate(choice)]
+    validate_layer_tp(model, tp, replica_tp, layer_tp)
+    rate = {n: 1.0 / p for n, p in zip(sizes, period, strict=True)}
+    total_rate = sum(rate[n] for n in replica_tp)
+    small = sizes[0]
+    table = []
+    for name, kind, t in zip(names, kinds, layer_tp, strict=True):
+        eff = effective_degree(t, small)
+        ic = cost(kind, eff)
+        table.append(PlanRow(name, t, eff, ic.flops, ic.comm_bytes, ic.time_s, ic.memory_bytes / GB))
+    return Plan(
+        layer_tp=layer_tp,
+        batch_shares=[rate[n] / total_rate for n in replica_tp],
+        table=table,
+        tp=tp,
+        replica_tp=replica_tp,
+        microbatch_time_s=[float(period[sizes.index(n)]) for n in replica_tp],
+        memory_gb=[float(mem_u[sizes.index(n)]) / GB for n in replica_tp],
+        time_per_microbatch_s=1.0 / float(np.sum(counts / period)),
+    )

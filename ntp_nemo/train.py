@@ -1,0 +1,111 @@
+"""`ntp-train`: the Hydra entry point (also `python -m ntp_nemo.train`).
+
+Composition errors (unknown key, bad override) and validation errors exit with code 2 and a
+one-paragraph message before any worker starts; runtime failures exit 1.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from ntp_nemo.config.paths import conf_dir
+from ntp_nemo.config.register import register_configs
+from ntp_nemo.errors import EXIT_CONFIG, EXIT_RUNTIME, ConfigError, report_config_error
+
+_job_started = False
+
+
+def train(cfg: DictConfig) -> dict:
+    """Validate, prepare data, launch the workers and train; returns the run summary."""
+    from ntp_nemo.config.validate import resolve_layer_tp, validate
+
+    validate(cfg)
+    layer_tp = resolve_layer_tp(cfg)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    from ntp_nemo.data.module import build_data
+
+    data = build_data(cfg.data.path, cfg.data.tokenizer, int(cfg.data.seq_len), int(cfg.data.global_batch_size),
+                      int(cfg.seed), float(cfg.data.val_fraction), int(cfg.model.vocab_size))
+    from ntp_nemo.lightning.factory import build_trainer, model_config
+    from ntp_nemo.models import flops_per_token, param_count
+
+    mcfg = model_config(cfg)
+    trainer, module, strategy = build_trainer(cfg, run_dir, data, layer_tp)
+    topo = strategy.topology
+    print(f"ntp_nemo | recipe {cfg.recipe} | model {mcfg.name} ({mcfg.arch}) {param_count(mcfg) / 1e6:.2f}M params, "
+          f"{flops_per_token(mcfg, int(cfg.data.seq_len)) / 1e6:.1f} MFLOP/token | data {data.source} "
+          f"({len(data.train)} train / {len(data.val)} val samples)", flush=True)
+    print(topo.table(mcfg.num_heads, mcfg.ffn_hidden_size, mcfg.vocab_size), flush=True)
+    print(f"layer degrees (embedding, layers..., head): {layer_tp}; micro-batches per replica per step: "
+          f"{module_counts(strategy, cfg)}", flush=True)
+    t0 = time.time()
+    trainer.fit(module)
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    summary["wall_s"] = time.time() - t0
+    print_summary(summary, run_dir)
+    return summary
+
+
+def module_counts(strategy, cfg: DictConfig) -> list[int]:
+    from ntp_nemo.data.rebalance import assign_microbatches
+
+    n = int(cfg.data.global_batch_size) // int(cfg.data.micro_batch_size)
+    return assign_microbatches(n, strategy.topology.capacities(strategy.power_boost))
+
+
+def print_summary(summary: dict, run_dir: Path) -> None:
+    def fmt(v, spec=".4f"):
+        return "n/a" if v is None else format(v, spec)
+
+    lines = [
+        "",
+        "──────────────── ntp_nemo run summary ────────────────",
+        f" layout        {summary.get('layout')}",
+        f" steps         {summary.get('steps')} ({summary.get('steps_this_run')} in this run)",
+        f" loss          first {fmt(summary.get('first_loss'))} → final {fmt(summary.get('final_loss'))}",
+        f" val loss      {fmt(summary.get('val_loss'))}",
+        f" tokens/s      {fmt(summary.get('tokens_per_s'), '.0f')}",
+        f" goodput       {fmt(100 * summary['goodput'] if summary.get('goodput') is not None else None, '.1f')}%",
+        f" wall time     {fmt(summary.get('wall_s'), '.1f')} s",
+        f" outputs       {run_dir} (metrics.jsonl, goodput.jsonl, checkpoints/, logs/)",
+        "──────────────────────────────────────────────────────",
+    ]
+    print("\n".join(lines), flush=True)
+
+
+@hydra.main(version_base=None, config_path=str(conf_dir()), config_name="config")
+def _hydra_entry(cfg: DictConfig) -> float | None:
+    global _job_started
+    _job_started = True
+    try:
+        summary = train(cfg)
+    except ConfigError as err:
+        report_config_error(err)
+        sys.exit(EXIT_CONFIG)
+    return summary.get("final_loss")
+
+
+def main() -> None:
+    register_configs()
+    try:
+        _hydra_entry()
+    except SystemExit as exc:
+        # Hydra exits 1 on composition errors (unknown key, bad override) before the job starts.
+        if exc.code == 1 and not _job_started:
+            sys.exit(EXIT_CONFIG)
+        raise
+    except Exception as exc:  # noqa: BLE001 - last resort: a runtime failure
+        print(f"error: training failed: {exc}", file=sys.stderr)
+        sys.exit(EXIT_RUNTIME)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""`ntp-goodput RUN_DIR` through a real subprocess: table, JSON, PNG timeline, exit code 2 on bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ntp_nemo.goodput import GOODPUT_FILENAME, compute_goodput, load_events
+from ntp_nemo.goodput import events as ev
+from ntp_nemo.goodput.report import TIMELINE_PNG
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def ntp_goodput(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "120"}
+    cmd = [sys.executable, "-m", "ntp_nemo.goodput.report", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+
+
+@pytest.fixture()
+def run_dir(tmp_path: Path) -> Path:
+    """Two lifetimes: a crash after step 4, a restore of step 2, a degraded layout from then on."""
+    lines = []
+
+    def add(t: float, event: str, **fields) -> None:
+        lines.append(json.dumps({"t": 1.7e9 + t, "event": event, "pid": 10, **fields}))
+
+    add(0, ev.JOB_START)
+    add(1, ev.INIT_DONE)
+    for step in range(1, 5):
+        add(step, ev.STEP_START, step=step)
+        add(step + 1, ev.STEP_END, step=step, layout="tp4x2", capacity=1.0, tokens=64)
+        if step == 2:
+            add(3, ev.CKPT_SAVE_START, step=2)
+            add(3, ev.CKPT_SAVE_END, step=2)
+    add(5, ev.STEP_START, step=5)
+    add(5.5, ev.FAILURE_DETECTED, rank=5, reason="exit code -9")
+    add(7, ev.JOB_START)
+    add(8, ev.INIT_DONE)
+    add(8, ev.CKPT_RESTORE_START)
+    add(8.5, ev.CKPT_RESTORE_END, step=2)
+    add(8.5, ev.RECOVERY_DONE, layout="tp4+tp3")
+    for step in range(3, 7):
+        t = 8.5 + (step - 3)
+        add(t, ev.STEP_START, step=step)
+        add(t + 1, ev.STEP_END, step=step, layout="tp4+tp3", capacity=0.875, tokens=64)
+    add(12.5, ev.JOB_END, status="ok")
+    (tmp_path / GOODPUT_FILENAME).write_text("\n".join(lines) + "\n")
+    return tmp_path
+
+
+def test_cli_prints_breakdown_and_writes_timeline(run_dir: Path) -> None:
+    proc = ntp_goodput(str(run_dir))
+    assert proc.returncode == 0, proc.stderr
+    expected = compute_goodput(load_events(run_dir))
+    for category in (*ev.BADPUT_CATEGORIES, "productive", "goodput", "NTP capacity fraction", "steps redone"):
+        assert category in proc.stdout
+    assert f"{100 * expected.goodput:.1f}" in proc.stdout
+    assert f"{expected.badput_s[ev.WASTED_PROGRESS]:.2f}" in proc.stdout
+    png = run_dir / TIMELINE_PNG
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png.stat().st_size > 10_000  # a drawn figure, not an empty canvas
+    assert str(png) in proc.stdout.replace("\n", "")
+
+
+def test_cli_json_matches_calculator(run_dir: Path) -> None:
+    proc = ntp_goodput(str(run_dir / GOODPUT_FILENAME), "--json", "--no-plot")
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    expected = compute_goodput(load_events(run_dir))
+    assert got == json.loads(json.dumps(expected.to_dict()))
+    assert (got["steps_redone"], got["failures"], got["lifetimes"]) == (2, 1, 2)
+    assert not (run_dir / TIMELINE_PNG).exists()
+
+
+@pytest.mark.parametrize("content", [None, "", "not json at all\n{}\n"])
+def test_cli_bad_input_exits_2_naming_the_path(tmp_path: Path, content: str | None) -> None:
+    if content is not None:
+        (tmp_path / GOODPUT_FILENAME).write_text(content)
+    proc = ntp_goodput(str(tmp_path))
+    assert proc.returncode == 2
+    assert str(tmp_path / GOODPUT_FILENAME) in proc.stderr
+    assert "Traceback" not in proc.stderr
