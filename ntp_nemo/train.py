@@ -7,8 +7,10 @@ one-paragraph message before any worker starts; runtime failures exit 1.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import hydra
@@ -22,13 +24,25 @@ from ntp_nemo.errors import EXIT_CONFIG, EXIT_RUNTIME, ConfigError, report_confi
 _job_started = False
 
 
+def _quiet_libraries() -> None:
+    """Lightning logs through its own handler; stop Hydra's root handler from printing it twice."""
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).propagate = False
+    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+    warnings.filterwarnings("ignore", message=".*sync_dist=True.*")
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+
+
 def train(cfg: DictConfig) -> dict:
     """Validate, prepare data, launch the workers and train; returns the run summary."""
-    from ntp_nemo.config.validate import resolve_layer_tp, validate
+    from ntp_nemo.config.validate import check_environment, resolve_layer_tp, validate
 
     validate(cfg)
+    check_environment(cfg)
     layer_tp = resolve_layer_tp(cfg)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _quiet_libraries()
     from ntp_nemo.data.module import build_data
 
     data = build_data(cfg.data.path, cfg.data.tokenizer, int(cfg.data.seq_len), int(cfg.data.global_batch_size),
@@ -45,6 +59,9 @@ def train(cfg: DictConfig) -> dict:
     print(topo.table(mcfg.num_heads, mcfg.ffn_hidden_size, mcfg.vocab_size), flush=True)
     print(f"layer degrees (embedding, layers..., head): {layer_tp}; micro-batches per replica per step: "
           f"{module_counts(strategy, cfg)}", flush=True)
+    from ntp_nemo.goodput import GoodputRecorder
+
+    GoodputRecorder(run_dir).record("job_start", layout=topo.describe())
     t0 = time.time()
     trainer.fit(module)
     summary_path = run_dir / "summary.json"
@@ -61,6 +78,10 @@ def module_counts(strategy, cfg: DictConfig) -> list[int]:
     return assign_microbatches(n, strategy.topology.capacities(strategy.power_boost))
 
 
+def _percent(x: float | None) -> float | None:
+    return None if x is None else 100 * x
+
+
 def print_summary(summary: dict, run_dir: Path) -> None:
     def fmt(v, spec=".4f"):
         return "n/a" if v is None else format(v, spec)
@@ -73,7 +94,7 @@ def print_summary(summary: dict, run_dir: Path) -> None:
         f" loss          first {fmt(summary.get('first_loss'))} → final {fmt(summary.get('final_loss'))}",
         f" val loss      {fmt(summary.get('val_loss'))}",
         f" tokens/s      {fmt(summary.get('tokens_per_s'), '.0f')}",
-        f" goodput       {fmt(100 * summary['goodput'] if summary.get('goodput') is not None else None, '.1f')}%",
+        f" goodput       {fmt(_percent(summary.get('goodput')), '.1f')}%",
         f" wall time     {fmt(summary.get('wall_s'), '.1f')} s",
         f" outputs       {run_dir} (metrics.jsonl, goodput.jsonl, checkpoints/, logs/)",
         "──────────────────────────────────────────────────────",

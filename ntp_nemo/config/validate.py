@@ -81,12 +81,6 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("trainer.precision", f"unknown precision {t.precision!r}; use one of {', '.join(PRECISIONS)}.")
     if t.accelerator not in ACCELERATORS:
         raise ConfigError("trainer.accelerator", f"unknown accelerator {t.accelerator!r}; use cpu or gpu.")
-    if t.accelerator in ("gpu", "cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError("trainer.accelerator", "gpu requested but CUDA is not available on this machine; "
-                              "use trainer.accelerator=cpu (and trainer.precision=32-true) here.")
     if t.start_method not in ("fork", "spawn", "forkserver"):
         raise ConfigError("trainer.start_method", f"unknown start method {t.start_method!r}; use fork or spawn.")
     c = cfg.checkpoint
@@ -94,10 +88,25 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("checkpoint.every_n_steps", f"must be >= 0 (0 disables periodic saves), got {c.every_n_steps}.")
     if c.keep_last < 1:
         raise ConfigError("checkpoint.keep_last", f"must be >= 1, got {c.keep_last}.")
+    for name, cb in (cfg.callbacks or {}).items():
+        if cb is not None and str(cb.get("_target_", "")).endswith("LearningRateMonitor") and not cfg.logger:
+            raise ConfigError(f"callbacks.{name}", "LearningRateMonitor needs a logger but logger=none; choose "
+                              "logger=csv (or tensorboard), or drop the callback with callbacks=none.")
     r = str(cfg.resume)
     if r not in ("auto", "never") and not Path(r).expanduser().exists():
         raise ConfigError("resume", f"{r!r} is neither auto, never nor an existing checkpoint path. Use resume=auto "
                           "(latest checkpoint in the run directory), resume=never, or resume=PATH of a checkpoint.")
+
+
+def check_environment(cfg: DictConfig) -> None:
+    """Checks against this machine (not the config's consistency): run just before launching."""
+    if cfg.trainer.accelerator in ("gpu", "cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("trainer.accelerator", f"recipe {cfg.recipe!r} asks for GPUs but CUDA is not available "
+                              "on this machine; run it on a GPU node (torchrun/SLURM) or override "
+                              "trainer=default (CPU, 32-true) here.")
 
 
 def _validate_mesh(cfg: DictConfig) -> None:

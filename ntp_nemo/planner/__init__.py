@@ -1,1 +1,11 @@
-"""ntp_nemo.planner."""
+"""Layout planner: per-layer TP degrees and per-replica batch shares from a cost model (`ntp-plan`)."""
+
+from ntp_nemo.planner.cost import ItemCost, item_cost
+from ntp_nemo.planner.layout import effective_degree, parse_layer_tp, validate_layer_tp
+from ntp_nemo.planner.plan import Plan, PlanRow, plan_layout
+from ntp_nemo.planner.shapes import DeviceModel, LinkModel, ModelShape
+
+__all__ = [
+    "DeviceModel", "ItemCost", "LinkModel", "ModelShape", "Plan", "PlanRow", "effective_degree", "item_cost",
+    "parse_layer_tp", "plan_layout", "validate_layer_tp",
+]

@@ -64,8 +64,14 @@ def item_cost(
     micro_batch_size: int,
     device: DeviceModel,
     links: LinkModel,
+    recompute: bool = False,
 ) -> ItemCost:
-    """FLOPs, all-reduce payload, modelled seconds and memory of `kind` at TP `degree`."""
+    """FLOPs, all-reduce payload, modelled seconds and memory of `kind` at TP `degree`.
+
+    Activations per layer follow the selective-recompute estimate s*b*h*(10 + 24/t) bytes
+    (bf16, flash attention, no sequence parallelism); with full `recompute` a layer keeps only
+    its input (s*b*h values) and re-runs its forward in the backward pass (4 instead of 3 passes).
+    """
     tokens = micro_batch_size * seq_len
     h = model.hidden_size
     act = tokens * h * device.act_bytes
@@ -75,7 +81,7 @@ def item_cost(
         params = model.attention_params * fa + model.mlp_params * fm
         fwd = 2 * tokens * params + 4 * micro_batch_size * seq_len * seq_len * h * fa
         payloads = [act] * 4
-        activations = tokens * h * (ACT_REPLICATED + ACT_SHARDED / degree) * device.act_bytes / 2
+        activations = act if recompute else tokens * h * (ACT_REPLICATED + ACT_SHARDED / degree) * device.act_bytes / 2
     elif kind in (EMBEDDING, HEAD):
         fv = shard_fraction(model.vocab_size, degree)
         params = model.embedding_params * fv
@@ -93,7 +99,7 @@ def item_cost(
         raise ValueError(f"unknown item kind {kind!r}")
     if degree <= 1:
         payloads = []
-    flops = 3 * fwd
+    flops = (4 if recompute and kind == LAYER else 3) * fwd
     comm_s = sum(links.allreduce_time(p, degree) for p in payloads)
     return ItemCost(
         kind=kind,

@@ -58,11 +58,22 @@ class Plan:
         return [f"layout.layer_tp=[{','.join(str(t) for t in self.layer_tp)}]"]
 
     def format_table(self) -> str:
-        header = f"{'item':<10} {'tp':>3} {'eff':>3} {'GFLOP':>12} {'comm MB':>10} {'time ms':>10} {'mem GB':>9}"
+        """Per-item table; consecutive identical layers are merged into one row (e.g. layer0-49)."""
+        header = f"{'item':<14} {'tp':>3} {'eff':>3} {'GFLOP':>12} {'comm MB':>10} {'time ms':>10} {'mem GB':>9}"
         lines = [header, "-" * len(header)]
+        groups: list[tuple[str, str, PlanRow]] = []
         for r in self.table:
+            prev = groups[-1] if groups else None
+            same = prev is not None and r.item.startswith("layer") and prev[2].item.startswith("layer") and (
+                (prev[2].degree, prev[2].effective_degree) == (r.degree, r.effective_degree))
+            if same:
+                groups[-1] = (prev[0], r.item, prev[2])
+            else:
+                groups.append((r.item, r.item, r))
+        for first, last, r in groups:
+            name = first if first == last else f"{first}-{last.removeprefix('layer')}"
             lines.append(
-                f"{r.item:<10} {r.degree:>3} {r.effective_degree:>3} {r.flops / 1e9:>12.3f} "
+                f"{name:<14} {r.degree:>3} {r.effective_degree:>3} {r.flops / 1e9:>12.3f} "
                 f"{r.comm_bytes / 1e6:>10.3f} {r.time_s * 1e3:>10.4f} {r.memory_gb:>9.3f}"
             )
         return "\n".join(lines)
@@ -93,8 +104,13 @@ def plan_layout(
     *,
     pp: int = 1,
     device: DeviceModel | None = None,
+    recompute: bool = False,
 ) -> Plan:
-    """Choose per-item degrees (layout.layer_tp) and batch shares minimising modelled step time."""
+    """Choose per-item degrees (layout.layer_tp) and batch shares minimising modelled step time.
+
+    Keyword-only extras: `pp` pipeline stages (memory and period per stage), `device` compute
+    speed and bytes per parameter (default: H100-class), `recompute` full activation recomputation.
+    """
     links = links or LinkModel()
     device = device or DeviceModel()
     replica_tp = list(replica_tp)
@@ -110,7 +126,7 @@ def plan_layout(
 
     def cost(kind: str, degree: int) -> ItemCost:
         if (kind, degree) not in cache:
-            cache[(kind, degree)] = item_cost(model, kind, degree, seq_len, micro_batch_size, device, links)
+            cache[(kind, degree)] = item_cost(model, kind, degree, seq_len, micro_batch_size, device, links, recompute)
         return cache[(kind, degree)]
 
     # time[u, i, c] and mem[u, i, c]: item i at candidate c inside a replica of sizes[u] ranks.

@@ -111,8 +111,7 @@ class DeviceModel:
 
     `efficiency` is the fraction of peak that matmul kernels sustain (model FLOPs utilisation
     of a well-tuned run). `state_bytes_per_param`: 16 = bf16 weight and gradient, fp32 master
-    weight and two Adam moments. Activations follow the selective-recompute estimate
-    s*b*h*(10 + 24/t) bytes per layer (flash attention, no sequence parallelism).
+    weight and two Adam moments.
     """
 
     name: str = "H100"

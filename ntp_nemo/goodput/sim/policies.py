@@ -56,7 +56,7 @@ def policy_table(name: str, perf: ReplicaPerf, local_batch: int, boost_cap: floa
     return PolicyTable(name, batch, boost, local_batch)
 
 
-def replica_metrics(degrees: np.ndarray, table: PolicyTable, num_replicas: int, pp: int, tp: int) -> dict:
+def replica_metrics(degrees: np.ndarray, table: PolicyTable, num_replicas: int, tp: int) -> dict[str, np.ndarray]:
     """Per-sample metrics for the job's `num_replicas` best formed replicas under one policy.
 
     Returns arrays over samples: throughput relative to failure-free, fraction of replicas that
