@@ -23,7 +23,13 @@ from omegaconf import DictConfig, OmegaConf
 log = logging.getLogger(__name__)
 
 TRAIN_COLUMNS = ("layout", "steps", "final_loss", "val_loss", "tokens_per_s", "goodput")
-SIM_COLUMNS = ("policy", "throughput_rel_mean", "throughput_rel_min", "replicas_available_mean", "spares_needed")
+SIM_COLUMNS = (
+    "policy",
+    "throughput_rel_mean",
+    "throughput_rel_min",
+    "replicas_available_mean",
+    "spares_needed",
+)
 
 
 @dataclass
@@ -46,7 +52,11 @@ def find_job_dirs(sweep_dir: Path) -> list[Path]:
     """Job directories: every folder holding a `.hydra/` record, plus top-level folders without one."""
     jobs = {p.parent for p in sweep_dir.rglob(".hydra") if p.is_dir() and p.parent != sweep_dir}
     for child in sweep_dir.iterdir():
-        if child.is_dir() and not child.name.startswith(".") and not any(child in j.parents or j == child for j in jobs):
+        if (
+            child.is_dir()
+            and not child.name.startswith(".")
+            and not any(child in j.parents or j == child for j in jobs)
+        ):
             jobs.add(child)
     return sorted(jobs, key=lambda p: _job_sort_key(p, sweep_dir))
 
@@ -62,7 +72,11 @@ def _read_overrides(job_dir: Path) -> str:
 
 
 def _compact(value: Any) -> Any:
-    return value if isinstance(value, (int, float, str)) or value is None else json.dumps(value, separators=(",", ":"))
+    return (
+        value
+        if isinstance(value, (int, float, str)) or value is None
+        else json.dumps(value, separators=(",", ":"))
+    )
 
 
 def _mean(values: list[float]) -> float | None:
@@ -83,13 +97,21 @@ def _sim_rows(job: str, overrides: str, records: list[dict]) -> list[JobRow]:
         elif trace:
             spares = ", ".join(f"{r.get('spares_needed')} (x{r.get('rate_multiplier')})" for r in trace)
         thr = [r.get("throughput_rel") for r in main]
-        rows.append(JobRow(job, overrides, "ok", "sim", {
-            "policy": policy,
-            "throughput_rel_mean": _mean(thr),
-            "throughput_rel_min": min((v for v in thr if isinstance(v, (int, float))), default=None),
-            "replicas_available_mean": _mean([r.get("replicas_available") for r in main]),
-            "spares_needed": spares,
-        }))
+        rows.append(
+            JobRow(
+                job,
+                overrides,
+                "ok",
+                "sim",
+                {
+                    "policy": policy,
+                    "throughput_rel_mean": _mean(thr),
+                    "throughput_rel_min": min((v for v in thr if isinstance(v, (int, float))), default=None),
+                    "replicas_available_mean": _mean([r.get("replicas_available") for r in main]),
+                    "spares_needed": spares,
+                },
+            )
+        )
     return rows or [JobRow(job, overrides, "empty results.json", "sim")]
 
 
@@ -103,7 +125,9 @@ def collect_rows(sweep_dir: Path) -> list[JobRow]:
         try:
             if summary.is_file():
                 data = json.loads(summary.read_text())
-                rows.append(JobRow(job, overrides, "ok", "train", {k: _compact(data.get(k)) for k in TRAIN_COLUMNS}))
+                rows.append(
+                    JobRow(job, overrides, "ok", "train", {k: _compact(data.get(k)) for k in TRAIN_COLUMNS})
+                )
             elif results.is_file():
                 data = json.loads(results.read_text())
                 if not isinstance(data, list):
@@ -137,10 +161,18 @@ def _cell(value: Any) -> str:
 def write_summary(sweep_dir: Path, rows: list[JobRow]) -> tuple[Path, Path]:
     """sweep_summary.md (a Markdown table) and sweep_summary.csv with the same columns."""
     cols = _columns(rows)
-    table = [[_cell({"job": r.job, "status": r.status, "overrides": r.overrides, **r.values}.get(c)) for c in cols]
-             for r in rows]
-    md = [f"# Sweep summary: {sweep_dir}", "", f"{len(rows)} row(s)", "",
-          "| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    table = [
+        [_cell({"job": r.job, "status": r.status, "overrides": r.overrides, **r.values}.get(c)) for c in cols]
+        for r in rows
+    ]
+    md = [
+        f"# Sweep summary: {sweep_dir}",
+        "",
+        f"{len(rows)} row(s)",
+        "",
+        "| " + " | ".join(cols) + " |",
+        "|" + "|".join("---" for _ in cols) + "|",
+    ]
     md += ["| " + " | ".join(cell.replace("|", "\\|") for cell in line) + " |" for line in table]
     md_path, csv_path = sweep_dir / "sweep_summary.md", sweep_dir / "sweep_summary.csv"
     md_path.write_text("\n".join(md) + "\n")

@@ -31,6 +31,10 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
     warnings.filterwarnings("ignore", message=".*sync_dist=True.*")
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=".*exists and is not empty.*")
+    # Batches are a function of (seed, step): the step restored from the checkpoint resumes the data exactly.
+    warnings.filterwarnings("ignore", message=".*dataloader is not resumable.*")
+    warnings.filterwarnings("ignore", message=".*no pre-optimization state was saved.*")
 
 
 def train(cfg: DictConfig) -> dict:
@@ -61,14 +65,46 @@ def train(cfg: DictConfig) -> dict:
           f"{module_counts(strategy, cfg)}", flush=True)
     from ntp_nemo.goodput import GoodputRecorder
 
+    ckpt_path = resolve_resume(cfg, run_dir)
+    if ckpt_path is not None and _checkpoint_step(ckpt_path) >= int(cfg.trainer.max_steps):
+        print(f"run in {run_dir} is already complete: checkpoint {ckpt_path.name} is at step "
+              f"{_checkpoint_step(ckpt_path)} >= trainer.max_steps={cfg.trainer.max_steps}; nothing to do. "
+              "Raise trainer.max_steps to continue, or pass resume=never / a new hydra.run.dir to start over.")
+        return {"already_complete": True, "checkpoint": str(ckpt_path)}
+    if ckpt_path is not None:
+        print(f"resuming from {ckpt_path} (resume={cfg.resume})", flush=True)
     GoodputRecorder(run_dir).record("job_start", layout=topo.describe())
     t0 = time.time()
-    trainer.fit(module)
+    trainer.fit(module, ckpt_path=str(ckpt_path) if ckpt_path else None)
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     summary["wall_s"] = time.time() - t0
     print_summary(summary, run_dir)
     return summary
+
+
+def resolve_resume(cfg: DictConfig, run_dir: Path) -> Path | None:
+    """`resume=auto`: latest valid checkpoint of this run (partial/corrupt ones skipped with a warning);
+    `never`: none; a path: that checkpoint, checked before any worker starts."""
+    from ntp_nemo.checkpoint.manifest import latest_valid_checkpoint, require_valid_checkpoint
+
+    mode = str(cfg.resume)
+    if mode == "never":
+        return None
+    if mode == "auto":
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            found = latest_valid_checkpoint(run_dir / cfg.checkpoint.dir)
+        for w in caught:
+            print(f"warning: {w.message}", file=sys.stderr, flush=True)
+        return found
+    return require_valid_checkpoint(Path(mode).expanduser(), key="resume")
+
+
+def _checkpoint_step(path: Path) -> int:
+    from ntp_nemo.checkpoint.manifest import read_manifest
+
+    return int(read_manifest(path).get("step", -1))
 
 
 def module_counts(strategy, cfg: DictConfig) -> list[int]:

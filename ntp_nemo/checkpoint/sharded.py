@@ -39,6 +39,7 @@ from ntp_nemo.checkpoint.manifest import (
     data_files,
     file_digest,
     invalid_checkpoint_error,
+    keep_last_k,
     tmp_path,
     write_manifest,
 )
@@ -119,8 +120,9 @@ def _save_torch(obj: Any, path: Path) -> None:
 
 
 def write_snapshot(path: str | os.PathLike, snap: Snapshot, extra: Mapping[str, Any] | None, *, step: int,
-                   layout: Any = None, group=None) -> Path:
-    """Collective: write `snap` of every rank as checkpoint `path` and commit it (see module doc)."""
+                   layout: Any = None, keep_last: int | None = None, group=None) -> Path:
+    """Collective: write `snap` of every rank as checkpoint `path` and commit it (see module doc);
+    then rank 0 prunes `path`'s directory to the `keep_last` newest checkpoints."""
     path = Path(path)
     tmp = tmp_path(path)
     rank, world = _rank_world(group)
@@ -150,21 +152,25 @@ def write_snapshot(path: str | os.PathLike, snap: Snapshot, extra: Mapping[str, 
     if rank == 0:
         write_manifest(tmp, all_digests, step, layout)
         commit(tmp, path)
+        keep_last_k(path.parent, keep_last)
     _barrier(group)
     return path
 
 
 def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                     extra: Mapping[str, Any] | None = None, *, step: int, layout: Any = None,
-                    group=None) -> Path:
+                    keep_last: int | None = None, group=None) -> Path:
     """Collective over `group` (default: the world; no torch.distributed: one process).
 
     Writes model parameters, per-parameter optimizer state and `extra` as the checkpoint
     directory `path` (committed atomically; an existing one is replaced).  `extra` holds small
     replicated state taken from rank 0 and must load with `torch.load(weights_only=True)`
     (plain containers, numbers, strings, tensors).  `layout` (JSON) is recorded in the manifest.
+    After the commit, checkpoints beyond the `keep_last` newest in `path`'s directory are deleted
+    (None: keep all).  Returns `path`.
     """
-    return write_snapshot(path, take_snapshot(model, optimizer), extra, step=step, layout=layout, group=group)
+    return write_snapshot(path, take_snapshot(model, optimizer), extra, step=step, layout=layout,
+                          keep_last=keep_last, group=group)
 
 
 # ---- load -------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 
 class MetricsJSONL(Callback):
@@ -73,3 +73,34 @@ class RunSummary(Callback):
             summary["goodput"] = report.goodput
             summary["capacity_fraction"] = report.capacity_fraction
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+class StepCheckpoint(ModelCheckpoint):
+    """Lightning's ModelCheckpoint writing sharded checkpoint directories `step_000050` every N steps,
+    plus one at the end of training; keep-last-k is applied by the strategy after each commit."""
+
+    FILE_EXTENSION = ""
+
+    def __init__(self, dirpath: str | Path, every_n_steps: int, save_on_end: bool = True) -> None:
+        super().__init__(dirpath=str(dirpath), filename="step_{step:06d}", auto_insert_metric_name=False,
+                         every_n_train_steps=every_n_steps or None, save_top_k=-1, save_last=False,
+                         save_on_train_epoch_end=False)
+        self.save_on_end = save_on_end
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.save_on_end and trainer.global_step > 0 and self._last_global_step_saved != trainer.global_step:
+            self._save_checkpoint(trainer, self.format_checkpoint_name({"step": trainer.global_step}))
+            self._last_global_step_saved = trainer.global_step
+
+
+class StopAtStep(Callback):
+    """Ends the invocation after `step` optimizer steps (a planned stop: the end checkpoint is written),
+    while the LR schedule and data order still follow `trainer.max_steps`."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True

@@ -14,7 +14,7 @@ from ntp_nemo.config.schema import ModelConfig
 from ntp_nemo.config.validate import resolved_replica_tp
 from ntp_nemo.data.module import DataBundle
 from ntp_nemo.errors import ConfigError
-from ntp_nemo.lightning.callbacks import MetricsJSONL, RunSummary
+from ntp_nemo.lightning.callbacks import MetricsJSONL, RunSummary, StepCheckpoint, StopAtStep
 from ntp_nemo.lightning.goodput_callback import GoodputCallback
 from ntp_nemo.lightning.module import NTPLanguageModule
 from ntp_nemo.lightning.strategy import NTPStrategy
@@ -51,7 +51,13 @@ def build_trainer(cfg: DictConfig, run_dir: Path, data: DataBundle, layer_tp: li
     )
     devices, nodes = process_layout(strategy.topology.world_size)
     metrics = MetricsJSONL(run_dir)
+    strategy.keep_last = int(cfg.checkpoint.keep_last)
     callbacks: list[Any] = [metrics, GoodputCallback(str(run_dir)), RunSummary(run_dir, metrics)]
+    if cfg.checkpoint.every_n_steps or cfg.checkpoint.save_on_end:
+        callbacks.append(StepCheckpoint(run_dir / cfg.checkpoint.dir, int(cfg.checkpoint.every_n_steps),
+                                        bool(cfg.checkpoint.save_on_end)))
+    if t.stop_at_step:
+        callbacks.append(StopAtStep(int(t.stop_at_step)))
     if t.progress_bar:
         from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
@@ -63,7 +69,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, data: DataBundle, layer_tp: li
         devices=devices, num_nodes=nodes, strategy=strategy, precision=t.precision,
         max_steps=int(t.max_steps), max_epochs=-1, val_check_interval=int(t.val_every_n_steps),
         check_val_every_n_epoch=None, num_sanity_val_steps=0, log_every_n_steps=int(t.log_every_n_steps),
-        enable_progress_bar=bool(t.progress_bar), enable_checkpointing=False, callbacks=callbacks,
+        enable_progress_bar=bool(t.progress_bar), enable_checkpointing=bool(cfg.checkpoint.every_n_steps or cfg.checkpoint.save_on_end), callbacks=callbacks,
         logger=loggers or False, use_distributed_sampler=False, default_root_dir=str(run_dir),
         enable_model_summary=False,
     )

@@ -161,11 +161,69 @@ class NTPStrategy(ParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.teardown()
 
-    # ---- reporting ------------------------------------------------------------------------------
+    # ---- checkpoints: topology-independent, sharded (ntp_nemo.checkpoint) -----------------------
     @property
-    def layout_info(self) -> dict[str, Any]:
-        topo = self.topology
-        return {"layout": topo.describe(), "capacity": topo.capacity_fraction}
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the optimizer must exist: its state is resharded in place with the weights
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # written shard by shard in save_checkpoint
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return {}
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # loaded in load_checkpoint
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass
+
+    def _optimizer(self):
+        opt = self.optimizers[0] if self.optimizers else None
+        return getattr(opt, "_optimizer", opt)
+
+    def _goodput(self, event: str, **fields: Any) -> None:
+        from ntp_nemo.lightning.goodput_callback import GoodputCallback
+
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        cb = GoodputCallback.of(trainer) if trainer is not None else None
+        if cb is not None:
+            cb.record(event, **fields)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any = None) -> None:
+        """Collective: every rank writes the chunks it owns; Lightning's own state rides along as `extra`."""
+        import time
+
+        from ntp_nemo.checkpoint.manifest import keep_last_k
+        from ntp_nemo.checkpoint.sharded import save_checkpoint
+
+        path = Path(self.broadcast(str(filepath)))
+        step = int(checkpoint.get("global_step", 0))
+        extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        t0 = time.perf_counter()
+        self._goodput("ckpt_save_start", step=step)
+        save_checkpoint(path, self.lightning_module.model, self._optimizer(), extra, step=step,
+                        layout={"replica_tp": self.topology.replica_tp, "tp": self.topology.tp,
+                                "layer_tp": self.topology.layer_tp, "pp": self.topology.pp})
+        self._goodput("ckpt_save_end", step=step, blocking_s=time.perf_counter() - t0)
+        if self.is_global_zero and self.keep_last:
+            keep_last_k(path.parent, self.keep_last)
+
+    keep_last: int | None = None
+
+    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Collective: each rank reads exactly the slices its layout needs (any saved layout)."""
+        from ntp_nemo.checkpoint.sharded import load_checkpoint
+
+        path = Path(self.broadcast(str(checkpoint_path)))
+        self._goodput("ckpt_restore_start")
+        extra = load_checkpoint(path, self.lightning_module.model, self._optimizer())
+        self._goodput("ckpt_restore_end", step=int(extra.get("global_step", 0)))
+        return extra
 
     def remove_checkpoint(self, filepath: str | Path) -> None:
         if self.is_global_zero:
@@ -176,3 +234,9 @@ class NTPStrategy(ParallelStrategy):
                 shutil.rmtree(path, ignore_errors=True)
             elif path.exists():
                 os.remove(path)
+
+    # ---- reporting ------------------------------------------------------------------------------
+    @property
+    def layout_info(self) -> dict[str, Any]:
+        topo = self.topology
+        return {"layout": topo.describe(), "capacity": topo.capacity_fraction}

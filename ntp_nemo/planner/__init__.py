@@ -6,6 +6,15 @@ from ntp_nemo.planner.plan import Plan, PlanRow, plan_layout
 from ntp_nemo.planner.shapes import DeviceModel, LinkModel, ModelShape
 
 __all__ = [
-    "DeviceModel", "ItemCost", "LinkModel", "ModelShape", "Plan", "PlanRow", "effective_degree", "item_cost",
-    "parse_layer_tp", "plan_layout", "validate_layer_tp",
+    "DeviceModel",
+    "ItemCost",
+    "LinkModel",
+    "ModelShape",
+    "Plan",
+    "PlanRow",
+    "effective_degree",
+    "item_cost",
+    "parse_layer_tp",
+    "plan_layout",
+    "validate_layer_tp",
 ]

@@ -22,7 +22,10 @@ from ntp_nemo.planner.plan import Plan, plan_layout
 from ntp_nemo.planner.shapes import DeviceModel, LinkModel, ModelShape
 
 CONFIG_DIR = conf_dir() / "sim"
-USAGE = __doc__ + "\nOther keys: mesh.dp, data.seq_len, data.micro_batch_size, recompute=true|false, format=json.\n"
+USAGE = (
+    __doc__
+    + "\nOther keys: mesh.dp, data.seq_len, data.micro_batch_size, recompute=true|false, format=json.\n"
+)
 
 
 def load_config(overrides: Sequence[str]) -> DictConfig:
@@ -48,10 +51,21 @@ def plan_from_config(cfg: DictConfig) -> Plan:
         raise ConfigError("mesh.dp", f"must be a positive integer, got {dp!r}.")
     replica_tp = raw["ntp"].get("replica_tp") or [mesh["tp"]] * dp
     if not isinstance(replica_tp, list):
-        raise ConfigError("ntp.replica_tp", f"must be a list of active ranks per replica, got {replica_tp!r}.")
-    return plan_layout(model, mesh["tp"], replica_tp, data["seq_len"], data["micro_batch_size"], links,
-                       raw.get("memory_limit_gb"), pp=mesh.get("pp", 1), device=device,
-                       recompute=bool(raw.get("recompute", False)))
+        raise ConfigError(
+            "ntp.replica_tp", f"must be a list of active ranks per replica, got {replica_tp!r}."
+        )
+    return plan_layout(
+        model,
+        mesh["tp"],
+        replica_tp,
+        data["seq_len"],
+        data["micro_batch_size"],
+        links,
+        raw.get("memory_limit_gb"),
+        pp=mesh.get("pp", 1),
+        device=device,
+        recompute=bool(raw.get("recompute", False)),
+    )
 
 
 def run(argv: Sequence[str]) -> int:
@@ -67,19 +81,33 @@ def run(argv: Sequence[str]) -> int:
         raise ConfigError("format", f"{fmt!r}; use table or json.")
     plan = plan_from_config(cfg)
     if fmt == "json":
-        print(json.dumps({"layer_tp": plan.layer_tp, "batch_shares": plan.batch_shares,
-                          "overrides": plan.overrides(), "microbatch_time_s": plan.microbatch_time_s,
-                          "memory_gb": plan.memory_gb}))
+        print(
+            json.dumps(
+                {
+                    "layer_tp": plan.layer_tp,
+                    "batch_shares": plan.batch_shares,
+                    "overrides": plan.overrides(),
+                    "microbatch_time_s": plan.microbatch_time_s,
+                    "memory_gb": plan.memory_gb,
+                }
+            )
+        )
         return 0
     m = cfg.model
-    print(f"{m.name}: {m.num_layers} layers, hidden {m.hidden_size}, seq {cfg.data.seq_len}, micro-batch "
-          f"{cfg.data.micro_batch_size}; {cfg.hardware.device.name}, tp={plan.tp}, pp={cfg.mesh.pp}, "
-          f"replica_tp={plan.replica_tp}, memory limit {cfg.memory_limit_gb} GB")
-    print("(per micro-batch, forward+backward, busiest rank of the smallest replica; mem excludes in-flight copies)")
+    print(
+        f"{m.name}: {m.num_layers} layers, hidden {m.hidden_size}, seq {cfg.data.seq_len}, micro-batch "
+        f"{cfg.data.micro_batch_size}; {cfg.hardware.device.name}, tp={plan.tp}, pp={cfg.mesh.pp}, "
+        f"replica_tp={plan.replica_tp}, memory limit {cfg.memory_limit_gb} GB"
+    )
+    print(
+        "(per micro-batch, forward+backward, busiest rank of the smallest replica; "
+        "mem excludes in-flight copies)"
+    )
     print(plan.format_table())
     print("\nreplica  ranks  period ms  share   mem GB")
-    for r, (n, t, w, mem) in enumerate(zip(plan.replica_tp, plan.microbatch_time_s, plan.batch_shares,
-                                          plan.memory_gb, strict=True)):
+    for r, (n, t, w, mem) in enumerate(
+        zip(plan.replica_tp, plan.microbatch_time_s, plan.batch_shares, plan.memory_gb, strict=True)
+    ):
         print(f"{r:>7} {n:>6} {t * 1e3:>10.3f} {w:>6.3f} {mem:>8.2f}")
     print(f"\ntime per micro-batch of the global batch: {plan.time_per_microbatch_s * 1e3:.3f} ms")
     print("overrides: " + " ".join(plan.overrides()))

@@ -81,7 +81,9 @@ def item_cost(
         params = model.attention_params * fa + model.mlp_params * fm
         fwd = 2 * tokens * params + 4 * micro_batch_size * seq_len * seq_len * h * fa
         payloads = [act] * 4
-        activations = act if recompute else tokens * h * (ACT_REPLICATED + ACT_SHARDED / degree) * device.act_bytes / 2
+        activations = (
+            act if recompute else tokens * h * (ACT_REPLICATED + ACT_SHARDED / degree) * device.act_bytes / 2
+        )
     elif kind in (EMBEDDING, HEAD):
         fv = shard_fraction(model.vocab_size, degree)
         params = model.embedding_params * fv

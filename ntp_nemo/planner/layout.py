@@ -75,7 +75,9 @@ def _as_int(value: Any) -> int:
 
 def _parse_string(spec: str, num_layers: int, tp: int) -> list[int]:
     if spec == "auto":
-        raise ConfigError(KEY, "'auto' is resolved by the planner (ntp_nemo.planner.plan_layout), not parsed.")
+        raise ConfigError(
+            KEY, "'auto' is resolved by the planner (ntp_nemo.planner.plan_layout), not parsed."
+        )
     body = spec[1:-1] if spec.startswith("[") and spec.endswith("]") else spec
     parts = [p for p in body.split(",") if p.strip()]
     if not parts:
@@ -95,7 +97,9 @@ def _parse_string(spec: str, num_layers: int, tp: int) -> list[int]:
     for part in parts:
         match = _RUN.match(part)
         if match is None:
-            raise ConfigError(KEY, f"bad part {part!r} in {spec!r}; use DEGREE or DEGREE*COUNT, e.g. '2,4*6,2'.")
+            raise ConfigError(
+                KEY, f"bad part {part!r} in {spec!r}; use DEGREE or DEGREE*COUNT, e.g. '2,4*6,2'."
+            )
         degrees += [int(match.group(1))] * int(match.group(2) or 1)
     return degrees
 
@@ -112,15 +116,20 @@ def validate_layer_tp(model: ModelShape, tp: int, replica_tp: Sequence[int], lay
     """Raise ConfigError unless `layer_tp` is a runnable layout for `model` on these replicas."""
     n_items = model.num_layers + 2
     if len(layer_tp) != n_items:
-        raise ConfigError(KEY, f"has {len(layer_tp)} entries; the model needs {n_items} (embedding, layers, head).")
+        raise ConfigError(
+            KEY, f"has {len(layer_tp)} entries; the model needs {n_items} (embedding, layers, head)."
+        )
     for n in replica_tp:
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= tp:
             raise ConfigError(
-                "ntp.replica_tp", f"entry {n!r} must be an integer in [1, mesh.tp={tp}] (active ranks of a replica)."
+                "ntp.replica_tp",
+                f"entry {n!r} must be an integer in [1, mesh.tp={tp}] (active ranks of a replica).",
             )
     for name, kind, t in zip(item_names(model), item_kinds(model), layer_tp, strict=True):
         _check_degree(_as_int(t), tp, name)
         units = units_of(model, kind)
         if t > units:
             what = "GQA groups/FFN columns" if kind == "layer" else "vocabulary rows"
-            raise ConfigError(KEY, f"{name} has degree {t} but only {units} {what} to shard; use at most {units}.")
+            raise ConfigError(
+                KEY, f"{name} has degree {t} but only {units} {what} to shard; use at most {units}."
+            )

@@ -59,13 +59,19 @@ class Plan:
 
     def format_table(self) -> str:
         """Per-item table; consecutive identical layers are merged into one row (e.g. layer0-49)."""
-        header = f"{'item':<14} {'tp':>3} {'eff':>3} {'GFLOP':>12} {'comm MB':>10} {'time ms':>10} {'mem GB':>9}"
+        header = (
+            f"{'item':<14} {'tp':>3} {'eff':>3} {'GFLOP':>12} {'comm MB':>10} {'time ms':>10} {'mem GB':>9}"
+        )
         lines = [header, "-" * len(header)]
         groups: list[tuple[str, str, PlanRow]] = []
         for r in self.table:
             prev = groups[-1] if groups else None
-            same = prev is not None and r.item.startswith("layer") and prev[2].item.startswith("layer") and (
-                (prev[2].degree, prev[2].effective_degree) == (r.degree, r.effective_degree))
+            same = (
+                prev is not None
+                and r.item.startswith("layer")
+                and prev[2].item.startswith("layer")
+                and ((prev[2].degree, prev[2].effective_degree) == (r.degree, r.effective_degree))
+            )
             if same:
                 groups[-1] = (prev[0], r.item, prev[2])
             else:
@@ -79,9 +85,15 @@ class Plan:
         return "\n".join(lines)
 
 
-def _check_inputs(tp: int, replica_tp: Sequence[int], seq_len: int, micro_batch_size: int, pp: int, layers: int) -> None:
-    for key, value in (("mesh.tp", tp), ("data.seq_len", seq_len), ("data.micro_batch_size", micro_batch_size),
-                       ("mesh.pp", pp)):
+def _check_inputs(
+    tp: int, replica_tp: Sequence[int], seq_len: int, micro_batch_size: int, pp: int, layers: int
+) -> None:
+    for key, value in (
+        ("mesh.tp", tp),
+        ("data.seq_len", seq_len),
+        ("data.micro_batch_size", micro_batch_size),
+        ("mesh.pp", pp),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(key, f"must be a positive integer, got {value!r}.")
     if pp > layers:
@@ -91,6 +103,49 @@ def _check_inputs(tp: int, replica_tp: Sequence[int], seq_len: int, micro_batch_
     for n in replica_tp:
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= tp:
             raise ConfigError("ntp.replica_tp", f"entry {n!r} must be an integer in [1, mesh.tp={tp}].")
+
+
+@dataclass(frozen=True)
+class _CostTables:
+    """time[u, i, c], mem[u, i, c]: item i at its candidate degree c inside a replica of sizes[u] ranks."""
+
+    time: np.ndarray
+    mem: np.ndarray
+    stage_onehot: np.ndarray  # (items, stages)
+    counts: np.ndarray  # replicas of each size
+    send_s: float  # per-micro-batch pipeline send + receive of a stage
+
+    def evaluate(self, choice: np.ndarray) -> tuple[float, float, np.ndarray, np.ndarray]:
+        """(J, summed stage time, period per replica size, peak memory per replica size)."""
+        t_items = np.take_along_axis(self.time, choice[None, :, None], axis=2)[..., 0]
+        m_items = np.take_along_axis(self.mem, choice[None, :, None], axis=2)[..., 0]
+        stage_t = t_items @ self.stage_onehot + self.send_s
+        period = stage_t.max(axis=1)
+        j = 1.0 / float(np.sum(self.counts / period))
+        return j, float(stage_t.sum()), period, (m_items @ self.stage_onehot).max(axis=1)
+
+
+def _descend(tables: _CostTables, choice: np.ndarray, n_cands: list[int], limit: float) -> np.ndarray:
+    """Coordinate descent on (J, total time) over one item at a time, never leaving the memory limit."""
+    best_j, best_total, _, _ = tables.evaluate(choice)
+    for _ in range(4 * len(n_cands)):
+        improved = False
+        for i, n in enumerate(n_cands):
+            for c in range(n):
+                if c == choice[i]:
+                    continue
+                trial = choice.copy()
+                trial[i] = c
+                j, total, _, mem = tables.evaluate(trial)
+                if mem.max() > limit:
+                    continue
+                better = j < best_j * (1 - 1e-12)
+                tie_better = j <= best_j * (1 + 1e-12) and total < best_total * (1 - 1e-12)
+                if better or tie_better:
+                    choice, best_j, best_total, improved = trial, j, total, True
+        if not improved:
+            break
+    return choice
 
 
 def plan_layout(
@@ -118,75 +173,54 @@ def plan_layout(
     kinds, names = item_kinds(model), item_names(model)
     stages = np.array(stage_of_items(model.num_layers, pp))
     sizes = sorted(set(replica_tp))
-    counts = np.array([replica_tp.count(n) for n in sizes], dtype=float)
     cands = [[d for d in divisors(tp) if d <= units_of(model, k)] for k in kinds]
-    n_c = max(len(c) for c in cands)
-
     cache: dict[tuple[str, int], ItemCost] = {}
 
     def cost(kind: str, degree: int) -> ItemCost:
         if (kind, degree) not in cache:
-            cache[(kind, degree)] = item_cost(model, kind, degree, seq_len, micro_batch_size, device, links, recompute)
+            cache[(kind, degree)] = item_cost(
+                model, kind, degree, seq_len, micro_batch_size, device, links, recompute
+            )
         return cache[(kind, degree)]
 
-    # time[u, i, c] and mem[u, i, c]: item i at candidate c inside a replica of sizes[u] ranks.
-    shape = (len(sizes), len(kinds), n_c)
+    shape = (len(sizes), len(kinds), max(len(c) for c in cands))
     time, mem = np.full(shape, np.inf), np.full(shape, np.inf)
     for u, n in enumerate(sizes):
         for i, kind in enumerate(kinds):
+            in_flight = pp - stages[i]  # 1F1B: stage s holds pp - s micro-batches of activations
             for c, t in enumerate(cands[i]):
                 ic = cost(kind, effective_degree(t, n))
-                in_flight = pp - stages[i]  # 1F1B: stage s holds pp - s micro-batches of activations
-                act = ic.memory_bytes - ic.params * device.state_bytes_per_param
+                state = ic.params * device.state_bytes_per_param
                 time[u, i, c] = ic.time_s
-                mem[u, i, c] = ic.params * device.state_bytes_per_param + act * in_flight
-    send = 2 * links.send_time(micro_batch_size * seq_len * model.hidden_size * device.act_bytes) if pp > 1 else 0.0
+                mem[u, i, c] = state + (ic.memory_bytes - state) * in_flight
     onehot = np.zeros((len(kinds), pp))
     onehot[np.arange(len(kinds)), stages] = 1.0
+    act_bytes = micro_batch_size * seq_len * model.hidden_size * device.act_bytes
+    tables = _CostTables(
+        time=time,
+        mem=mem,
+        stage_onehot=onehot,
+        counts=np.array([replica_tp.count(n) for n in sizes], dtype=float),
+        send_s=2 * links.send_time(act_bytes) if pp > 1 else 0.0,
+    )
     limit = np.inf if memory_limit_gb is None else memory_limit_gb * GB
-
-    def evaluate(choice: np.ndarray) -> tuple[float, float, np.ndarray, np.ndarray]:
-        t_items = np.take_along_axis(time, choice[None, :, None], axis=2)[..., 0]  # (U, I)
-        m_items = np.take_along_axis(mem, choice[None, :, None], axis=2)[..., 0]
-        stage_t = t_items @ onehot + send  # (U, S)
-        stage_m = m_items @ onehot
-        period = stage_t.max(axis=1)
-        return 1.0 / float(np.sum(counts / period)), float(stage_t.sum()), period, stage_m.max(axis=1)
-
-    choice = np.array([len(c) - 1 for c in cands])
-    best_j, best_total, _, best_mem = evaluate(choice)
-    if best_mem.max() > limit:
+    choice = np.array([len(c) - 1 for c in cands])  # highest degrees: the least memory any layout uses
+    least_mem = tables.evaluate(choice)[3].max()
+    if least_mem > limit:
         raise ConfigError(
             "memory_limit_gb",
             f"{memory_limit_gb} GB per GPU is too small: even at the highest degrees the busiest GPU needs "
-            f"{best_mem.max() / GB:.2f} GB; raise the limit, add pipeline stages or use more TP ranks.",
+            f"{least_mem / GB:.2f} GB; raise the limit, add pipeline stages or use more TP ranks.",
         )
-    for _ in range(4 * len(kinds)):
-        improved = False
-        for i in range(len(kinds)):
-            for c in range(len(cands[i])):
-                if c == choice[i]:
-                    continue
-                trial = choice.copy()
-                trial[i] = c
-                j, total, _, m = evaluate(trial)
-                if m.max() > limit:
-                    continue
-                better = j < best_j * (1 - 1e-12)
-                tie_better = j <= best_j * (1 + 1e-12) and total < best_total * (1 - 1e-12)
-                if better or tie_better:
-                    choice, best_j, best_total, best_mem, improved = trial, j, total, m, True
-        if not improved:
-            break
-    _, _, period, mem_u = evaluate(choice)
+    choice = _descend(tables, choice, [len(c) for c in cands], limit)
+    j, _, period, mem_u = tables.evaluate(choice)
     layer_tp = [cands[i][c] for i, c in enumerate(choice)]
     validate_layer_tp(model, tp, replica_tp, layer_tp)
     rate = {n: 1.0 / p for n, p in zip(sizes, period, strict=True)}
     total_rate = sum(rate[n] for n in replica_tp)
-    small = sizes[0]
     table = []
     for name, kind, t in zip(names, kinds, layer_tp, strict=True):
-        eff = effective_degree(t, small)
+        eff = effective_degree(t, sizes[0])
         ic = cost(kind, eff)
         table.append(PlanRow(name, t, eff, ic.flops, ic.comm_bytes, ic.time_s, ic.memory_bytes / GB))
     return Plan(
@@ -197,5 +231,5 @@ def plan_layout(
         replica_tp=replica_tp,
         microbatch_time_s=[float(period[sizes.index(n)]) for n in replica_tp],
         memory_gb=[float(mem_u[sizes.index(n)]) / GB for n in replica_tp],
-        time_per_microbatch_s=1.0 / float(np.sum(counts / period)),
+        time_per_microbatch_s=j,
     )

@@ -55,7 +55,14 @@ class ModelShape:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         if self.ffn_hidden_size is None:
             object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
-        for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size"):
+        for field in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "ffn_hidden_size",
+        ):
             _positive(f"model.{field}", getattr(self, field))
         if self.seq_len is not None:
             _positive("model.seq_len", self.seq_len)

@@ -31,6 +31,11 @@ def effective_degree(requested: int, active: int) -> int:
     return max(d for d in range(1, min(requested, active) + 1) if active % d == 0)
 
 
+def even_stage_layers(num_layers: int, pp: int) -> list[int]:
+    """Layers per stage in balanced contiguous intervals (the fallback when no partition is given)."""
+    return [(s + 1) * num_layers // pp - s * num_layers // pp for s in range(pp)]
+
+
 class Topology:
     def __init__(
         self,
@@ -45,7 +50,9 @@ class Topology:
         self.layer_tp = list(layer_tp)
         self.num_layers = len(self.layer_tp) - 2
         self.pp = pp
-        self.stage_layers = list(stage_layers) if stage_layers else [self.num_layers]
+        self.stage_layers = list(stage_layers) if stage_layers else even_stage_layers(self.num_layers, pp)
+        if len(self.stage_layers) != pp or sum(self.stage_layers) != self.num_layers:
+            raise ValueError(f"stage_layers {self.stage_layers} do not split {self.num_layers} layers into {pp} stages")
         self.coords: list[RankCoord] = []
         self._base: list[int] = []
         for r, n in enumerate(self.replica_tp):
@@ -71,6 +78,20 @@ class Topology:
         n = self.replica_tp[replica]
         start = self._base[replica] + stage * n
         return list(range(start, start + n))
+
+    def stage_layer_range(self, stage: int) -> range:
+        """Global indices of the transformer layers held by pipeline stage `stage`."""
+        start = sum(self.stage_layers[:stage])
+        return range(start, start + self.stage_layers[stage])
+
+    def pipeline_peer(self, rank: int, step: int) -> int | None:
+        """Rank of stage `stage + step` that exchanges activations with `rank` (slot j -> j mod n), or None."""
+        c = self.coord(rank)
+        stage = c.stage + step
+        if not 0 <= stage < self.pp:
+            return None
+        ranks = self.stage_ranks(c.replica, stage)
+        return ranks[c.slot % len(ranks)]
 
     def degree(self, replica: int, slot: int) -> int:
         """Effective TP degree of layout slot `slot` (0 = embedding, L+1 = head) in `replica`."""

@@ -8,7 +8,21 @@ from ntp_nemo.goodput.sim.settings import SimSettings, settings_from_config
 from ntp_nemo.goodput.sim.studies import SimResults, expected_availability, run_all
 
 __all__ = [
-    "POLICIES", "ClusterSpec", "FailureSpec", "PolicyTable", "ReplicaPerf", "SimResults", "SimSettings", "Trace",
-    "expected_availability", "form_replicas", "generate_trace", "policy_table", "replica_metrics", "run_all",
-    "sample_placements", "settings_from_config", "trace_states",
+    "POLICIES",
+    "ClusterSpec",
+    "FailureSpec",
+    "PolicyTable",
+    "ReplicaPerf",
+    "SimResults",
+    "SimSettings",
+    "Trace",
+    "expected_availability",
+    "form_replicas",
+    "generate_trace",
+    "policy_table",
+    "replica_metrics",
+    "run_all",
+    "sample_placements",
+    "settings_from_config",
+    "trace_states",
 ]

@@ -34,8 +34,12 @@ def simulate(settings: SimSettings, out_dir: Path, echo: bool = True) -> SimResu
     plots = write_plots(results, settings, out_dir) if settings.plots else []
     if echo:
         print(format_tables(results, settings))
-        print(f"\nsimulated in {elapsed:.1f} s; results: {json_path} (+ results.csv"
-              + (", " + ", ".join(p.name for p in plots) if plots else "") + ")", flush=True)
+        print(
+            f"\nsimulated in {elapsed:.1f} s; results: {json_path} (+ results.csv"
+            + (", " + ", ".join(p.name for p in plots) if plots else "")
+            + ")",
+            flush=True,
+        )
     return results
 
 

@@ -57,21 +57,33 @@ class ClusterSpec:
                 "choose num_gpus as a multiple of tp*pp.",
             )
         if self.degraded_tp is not None:
-            bad = [t for t in self.degraded_tp if isinstance(t, bool) or not isinstance(t, int) or not 1 <= t < self.tp]
+            bad = [
+                t
+                for t in self.degraded_tp
+                if isinstance(t, bool) or not isinstance(t, int) or not 1 <= t < self.tp
+            ]
             if bad:
                 raise ConfigError(
                     "cluster.degraded_tp",
-                    f"entries {bad} are not reduced degrees; each must be an integer in [1, tp-1={self.tp - 1}].",
+                    f"entries {bad} are not reduced degrees; each must be an integer in "
+                    f"[1, tp-1={self.tp - 1}].",
                 )
         if not 0 < self.min_degraded_fraction <= 1:
             raise ConfigError(
                 "cluster.min_degraded_fraction", f"must be in (0, 1], got {self.min_degraded_fraction!r}."
             )
-        if isinstance(self.spare_domains, bool) or not isinstance(self.spare_domains, int) or self.spare_domains < 0:
-            raise ConfigError("cluster.spare_domains", f"must be a non-negative integer, got {self.spare_domains!r}.")
+        if (
+            isinstance(self.spare_domains, bool)
+            or not isinstance(self.spare_domains, int)
+            or self.spare_domains < 0
+        ):
+            raise ConfigError(
+                "cluster.spare_domains", f"must be a non-negative integer, got {self.spare_domains!r}."
+            )
         if self.spare_domains and not self.packing:
             raise ConfigError(
-                "cluster.spare_domains", "spare domains need cluster.packing=true (the manager swaps them in)."
+                "cluster.spare_domains",
+                "spare domains need cluster.packing=true (the manager swaps them in).",
             )
 
     @property
@@ -108,37 +120,109 @@ class ClusterSpec:
         return out
 
 
-def form_replicas(spec: ClusterSpec, cell_failures: np.ndarray) -> np.ndarray:
-    """Degrees of the replicas the manager can form, per sample (0 = replica cannot run).
+def _rows_bincount(values: np.ndarray, top: int) -> np.ndarray:
+    """Per-row histogram of small non-negative ints: (rows, n) -> (rows, top + 1)."""
+    rows = values.shape[0]
+    flat = (np.arange(rows)[:, None] * (top + 1) + values).ravel()
+    return np.bincount(flat, minlength=rows * (top + 1)).reshape(rows, top + 1)
 
-    `cell_failures` is (samples, cells): failed GPUs per domain (packing) or per TP group.
-    Under packing the result is sorted best-first; the job uses the leading replicas.
+
+def _static_replicas(spec: ClusterSpec, f: np.ndarray) -> np.ndarray:
+    """Fixed groups and replicas: replica degree = smallest group degree in its block."""
+    groups = spec.degree_map()[spec.tp - f]
+    n_rep = groups.shape[1] // spec.pp
+    return groups[:, : n_rep * spec.pp].reshape(f.shape[0], n_rep, spec.pp).min(axis=2)
+
+
+@dataclass(frozen=True)
+class DamagedDomains:
+    """Sparse view of domain failures: (sample, domain, failed GPUs) of every damaged domain.
+
+    Healthy domains need no work, so a state costs what its failures cost, not the cluster size.
     """
-    f = np.asarray(cell_failures)
-    if f.ndim == 1:
-        f = f[None, :]
-    samples = f.shape[0]
-    f = np.minimum(f, spec.cell_size).astype(np.int32)
-    dmap = spec.degree_map()
-    tp, pp = spec.tp, spec.pp
+
+    samples: int
+    num_domains: int
+    row: np.ndarray
+    domain: np.ndarray
+    failed: np.ndarray
+
+    @classmethod
+    def from_dense(cls, domain_failures: np.ndarray) -> DamagedDomains:
+        f = np.atleast_2d(domain_failures)
+        row, domain = np.nonzero(f)
+        return cls(f.shape[0], f.shape[1], row, domain, f[row, domain].astype(np.int64))
+
+    def first(self, num_domains: int) -> DamagedDomains:
+        """The same samples restricted to the first `num_domains` domains."""
+        keep = self.domain < num_domains
+        return DamagedDomains(self.samples, num_domains, self.row[keep], self.domain[keep], self.failed[keep])
+
+
+def group_histogram(spec: ClusterSpec, damaged: DamagedDomains) -> np.ndarray:
+    """TP groups built from each domain's working GPUs, counted by degree: (samples, tp + 1).
+
+    For tp <= domain_size: floor(h/tp) full groups plus one leftover group of degree map[h % tp]
+    (0 if it cannot run) in a domain with h working GPUs; idle slots count as degree 0.
+    """
+    tp, size, dmap = spec.tp, spec.domain_size, spec.degree_map()
+    samples, k = damaged.samples, size // tp
+    row = damaged.row
+    healthy = size - np.minimum(damaged.failed, size)
+    full = healthy // tp  # < k in a damaged domain
+    hist = np.zeros((samples, tp + 1), dtype=np.int64)
+    hist[:, tp] = k * damaged.num_domains - np.bincount(row, weights=k - full, minlength=samples).astype(
+        np.int64
+    )
+    leftover = np.bincount(row * (tp + 1) + dmap[healthy % tp], minlength=samples * (tp + 1))
+    hist += leftover.reshape(samples, tp + 1)
+    hist[:, 0] += np.bincount(row, weights=k - full - 1, minlength=samples).astype(np.int64)
+    return hist
+
+
+def _spanning_groups(spec: ClusterSpec, f: np.ndarray) -> np.ndarray:
+    """tp > domain_size: a group spans several domains; the least damaged domains are paired together."""
+    samples, n_dom = f.shape
+    per_group = spec.tp // spec.domain_size
+    n_groups = n_dom // per_group
+    ordered = np.sort(f, axis=1)[:, : n_groups * per_group]
+    healthy = spec.tp - ordered.reshape(samples, n_groups, per_group).sum(axis=2)
+    return _rows_bincount(spec.degree_map()[healthy], spec.tp)
+
+
+def cut_replicas(groups: np.ndarray, pp: int) -> np.ndarray:
+    """Replicas of `pp` groups from a group histogram, best groups first, counted by degree.
+
+    A replica's degree is its last (smallest) group's, so #replicas of degree >= d is
+    floor(#groups of degree >= d / pp).
+    """
+    at_least = np.cumsum(groups[:, ::-1], axis=1)[:, ::-1] // pp
+    return at_least - np.concatenate([at_least[:, 1:], np.zeros((groups.shape[0], 1), np.int64)], axis=1)
+
+
+def replica_histogram(spec: ClusterSpec, cell_failures: np.ndarray | DamagedDomains) -> np.ndarray:
+    """Replicas the manager can form, counted by degree: (samples, tp + 1); degree 0 cannot run.
+
+    `cell_failures` is (samples, cells): failed GPUs per domain (packing) or per TP group, or a
+    `DamagedDomains` view of the domain failures (packing).
+    """
+    if isinstance(cell_failures, DamagedDomains):
+        if not spec.packing or spec.tp > spec.domain_size:
+            raise ValueError("DamagedDomains needs packing with tp <= domain_size")
+        return cut_replicas(group_histogram(spec, cell_failures), spec.pp)
+    f = np.minimum(np.atleast_2d(cell_failures), spec.cell_size).astype(np.int64)
     if not spec.packing:
-        groups = dmap[tp - f]
-        n_rep = groups.shape[1] // pp
-        return groups[:, : n_rep * pp].reshape(samples, n_rep, pp).min(axis=2)
-    if tp <= spec.domain_size:
-        k = spec.domain_size // tp
-        healthy = spec.domain_size - f
-        full, rem = healthy // tp, healthy % tp
-        slot = np.arange(k, dtype=np.int32)
-        groups = np.where(
-            slot < full[..., None], tp, np.where(slot == full[..., None], dmap[rem][..., None], 0)
-        ).reshape(samples, -1)
-    else:
-        per_group = tp // spec.domain_size
-        ordered = np.sort(f, axis=1)
-        n_groups = ordered.shape[1] // per_group
-        healthy = tp - ordered[:, : n_groups * per_group].reshape(samples, n_groups, per_group).sum(axis=2)
-        groups = dmap[healthy]
-    groups = np.sort(groups.astype(np.int16), axis=1, kind="stable")[:, ::-1]
-    n_rep = groups.shape[1] // pp
-    return groups[:, : n_rep * pp].reshape(samples, n_rep, pp)[:, :, -1]
+        return _rows_bincount(_static_replicas(spec, f), spec.tp)
+    if spec.tp > spec.domain_size:
+        return cut_replicas(_spanning_groups(spec, f), spec.pp)
+    return cut_replicas(group_histogram(spec, DamagedDomains.from_dense(f)), spec.pp)
+
+
+def form_replicas(spec: ClusterSpec, cell_failures: np.ndarray) -> np.ndarray:
+    """Degree of every formed replica, per sample: best-first under packing, fixed order without."""
+    f = np.minimum(np.atleast_2d(cell_failures), spec.cell_size).astype(np.int64)
+    if not spec.packing:
+        return _static_replicas(spec, f)
+    hist = replica_histogram(spec, f)
+    degrees = np.arange(spec.tp, -1, -1)
+    return np.stack([np.repeat(degrees, row[::-1]) for row in hist])

@@ -39,28 +39,45 @@ class FailureSpec:
 
     def __post_init__(self) -> None:
         if not self.rate_per_gpu_hour > 0:
-            raise ConfigError("failures.rate_per_gpu_hour", f"must be positive, got {self.rate_per_gpu_hour!r}.")
+            raise ConfigError(
+                "failures.rate_per_gpu_hour", f"must be positive, got {self.rate_per_gpu_hour!r}."
+            )
         if not self.rate_multipliers or any(not m > 0 for m in self.rate_multipliers):
-            raise ConfigError("failures.rate_multipliers", f"must be positive numbers, got {self.rate_multipliers!r}.")
+            raise ConfigError(
+                "failures.rate_multipliers", f"must be positive numbers, got {self.rate_multipliers!r}."
+            )
         if not 0 <= self.hardware_fraction <= 1:
-            raise ConfigError("failures.hardware_fraction", f"must be in [0, 1], got {self.hardware_fraction!r}.")
+            raise ConfigError(
+                "failures.hardware_fraction", f"must be in [0, 1], got {self.hardware_fraction!r}."
+            )
         if not self.hardware_repair_hours or any(not h > 0 for h in self.hardware_repair_hours):
             raise ConfigError(
-                "failures.hardware_repair_hours", f"must be positive hours, got {self.hardware_repair_hours!r}."
+                "failures.hardware_repair_hours",
+                f"must be positive hours, got {self.hardware_repair_hours!r}.",
             )
         if not self.software_repair_hours > 0:
             raise ConfigError(
-                "failures.software_repair_hours", f"must be positive hours, got {self.software_repair_hours!r}."
+                "failures.software_repair_hours",
+                f"must be positive hours, got {self.software_repair_hours!r}.",
             )
-        if isinstance(self.blast_radius, bool) or not isinstance(self.blast_radius, int) or self.blast_radius < 1:
-            raise ConfigError("failures.blast_radius", f"must be a positive integer, got {self.blast_radius!r}.")
-        if not self.days > 0:
-            raise ConfigError("failures.days", f"must be positive, got {self.days!r}.")
-        if isinstance(self.max_spare_domains, bool) or not isinstance(self.max_spare_domains, int) or (
-            self.max_spare_domains < 0
+        if (
+            isinstance(self.blast_radius, bool)
+            or not isinstance(self.blast_radius, int)
+            or self.blast_radius < 1
         ):
             raise ConfigError(
-                "failures.max_spare_domains", f"must be a non-negative integer, got {self.max_spare_domains!r}."
+                "failures.blast_radius", f"must be a positive integer, got {self.blast_radius!r}."
+            )
+        if not self.days > 0:
+            raise ConfigError("failures.days", f"must be positive, got {self.days!r}.")
+        if (
+            isinstance(self.max_spare_domains, bool)
+            or not isinstance(self.max_spare_domains, int)
+            or (self.max_spare_domains < 0)
+        ):
+            raise ConfigError(
+                "failures.max_spare_domains",
+                f"must be a non-negative integer, got {self.max_spare_domains!r}.",
             )
 
     @property
@@ -101,7 +118,9 @@ def sample_placements(
     if sampling == BERNOULLI:
         return rng.binomial(blocks_per_cell, failed_fraction, size=(samples, n_cells)) * blast_radius
     if sampling != EXACT:
-        raise ConfigError("placements.sampling", f"unknown mode {sampling!r}; use {EXACT!r} or {BERNOULLI!r}.")
+        raise ConfigError(
+            "placements.sampling", f"unknown mode {sampling!r}; use {EXACT!r} or {BERNOULLI!r}."
+        )
     k = int(round(failed_fraction * n_blocks))
     out = np.zeros((samples, n_cells), dtype=np.int64)
     if k == 0:
@@ -124,7 +143,9 @@ class Trace:
     pool_gpus: int
 
 
-def generate_trace(pool_gpus: int, spec: FailureSpec, rate_multiplier: float, rng: np.random.Generator) -> Trace:
+def generate_trace(
+    pool_gpus: int, spec: FailureSpec, rate_multiplier: float, rng: np.random.Generator
+) -> Trace:
     """Sample one failure trace over [-burn_in, days*24) hours for a pool of `pool_gpus` GPUs."""
     check_blast_radius(spec.blast_radius, pool_gpus)
     t0, horizon = -spec.burn_in_hours, spec.horizon_hours
@@ -133,7 +154,9 @@ def generate_trace(pool_gpus: int, spec: FailureSpec, rate_multiplier: float, rn
     times = np.sort(rng.uniform(t0, horizon, size=n))
     block = rng.integers(0, pool_gpus // spec.blast_radius, size=n)
     hardware = rng.random(n) < spec.hardware_fraction
-    hw_repair = np.asarray(spec.hardware_repair_hours)[rng.integers(0, len(spec.hardware_repair_hours), size=n)]
+    hw_repair = np.asarray(spec.hardware_repair_hours)[
+        rng.integers(0, len(spec.hardware_repair_hours), size=n)
+    ]
     repair = np.where(hardware, hw_repair, spec.software_repair_hours)
     offsets = np.arange(spec.blast_radius)
     gpu = (block[:, None] * spec.blast_radius + offsets).ravel()
@@ -169,8 +192,13 @@ def trace_states(trace: Trace, cell_size: int, n_cells: int) -> tuple[np.ndarray
     """
     inside = trace.gpu < n_cells * cell_size
     gpu, start, end = trace.gpu[inside], trace.start[inside], trace.end[inside]
-    edges = np.concatenate([[0.0], start[(start > 0) & (start < trace.horizon_hours)],
-                            end[(end > 0) & (end < trace.horizon_hours)]])
+    edges = np.concatenate(
+        [
+            [0.0],
+            start[(start > 0) & (start < trace.horizon_hours)],
+            end[(end > 0) & (end < trace.horizon_hours)],
+        ]
+    )
     times = np.unique(edges)
     durations = np.diff(np.append(times, trace.horizon_hours))
     delta = np.zeros((len(times) + 1, n_cells), dtype=np.int32)

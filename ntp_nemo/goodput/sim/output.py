@@ -60,10 +60,15 @@ def write_plots(results: SimResults, settings: SimSettings, out_dir: Path) -> li
         tps = sorted({r["tp"] for r in avail})
         pos = np.arange(len(tps))
         for k, policy in enumerate(("DP-DROP", "NTP")):
-            vals = [next(r["replicas_available"] for r in avail if r["tp"] == t and r["policy"] == policy) for t in tps]
+            vals = [
+                next(r["replicas_available"] for r in avail if r["tp"] == t and r["policy"] == policy)
+                for t in tps
+            ]
             ax.bar(pos + (k - 0.5) * 0.38, [100 * v for v in vals], width=0.38, label=f"{policy} (simulated)")
-        expected = [next(r["replicas_available_expected"] for r in avail if r["tp"] == t and r["policy"] == "DP-DROP")
-                    for t in tps]
+        expected = [
+            next(r["replicas_available_expected"] for r in avail if r["tp"] == t and r["policy"] == "DP-DROP")
+            for t in tps
+        ]
         if all(e is not None for e in expected):
             ax.plot(pos - 0.19, [100 * e for e in expected], "k_", ms=20, mew=2, label="DP-DROP expected")
         ax.set_xticks(pos, [f"TP{t}" for t in tps])
@@ -113,26 +118,34 @@ def format_tables(results: SimResults, s: SimSettings) -> str:
     avail = _study(results.records, "availability")
     if avail:
         a = avail[0]
-        out.append(f"Replica availability: {a['num_gpus']} GPUs, {100 * a['failed_fraction']:.2f}% failed, "
-                   f"replica = one TP group, {a['samples']} placements")
+        out.append(
+            f"Replica availability: {a['num_gpus']} GPUs, {100 * a['failed_fraction']:.2f}% failed, "
+            f"replica = one TP group, {a['samples']} placements"
+        )
         out.append(f"{'TP':>4} {'DP-DROP':>9} {'expected':>9} {'NTP':>9}")
         for t in sorted({r["tp"] for r in avail}):
             drop = next(r for r in avail if r["tp"] == t and r["policy"] == "DP-DROP")
             ntp = next(r for r in avail if r["tp"] == t and r["policy"] == "NTP")
-            out.append(f"{t:>4} {_pct(drop['replicas_available']):>9} "
-                       f"{_pct(drop['replicas_available_expected']):>9} {_pct(ntp['replicas_available']):>9}")
+            out.append(
+                f"{t:>4} {_pct(drop['replicas_available']):>9} "
+                f"{_pct(drop['replicas_available_expected']):>9} {_pct(ntp['replicas_available']):>9}"
+            )
         out.append("")
-    out.append(f"Setting: {s.model.name} ({s.model.num_params / 1e9:.0f}B params), seq {s.seq_len}, "
-               f"{s.train.tokens_per_batch} tokens/batch; {c.num_gpus} x {s.device.name}, domain {c.domain_size}, "
-               f"TP{c.tp} x PP{c.pp}, {c.num_replicas} replicas, local batch {s.local_batch}, "
-               f"spare domains {c.spare_domains}, packing {'on' if c.packing else 'off'}")
+    out.append(
+        f"Setting: {s.model.name} ({s.model.num_params / 1e9:.0f}B params), seq {s.seq_len}, "
+        f"{s.train.tokens_per_batch} tokens/batch; {c.num_gpus} x {s.device.name}, domain {c.domain_size}, "
+        f"TP{c.tp} x PP{c.pp}, {c.num_replicas} replicas, local batch {s.local_batch}, "
+        f"spare domains {c.spare_domains}, packing {'on' if c.packing else 'off'}"
+    )
     degs = [t for t in c.allowed_degrees() if t < c.tp]
     if degs:
         heads = "  ".join(f"TP{t}" for t in degs[:8])
         out.append(f"local batch kept on time at reduced TP ({heads}):")
         for tab in results.policy_tables:
-            cells = "  ".join(f"{int(tab.batch[t])}" + (f"@x{tab.boost[t]:.3f}" if tab.boost[t] > 1 else "")
-                              for t in degs[:8])
+            cells = "  ".join(
+                f"{int(tab.batch[t])}" + (f"@x{tab.boost[t]:.3f}" if tab.boost[t] > 1 else "")
+                for t in degs[:8]
+            )
             out.append(f"  {tab.name:<8} {cells}")
     thr = _study(results.records, "throughput")
     if thr:
@@ -141,20 +154,34 @@ def format_tables(results: SimResults, s: SimSettings) -> str:
         out.append(f"{'failed':>8} " + " ".join(f"{p:>9}" for p in s.policies))
         for p in sorted({r["failed_fraction"] for r in thr}):
             rows = {r["policy"]: r for r in thr if r["failed_fraction"] == p}
-            out.append(f"{100 * p:>7.3f}% " + " ".join(f"{_pct(1 - rows[x]['throughput_rel']):>9}" for x in s.policies))
+            out.append(
+                f"{100 * p:>7.3f}% "
+                + " ".join(f"{_pct(1 - rows[x]['throughput_rel']):>9}" for x in s.policies)
+            )
     trace = _study(results.records, "trace")
     if trace:
         f = s.failures
         out.append("")
-        out.append(f"{f.days:g}-day failure trace, {f.rate_per_gpu_hour:.3g}/GPU-hour, hardware {f.hardware_fraction:.0%} "
-                   f"repaired in {'/'.join(f'{h:g}' for h in f.hardware_repair_hours)} h, software in "
-                   f"{f.software_repair_hours:g} h, blast radius {f.blast_radius}")
-        out.append(f"{'rate':>5} {'policy':<8} {'events':>6} {'failed':>8} {'throughput':>10} {'min':>8} "
-                   f"{'spares':>7} {'spare GPUs':>10}")
+        out.append(
+            f"{f.days:g}-day failure trace, {f.rate_per_gpu_hour:.3g}/GPU-hour, "
+            f"hardware {f.hardware_fraction:.0%} "
+            f"repaired in {'/'.join(f'{h:g}' for h in f.hardware_repair_hours)} h, software in "
+            f"{f.software_repair_hours:g} h, blast radius {f.blast_radius}"
+        )
+        out.append(
+            f"{'rate':>5} {'policy':<8} {'events':>6} {'failed':>8} {'throughput':>10} {'min':>8} "
+            f"{'spares':>7} {'spare GPUs':>10}"
+        )
         for r in trace:
-            spares = "-" if r["spares_needed"] is None and not c.packing else (
-                f">{f.max_spare_domains}" if r["spares_needed"] is None else str(r["spares_needed"]))
-            out.append(f"x{r['rate_multiplier']:<4g} {r['policy']:<8} {r['events']:>6} {_pct(r['failed_fraction'], 3):>8} "
-                       f"{_pct(r['throughput_rel']):>10} {_pct(r['throughput_rel_min']):>8} {spares:>7} "
-                       f"{_pct(r['spare_gpus_fraction']):>10}")
+            spares = (
+                "-"
+                if r["spares_needed"] is None and not c.packing
+                else (f">{f.max_spare_domains}" if r["spares_needed"] is None else str(r["spares_needed"]))
+            )
+            out.append(
+                f"x{r['rate_multiplier']:<4g} {r['policy']:<8} {r['events']:>6} "
+                f"{_pct(r['failed_fraction'], 3):>8} "
+                f"{_pct(r['throughput_rel']):>10} {_pct(r['throughput_rel_min']):>8} {spares:>7} "
+                f"{_pct(r['spare_gpus_fraction']):>10}"
+            )
     return "\n".join(out)

@@ -20,7 +20,7 @@ import numpy as np
 from ntp_nemo.planner.cost import item_cost, item_kinds, stage_of_items
 from ntp_nemo.planner.shapes import DeviceModel, LinkModel, ModelShape
 
-_EPS = 1e-9
+_EPS = 1e-6  # tolerance on micro-batch counts and boost factors (float noise, not physics)
 
 
 @dataclass(frozen=True)
@@ -44,8 +44,12 @@ class ReplicaPerf:
             kinds = item_kinds(self.model)
             stages = stage_of_items(self.model.num_layers, self.pp)
             compute, comm, params = np.zeros(self.pp), np.zeros(self.pp), np.zeros(self.pp)
-            costs = {k: item_cost(self.model, k, degree, self.seq_len, self.micro_batch_size, self.device, self.links)
-                     for k in set(kinds)}
+            costs = {
+                k: item_cost(
+                    self.model, k, degree, self.seq_len, self.micro_batch_size, self.device, self.links
+                )
+                for k in set(kinds)
+            }
             for kind, s in zip(kinds, stages, strict=True):
                 compute[s] += costs[kind].compute_s
                 comm[s] += costs[kind].comm_s

@@ -56,28 +56,32 @@ def policy_table(name: str, perf: ReplicaPerf, local_batch: int, boost_cap: floa
     return PolicyTable(name, batch, boost, local_batch)
 
 
-def replica_metrics(degrees: np.ndarray, table: PolicyTable, num_replicas: int, tp: int) -> dict[str, np.ndarray]:
-    """Per-sample metrics for the job's `num_replicas` best formed replicas under one policy.
+def replica_metrics(
+    replicas: np.ndarray, table: PolicyTable, num_replicas: int, tp: int
+) -> dict[str, np.ndarray]:
+    """Per-sample metrics of the job's `num_replicas` best formed replicas under one policy.
 
-    Returns arrays over samples: throughput relative to failure-free, fraction of replicas that
-    run, fraction of the job's GPUs doing useful work, mean power factor of boosted replicas.
+    `replicas` is the (samples, tp + 1) count of formed replicas per degree. Returns arrays over
+    samples: throughput relative to failure-free, fraction of the job's replicas that run,
+    fraction of its GPUs doing useful work, mean power factor of the boosted replicas.
     """
-    use = degrees[:, :num_replicas]
-    if use.shape[1] < num_replicas:
-        use = np.pad(use, ((0, 0), (0, num_replicas - use.shape[1])))
-    batch = table.batch[use]
-    running = batch > 0
-    boosted = running & (use < tp)
-    n_boosted = boosted.sum(axis=1)
-    boost_sum = np.where(boosted, table.boost[use], 0.0).sum(axis=1)
+    desc = replicas[:, ::-1]
+    better = np.cumsum(desc, axis=1) - desc
+    used = np.clip(num_replicas - better, 0, desc)[:, ::-1]
+    degree = np.arange(tp + 1)
+    runs = table.batch > 0
+    boosted = runs & (degree < tp)
+    n_boosted = used[:, boosted].sum(axis=1)
     return {
-        "throughput_rel": batch.sum(axis=1) / (num_replicas * table.local_batch),
-        "replicas_available": running.mean(axis=1),
-        "gpus_useful": np.where(running, use, 0).sum(axis=1) / (num_replicas * tp),
-        "power_boost": np.where(n_boosted > 0, boost_sum / np.maximum(n_boosted, 1), 1.0),
+        "throughput_rel": used @ table.batch / (num_replicas * table.local_batch),
+        "replicas_available": used[:, runs].sum(axis=1) / num_replicas,
+        "gpus_useful": used @ (degree * runs) / (num_replicas * tp),
+        "power_boost": np.where(
+            n_boosted > 0, used @ (table.boost * boosted) / np.maximum(n_boosted, 1), 1.0
+        ),
     }
 
 
-def capacity(degrees: np.ndarray, table: PolicyTable) -> np.ndarray:
+def capacity(replicas: np.ndarray, table: PolicyTable) -> np.ndarray:
     """Sequences per step all formed replicas can process on time (fixed mini-batch feasibility)."""
-    return table.batch[degrees].sum(axis=1)
+    return replicas @ table.batch

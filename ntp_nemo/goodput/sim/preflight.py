@@ -23,8 +23,25 @@ from ntp_nemo.errors import ConfigError
 
 # Flags that change what Hydra composes or that do not run jobs: leave those command lines to Hydra.
 _HYDRA_FLAGS = {
-    "--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--resolve", "--package", "-p", "--info", "-i",
-    "--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd", "--shell-completion", "-sc",
+    "--help",
+    "-h",
+    "--hydra-help",
+    "--version",
+    "--cfg",
+    "-c",
+    "--resolve",
+    "--package",
+    "-p",
+    "--info",
+    "-i",
+    "--config-path",
+    "-cp",
+    "--config-name",
+    "-cn",
+    "--config-dir",
+    "-cd",
+    "--shell-completion",
+    "-sc",
     "--experimental-rerun",
 }
 _RUN_FLAGS = {"-m", "--multirun"}
@@ -41,7 +58,9 @@ def expand_sweep(overrides: Sequence[str], max_jobs: int = 256) -> list[list[str
         key = ov.get_key_element()
         if ov.is_sweep_override():
             if not ov.is_discrete_sweep():
-                raise ConfigError("overrides", f"{ov.input_line!r}: only comma lists and range() sweeps are supported.")
+                raise ConfigError(
+                    "overrides", f"{ov.input_line!r}: only comma lists and range() sweeps are supported."
+                )
             choices.append([f"{key}={v}" for v in ov.sweep_string_iterator()])
         else:
             choices.append([f"{key}={ov.get_value_element_as_str()}"])
@@ -49,7 +68,9 @@ def expand_sweep(overrides: Sequence[str], max_jobs: int = 256) -> list[list[str
     return jobs or [[]]
 
 
-def preflight(config_dir: Path, config_name: str, argv: Sequence[str], check: Callable[[DictConfig], Any]) -> bool:
+def preflight(
+    config_dir: Path, config_name: str, argv: Sequence[str], check: Callable[[DictConfig], Any]
+) -> bool:
     """Compose every job of `argv` and run `check` on it; False when the command line is left to Hydra."""
     if any(a.split("=")[0] in _HYDRA_FLAGS for a in argv if a.startswith("-")):
         return False

@@ -121,28 +121,38 @@ def settings_from_config(cfg: DictConfig | Mapping[str, Any]) -> SimSettings:
         cluster = dataclasses.replace(cluster, degraded_tp=tuple(cluster.degraded_tp))
     model = ModelShape.from_dict(_section(raw, "model"))
     if model.seq_len is None:
-        raise ConfigError("model.seq_len", "the simulator needs the training sequence length; set model.seq_len.")
+        raise ConfigError(
+            "model.seq_len", "the simulator needs the training sequence length; set model.seq_len."
+        )
     hardware = _section(raw, "hardware")
     device = DeviceModel.from_dict(_section(hardware, "device"), "hardware.device")
     links = LinkModel.from_dict(_section(hardware, "links"), "hardware.links")
     train = _build(TrainSpec, _section(raw, "train"), "train")
     for name in ("tokens_per_batch", "micro_batch_size", "pp_interleave"):
         _positive_int(f"train.{name}", getattr(train, name))
-    failures = _build(FailureSpec, _section(raw, "failures"), "failures", ("rate_multipliers", "hardware_repair_hours"))
+    failures = _build(
+        FailureSpec, _section(raw, "failures"), "failures", ("rate_multipliers", "hardware_repair_hours")
+    )
     placements = _build(PlacementSpec, _section(raw, "placements"), "placements")
     _positive_int("placements.samples", placements.samples)
     _positive_int("placements.num_fractions", placements.num_fractions)
     if placements.sampling not in (EXACT, BERNOULLI):
         raise ConfigError("placements.sampling", f"{placements.sampling!r}; use {EXACT!r} or {BERNOULLI!r}.")
     if not 0 <= placements.failed_fraction_max < 1:
-        raise ConfigError("placements.failed_fraction_max", f"must be in [0, 1), got {placements.failed_fraction_max}.")
+        raise ConfigError(
+            "placements.failed_fraction_max", f"must be in [0, 1), got {placements.failed_fraction_max}."
+        )
     availability = _build(AvailabilitySpec, _section(raw, "availability"), "availability", ("tp",))
     for t in availability.tp:
         _positive_int("availability.tp", t)
         if availability.num_gpus % t:
-            raise ConfigError("availability.tp", f"{t} does not divide availability.num_gpus={availability.num_gpus}.")
+            raise ConfigError(
+                "availability.tp", f"{t} does not divide availability.num_gpus={availability.num_gpus}."
+            )
     if not 0 <= availability.failed_fraction < 1:
-        raise ConfigError("availability.failed_fraction", f"must be in [0, 1), got {availability.failed_fraction}.")
+        raise ConfigError(
+            "availability.failed_fraction", f"must be in [0, 1), got {availability.failed_fraction}."
+        )
     policies = tuple(raw.get("policies") or ())
     bad = [p for p in policies if p not in POLICIES]
     if bad or not policies:
@@ -155,9 +165,19 @@ def settings_from_config(cfg: DictConfig | Mapping[str, Any]) -> SimSettings:
     if isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap < 0:
         raise ConfigError("power_boost_cap", f"must be a non-negative fraction (0.3 = +30%), got {cap!r}.")
     settings = SimSettings(
-        cluster=cluster, model=model, device=device, links=links, train=train, failures=failures,
-        placements=placements, availability=availability, policies=policies, studies=studies,
-        power_boost_cap=float(cap), seed=int(raw.get("seed", 0)), plots=bool(raw.get("plots", True)),
+        cluster=cluster,
+        model=model,
+        device=device,
+        links=links,
+        train=train,
+        failures=failures,
+        placements=placements,
+        availability=availability,
+        policies=policies,
+        studies=studies,
+        power_boost_cap=float(cap),
+        seed=int(raw.get("seed", 0)),
+        plots=bool(raw.get("plots", True)),
     )
     _check_batch(settings)
     _check_units(settings)
@@ -170,7 +190,8 @@ def _check_batch(s: SimSettings) -> None:
     if rem or rem2 or per_replica % s.train.micro_batch_size or per_replica == 0:
         raise ConfigError(
             "train.tokens_per_batch",
-            f"{s.train.tokens_per_batch} tokens of seq_len {s.seq_len} over {s.cluster.num_replicas} replicas "
+            f"{s.train.tokens_per_batch} tokens of seq_len {s.seq_len} over "
+            f"{s.cluster.num_replicas} replicas "
             f"is not a whole number of micro-batches of {s.train.micro_batch_size} per replica; choose a "
             f"multiple of seq_len x replicas x micro_batch_size = "
             f"{s.seq_len * s.cluster.num_replicas * s.train.micro_batch_size}.",
@@ -181,7 +202,8 @@ def _check_units(s: SimSettings) -> None:
     units = min(s.model.num_kv_heads, s.model.ffn_hidden_size)
     if s.cluster.tp > units:
         raise ConfigError(
-            "cluster.tp", f"{s.cluster.tp} ranks but the model has only {units} attention (GQA) groups to shard."
+            "cluster.tp",
+            f"{s.cluster.tp} ranks but the model has only {units} attention (GQA) groups to shard.",
         )
     if s.cluster.pp > s.model.num_layers:
         raise ConfigError("cluster.pp", f"{s.cluster.pp} stages for {s.model.num_layers} layers.")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ntp_nemo.goodput.sim.cluster import ClusterSpec, form_replicas
+from ntp_nemo.goodput.sim.cluster import ClusterSpec, DamagedDomains, replica_histogram
 from ntp_nemo.goodput.sim.failures import BERNOULLI, Trace, generate_trace, sample_placements, trace_states
 from ntp_nemo.goodput.sim.perf import ReplicaPerf
 from ntp_nemo.goodput.sim.policies import DP_DROP, NTP, PolicyTable, capacity, policy_table, replica_metrics
@@ -35,15 +35,26 @@ def expected_availability(num_gpus: int, group: int, failed_fraction: float, sam
     if k + group > num_gpus:
         return 0.0
     return math.exp(
-        math.lgamma(num_gpus - group + 1) - math.lgamma(num_gpus - group - k + 1)
-        - math.lgamma(num_gpus + 1) + math.lgamma(num_gpus - k + 1)
+        math.lgamma(num_gpus - group + 1)
+        - math.lgamma(num_gpus - group - k + 1)
+        - math.lgamma(num_gpus + 1)
+        + math.lgamma(num_gpus - k + 1)
     )
 
 
 def replica_perf(s: SimSettings) -> ReplicaPerf:
     c = s.cluster
-    return ReplicaPerf(s.model, s.device, s.links, c.tp, c.pp, s.seq_len, s.train.micro_batch_size,
-                       s.train.pp_interleave, c.num_replicas)
+    return ReplicaPerf(
+        s.model,
+        s.device,
+        s.links,
+        c.tp,
+        c.pp,
+        s.seq_len,
+        s.train.micro_batch_size,
+        s.train.pp_interleave,
+        c.num_replicas,
+    )
 
 
 def policy_tables(s: SimSettings) -> list[PolicyTable]:
@@ -55,23 +66,46 @@ def run_availability(s: SimSettings, rng: np.random.Generator) -> list[dict]:
     a, fb = s.availability, s.failures.blast_radius
     records = []
     for tp in a.tp:
-        spec = ClusterSpec(num_gpus=a.num_gpus, domain_size=tp, tp=tp, pp=1,
-                           min_degraded_fraction=s.cluster.min_degraded_fraction)
-        fails = sample_placements(spec.num_cells(), spec.cell_size, a.failed_fraction, s.placements.samples, rng,
-                                  s.placements.sampling, fb if tp % fb == 0 else 1)
-        degrees = form_replicas(spec, fails)
-        expected = expected_availability(a.num_gpus, tp, a.failed_fraction, s.placements.sampling) if fb == 1 else None
+        spec = ClusterSpec(
+            num_gpus=a.num_gpus,
+            domain_size=tp,
+            tp=tp,
+            pp=1,
+            min_degraded_fraction=s.cluster.min_degraded_fraction,
+        )
+        fails = sample_placements(
+            spec.num_cells(),
+            spec.cell_size,
+            a.failed_fraction,
+            s.placements.samples,
+            rng,
+            s.placements.sampling,
+            fb if tp % fb == 0 else 1,
+        )
+        hist = replica_histogram(spec, fails)
+        expected = (
+            expected_availability(a.num_gpus, tp, a.failed_fraction, s.placements.sampling)
+            if fb == 1
+            else None
+        )
+        total = hist.sum(axis=1)
         for policy in (DP_DROP, NTP):
-            running = degrees == tp if policy == DP_DROP else degrees > 0
-            records.append({
-                "study": "availability", "policy": policy, "tp": tp, "num_gpus": a.num_gpus,
-                "failed_fraction": a.failed_fraction,
-                "replicas_available": float(running.mean()),
-                "replicas_available_expected": expected if policy == DP_DROP else None,
-                "gpus_useful": float(np.where(running, degrees, 0).sum() / (degrees.size * tp)),
-                "throughput_rel": float(np.where(running, degrees, 0).sum() / (degrees.size * tp)),
-                "samples": s.placements.samples,
-            })
+            running = hist[:, tp] if policy == DP_DROP else hist[:, 1:].sum(axis=1)
+            useful = hist[:, tp] * tp if policy == DP_DROP else hist @ np.arange(tp + 1)
+            records.append(
+                {
+                    "study": "availability",
+                    "policy": policy,
+                    "tp": tp,
+                    "num_gpus": a.num_gpus,
+                    "failed_fraction": a.failed_fraction,
+                    "replicas_available": float(running.sum() / total.sum()),
+                    "replicas_available_expected": expected if policy == DP_DROP else None,
+                    "gpus_useful": float(useful.sum() / (total.sum() * tp)),
+                    "throughput_rel": float(useful.sum() / (total.sum() * tp)),
+                    "samples": s.placements.samples,
+                }
+            )
     return records
 
 
@@ -83,21 +117,38 @@ def run_throughput(s: SimSettings, rng: np.random.Generator, tables: list[Policy
     c = s.cluster
     records = []
     for p in s.placements.fractions:
-        fails = sample_placements(c.num_cells(), c.cell_size, float(p), s.placements.samples, rng,
-                                  s.placements.sampling, s.failures.blast_radius)
-        degrees = form_replicas(c, fails)
+        fails = sample_placements(
+            c.num_cells(),
+            c.cell_size,
+            float(p),
+            s.placements.samples,
+            rng,
+            s.placements.sampling,
+            s.failures.blast_radius,
+        )
+        replicas = replica_histogram(c, fails)
         for table in tables:
-            m = replica_metrics(degrees, table, c.num_replicas, c.tp)
+            m = replica_metrics(replicas, table, c.num_replicas, c.tp)
             thr = _summary(m["throughput_rel"])
-            records.append({
-                "study": "throughput", "policy": table.name, "failed_fraction": float(p),
-                "throughput_rel": thr["mean"], "throughput_rel_min": thr["min"], "throughput_rel_p05": thr["p05"],
-                "replicas_available": float(m["replicas_available"].mean()),
-                "gpus_useful": float(m["gpus_useful"].mean()),
-                "power_boost": float(m["power_boost"].mean()),
-                "tp": c.tp, "pp": c.pp, "num_gpus": c.num_gpus, "spare_domains": c.spare_domains,
-                "local_batch": s.local_batch, "samples": s.placements.samples,
-            })
+            records.append(
+                {
+                    "study": "throughput",
+                    "policy": table.name,
+                    "failed_fraction": float(p),
+                    "throughput_rel": thr["mean"],
+                    "throughput_rel_min": thr["min"],
+                    "throughput_rel_p05": thr["p05"],
+                    "replicas_available": float(m["replicas_available"].mean()),
+                    "gpus_useful": float(m["gpus_useful"].mean()),
+                    "power_boost": float(m["power_boost"].mean()),
+                    "tp": c.tp,
+                    "pp": c.pp,
+                    "num_gpus": c.num_gpus,
+                    "spare_domains": c.spare_domains,
+                    "local_batch": s.local_batch,
+                    "samples": s.placements.samples,
+                }
+            )
     return records
 
 
@@ -118,11 +169,14 @@ def spares_needed(s: SimSettings, table: PolicyTable, trace: Trace, max_spares: 
     position by position), so a binary search is exact.
     """
     c = s.cluster
+    _, _, pool = trace_states(trace, c.domain_size, c.num_domains + max_spares)
+    damaged = DamagedDomains.from_dense(pool) if c.tp <= c.domain_size else None
     need = c.num_replicas * s.local_batch
 
     def feasible(spares: int) -> bool:
-        _, _, fails = trace_states(trace, c.domain_size, c.num_domains + spares)
-        return bool(np.all(capacity(form_replicas(c, fails), table) >= need))
+        n = c.num_domains + spares
+        fails = damaged.first(n) if damaged is not None else pool[:, :n]
+        return bool(np.all(capacity(replica_histogram(c, fails), table) >= need))
 
     if not feasible(max_spares):
         return None
@@ -147,27 +201,36 @@ def run_trace(
         trace = generate_trace(pool, f, mult, rng)
         times, durations, fails = trace_states(trace, c.cell_size, c.num_cells())
         weights = durations / durations.sum()
-        degrees = form_replicas(c, fails)
+        replicas = replica_histogram(c, fails)
         failed = fails.sum(axis=1)
         series = {}
         for table in tables:
-            m = replica_metrics(degrees, table, c.num_replicas, c.tp)
+            m = replica_metrics(replicas, table, c.num_replicas, c.tp)
             series[table.name] = m["throughput_rel"]
             spares = spares_needed(s, table, trace, max_spares) if c.packing else None
-            records.append({
-                "study": "trace", "policy": table.name, "rate_multiplier": float(mult),
-                "failed_fraction": float(weights @ failed / c.num_gpus),
-                "throughput_rel": float(weights @ m["throughput_rel"]),
-                "throughput_rel_min": float(m["throughput_rel"].min()),
-                "replicas_available": float(weights @ m["replicas_available"]),
-                "gpus_useful": float(weights @ m["gpus_useful"]),
-                "spares_needed": spares,
-                "spare_gpus_fraction": None if spares is None else spares * c.domain_size / c.num_gpus,
-                "max_failed_gpus": int(failed.max()), "events": trace.num_events,
-                "hardware_events": trace.num_hardware, "days": f.days,
-                "hardware_repair_hours": list(f.hardware_repair_hours),
-                "tp": c.tp, "pp": c.pp, "num_gpus": c.num_gpus, "spare_domains": c.spare_domains,
-            })
+            records.append(
+                {
+                    "study": "trace",
+                    "policy": table.name,
+                    "rate_multiplier": float(mult),
+                    "failed_fraction": float(weights @ failed / c.num_gpus),
+                    "throughput_rel": float(weights @ m["throughput_rel"]),
+                    "throughput_rel_min": float(m["throughput_rel"].min()),
+                    "replicas_available": float(weights @ m["replicas_available"]),
+                    "gpus_useful": float(weights @ m["gpus_useful"]),
+                    "spares_needed": spares,
+                    "spare_gpus_fraction": None if spares is None else spares * c.domain_size / c.num_gpus,
+                    "max_failed_gpus": int(failed.max()),
+                    "events": trace.num_events,
+                    "hardware_events": trace.num_hardware,
+                    "days": f.days,
+                    "hardware_repair_hours": list(f.hardware_repair_hours),
+                    "tp": c.tp,
+                    "pp": c.pp,
+                    "num_gpus": c.num_gpus,
+                    "spare_domains": c.spare_domains,
+                }
+            )
         timelines.append(TraceTimeline(float(mult), times, failed, series))
     return records, timelines
 
@@ -191,4 +254,3 @@ def run_all(s: SimSettings) -> SimResults:
         recs, out.timelines = run_trace(s, rng, out.policy_tables)
         out.records += recs
     return out
-

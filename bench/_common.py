@@ -1,0 +1,313 @@
+"""Shared pieces of the benchmarks: config composition, the real `ntp-train` CLI in a subprocess, a
+plain GPT-2-style model with the same shapes as ntp_nemo's, and a plain PyTorch training loop.
+
+The plain model's parameter names match `ntp_nemo.models.DecoderLM`, so it starts from exactly the
+same (layout-independent) initialisation and the benchmarks can check that both sides do the same
+work by comparing loss curves.
+
+Run as a script it is the plain-loop worker (used by overhead.py and throughput.py):
+
+    python bench/_common.py --steps 25 --out plain.jsonl -- data.seq_len=128 ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = Path(__file__).resolve().parent
+
+# Overrides every timed run shares: no validation, checkpoints, progress bar or logger inside the timed steps.
+QUIET = ["trainer.val_every_n_steps=1000000", "trainer.progress_bar=false", "checkpoint.every_n_steps=0",
+         "checkpoint.save_on_end=false", "logger=none", "callbacks=none", "resume=never"]
+SINGLE = ["mesh.dp=1", "mesh.tp=1", "mesh.pp=1", "ntp.replica_tp=null"]
+
+
+# ---- config ---------------------------------------------------------------------------------------
+def compose(overrides: Sequence[str]):
+    """The DictConfig `ntp-train OVERRIDES` would run with."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from ntp_nemo.config.paths import conf_dir
+    from ntp_nemo.config.register import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+        return hydra_compose(config_name="config", overrides=list(overrides))
+
+
+def model_config(cfg):
+    from omegaconf import OmegaConf
+
+    from ntp_nemo.config.schema import ModelConfig
+
+    fields = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "_target_"}
+    return ModelConfig(**fields)
+
+
+def build_data_for(cfg):
+    from ntp_nemo.data.module import build_data
+
+    d = cfg.data
+    return build_data(d.path, d.tokenizer, int(d.seq_len), int(d.global_batch_size), int(cfg.seed),
+                      float(d.val_fraction), int(cfg.model.vocab_size))
+
+
+def step_tokens(data, step: int, micro_batch_size: int) -> torch.Tensor:
+    """All micro-batches of the global batch of `step`: [num_micro, micro_batch_size, seq_len + 1]."""
+    import numpy as np
+
+    micro = data.sampler.microbatch_ids(step, micro_batch_size)
+    return data.train.batch(np.concatenate(micro)).view(len(micro), micro_batch_size, -1)
+
+
+# ---- statistics and environment --------------------------------------------------------------------
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def load_average() -> str:
+    one, five, _ = os.getloadavg()
+    return f"{one:.1f}/{five:.1f} (1/5 min) on {os.cpu_count()} CPUs"
+
+
+def thread_env(threads: int) -> dict[str, str]:
+    """Environment that fixes torch's thread count in every process (Lightning leaves OMP_NUM_THREADS alone
+    once it is set, and NTPStrategy sets no thread count for a one-process run)."""
+    path = os.pathsep.join(filter(None, [str(BENCH), str(ROOT), os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", PYTHONPATH=path)
+
+
+def step_probe(path: str):
+    """Hydra `_target_` for a callback recording, on global rank 0, the torch thread count and the process
+    CPU time of every training step (CPU time is far less disturbed by other load on a shared box)."""
+    from lightning.pytorch.callbacks import Callback
+
+    class StepProbe(Callback):
+        def __init__(self) -> None:
+            self.cpu: list[float] = []
+            self._t0 = 0.0
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            self._t0 = time.process_time()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.cpu.append(time.process_time() - self._t0)
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            if trainer.is_global_zero:
+                Path(path).write_text(json.dumps({"threads": torch.get_num_threads(), "cpu_s": self.cpu}))
+
+    return StepProbe()
+
+
+# ---- ntp-train through its CLI ---------------------------------------------------------------------
+def run_ntp_train(overrides: Sequence[str], run_dir: Path, threads: int, timeout: int = 900
+                  ) -> dict[str, Any]:
+    """Run the real `ntp-train` CLI; returns its metrics.jsonl records and the worker's thread count."""
+    probe = run_dir.parent / f"{run_dir.name}.probe.json"
+    args = [*overrides, f"hydra.run.dir={run_dir}", f"+callbacks.probe._target_={__name__}.step_probe",
+            f"+callbacks.probe.path={probe}"]
+    proc = subprocess.run([sys.executable, "-m", "ntp_nemo.train", *args], cwd=run_dir.parent,
+                          env=thread_env(threads), capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"ntp-train {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines if line.strip()]
+    probed = json.loads(probe.read_text())
+    for rec, cpu in zip(records, probed["cpu_s"], strict=True):
+        rec["cpu_s"] = cpu
+    return {"records": records, "threads": probed["threads"]}
+
+
+def run_plain(overrides: Sequence[str], steps: int, threads: int, workdir: Path, timeout: int = 900
+              ) -> dict[str, Any]:
+    """Run the plain PyTorch loop below in a fresh process with the same thread count."""
+    out = workdir / f"plain-{time.monotonic_ns()}.jsonl"
+    cmd = [sys.executable, str(Path(__file__)), "--steps", str(steps), "--threads", str(threads),
+           "--out", str(out), "--", *overrides]
+    proc = subprocess.run(cmd, cwd=workdir, env=thread_env(threads), capture_output=True, text=True,
+                          timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"plain loop exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    lines = out.read_text().splitlines()
+    return {"records": [json.loads(line) for line in lines[1:]], "threads": json.loads(lines[0])["threads"]}
+
+
+def steady(records: Sequence[dict], warmup: int) -> dict[str, float]:
+    """Median `step_time_s` and CPU time after `warmup` steps, and the wall time per step from the end of
+    step `warmup` to the end of the run (which also counts batch fetching and everything between steps)."""
+    if not 1 <= warmup < len(records):
+        raise ValueError(f"need more than {warmup} steps, got {len(records)}")
+    rest = list(records[warmup:])
+    wall = (records[-1]["time"] - records[warmup - 1]["time"]) / len(rest)
+    return {"step_s": median([r["step_time_s"] for r in rest]), "cpu_s": median([r["cpu_s"] for r in rest]),
+            "wall_s": wall, "tokens": records[-1]["tokens"]}
+
+
+def max_rel_loss_diff(a: Sequence[dict], b: Sequence[dict]) -> float:
+    return max(abs(x["loss"] - y["loss"]) / abs(y["loss"]) for x, y in zip(a, b, strict=False))
+
+
+# ---- the plain model -------------------------------------------------------------------------------
+class PlainAttention(nn.Module):
+    def __init__(self, h: int, num_heads: int) -> None:
+        super().__init__()
+        self.head_dim = h // num_heads
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(h, h) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        d = self.head_dim
+        # `-1` heads: under tensor parallelism the projections hold only this rank's heads.
+        q, k, v = (p(x).view(b, s, -1, d).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class PlainMLP(nn.Module):
+    def __init__(self, h: int, f: int) -> None:
+        super().__init__()
+        self.up_proj, self.down_proj = nn.Linear(h, f), nn.Linear(f, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
+
+
+class PlainBlock(nn.Module):
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.attn_norm = nn.LayerNorm(h, eps=cfg.norm_eps)
+        self.attn = PlainAttention(h, cfg.num_heads)
+        self.mlp_norm = nn.LayerNorm(h, eps=cfg.norm_eps)
+        self.mlp = PlainMLP(h, cfg.ffn_hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class PlainGPT(nn.Module):
+    """GPT-2-style decoder from stock torch.nn modules (tied embeddings), named like DecoderLM."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        if cfg.arch != "gpt2" or not cfg.tie_embeddings:
+            raise ValueError("the plain benchmark model covers the GPT-2 architecture with tied embeddings")
+        h = cfg.hidden_size
+        self.embed = nn.Embedding(cfg.vocab_size, h)
+        self.pos_embed = nn.Parameter(torch.zeros(cfg.max_seq_len, h))
+        self.blocks = nn.ModuleDict({str(i): PlainBlock(cfg) for i in range(cfg.num_layers)})
+        self.final_norm = nn.LayerNorm(h, eps=cfg.norm_eps)
+        self.head = nn.Linear(h, cfg.vocab_size, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids) + self.pos_embed[: ids.shape[1]]
+        for block in self.blocks.values():
+            x = block(x)
+        return self.head(self.final_norm(x))
+
+    def loss_sum(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = self(tokens[:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), reduction="sum")
+
+
+def plain_model(cfg, seed: int) -> PlainGPT:
+    """A PlainGPT holding exactly ntp_nemo's initialisation for `seed`."""
+    from ntp_nemo.models import build_model
+
+    state = build_model(cfg, seed=seed).state_dict()
+    model = PlainGPT(cfg)
+    model.load_state_dict({**state, "head.weight": state["embed.weight"]})
+    return model
+
+
+def warmup_cosine(warmup: int, max_steps: int, min_ratio: float):
+    """NTPLanguageModule's LR factor, restated so the plain process need not import Lightning; the benchmarks
+    compare loss curves, which would diverge if the two schedules differed."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def adamw(params: Sequence[nn.Parameter], o, max_steps: int):
+    """AdamW with NTPLanguageModule's grouping (weight decay on matrices only) and its LR schedule."""
+    params = list(params)
+    opt = torch.optim.AdamW(
+        [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
+         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(o.warmup_steps, max_steps, o.min_lr_ratio))
+    return opt, sched
+
+
+# ---- the plain loop --------------------------------------------------------------------------------
+def plain_loop(overrides: Sequence[str], steps: int, out: Path) -> None:
+    """Train PlainGPT with the config `ntp-train OVERRIDES` would use; one JSON line per step.
+
+    The timed window matches NTPStrategy's `step_time_s` (metrics.jsonl): from the first forward of the
+    step's micro-batches to after the optimizer and schedule steps and the loss read-out; fetching the
+    batch is outside it, as Lightning fetches before `on_train_batch_start`.
+    """
+    cfg = compose(overrides)
+    data = build_data_for(cfg)
+    model = plain_model(model_config(cfg), int(cfg.seed))
+    opt, sched = adamw(model.parameters(), cfg.optim, int(cfg.trainer.max_steps))
+    mbs = int(cfg.data.micro_batch_size)
+    global_tokens = int(cfg.data.global_batch_size) * int(cfg.data.seq_len)
+    with out.open("w") as f:
+        f.write(json.dumps({"threads": torch.get_num_threads()}) + "\n")
+        for step in range(steps):
+            micro = step_tokens(data, step, mbs)
+            t0, c0 = time.perf_counter(), time.process_time()
+            total = torch.zeros((), dtype=torch.float64)
+            for mb in micro:
+                loss_sum = model.loss_sum(mb)
+                (loss_sum / global_tokens).backward()
+                total += loss_sum.detach().double()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            loss = float(total) / global_tokens
+            dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+            f.write(json.dumps({"step": step + 1, "loss": loss, "tokens": global_tokens, "step_time_s": dt,
+                                "cpu_s": cpu, "time": time.time()}) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="plain PyTorch training loop worker")
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--threads", type=int, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    plain_loop(args.overrides, args.steps, args.out)
+
+
+if __name__ == "__main__":
+    main()
+

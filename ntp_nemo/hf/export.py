@@ -1,0 +1,208 @@
+"""`ntp-export RUN_DIR_OR_CHECKPOINT OUT_DIR`: write a Hugging Face model directory.
+
+    ntp-export outputs/llama_tiny/2025-01-01_12-00-00 hf_out
+    ntp-export RUN_DIR/checkpoints/step_000150 hf_out --dtype bfloat16 --vocab-size 50257
+
+Reads a sharded checkpoint of any layout one logical tensor at a time (GPT-2's fused `c_attn`:
+its three parts), converts it to HF's layout and hands it to a writer that flushes a shard
+whenever it reaches `--max-shard-size`; so at most one output shard is ever held in memory, never
+the model twice.  Writes `config.json`, `generation_config.json` and `model.safetensors` (or
+shards with `model.safetensors.index.json`); tokenizer files of the `model.init_from` directory
+the run started from are copied along when that directory still exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ntp_nemo.config.schema import ModelConfig
+from ntp_nemo.errors import ConfigError, cli_main
+from ntp_nemo.hf.config_map import generation_config, hf_config, read_hf_config
+from ntp_nemo.hf.files import INDEX_FILE, HFWeightsWriter
+from ntp_nemo.hf.mapping import weight_map
+
+Fetch = Callable[[Sequence[str]], list[torch.Tensor]]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "added_tokens.json")
+BYTE_EOS_ID = 256  # ntp_nemo's byte tokenizer: ids 0..255 are bytes, 256 ends a document
+
+
+@dataclass(frozen=True)
+class ExportReport:
+    out_dir: Path
+    files: list[str]
+    tensors: int
+    bytes_written: int
+
+
+def hf_tensors(cfg: ModelConfig, fetch: Fetch, vocab_size: int | None = None,
+               dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The HF tensors of a model, each assembled from whole logical tensors fetched on demand."""
+    vocab = vocab_size or cfg.vocab_size
+    for t in weight_map(cfg).tensors:
+        parts = fetch(t.parts)
+        full = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        if t.vocab:
+            full = full[:vocab]
+        if t.transposed:
+            full = full.t()
+        yield t.name, full.to(dtype or full.dtype).contiguous()
+
+
+def _prepare_out_dir(out_dir: Path, force: bool) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError("OUT_DIR", f"{str(out_dir)!r} exists and is not a directory; name a new directory.")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    old = sorted(out_dir.glob("model*.safetensors*")) + sorted(out_dir.glob("config.json"))
+    if old and not force:
+        raise ConfigError("OUT_DIR", f"{str(out_dir)!r} already holds a model ({old[0].name}). Name a new "
+                                     "directory or pass --force to replace it.")
+    for f in old:
+        f.unlink()
+
+
+def write_hf_dir(cfg: ModelConfig, fetch: Fetch, out_dir: str | os.PathLike, *, vocab_size: int | None = None,
+                 dtype: torch.dtype | None = None, bos_token_id: int | None = None,
+                 eos_token_id: int | None = None, max_shard_bytes: int = 5 * 10**9,
+                 tokenizer_from: str | os.PathLike | None = None, force: bool = False) -> ExportReport:
+    """Write `cfg`'s weights (read through `fetch`) as a HF model directory."""
+    if vocab_size is not None and not 0 < vocab_size <= cfg.vocab_size:
+        raise ConfigError("--vocab-size", f"must lie in [1, {cfg.vocab_size}] (the model's vocabulary), got "
+                                          f"{vocab_size}; it drops padded vocabulary rows.")
+    out = Path(out_dir).expanduser()
+    _prepare_out_dir(out, force)
+    writer = HFWeightsWriter(out, max_shard_bytes)
+    count = 0
+    stored_dtype = None
+    for name, tensor in hf_tensors(cfg, fetch, vocab_size, dtype):
+        writer.add(name, tensor)
+        stored_dtype = stored_dtype or tensor.dtype
+        count += 1
+    files = writer.close()
+    dtype_name = str(stored_dtype).removeprefix("torch.")
+    doc = hf_config(cfg, vocab_size, dtype_name, bos_token_id, eos_token_id)
+    (out / "config.json").write_text(json.dumps(doc, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(generation_config(bos_token_id, eos_token_id),
+                                                           indent=2) + "\n")
+    files += ["config.json", "generation_config.json"]
+    if tokenizer_from is not None:
+        for name in TOKENIZER_FILES:
+            src = Path(tokenizer_from) / name
+            if src.is_file():
+                shutil.copyfile(src, out / name)
+                files.append(name)
+    return ExportReport(out, files, count, writer.total_bytes)
+
+
+def export_model(model: nn.Module, out_dir: str | os.PathLike, **options) -> ExportReport:
+    """Export an unsharded in-memory `DecoderLM` (every parameter whole); options as `write_hf_dir`."""
+    params = dict(model.named_parameters())
+    sharded = [n for n, p in params.items() if not p.ntp_spec.is_full]
+    if sharded:
+        raise ValueError(f"export_model needs an unsharded model; {sharded[0]} is a shard. Save a checkpoint "
+                         "and export that (export_checkpoint) instead.")
+    return write_hf_dir(model.cfg, lambda names: [params[n].detach() for n in names], out_dir, **options)
+
+
+def _token_ids(cfg: ModelConfig, ckpt: Path) -> tuple[int | None, int | None]:
+    """(bos, eos) for the exported config: the HF directory's own when the run started from one,
+    the byte tokenizer's end-of-document id for a byte-level vocabulary, else unknown."""
+    if cfg.init_from and Path(cfg.init_from).expanduser().is_dir():
+        hf = read_hf_config(cfg.init_from)
+        return hf.get("bos_token_id"), hf.get("eos_token_id")
+    from ntp_nemo.hf.checkpoint_source import _run_dir_of
+
+    run_dir = _run_dir_of(ckpt)
+    tokenizer = None
+    if run_dir is not None:
+        from omegaconf import OmegaConf
+
+        tokenizer = OmegaConf.load(run_dir / ".hydra" / "config.yaml").get("data", {}).get("tokenizer")
+    if tokenizer == "byte" and cfg.vocab_size > BYTE_EOS_ID:
+        return BYTE_EOS_ID, BYTE_EOS_ID
+    return None, None
+
+
+def export_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike, *, cfg: ModelConfig | None = None,
+                      vocab_size: int | None = None, dtype: torch.dtype | None = None,
+                      bos_token_id: int | None = None, eos_token_id: int | None = None,
+                      max_shard_bytes: int = 5 * 10**9, force: bool = False) -> ExportReport:
+    """Export a run directory's latest valid checkpoint, or the checkpoint directory `path`.
+
+    Runs in one process without torch.distributed (the checkpoint reader is otherwise collective).
+    """
+    from ntp_nemo.hf.checkpoint_source import CheckpointTensors, checkpoint_model_config, find_checkpoint
+
+    ckpt = find_checkpoint(path)
+    cfg = cfg or checkpoint_model_config(ckpt)
+    source = CheckpointTensors(ckpt)
+    source.check_model(cfg)
+    bos, eos = _token_ids(cfg, ckpt)
+    tokenizer_from = cfg.init_from if cfg.init_from and Path(cfg.init_from).expanduser().is_dir() else None
+    return write_hf_dir(cfg, source, out_dir, vocab_size=vocab_size, dtype=dtype,
+                        bos_token_id=bos if bos_token_id is None else bos_token_id,
+                        eos_token_id=eos if eos_token_id is None else eos_token_id,
+                        max_shard_bytes=max_shard_bytes, tokenizer_from=tokenizer_from, force=force)
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '20KB' or a byte count -> bytes (decimal units, as Hugging Face uses)."""
+    units = {"GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
+    t = text.strip().upper()
+    for suffix, mult in units.items():
+        if t.endswith(suffix):
+            t, scale = t[: -len(suffix)], mult
+            break
+    else:
+        scale = 1
+    try:
+        value = int(float(t) * scale)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ConfigError("--max-shard-size", f"{text!r} is not a size; use e.g. 5GB, 500MB or a byte count.")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ntp-export", description=__doc__.split("\n\n")[0])
+    p.add_argument("source", metavar="RUN_DIR_OR_CHECKPOINT",
+                   help="a run directory (its latest valid checkpoint) or a checkpoint directory")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="Hugging Face model directory to write")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="dtype of the written weights (default: stored)")
+    p.add_argument("--vocab-size", type=int, help="keep only the first N vocabulary rows (drop padding)")
+    p.add_argument("--bos-id", type=int, help="bos_token_id of the exported config")
+    p.add_argument("--eos-id", type=int, help="eos_token_id of the exported config")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    p.add_argument("--force", action="store_true", help="replace a model already in OUT_DIR")
+    return p
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    report = export_checkpoint(args.source, args.out_dir, vocab_size=args.vocab_size,
+                               dtype=DTYPES[args.dtype] if args.dtype else None, bos_token_id=args.bos_id,
+                               eos_token_id=args.eos_id, max_shard_bytes=parse_size(args.max_shard_size),
+                               force=args.force)
+    print(f"wrote {report.tensors} tensors ({report.bytes_written / 1e6:.1f} MB) to {report.out_dir}: "
+          f"{', '.join(report.files)}")
+    return 0
+
+
+main = cli_main(run)
+
+if __name__ == "__main__":
+    main()
+
+__all__ = ["INDEX_FILE", "ExportReport", "export_checkpoint", "export_model", "hf_tensors", "main",
+           "parse_size", "write_hf_dir"]

@@ -1,0 +1,189 @@
+"""Runs one replica's micro-batches through its pipeline stages (GPipe or 1F1B) on point-to-point ops.
+
+Why not `torch.distributed.pipelining`: its stages would fit the layout (one pipeline group per TP
+slot, since all stages of a replica have the same TP degree), but (1) its schedules run the
+backward through `torch.autograd` themselves, so Lightning's `manual_backward` (precision-plugin
+loss scaling, backward hooks) cannot drive it; (2) a schedule object splits one batch tensor into a
+fixed number of micro-batches, while here each replica receives its capacity-proportional list of
+micro-batches from the global sampler and the count changes on failover; (3) the bubble and memory
+reports need per-action timings and saved-activation accounting inside the schedule loop.  The
+schedule itself is a short action list (`schedule.py`), so it is written on point-to-point ops.
+
+Replicas never talk during the schedule (different micro-batch counts per replica are fine); only
+the gradient sync after the step joins them.  The loss exists only on the last stage; the other
+stages return zero, and `NTPRuntime.global_sum` counts last-stage ranks only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ntp_nemo.pipeline.p2p import StageLinks
+from ntp_nemo.pipeline.schedule import FORWARD, schedule_order
+from ntp_nemo.topology import Topology
+
+Backward = Callable[..., None]  # backward(tensor) for a loss, backward(tensor, grad) for a stage output
+
+
+def _default_backward(tensor: torch.Tensor, grad: torch.Tensor | None = None) -> None:
+    tensor.backward(grad)
+
+
+class ActivationMeter:
+    """Bytes of tensors autograd saves for backward, live per micro-batch (a storage counts once).
+
+    Parameters, buffers and other long-lived tensors registered with `exclude` are not counted.
+    The stage output kept for the backward is added explicitly by the engine.  `peak` is the
+    largest total since construction.
+    """
+
+    def __init__(self) -> None:
+        self.live: dict[int, int] = {}
+        self.peak = 0
+        self._seen: dict[int, set[int]] = {}
+        self._exclude: set[int] = set()
+        self._current: int | None = None
+
+    def exclude(self, tensors) -> None:
+        self._exclude = {t.untyped_storage().data_ptr() for t in tensors}
+
+    @property
+    def total(self) -> int:
+        return sum(self.live.values())
+
+    def add(self, mb: int, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        seen = self._seen.setdefault(mb, set())
+        if ptr in self._exclude or ptr in seen:
+            return
+        seen.add(ptr)
+        self.live[mb] = self.live.get(mb, 0) + storage.nbytes()
+        self.peak = max(self.peak, self.total)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self._current is not None:
+            self.add(self._current, t)
+        return t
+
+    def recording(self, mb: int):
+        self._current = mb
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def release(self, mb: int) -> None:
+        self.live.pop(mb, None)
+        self._seen.pop(mb, None)
+
+
+@dataclass
+class StepTrace:
+    """Timings of one pipeline step on this rank (seconds from the step start)."""
+
+    actions: list[tuple[str, int, float, float]] = field(default_factory=list)  # (kind, mb, start, end)
+    step_s: float = 0.0
+
+    @property
+    def busy_s(self) -> float:
+        return sum(end - start for _, _, start, end in self.actions)
+
+    @property
+    def bubble(self) -> float:
+        return 1.0 - self.busy_s / self.step_s if self.step_s > 0 else 0.0
+
+
+class PipelineEngine:
+    """One rank's stage of its replica's pipeline; construction is collective (link groups)."""
+
+    def __init__(self, model: nn.Module, topology: Topology, rank: int, schedule: str = "1f1b",
+                 new_group: Callable | None = None) -> None:
+        c = topology.coord(rank)
+        self.model, self.schedule = model, schedule
+        self.stage, self.pp = c.stage, topology.pp
+        self.first, self.last = c.stage == 0, c.stage == topology.pp - 1
+        self.hidden = model.cfg.hidden_size
+        self.links = StageLinks(topology, rank, new_group)
+        self.meter = ActivationMeter()
+        self.trace = StepTrace()
+
+    @property
+    def _param(self) -> torch.Tensor:
+        return next(self.model.parameters())
+
+    def _shape(self, tokens: torch.Tensor) -> tuple[int, int, int]:
+        return (tokens.shape[0], tokens.shape[1] - 1, self.hidden)
+
+    def _stage_forward(self, tokens: torch.Tensor, x: torch.Tensor | None) -> torch.Tensor:
+        h = self.model.embed_tokens(tokens[:, :-1]) if self.first else x
+        h = self.model.run_blocks(h)
+        if self.last:
+            return self.model.token_losses(h, tokens[:, 1:]).sum()
+        return h
+
+    def train(self, microbatches: Sequence[torch.Tensor], global_tokens: int,
+              backward: Backward | None = None) -> torch.Tensor:
+        """Forward and backward of this replica's micro-batches; gradients of the loss summed over
+        tokens and divided by `global_tokens`.  Returns the summed token loss on the last stage, 0 elsewhere."""
+        backward = backward or _default_backward
+        p = self._param
+        wire, device = p.dtype, p.device
+        if getattr(self.model, "llama", False):  # build the rotary tables now: they are not activations
+            self.model._rope(torch.empty(0, dtype=wire, device=device))
+        self.meter.exclude(list(self.model.parameters()) + list(self.model.buffers())
+                           + [t for pair in getattr(self.model, "_rope_cache", {}).values() for t in pair])
+        self.trace = StepTrace()
+        t0 = time.perf_counter()
+        total = torch.zeros((), dtype=torch.float64)
+        inputs: dict[int, torch.Tensor | None] = {}
+        outputs: dict[int, torch.Tensor] = {}
+        for a in schedule_order(self.schedule, self.stage, self.pp, len(microbatches)):
+            tokens = microbatches[a.microbatch]
+            if a.kind == FORWARD:
+                x = None
+                if not self.first:
+                    x = self.links.recv_activation(self._shape(tokens), wire, device).requires_grad_()
+                start = time.perf_counter()
+                with self.meter.recording(a.microbatch):
+                    out = self._stage_forward(tokens, x)
+                if self.last:
+                    total += out.detach().double()
+                else:
+                    self.meter.add(a.microbatch, out)
+                    self.links.send_activation(out.detach().to(wire))
+                inputs[a.microbatch], outputs[a.microbatch] = x, out
+            else:
+                out = outputs.pop(a.microbatch)
+                if self.last:
+                    start = time.perf_counter()
+                    backward(out / global_tokens)
+                else:
+                    grad = self.links.recv_gradient(tuple(out.shape), wire, device)
+                    start = time.perf_counter()
+                    backward(out, grad.to(out.dtype))
+                x = inputs.pop(a.microbatch)
+                if x is not None:
+                    self.links.send_gradient(x.grad)
+                self.meter.release(a.microbatch)
+            self.trace.actions.append((a.kind, a.microbatch, start - t0, time.perf_counter() - t0))
+        self.links.flush()
+        self.trace.step_s = time.perf_counter() - t0
+        return total
+
+    @torch.no_grad()
+    def evaluate(self, microbatches: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Forward-only pass (validation): summed token loss on the last stage, 0 elsewhere."""
+        p = self._param
+        total = torch.zeros((), dtype=torch.float64)
+        for tokens in microbatches:
+            x = None if self.first else self.links.recv_activation(self._shape(tokens), p.dtype, p.device)
+            out = self._stage_forward(tokens, x)
+            if self.last:
+                total += out.double()
+            else:
+                self.links.send_activation(out.to(p.dtype))
+        self.links.flush()
+        return total

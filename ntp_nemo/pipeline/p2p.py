@@ -1,0 +1,82 @@
+"""Point-to-point links between neighbouring pipeline stages of one replica.
+
+Activations leaving a stage are replicated over its TP ranks, so stage `s` slot `j` sends to stage
+`s+1` slot `j mod n` (all stages of a replica run at the replica's degree, so with equal `n` that is
+slot `j` to slot `j`), and gradients flow back the same way.  Every link direction gets its own
+two-rank process group: each group then carries messages one way, in micro-batch order, so the
+order in which the two sides post them always agrees (NCCL serialises a communicator's operations,
+and a send queued behind an unmatched send would otherwise deadlock).  Replicas never share a link.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ntp_nemo.topology import Topology
+
+
+def link_pairs(topology: Topology) -> list[tuple[int, int]]:
+    """Every (sender, receiver) forward link of the world, in a fixed order all ranks agree on."""
+    pairs = []
+    for r in range(topology.dp):
+        for s in range(topology.pp - 1):
+            for rank in topology.stage_ranks(r, s):
+                pairs.append((rank, topology.pipeline_peer(rank, +1)))
+    return pairs
+
+
+class StageLinks:
+    """This rank's links: activations to/from the neighbouring stages and the matching gradients.
+
+    Construction is collective (every rank creates every link group, in the same order).
+    """
+
+    def __init__(self, topology: Topology, rank: int, new_group: Callable[[list[int]], Any] | None = None) -> None:
+        new_group = new_group or dist.new_group
+        self.rank = rank
+        self.prev = topology.pipeline_peer(rank, -1)
+        self.next = topology.pipeline_peer(rank, +1)
+        self._fwd: dict[tuple[int, int], Any] = {}
+        self._bwd: dict[tuple[int, int], Any] = {}
+        for a, b in link_pairs(topology):
+            if len(topology.stage_ranks(topology.coord(a).replica, topology.coord(a).stage)) != len(
+                    topology.stage_ranks(topology.coord(b).replica, topology.coord(b).stage)):
+                raise RuntimeError("stages of one replica must have the same number of ranks")
+            self._fwd[(a, b)] = new_group([a, b])
+            self._bwd[(a, b)] = new_group([a, b])
+        self.pending: list[tuple[Any, torch.Tensor]] = []
+
+    # ---- sends: non-blocking; the buffer is kept alive until the send completes --------------
+    def _send(self, tensor: torch.Tensor, dst: int, group: Any) -> None:
+        tensor = tensor.contiguous()
+        self.pending.append((dist.isend(tensor, dst=dst, group=group), tensor))
+        self.pending = [(w, t) for w, t in self.pending if not w.is_completed()]
+
+    def send_activation(self, x: torch.Tensor) -> None:
+        self._send(x, self.next, self._fwd[(self.rank, self.next)])
+
+    def send_gradient(self, g: torch.Tensor) -> None:
+        self._send(g, self.prev, self._bwd[(self.prev, self.rank)])
+
+    # ---- receives: blocking (the caller needs the data now) -------------------------------------
+    def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, src: int, group: Any
+              ) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=dtype, device=device)
+        dist.irecv(buf, src=src, group=group).wait()
+        return buf
+
+    def recv_activation(self, shape, dtype, device) -> torch.Tensor:
+        return self._recv(shape, dtype, device, self.prev, self._fwd[(self.prev, self.rank)])
+
+    def recv_gradient(self, shape, dtype, device) -> torch.Tensor:
+        return self._recv(shape, dtype, device, self.next, self._bwd[(self.rank, self.next)])
+
+    def flush(self) -> None:
+        """Wait for every outstanding send (end of a step)."""
+        for work, _ in self.pending:
+            work.wait()
+        self.pending.clear()

@@ -1,0 +1,113 @@
+"""Checkpoint/resume through the real CLI: exact continuation, resharding, crashes, corrupt checkpoints."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import SINGLE, TINY, read_metrics, run_cli
+
+NTP21 = ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]"]
+CKPT = ["checkpoint.every_n_steps=5", "trainer.max_steps=20"]
+
+
+def losses(run):
+    return {m["step"]: m["loss"] for m in read_metrics(run)}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """Uninterrupted 20-step runs (single process and NTP (2,1)), the references."""
+    tmp = tmp_path_factory.mktemp("straight")
+    out = {}
+    for name, layout in (("single", SINGLE), ("ntp", NTP21)):
+        proc = run_cli([*TINY, *layout, *CKPT, f"hydra.run.dir={tmp / name}"], cwd=tmp)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[name] = losses(tmp / name)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,layout", [("single", SINGLE), ("ntp", NTP21)])
+def test_stop_and_resume_equals_straight_run(tmp_path, straight, name, layout):
+    run = tmp_path / "run"
+    first = run_cli([*TINY, *layout, *CKPT, "trainer.stop_at_step=10", f"hydra.run.dir={run}"], cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (run / "checkpoints" / "step_000010" / "manifest.json").exists()
+    second = run_cli([*TINY, *layout, *CKPT, f"hydra.run.dir={run}"], cwd=tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resuming from" in second.stdout
+    got = losses(run)
+    assert sorted(got) == list(range(1, 21))
+    for step, ref in straight[name].items():
+        assert abs(got[step] - ref) <= 1e-6 * abs(ref), (step, got[step], ref)
+    again = run_cli([*TINY, *layout, *CKPT, f"hydra.run.dir={run}"], cwd=tmp_path)
+    assert again.returncode == 0 and "already complete" in again.stdout
+    assert len(read_metrics(run)) == 20  # nothing trained twice
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", [SINGLE, ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,2]"],
+                                    ["mesh.dp=1", "mesh.tp=3", "ntp.replica_tp=[3]"]],
+                         ids=["to-single", "to-2-2", "to-tp3"])
+def test_resume_on_another_layout_follows_the_curve(tmp_path, straight, target):
+    src = tmp_path / "src"
+    proc = run_cli([*TINY, *NTP21, *CKPT, "trainer.stop_at_step=10", f"hydra.run.dir={src}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    dst = tmp_path / "dst"
+    proc = run_cli([*TINY, *target, *CKPT, f"resume={src / 'checkpoints' / 'step_000010'}",
+                    f"hydra.run.dir={dst}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = losses(dst)
+    assert sorted(got) == list(range(11, 21))
+    for step in range(11, 21):
+        ref = straight["ntp"][step]
+        assert abs(got[step] - ref) <= 1e-5 * abs(ref), (step, got[step], ref)
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_then_auto_resume_matches(tmp_path, straight):
+    run = tmp_path / "run"
+    args = [sys.executable, "-m", "ntp_nemo.train", *TINY, *NTP21, *CKPT, f"hydra.run.dir={run}"]
+    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        if (run / "checkpoints" / "step_000010" / "manifest.json").exists() and len(read_metrics(run)) >= 12:
+            break
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)  # every process of the job, no chance to clean up
+    proc.wait()
+    done_before = len(read_metrics(run))
+    assert 12 <= done_before < 20
+    proc = run_cli([*TINY, *NTP21, *CKPT, f"hydra.run.dir={run}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = losses(run)  # the redone steps overwrite the dict entries: the last execution of each step
+    assert sorted(got) == list(range(1, 21))
+    for step, ref in straight["ntp"].items():
+        assert abs(got[step] - ref) <= 1e-6 * abs(ref), (step, got[step], ref)
+
+
+@pytest.mark.slow
+def test_corrupt_latest_checkpoint_is_skipped(tmp_path, straight):
+    run = tmp_path / "run"
+    proc = run_cli([*TINY, *SINGLE, *CKPT, "trainer.stop_at_step=10", "checkpoint.keep_last=3",
+                    f"hydra.run.dir={run}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    latest = run / "checkpoints" / "step_000010"
+    data = sorted(latest.glob("*.distcp"))[0]
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    proc = run_cli([*TINY, *SINGLE, *CKPT, f"hydra.run.dir={run}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step_000010" in proc.stderr and "skipping" in proc.stderr
+    assert "step_000005" in proc.stdout  # resumed from the previous valid one
+    got = losses(run)
+    for step, ref in straight["single"].items():
+        assert abs(got[step] - ref) <= 1e-6 * abs(ref), (step, got[step], ref)
