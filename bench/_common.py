@@ -32,8 +32,15 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = Path(__file__).resolve().parent
 
 # Overrides every timed run shares: no validation, checkpoints, progress bar or logger inside the timed steps.
-QUIET = ["trainer.val_every_n_steps=1000000", "trainer.progress_bar=false", "checkpoint.every_n_steps=0",
-         "checkpoint.save_on_end=false", "logger=none", "callbacks=none", "resume=never"]
+QUIET = [
+    "trainer.val_every_n_steps=1000000",
+    "trainer.progress_bar=false",
+    "checkpoint.every_n_steps=0",
+    "checkpoint.save_on_end=false",
+    "logger=none",
+    "callbacks=none",
+    "resume=never",
+]
 SINGLE = ["mesh.dp=1", "mesh.tp=1", "mesh.pp=1", "ntp.replica_tp=null"]
 
 
@@ -64,8 +71,15 @@ def build_data_for(cfg):
     from ntp_nemo.data.module import build_data
 
     d = cfg.data
-    return build_data(d.path, d.tokenizer, int(d.seq_len), int(d.global_batch_size), int(cfg.seed),
-                      float(d.val_fraction), int(cfg.model.vocab_size))
+    return build_data(
+        d.path,
+        d.tokenizer,
+        int(d.seq_len),
+        int(d.global_batch_size),
+        int(cfg.seed),
+        float(d.val_fraction),
+        int(cfg.model.vocab_size),
+    )
 
 
 def step_tokens(data, step: int, micro_batch_size: int) -> torch.Tensor:
@@ -94,55 +108,86 @@ def thread_env(threads: int) -> dict[str, str]:
 
 
 def step_probe(path: str):
-    """Hydra `_target_` for a callback recording, on global rank 0, the torch thread count and the process
-    CPU time of every training step (CPU time is far less disturbed by other load on a shared box)."""
+    """Hydra `_target_` (or direct use) for a callback that records on global rank 0, per training step, the
+    wall time and process CPU time from `on_train_batch_start` to `on_train_batch_end` (the window of
+    ntp_nemo's `step_time_s`; CPU time is far less disturbed by other load on a shared box) and the torch
+    thread count, and writes them to `path` when training ends."""
     from lightning.pytorch.callbacks import Callback
 
     class StepProbe(Callback):
         def __init__(self) -> None:
-            self.cpu: list[float] = []
-            self._t0 = 0.0
+            self.steps: list[dict[str, float]] = []
+            self._t0 = self._c0 = 0.0
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            self._t0 = time.process_time()
+            self._t0, self._c0 = time.perf_counter(), time.process_time()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            self.cpu.append(time.process_time() - self._t0)
+            self.steps.append(
+                {
+                    "step_time_s": time.perf_counter() - self._t0,
+                    "cpu_s": time.process_time() - self._c0,
+                    "time": time.time(),
+                }
+            )
 
         def on_train_end(self, trainer, pl_module) -> None:
             if trainer.is_global_zero:
-                Path(path).write_text(json.dumps({"threads": torch.get_num_threads(), "cpu_s": self.cpu}))
+                Path(path).write_text(json.dumps({"threads": torch.get_num_threads(), "steps": self.steps}))
 
     return StepProbe()
 
 
 # ---- ntp-train through its CLI ---------------------------------------------------------------------
-def run_ntp_train(overrides: Sequence[str], run_dir: Path, threads: int, timeout: int = 900
-                  ) -> dict[str, Any]:
+def run_ntp_train(
+    overrides: Sequence[str], run_dir: Path, threads: int, timeout: int = 900
+) -> dict[str, Any]:
     """Run the real `ntp-train` CLI; returns its metrics.jsonl records and the worker's thread count."""
     probe = run_dir.parent / f"{run_dir.name}.probe.json"
-    args = [*overrides, f"hydra.run.dir={run_dir}", f"+callbacks.probe._target_={__name__}.step_probe",
-            f"+callbacks.probe.path={probe}"]
-    proc = subprocess.run([sys.executable, "-m", "ntp_nemo.train", *args], cwd=run_dir.parent,
-                          env=thread_env(threads), capture_output=True, text=True, timeout=timeout)
+    args = [
+        *overrides,
+        f"hydra.run.dir={run_dir}",
+        f"+callbacks.probe._target_={__name__}.step_probe",
+        f"+callbacks.probe.path={probe}",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "ntp_nemo.train", *args],
+        cwd=run_dir.parent,
+        env=thread_env(threads),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"ntp-train {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines if line.strip()]
     probed = json.loads(probe.read_text())
-    for rec, cpu in zip(records, probed["cpu_s"], strict=True):
-        rec["cpu_s"] = cpu
+    for rec, probed_step in zip(records, probed["steps"], strict=True):
+        rec["cpu_s"] = probed_step["cpu_s"]
     return {"records": records, "threads": probed["threads"]}
 
 
-def run_plain(overrides: Sequence[str], steps: int, threads: int, workdir: Path, timeout: int = 900
-              ) -> dict[str, Any]:
+def run_plain(
+    overrides: Sequence[str], steps: int, threads: int, workdir: Path, timeout: int = 900
+) -> dict[str, Any]:
     """Run the plain PyTorch loop below in a fresh process with the same thread count."""
     out = workdir / f"plain-{time.monotonic_ns()}.jsonl"
-    cmd = [sys.executable, str(Path(__file__)), "--steps", str(steps), "--threads", str(threads),
-           "--out", str(out), "--", *overrides]
-    proc = subprocess.run(cmd, cwd=workdir, env=thread_env(threads), capture_output=True, text=True,
-                          timeout=timeout)
+    cmd = [
+        sys.executable,
+        str(Path(__file__)),
+        "--steps",
+        str(steps),
+        "--threads",
+        str(threads),
+        "--out",
+        str(out),
+        "--",
+        *overrides,
+    ]
+    proc = subprocess.run(
+        cmd, cwd=workdir, env=thread_env(threads), capture_output=True, text=True, timeout=timeout
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"plain loop exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     lines = out.read_text().splitlines()
@@ -156,8 +201,12 @@ def steady(records: Sequence[dict], warmup: int) -> dict[str, float]:
         raise ValueError(f"need more than {warmup} steps, got {len(records)}")
     rest = list(records[warmup:])
     wall = (records[-1]["time"] - records[warmup - 1]["time"]) / len(rest)
-    return {"step_s": median([r["step_time_s"] for r in rest]), "cpu_s": median([r["cpu_s"] for r in rest]),
-            "wall_s": wall, "tokens": records[-1]["tokens"]}
+    return {
+        "step_s": median([r["step_time_s"] for r in rest]),
+        "cpu_s": median([r["cpu_s"] for r in rest]),
+        "wall_s": wall,
+        "tokens": records[-1]["tokens"],
+    }
 
 
 def max_rel_loss_diff(a: Sequence[dict], b: Sequence[dict]) -> float:
@@ -256,9 +305,14 @@ def adamw(params: Sequence[nn.Parameter], o, max_steps: int):
     """AdamW with NTPLanguageModule's grouping (weight decay on matrices only) and its LR schedule."""
     params = list(params)
     opt = torch.optim.AdamW(
-        [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
-         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+        [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=o.lr,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(o.warmup_steps, max_steps, o.min_lr_ratio))
     return opt, sched
 
@@ -293,8 +347,19 @@ def plain_loop(overrides: Sequence[str], steps: int, out: Path) -> None:
             sched.step()
             loss = float(total) / global_tokens
             dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-            f.write(json.dumps({"step": step + 1, "loss": loss, "tokens": global_tokens, "step_time_s": dt,
-                                "cpu_s": cpu, "time": time.time()}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "step": step + 1,
+                        "loss": loss,
+                        "tokens": global_tokens,
+                        "step_time_s": dt,
+                        "cpu_s": cpu,
+                        "time": time.time(),
+                    }
+                )
+                + "\n"
+            )
 
 
 def main() -> None:
@@ -310,4 +375,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-

@@ -30,35 +30,45 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="extra ntp-train overrides applied to both sides")
     args = ap.parse_args()
     overrides = [*SINGLE, *QUIET, f"trainer.max_steps={args.steps}", *args.overrides]
-    print(f"overhead: ntp-train {' '.join(overrides)}  vs  plain loop; {args.rounds} rounds, "
-          f"threads {args.threads}; load average {load_average()}", flush=True)
+    print(
+        f"overhead: ntp-train {' '.join(overrides)}  vs  plain loop; {args.rounds} rounds, "
+        f"threads {args.threads}; load average {load_average()}",
+        flush=True,
+    )
     runs: dict[str, list[dict]] = {"plain": [], "ntp": []}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for r in range(args.rounds):
-            for side in (("plain", "ntp") if r % 2 == 0 else ("ntp", "plain")):
+            for side in ("plain", "ntp") if r % 2 == 0 else ("ntp", "plain"):
                 if side == "ntp":
                     res = run_ntp_train(overrides, work / f"ntp-{r}", args.threads)
                 else:
                     res = run_plain(overrides, args.steps, args.threads, work)
                 res["steady"] = steady(res["records"], args.warmup)
                 runs[side].append(res)
-                s = res["steady"]
-                print(f"  round {r} {side:5s}: step {s['step_s'] * 1e3:7.1f} ms  "
-                      f"cpu {s['cpu_s'] * 1e3:7.1f} ms  wall/step {s['wall_s'] * 1e3:7.1f} ms  (threads {res['threads']})", flush=True)
+                ms = {k: v * 1e3 for k, v in res["steady"].items()}
+                print(
+                    f"  round {r} {side:5s}: step {ms['step_s']:7.1f} ms  cpu {ms['cpu_s']:7.1f} ms  "
+                    f"wall/step {ms['wall_s']:7.1f} ms  (threads {res['threads']})",
+                    flush=True,
+                )
     threads = {res["threads"] for side in runs.values() for res in side}
     if len(threads) != 1:
         raise RuntimeError(f"the two sides ran with different thread counts: {threads}")
-    loss_diff = max(max_rel_loss_diff(a["records"], b["records"]) for a, b in zip(runs["ntp"], runs["plain"],
-                                                                                  strict=True))
+    loss_diff = max(
+        max_rel_loss_diff(a["records"], b["records"]) for a, b in zip(runs["ntp"], runs["plain"], strict=True)
+    )
 
     def pooled(side: str, key: str) -> float:
         field = {"step_s": "step_time_s", "cpu_s": "cpu_s"}[key]
-        return median([rec[field] for res in runs[side] for rec in res["records"][args.warmup:]])
+        return median([rec[field] for res in runs[side] for rec in res["records"][args.warmup :]])
 
     rows = []
-    for key, label in (("step_s", "step time (metrics.jsonl window)"), ("cpu_s", "CPU time per step"),
-                       ("wall_s", "wall time per step, end to end")):
+    for key, label in (
+        ("step_s", "step time (metrics.jsonl window)"),
+        ("cpu_s", "CPU time per step"),
+        ("wall_s", "wall time per step, end to end"),
+    ):
         if key == "wall_s":
             ntp, plain = (median([res["steady"]["wall_s"] for res in runs[s]]) for s in ("ntp", "plain"))
         else:
@@ -66,13 +76,17 @@ def main() -> None:
         pairs = zip(runs["ntp"], runs["plain"], strict=True)
         per_round = [a["steady"][key] / b["steady"][key] for a, b in pairs]
         rows.append((label, plain, ntp, ntp / plain, per_round))
-    print(f"\nresult (medians over {args.rounds} x {args.steps - args.warmup} steps, "
-          f"{runs['ntp'][0]['steady']['tokens']} tokens/step, {threads.pop()} thread(s)); "
-          f"load average now {load_average()}")
+    print(
+        f"\nresult (medians over {args.rounds} x {args.steps - args.warmup} steps, "
+        f"{runs['ntp'][0]['steady']['tokens']} tokens/step, {threads.pop()} thread(s)); "
+        f"load average now {load_average()}"
+    )
     print(f"{'':34s} {'plain':>9s} {'ntp-train':>10s} {'ratio':>7s}   per-round ratios")
     for label, plain, ntp, ratio, per_round in rows:
-        print(f"{label:34s} {plain * 1e3:7.1f}ms {ntp * 1e3:8.1f}ms {ratio:7.3f}   "
-              + " ".join(f"{x:.3f}" for x in per_round))
+        print(
+            f"{label:34s} {plain * 1e3:7.1f}ms {ntp * 1e3:8.1f}ms {ratio:7.3f}   "
+            + " ".join(f"{x:.3f}" for x in per_round)
+        )
     print(f"loss curves agree to {loss_diff:.1e} (max relative difference, same steps)")
     verdict = "meets" if rows[0][3] <= 1.10 else "misses"
     print(f"step-time ratio {rows[0][3]:.3f} {verdict} the goal of <= 1.10")

@@ -7,6 +7,7 @@ import json
 import multiprocessing
 import shutil
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -174,3 +175,19 @@ def test_load_refuses_corrupt_or_foreign_checkpoint(ckpts):
     wider = ModelConfig(**{**GPT.__dict__, "hidden_size": 50})
     key, msg = _one_process(_load_error, str(ckpts / checkpoint_name(1)), wider)
     assert key == "resume" and "different model" in msg and "has shape (50,), the checkpoint (40,)" in msg
+
+
+def _save_bad_extra(rank, world, directory):
+    torch.set_num_threads(1)
+    try:
+        save_checkpoint(f"{directory}/{checkpoint_name(1)}", _model(rank, GPT, (1, [1], [1] * 4)), None,
+                        {"where": Path(directory)}, step=1)
+    except TypeError as err:
+        return str(err)
+    return None
+
+
+def test_extra_that_cannot_reload_safely_is_refused_before_writing(tmp_path):
+    msg = _one_process(_save_bad_extra, str(tmp_path))
+    assert msg is not None and "weights_only" in msg
+    assert list(tmp_path.iterdir()) == []

@@ -18,6 +18,13 @@ def test_recipes_exist():
 def test_every_recipe_composes_and_validates(recipe):
     cfg = compose([f"recipe={recipe}"])
     assert cfg.recipe == recipe
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_missing(cfg.model, "init_from"):  # needs a Hugging Face directory (tests/test_hf_recipe.py)
+        with pytest.raises(ConfigError) as err:
+            validate(cfg)
+        assert err.value.key == "model.init_from"
+        return
     validate(cfg)
     layer_tp = resolve_layer_tp(cfg)
     assert len(layer_tp) == cfg.model.num_layers + 2

@@ -13,6 +13,7 @@ import torch
 from ntp_nemo.checkpoint.sharded import save_checkpoint
 from ntp_nemo.errors import ConfigError
 from ntp_nemo.hf import load_hf_into
+from ntp_nemo.hf.checkpoint_source import iter_logical_tensors
 from ntp_nemo.hf.config_map import hf_fields
 from ntp_nemo.hf.export import export_checkpoint, export_model, main, parse_size
 from ntp_nemo.hf.files import HFWeightsReader
@@ -69,6 +70,9 @@ def test_padded_vocabulary_exports_back_to_the_hf_size(hf_dirs, tmp_path):
     assert_bit_exact(path, tmp_path / "out")
     with pytest.raises(ConfigError, match="--vocab-size"):
         export_model(model, tmp_path / "out2", vocab_size=PADDED_VOCAB + 1)
+    with pytest.raises(ConfigError, match="grouped-query"):
+        gqa = dataclasses.replace(model.cfg, num_heads=4, num_kv_heads=2)
+        export_model(build_model(gqa), tmp_path / "gqa")
     with pytest.raises(ValueError, match="unsharded"):
         model.embed.weight.ntp_spec = dataclasses.replace(model.embed.weight.ntp_spec, hi=3)
         export_model(model, tmp_path / "out3")
@@ -108,6 +112,11 @@ def test_trained_checkpoint_exports_to_transformers(hf_dirs, tmp_path, kind, mon
     # Import -> sharded (2,1) checkpoint -> export: bit-exact.
     export_checkpoint(tmp_path / "imported/checkpoints/step_000000", tmp_path / "hf_imported", cfg=cfg)
     assert_bit_exact(path, tmp_path / "hf_imported")
+    single = build_model(cfg)
+    load_hf_into(single, path)
+    logical = dict(iter_logical_tensors(tmp_path / "imported/checkpoints/step_000000"))
+    assert sorted(logical) == sorted(n for n, _ in single.named_parameters())
+    assert all(torch.equal(logical[n], p.detach()) for n, p in single.named_parameters())
     # Trained: the CLI on the run directory, written as several shards with an index.
     monkeypatch.setattr(sys, "argv", ["ntp-export", str(tmp_path / "trained"), str(tmp_path / "hf_trained"),
                                       "--max-shard-size", "60KB"])

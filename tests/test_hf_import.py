@@ -217,3 +217,21 @@ def test_load_refuses_mismatched_models_and_files(hf_dirs, tmp_path):
     longer = _edit_config(path, tmp_path / "longer", n_positions=32)  # the file's wpe has 16 rows
     with pytest.raises(ConfigError, match="transformer.wpe.weight"):
         load_hf_into(build_model(resolved(longer)), longer)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_pipeline_stages_load_their_own_layers(hf_dirs, kind):
+    from ntp_nemo.models import DecoderLM
+
+    cfg = resolved(hf_dirs[kind])
+    whole = build_model(cfg)
+    load_hf_into(whole, hf_dirs[kind])
+    reference = dict(whole.named_parameters())
+    first = DecoderLM(cfg, layers=range(0, 1), has_embedding=True, has_head=False)
+    last = DecoderLM(cfg, layers=range(1, 2), has_embedding=False, has_head=True)
+    for stage in (first, last):
+        report = load_hf_into(stage, hf_dirs[kind])
+        assert report.parameters == len(list(stage.parameters()))
+        for name, p in stage.named_parameters():
+            assert torch.equal(p, reference[name]), name
+    assert not any(n.startswith("blocks.1.") for n, _ in first.named_parameters())

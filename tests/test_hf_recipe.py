@@ -21,7 +21,8 @@ def _hf_llama(path) -> None:
     torch.manual_seed(21)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, bos_token_id=256, eos_token_id=256))
+        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, bos_token_id=256,
+        eos_token_id=256))
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
@@ -33,9 +34,10 @@ def test_recipe_continues_from_hf_and_exports(tmp_path):
     hf_dir, run_dir, out_dir = tmp_path / "hf_llama", tmp_path / "run", tmp_path / "exported"
     _hf_llama(hf_dir)
     train = run_cli(["recipe=llama_tiny_from_hf", f"model.init_from={hf_dir}", f"hydra.run.dir={run_dir}",
-                     f"trainer.max_steps={STEPS}", f"optim.lr={LR}", "optim.warmup_steps=0", "data.seq_len=32",
-                     "trainer.val_every_n_steps=1000", "trainer.progress_bar=false", "checkpoint.every_n_steps=0",
-                     "checkpoint.save_on_end=true", "logger=none", "callbacks=none"], cwd=tmp_path)
+                     f"trainer.max_steps={STEPS}", f"optim.lr={LR}", "optim.warmup_steps=0",
+                     "data.seq_len=32", "trainer.val_every_n_steps=1000", "trainer.progress_bar=false",
+                     "checkpoint.every_n_steps=0", "checkpoint.save_on_end=true", "logger=none",
+                     "callbacks=none"], cwd=tmp_path)
     assert train.returncode == 0, train.stderr[-3000:]
     export = run_cli([str(run_dir), str(out_dir)], cwd=tmp_path, module="ntp_nemo.hf.export")
     assert export.returncode == 0, export.stderr[-3000:]

@@ -6,7 +6,7 @@ import pytest
 
 from ntp_nemo.errors import ConfigError
 from ntp_nemo.planner import ModelShape, effective_degree, parse_layer_tp, validate_layer_tp
-from ntp_nemo.planner.cost import EMBEDDING, HEAD, LAYER, item_cost, shard_fraction
+from ntp_nemo.planner.cost import EMBEDDING, HEAD, LAYER, attention_fractions, item_cost, shard_fraction
 from ntp_nemo.planner.shapes import DeviceModel, LinkModel
 
 MODEL = ModelShape(
@@ -67,8 +67,9 @@ def test_effective_degree_rule():
 
 def test_validate_layer_tp_rules():
     validate_layer_tp(MODEL, 4, [4, 3], [4, 4, 2, 1, 4, 4, 4, 2])
-    with pytest.raises(ConfigError, match="layer0 has degree 8 but only 4"):  # 4 GQA groups
-        validate_layer_tp(MODEL, 8, [8], [8] * 8)
+    validate_layer_tp(MODEL, 8, [8], [8] * 8)  # 8 query heads over 4 KV heads: KV heads replicated
+    with pytest.raises(ConfigError, match="layer0 has degree 16 but only 8 attention heads"):
+        validate_layer_tp(MODEL, 16, [16], [16] + [16] * 6 + [16])
     with pytest.raises(ConfigError, match="divisors of mesh.tp=4"):
         validate_layer_tp(MODEL, 4, [4], [4, 3, 4, 4, 4, 4, 4, 4])
     with pytest.raises(ConfigError, match="needs 8"):
@@ -90,13 +91,17 @@ def test_cost_model_counts_the_documented_collectives():
     emb = item_cost(MODEL, EMBEDDING, 4, s, b, dev, links)
     assert emb.num_allreduces == 1 and emb.comm_bytes == act and emb.flops == 0
     head = item_cost(MODEL, HEAD, 4, s, b, dev, links)
-    assert head.num_allreduces == 4 and head.comm_bytes == act + 3 * b * s * 4
+    assert head.num_allreduces == 3 and head.comm_bytes == act + 3 * b * s * 4
     assert head.flops == 3 * 2 * b * s * h * MODEL.vocab_size * shard_fraction(96, 4)
     for kind in (EMBEDDING, LAYER, HEAD):
         solo = item_cost(MODEL, kind, 1, s, b, dev, links)
         assert solo.comm_bytes == 0 and solo.comm_s == 0
-    # uneven shards: the busiest of 3 ranks holds ceil(4/3) = 2 of 4 GQA groups
-    assert shard_fraction(4, 3) == 0.5
+    # uneven shards: the busiest of 3 ranks holds ceil(4/3) = 2 of 4 GQA groups (4 of 8 query heads)
+    assert shard_fraction(4, 3) == 0.5 and attention_fractions(MODEL, 3) == (0.5, 0.5)
+    # past 4 ranks query heads are split; a rank keeps every KV head its query heads read
+    assert attention_fractions(MODEL, 8) == (1 / 8, 1 / 4)
+    assert attention_fractions(MODEL, 6) == (2 / 8, 1 / 4)
+    assert attention_fractions(MODEL, 5) == (2 / 8, 2 / 4)
     assert (
         item_cost(MODEL, LAYER, 3, s, b, dev, links).flops
         > item_cost(MODEL, LAYER, 4, s, b, dev, links).flops

@@ -127,3 +127,12 @@ def test_ntp_plan_cli(capsys):
     cmd = [exe] if exe else [sys.executable, "-m", "ntp_nemo.planner.cli"]
     proc = subprocess.run(cmd + ["mesh.tp=0"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "mesh.tp" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_tied_embeddings_share_one_degree():
+    tied = ModelShape(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, tie_embeddings=True)
+    for links in (SLOW_LINKS, FAST_LINKS):
+        plan = plan_layout(tied, 4, [4, 3], 64, 1, links)
+        assert plan.layer_tp[0] == plan.layer_tp[-1]
+    with pytest.raises(ConfigError, match="share their weights"):
+        validate_layer_tp(tied, 4, [4], [1, 4, 4, 4])

@@ -122,11 +122,10 @@ def test_spares_needed_on_a_hand_made_trace():
         horizon_hours=100.0,
         pool_gpus=64 + 8 * 8,
     )
-    assert spares_needed(s, tables[DP_DROP], trace, 8) == 3
-    assert spares_needed(s, tables[NTP_PW], trace, 8) == 0
-    ntp = spares_needed(s, tables[NTP], trace, 8)
-    assert ntp is not None and 0 < ntp <= 3
-    assert spares_needed(s, tables[DP_DROP], trace, 2) is None
+    spares = spares_needed(s, list(tables.values()), trace, 8)
+    assert spares[DP_DROP] == 3 and spares[NTP_PW] == 0
+    assert spares[NTP] is not None and 0 < spares[NTP] <= 3
+    assert spares_needed(s, [tables[DP_DROP]], trace, 2) == {DP_DROP: None}
 
 
 def test_default_trace_study_orders_spares():
@@ -138,3 +137,16 @@ def test_default_trace_study_orders_spares():
     drop = next(r for r in recs if r["policy"] == DP_DROP)
     assert 0 < drop["failed_fraction"] < 0.01 and drop["throughput_rel"] < 1
     assert len(timelines[0].times_h) == len(timelines[0].failed_gpus)
+
+
+def test_job_failures_do_not_depend_on_the_spare_search_bound():
+    a = sim_settings("cluster=small", "failures.max_spare_domains=8")
+    b = sim_settings("cluster=small", "failures.max_spare_domains=32")
+    ra, _ = run_trace(a, np.random.default_rng(11), policy_tables(a))
+    rb, _ = run_trace(b, np.random.default_rng(11), policy_tables(b))
+    for x, y in zip(ra, rb, strict=True):
+        assert (x["events"], x["throughput_rel"], x["failed_fraction"]) == (
+            y["events"],
+            y["throughput_rel"],
+            y["failed_fraction"],
+        )

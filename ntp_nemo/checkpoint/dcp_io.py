@@ -54,6 +54,8 @@ class StoredTensor:
 def _own_storage(t: torch.Tensor) -> torch.Tensor:
     """`torch.save` writes a view's whole storage; copy views so only the chunk's bytes are written."""
     t = t.detach()
+    if t.device.type != "cpu":
+        return t.to("cpu")  # a fresh, exactly sized CPU tensor
     if t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size():
         return t
     return t.clone(memory_format=torch.contiguous_format)
@@ -97,6 +99,10 @@ class _SliceLoadPlanner(DefaultLoadPlanner):
         return self.targets[index.fqn].tensor
 
 
+# DCP announces every save/load without torch.distributed; that is this module's normal one-process mode.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
 def _distributed(group) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
@@ -104,19 +110,15 @@ def _distributed(group) -> bool:
 def write_chunks(directory: Path, chunks: list[Chunk], group=None) -> None:
     """Collective over `group`: write every rank's chunks (disjoint across ranks) into `directory`."""
     writer = dcp.FileSystemWriter(str(directory), single_file_per_rank=True, sync_files=True)
-    with warnings.catch_warnings():  # the single-process notice is expected when dist is not used
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save({}, storage_writer=writer, planner=_ChunkSavePlanner(chunks), process_group=group,
-                 no_dist=not _distributed(group))
+    dcp.save({}, storage_writer=writer, planner=_ChunkSavePlanner(chunks), process_group=group,
+             no_dist=not _distributed(group))
 
 
 def read_chunks(directory: Path, targets: list[Chunk], group=None) -> None:
     """Collective over `group`: fill each target tensor (in place) with its box of the stored tensor."""
     reader = dcp.FileSystemReader(str(directory))
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({}, storage_reader=reader, planner=_SliceLoadPlanner(targets), process_group=group,
-                 no_dist=not _distributed(group))
+    dcp.load({}, storage_reader=reader, planner=_SliceLoadPlanner(targets), process_group=group,
+             no_dist=not _distributed(group))
 
 
 def stored_tensors(directory: Path) -> dict[str, StoredTensor]:

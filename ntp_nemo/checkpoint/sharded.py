@@ -20,6 +20,7 @@ Loading reads, on each rank, exactly the stored chunks that intersect that rank'
 from __future__ import annotations
 
 import copy
+import io
 import json
 import os
 import shutil
@@ -112,6 +113,20 @@ def _piece_view(held: ShardSpec, piece: ShardSpec, tensor: torch.Tensor) -> torc
     return tensor.narrow(held.dim, (piece.lo - held.lo) * held.unit_size, piece.length)
 
 
+def _check_extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`extra` must reload with `weights_only=True`; find out before any rank writes anything."""
+    extra = dict(extra or {})
+    buf = io.BytesIO()
+    torch.save(extra, buf)
+    buf.seek(0)
+    try:
+        torch.load(buf, weights_only=True)
+    except Exception as err:  # the unpickler names the offending type
+        raise TypeError(f"checkpoint `extra` must hold only plain containers, numbers, strings and tensors "
+                        f"(it is loaded with weights_only=True): {err}") from err
+    return extra
+
+
 def _save_torch(obj: Any, path: Path) -> None:
     with open(path, "wb") as f:
         torch.save(obj, f)
@@ -127,6 +142,7 @@ def write_snapshot(path: str | os.PathLike, snap: Snapshot, extra: Mapping[str, 
     tmp = tmp_path(path)
     rank, world = _rank_world(group)
     json.dumps(layout)  # fail before writing anything if the layout cannot go into the manifest
+    extra = _check_extra(extra)
     if rank == 0:
         if tmp.exists():  # leftover of a save that died
             shutil.rmtree(tmp)
@@ -142,7 +158,7 @@ def write_snapshot(path: str | os.PathLike, snap: Snapshot, extra: Mapping[str, 
         options: dict[str, dict] = {}
         for _, opts in everyone:
             options.update(opts)
-        meta = {"extra": dict(extra or {}), "param_groups": options, "step": int(step), "layout": layout}
+        meta = {"extra": extra, "param_groups": options, "step": int(step), "layout": layout}
         _save_torch(meta, tmp / META_FILE)
     files = _broadcast(data_files(tmp) if rank == 0 else None, group)
     digests = {name: file_digest(tmp / name) for i, name in enumerate(files) if i % world == rank}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from ntp_nemo.errors import ConfigError
 
@@ -47,7 +47,31 @@ def validate_model(m: DictConfig) -> None:
                           f"{m.hidden_size}/{m.num_heads}={m.hidden_size // m.num_heads}.")
 
 
+def resolve_init_from(cfg: DictConfig) -> None:
+    """With `model.init_from`, the architecture comes from the Hugging Face `config.json`: copy it into
+    the config so every later check sees the imported model's values."""
+    if cfg.model.get("init_from") is None:
+        return
+    import dataclasses
+
+    from omegaconf import OmegaConf, open_dict
+
+    from ntp_nemo.config.schema import ModelConfig
+    from ntp_nemo.hf import resolve_model_config
+
+    fields = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "_target_"}
+    resolved = resolve_model_config(ModelConfig(**fields))
+    with open_dict(cfg):
+        for k, v in dataclasses.asdict(resolved).items():
+            if k != "_target_":
+                cfg.model[k] = v
+
+
 def validate(cfg: DictConfig) -> None:
+    if OmegaConf.is_missing(cfg.model, "init_from"):
+        raise ConfigError("model.init_from", "this recipe continues from a Hugging Face model directory; pass "
+                          "model.init_from=PATH (a directory with config.json and *.safetensors).")
+    resolve_init_from(cfg)
     validate_model(cfg.model)
     for key in ("mesh.dp", "mesh.tp", "mesh.pp", "trainer.max_steps", "data.seq_len", "data.global_batch_size",
                 "data.micro_batch_size"):
@@ -169,8 +193,4 @@ def resolve_layer_tp(cfg: DictConfig) -> list[int]:
         layer_tp = parse_layer_tp(spec if spec is None or isinstance(spec, (str, int)) else list(spec),
                                   m.num_layers, tp)
     validate_layer_tp(shape, tp, resolved_replica_tp(cfg), layer_tp)
-    if m.tie_embeddings and layer_tp[0] != layer_tp[-1]:
-        raise ConfigError("layout.layer_tp", f"the embedding (degree {layer_tp[0]}) and the output head (degree "
-                          f"{layer_tp[-1]}) share their weights (model.tie_embeddings=true), so they need the same "
-                          "degree; make the first and last entries equal or set model.tie_embeddings=false.")
     return layer_tp

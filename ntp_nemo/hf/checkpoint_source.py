@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -120,7 +121,9 @@ class CheckpointTensors:
             st = self.stored[MODEL_PREFIX + name]
             buf = torch.empty(st.shape, dtype=st.dtype)
             chunks.append(Chunk(MODEL_PREFIX + name, tuple(st.shape), (0,) * len(st.shape), buf))
-        read_chunks(self.ckpt, chunks)
+        with warnings.catch_warnings():  # a single-process read is the intent here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            read_chunks(self.ckpt, chunks)
         self.bytes_read += sum(c.tensor.numel() * c.tensor.element_size() for c in chunks)
         return [c.tensor for c in chunks]
 

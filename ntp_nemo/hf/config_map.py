@@ -147,7 +147,8 @@ def resolve_model_config(base: ModelConfig) -> ModelConfig:
                                "(or larger, to pad it) and train on data tokenised with that model's "
                                "tokenizer (a pre-tokenised data.path token file).")
     updates = {k: hf[k] for k in ARCH_FIELDS}
-    return dataclasses.replace(base, **updates)
+    # Absolute, so workers, checkpoints and the exporter find it whatever their working directory.
+    return dataclasses.replace(base, init_from=str(Path(path).expanduser().resolve()), **updates)
 
 
 def check_matches(cfg: ModelConfig, hf: dict, path: str) -> None:

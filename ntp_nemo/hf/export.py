@@ -139,6 +139,9 @@ def export_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike, *, cf
                       max_shard_bytes: int = 5 * 10**9, force: bool = False) -> ExportReport:
     """Export a run directory's latest valid checkpoint, or the checkpoint directory `path`.
 
+    A run that started from a HF directory (`model.init_from`, still present) exports with that
+    directory's vocabulary size, token ids and tokenizer files unless told otherwise.
+
     Runs in one process without torch.distributed (the checkpoint reader is otherwise collective).
     """
     from ntp_nemo.hf.checkpoint_source import CheckpointTensors, checkpoint_model_config, find_checkpoint
@@ -149,6 +152,8 @@ def export_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike, *, cf
     source.check_model(cfg)
     bos, eos = _token_ids(cfg, ckpt)
     tokenizer_from = cfg.init_from if cfg.init_from and Path(cfg.init_from).expanduser().is_dir() else None
+    if vocab_size is None and tokenizer_from is not None:  # drop the padding the import added
+        vocab_size = int(read_hf_config(tokenizer_from)["vocab_size"])
     return write_hf_dir(cfg, source, out_dir, vocab_size=vocab_size, dtype=dtype,
                         bos_token_id=bos if bos_token_id is None else bos_token_id,
                         eos_token_id=eos if eos_token_id is None else eos_token_id,

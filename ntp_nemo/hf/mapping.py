@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ntp_nemo.config.schema import ModelConfig
+from ntp_nemo.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,10 @@ def _llama(cfg: ModelConfig) -> list[HFTensor]:
 
 def weight_map(cfg: ModelConfig) -> WeightMap:
     """The HF tensors of `cfg` (the output head only when untied, as HF stores tied models)."""
+    if cfg.arch == "gpt2" and cfg.num_kv_heads not in (None, cfg.num_heads):
+        raise ConfigError("model.num_kv_heads", f"a GPT-2 model with {cfg.num_kv_heads} KV heads for "
+                                                f"{cfg.num_heads} query heads has no Hugging Face GPT-2 "
+                                                "form (GPT-2 has no grouped-query attention).")
     tensors = _gpt2(cfg) if cfg.arch == "gpt2" else _llama(cfg)
     if not cfg.tie_embeddings:
         tensors.append(HFTensor("lm_head.weight", ("head.weight",), (cfg.vocab_size,), vocab=True))

@@ -36,7 +36,9 @@ def process_layout(world_size: int) -> tuple[int, int]:
 
 def model_config(cfg: DictConfig) -> ModelConfig:
     fields = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "_target_"}
-    return ModelConfig(**fields)
+    from ntp_nemo.hf import resolve_model_config
+
+    return resolve_model_config(ModelConfig(**fields))
 
 
 def build_trainer(cfg: DictConfig, run_dir: Path, data: DataBundle, layer_tp: list[int]

@@ -81,6 +81,12 @@ class NTPLanguageModule(pl.LightningModule):
         if self._train_set is not None:
             self._train_set.start_step = self.trainer.global_step
 
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # Lets `ntp-export` rebuild the model without the run's Hydra files.
+        import dataclasses
+
+        checkpoint["model_config"] = dataclasses.asdict(self.model_cfg)
+
     # ---- steps ------------------------------------------------------------------------------------
     def training_step(self, batch: dict, batch_idx: int) -> dict:
         t0 = time.perf_counter()

@@ -84,18 +84,23 @@ class Attention(nn.Module):
         (qlo, qhi), (klo, khi) = attention_head_intervals(nh, nkv, tp)
         self.q_lo, self.kv_lo = qlo, klo
         d = self.head_dim
-        self.q_proj = ColumnParallelLinear(h, nh * d, tp, unit_size=d, interval=(qlo, qhi), bias=bias, std=cfg.init_std)
-        self.k_proj = ColumnParallelLinear(h, nkv * d, tp, unit_size=d, interval=(klo, khi), bias=bias, std=cfg.init_std)
-        self.v_proj = ColumnParallelLinear(h, nkv * d, tp, unit_size=d, interval=(klo, khi), bias=bias, std=cfg.init_std)
+        self.q_proj = ColumnParallelLinear(h, nh * d, tp, unit_size=d, interval=(qlo, qhi), bias=bias,
+                                           std=cfg.init_std, copy_input=False)
+        self.k_proj = ColumnParallelLinear(h, nkv * d, tp, unit_size=d, interval=(klo, khi), bias=bias,
+                                           std=cfg.init_std, copy_input=False)
+        self.v_proj = ColumnParallelLinear(h, nkv * d, tp, unit_size=d, interval=(klo, khi), bias=bias,
+                                           std=cfg.init_std, copy_input=False)
         self.o_proj = RowParallelLinear(nh * d, h, tp, unit_size=d, interval=(qlo, qhi), bias=bias, std=out_std)
         # Local KV head each local query head reads.
         kv_of_q = torch.tensor([q // self.group - klo for q in range(qlo, qhi)], dtype=torch.long)
         self.register_buffer("kv_of_q", kv_of_q, persistent=False)
         self.regular_gqa = tp.size <= nkv
+        self.tp = tp
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         b, s, _ = x.shape
         d = self.head_dim
+        x = copy_to_tp(x, self.tp)  # one TP region entry for q, k and v
         q = self.q_proj(x).view(b, s, -1, d).transpose(1, 2)
         k = self.k_proj(x).view(b, s, -1, d).transpose(1, 2)
         v = self.v_proj(x).view(b, s, -1, d).transpose(1, 2)
@@ -119,11 +124,13 @@ class MLP(nn.Module):
         self.gated = cfg.arch == "llama"
         bias = not self.gated
         if self.gated:
-            self.gate_proj = ColumnParallelLinear(h, f, tp, bias=False, std=cfg.init_std)
-        self.up_proj = ColumnParallelLinear(h, f, tp, bias=bias, std=cfg.init_std)
+            self.gate_proj = ColumnParallelLinear(h, f, tp, bias=False, std=cfg.init_std, copy_input=False)
+        self.up_proj = ColumnParallelLinear(h, f, tp, bias=bias, std=cfg.init_std, copy_input=False)
+        self.tp = tp
         self.down_proj = RowParallelLinear(f, h, tp, bias=bias, std=out_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tp(x, self.tp)  # one TP region entry for the MLP input
         if self.gated:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))

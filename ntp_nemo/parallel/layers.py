@@ -52,9 +52,13 @@ class ColumnParallelLinear(nn.Module):
         interval: tuple[int, int] | None = None,
         bias: bool = True,
         std: float = 0.02,
+        copy_input: bool = True,
     ) -> None:
         super().__init__()
         self.tp = tp
+        # False when the caller already entered the TP region once for several projections of the same
+        # input (q/k/v, gate/up): one input-gradient all-reduce instead of one per projection.
+        self.copy_input = copy_input
         units = out_features // unit_size
         lo, hi = _interval(tp, units, interval)
         self.weight = sharded_param(
@@ -67,7 +71,7 @@ class ColumnParallelLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_tp(x, self.tp), self.weight, self.bias)
+        return F.linear(copy_to_tp(x, self.tp) if self.copy_input else x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):

@@ -36,11 +36,15 @@ class NTPRuntime:
         from ntp_nemo.models import DecoderLM, initialize_
 
         stage, last = self.coord.stage, self.topology.pp - 1
-        model = DecoderLM(cfg, self.plan, layers=self.topology.stage_layer_range(stage), has_embedding=stage == 0,
-                          has_head=stage == last)
+        model = DecoderLM(cfg, self.plan, layers=self.topology.stage_layer_range(stage),
+                          has_embedding=stage == 0, has_head=stage == last)
         if dtype is not None:
             model.to(dtype)
         initialize_(model, seed)
+        if cfg.init_from:
+            from ntp_nemo.hf import load_hf_into
+
+            load_hf_into(model, cfg.init_from)  # each rank reads only its slices
         return model
 
     def attach(self, model: nn.Module, bucket_mb: float = 25.0) -> GradientSynchronizer:

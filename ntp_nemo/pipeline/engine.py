@@ -127,7 +127,8 @@ class PipelineEngine:
     def train(self, microbatches: Sequence[torch.Tensor], global_tokens: int,
               backward: Backward | None = None) -> torch.Tensor:
         """Forward and backward of this replica's micro-batches; gradients of the loss summed over
-        tokens and divided by `global_tokens`.  Returns the summed token loss on the last stage, 0 elsewhere."""
+        tokens and divided by `global_tokens`.  Returns the summed token loss on the last stage, 0
+        elsewhere."""
         backward = backward or _default_backward
         p = self._param
         wire, device = p.dtype, p.device

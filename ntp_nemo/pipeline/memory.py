@@ -83,9 +83,9 @@ class MemoryEstimate:
         return self.params + self.grads + self.optimizer + self.activations
 
     def format(self) -> str:
-        return (f"estimate: params {_fmt(self.params)}, grads {_fmt(self.grads)}, optimizer {_fmt(self.optimizer)}, "
-                f"activations {_fmt(self.activations)} ({self.in_flight} x {_fmt(self.activations_per_microbatch)}), "
-                f"total {_fmt(self.total)}")
+        return (f"estimate: params {_fmt(self.params)}, grads {_fmt(self.grads)}, "
+                f"optimizer {_fmt(self.optimizer)}, activations {_fmt(self.activations)} "
+                f"({self.in_flight} x {_fmt(self.activations_per_microbatch)}), total {_fmt(self.total)}")
 
 
 def estimate_memory(model: nn.Module, *, stage: int, pp: int, schedule: str, microbatches: int,
@@ -107,8 +107,9 @@ class MeasuredMemory:
     cuda_peak: int | None
 
     def format(self) -> str:
-        return (f"measured: params {_fmt(self.params)}, grads {_fmt(self.grads)}, optimizer {_fmt(self.optimizer)}, "
-                f"activation peak {_fmt(self.activations_peak)}, process max RSS {_fmt(self.max_rss)}"
+        return (f"measured: params {_fmt(self.params)}, grads {_fmt(self.grads)}, "
+                f"optimizer {_fmt(self.optimizer)}, activation peak {_fmt(self.activations_peak)}, "
+                f"process max RSS {_fmt(self.max_rss)}"
                 + (f", CUDA peak {_fmt(self.cuda_peak)}" if self.cuda_peak is not None else ""))
 
 
@@ -117,7 +118,8 @@ def max_rss_bytes() -> int:
     return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
 
 
-def measure_memory(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, engine=None) -> MeasuredMemory:
+def measure_memory(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                   engine=None) -> MeasuredMemory:
     """What this rank holds now, plus the activation and process peaks so far."""
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
@@ -128,5 +130,14 @@ def measure_memory(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
     cuda = None
     if torch.cuda.is_available() and next(model.parameters()).is_cuda:
         cuda = torch.cuda.max_memory_allocated()
-    return MeasuredMemory(params, grads, opt, engine.meter.peak if engine is not None else None, max_rss_bytes(),
-                          cuda)
+    activations = engine.meter.peak if engine is not None else None
+    return MeasuredMemory(params, grads, opt, activations, max_rss_bytes(), cuda)
+
+
+def rank_memory_estimate(runtime, model: nn.Module, *, global_microbatches: int, micro_batch_size: int,
+                         seq_len: int) -> MemoryEstimate:
+    """`estimate_memory` for the rank an `NTPRuntime` drives (its stage, schedule and batch share)."""
+    counts = runtime.microbatch_counts(global_microbatches)
+    return estimate_memory(model, stage=runtime.coord.stage, pp=runtime.topology.pp,
+                           schedule=runtime.schedule, microbatches=counts[runtime.coord.replica],
+                           micro_batch_size=micro_batch_size, seq_len=seq_len)

@@ -35,7 +35,8 @@ class StageLinks:
     Construction is collective (every rank creates every link group, in the same order).
     """
 
-    def __init__(self, topology: Topology, rank: int, new_group: Callable[[list[int]], Any] | None = None) -> None:
+    def __init__(self, topology: Topology, rank: int,
+                 new_group: Callable[[list[int]], Any] | None = None) -> None:
         new_group = new_group or dist.new_group
         self.rank = rank
         self.prev = topology.pipeline_peer(rank, -1)

@@ -41,7 +41,10 @@ def one_f_one_b_order(stage: int, pp: int, m: int) -> list[Action]:
     return order
 
 
-SCHEDULES: dict[str, Callable[[int, int, int], list[Action]]] = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order}
+SCHEDULES: dict[str, Callable[[int, int, int], list[Action]]] = {
+    "gpipe": gpipe_order,
+    "1f1b": one_f_one_b_order,
+}
 
 
 def schedule_order(name: str, stage: int, pp: int, m: int) -> list[Action]:
@@ -67,7 +70,8 @@ class SimResult:
         return 1.0 - sum(self.busy) / (len(self.busy) * self.makespan) if self.makespan else 0.0
 
 
-def simulate(name: str, pp: int, m: int, t_fwd: float = 1.0, t_bwd: float = 2.0, t_send: float = 0.0) -> SimResult:
+def simulate(name: str, pp: int, m: int, t_fwd: float = 1.0, t_bwd: float = 2.0,
+             t_send: float = 0.0) -> SimResult:
     """Event-driven timing of a schedule: each stage runs its actions in order, as soon as their input
     (the previous stage's forward, the next stage's backward) has arrived `t_send` later."""
     orders = [schedule_order(name, s, pp, m) for s in range(pp)]

@@ -3,15 +3,18 @@
 An *item* is the embedding, one transformer layer, or the output head. Costs are per rank and
 per micro-batch (`micro_batch_size` sequences of `seq_len` tokens), forward plus backward.
 
-Sharding follows the project's unit rule: a degree-t group splits each item's units (GQA groups
-for attention, FFN columns for the MLP, vocabulary rows for embedding/head) into balanced
-contiguous intervals, so the busiest rank holds ceil(U/t) units; that rank sets the time.
+Sharding follows the project's unit rule: a degree-t group splits each item's units (attention
+heads, FFN columns for the MLP, vocabulary rows for embedding/head) into balanced contiguous
+intervals, so the busiest rank holds ceil(U/t) units; that rank sets the time. Attention keeps
+whole GQA groups (a KV head with its query heads) while t <= num_kv_heads; beyond that query heads
+are split and each rank keeps (replicates) the KV heads its query heads read.
 
 Communication (Megatron-style, payload per rank, each an all-reduce inside the t-rank group):
 - transformer layer: 2 all-reduces of b*s*h activations forward, 2 of their gradients backward;
 - embedding: 1 all-reduce of b*s*h forward (vocab-parallel lookup), none backward;
 - head: 1 all-reduce of the b*s*h input gradient backward, plus the vocab-parallel cross
-  entropy's 3 all-reduces of b*s fp32 values forward (max logit, sum of exps, target logit).
+  entropy's forward all-reduces of b*s fp32 values: the max logit, then the sum of exps and the
+  target logit fused into one all-reduce of 2*b*s values.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 from ntp_nemo.planner.shapes import DeviceModel, LinkModel, ModelShape
 
 EMBEDDING, LAYER, HEAD = "embedding", "layer", "head"
-CE_STAT_BYTES = 4  # cross-entropy statistics are reduced in fp32
+CE_STAT_BYTES = 4  # cross-entropy statistics are reduced in fp32 (or wider, for fp64 runs)
 ACT_REPLICATED, ACT_SHARDED = 10.0, 24.0  # selective-recompute activation bytes per s*b*h (bf16)
 
 
@@ -49,10 +52,21 @@ def shard_fraction(units: int, degree: int) -> float:
     return -(-units // degree) / units
 
 
+def attention_fractions(model: ModelShape, degree: int) -> tuple[float, float]:
+    """(query heads, KV heads) on the busiest rank as fractions of all, at TP `degree`."""
+    nh, kv = model.num_heads, model.num_kv_heads
+    group = nh // kv
+    if degree <= kv:
+        return -(-kv // degree) * group / nh, -(-kv // degree) / kv
+    bounds = [r * nh // degree for r in range(degree + 1)]
+    touched = max((hi - 1) // group - lo // group + 1 for lo, hi in zip(bounds[:-1], bounds[1:], strict=True))
+    return -(-nh // degree) / nh, touched / kv
+
+
 def units_of(model: ModelShape, kind: str) -> int:
     """How many shardable units an item has: the most ranks it can be split over."""
     if kind == LAYER:
-        return min(model.num_kv_heads, model.ffn_hidden_size)
+        return min(model.num_heads, model.ffn_hidden_size)
     return model.vocab_size
 
 
@@ -76,10 +90,11 @@ def item_cost(
     h = model.hidden_size
     act = tokens * h * device.act_bytes
     if kind == LAYER:
-        fa = shard_fraction(model.num_kv_heads, degree)
+        fq, fkv = attention_fractions(model, degree)
         fm = shard_fraction(model.ffn_hidden_size, degree)
-        params = model.attention_params * fa + model.mlp_params * fm
-        fwd = 2 * tokens * params + 4 * micro_batch_size * seq_len * seq_len * h * fa
+        kv_params = 2 * h * model.num_kv_heads * model.head_dim
+        params = (model.attention_params - kv_params) * fq + kv_params * fkv + model.mlp_params * fm
+        fwd = 2 * tokens * params + 4 * micro_batch_size * seq_len * seq_len * h * fq
         payloads = [act] * 4
         activations = (
             act if recompute else tokens * h * (ACT_REPLICATED + ACT_SHARDED / degree) * device.act_bytes / 2
@@ -93,8 +108,9 @@ def item_cost(
             activations = act
         else:
             fwd = 2 * tokens * h * model.vocab_size * fv
-            payloads = [act] + [tokens * CE_STAT_BYTES] * 3
-            activations = tokens * model.vocab_size * fv * CE_STAT_BYTES
+            stat = tokens * max(CE_STAT_BYTES, device.act_bytes)
+            payloads = [act, stat, 2 * stat]  # input grad; max logit; fused (sum of exps, target logit)
+            activations = tokens * model.vocab_size * fv * max(CE_STAT_BYTES, device.act_bytes)
             if model.tie_embeddings:
                 params = 0.0  # the head reuses the embedding's shard
     else:

@@ -3,8 +3,9 @@
 A layout has one degree per item: embedding, each transformer layer, output head
 (length num_layers + 2). Rules:
 - every degree t satisfies 1 <= t <= tp and t divides tp;
-- t may not exceed the units it shards (GQA groups and FFN columns for a layer, vocabulary rows
-  for embedding and head);
+- t may not exceed the units it shards (attention heads and FFN columns for a layer, vocabulary
+  rows for embedding and head);
+- with tied embeddings, embedding and head share one weight and so one degree;
 - in a replica shrunk to n ranks an item runs at its *effective* degree: t if t divides n,
   else the largest divisor of n not above t.
 """
@@ -17,6 +18,7 @@ from functools import lru_cache
 from typing import Any
 
 from ntp_nemo.errors import ConfigError
+from ntp_nemo.topology.topology import effective_degree  # noqa: F401  (re-exported)
 from ntp_nemo.planner.cost import item_kinds, item_names, units_of
 from ntp_nemo.planner.shapes import ModelShape
 
@@ -28,13 +30,6 @@ _NAMED = {"emb": "emb", "embedding": "emb", "layers": "layers", "layer": "layers
 @lru_cache(maxsize=256)
 def divisors(n: int) -> tuple[int, ...]:
     return tuple(d for d in range(1, n + 1) if n % d == 0)
-
-
-def effective_degree(degree: int, ranks: int) -> int:
-    """Degree an item of nominal `degree` runs at in a replica of `ranks` active ranks."""
-    if ranks % degree == 0:
-        return degree
-    return max(d for d in divisors(ranks) if d <= degree)
 
 
 def parse_layer_tp(spec: str | int | Sequence[int] | None, num_layers: int, tp: int) -> list[int]:
@@ -125,11 +120,19 @@ def validate_layer_tp(model: ModelShape, tp: int, replica_tp: Sequence[int], lay
                 "ntp.replica_tp",
                 f"entry {n!r} must be an integer in [1, mesh.tp={tp}] (active ranks of a replica).",
             )
-    for name, kind, t in zip(item_names(model), item_kinds(model), layer_tp, strict=True):
-        _check_degree(_as_int(t), tp, name)
+    for name, kind, raw in zip(item_names(model), item_kinds(model), layer_tp, strict=True):
+        t = _as_int(raw)
+        _check_degree(t, tp, name)
         units = units_of(model, kind)
         if t > units:
-            what = "GQA groups/FFN columns" if kind == "layer" else "vocabulary rows"
+            what = "attention heads/FFN columns" if kind == "layer" else "vocabulary rows"
             raise ConfigError(
                 KEY, f"{name} has degree {t} but only {units} {what} to shard; use at most {units}."
             )
+    if model.tie_embeddings and layer_tp[0] != layer_tp[-1]:
+        raise ConfigError(
+            KEY,
+            f"the embedding (degree {layer_tp[0]}) and the output head (degree {layer_tp[-1]}) share their "
+            "weights (model.tie_embeddings=true), so they need the same degree; make the first and last "
+            "entries equal or set model.tie_embeddings=false.",
+        )

@@ -9,6 +9,7 @@ by the summed stage times) subject to every (replica, stage) fitting the memory 
 Search. Start from every item at its highest valid degree (the least memory any layout can
 use, so if it does not fit nothing does), then coordinate descent: move one item at a time to
 the degree that most lowers (J, total time) while staying within memory, until no move helps.
+With tied embeddings the embedding and the head move together (they share one weight).
 Fixed per-step costs (pipeline bubble, data-parallel gradient sync) are not in the objective.
 """
 
@@ -125,17 +126,20 @@ class _CostTables:
         return j, float(stage_t.sum()), period, (m_items @ self.stage_onehot).max(axis=1)
 
 
-def _descend(tables: _CostTables, choice: np.ndarray, n_cands: list[int], limit: float) -> np.ndarray:
-    """Coordinate descent on (J, total time) over one item at a time, never leaving the memory limit."""
+def _descend(
+    tables: _CostTables, choice: np.ndarray, variables: list[list[int]], n_cands: list[int], limit: float
+) -> np.ndarray:
+    """Coordinate descent on (J, total time), one variable (a set of items sharing a degree) at a
+    time, never leaving the memory limit."""
     best_j, best_total, _, _ = tables.evaluate(choice)
-    for _ in range(4 * len(n_cands)):
+    for _ in range(4 * len(variables)):
         improved = False
-        for i, n in enumerate(n_cands):
-            for c in range(n):
-                if c == choice[i]:
+        for items in variables:
+            for c in range(n_cands[items[0]]):
+                if c == choice[items[0]]:
                     continue
                 trial = choice.copy()
-                trial[i] = c
+                trial[items] = c
                 j, total, _, mem = tables.evaluate(trial)
                 if mem.max() > limit:
                     continue
@@ -212,7 +216,9 @@ def plan_layout(
             f"{memory_limit_gb} GB per GPU is too small: even at the highest degrees the busiest GPU needs "
             f"{least_mem / GB:.2f} GB; raise the limit, add pipeline stages or use more TP ranks.",
         )
-    choice = _descend(tables, choice, [len(c) for c in cands], limit)
+    last = len(kinds) - 1
+    variables = [[i] for i in range(1, last)] + ([[0, last]] if model.tie_embeddings else [[0], [last]])
+    choice = _descend(tables, choice, variables, [len(c) for c in cands], limit)
     j, _, period, mem_u = tables.evaluate(choice)
     layer_tp = [cands[i][c] for i, c in enumerate(choice)]
     validate_layer_tp(model, tp, replica_tp, layer_tp)

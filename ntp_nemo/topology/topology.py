@@ -52,7 +52,8 @@ class Topology:
         self.pp = pp
         self.stage_layers = list(stage_layers) if stage_layers else even_stage_layers(self.num_layers, pp)
         if len(self.stage_layers) != pp or sum(self.stage_layers) != self.num_layers:
-            raise ValueError(f"stage_layers {self.stage_layers} do not split {self.num_layers} layers into {pp} stages")
+            raise ValueError(f"stage_layers {self.stage_layers} do not split {self.num_layers} layers "
+                             f"into {pp} stages")
         self.coords: list[RankCoord] = []
         self._base: list[int] = []
         for r, n in enumerate(self.replica_tp):
@@ -85,7 +86,7 @@ class Topology:
         return range(start, start + self.stage_layers[stage])
 
     def pipeline_peer(self, rank: int, step: int) -> int | None:
-        """Rank of stage `stage + step` that exchanges activations with `rank` (slot j -> j mod n), or None."""
+        """Rank of stage `stage + step` exchanging activations with `rank` (slot j -> j mod n), or None."""
         c = self.coord(rank)
         stage = c.stage + step
         if not 0 <= stage < self.pp:

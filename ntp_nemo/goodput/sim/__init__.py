@@ -1,6 +1,6 @@
 """Cluster goodput simulator: NTP policies under GPU failures at 10K+ GPU scale (`ntp-sim`)."""
 
-from ntp_nemo.goodput.sim.cluster import ClusterSpec, form_replicas
+from ntp_nemo.goodput.sim.cluster import ClusterSpec, form_replicas, replica_histogram
 from ntp_nemo.goodput.sim.failures import FailureSpec, Trace, generate_trace, sample_placements, trace_states
 from ntp_nemo.goodput.sim.perf import ReplicaPerf
 from ntp_nemo.goodput.sim.policies import POLICIES, PolicyTable, policy_table, replica_metrics
@@ -20,6 +20,7 @@ __all__ = [
     "form_replicas",
     "generate_trace",
     "policy_table",
+    "replica_histogram",
     "replica_metrics",
     "run_all",
     "sample_placements",

@@ -136,48 +136,57 @@ def _static_replicas(spec: ClusterSpec, f: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class DamagedDomains:
-    """Sparse view of domain failures: (sample, domain, failed GPUs) of every damaged domain.
+    """Sparse failures of many cluster states: (state, domain, failed GPUs) of each damaged domain.
 
-    Healthy domains need no work, so a state costs what its failures cost, not the cluster size.
+    Entries are sorted by domain, so the failures of the first n domains (a pool with fewer spare
+    domains) are a prefix; a state's cost follows its failures, not the cluster size.
     """
 
     samples: int
-    num_domains: int
+    domain_size: int
     row: np.ndarray
     domain: np.ndarray
     failed: np.ndarray
 
     @classmethod
-    def from_dense(cls, domain_failures: np.ndarray) -> DamagedDomains:
+    def from_dense(cls, domain_failures: np.ndarray, domain_size: int) -> DamagedDomains:
         f = np.atleast_2d(domain_failures)
         row, domain = np.nonzero(f)
-        return cls(f.shape[0], f.shape[1], row, domain, f[row, domain].astype(np.int64))
+        order = np.argsort(domain, kind="stable")
+        row, domain = row[order], domain[order]
+        return cls(f.shape[0], domain_size, row, domain, np.minimum(f[row, domain], domain_size))
 
-    def first(self, num_domains: int) -> DamagedDomains:
-        """The same samples restricted to the first `num_domains` domains."""
-        keep = self.domain < num_domains
-        return DamagedDomains(self.samples, num_domains, self.row[keep], self.domain[keep], self.failed[keep])
+    def levels(self, num_domains: int) -> np.ndarray:
+        """(samples, domain_size + 1): domains among the first `num_domains` with f failed GPUs."""
+        end = int(np.searchsorted(self.domain, num_domains))
+        width = self.domain_size + 1
+        flat = self.row[:end] * width + self.failed[:end]
+        out = np.bincount(flat, minlength=self.samples * width).reshape(self.samples, width)
+        out[:, 0] = num_domains - out[:, 1:].sum(axis=1)
+        return out
 
 
-def group_histogram(spec: ClusterSpec, damaged: DamagedDomains) -> np.ndarray:
-    """TP groups built from each domain's working GPUs, counted by degree: (samples, tp + 1).
+def domain_levels(domain_failures: np.ndarray, domain_size: int) -> np.ndarray:
+    """(samples, domain_size + 1): how many domains have f failed GPUs, for f = 0..domain_size."""
+    return _rows_bincount(np.minimum(domain_failures, domain_size), domain_size)
 
-    For tp <= domain_size: floor(h/tp) full groups plus one leftover group of degree map[h % tp]
-    (0 if it cannot run) in a domain with h working GPUs; idle slots count as degree 0.
+
+def group_table(spec: ClusterSpec) -> np.ndarray:
+    """`table[f]`: TP groups by degree that one domain with f failed GPUs yields (tp <= domain_size).
+
+    h = domain_size - f working GPUs give floor(h/tp) full groups and one leftover group of degree
+    map[h % tp] (0 if it cannot run); the remaining slots are idle (degree 0).
     """
-    tp, size, dmap = spec.tp, spec.domain_size, spec.degree_map()
-    samples, k = damaged.samples, size // tp
-    row = damaged.row
-    healthy = size - np.minimum(damaged.failed, size)
-    full = healthy // tp  # < k in a damaged domain
-    hist = np.zeros((samples, tp + 1), dtype=np.int64)
-    hist[:, tp] = k * damaged.num_domains - np.bincount(row, weights=k - full, minlength=samples).astype(
-        np.int64
-    )
-    leftover = np.bincount(row * (tp + 1) + dmap[healthy % tp], minlength=samples * (tp + 1))
-    hist += leftover.reshape(samples, tp + 1)
-    hist[:, 0] += np.bincount(row, weights=k - full - 1, minlength=samples).astype(np.int64)
-    return hist
+    size, tp, dmap = spec.domain_size, spec.tp, spec.degree_map()
+    k = size // tp
+    table = np.zeros((size + 1, tp + 1), dtype=np.int64)
+    for f in range(size + 1):
+        full = (size - f) // tp
+        table[f, tp] += full
+        if full < k:
+            table[f, dmap[(size - f) % tp]] += 1
+            table[f, 0] += k - full - 1
+    return table
 
 
 def _spanning_groups(spec: ClusterSpec, f: np.ndarray) -> np.ndarray:
@@ -200,22 +209,22 @@ def cut_replicas(groups: np.ndarray, pp: int) -> np.ndarray:
     return at_least - np.concatenate([at_least[:, 1:], np.zeros((groups.shape[0], 1), np.int64)], axis=1)
 
 
-def replica_histogram(spec: ClusterSpec, cell_failures: np.ndarray | DamagedDomains) -> np.ndarray:
+def replica_histogram(spec: ClusterSpec, cell_failures: np.ndarray) -> np.ndarray:
     """Replicas the manager can form, counted by degree: (samples, tp + 1); degree 0 cannot run.
 
-    `cell_failures` is (samples, cells): failed GPUs per domain (packing) or per TP group, or a
-    `DamagedDomains` view of the domain failures (packing).
+    `cell_failures` is (samples, cells): failed GPUs per domain (packing) or per TP group.
     """
-    if isinstance(cell_failures, DamagedDomains):
-        if not spec.packing or spec.tp > spec.domain_size:
-            raise ValueError("DamagedDomains needs packing with tp <= domain_size")
-        return cut_replicas(group_histogram(spec, cell_failures), spec.pp)
     f = np.minimum(np.atleast_2d(cell_failures), spec.cell_size).astype(np.int64)
     if not spec.packing:
         return _rows_bincount(_static_replicas(spec, f), spec.tp)
     if spec.tp > spec.domain_size:
         return cut_replicas(_spanning_groups(spec, f), spec.pp)
-    return cut_replicas(group_histogram(spec, DamagedDomains.from_dense(f)), spec.pp)
+    return replica_histogram_from_levels(spec, domain_levels(f, spec.domain_size))
+
+
+def replica_histogram_from_levels(spec: ClusterSpec, levels: np.ndarray) -> np.ndarray:
+    """Packing with tp <= domain_size, from (samples, domain_size + 1) counts of domains by failures."""
+    return cut_replicas(levels @ group_table(spec), spec.pp)
 
 
 def form_replicas(spec: ClusterSpec, cell_failures: np.ndarray) -> np.ndarray:

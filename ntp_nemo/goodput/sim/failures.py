@@ -142,6 +142,18 @@ class Trace:
     horizon_hours: float
     pool_gpus: int
 
+    def extended_by(self, other: Trace) -> Trace:
+        """This trace followed by `other` on the next `other.pool_gpus` GPUs (a larger pool)."""
+        return Trace(
+            np.concatenate([self.gpu, other.gpu + self.pool_gpus]),
+            np.concatenate([self.start, other.start]),
+            np.concatenate([self.end, other.end]),
+            self.num_events + other.num_events,
+            self.num_hardware + other.num_hardware,
+            self.horizon_hours,
+            self.pool_gpus + other.pool_gpus,
+        )
+
 
 def generate_trace(
     pool_gpus: int, spec: FailureSpec, rate_multiplier: float, rng: np.random.Generator

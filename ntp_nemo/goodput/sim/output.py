@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -77,14 +78,14 @@ def write_plots(results: SimResults, settings: SimSettings, out_dir: Path) -> li
         ax.set_ylabel("replicas available (%)")
         ax.set_title(f"{avail[0]['num_gpus']} GPUs, {100 * avail[0]['failed_fraction']:.2f}% failed")
         ax.grid(alpha=0.3, axis="y")
-        ax.legend(loc="lower left")
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3, fontsize=8, frameon=False)
         paths.append(_save(fig, out_dir / "availability.png"))
     if results.timelines:
         paths.append(_plot_trace(plt, results.timelines[0], out_dir / "trace.png"))
     return paths
 
 
-def _plot_trace(plt, tl: TraceTimeline, path: Path) -> Path:  # noqa: ANN001 - pyplot module
+def _plot_trace(plt: Any, tl: TraceTimeline, path: Path) -> Path:
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
     days = tl.times_h / 24
     top.step(days, tl.failed_gpus, where="post", color="tab:red")
@@ -98,10 +99,9 @@ def _plot_trace(plt, tl: TraceTimeline, path: Path) -> Path:  # noqa: ANN001 - p
     return _save(fig, path)
 
 
-def _save(fig, path: Path) -> Path:  # noqa: ANN001 - matplotlib figure
+def _save(fig: Any, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    fig.clf()
     import matplotlib.pyplot as plt
 
     plt.close(fig)

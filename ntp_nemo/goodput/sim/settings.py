@@ -199,11 +199,11 @@ def _check_batch(s: SimSettings) -> None:
 
 
 def _check_units(s: SimSettings) -> None:
-    units = min(s.model.num_kv_heads, s.model.ffn_hidden_size)
+    units = min(s.model.num_heads, s.model.ffn_hidden_size)
     if s.cluster.tp > units:
         raise ConfigError(
             "cluster.tp",
-            f"{s.cluster.tp} ranks but the model has only {units} attention (GQA) groups to shard.",
+            f"{s.cluster.tp} ranks but the model has only {units} attention heads or FFN columns to shard.",
         )
     if s.cluster.pp > s.model.num_layers:
         raise ConfigError("cluster.pp", f"{s.cluster.pp} stages for {s.model.num_layers} layers.")

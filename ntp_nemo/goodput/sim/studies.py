@@ -16,7 +16,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ntp_nemo.goodput.sim.cluster import ClusterSpec, DamagedDomains, replica_histogram
+from ntp_nemo.goodput.sim.cluster import (
+    ClusterSpec,
+    DamagedDomains,
+    replica_histogram,
+    replica_histogram_from_levels,
+)
 from ntp_nemo.goodput.sim.failures import BERNOULLI, Trace, generate_trace, sample_placements, trace_states
 from ntp_nemo.goodput.sim.perf import ReplicaPerf
 from ntp_nemo.goodput.sim.policies import DP_DROP, NTP, PolicyTable, capacity, policy_table, replica_metrics
@@ -162,32 +167,46 @@ class TraceTimeline:
     throughput_rel: dict[str, np.ndarray]
 
 
-def spares_needed(s: SimSettings, table: PolicyTable, trace: Trace, max_spares: int) -> int | None:
-    """Fewest spare domains keeping capacity >= the global batch in every state (None: > max_spares).
+def spares_needed(
+    s: SimSettings, tables: list[PolicyTable], trace: Trace, max_spares: int
+) -> dict[str, int | None]:
+    """Per policy, the fewest spare domains keeping capacity >= the global batch in every state
+    (None: more than `max_spares`).
 
     Capacity never decreases with more spares for a coupled trace (sorted packing dominates
-    position by position), so a binary search is exact.
+    position by position), so a binary search is exact. Formed replicas do not depend on the
+    policy, so each pool size is evaluated once for all policies.
     """
     c = s.cluster
     _, _, pool = trace_states(trace, c.domain_size, c.num_domains + max_spares)
-    damaged = DamagedDomains.from_dense(pool) if c.tp <= c.domain_size else None
+    damaged = DamagedDomains.from_dense(pool, c.domain_size) if c.tp <= c.domain_size else None
     need = c.num_replicas * s.local_batch
+    cache: dict[int, np.ndarray] = {}
 
-    def feasible(spares: int) -> bool:
-        n = c.num_domains + spares
-        fails = damaged.first(n) if damaged is not None else pool[:, :n]
-        return bool(np.all(capacity(replica_histogram(c, fails), table) >= need))
+    def replicas(spares: int) -> np.ndarray:
+        if spares not in cache:
+            n = c.num_domains + spares
+            cache[spares] = (
+                replica_histogram_from_levels(c, damaged.levels(n))
+                if damaged is not None
+                else replica_histogram(c, pool[:, :n])
+            )
+        return cache[spares]
 
-    if not feasible(max_spares):
-        return None
-    lo, hi = 0, max_spares
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if feasible(mid):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+    out: dict[str, int | None] = {}
+    for table in tables:
+        if not np.all(capacity(replicas(max_spares), table) >= need):
+            out[table.name] = None
+            continue
+        lo, hi = 0, max_spares
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if np.all(capacity(replicas(mid), table) >= need):
+                hi = mid
+            else:
+                lo = mid + 1
+        out[table.name] = lo
+    return out
 
 
 def run_trace(
@@ -197,17 +216,22 @@ def run_trace(
     max_spares = max(f.max_spare_domains, c.spare_domains) if c.packing else 0
     records, timelines = [], []
     for mult in f.rate_multipliers:
-        pool = c.num_gpus + max_spares * c.domain_size
-        trace = generate_trace(pool, f, mult, rng)
+        # The job's GPUs (with its configured spares) and the extra spare pool draw from separate
+        # streams, so the job's failures do not depend on how far the spare search may go.
+        job_rng, pool_rng = (np.random.default_rng(int(x)) for x in rng.integers(2**63, size=2))
+        job_trace = generate_trace(c.num_gpus + c.spare_domains * c.domain_size, f, mult, job_rng)
+        extra = (max_spares - c.spare_domains) * c.domain_size
+        trace = job_trace.extended_by(generate_trace(extra, f, mult, pool_rng)) if extra else job_trace
         times, durations, fails = trace_states(trace, c.cell_size, c.num_cells())
         weights = durations / durations.sum()
         replicas = replica_histogram(c, fails)
         failed = fails.sum(axis=1)
         series = {}
+        spares = spares_needed(s, tables, trace, max_spares) if c.packing else {}
         for table in tables:
             m = replica_metrics(replicas, table, c.num_replicas, c.tp)
             series[table.name] = m["throughput_rel"]
-            spares = spares_needed(s, table, trace, max_spares) if c.packing else None
+            needed = spares.get(table.name)
             records.append(
                 {
                     "study": "trace",
@@ -218,11 +242,11 @@ def run_trace(
                     "throughput_rel_min": float(m["throughput_rel"].min()),
                     "replicas_available": float(weights @ m["replicas_available"]),
                     "gpus_useful": float(weights @ m["gpus_useful"]),
-                    "spares_needed": spares,
-                    "spare_gpus_fraction": None if spares is None else spares * c.domain_size / c.num_gpus,
+                    "spares_needed": needed,
+                    "spare_gpus_fraction": None if needed is None else needed * c.domain_size / c.num_gpus,
                     "max_failed_gpus": int(failed.max()),
-                    "events": trace.num_events,
-                    "hardware_events": trace.num_hardware,
+                    "events": job_trace.num_events,
+                    "hardware_events": job_trace.num_hardware,
                     "days": f.days,
                     "hardware_repair_hours": list(f.hardware_repair_hours),
                     "tp": c.tp,

@@ -1,0 +1,286 @@
+"""Training throughput: ntp_nemo's tensor parallelism vs Lightning's own ModelParallelStrategy (DTensor),
+and ntp_nemo at TP 1 vs a plain PyTorch loop.
+
+    python bench/throughput.py [--rounds 2] [--steps 20] [--warmup 5] [--tp 2]
+
+Sides, all on the default recipe's model (gpt_tiny), data, global batch (12 x 128 tokens in micro-batches
+of 2), AdamW + warmup-cosine and initial weights, one torch thread per process, gloo on CPU:
+- `ntp TP{n}`: the real `ntp-train` CLI, `mesh.dp=1 mesh.tp=n` (NTPStrategy forks n workers);
+- `dtensor TP{n}`: a Lightning Trainer with `ModelParallelStrategy(data_parallel_size=1,
+  tensor_parallel_size=n)` under torchrun; `configure_model` applies `parallelize_module` to a plain
+  GPT-2-style model of the same shapes (`bench/_common.PlainGPT`: column-parallel q/k/v/fc1,
+  row-parallel o/fc2, vocabulary-parallel embedding and tied head, `loss_parallel` cross entropy;
+  norms and position embeddings replicated, no sequence parallelism: the same collectives as
+  Megatron-style TP). The training step mirrors NTPLanguageModule's (manual optimisation over the
+  step's micro-batches, loss normalised by the global token count, gradient clipping at 1.0, AdamW,
+  schedule, logging the loss and the gradient norm);
+- `ntp TP1` and `plain TP1`: `ntp-train` on one process and the plain loop of `bench/_common.py`.
+Each run is timed from `on_train_batch_start` to `on_train_batch_end` (ntp: metrics.jsonl
+`step_time_s`); tokens/s = tokens per step / median step time after the warm-up, over all rounds.
+Sides alternate within every round. The goal is ntp / dtensor >= 1.0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from _common import (
+    QUIET,
+    SINGLE,
+    adamw,
+    build_data_for,
+    compose,
+    load_average,
+    max_rel_loss_diff,
+    median,
+    model_config,
+    plain_model,
+    run_ntp_train,
+    run_plain,
+    step_probe,
+    step_tokens,
+    thread_env,
+)
+
+
+# ---- the DTensor side (runs under torchrun) ---------------------------------------------------------
+def parallelize(model, mesh) -> None:
+    """Megatron-style TP of PlainGPT with torch's DTensor plans (vocabulary-parallel embedding and head)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {
+        "embed": RowwiseParallel(input_layouts=Replicate()),
+        "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    }
+    for i in model.blocks:
+        plan.update(
+            {
+                f"blocks.{i}.attn.q_proj": ColwiseParallel(),
+                f"blocks.{i}.attn.k_proj": ColwiseParallel(),
+                f"blocks.{i}.attn.v_proj": ColwiseParallel(),
+                f"blocks.{i}.attn.o_proj": RowwiseParallel(),
+                f"blocks.{i}.mlp.up_proj": ColwiseParallel(),
+                f"blocks.{i}.mlp.down_proj": RowwiseParallel(),
+            }
+        )
+    parallelize_module(model, mesh, plan)
+    model.head.weight = model.embed.weight  # both Shard(0) over the vocabulary: keep them tied
+
+
+def clip_grad_norm_(params, max_norm: float) -> float:
+    """Clip by the norm of the whole (unsharded) gradient; DTensor and plain gradients are summed apart
+    because torch's norm utilities do not mix the two types."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    dist_grads = [g for g in grads if isinstance(g, DTensor)]
+    local = [g for g in grads if not isinstance(g, DTensor)]
+    sq = torch.nn.utils.get_total_norm(local).double() ** 2 if local else torch.zeros((), dtype=torch.float64)
+    if dist_grads:
+        sq = sq + torch.nn.utils.get_total_norm(dist_grads).full_tensor().double() ** 2
+    norm = float(sq.sqrt())
+    if norm > max_norm:
+        coef = max_norm / (norm + 1e-6)
+        for g in grads:
+            g.mul_(coef)
+    return norm
+
+
+def dtensor_worker(overrides: list[str], steps: int, out: Path) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.tensor.parallel import loss_parallel
+    from torch.utils.data import DataLoader, Dataset
+
+    torch.set_num_threads(1)
+    cfg = compose(overrides)
+    data = build_data_for(cfg)
+    mbs = int(cfg.data.micro_batch_size)
+    global_tokens = int(cfg.data.global_batch_size) * int(cfg.data.seq_len)
+
+    class Steps(Dataset):
+        def __len__(self) -> int:
+            return steps
+
+        def __getitem__(self, step: int) -> torch.Tensor:
+            return step_tokens(data, step, mbs)
+
+    class DTensorGPT(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.model = None
+            self.losses: list[float] = []
+
+        def configure_model(self) -> None:
+            if self.model is None:
+                self.model = plain_model(model_config(cfg), int(cfg.seed))
+                parallelize(self.model, self.device_mesh["tensor_parallel"])
+
+        def configure_optimizers(self):
+            opt, sched = adamw(self.model.parameters(), cfg.optim, int(cfg.trainer.max_steps))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(Steps(), batch_size=None, shuffle=False, num_workers=0)
+
+        def training_step(self, micro: torch.Tensor, batch_idx: int) -> dict:
+            opt, sched = self.optimizers(), self.lr_schedulers()
+            total = torch.zeros((), dtype=torch.float64)
+            for mb in micro:
+                with loss_parallel():
+                    logits = self.model(mb[:, :-1])
+                    loss_sum = torch.nn.functional.cross_entropy(
+                        logits.flatten(0, 1), mb[:, 1:].flatten(), reduction="sum"
+                    )
+                    self.manual_backward(loss_sum / global_tokens)
+                total += loss_sum.detach().full_tensor().double()
+            grad_norm = clip_grad_norm_(list(self.model.parameters()), float(cfg.optim.grad_clip))
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            loss = float(total) / global_tokens
+            self.losses.append(loss)
+            self.log("train/loss", loss, prog_bar=True, rank_zero_only=True, batch_size=1)
+            self.log("train/grad_norm", grad_norm, rank_zero_only=True, batch_size=1)
+            return {"loss": torch.tensor(loss)}
+
+    tp = int(os.environ["WORLD_SIZE"])
+    probe_path = out.with_suffix(".probe.json")
+    probe = step_probe(str(probe_path))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=tp,
+        strategy=ModelParallelStrategy(1, tp),
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        callbacks=[probe],
+        default_root_dir=str(out.parent),
+    )
+    module = DTensorGPT()
+    trainer.fit(module)
+    if trainer.is_global_zero:
+        probed = json.loads(probe_path.read_text())
+        records = [
+            {**s, "step": i + 1, "loss": loss, "tokens": global_tokens}
+            for i, (s, loss) in enumerate(zip(probed["steps"], module.losses, strict=True))
+        ]
+        out.write_text(json.dumps({"threads": probed["threads"], "records": records}))
+
+
+def run_dtensor(overrides: list[str], steps: int, tp: int, work: Path, timeout: int = 900) -> dict:
+    out = work / f"dtensor-{time.monotonic_ns()}.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={tp}",
+        str(Path(__file__).resolve()),
+        "--dtensor-worker",
+        "--steps",
+        str(steps),
+        "--out",
+        str(out),
+        "--",
+        *overrides,
+    ]
+    proc = subprocess.run(cmd, cwd=work, env=thread_env(1), capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"DTensor side exited {proc.returncode}:\n{proc.stderr[-4000:]}")
+    return json.loads(out.read_text())
+
+
+# ---- the comparison ----------------------------------------------------------------------------------
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=20, help="optimizer steps per run")
+    ap.add_argument("--warmup", type=int, default=5, help="steps of each run left out of the figures")
+    ap.add_argument("--tp", type=int, default=2, help="TP degree (= processes) of the ntp and DTensor sides")
+    ap.add_argument("--sides", default="ntp-tp,dtensor-tp,ntp-tp1,plain-tp1")
+    ap.add_argument("--dtensor-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("overrides", nargs="*", help="extra ntp-train overrides applied to every side")
+    args = ap.parse_args()
+    if args.dtensor_worker:
+        dtensor_worker(args.overrides, args.steps, args.out)
+        return
+    base = [*QUIET, f"trainer.max_steps={args.steps}", *args.overrides]
+    tp_overrides = ["mesh.dp=1", f"mesh.tp={args.tp}", "mesh.pp=1", "ntp.replica_tp=null", *base]
+    one_overrides = [*SINGLE, *base]
+    runners = {
+        "ntp-tp": (f"ntp TP{args.tp}", lambda w, r: run_ntp_train(tp_overrides, w / f"ntp-tp-{r}", 1)),
+        "dtensor-tp": (
+            f"dtensor TP{args.tp}",
+            lambda w, r: run_dtensor(tp_overrides, args.steps, args.tp, w),
+        ),
+        "ntp-tp1": ("ntp TP1", lambda w, r: run_ntp_train(one_overrides, w / f"ntp-tp1-{r}", 1)),
+        "plain-tp1": ("plain TP1", lambda w, r: run_plain(one_overrides, args.steps, 1, w)),
+    }
+    sides = [s for s in args.sides.split(",") if s]
+    print(
+        f"throughput: {', '.join(runners[s][0] for s in sides)}; {args.rounds} rounds x {args.steps} steps "
+        f"(warm-up {args.warmup}); overrides {' '.join(tp_overrides)}; load average {load_average()}",
+        flush=True,
+    )
+    runs: dict[str, list[dict]] = {s: [] for s in sides}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for r in range(args.rounds):
+            for side in sides if r % 2 == 0 else sides[::-1]:
+                res = runners[side][1](work, r)
+                runs[side].append(res)
+                s = _stats(res["records"][args.warmup :])
+                print(
+                    f"  round {r} {runners[side][0]:12s}: step {s['step'] * 1e3:7.1f} ms  "
+                    f"cpu {s['cpu'] * 1e3:7.1f} ms  (threads {res['threads']})",
+                    flush=True,
+                )
+    stats = {
+        side: _stats([x for res in results for x in res["records"][args.warmup :]])
+        for side, results in runs.items()
+    }
+    print(
+        f"\nresult: medians over {args.rounds} x {args.steps - args.warmup} steps; "
+        f"load average now {load_average()}"
+    )
+    print(f" {'side':14s} {'step ms':>9s} {'tokens/s':>9s} {'rank-0 CPU ms':>14s} {'tokens/CPU-s':>13s}")
+    for side, s in stats.items():
+        print(
+            f" {runners[side][0]:14s} {s['step'] * 1e3:9.1f} {s['tps']:9.0f} {s['cpu'] * 1e3:14.1f} "
+            f"{s['tps_cpu']:13.0f}"
+        )
+    for a, b, goal in (("ntp-tp", "dtensor-tp", " (goal >= 1.0)"), ("ntp-tp1", "plain-tp1", "")):
+        if a in stats and b in stats:
+            pairs = zip(runs[a], runs[b], strict=True)
+            loss = max(max_rel_loss_diff(x["records"], y["records"]) for x, y in pairs)
+            ratio, cpu_ratio = stats[a]["tps"] / stats[b]["tps"], stats[a]["tps_cpu"] / stats[b]["tps_cpu"]
+            print(
+                f" {runners[a][0]} / {runners[b][0]}: tokens/s ratio {ratio:.3f}{goal}, "
+                f"by CPU time {cpu_ratio:.3f}; loss curves agree to {loss:.1e}"
+            )
+
+
+def _stats(records: list[dict]) -> dict[str, float]:
+    step, cpu = median([x["step_time_s"] for x in records]), median([x["cpu_s"] for x in records])
+    tokens = records[0]["tokens"]
+    return {"step": step, "cpu": cpu, "tps": tokens / step, "tps_cpu": tokens / cpu}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,13 @@
+"""Quantisation-aware training with nvidia-modelopt on NTP-sharded models.
+
+`config` (the `quant` config group, `validate_quant`), `modules` (quantised TP layers registered with
+modelopt), `sharding` (ShardSpecs of amax buffers), `calibrate` (TP/DP-aware max calibration),
+`state` (layout-independent save/restore), `callback` (the Lightning callback).  modelopt is imported
+only when a model is quantised (it costs ~10 s per process).
+"""
+
+from __future__ import annotations
+
+from ntp_nemo.quant.config import FORMATS, QuantConfig, modelopt_config, validate_quant
+
+__all__ = ["FORMATS", "QuantConfig", "modelopt_config", "validate_quant"]

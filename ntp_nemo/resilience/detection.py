@@ -1,0 +1,193 @@
+"""Detecting a lost rank: the timeout hierarchy, the worker monitor and the failure classification.
+
+Timeout hierarchy (`fault.*`), each level catching what the one below cannot:
+
+1. `heartbeat_timeout_s` (supervisor): a training rank whose heartbeat has not advanced for this
+   long stalls the job; the supervisor kills the workers and blames the rank(s) furthest behind.
+2. `collective_timeout_s` (every collective, passed to NTPStrategy): a rank waiting this long in a
+   collective raises, so that without a supervisor (torchrun/SLURM) a hang still turns into a crash.
+   It exceeds the heartbeat timeout so that the supervisor, which knows who stopped first, acts first.
+3. `step_timeout_s` (supervisor): no step completed for this long (start-up and checkpoint restore
+   included) means a stall, whatever the heartbeats say; the last resort.
+
+A worker that exits while training is classified from the exit statuses: status 1 is a Python
+exception (torch's convention); a signal or any other status is a lost rank (a fault-injected kill
+exits 137).  Ranks the supervisor itself killed are not blamed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.connection
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from ntp_nemo.errors import ConfigError
+from ntp_nemo.resilience.heartbeat import Beat, read_beats, suspects
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    heartbeat_s: float
+    collective_s: float
+    step_s: float
+
+    @classmethod
+    def from_config(cls, fault: DictConfig) -> Timeouts:
+        t = cls(float(fault.heartbeat_timeout_s), float(fault.collective_timeout_s), float(fault.step_timeout_s))
+        if not 0 < t.heartbeat_s < t.collective_s < t.step_s:
+            raise ConfigError("fault.heartbeat_timeout_s", f"the timeouts must grow heartbeat < collective < "
+                              f"whole step, got fault.heartbeat_timeout_s={t.heartbeat_s}, "
+                              f"fault.collective_timeout_s={t.collective_s}, fault.step_timeout_s={t.step_s}; "
+                              "a hang must be seen by heartbeats before collectives give up (see docs/failover.md).")
+        return t
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the monitor saw: a stall (`heartbeat`, `step timeout`) or a worker exiting mid-training."""
+
+    reason: str
+    ranks: tuple[int, ...]
+    step: int | None
+    t: float
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class LostRanks:
+    """A recoverable failure: the ranks lost (empty when they cannot be told) and how it was detected."""
+
+    ranks: tuple[int, ...]
+    reason: str
+    step: int | None
+    detail: str
+
+
+def is_lost_status(code: int | None) -> bool:
+    """Exit statuses of a rank lost to the hardware or the OS, as opposed to a Python exception (1)."""
+    if code is None or code in (0, 1):
+        return False
+    return code > 1 or -code not in (signal.SIGTERM, signal.SIGINT)
+
+
+def classify(exit_codes: Sequence[int | None], killed: set[int], verdict: Verdict | None, error_text: str,
+             behind: tuple[int, ...], step: int | None) -> LostRanks | None:
+    """Turn an attempt's end into a recoverable failure, or None for an error to report (a bug, bad data)."""
+    if verdict is not None and verdict.reason != "worker exit":
+        return LostRanks(verdict.ranks, verdict.reason, verdict.step, verdict.detail)
+    lost = tuple(r for r, c in enumerate(exit_codes) if r not in killed and is_lost_status(c))
+    if lost:
+        codes = ", ".join(f"rank {r}: {exit_codes[r]}" for r in lost)
+        return LostRanks(lost, "exit status", step, f"exit status {codes}")
+    text = error_text.lower()
+    if "timed out" in text or "timeout" in text:
+        return LostRanks(behind, "collective timeout", step, error_text.strip().splitlines()[-1][:300])
+    return None
+
+
+def kill_worker(pid: int) -> None:
+    """SIGKILL a worker and, when it leads its own process group, everything it started."""
+    try:
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+class WorkerMonitor(threading.Thread):
+    """Watches one attempt's workers from the launching process; kills them on a stall or a lost rank.
+
+    Started before the launcher forks, it only sleeps until the worker processes exist (so the fork
+    never copies a thread in the middle of anything).  `on_progress(beat)` is called once, with rank
+    0's first heartbeat past `start_step` (the first completed step of the attempt)."""
+
+    def __init__(self, procs: Callable[[], Sequence[Any]], heartbeat_dir: Path, world_size: int,
+                 timeouts: Timeouts, start_step: int, on_progress: Callable[[Beat], None] | None = None,
+                 poll_s: float = 0.2, grace_s: float = 0.5) -> None:
+        super().__init__(name="ntp-worker-monitor", daemon=True)
+        self._procs = procs
+        self.heartbeat_dir = heartbeat_dir
+        self.world_size = world_size
+        self.timeouts = timeouts
+        self.start_step = start_step
+        self.on_progress = on_progress
+        self.poll_s = poll_s
+        self.grace_s = grace_s
+        self.verdict: Verdict | None = None
+        self.killed: set[int] = set()
+        self.last_beats: dict[int, Beat] = {}
+        self._stop = threading.Event()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout=5)
+
+    def _kill_all(self, procs: Sequence[Any]) -> None:
+        for rank, p in enumerate(procs):
+            if p.pid is not None and p.is_alive():
+                kill_worker(p.pid)
+                self.killed.add(rank)
+
+    def run(self) -> None:
+        procs: Sequence[Any] = ()
+        while not self._stop.is_set():
+            procs = self._procs() or ()
+            if len(procs) == self.world_size:
+                break
+            time.sleep(self.poll_s)
+        launched = time.time()
+        progressed = False
+        while not self._stop.wait(self.poll_s):
+            beats = read_beats(self.heartbeat_dir, self.world_size)
+            self.last_beats = beats
+            now = time.time()
+            first = beats.get(0)
+            if not progressed and first is not None and first.phase not in ("setup", "train_start", "step_start") \
+                    and first.step > self.start_step:
+                progressed = True
+                if self.on_progress is not None:
+                    self.on_progress(first)
+            exited = [r for r, p in enumerate(procs)
+                      if p.sentinel in multiprocessing.connection.wait([p.sentinel], timeout=0)]
+            died = [r for r in exited if r not in beats or beats[r].phase != "end"]
+            if died:
+                step = max((b.step for b in beats.values()), default=None)
+                self.verdict = Verdict("worker exit", tuple(died), step, now, f"rank(s) {died} exited mid-training")
+                self._stop.wait(self.grace_s)
+                self._kill_all(procs)
+                return
+            verdict = self._stall(beats, now, launched)
+            if verdict is not None:
+                self.verdict = verdict
+                self._kill_all(procs)
+                return
+
+    def _stall(self, beats: dict[int, Beat], now: float, launched: float) -> Verdict | None:
+        step = max((b.step for b in beats.values()), default=None)
+        training = [b for b in beats.values() if b.training]
+        if len(beats) == self.world_size and training:
+            stale = [b for b in training if now - b.t > self.timeouts.heartbeat_s]
+            if stale:
+                behind = suspects(beats, self.world_size)
+                oldest = min(stale, key=lambda b: b.t)
+                return Verdict("heartbeat", behind, step, now,
+                               f"rank {oldest.rank} silent for {now - oldest.t:.1f}s at step {oldest.step} "
+                               f"({oldest.phase}); ranks behind: {list(behind) or 'none (all equal)'}")
+        done = [b.t for b in beats.values() if b.phase in ("step_end", "end")]
+        since = max(done, default=launched)
+        if now - since > self.timeouts.step_s:
+            behind = suspects(beats, self.world_size)
+            return Verdict("step timeout", behind, step, now,
+                           f"no step completed for {now - since:.1f}s; ranks behind: {list(behind) or 'none'}")
+        return None

@@ -1,0 +1,182 @@
+"""Failure injection: the `fault` config group resolved into concrete faults, and the Lightning
+callback that makes them happen inside the workers.
+
+Kinds (each strikes global rank `rank` of the layout running at the time, at optimizer step `step`):
+
+- `kill_rank`: the process exits at once with status 137 (`os._exit`, no cleanup), as a lost GPU or
+  node looks to the launcher.
+- `hang`: the process stops making progress (sleeps forever); only heartbeats or timeouts reveal it.
+- `slow`: a straggler: `seconds` of extra time per step for `steps` steps (None: to the end).
+- `kill_during_save`: the rank dies while the checkpoint of the first save at or after `step` is
+  being written, leaving an uncommitted `.tmp` directory.
+- `corrupt_checkpoint`: the newest committed checkpoint at or before `step` gets a flipped byte in
+  one data file (done by global rank 0 when step `step + 1` starts); resuming skips it.
+
+A fault with `step` or `rank` unset draws it from the run's seed.  Every fault except `slow` fires
+once per run: the firing rank writes `failover/faults/fired_<i>.json` first, so a relaunch that
+redoes the step does not fire it again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from omegaconf import DictConfig
+
+from ntp_nemo.errors import ConfigError
+
+FAULT_KINDS = ("kill_rank", "hang", "slow", "kill_during_save", "corrupt_checkpoint")
+KILL_EXIT_CODE = 137  # 128 + SIGKILL: what a shell reports for a process killed hard
+
+
+@dataclass(frozen=True)
+class Fault:
+    index: int
+    kind: str
+    rank: int
+    step: int
+    seconds: float = 0.0
+    steps: int | None = None
+
+    @property
+    def once(self) -> bool:
+        return self.kind != "slow"
+
+
+def _spec_list(f: DictConfig) -> list[tuple[str, Any]]:
+    specs: list[tuple[str, Any]] = []
+    if str(f.kind) != "none":
+        specs.append(("fault", f))
+    for i, extra in enumerate(f.get("more") or []):
+        specs.append((f"fault.more[{i}]", extra))
+    return specs
+
+
+def resolve_faults(cfg: DictConfig, world_size: int) -> list[Fault]:
+    """The faults of this run with every unset step/rank drawn from `seed`; ConfigError on bad values."""
+    max_steps = int(cfg.trainer.max_steps)
+    rng = random.Random(int(cfg.seed) * 7919 + 17)
+    out: list[Fault] = []
+    for key, spec in _spec_list(cfg.fault):
+        kind = str(spec.kind)
+        if kind not in FAULT_KINDS:
+            raise ConfigError(f"{key}.kind", f"unknown fault kind {kind!r}; use none or one of "
+                              f"{', '.join(FAULT_KINDS)} (e.g. fault=kill_rank fault.rank=1 fault.step=5).")
+        step = spec.step if spec.step is not None else rng.randint(min(2, max_steps), max(1, max_steps - 1))
+        rank = spec.rank if spec.rank is not None else rng.randrange(world_size)
+        if kind == "corrupt_checkpoint":
+            rank = 0
+        if not 1 <= int(step) <= max_steps:
+            raise ConfigError(f"{key}.step", f"step {step} is outside 1..trainer.max_steps={max_steps}; "
+                              "choose a step the run reaches.")
+        if not 0 <= int(rank) < world_size:
+            raise ConfigError(f"{key}.rank", f"rank {rank} is not a global rank of the starting layout "
+                              f"(0..{world_size - 1}); choose a rank that exists.")
+        seconds = float(spec.get("seconds", 0.0) or 0.0)
+        steps = spec.get("steps")
+        if kind == "slow" and seconds <= 0:
+            raise ConfigError(f"{key}.seconds", f"a slow rank needs seconds > 0 of delay per step, got {seconds}.")
+        out.append(Fault(len(out), kind, int(rank), int(step), seconds, None if steps is None else int(steps)))
+    return out
+
+
+def marker_path(fault_dir: Path, fault: Fault) -> Path:
+    return fault_dir / f"fired_{fault.index}.json"
+
+
+def fired_faults(fault_dir: Path) -> dict[int, dict]:
+    """Markers of the faults fired so far: index -> {t, kind, rank, step, pid}."""
+    out = {}
+    for p in sorted(fault_dir.glob("fired_*.json")):
+        try:
+            out[int(p.stem.split("_")[1])] = json.loads(p.read_text())
+        except (ValueError, json.JSONDecodeError):
+            continue
+    return out
+
+
+def corrupt_latest_checkpoint(ckpt_dir: Path, up_to_step: int) -> Path | None:
+    """Flip one byte in the middle of the largest data file of the newest committed checkpoint <= step."""
+    from ntp_nemo.checkpoint.manifest import MANIFEST, TMP_SUFFIX
+
+    candidates = [p for p in ckpt_dir.glob("step_*") if p.is_dir() and not p.name.endswith(TMP_SUFFIX)
+                  and (p / MANIFEST).exists() and int(p.name.split("_")[1]) <= up_to_step]
+    if not candidates:
+        return None
+    latest = max(candidates, key=lambda p: p.name)
+    files = [p for p in latest.iterdir() if p.is_file() and p.name != MANIFEST]
+    target = max(files, key=lambda p: p.stat().st_size)
+    with open(target, "r+b") as f:
+        f.seek(target.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return target
+
+
+class FaultInjector(Callback):
+    """Fires the configured faults in the worker that holds the target rank."""
+
+    def __init__(self, faults: list[Fault], fault_dir: str | Path, ckpt_dir: str | Path) -> None:
+        self.faults = list(faults)
+        self.fault_dir = Path(fault_dir)
+        self.ckpt_dir = Path(ckpt_dir)
+
+    def _claim(self, fault: Fault, step: int) -> bool:
+        """Record that `fault` fires now; False if an earlier attempt already fired it."""
+        path = marker_path(self.fault_dir, fault)
+        if path.exists():
+            return False
+        self.fault_dir.mkdir(parents=True, exist_ok=True)
+        doc = {**asdict(fault), "t": time.time(), "at_step": step, "pid": os.getpid()}
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.write(fd, json.dumps(doc).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return True
+
+    def _mine(self, trainer: Trainer, kinds: tuple[str, ...]) -> list[Fault]:
+        return [f for f in self.faults if f.kind in kinds and f.rank == trainer.global_rank]
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step + 1  # the step about to run
+        for f in self._mine(trainer, ("kill_rank", "hang", "slow", "corrupt_checkpoint")):
+            if f.kind == "slow":
+                if f.step <= step and (f.steps is None or step < f.step + f.steps):
+                    time.sleep(f.seconds)
+                continue
+            if f.kind == "corrupt_checkpoint":
+                if step > f.step and self._claim(f, step):
+                    hit = corrupt_latest_checkpoint(self.ckpt_dir, f.step)
+                    print(f"fault: corrupted {hit if hit else 'nothing (no committed checkpoint yet)'}", flush=True)
+                continue
+            if step >= f.step and self._claim(f, step):
+                if f.kind == "kill_rank":
+                    os._exit(KILL_EXIT_CODE)
+                while True:  # hang: alive, silent, holding its peers in their next collective
+                    time.sleep(3600)
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        for f in self._mine(trainer, ("kill_during_save",)):
+            if trainer.global_step >= f.step and self._claim(f, trainer.global_step):
+                threading.Thread(target=self._die_once_writing, args=(trainer.global_step,), daemon=True).start()
+
+    def _die_once_writing(self, step: int, limit_s: float = 5.0) -> None:
+        """Exit as soon as the checkpoint's `.tmp` directory exists (the save is under way, not committed)."""
+        from ntp_nemo.checkpoint.manifest import checkpoint_name, tmp_path
+
+        tmp = tmp_path(self.ckpt_dir / checkpoint_name(step))
+        deadline = time.monotonic() + limit_s
+        while not tmp.exists() and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        os._exit(KILL_EXIT_CODE)

@@ -1,0 +1,115 @@
+"""Per-rank progress heartbeats: each worker rewrites `failover/heartbeats/rank_NNNNN.json` at every
+phase of its loop (setup, start and end of each step, checkpoint saves, validation, end).
+
+A heartbeat is progress, not mere liveness: it is written by the training thread, so a rank stuck in
+a kernel, a collective or an endless sleep stops writing it.  When one rank hangs, its peers block in
+their next collective a moment later, after having reported one phase more; the rank furthest behind
+is therefore the suspect (`suspects`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+# Order of the phases that carry the same step: `step_start` carries the step being run, the others
+# the last completed step, so (step, phase) orders all reports of a run.
+PHASES = {"setup": -2, "train_start": -1, "step_start": 0, "step_end": 1, "validation": 2, "save": 2, "end": 3}
+
+
+@dataclass(frozen=True)
+class Beat:
+    rank: int
+    step: int
+    phase: str
+    t: float
+    pid: int
+
+    @property
+    def progress(self) -> tuple[int, int]:
+        return (self.step, PHASES[self.phase])
+
+    @property
+    def training(self) -> bool:
+        """Past setup and not yet finished: the phase where a silent rank means a stall."""
+        return self.phase not in ("setup", "end")
+
+
+def beat_path(directory: Path, rank: int) -> Path:
+    return directory / f"rank_{rank:05d}.json"
+
+
+def read_beats(directory: Path, world_size: int) -> dict[int, Beat]:
+    """Latest heartbeat of every rank that wrote one (unreadable files are skipped)."""
+    out: dict[int, Beat] = {}
+    for rank in range(world_size):
+        try:
+            doc = json.loads(beat_path(directory, rank).read_text())
+            out[rank] = Beat(rank, int(doc["step"]), str(doc["phase"]), float(doc["t"]), int(doc["pid"]))
+        except (OSError, ValueError, KeyError):
+            continue
+    return out
+
+
+def suspects(beats: dict[int, Beat], world_size: int) -> tuple[int, ...]:
+    """Ranks strictly behind the others (a rank that never reported is behind everyone); () when all agree."""
+    missing = tuple(r for r in range(world_size) if r not in beats)
+    if missing:
+        return missing if len(missing) < world_size else ()
+    least = min(b.progress for b in beats.values())
+    behind = tuple(sorted(r for r, b in beats.items() if b.progress == least))
+    return behind if len(behind) < world_size else ()
+
+
+class Heartbeat(Callback):
+    """Writes this rank's heartbeat file at each phase; `own_process_group` makes the worker lead its own
+    process group so that a supervisor can kill it together with any children it started."""
+
+    def __init__(self, directory: str | Path, own_process_group: bool = False) -> None:
+        self.directory = Path(directory)
+        self.own_process_group = own_process_group
+        self._path: Path | None = None
+        self._tmp: Path | None = None
+
+    def beat(self, trainer: Trainer, phase: str, step: int) -> None:
+        if self._path is None:
+            self._path = beat_path(self.directory, trainer.global_rank)
+            self._tmp = self._path.with_suffix(".tmp")
+        doc: dict[str, Any] = {"step": step, "phase": phase, "t": time.time(), "pid": os.getpid()}
+        assert self._tmp is not None
+        self._tmp.write_text(json.dumps(doc))
+        os.replace(self._tmp, self._path)
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if self.own_process_group and os.getpgrp() != os.getpid():
+            os.setpgid(0, 0)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.beat(trainer, "setup", trainer.global_step)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.beat(trainer, "train_start", trainer.global_step)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self.beat(trainer, "step_start", trainer.global_step + 1)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.beat(trainer, "step_end", trainer.global_step)
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        self.beat(trainer, "save", trainer.global_step)
+
+    def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.beat(trainer, "validation", trainer.global_step)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.beat(trainer, "end", trainer.global_step)
