@@ -209,8 +209,22 @@ def steady(records: Sequence[dict], warmup: int) -> dict[str, float]:
     }
 
 
-def max_rel_loss_diff(a: Sequence[dict], b: Sequence[dict]) -> float:
-    return max(abs(x["loss"] - y["loss"]) / abs(y["loss"]) for x, y in zip(a, b, strict=False))
+def loss_agreement(runs_a: Sequence[dict], runs_b: Sequence[dict], first: int = 10) -> str:
+    """Largest relative loss difference between paired runs, over the first `first` steps and over all
+    steps (float32 rounding differences grow over training, most after a loss spike)."""
+
+    def worst(n: int | None) -> float:
+        return max(
+            abs(x["loss"] - y["loss"]) / abs(y["loss"])
+            for a, b in zip(runs_a, runs_b, strict=True)
+            for x, y in list(zip(a["records"], b["records"], strict=False))[:n]
+        )
+
+    steps = len(runs_a[0]["records"])
+    return (
+        f"loss curves agree to {worst(first):.1e} over the first {first} steps, "
+        f"{worst(None):.1e} over all {steps}"
+    )
 
 
 # ---- the plain model -------------------------------------------------------------------------------

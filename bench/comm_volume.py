@@ -21,9 +21,7 @@ over n ranks puts 2(n-1)/n * B on each rank's link, which the gather-to-core com
   replicas the rank all-reduces its whole local gradient once (one call: it fits one 25 MB bucket);
   with one replica nothing has to move.
 - Scalars (the squared gradient norm and the loss, 8 bytes each) are listed apart.
-The ratio columns divide the measured bytes by these minima. `fused` reruns every layout with a
-bench-only patch that copies each attention/MLP input into the TP region once instead of once per
-column-parallel projection (Megatron's fused QKV); `as is` is the library unchanged.
+The ratio columns divide the measured bytes by these minima.
 
 Gather-to-core (Megatron-LM's NTP DP sync), implemented here: R = the smallest replica's TP degree; in
 every larger replica the ranks send the parts of their gradient shards that lie in a core rank's
@@ -128,40 +126,6 @@ class CommLog:
     def total(self, prefix: str) -> tuple[int, int]:
         recs = [v for (site, _), v in self.tally.items() if site.startswith(prefix)]
         return int(sum(r[0] for r in recs)), int(sum(r[1] for r in recs))
-
-
-@contextmanager
-def one_input_copy_per_block() -> Iterator[None]:
-    """Bench-only variant of the model: attention and MLP copy their input into the TP region once (one
-    backward all-reduce, as Megatron's fused QKV/FC1 do) instead of once per column-parallel projection."""
-    from ntp_nemo.models import transformer
-    from ntp_nemo.parallel import comm, layers
-
-    orig_attn, orig_mlp, orig_copy = transformer.Attention.forward, transformer.MLP.forward, layers.copy_to_tp
-
-    @contextmanager
-    def no_projection_copy():
-        layers.copy_to_tp = lambda x, tp: x
-        try:
-            yield
-        finally:
-            layers.copy_to_tp = orig_copy
-
-    def attn(self, x, rope):
-        x = comm.copy_to_tp(x, self.q_proj.tp)
-        with no_projection_copy():
-            return orig_attn(self, x, rope)
-
-    def mlp(self, x):
-        x = comm.copy_to_tp(x, self.up_proj.tp)
-        with no_projection_copy():
-            return orig_mlp(self, x)
-
-    transformer.Attention.forward, transformer.MLP.forward = attn, mlp
-    try:
-        yield
-    finally:
-        transformer.Attention.forward, transformer.MLP.forward = orig_attn, orig_mlp
 
 
 # ---- analytical minimum ----------------------------------------------------------------------------
@@ -346,7 +310,7 @@ def _is_full(desc: tuple) -> bool:
 
 
 # ---- the worker ------------------------------------------------------------------------------------
-def worker(rank: int, world: int, layout: Layout, cfg, batch: tuple[int, int, int], fused: bool) -> dict:
+def worker(rank: int, world: int, layout: Layout, cfg, batch: tuple[int, int, int]) -> dict:
     from ntp_nemo.parallel.grad_sync import param_descriptors
     from ntp_nemo.parallel.runtime import NTPRuntime
     from ntp_nemo.topology import Topology
@@ -367,8 +331,7 @@ def worker(rank: int, world: int, layout: Layout, cfg, batch: tuple[int, int, in
     toks = torch.randint(0, cfg.vocab_size, (global_batch, seq + 1), generator=gen)
     micro = rt.my_microbatches(global_batch // mbs)
     log, g2c_log = CommLog(topo), CommLog(topo)
-    patch = one_input_copy_per_block() if fused else _nothing()
-    with patch, log.wrapping_all_reduce():
+    with log.wrapping_all_reduce():
         loss = rt.train_microbatches(
             model, [toks[i * mbs : (i + 1) * mbs] for i in micro], global_batch * seq
         )
@@ -404,11 +367,6 @@ def worker(rank: int, world: int, layout: Layout, cfg, batch: tuple[int, int, in
     }
 
 
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
-
-
 # ---- report ----------------------------------------------------------------------------------------
 TP_SITES = ("tp_fwd", "tp_bwd", "tp_ce")
 
@@ -430,10 +388,10 @@ def _ratio(measured: float, minimum: float) -> str:
     return f"{measured / minimum:6.3f}"
 
 
-def report(layout: Layout, results: list[dict], variant: str) -> dict:
+def report(layout: Layout, results: list[dict]) -> dict:
     """Per-rank table; returns the (min, max) over ranks of the TP and DP ratios and the DP excess."""
     print(
-        f"\n{layout.name} [{layout.kind}, {variant}]  replica TP {list(layout.replica_tp)}, "
+        f"\n{layout.name} [{layout.kind}]  replica TP {list(layout.replica_tp)}, "
         f"micro-batches per rank {[r['micro'] for r in results]}"
     )
     print(
@@ -544,31 +502,20 @@ def main() -> None:
     )
     summary = []
     for lay in (lay for lay in LAYOUTS if lay.name in names):
-        out = {}
-        for variant, fused in (("as is", False), ("fused", True)):
-            res = run_workers(worker, sum(lay.replica_tp), lay, cfg, batch, fused)
-            out[variant] = (report(lay, res, variant), res)
-        loss_as_is, loss_fused = out["as is"][1][0]["loss"], out["fused"][1][0]["loss"]
-        if abs(loss_as_is - loss_fused) > 1e-6 * abs(loss_as_is):
-            raise RuntimeError(
-                f"the fused variant changed the loss on {lay.name}: {loss_as_is} vs {loss_fused}"
-            )
-        if out["as is"][1][0]["g2c_diff"] is not None:
-            report_g2c(lay, out["as is"][1])
-        summary.append((lay, out["as is"][0], out["fused"][0]))
+        res = run_workers(worker, sum(lay.replica_tp), lay, cfg, batch)
+        summary.append((lay, report(lay, res)))
+        if res[0]["g2c_diff"] is not None:
+            report_g2c(lay, res)
     print("\nsummary: measured / minimum bytes per rank (min..max over ranks)")
-    print(f" {'layout':28s} {'kind':9s} {'TP as is':>15s} {'TP fused':>15s} {'DP':>15s}")
+    print(f" {'layout':28s} {'kind':9s} {'TP':>15s} {'DP':>15s}")
 
     def fmt(pair) -> str:
         return f"{'-':>15s}" if pair is None else f"{pair[0]:6.3f}..{pair[1]:6.3f}"
 
-    for lay, as_is, fused in summary:
-        dp = (
-            fmt(as_is["dp"])
-            if as_is["dp"]
-            else f"{'+' + format(as_is['dp_excess'] / 1024, '.1f') + ' KiB':>15s}"
-        )
-        print(f" {lay.name:28s} {lay.kind:9s} {fmt(as_is['tp'])} {fmt(fused['tp'])} {dp}")
+    for lay, ratios in summary:
+        excess = f"+{ratios['dp_excess'] / 1024:.1f} KiB"
+        dp = fmt(ratios["dp"]) if ratios["dp"] else f"{excess:>15s}"
+        print(f" {lay.name:28s} {lay.kind:9s} {fmt(ratios['tp'])} {dp}")
     print(" (DP '+X KiB': one replica, so nothing has to move, yet X KiB per rank are all-reduced inside it)")
 
 

@@ -18,7 +18,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from _common import QUIET, SINGLE, load_average, max_rel_loss_diff, median, run_ntp_train, run_plain, steady
+from _common import QUIET, SINGLE, load_average, loss_agreement, median, run_ntp_train, run_plain, steady
 
 
 def main() -> None:
@@ -55,9 +55,7 @@ def main() -> None:
     threads = {res["threads"] for side in runs.values() for res in side}
     if len(threads) != 1:
         raise RuntimeError(f"the two sides ran with different thread counts: {threads}")
-    loss_diff = max(
-        max_rel_loss_diff(a["records"], b["records"]) for a, b in zip(runs["ntp"], runs["plain"], strict=True)
-    )
+    agreement = loss_agreement(runs["ntp"], runs["plain"])
 
     def pooled(side: str, key: str) -> float:
         field = {"step_s": "step_time_s", "cpu_s": "cpu_s"}[key]
@@ -87,7 +85,7 @@ def main() -> None:
             f"{label:34s} {plain * 1e3:7.1f}ms {ntp * 1e3:8.1f}ms {ratio:7.3f}   "
             + " ".join(f"{x:.3f}" for x in per_round)
         )
-    print(f"loss curves agree to {loss_diff:.1e} (max relative difference, same steps)")
+    print(agreement + " (max relative difference, same steps)")
     verdict = "meets" if rows[0][3] <= 1.10 else "misses"
     print(f"step-time ratio {rows[0][3]:.3f} {verdict} the goal of <= 1.10")
 

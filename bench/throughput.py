@@ -39,7 +39,7 @@ from _common import (
     build_data_for,
     compose,
     load_average,
-    max_rel_loss_diff,
+    loss_agreement,
     median,
     model_config,
     plain_model,
@@ -267,12 +267,10 @@ def main() -> None:
         )
     for a, b, goal in (("ntp-tp", "dtensor-tp", " (goal >= 1.0)"), ("ntp-tp1", "plain-tp1", "")):
         if a in stats and b in stats:
-            pairs = zip(runs[a], runs[b], strict=True)
-            loss = max(max_rel_loss_diff(x["records"], y["records"]) for x, y in pairs)
             ratio, cpu_ratio = stats[a]["tps"] / stats[b]["tps"], stats[a]["tps_cpu"] / stats[b]["tps_cpu"]
             print(
                 f" {runners[a][0]} / {runners[b][0]}: tokens/s ratio {ratio:.3f}{goal}, "
-                f"by CPU time {cpu_ratio:.3f}; loss curves agree to {loss:.1e}"
+                f"by CPU time {cpu_ratio:.3f}; {loss_agreement(runs[a], runs[b])}"
             )
 
 

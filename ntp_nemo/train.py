@@ -40,8 +40,10 @@ def _quiet_libraries() -> None:
 def train(cfg: DictConfig) -> dict:
     """Validate, prepare data, launch the workers and train; returns the run summary."""
     from ntp_nemo.config.validate import check_environment, resolve_layer_tp, validate
+    from ntp_nemo.resilience.supervisor import Supervisor, validate_fault_config
 
     validate(cfg)
+    validate_fault_config(cfg)
     check_environment(cfg)
     layer_tp = resolve_layer_tp(cfg)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -55,7 +57,9 @@ def train(cfg: DictConfig) -> dict:
     from ntp_nemo.models import flops_per_token, param_count
 
     mcfg = model_config(cfg)
-    trainer, module, strategy = build_trainer(cfg, run_dir, data, layer_tp)
+    supervisor = Supervisor(cfg, run_dir,
+                            lambda c, extra: build_trainer(c, run_dir, data, resolve_layer_tp(c), extra))
+    trainer, module, strategy = supervisor.build_first()
     topo = strategy.topology
     print(f"ntp_nemo | recipe {cfg.recipe} | model {mcfg.name} ({mcfg.arch}) {param_count(mcfg) / 1e6:.2f}M params, "
           f"{flops_per_token(mcfg, int(cfg.data.seq_len)) / 1e6:.1f} MFLOP/token | data {data.source} "
@@ -75,10 +79,13 @@ def train(cfg: DictConfig) -> dict:
         print(f"resuming from {ckpt_path} (resume={cfg.resume})", flush=True)
     GoodputRecorder(run_dir).record("job_start", layout=topo.describe())
     t0 = time.time()
-    trainer.fit(module, ckpt_path=str(ckpt_path) if ckpt_path else None)
+    supervisor.initial_resume = ckpt_path
+    result = supervisor.run((trainer, module, strategy), ckpt_path)
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     summary["wall_s"] = time.time() - t0
+    if result.failures:
+        summary["failover"] = result.summary()
     print_summary(summary, run_dir)
     return summary
 
@@ -132,6 +139,8 @@ def print_summary(summary: dict, run_dir: Path) -> None:
         f" tokens/s      {fmt(summary.get('tokens_per_s'), '.0f')}",
         f" goodput       {fmt(_percent(summary.get('goodput')), '.1f')}%",
         f" wall time     {fmt(summary.get('wall_s'), '.1f')} s",
+        *([f" failover      {summary['failover']['failures']} failure(s); layouts "
+           + " -> ".join(summary["failover"]["layouts"])] if summary.get("failover") else []),
         f" outputs       {run_dir} (metrics.jsonl, goodput.jsonl, checkpoints/, logs/)",
         "──────────────────────────────────────────────────────",
     ]

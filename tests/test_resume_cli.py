@@ -111,3 +111,29 @@ def test_corrupt_latest_checkpoint_is_skipped(tmp_path, straight):
     got = losses(run)
     for step, ref in straight["single"].items():
         assert abs(got[step] - ref) <= 1e-6 * abs(ref), (step, got[step], ref)
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_and_resume_continues(tmp_path, straight):
+    run = tmp_path / "run"
+    args = [sys.executable, "-m", "ntp_nemo.train", *TINY, *NTP21, "checkpoint.every_n_steps=0",
+            "trainer.max_steps=20", "checkpoint.async_save=true", f"hydra.run.dir={run}"]
+    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and not ((run / "metrics.jsonl").exists() and len(read_metrics(run)) >= 4):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)  # to the parent only: it forwards to the workers
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-3000:]
+    assert "preemption signal received" in out
+    stopped = len(read_metrics(run))
+    assert 4 <= stopped < 20
+    ckpts = sorted((run / "checkpoints").iterdir())
+    assert [p.name for p in ckpts] == [f"step_{stopped:06d}"]
+    proc2 = run_cli([*TINY, *NTP21, "checkpoint.every_n_steps=0", "trainer.max_steps=20", f"hydra.run.dir={run}"],
+                    cwd=tmp_path)
+    assert proc2.returncode == 0, proc2.stderr[-3000:]
+    got = losses(run)
+    assert sorted(got) == list(range(1, 21))
+    for step, ref in straight["ntp"].items():
+        assert abs(got[step] - ref) <= 1e-6 * abs(ref), (step, got[step], ref)

@@ -45,6 +45,7 @@ LAYOUTS = {
     "dp2-tp2": ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,2]"],
     "ntp-2-1": ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]"],
     "ntp-3-2": ["mesh.dp=2", "mesh.tp=3", "ntp.replica_tp=[3,2]"],
+    "pp2-ntp-2-1": ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]", "mesh.pp=2", "layout.schedule=1f1b"],
 }
 
 
@@ -67,4 +68,5 @@ def test_ntp_layout_follows_single_process_loss_curve(tmp_path, single_process_c
     assert len(curve) == 20
     for step, (a, b) in enumerate(zip(curve, single_process_curve, strict=True), 1):
         assert abs(a - b) <= 1e-5 * abs(b), f"{layout} step {step}: {a} vs {b}"
-    assert metrics[0]["layout"] == "(" + LAYOUTS[layout][2].split("[")[1].rstrip("]") + ")"
+    expected = "(" + LAYOUTS[layout][2].split("[")[1].rstrip("]") + ")"
+    assert metrics[0]["layout"] == expected + ("xPP2" if "mesh.pp=2" in LAYOUTS[layout] else "")

@@ -3,9 +3,9 @@
 `save_checkpoint` and `load_checkpoint` are collective over all ranks (or run in one process
 without torch.distributed).  On disk a checkpoint directory holds:
 
-- `__<rank>_0.distcp`: one file per rank that owns data; every logical element of the model and
-  of the optimizer state is stored exactly once (by the lowest global rank holding it), as
-  chunks with their global offsets;
+- `__<rank>_0.distcp`: one file per rank (empty for a rank that owns nothing); every logical
+  element of the model and of the optimizer state is stored exactly once (by the lowest global
+  rank holding it), as chunks with their global offsets;
 - `.metadata`: DCP's index (every tensor's global shape, dtype and chunk list);
 - `meta.pt`: small replicated state written by rank 0: the caller's `extra` (step, consumed
   batches, LR-scheduler state, config snapshot, …), the optimizer hyperparameters per parameter
@@ -14,7 +14,8 @@ without torch.distributed).  On disk a checkpoint directory holds:
   the directory is written as `NAME.tmp/` and renamed to `NAME` after the manifest (see
   `manifest.py`).
 
-Loading reads, on each rank, exactly the stored chunks that intersect that rank's slices.
+Loading reads, on each rank, only the stored chunks that intersect that rank's slices (whole
+chunks: each is one serialized tensor) and copies the intersections into place.
 """
 
 from __future__ import annotations

@@ -98,13 +98,31 @@ class CheckpointConfig:
 
 
 @dataclass
+class FaultSpec:
+    """One injected fault (see ntp_nemo.resilience.faults); unset step/rank are drawn from `seed`."""
+
+    kind: str = "kill_rank"  # kill_rank | hang | slow | kill_during_save | corrupt_checkpoint
+    rank: int | None = None  # global rank in the layout running at the time
+    step: int | None = None
+    seconds: float = 1.0  # slow: extra seconds per step
+    steps: int | None = None  # slow: for this many steps (None: to the end)
+
+
+@dataclass
 class FaultConfig:
-    kind: str = "none"
+    kind: str = "none"  # none | kill_rank | hang | slow | kill_during_save | corrupt_checkpoint
     rank: int | None = None
     step: int | None = None
+    seconds: float = 1.0  # slow: extra seconds per step
+    steps: int | None = None  # slow: for this many steps (None: to the end)
+    more: list[FaultSpec] = field(default_factory=list)  # further faults in the same run
     policy: str = "ntp"  # ntp | dp_drop | restart
     repair_after_steps: int | None = None
     max_restarts: int = 3
+    # Timeout hierarchy (docs/failover.md): heartbeat < collective < whole step.
+    heartbeat_timeout_s: float = 120.0
+    collective_timeout_s: float = 600.0
+    step_timeout_s: float = 1800.0
 
 
 @dataclass

@@ -162,9 +162,9 @@ def _validate_mesh(cfg: DictConfig) -> None:
             if not 1.0 <= float(v) <= 2.0:
                 raise ConfigError("ntp.power_boost", f"{v} is not a valid boost factor; use a value in [1.0, 2.0] "
                                   "(1.3 = +30% per surviving GPU).")
-    if pp > 1:
-        raise ConfigError("mesh.pp", f"mesh.pp={pp}: pipeline parallelism is not available in this version; "
-                          "use mesh.pp=1.")
+    from ntp_nemo.pipeline.validate import validate_pipeline
+
+    validate_pipeline(cfg)
     layer_tp = resolve_layer_tp(cfg)
     num_micro = cfg.data.global_batch_size // cfg.data.micro_batch_size
     if num_micro < 1:

@@ -83,7 +83,7 @@ class StepCheckpoint(ModelCheckpoint):
 
     def __init__(self, dirpath: str | Path, every_n_steps: int, save_on_end: bool = True) -> None:
         super().__init__(dirpath=str(dirpath), filename="step_{step:06d}", auto_insert_metric_name=False,
-                         every_n_train_steps=every_n_steps or None, save_top_k=-1, save_last=False,
+                         every_n_train_steps=every_n_steps or None, every_n_epochs=0, save_top_k=-1, save_last=False,
                          save_on_train_epoch_end=False)
         self.save_on_end = save_on_end
 
@@ -104,3 +104,77 @@ class StopAtStep(Callback):
                            batch_idx: int) -> None:
         if trainer.global_step >= self.step:
             trainer.should_stop = True
+
+
+class PreemptionCheckpoint(Callback):
+    """SIGTERM/SIGUSR1 (preemption notice): finish the step, agree on the stop flag across all ranks
+    (one MAX all-reduce per step, so no rank saves alone), then stop; the end-of-training checkpoint
+    is written by `StepCheckpoint`."""
+
+    SIGNALS = ("SIGTERM", "SIGUSR1")
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        # (Re)installed per step: the trainer's own signal handling may reset the handlers after setup.
+        import signal
+
+        for name in self.SIGNALS:
+            sig = getattr(signal, name)
+            if signal.getsignal(sig) != self._request:
+                signal.signal(sig, self._request)
+
+    def _request(self, signum, frame) -> None:  # noqa: ANN001 - signal handler signature
+        self.requested = True
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([1.0 if self.requested else 0.0])
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() > 0:
+            if trainer.is_global_zero:
+                print(f"preemption signal received: checkpointing at step {trainer.global_step} and stopping",
+                      flush=True)
+            trainer.should_stop = True
+
+
+class MemoryReport(Callback):
+    """Per-rank memory: the estimate from the model slice and layout at start, the measured peak after
+    `after_steps` steps (parameters, gradients, optimizer state, activations; process max RSS)."""
+
+    def __init__(self, micro_batch_size: int, seq_len: int, global_microbatches: int, after_steps: int = 3) -> None:
+        self.mbs, self.seq, self.m, self.after = micro_batch_size, seq_len, global_microbatches, after_steps
+
+    @staticmethod
+    def _gather_print(trainer: pl.Trainer, title: str, line: str) -> None:
+        import torch.distributed as dist
+
+        lines = [line]
+        if dist.is_available() and dist.is_initialized():
+            lines = [None] * dist.get_world_size()
+            dist.all_gather_object(lines, line)
+        if trainer.is_global_zero:
+            print(title + "\n" + "\n".join(f"  rank {r}: {s}" for r, s in enumerate(lines)), flush=True)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from ntp_nemo.pipeline.memory import rank_memory_estimate
+
+        est = rank_memory_estimate(pl_module.runtime, pl_module.model, global_microbatches=self.m,
+                                   micro_batch_size=self.mbs, seq_len=self.seq)
+        self._gather_print(trainer, "memory per rank (from model slice and layout):", est.format())
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.global_step != self.after:
+            return
+        from ntp_nemo.pipeline.memory import measure_memory
+
+        opt = trainer.optimizers[0] if trainer.optimizers else None
+        measured = measure_memory(pl_module.model, opt, pl_module.runtime.pipeline)
+        self._gather_print(trainer, f"memory per rank measured after {self.after} steps:", measured.format())

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +16,18 @@ from ntp_nemo.config.schema import ModelConfig
 from ntp_nemo.config.validate import resolved_replica_tp
 from ntp_nemo.data.module import DataBundle
 from ntp_nemo.errors import ConfigError
-from ntp_nemo.lightning.callbacks import MetricsJSONL, RunSummary, StepCheckpoint, StopAtStep
+from ntp_nemo.lightning.callbacks import (
+    MemoryReport,
+    MetricsJSONL,
+    PreemptionCheckpoint,
+    RunSummary,
+    StepCheckpoint,
+    StopAtStep,
+)
 from ntp_nemo.lightning.goodput_callback import GoodputCallback
 from ntp_nemo.lightning.module import NTPLanguageModule
 from ntp_nemo.lightning.strategy import NTPStrategy
+from ntp_nemo.pipeline.partition import resolve_stage_layers
 
 
 def process_layout(world_size: int) -> tuple[int, int]:
@@ -41,23 +51,29 @@ def model_config(cfg: DictConfig) -> ModelConfig:
     return resolve_model_config(ModelConfig(**fields))
 
 
-def build_trainer(cfg: DictConfig, run_dir: Path, data: DataBundle, layer_tp: list[int]
-                  ) -> tuple[pl.Trainer, NTPLanguageModule, NTPStrategy]:
+def build_trainer(cfg: DictConfig, run_dir: Path, data: DataBundle, layer_tp: list[int],
+                  extra_callbacks: Sequence[Any] = ()) -> tuple[pl.Trainer, NTPLanguageModule, NTPStrategy]:
     t = cfg.trainer
     strategy = NTPStrategy(
         tp=int(cfg.mesh.tp), replica_tp=resolved_replica_tp(cfg), layer_tp=layer_tp, pp=int(cfg.mesh.pp),
+        stage_layers=resolve_stage_layers(cfg, layer_tp), schedule=str(cfg.layout.schedule),
         power_boost=OmegaConf.to_container(cfg.ntp.power_boost) if OmegaConf.is_list(cfg.ntp.power_boost)
         else cfg.ntp.power_boost,
         bucket_mb=float(cfg.ntp.grad_bucket_mb), start_method=t.start_method,
         process_group_backend=t.process_group_backend,
+        timeout=timedelta(seconds=float(cfg.fault.collective_timeout_s)),
     )
     devices, nodes = process_layout(strategy.topology.world_size)
     metrics = MetricsJSONL(run_dir)
     strategy.keep_last = int(cfg.checkpoint.keep_last)
+    strategy.async_save = bool(cfg.checkpoint.async_save)
     callbacks: list[Any] = [metrics, GoodputCallback(str(run_dir)), RunSummary(run_dir, metrics)]
     if cfg.checkpoint.every_n_steps or cfg.checkpoint.save_on_end:
         callbacks.append(StepCheckpoint(run_dir / cfg.checkpoint.dir, int(cfg.checkpoint.every_n_steps),
                                         bool(cfg.checkpoint.save_on_end)))
+        callbacks.append(PreemptionCheckpoint())
+    callbacks.append(MemoryReport(int(cfg.data.micro_batch_size), int(cfg.data.seq_len),
+                                  int(cfg.data.global_batch_size) // int(cfg.data.micro_batch_size)))
     if t.stop_at_step:
         callbacks.append(StopAtStep(int(t.stop_at_step)))
     if t.progress_bar:
@@ -65,6 +81,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, data: DataBundle, layer_tp: li
 
         callbacks.append(RichProgressBar() if os.isatty(1) else TQDMProgressBar(refresh_rate=10))
     callbacks += [instantiate(c) for c in (cfg.callbacks or {}).values() if c is not None]
+    callbacks += list(extra_callbacks)  # failure injection and heartbeats (ntp_nemo.resilience)
     loggers = [instantiate(lg) for lg in (cfg.logger or {}).values() if lg is not None]
     trainer = pl.Trainer(
         accelerator="gpu" if t.accelerator in ("gpu", "cuda") else t.accelerator,

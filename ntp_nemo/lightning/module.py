@@ -112,9 +112,7 @@ class NTPLanguageModule(pl.LightningModule):
         return {"loss": torch.tensor(loss)}
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        total = torch.zeros((), dtype=torch.float64)
-        for mb in batch["micro"]:
-            total += self.model.loss_sum(mb).double()
+        total = self.runtime.eval_microbatches(self.model, list(batch["micro"]))
         loss = float(self.runtime.global_sum(total)) / int(batch["global_tokens"])
         self.log("val/loss", loss, prog_bar=True, rank_zero_only=True, batch_size=1)
         self.last_val_loss = loss

@@ -39,6 +39,22 @@ class _ForkLauncher(_MultiProcessingLauncher):
     """Lightning's multiprocessing launcher without shipping rank 0's weights back to the parent
     (the model is sharded; checkpoints and run-directory files carry the results)."""
 
+    def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        """Forward SIGTERM/SIGUSR1 sent to the parent to every worker (they checkpoint and stop together)."""
+        import signal
+
+        def forward(signum, frame):  # noqa: ANN001 - signal handler signature
+            for proc in self.procs:
+                if proc.is_alive():
+                    os.kill(proc.pid, signum)
+
+        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
         if self._strategy.local_rank != 0:
             return None
@@ -54,6 +70,8 @@ class NTPStrategy(ParallelStrategy):
         replica_tp: Sequence[int],
         layer_tp: Sequence[int],
         pp: int = 1,
+        stage_layers: Sequence[int] | None = None,
+        schedule: str = "1f1b",
         power_boost: Any = None,
         bucket_mb: float = 25.0,
         start_method: str = "fork",
@@ -62,7 +80,8 @@ class NTPStrategy(ParallelStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self.topology = Topology(tp, replica_tp, layer_tp, pp)
+        self.topology = Topology(tp, replica_tp, layer_tp, pp, stage_layers)
+        self.schedule = schedule
         self.power_boost = power_boost
         self.bucket_mb = bucket_mb
         self._start_method = start_method
@@ -108,7 +127,7 @@ class NTPStrategy(ParallelStrategy):
             if self.root_device.type != "cpu":
                 kwargs["device_id"] = self.root_device
             _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        self.runtime = NTPRuntime(self.topology, self.global_rank, self.power_boost)
+        self.runtime = NTPRuntime(self.topology, self.global_rank, self.power_boost, self.schedule)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -157,6 +176,10 @@ class NTPStrategy(ParallelStrategy):
         return torch.stack(out)
 
     def teardown(self) -> None:
+        if self._saver is not None:  # an asynchronous save must commit before the workers exit
+            self._saver.wait()
+            self._saver.close()
+            self._saver = None
         super().teardown()
         if self.cluster_environment is not None:
             self.cluster_environment.teardown()
@@ -195,23 +218,34 @@ class NTPStrategy(ParallelStrategy):
             cb.record(event, **fields)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any = None) -> None:
-        """Collective: every rank writes the chunks it owns; Lightning's own state rides along as `extra`."""
+        """Collective: every rank writes the chunks it owns; Lightning's own state rides along as `extra`.
+
+        With `async_save`, tensors are snapshotted and written by a background thread; the commit
+        (manifest + rename) happens when the write is done, and the next save waits for it.
+        """
         import time
 
-        from ntp_nemo.checkpoint.manifest import keep_last_k
-        from ntp_nemo.checkpoint.sharded import save_checkpoint
+        from ntp_nemo.checkpoint import AsyncCheckpointSaver, save_checkpoint
 
         path = Path(self.broadcast(str(filepath)))
         step = int(checkpoint.get("global_step", 0))
         extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        layout = {"replica_tp": self.topology.replica_tp, "tp": self.topology.tp,
+                  "layer_tp": self.topology.layer_tp, "pp": self.topology.pp}
         t0 = time.perf_counter()
         self._goodput("ckpt_save_start", step=step)
-        save_checkpoint(path, self.lightning_module.model, self._optimizer(), extra, step=step,
-                        layout={"replica_tp": self.topology.replica_tp, "tp": self.topology.tp,
-                                "layer_tp": self.topology.layer_tp, "pp": self.topology.pp})
+        if self.async_save:
+            if self._saver is None:
+                self._saver = AsyncCheckpointSaver()
+            self._saver.save(path, self.lightning_module.model, self._optimizer(), extra, step=step, layout=layout,
+                             keep_last=self.keep_last)
+        else:
+            save_checkpoint(path, self.lightning_module.model, self._optimizer(), extra, step=step, layout=layout,
+                            keep_last=self.keep_last)
         self._goodput("ckpt_save_end", step=step, blocking_s=time.perf_counter() - t0)
-        if self.is_global_zero and self.keep_last:
-            keep_last_k(path.parent, self.keep_last)
+
+    async_save: bool = False
+    _saver: Any = None
 
     keep_last: int | None = None
 

@@ -138,7 +138,7 @@ class PipelineEngine:
                            + [t for pair in getattr(self.model, "_rope_cache", {}).values() for t in pair])
         self.trace = StepTrace()
         t0 = time.perf_counter()
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=device)
         inputs: dict[int, torch.Tensor | None] = {}
         outputs: dict[int, torch.Tensor] = {}
         for a in schedule_order(self.schedule, self.stage, self.pp, len(microbatches)):
@@ -178,7 +178,7 @@ class PipelineEngine:
     def evaluate(self, microbatches: Sequence[torch.Tensor]) -> torch.Tensor:
         """Forward-only pass (validation): summed token loss on the last stage, 0 elsewhere."""
         p = self._param
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=p.device)
         for tokens in microbatches:
             x = None if self.first else self.links.recv_activation(self._shape(tokens), p.dtype, p.device)
             out = self._stage_forward(tokens, x)

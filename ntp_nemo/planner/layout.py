@@ -18,9 +18,9 @@ from functools import lru_cache
 from typing import Any
 
 from ntp_nemo.errors import ConfigError
-from ntp_nemo.topology.topology import effective_degree  # noqa: F401  (re-exported)
 from ntp_nemo.planner.cost import item_kinds, item_names, units_of
 from ntp_nemo.planner.shapes import ModelShape
+from ntp_nemo.topology.topology import effective_degree  # noqa: F401  (re-exported)
 
 KEY = "layout.layer_tp"
 _RUN = re.compile(r"^\s*(\d+)\s*(?:\*\s*(\d+))?\s*$")

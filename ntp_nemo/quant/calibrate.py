@@ -45,7 +45,8 @@ def sync_amax(model: nn.Module) -> int:
     for part in gathered:
         for name, (shape, dtype) in part.items():
             if shapes.setdefault(name, (shape, dtype))[0] != shape:
-                raise RuntimeError(f"ranks disagree on the global amax shape of {name}: {shapes[name][0]} vs {shape}")
+                raise RuntimeError(f"ranks disagree on the global amax shape of {name}: "
+                                   f"{shapes[name][0]} vs {shape}")
     names = sorted(shapes)
     sizes = [int(torch.Size(shapes[n][0]).numel()) for n in names]
     offsets = dict(zip(names, torch.tensor([0, *sizes]).cumsum(0).tolist(), strict=False))

@@ -32,7 +32,8 @@ class QuantizationCallback(Callback):
         self.exclude = list(exclude)
         self.calibrated_at: int | None = None
 
-    def calibration_batches(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> list[torch.Tensor]:
+    def calibration_batches(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                            step: int) -> list[torch.Tensor]:
         """This replica's micro-batches of the global batches of steps `[step, step + calib_batches)`."""
         from ntp_nemo.lightning.data import StepBatches
 
@@ -64,6 +65,6 @@ class QuantizationCallback(Callback):
                                self.calibration_batches(trainer, pl_module, step))
         self.calibrated_at = step
         if trainer.is_global_zero:
-            print(f"quant: {self.format} fake quantisation from step {step}: {count} amax tensors calibrated on "
-                  f"{self.calib_batches} global batches in {time.perf_counter() - t0:.1f} s"
+            print(f"quant: {self.format} fake quantisation from step {step}: {count} amax tensors "
+                  f"calibrated on {self.calib_batches} global batches in {time.perf_counter() - t0:.1f} s"
                   f"{'; unquantised: ' + ', '.join(self.exclude) if self.exclude else ''}", flush=True)

@@ -25,7 +25,7 @@ class QuantConfig:
     _target_: str = "ntp_nemo.quant.callback.QuantizationCallback"
     format: str = "none"  # none | int8 | fp8 | nvfp4
     calib_batches: int = 4  # global batches of the training stream used for max calibration
-    start_step: int = 0  # optimizer step at which calibration runs and QAT begins (earlier steps: full precision)
+    start_step: int = 0  # step at which calibration runs and QAT begins (earlier steps: full precision)
     exclude: list[str] = field(default_factory=lambda: ["head"])  # module-name patterns left unquantised
 
 
@@ -66,9 +66,10 @@ def validate_quant(cfg: Any) -> None:
         raise ConfigError("quant.exclude", f"must be a list of module-name patterns, got {exclude!r}; "
                           "e.g. quant.exclude='[head,blocks.0.*]'.")
     mesh = _get(cfg, "mesh")
-    if mesh is not None and int(_get(mesh, "pp", 1)) > 1:
-        raise ConfigError("quant.format", f"quantisation-aware training calibrates through the whole model on "
-                          f"every rank and does not support pipeline stages yet (mesh.pp={_get(mesh, 'pp')}). "
+    pp = int(_get(mesh, "pp", 1)) if mesh is not None else 1
+    if pp > 1:
+        raise ConfigError("quant.format", "quantisation-aware training calibrates through the whole model "
+                          f"on every rank and does not support pipeline stages yet (mesh.pp={pp}). "
                           "Use mesh.pp=1 with quant, or quant=none.")
 
 

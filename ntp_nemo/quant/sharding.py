@@ -40,9 +40,9 @@ def tensor_sharding(layer: nn.Module, role: str) -> TensorSharding | None:
     along the output features.  Row-parallel (weight columns split): the input's last dim and the
     weight's columns are split, the output is all-reduced (whole).
     """
-    spec: ShardSpec = layer._parameters["weight"].ntp_spec  # the parameter itself, not the quantised view
-    if spec.is_full:
-        return None
+    # The parameter itself, not the quantised view; an unsharded layer keeps its split spec (all units),
+    # so an amax is described alike on every layout.
+    spec: ShardSpec = layer._parameters["weight"].ntp_spec
     column = spec.dim == 0
     size = spec.global_shape[spec.dim]
     if role == "weight_quantizer":
@@ -70,7 +70,8 @@ def amax_spec(shape: Sequence[int], axis, sharding: TensorSharding | None, *, is
     global_shape = list(shape)
     global_shape[d] = sharding.size
     if is_global and shape[d] != sharding.size:
-        raise ValueError(f"amax of global shape {shape} does not match the tensor's global extent {sharding.size}")
+        raise ValueError(f"amax of global shape {shape} does not match the tensor's global extent "
+                         f"{sharding.size}")
     spec = ShardSpec.split(tuple(global_shape), d, sharding.unit_size, sharding.lo, sharding.hi)
     if not is_global and tuple(shape) != spec.local_shape:
         raise ValueError(f"local amax of shape {shape} does not match its shard {spec.local_shape}")

@@ -46,8 +46,8 @@ def _localize_amax_shapes(model: nn.Module, state: dict) -> None:
             buffers = entry.get("_pytorch_state_metadata", {}).get("buffers", {})
             if "_amax" in buffers:
                 layer, role = _layer_and_role(model, name)
-                spec = amax_spec(tuple(buffers["_amax"]["shape"]), entry.get("_axis"), tensor_sharding(layer, role),
-                                 is_global=True)
+                spec = amax_spec(tuple(buffers["_amax"]["shape"]), entry.get("_axis"),
+                                 tensor_sharding(layer, role), is_global=True)
                 buffers["_amax"]["shape"] = spec.local_shape
 
 

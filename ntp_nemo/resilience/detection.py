@@ -41,12 +41,17 @@ class Timeouts:
 
     @classmethod
     def from_config(cls, fault: DictConfig) -> Timeouts:
-        t = cls(float(fault.heartbeat_timeout_s), float(fault.collective_timeout_s), float(fault.step_timeout_s))
+        t = cls(
+            float(fault.heartbeat_timeout_s), float(fault.collective_timeout_s), float(fault.step_timeout_s)
+        )
         if not 0 < t.heartbeat_s < t.collective_s < t.step_s:
-            raise ConfigError("fault.heartbeat_timeout_s", f"the timeouts must grow heartbeat < collective < "
-                              f"whole step, got fault.heartbeat_timeout_s={t.heartbeat_s}, "
-                              f"fault.collective_timeout_s={t.collective_s}, fault.step_timeout_s={t.step_s}; "
-                              "a hang must be seen by heartbeats before collectives give up (see docs/failover.md).")
+            raise ConfigError(
+                "fault.heartbeat_timeout_s",
+                f"the timeouts must grow heartbeat < collective < "
+                f"whole step, got fault.heartbeat_timeout_s={t.heartbeat_s}, "
+                f"fault.collective_timeout_s={t.collective_s}, fault.step_timeout_s={t.step_s}; "
+                "a hang must be seen by heartbeats before collectives give up (see docs/failover.md).",
+            )
         return t
 
 
@@ -78,15 +83,21 @@ def is_lost_status(code: int | None) -> bool:
     return code > 1 or -code not in (signal.SIGTERM, signal.SIGINT)
 
 
-def classify(exit_codes: Sequence[int | None], killed: set[int], verdict: Verdict | None, error_text: str,
-             behind: tuple[int, ...], step: int | None) -> LostRanks | None:
+def classify(
+    exit_codes: Sequence[int | None],
+    killed: set[int],
+    verdict: Verdict | None,
+    error_text: str,
+    behind: tuple[int, ...],
+    step: int | None,
+) -> LostRanks | None:
     """Turn an attempt's end into a recoverable failure, or None for an error to report (a bug, bad data)."""
     if verdict is not None and verdict.reason != "worker exit":
         return LostRanks(verdict.ranks, verdict.reason, verdict.step, verdict.detail)
     lost = tuple(r for r, c in enumerate(exit_codes) if r not in killed and is_lost_status(c))
     if lost:
         codes = ", ".join(f"rank {r}: {exit_codes[r]}" for r in lost)
-        return LostRanks(lost, "exit status", step, f"exit status {codes}")
+        return LostRanks(lost, "exit status", step, codes)
     text = error_text.lower()
     if "timed out" in text or "timeout" in text:
         return LostRanks(behind, "collective timeout", step, error_text.strip().splitlines()[-1][:300])
@@ -108,28 +119,31 @@ class WorkerMonitor(threading.Thread):
     """Watches one attempt's workers from the launching process; kills them on a stall or a lost rank.
 
     Started before the launcher forks, it only sleeps until the worker processes exist (so the fork
-    never copies a thread in the middle of anything).  `on_progress(beat)` is called once, with rank
-    0's first heartbeat past `start_step` (the first completed step of the attempt)."""
+    never copies a thread in the middle of anything)."""
 
-    def __init__(self, procs: Callable[[], Sequence[Any]], heartbeat_dir: Path, world_size: int,
-                 timeouts: Timeouts, start_step: int, on_progress: Callable[[Beat], None] | None = None,
-                 poll_s: float = 0.2, grace_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        procs: Callable[[], Sequence[Any]],
+        heartbeat_dir: Path,
+        world_size: int,
+        timeouts: Timeouts,
+        poll_s: float = 0.2,
+        grace_s: float = 0.5,
+    ) -> None:
         super().__init__(name="ntp-worker-monitor", daemon=True)
         self._procs = procs
         self.heartbeat_dir = heartbeat_dir
         self.world_size = world_size
         self.timeouts = timeouts
-        self.start_step = start_step
-        self.on_progress = on_progress
         self.poll_s = poll_s
         self.grace_s = grace_s
         self.verdict: Verdict | None = None
         self.killed: set[int] = set()
         self.last_beats: dict[int, Beat] = {}
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout=5)
 
@@ -141,30 +155,28 @@ class WorkerMonitor(threading.Thread):
 
     def run(self) -> None:
         procs: Sequence[Any] = ()
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             procs = self._procs() or ()
             if len(procs) == self.world_size:
                 break
             time.sleep(self.poll_s)
         launched = time.time()
-        progressed = False
-        while not self._stop.wait(self.poll_s):
+        while not self._halt.wait(self.poll_s):
             beats = read_beats(self.heartbeat_dir, self.world_size)
             self.last_beats = beats
             now = time.time()
-            first = beats.get(0)
-            if not progressed and first is not None and first.phase not in ("setup", "train_start", "step_start") \
-                    and first.step > self.start_step:
-                progressed = True
-                if self.on_progress is not None:
-                    self.on_progress(first)
-            exited = [r for r, p in enumerate(procs)
-                      if p.sentinel in multiprocessing.connection.wait([p.sentinel], timeout=0)]
+            exited = [
+                r
+                for r, p in enumerate(procs)
+                if p.sentinel in multiprocessing.connection.wait([p.sentinel], timeout=0)
+            ]
             died = [r for r in exited if r not in beats or beats[r].phase != "end"]
             if died:
                 step = max((b.step for b in beats.values()), default=None)
-                self.verdict = Verdict("worker exit", tuple(died), step, now, f"rank(s) {died} exited mid-training")
-                self._stop.wait(self.grace_s)
+                self.verdict = Verdict(
+                    "worker exit", tuple(died), step, now, f"rank(s) {died} exited mid-training"
+                )
+                self._halt.wait(self.grace_s)
                 self._kill_all(procs)
                 return
             verdict = self._stall(beats, now, launched)
@@ -181,13 +193,23 @@ class WorkerMonitor(threading.Thread):
             if stale:
                 behind = suspects(beats, self.world_size)
                 oldest = min(stale, key=lambda b: b.t)
-                return Verdict("heartbeat", behind, step, now,
-                               f"rank {oldest.rank} silent for {now - oldest.t:.1f}s at step {oldest.step} "
-                               f"({oldest.phase}); ranks behind: {list(behind) or 'none (all equal)'}")
+                return Verdict(
+                    "heartbeat",
+                    behind,
+                    step,
+                    now,
+                    f"rank {oldest.rank} silent for {now - oldest.t:.1f}s at step {oldest.step} "
+                    f"({oldest.phase}); ranks behind: {list(behind) or 'none (all equal)'}",
+                )
         done = [b.t for b in beats.values() if b.phase in ("step_end", "end")]
         since = max(done, default=launched)
         if now - since > self.timeouts.step_s:
             behind = suspects(beats, self.world_size)
-            return Verdict("step timeout", behind, step, now,
-                           f"no step completed for {now - since:.1f}s; ranks behind: {list(behind) or 'none'}")
+            return Verdict(
+                "step timeout",
+                behind,
+                step,
+                now,
+                f"no step completed for {now - since:.1f}s; ranks behind: {list(behind) or 'none'}",
+            )
         return None

@@ -68,23 +68,35 @@ def resolve_faults(cfg: DictConfig, world_size: int) -> list[Fault]:
     for key, spec in _spec_list(cfg.fault):
         kind = str(spec.kind)
         if kind not in FAULT_KINDS:
-            raise ConfigError(f"{key}.kind", f"unknown fault kind {kind!r}; use none or one of "
-                              f"{', '.join(FAULT_KINDS)} (e.g. fault=kill_rank fault.rank=1 fault.step=5).")
+            raise ConfigError(
+                f"{key}.kind",
+                f"unknown fault kind {kind!r}; use none or one of "
+                f"{', '.join(FAULT_KINDS)} (e.g. fault=kill_rank fault.rank=1 fault.step=5).",
+            )
         step = spec.step if spec.step is not None else rng.randint(min(2, max_steps), max(1, max_steps - 1))
         rank = spec.rank if spec.rank is not None else rng.randrange(world_size)
         if kind == "corrupt_checkpoint":
             rank = 0
         if not 1 <= int(step) <= max_steps:
-            raise ConfigError(f"{key}.step", f"step {step} is outside 1..trainer.max_steps={max_steps}; "
-                              "choose a step the run reaches.")
+            raise ConfigError(
+                f"{key}.step",
+                f"step {step} is outside 1..trainer.max_steps={max_steps}; choose a step the run reaches.",
+            )
         if not 0 <= int(rank) < world_size:
-            raise ConfigError(f"{key}.rank", f"rank {rank} is not a global rank of the starting layout "
-                              f"(0..{world_size - 1}); choose a rank that exists.")
+            raise ConfigError(
+                f"{key}.rank",
+                f"rank {rank} is not a global rank of the starting layout "
+                f"(0..{world_size - 1}); choose a rank that exists.",
+            )
         seconds = float(spec.get("seconds", 0.0) or 0.0)
         steps = spec.get("steps")
         if kind == "slow" and seconds <= 0:
-            raise ConfigError(f"{key}.seconds", f"a slow rank needs seconds > 0 of delay per step, got {seconds}.")
-        out.append(Fault(len(out), kind, int(rank), int(step), seconds, None if steps is None else int(steps)))
+            raise ConfigError(
+                f"{key}.seconds", f"a slow rank needs seconds > 0 of delay per step, got {seconds}."
+            )
+        out.append(
+            Fault(len(out), kind, int(rank), int(step), seconds, None if steps is None else int(steps))
+        )
     return out
 
 
@@ -107,8 +119,14 @@ def corrupt_latest_checkpoint(ckpt_dir: Path, up_to_step: int) -> Path | None:
     """Flip one byte in the middle of the largest data file of the newest committed checkpoint <= step."""
     from ntp_nemo.checkpoint.manifest import MANIFEST, TMP_SUFFIX
 
-    candidates = [p for p in ckpt_dir.glob("step_*") if p.is_dir() and not p.name.endswith(TMP_SUFFIX)
-                  and (p / MANIFEST).exists() and int(p.name.split("_")[1]) <= up_to_step]
+    candidates = [
+        p
+        for p in ckpt_dir.glob("step_*")
+        if p.is_dir()
+        and not p.name.endswith(TMP_SUFFIX)
+        and (p / MANIFEST).exists()
+        and int(p.name.split("_")[1]) <= up_to_step
+    ]
     if not candidates:
         return None
     latest = max(candidates, key=lambda p: p.name)
@@ -148,7 +166,9 @@ class FaultInjector(Callback):
     def _mine(self, trainer: Trainer, kinds: tuple[str, ...]) -> list[Fault]:
         return [f for f in self.faults if f.kind in kinds and f.rank == trainer.global_rank]
 
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         step = trainer.global_step + 1  # the step about to run
         for f in self._mine(trainer, ("kill_rank", "hang", "slow", "corrupt_checkpoint")):
             if f.kind == "slow":
@@ -158,7 +178,10 @@ class FaultInjector(Callback):
             if f.kind == "corrupt_checkpoint":
                 if step > f.step and self._claim(f, step):
                     hit = corrupt_latest_checkpoint(self.ckpt_dir, f.step)
-                    print(f"fault: corrupted {hit if hit else 'nothing (no committed checkpoint yet)'}", flush=True)
+                    print(
+                        f"fault: corrupted {hit if hit else 'nothing (no committed checkpoint yet)'}",
+                        flush=True,
+                    )
                 continue
             if step >= f.step and self._claim(f, step):
                 if f.kind == "kill_rank":
@@ -166,10 +189,14 @@ class FaultInjector(Callback):
                 while True:  # hang: alive, silent, holding its peers in their next collective
                     time.sleep(3600)
 
-    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         for f in self._mine(trainer, ("kill_during_save",)):
             if trainer.global_step >= f.step and self._claim(f, trainer.global_step):
-                threading.Thread(target=self._die_once_writing, args=(trainer.global_step,), daemon=True).start()
+                threading.Thread(
+                    target=self._die_once_writing, args=(trainer.global_step,), daemon=True
+                ).start()
 
     def _die_once_writing(self, step: int, limit_s: float = 5.0) -> None:
         """Exit as soon as the checkpoint's `.tmp` directory exists (the save is under way, not committed)."""

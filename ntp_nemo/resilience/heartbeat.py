@@ -20,7 +20,15 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 # Order of the phases that carry the same step: `step_start` carries the step being run, the others
 # the last completed step, so (step, phase) orders all reports of a run.
-PHASES = {"setup": -2, "train_start": -1, "step_start": 0, "step_end": 1, "validation": 2, "save": 2, "end": 3}
+PHASES = {
+    "setup": -2,
+    "train_start": -1,
+    "step_start": 0,
+    "step_end": 1,
+    "validation": 2,
+    "save": 2,
+    "end": 3,
+}
 
 
 @dataclass(frozen=True)
@@ -68,12 +76,10 @@ def suspects(beats: dict[int, Beat], world_size: int) -> tuple[int, ...]:
 
 
 class Heartbeat(Callback):
-    """Writes this rank's heartbeat file at each phase; `own_process_group` makes the worker lead its own
-    process group so that a supervisor can kill it together with any children it started."""
+    """Writes this rank's heartbeat file at each phase (one small atomic file replace)."""
 
-    def __init__(self, directory: str | Path, own_process_group: bool = False) -> None:
+    def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
-        self.own_process_group = own_process_group
         self._path: Path | None = None
         self._tmp: Path | None = None
 
@@ -89,26 +95,36 @@ class Heartbeat(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if self.own_process_group and os.getpgrp() != os.getpid():
-            os.setpgid(0, 0)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.beat(trainer, "setup", trainer.global_step)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.beat(trainer, "train_start", trainer.global_step)
 
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self.beat(trainer, "step_start", trainer.global_step + 1)
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.beat(trainer, "step_end", trainer.global_step)
 
-    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         self.beat(trainer, "save", trainer.global_step)
 
-    def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                                batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_validation_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         self.beat(trainer, "validation", trainer.global_step)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -38,7 +38,9 @@ class Layout:
         return self.pp * sum(self.replica_tp)
 
     def describe(self) -> str:
-        return "(" + ",".join(str(n) for n in self.replica_tp) + ")" + (f"xPP{self.pp}" if self.pp > 1 else "")
+        return (
+            "(" + ",".join(str(n) for n in self.replica_tp) + ")" + (f"xPP{self.pp}" if self.pp > 1 else "")
+        )
 
     def ranks_of(self, replica: int) -> list[list[int]]:
         """Global ranks of `replica`, one list per pipeline stage."""
@@ -49,7 +51,10 @@ class Layout:
     def lost_per_replica(self, failed: Sequence[int]) -> list[int]:
         """TP ranks each replica loses: the most any of its stages lost (all stages run at one degree)."""
         bad = set(failed)
-        return [max(sum(r in bad for r in stage) for stage in self.ranks_of(i)) for i in range(len(self.replica_tp))]
+        return [
+            max(sum(r in bad for r in stage) for stage in self.ranks_of(i))
+            for i in range(len(self.replica_tp))
+        ]
 
 
 class Rule(Protocol):
@@ -114,8 +119,10 @@ def make_policy(name: str, min_replica_tp: int = 1) -> Policy:
         return Policy(name, (DropDamaged(),))
     if name == "restart":
         return Policy(name, (ReplaceLost(),))
-    raise ConfigError("fault.policy", f"unknown failover policy {name!r}; use one of {', '.join(POLICY_NAMES)} "
-                      "(e.g. fault.policy=ntp).")
+    raise ConfigError(
+        "fault.policy",
+        f"unknown failover policy {name!r}; use one of {', '.join(POLICY_NAMES)} (e.g. fault.policy=ntp).",
+    )
 
 
 @dataclass(frozen=True)
@@ -140,8 +147,10 @@ class Replan:
 
     def overrides(self) -> list[str]:
         """ntp-train overrides selecting the new layout."""
-        return [f"mesh.dp={len(self.new.replica_tp)}",
-                "ntp.replica_tp=[" + ",".join(str(n) for n in self.new.replica_tp) + "]"]
+        return [
+            f"mesh.dp={len(self.new.replica_tp)}",
+            "ntp.replica_tp=[" + ",".join(str(n) for n in self.new.replica_tp) + "]",
+        ]
 
     def describe(self) -> str:
         return f"policy {self.policy}: layout {self.old.describe()} -> {self.new.describe()}"
@@ -152,12 +161,17 @@ def replan(layout: Layout, failed: Sequence[int], policy: Policy) -> Replan:
     bad = sorted(set(int(r) for r in failed))
     for r in bad:
         if not 0 <= r < layout.world_size:
-            raise ConfigError("failed", f"rank {r} is not in layout {layout.describe()} (ranks 0.."
-                              f"{layout.world_size - 1}); give global ranks of the layout that ran.")
+            raise ConfigError(
+                "failed",
+                f"rank {r} is not in layout {layout.describe()} (ranks 0.."
+                f"{layout.world_size - 1}); give global ranks of the layout that ran.",
+            )
     sizes = policy.sizes(layout, bad)
     kept = tuple(i for i, n in enumerate(sizes) if n > 0)
     if not kept:
-        raise RuntimeError(f"{policy.name}: no replica of {layout.describe()} survives the loss of ranks {bad}")
+        raise RuntimeError(
+            f"{policy.name}: no replica of {layout.describe()} survives the loss of ranks {bad}"
+        )
     assignment: list[int] = []
     replaced: list[int] = []
     for i in kept:

@@ -172,14 +172,15 @@ class Topology:
         from rich.table import Table
 
         tbl = Table(title=f"NTP layout {self.describe()} (nominal TP {self.tp}, world {self.world_size})")
-        for col in ("rank", "replica", "stage", "slot", "replica TP", "vocab rows", "heads (layer 1)",
-                    "ffn cols (layer 1)", "layer degrees"):
+        for col in ("rank", "replica", "stage", "slot", "replica TP", "vocab rows", "heads (1st layer)",
+                    "ffn cols (1st layer)", "layer degrees"):
             tbl.add_column(col)
         for c in self.coords:
             degs = sorted({self.degree(c.replica, s) for s in range(len(self.layer_tp))})
             v = self.units_held(c.rank, 0, vocab)
-            h = self.units_held(c.rank, 1, num_heads)
-            f = self.units_held(c.rank, 1, ffn_hidden)
+            first = self.stage_layer_range(c.stage).start + 1  # first transformer layer of this rank's stage
+            h = self.units_held(c.rank, first, num_heads)
+            f = self.units_held(c.rank, first, ffn_hidden)
             tbl.add_row(str(c.rank), str(c.replica), str(c.stage), str(c.slot), str(self.replica_tp[c.replica]),
                         f"[{v[0]},{v[1]})", f"[{h[0]},{h[1]})", f"[{f[0]},{f[1]})", ",".join(map(str, degs)))
         console = Console(width=140, record=True, force_terminal=False)

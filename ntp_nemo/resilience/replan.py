@@ -1,0 +1,129 @@
+"""`python -m ntp_nemo.resilience.replan`: the failover plan for a cluster restart.
+
+The same policies the local supervisor uses, for torchrun/SLURM: given the layout that ran, the
+failed global ranks and the policy, print the `ntp-train` overrides of the new layout and which
+node and GPU each new rank runs on, so the relaunch excludes the failed GPUs:
+
+    python -m ntp_nemo.resilience.replan --tp 4 --replica-tp 4,4 --failed 6 --policy ntp \\
+        --nodes gpu-a,gpu-b --gpus-per-node 4
+
+Ranks of the old run are placed in order, `gpus_per_node` per node (torchrun's and srun's block
+placement).  A lost GPU's node keeps its other GPUs (CUDA_VISIBLE_DEVICES lists them); a node
+left without work is listed for `srun --exclude`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from ntp_nemo.errors import EXIT_RUNTIME, ConfigError, cli_main
+from ntp_nemo.resilience.policies import POLICY_NAMES, Layout, Replan, make_policy, replan
+
+
+def _ints(text: str, key: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(
+            key, f"{text!r} is not a comma-separated list of integers, e.g. {key} 4,4."
+        ) from None
+
+
+def placement(plan: Replan, nodes: list[str], gpus_per_node: int) -> dict[str, Any]:
+    """Per new rank and per node: where the processes of the new layout run."""
+    ranks = []
+    per_node: dict[str, dict[str, Any]] = {n: {"devices": [], "ranks": []} for n in nodes}
+    for new_rank, old in enumerate(plan.assignment):
+        node, gpu = nodes[old // gpus_per_node], old % gpus_per_node
+        spare = old in plan.replaced
+        ranks.append({"rank": new_rank, "old_rank": old, "node": node, "gpu": gpu, "spare": spare})
+        per_node[node]["devices"].append(gpu)
+        per_node[node]["ranks"].append(new_rank)
+    used = {n: v for n, v in per_node.items() if v["ranks"]}
+    return {"ranks": ranks, "nodes": used, "exclude": [n for n in nodes if n not in used]}
+
+
+def build_plan(args: argparse.Namespace) -> dict[str, Any]:
+    layout = Layout(args.tp, tuple(_ints(args.replica_tp, "--replica-tp")), args.pp)
+    if any(not 1 <= n <= args.tp for n in layout.replica_tp):
+        raise ConfigError(
+            "--replica-tp", f"every replica needs 1..{args.tp} active ranks, got {args.replica_tp}."
+        )
+    plan = replan(layout, _ints(args.failed, "--failed"), make_policy(args.policy, args.min_replica_tp))
+    gpn = args.gpus_per_node or args.tp
+    n_nodes = -(-layout.world_size // gpn)
+    nodes = args.nodes.split(",") if args.nodes else [f"node{i}" for i in range(n_nodes)]
+    if len(nodes) < n_nodes:
+        raise ConfigError(
+            "--nodes",
+            f"{len(nodes)} node(s) given but {layout.world_size} ranks at "
+            f"{gpn} per node need {n_nodes}; list every node of the old run in rank order.",
+        )
+    return {
+        "policy": plan.policy,
+        "old_layout": layout.describe(),
+        "new_layout": plan.new.describe(),
+        "failed": list(plan.failed),
+        "dropped_replicas": list(plan.dropped),
+        "overrides": plan.overrides(),
+        **placement(plan, nodes, gpn),
+    }
+
+
+def render(doc: dict[str, Any]) -> str:
+    lines = [
+        f"policy {doc['policy']}: layout {doc['old_layout']} -> {doc['new_layout']} "
+        f"(failed ranks {doc['failed']}, dropped replicas {doc['dropped_replicas'] or 'none'})",
+        "ntp-train overrides: " + " ".join(doc["overrides"]),
+        "",
+        "new rank  node:gpu  (old rank)",
+    ]
+    for r in doc["ranks"]:
+        lines.append(
+            f"  {r['rank']:>4}    {r['node']}:{r['gpu']}  ({r['old_rank']}{', spare' if r['spare'] else ''})"
+        )
+    lines += ["", f"per node (torchrun --nnodes={len(doc['nodes'])}, one command per node):"]
+    overrides = " ".join(doc["overrides"])
+    first = next(iter(doc["nodes"]))
+    for i, (node, v) in enumerate(doc["nodes"].items()):
+        devices = ",".join(str(d) for d in v["devices"])
+        lines.append(
+            f"  {node}: CUDA_VISIBLE_DEVICES={devices} torchrun --nnodes={len(doc['nodes'])} "
+            f"--node-rank={i} --nproc-per-node={len(v['devices'])} --rdzv-backend=c10d "
+            f"--rdzv-endpoint={first}:29500 -m ntp_nemo.train {overrides} resume=auto"
+        )
+    if doc["exclude"]:
+        lines.append(f"srun --exclude={','.join(doc['exclude'])} (nodes left without work)")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m ntp_nemo.resilience.replan", description=__doc__.split("\n\n")[0]
+    )
+    ap.add_argument("--tp", type=int, required=True, help="nominal TP degree (mesh.tp)")
+    ap.add_argument(
+        "--replica-tp", required=True, help="active ranks per replica of the run that failed, e.g. 4,4"
+    )
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages per replica (mesh.pp)")
+    ap.add_argument("--failed", required=True, help="failed global ranks, e.g. 6 or 5,6")
+    ap.add_argument("--policy", default="ntp", choices=POLICY_NAMES)
+    ap.add_argument("--min-replica-tp", type=int, default=1, help="ntp.min_replica_tp")
+    ap.add_argument("--nodes", help="node names of the old run in rank order (default node0, node1, ...)")
+    ap.add_argument("--gpus-per-node", type=int, help="GPUs (ranks) per node (default: --tp)")
+    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    args = ap.parse_args()
+    try:
+        doc = build_plan(args)
+    except RuntimeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_RUNTIME
+    print(json.dumps(doc, indent=2) if args.json else render(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    cli_main(main)()

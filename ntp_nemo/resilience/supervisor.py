@@ -1,0 +1,353 @@
+"""The supervisor: the `ntp-train` parent process playing the cluster scheduler on one machine.
+
+It runs training attempts; while one runs, a `WorkerMonitor` thread watches the workers' exits and
+heartbeats.  When an attempt loses ranks it records `failure_detected`, re-plans the layout with the
+configured policy (`ntp`, `dp_drop`, `restart`), validates the new config like any other, and
+relaunches with the latest valid checkpoint, resharded onto the new layout.  The global batch of a
+step depends only on (seed, step), so the relaunched run follows the failure-free loss curve.
+
+With `fault.repair_after_steps=N`, an attempt on a degraded layout stops (with a checkpoint) at the
+first checkpoint boundary at least N steps after it resumed, and the next attempt runs on the
+original layout again: the lost GPU came back.
+
+Under torchrun/SLURM (processes created outside) there is no supervisor: one attempt runs with the
+heartbeats and the collective timeout, and the cluster's restart uses `ntp_nemo.resilience.replan`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import shutil
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from ntp_nemo.errors import ConfigError
+from ntp_nemo.resilience.detection import LostRanks, Timeouts, WorkerMonitor, classify, kill_worker
+from ntp_nemo.resilience.faults import FaultInjector, resolve_faults
+from ntp_nemo.resilience.heartbeat import Heartbeat, read_beats, suspects
+from ntp_nemo.resilience.policies import Layout, Replan, make_policy, replan
+from ntp_nemo.resilience.worker import SupervisedWorker
+
+FAILOVER_DIR = "failover"
+ATTEMPTS_FILE = "attempts.jsonl"
+
+# build(cfg, extra_callbacks) -> (trainer, module, strategy)
+BuildFn = Callable[[DictConfig, list[Any]], tuple[Any, Any, Any]]
+
+
+class FailoverError(RuntimeError):
+    """Training could not be recovered (restarts exhausted, no replica left, invalid re-planned layout)."""
+
+
+def layout_of(cfg: DictConfig) -> Layout:
+    from ntp_nemo.config.validate import resolved_replica_tp
+
+    return Layout(int(cfg.mesh.tp), tuple(resolved_replica_tp(cfg)), int(cfg.mesh.pp))
+
+
+def validate_fault_config(cfg: DictConfig) -> None:
+    """Checks of the `fault` group run with the rest of validation (before anything starts)."""
+    f = cfg.fault
+    make_policy(str(f.policy), int(cfg.ntp.min_replica_tp))
+    Timeouts.from_config(f)
+    if int(f.max_restarts) < 0:
+        raise ConfigError("fault.max_restarts", f"must be >= 0, got {f.max_restarts}.")
+    if f.repair_after_steps is not None:
+        if int(f.repair_after_steps) < 1:
+            raise ConfigError(
+                "fault.repair_after_steps",
+                f"must be >= 1 (steps on the degraded layout before the "
+                f"repaired GPU rejoins), got {f.repair_after_steps}.",
+            )
+        if not (cfg.checkpoint.every_n_steps or cfg.checkpoint.save_on_end):
+            raise ConfigError(
+                "fault.repair_after_steps",
+                "returning to the repaired layout needs checkpoints; "
+                "set checkpoint.every_n_steps>0 or checkpoint.save_on_end=true.",
+            )
+    resolve_faults(cfg, layout_of(cfg).world_size)
+
+
+def with_layout(
+    cfg: DictConfig, layout: Layout, kept: tuple[int, ...] | None, stop_at: int | None
+) -> DictConfig:
+    """A copy of `cfg` on `layout` (per-replica power boosts follow their replicas), validated like
+    any config."""
+    from ntp_nemo.config.validate import resolve_layer_tp, validate
+
+    new = copy.deepcopy(cfg)
+    new.mesh.dp = len(layout.replica_tp)
+    new.ntp.replica_tp = list(layout.replica_tp)
+    pb = cfg.ntp.power_boost
+    if kept is not None and OmegaConf.is_list(pb):
+        new.ntp.power_boost = [pb[i] for i in kept]
+    if stop_at is not None:
+        new.trainer.stop_at_step = stop_at
+    try:
+        validate(new)
+        resolve_layer_tp(new)
+    except ConfigError as err:
+        raise FailoverError(f"the re-planned layout {layout.describe()} is not valid: {err}") from None
+    return new
+
+
+@dataclass
+class AttemptRecord:
+    index: int
+    layout: str
+    reason: str
+    resume: str | None
+    stop_at_step: int | None
+    start_t: float
+    end_t: float | None = None
+    outcome: str | None = None  # ok | repair_stop | failed
+    failure: dict[str, Any] | None = None
+    replan: str | None = None
+
+
+@dataclass
+class SupervisorResult:
+    attempts: list[AttemptRecord] = field(default_factory=list)
+
+    @property
+    def failures(self) -> int:
+        return sum(a.outcome == "failed" for a in self.attempts)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "attempts": len(self.attempts),
+            "failures": self.failures,
+            "layouts": [a.layout for a in self.attempts],
+        }
+
+
+class Supervisor:
+    def __init__(
+        self, cfg: DictConfig, run_dir: Path, build: BuildFn, initial_resume: Path | None = None
+    ) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.build = build
+        self.initial_resume = initial_resume
+        self.dir = self.run_dir / FAILOVER_DIR
+        self.heartbeat_dir = self.dir / "heartbeats"
+        self.fault_dir = self.dir / "faults"
+        self.ckpt_dir = self.run_dir / cfg.checkpoint.dir
+        self.nominal = layout_of(cfg)
+        self.policy = make_policy(str(cfg.fault.policy), int(cfg.ntp.min_replica_tp))
+        self.timeouts = Timeouts.from_config(cfg.fault)
+        self.faults = resolve_faults(cfg, self.nominal.world_size)
+        self.end_step = min(
+            int(cfg.trainer.max_steps), int(cfg.trainer.stop_at_step or cfg.trainer.max_steps)
+        )
+        self.result = SupervisorResult()
+        self._port_was_set = "MASTER_PORT" in os.environ
+
+    # ---- building attempts ----------------------------------------------------------------------
+    def callbacks(self, attempt: int = 0, recovering: bool = False) -> list[Any]:
+        """Worker callbacks of an attempt; the fault injector comes first so that a rank it stops never
+        reports the step it stopped in."""
+        out: list[Any] = []
+        if self.faults:
+            out.append(FaultInjector(self.faults, self.fault_dir, self.ckpt_dir))
+        out.append(Heartbeat(self.heartbeat_dir))
+        out.append(SupervisedWorker(recovering, attempt))
+        return out
+
+    def build_first(self) -> tuple[Any, Any, Any]:
+        """Trainer, module and strategy of the first attempt (the run's own config and layout)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        built = self.build(self.cfg, self.callbacks())
+        if built[0].strategy.launcher is None:  # torchrun/SLURM created the processes: they are not ours
+            built[0].callbacks[:] = [cb for cb in built[0].callbacks if not isinstance(cb, SupervisedWorker)]
+        if self.faults:
+            print(
+                "fault injection: "
+                + "; ".join(
+                    f"{f.kind} rank {f.rank} at step {f.step}"
+                    + (f" (+{f.seconds}s/step)" if f.kind == "slow" else "")
+                    for f in self.faults
+                )
+                + f"; policy {self.policy.name}",
+                flush=True,
+            )
+        return built
+
+    def _log(self, rec: AttemptRecord) -> None:
+        with (self.dir / ATTEMPTS_FILE).open("a") as f:
+            f.write(json.dumps(rec.__dict__) + "\n")
+
+    def _record(self, event: str, **fields: Any) -> None:
+        from ntp_nemo.goodput import GoodputRecorder
+
+        with GoodputRecorder(self.run_dir) as rec:
+            rec.record(event, **fields)
+
+    def _latest_checkpoint(self) -> Path | None:
+        from ntp_nemo.checkpoint.manifest import latest_valid_checkpoint
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            found = latest_valid_checkpoint(self.ckpt_dir)
+        for w in caught:
+            print(f"warning: {w.message}", flush=True)
+        return found if found is not None else self.initial_resume
+
+    @staticmethod
+    def _step_of(ckpt: Path | None) -> int:
+        if ckpt is None:
+            return 0
+        from ntp_nemo.checkpoint.manifest import read_manifest
+
+        return int(read_manifest(ckpt).get("step", 0))
+
+    def _repair_stop(self, layout: Layout, resume_step: int) -> int | None:
+        n = self.cfg.fault.repair_after_steps
+        if n is None or layout == self.nominal:
+            return None
+        every = int(self.cfg.checkpoint.every_n_steps)
+        target = resume_step + int(n)
+        if every > 0:
+            target = math.ceil(target / every) * every
+        return target if target < self.end_step else None
+
+    # ---- running ----------------------------------------------------------------------------------
+    def run(self, first: tuple[Any, Any, Any], resume: Path | None) -> SupervisorResult:
+        trainer, module, _ = first
+        if trainer.strategy.launcher is None:
+            trainer.fit(module, ckpt_path=str(resume) if resume else None)
+            return self.result
+        layout, reason, stop_at = self.nominal, "start", None
+        restarts = 0
+        while True:
+            rec = AttemptRecord(
+                len(self.result.attempts),
+                layout.describe(),
+                reason,
+                str(resume) if resume else None,
+                stop_at,
+                time.time(),
+            )
+            self.result.attempts.append(rec)
+            lost = self._execute(trainer, module, layout, resume)
+            rec.end_t = time.time()
+            if lost is None:
+                rec.outcome = "repair_stop" if rec.stop_at_step is not None else "ok"
+                self._log(rec)
+                if rec.outcome == "ok":
+                    return self.result
+                plan_layout, kept, reason = self.nominal, None, "repair"
+                print(
+                    f"failover | repaired: step {rec.stop_at_step} reached on {layout.describe()}; "
+                    f"relaunching on the original layout {self.nominal.describe()}",
+                    flush=True,
+                )
+            else:
+                restarts += 1
+                rec.outcome = "failed"
+                rec.failure = {
+                    "ranks": list(lost.ranks),
+                    "reason": lost.reason,
+                    "step": lost.step,
+                    "detail": lost.detail,
+                }
+                self._record(
+                    "failure_detected",
+                    rank=lost.ranks[0] if lost.ranks else None,
+                    ranks=list(lost.ranks),
+                    reason=lost.reason,
+                    step=lost.step,
+                    detail=lost.detail,
+                )
+                plan = self._replan(layout, lost)
+                rec.replan = plan.describe()
+                self._log(rec)
+                ranks = list(lost.ranks) or "unknown"
+                print(
+                    f"failover | rank(s) {ranks} lost at step {lost.step} ({lost.reason}: {lost.detail}) -> "
+                    f"{plan.describe()}",
+                    flush=True,
+                )
+                if restarts > int(self.cfg.fault.max_restarts):
+                    raise FailoverError(
+                        f"{restarts} failures exceed fault.max_restarts={self.cfg.fault.max_restarts};"
+                        f" last: rank(s) {ranks} lost ({lost.reason}). Raise fault.max_restarts or "
+                        "check the machine."
+                    )
+                plan_layout, kept, reason = plan.new, plan.kept, "failover"
+            resume = self._latest_checkpoint()
+            stop_at = self._repair_stop(plan_layout, self._step_of(resume))
+            cfg = with_layout(self.cfg, plan_layout, kept, stop_at)
+            layout = plan_layout
+            if not self._port_was_set:
+                os.environ.pop("MASTER_PORT", None)  # a fresh rendezvous port for the new workers
+            trainer, module, strategy = self.build(
+                cfg, self.callbacks(len(self.result.attempts), reason == "failover")
+            )
+            print(
+                f"failover | attempt {len(self.result.attempts)} on layout {layout.describe()}"
+                f"{f' until step {stop_at}' if stop_at else ''}; resuming from "
+                f"{resume.name if resume else 'the start (no checkpoint)'}",
+                flush=True,
+            )
+            self._record(
+                "job_start", layout=layout.describe(), attempt=len(self.result.attempts), reason=reason
+            )
+
+    def _replan(self, layout: Layout, lost: LostRanks) -> Replan:
+        policy = self.policy
+        if not lost.ranks and policy.name != "restart":
+            print("failover | the lost rank cannot be told; relaunching on the same layout", flush=True)
+            policy = make_policy("restart")
+        try:
+            return replan(layout, lost.ranks, policy)
+        except RuntimeError as err:
+            raise FailoverError(str(err)) from None
+
+    def _execute(self, trainer: Any, module: Any, layout: Layout, resume: Path | None) -> LostRanks | None:
+        """One attempt: None when it ended normally, LostRanks for a recoverable failure; other errors
+        propagate."""
+        from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+
+        shutil.rmtree(self.heartbeat_dir, ignore_errors=True)
+        self.heartbeat_dir.mkdir(parents=True, exist_ok=True)
+        monitor = WorkerMonitor(
+            lambda: getattr(trainer.strategy.launcher, "procs", None),
+            self.heartbeat_dir,
+            layout.world_size,
+            self.timeouts,
+        )
+        monitor.start()
+        try:
+            trainer.fit(module, ckpt_path=str(resume) if resume else None)
+            return None
+        except (ProcessExitedException, ProcessRaisedException) as exc:
+            monitor.stop()
+            procs = trainer.strategy.launcher.procs
+            beats = read_beats(self.heartbeat_dir, layout.world_size)
+            step = max((b.step for b in beats.values()), default=None)
+            lost = classify(
+                [p.exitcode for p in procs],
+                monitor.killed,
+                monitor.verdict,
+                str(exc),
+                suspects(beats, layout.world_size),
+                step,
+            )
+            if lost is None:
+                raise
+            return lost
+        finally:
+            monitor.stop()
+            for p in getattr(trainer.strategy.launcher, "procs", []):
+                if p.pid is not None and p.is_alive():
+                    kill_worker(p.pid)

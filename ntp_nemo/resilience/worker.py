@@ -1,0 +1,47 @@
+"""Worker-side half of supervision: what a worker launched by the supervisor does differently.
+
+- It leads its own process group, so the supervisor can kill it with everything it started.
+- SIGTERM takes its default action.  Lightning's own handler answers SIGTERM with a broadcast to
+  coordinate a preemption; after a lost rank that collective can only fail, and the supervisor, not
+  the worker, decides what happens next.
+- On the first step it completes in an attempt that follows a failure, global rank 0 records the
+  goodput event `recovery_done` with the new layout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from ntp_nemo.goodput import events as ev
+
+
+class SupervisedWorker(Callback):
+    def __init__(self, recovering: bool, attempt: int = 0) -> None:
+        self.recovering = recovering
+        self.attempt = attempt
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit" and os.getpgrp() != os.getpid():
+            os.setpgid(0, 0)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # Lightning installed its handler just before
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not self.recovering:
+            return
+        self.recovering = False
+        from ntp_nemo.lightning.goodput_callback import GoodputCallback
+
+        goodput = GoodputCallback.of(trainer)
+        info = getattr(trainer.strategy, "layout_info", {}) or {}
+        if goodput is not None:
+            goodput.record(
+                ev.RECOVERY_DONE, layout=info.get("layout"), step=trainer.global_step, attempt=self.attempt
+            )

@@ -1,0 +1,171 @@
+"""Failover through the real CLI: a lost rank is detected, the layout re-planned, training resumed from
+the latest checkpoint on the new layout, and the loss curve is the failure-free one.
+
+All runs start on NTP (2,1) (ranks 0,1 = replica 0; rank 2 = replica 1), 12 steps, checkpoints every 3.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from ntp_nemo.goodput import compute_goodput, load_events
+from tests.conftest import TINY, read_metrics, run_cli
+
+BASE = [
+    *TINY,
+    "mesh.dp=2",
+    "mesh.tp=2",
+    "ntp.replica_tp=[2,1]",
+    "trainer.max_steps=12",
+    "checkpoint.every_n_steps=3",
+]
+STEPS = list(range(1, 13))
+FAST_TIMEOUTS = ["fault.heartbeat_timeout_s=4", "fault.collective_timeout_s=8", "fault.step_timeout_s=60"]
+
+
+def last_losses(run):
+    """Loss of the last execution of each step (a redone step overwrites the earlier one)."""
+    return {m["step"]: m["loss"] for m in read_metrics(run)}
+
+
+def attempts(run):
+    return [json.loads(line) for line in (run / "failover" / "attempts.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reference")
+    proc = run_cli([*BASE, f"hydra.run.dir={tmp / 'run'}"], cwd=tmp)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return last_losses(tmp / "run")
+
+
+def run_with_faults(tmp_path, *overrides):
+    run = tmp_path / "run"
+    proc = run_cli([*BASE, *overrides, f"hydra.run.dir={run}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return run, proc
+
+
+def assert_same_curve(run, reference):
+    got = last_losses(run)
+    assert sorted(got) == STEPS  # every step finished
+    for step, ref in reference.items():
+        assert abs(got[step] - ref) <= 1e-4 * abs(ref), (step, got[step], ref)
+
+
+def assert_goodput_consistent(run, failures):
+    """The goodput report agrees with the events and the metrics: failures, redone steps, wasted progress
+    and recovery downtime (bounded by the failure -> next completed step spans)."""
+    events = load_events(run)
+    rep = compute_goodput(events)
+    redone = sum(n - 1 for n in Counter(m["step"] for m in read_metrics(run)).values())
+    assert rep.failures == failures
+    assert rep.steps_completed == 12 and rep.steps_redone == redone
+    assert rep.badput_s["wasted_progress"] > 0  # at least the step each failure cut short
+    detected = [e["t"] for e in events if e["event"] == "failure_detected"]
+    assert len(detected) == failures
+    ends = sorted(e["t"] for e in events if e["event"] == "step_end")
+    windows = [min(t for t in ends if t > f) - f for f in detected]
+    assert 0 < rep.badput_s["recovery_downtime"] <= sum(windows) + 1e-6
+    assert abs(rep.productive_s + sum(rep.badput_s.values()) - rep.total_s) < 1e-6
+    recovered = [e for e in events if e["event"] == "recovery_done"]
+    assert len(recovered) == failures
+    return rep
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "policy,after",
+    [("ntp", "(1,1)"), ("dp_drop", "(1)"), ("restart", "(2,1)")],
+)
+def test_kill_rank_recovers_on_the_planned_layout(tmp_path, reference, policy, after):
+    run, proc = run_with_faults(
+        tmp_path, "fault=kill_rank", "fault.rank=1", "fault.step=6", f"fault.policy={policy}"
+    )
+    assert_same_curve(run, reference)
+    layouts = [(m["step"], m["layout"]) for m in read_metrics(run)]
+    assert layouts[0] == (1, "(2,1)") and layouts[-1] == (12, after)
+    assert {lay for step, lay in layouts if step < 4} == {"(2,1)"}
+    tries = attempts(run)
+    assert [a["outcome"] for a in tries] == ["failed", "ok"]
+    assert tries[0]["failure"]["ranks"] == [1] and tries[0]["failure"]["reason"] == "exit status"
+    assert tries[1]["resume"].endswith("step_000003")  # steps 4 and 5 redone, 6 was cut short
+    assert f"-> {after}" in proc.stdout
+    rep = assert_goodput_consistent(run, failures=1)
+    assert rep.steps_redone == 2
+    assert set(rep.productive_by_layout) == {"(2,1)", after}
+
+
+@pytest.mark.slow
+def test_hang_is_caught_by_heartbeats_and_recovered(tmp_path, reference):
+    run, proc = run_with_faults(tmp_path, "fault=hang", "fault.rank=2", "fault.step=5", *FAST_TIMEOUTS)
+    assert_same_curve(run, reference)
+    failure = attempts(run)[0]["failure"]
+    assert failure["reason"] == "heartbeat" and failure["ranks"] == [2]
+    assert read_metrics(run)[-1]["layout"] == "(2)"  # replica 1 lost its only rank: dropped
+    assert_goodput_consistent(run, failures=1)
+
+
+@pytest.mark.slow
+def test_two_failures_each_followed_by_repair(tmp_path, reference):
+    """Rank 1 dies at step 4 and rank 0 (of the repaired layout) at step 8; after 3 steps on (1,1) the lost
+    GPU is back and the run returns to (2,1) at the next checkpoint boundary."""
+    run, proc = run_with_faults(tmp_path, "fault=two_failures", "fault.repair_after_steps=3")
+    assert_same_curve(run, reference)
+    tries = attempts(run)
+    assert [(a["layout"], a["outcome"]) for a in tries] == [
+        ("(2,1)", "failed"),
+        ("(1,1)", "repair_stop"),
+        ("(2,1)", "failed"),
+        ("(1,1)", "repair_stop"),
+        ("(2,1)", "ok"),
+    ]
+    assert [a["stop_at_step"] for a in tries] == [None, 6, None, 9, None]
+    by_step = last_losses(run)
+    layouts = {m["step"]: m["layout"] for m in read_metrics(run)}
+    assert [layouts[s] for s in STEPS] == ["(2,1)"] * 3 + ["(1,1)"] * 3 + ["(1,1)"] * 3 + ["(2,1)"] * 3
+    assert len(by_step) == 12
+    assert_goodput_consistent(run, failures=2)
+
+
+@pytest.mark.slow
+def test_kill_during_save_resumes_from_the_previous_checkpoint(tmp_path, reference):
+    run, proc = run_with_faults(tmp_path, "fault=kill_during_save", "fault.rank=1", "fault.step=6")
+    assert_same_curve(run, reference)
+    tries = attempts(run)
+    assert tries[0]["failure"]["ranks"] == [1]
+    assert tries[1]["resume"].endswith("step_000003")  # the save of step 6 never committed
+    rep = assert_goodput_consistent(run, failures=1)
+    assert rep.steps_redone == 3
+
+
+@pytest.mark.slow
+def test_corrupt_checkpoint_is_skipped_on_recovery(tmp_path, reference):
+    run, proc = run_with_faults(tmp_path, "fault=corrupt_checkpoint")
+    assert_same_curve(run, reference)
+    assert "step_000006" in proc.stdout and "corrupted" in proc.stdout
+    assert attempts(run)[1]["resume"].endswith("step_000003")
+    rep = assert_goodput_consistent(run, failures=1)
+    assert rep.steps_redone == 4  # steps 4..7 again
+
+
+@pytest.mark.slow
+def test_failures_beyond_max_restarts_exit_1(tmp_path):
+    run = tmp_path / "run"
+    proc = run_cli(
+        [
+            *BASE,
+            "fault=kill_rank",
+            "fault.rank=1",
+            "fault.step=3",
+            "fault.max_restarts=0",
+            f"hydra.run.dir={run}",
+        ],
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 1
+    assert "fault.max_restarts" in proc.stderr

@@ -1,0 +1,197 @@
+"""Failover building blocks without launching workers: policies, re-planning, detection, fault config."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from ntp_nemo.errors import ConfigError
+from ntp_nemo.resilience.detection import LostRanks, Timeouts, Verdict, classify, is_lost_status
+from ntp_nemo.resilience.heartbeat import Beat, suspects
+from ntp_nemo.resilience.policies import DropBelow, Layout, Policy, ShrinkToSurvivors, make_policy, replan
+from tests.conftest import ROOT, compose
+
+L44 = Layout(tp=4, replica_tp=(4, 4))
+
+
+@pytest.mark.parametrize(
+    "policy,failed,expected",
+    [
+        ("ntp", [6], (4, 3)),
+        ("ntp", [0, 1, 2], (4,)),  # replica 0 left with 1 < min_replica_tp=2: dropped
+        ("ntp", [0, 5], (3, 3)),
+        ("dp_drop", [6], (4,)),
+        ("dp_drop", [0, 5], None),
+        ("restart", [6], (4, 4)),
+    ],
+)
+def test_policies_on_a_4_4_layout(policy, failed, expected):
+    p = make_policy(policy, min_replica_tp=2)
+    if expected is None:
+        with pytest.raises(RuntimeError, match="no replica"):
+            replan(L44, failed, p)
+        return
+    plan = replan(L44, failed, p)
+    assert plan.new.replica_tp == expected
+    assert len(plan.assignment) == plan.new.world_size
+    if policy == "restart":
+        assert plan.assignment == tuple(range(8)) and plan.replaced == tuple(failed)
+    else:
+        assert not set(plan.assignment) & set(failed)  # survivors only
+
+
+def test_replan_assignment_and_overrides():
+    plan = replan(L44, [6], make_policy("ntp"))
+    assert plan.assignment == (0, 1, 2, 3, 4, 5, 7)
+    assert plan.overrides() == ["mesh.dp=2", "ntp.replica_tp=[4,3]"]
+    assert plan.kept == (0, 1) and plan.dropped == ()
+    drop = replan(L44, [1], make_policy("dp_drop"))
+    assert drop.kept == (1,) and drop.dropped == (0,) and drop.assignment == (4, 5, 6, 7)
+
+
+def test_pipeline_replica_runs_at_the_degree_of_its_worst_stage():
+    layout = Layout(tp=2, replica_tp=(2, 2), pp=2)  # replica 0: stage 0 ranks 0,1; stage 1 ranks 2,3
+    assert layout.lost_per_replica([3]) == [1, 0]
+    plan = replan(layout, [3], make_policy("ntp"))
+    assert plan.new.replica_tp == (1, 2)
+    assert plan.assignment == (0, 2, 4, 5, 6, 7)
+
+
+def test_rules_compose():
+    shrink_then_drop = Policy("custom", (ShrinkToSurvivors(), DropBelow(3)))
+    assert shrink_then_drop.sizes(L44, [0]) == [3, 4]
+    assert shrink_then_drop.sizes(L44, [0, 1]) == [0, 4]
+
+
+def test_bad_policy_and_rank_are_config_errors():
+    with pytest.raises(ConfigError, match="fault.policy"):
+        make_policy("teleport")
+    with pytest.raises(ConfigError, match="rank 8"):
+        replan(L44, [8], make_policy("ntp"))
+
+
+def test_lost_status_versus_python_exception():
+    assert is_lost_status(137) and is_lost_status(-signal.SIGKILL) and is_lost_status(-signal.SIGSEGV)
+    assert not any(is_lost_status(c) for c in (0, 1, None, -signal.SIGTERM))
+
+
+def test_classify():
+    # a kill: the lost rank by its status, survivors' errors (1) and our own kills (-9) are not blamed
+    lost = classify([1, 137, -9], {2}, None, "gloo: connection closed", (), 6)
+    assert lost == LostRanks((1,), "exit status", 6, "rank 1: 137")
+    # a stall seen by the monitor wins over exit statuses (it killed everyone)
+    v = Verdict("heartbeat", (2,), 5, 0.0, "silent")
+    assert classify([-9, -9, -9], {0, 1, 2}, v, "", (), 5).ranks == (2,)
+    # a collective timeout: blame the rank behind in the heartbeats
+    to = classify([1, 1, -9], {2}, None, "RuntimeError: Timed out waiting 6000ms for recv", (2,), 5)
+    assert to is not None and to.reason == "collective timeout" and to.ranks == (2,)
+    # a plain Python error everywhere is a bug, not a lost rank
+    assert classify([1, 1, 1], set(), None, "ValueError: bad shape", (), 3) is None
+
+
+def test_suspects_from_heartbeats():
+    beats = {
+        0: Beat(0, 5, "step_start", 10.0, 1),
+        1: Beat(1, 5, "step_start", 10.1, 2),
+        2: Beat(2, 4, "step_end", 9.0, 3),
+    }
+    assert suspects(beats, 3) == (2,)
+    beats[2] = Beat(2, 5, "step_start", 10.0, 3)
+    assert suspects(beats, 3) == ()  # all equal: cannot tell
+    assert suspects({0: beats[0]}, 2) == (1,)  # never reported
+
+
+def _cfg(*overrides):
+    return compose(["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]", "trainer.max_steps=10", *overrides])
+
+
+def test_timeout_hierarchy_is_validated():
+    from ntp_nemo.resilience.supervisor import validate_fault_config
+
+    t = Timeouts.from_config(_cfg().fault)
+    assert t.heartbeat_s < t.collective_s < t.step_s
+    with pytest.raises(ConfigError, match="heartbeat < collective < whole step"):
+        validate_fault_config(_cfg("fault.heartbeat_timeout_s=700"))
+
+
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (["fault.kind=meteor"], "fault.kind"),
+        (["fault=kill_rank", "fault.rank=3"], "fault.rank"),
+        (["fault=kill_rank", "fault.step=11"], "fault.step"),
+        (["fault=slow", "fault.seconds=0"], "fault.seconds"),
+        (["fault.repair_after_steps=0"], "fault.repair_after_steps"),
+        (["fault=kill_rank", "fault.more=[{kind:kill_rank,rank:9,step:3}]"], "fault.more[0].rank"),
+    ],
+)
+def test_bad_fault_config(overrides, key):
+    from ntp_nemo.resilience.supervisor import validate_fault_config
+
+    with pytest.raises(ConfigError) as err:
+        validate_fault_config(_cfg(*overrides))
+    assert err.value.key == key
+
+
+def test_unset_step_and_rank_are_drawn_from_the_seed():
+    from ntp_nemo.resilience.faults import resolve_faults
+
+    a = resolve_faults(_cfg("fault=kill_rank"), 3)
+    assert a == resolve_faults(_cfg("fault=kill_rank"), 3)
+    assert 0 <= a[0].rank < 3 and 1 <= a[0].step <= 10
+    two = resolve_faults(_cfg("fault=two_failures"), 3)
+    assert [(f.kind, f.rank, f.step) for f in two] == [("kill_rank", 1, 4), ("kill_rank", 0, 8)]
+
+
+def test_replan_command_prints_overrides_and_devices():
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ntp_nemo.resilience.replan",
+            "--tp",
+            "4",
+            "--replica-tp",
+            "4,4",
+            "--failed",
+            "6",
+            "--policy",
+            "ntp",
+            "--nodes",
+            "gpu-a,gpu-b",
+            "--gpus-per-node",
+            "4",
+            "--json",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["overrides"] == ["mesh.dp=2", "ntp.replica_tp=[4,3]"]
+    assert doc["nodes"]["gpu-b"]["devices"] == [0, 1, 3]
+    assert doc["nodes"]["gpu-a"]["devices"] == [0, 1, 2, 3]
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ntp_nemo.resilience.replan",
+            "--tp",
+            "4",
+            "--replica-tp",
+            "4,4",
+            "--failed",
+            "9",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "rank 9" in bad.stderr
