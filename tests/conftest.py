@@ -14,10 +14,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Small enough for 2 cores, big enough to learn: used by CLI tests unless they override it.
 TINY = [
-    "model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.ffn_hidden_size=128",
-    "model.max_seq_len=64", "data.seq_len=32", "data.global_batch_size=12", "data.micro_batch_size=2",
-    "optim.warmup_steps=2", "trainer.val_every_n_steps=1000", "trainer.progress_bar=false",
-    "checkpoint.every_n_steps=0", "logger=none", "callbacks=none",
+    "model.hidden_size=64",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.ffn_hidden_size=128",
+    "model.max_seq_len=64",
+    "data.seq_len=32",
+    "data.global_batch_size=12",
+    "data.micro_batch_size=2",
+    "optim.warmup_steps=2",
+    "trainer.val_every_n_steps=1000",
+    "trainer.progress_bar=false",
+    "checkpoint.every_n_steps=0",
+    "logger=none",
+    "callbacks=none",
 ]
 SINGLE = ["mesh.dp=1", "mesh.tp=1", "ntp.replica_tp=null"]
 
@@ -29,10 +39,18 @@ def _shared_cache(tmp_path_factory):
         os.environ["NTP_NEMO_CACHE"] = str(tmp_path_factory.mktemp("ntp_cache"))
 
 
-def run_cli(args: list[str], cwd: Path, timeout: int = 300, module: str = "ntp_nemo.train") -> subprocess.CompletedProcess:
+def run_cli(
+    args: list[str], cwd: Path, timeout: int = 300, module: str = "ntp_nemo.train"
+) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -9,10 +9,27 @@ from ntp_nemo.models import build_model
 from ntp_nemo.parallel.runtime import NTPRuntime
 from ntp_nemo.topology import Topology
 
-GPT = ModelConfig(arch="gpt2", vocab_size=67, hidden_size=40, num_layers=2, num_heads=5, ffn_hidden_size=84,
-                  max_seq_len=16, tie_embeddings=True)
-LLAMA = ModelConfig(arch="llama", vocab_size=67, hidden_size=48, num_layers=2, num_heads=6, num_kv_heads=2,
-                    ffn_hidden_size=70, max_seq_len=16, tie_embeddings=False)
+GPT = ModelConfig(
+    arch="gpt2",
+    vocab_size=67,
+    hidden_size=40,
+    num_layers=2,
+    num_heads=5,
+    ffn_hidden_size=84,
+    max_seq_len=16,
+    tie_embeddings=True,
+)
+LLAMA = ModelConfig(
+    arch="llama",
+    vocab_size=67,
+    hidden_size=48,
+    num_layers=2,
+    num_heads=6,
+    num_kv_heads=2,
+    ffn_hidden_size=70,
+    max_seq_len=16,
+    tie_embeddings=False,
+)
 SEQ, GLOBAL_BATCH, SEED = 8, 6, 7
 
 
@@ -32,8 +49,9 @@ def reference(cfg: ModelConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor], 
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, logits
 
 
-def exactness_worker(rank: int, world: int, cfg: ModelConfig, tp: int, replica_tp: list[int],
-                     layer_tp: list[int]) -> dict:
+def exactness_worker(
+    rank: int, world: int, cfg: ModelConfig, tp: int, replica_tp: list[int], layer_tp: list[int]
+) -> dict:
     topo = Topology(tp, replica_tp, layer_tp)
     rt = NTPRuntime(topo, rank)
     model = rt.build_model(cfg, SEED, dtype=torch.float64)

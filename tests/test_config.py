@@ -20,7 +20,9 @@ def test_every_recipe_composes_and_validates(recipe):
     assert cfg.recipe == recipe
     from omegaconf import OmegaConf
 
-    if OmegaConf.is_missing(cfg.model, "init_from"):  # needs a Hugging Face directory (tests/test_hf_recipe.py)
+    if OmegaConf.is_missing(
+        cfg.model, "init_from"
+    ):  # needs a Hugging Face directory (tests/test_hf_recipe.py)
         with pytest.raises(ConfigError) as err:
             validate(cfg)
         assert err.value.key == "model.init_from"
@@ -73,13 +75,16 @@ def test_invalid_config_names_the_key(overrides, key):
     assert key in str(err.value)
 
 
-@pytest.mark.parametrize("overrides,key", [
-    (["ntp.replica_tp=[2,3]"], "ntp.replica_tp"),
-    (["data.path=/nonexistent/corpus.txt"], "data.path"),
-    (["resume=/nonexistent/ckpt"], "resume"),
-    (["data.global_batch_size=10", "data.micro_batch_size=4"], "data.global_batch_size"),
-    (["trainer=gpu"], "trainer.accelerator"),
-])
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (["ntp.replica_tp=[2,3]"], "ntp.replica_tp"),
+        (["data.path=/nonexistent/corpus.txt"], "data.path"),
+        (["resume=/nonexistent/ckpt"], "resume"),
+        (["data.global_batch_size=10", "data.micro_batch_size=4"], "data.global_batch_size"),
+        (["trainer=gpu"], "trainer.accelerator"),
+    ],
+)
 def test_cli_rejects_bad_config_with_exit_2(tmp_path, overrides, key):
     import torch
 

@@ -52,16 +52,24 @@ def test_stop_and_resume_equals_straight_run(tmp_path, straight, name, layout):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target", [SINGLE, ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,2]"],
-                                    ["mesh.dp=1", "mesh.tp=3", "ntp.replica_tp=[3]"]],
-                         ids=["to-single", "to-2-2", "to-tp3"])
+@pytest.mark.parametrize(
+    "target",
+    [
+        SINGLE,
+        ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,2]"],
+        ["mesh.dp=1", "mesh.tp=3", "ntp.replica_tp=[3]"],
+    ],
+    ids=["to-single", "to-2-2", "to-tp3"],
+)
 def test_resume_on_another_layout_follows_the_curve(tmp_path, straight, target):
     src = tmp_path / "src"
     proc = run_cli([*TINY, *NTP21, *CKPT, "trainer.stop_at_step=10", f"hydra.run.dir={src}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     dst = tmp_path / "dst"
-    proc = run_cli([*TINY, *target, *CKPT, f"resume={src / 'checkpoints' / 'step_000010'}",
-                    f"hydra.run.dir={dst}"], cwd=tmp_path)
+    proc = run_cli(
+        [*TINY, *target, *CKPT, f"resume={src / 'checkpoints' / 'step_000010'}", f"hydra.run.dir={dst}"],
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = losses(dst)
     assert sorted(got) == list(range(11, 21))
@@ -74,8 +82,9 @@ def test_resume_on_another_layout_follows_the_curve(tmp_path, straight, target):
 def test_sigkill_mid_run_then_auto_resume_matches(tmp_path, straight):
     run = tmp_path / "run"
     args = [sys.executable, "-m", "ntp_nemo.train", *TINY, *NTP21, *CKPT, f"hydra.run.dir={run}"]
-    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     deadline = time.time() + 240
     while time.time() < deadline:
         if (run / "checkpoints" / "step_000010" / "manifest.json").exists() and len(read_metrics(run)) >= 12:
@@ -96,8 +105,10 @@ def test_sigkill_mid_run_then_auto_resume_matches(tmp_path, straight):
 @pytest.mark.slow
 def test_corrupt_latest_checkpoint_is_skipped(tmp_path, straight):
     run = tmp_path / "run"
-    proc = run_cli([*TINY, *SINGLE, *CKPT, "trainer.stop_at_step=10", "checkpoint.keep_last=3",
-                    f"hydra.run.dir={run}"], cwd=tmp_path)
+    proc = run_cli(
+        [*TINY, *SINGLE, *CKPT, "trainer.stop_at_step=10", "checkpoint.keep_last=3", f"hydra.run.dir={run}"],
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     latest = run / "checkpoints" / "step_000010"
     data = sorted(latest.glob("*.distcp"))[0]
@@ -116,8 +127,17 @@ def test_corrupt_latest_checkpoint_is_skipped(tmp_path, straight):
 @pytest.mark.slow
 def test_sigterm_checkpoints_and_resume_continues(tmp_path, straight):
     run = tmp_path / "run"
-    args = [sys.executable, "-m", "ntp_nemo.train", *TINY, *NTP21, "checkpoint.every_n_steps=0",
-            "trainer.max_steps=20", "checkpoint.async_save=true", f"hydra.run.dir={run}"]
+    args = [
+        sys.executable,
+        "-m",
+        "ntp_nemo.train",
+        *TINY,
+        *NTP21,
+        "checkpoint.every_n_steps=0",
+        "trainer.max_steps=20",
+        "checkpoint.async_save=true",
+        f"hydra.run.dir={run}",
+    ]
     proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 240
     while time.time() < deadline and not ((run / "metrics.jsonl").exists() and len(read_metrics(run)) >= 4):
@@ -130,8 +150,10 @@ def test_sigterm_checkpoints_and_resume_continues(tmp_path, straight):
     assert 4 <= stopped < 20
     ckpts = sorted((run / "checkpoints").iterdir())
     assert [p.name for p in ckpts] == [f"step_{stopped:06d}"]
-    proc2 = run_cli([*TINY, *NTP21, "checkpoint.every_n_steps=0", "trainer.max_steps=20", f"hydra.run.dir={run}"],
-                    cwd=tmp_path)
+    proc2 = run_cli(
+        [*TINY, *NTP21, "checkpoint.every_n_steps=0", "trainer.max_steps=20", f"hydra.run.dir={run}"],
+        cwd=tmp_path,
+    )
     assert proc2.returncode == 0, proc2.stderr[-3000:]
     got = losses(run)
     assert sorted(got) == list(range(1, 21))

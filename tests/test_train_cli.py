@@ -12,7 +12,9 @@ from tests.conftest import SINGLE, TINY, read_metrics, run_cli
 @pytest.mark.slow
 def test_single_process_run_learns_and_writes_run_dir(tmp_path):
     run = tmp_path / "run"
-    proc = run_cli([*TINY, *SINGLE, "trainer.max_steps=30", "logger=csv", f"hydra.run.dir={run}"], cwd=tmp_path)
+    proc = run_cli(
+        [*TINY, *SINGLE, "trainer.max_steps=30", "logger=csv", f"hydra.run.dir={run}"], cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = read_metrics(run)
     assert [m["step"] for m in metrics] == list(range(1, 31))
@@ -30,8 +32,10 @@ def test_single_process_run_learns_and_writes_run_dir(tmp_path):
 @pytest.mark.slow
 def test_multirun_sweep_makes_one_run_dir_per_job(tmp_path):
     sweep = tmp_path / "sweep"
-    proc = run_cli(["-m", *TINY, *SINGLE, "trainer.max_steps=3", "optim.lr=1e-3,3e-3",
-                    f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+    proc = run_cli(
+        ["-m", *TINY, *SINGLE, "trainer.max_steps=3", "optim.lr=1e-3,3e-3", f"hydra.sweep.dir={sweep}"],
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and (p / "metrics.jsonl").exists())
     assert [p.name for p in jobs] == ["0", "1"]

@@ -77,7 +77,9 @@ class OptimConfig:
 @dataclass
 class TrainerConfig:
     max_steps: int = 200
-    stop_at_step: int | None = None  # end this invocation early (checkpoint saved); schedules still use max_steps
+    stop_at_step: int | None = (
+        None  # end this invocation early (checkpoint saved); schedules still use max_steps
+    )
     precision: str = "32-true"  # 32-true | 64-true | bf16-mixed
     accelerator: str = "cpu"
     log_every_n_steps: int = 1

@@ -31,20 +31,31 @@ def resolved_replica_tp(cfg: DictConfig) -> list[int]:
 
 def validate_model(m: DictConfig) -> None:
     if m.arch not in ("gpt2", "llama"):
-        raise ConfigError("model.arch", f"unknown architecture {m.arch!r}. Use model.arch=gpt2 or model.arch=llama.")
+        raise ConfigError(
+            "model.arch", f"unknown architecture {m.arch!r}. Use model.arch=gpt2 or model.arch=llama."
+        )
     for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size", "max_seq_len"):
         if m[key] is None or int(m[key]) < 1:
             raise ConfigError(f"model.{key}", f"must be a positive integer, got {m[key]!r}.")
     if m.hidden_size % m.num_heads:
-        raise ConfigError("model.num_heads", f"model.hidden_size={m.hidden_size} is not divisible by "
-                          f"model.num_heads={m.num_heads}; choose a head count that divides the hidden size.")
+        raise ConfigError(
+            "model.num_heads",
+            f"model.hidden_size={m.hidden_size} is not divisible by "
+            f"model.num_heads={m.num_heads}; choose a head count that divides the hidden size.",
+        )
     kv = m.num_kv_heads or m.num_heads
     if kv < 1 or m.num_heads % kv:
-        raise ConfigError("model.num_kv_heads", f"model.num_heads={m.num_heads} must be a multiple of "
-                          f"model.num_kv_heads={m.num_kv_heads} (grouped-query attention); use a divisor of it.")
+        raise ConfigError(
+            "model.num_kv_heads",
+            f"model.num_heads={m.num_heads} must be a multiple of "
+            f"model.num_kv_heads={m.num_kv_heads} (grouped-query attention); use a divisor of it.",
+        )
     if m.arch == "llama" and (m.hidden_size // m.num_heads) % 2:
-        raise ConfigError("model.hidden_size", f"rotary embeddings need an even head dim, got "
-                          f"{m.hidden_size}/{m.num_heads}={m.hidden_size // m.num_heads}.")
+        raise ConfigError(
+            "model.hidden_size",
+            f"rotary embeddings need an even head dim, got "
+            f"{m.hidden_size}/{m.num_heads}={m.hidden_size // m.num_heads}.",
+        )
 
 
 def resolve_init_from(cfg: DictConfig) -> None:
@@ -69,57 +80,91 @@ def resolve_init_from(cfg: DictConfig) -> None:
 
 def validate(cfg: DictConfig) -> None:
     if OmegaConf.is_missing(cfg.model, "init_from"):
-        raise ConfigError("model.init_from", "this recipe continues from a Hugging Face model directory; pass "
-                          "model.init_from=PATH (a directory with config.json and *.safetensors).")
+        raise ConfigError(
+            "model.init_from",
+            "this recipe continues from a Hugging Face model directory; pass "
+            "model.init_from=PATH (a directory with config.json and *.safetensors).",
+        )
     resolve_init_from(cfg)
     validate_model(cfg.model)
-    for key in ("mesh.dp", "mesh.tp", "mesh.pp", "trainer.max_steps", "data.seq_len", "data.global_batch_size",
-                "data.micro_batch_size"):
+    for key in (
+        "mesh.dp",
+        "mesh.tp",
+        "mesh.pp",
+        "trainer.max_steps",
+        "data.seq_len",
+        "data.global_batch_size",
+        "data.micro_batch_size",
+    ):
         _positive(cfg, key)
     d = cfg.data
     if d.seq_len > cfg.model.max_seq_len:
-        raise ConfigError("data.seq_len", f"data.seq_len={d.seq_len} exceeds model.max_seq_len="
-                          f"{cfg.model.max_seq_len}; lower data.seq_len or raise model.max_seq_len.")
+        raise ConfigError(
+            "data.seq_len",
+            f"data.seq_len={d.seq_len} exceeds model.max_seq_len="
+            f"{cfg.model.max_seq_len}; lower data.seq_len or raise model.max_seq_len.",
+        )
     if d.global_batch_size % d.micro_batch_size:
-        raise ConfigError("data.global_batch_size", f"data.global_batch_size={d.global_batch_size} is not a "
-                          f"multiple of data.micro_batch_size={d.micro_batch_size}; the global batch must split into "
-                          "whole micro-batches.")
+        raise ConfigError(
+            "data.global_batch_size",
+            f"data.global_batch_size={d.global_batch_size} is not a "
+            f"multiple of data.micro_batch_size={d.micro_batch_size}; the global batch must split into "
+            "whole micro-batches.",
+        )
     if not 0.0 < d.val_fraction < 0.5:
         raise ConfigError("data.val_fraction", f"must be in (0, 0.5), got {d.val_fraction}.")
     if d.path not in (None, "") and not Path(str(d.path)).expanduser().exists():
-        raise ConfigError("data.path", f"{d.path!r} does not exist. Point data.path at a text file, a directory of "
-                          "text files or a token file written by ntp-preprocess, or drop it to use the embedded corpus.")
+        raise ConfigError(
+            "data.path",
+            f"{d.path!r} does not exist. Point data.path at a text file, a directory of "
+            "text files or a token file written by ntp-preprocess, or drop it to use the embedded corpus.",
+        )
     _validate_mesh(cfg)
     o = cfg.optim
     if not o.lr > 0:
         raise ConfigError("optim.lr", f"learning rate must be > 0, got {o.lr}.")
     if o.warmup_steps < 0 or o.warmup_steps > cfg.trainer.max_steps:
-        raise ConfigError("optim.warmup_steps", f"optim.warmup_steps={o.warmup_steps} must be >= 0 and at most "
-                          f"trainer.max_steps={cfg.trainer.max_steps}.")
+        raise ConfigError(
+            "optim.warmup_steps",
+            f"optim.warmup_steps={o.warmup_steps} must be >= 0 and at most "
+            f"trainer.max_steps={cfg.trainer.max_steps}.",
+        )
     if not 0.0 <= o.min_lr_ratio <= 1.0:
         raise ConfigError("optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio}.")
     if o.grad_clip is not None and o.grad_clip < 0:
         raise ConfigError("optim.grad_clip", f"must be >= 0 (0 disables clipping), got {o.grad_clip}.")
     t = cfg.trainer
     if t.precision not in PRECISIONS:
-        raise ConfigError("trainer.precision", f"unknown precision {t.precision!r}; use one of {', '.join(PRECISIONS)}.")
+        raise ConfigError(
+            "trainer.precision", f"unknown precision {t.precision!r}; use one of {', '.join(PRECISIONS)}."
+        )
     if t.accelerator not in ACCELERATORS:
         raise ConfigError("trainer.accelerator", f"unknown accelerator {t.accelerator!r}; use cpu or gpu.")
     if t.start_method not in ("fork", "spawn", "forkserver"):
-        raise ConfigError("trainer.start_method", f"unknown start method {t.start_method!r}; use fork or spawn.")
+        raise ConfigError(
+            "trainer.start_method", f"unknown start method {t.start_method!r}; use fork or spawn."
+        )
     c = cfg.checkpoint
     if c.every_n_steps < 0:
-        raise ConfigError("checkpoint.every_n_steps", f"must be >= 0 (0 disables periodic saves), got {c.every_n_steps}.")
+        raise ConfigError(
+            "checkpoint.every_n_steps", f"must be >= 0 (0 disables periodic saves), got {c.every_n_steps}."
+        )
     if c.keep_last < 1:
         raise ConfigError("checkpoint.keep_last", f"must be >= 1, got {c.keep_last}.")
     for name, cb in (cfg.callbacks or {}).items():
         if cb is not None and str(cb.get("_target_", "")).endswith("LearningRateMonitor") and not cfg.logger:
-            raise ConfigError(f"callbacks.{name}", "LearningRateMonitor needs a logger but logger=none; choose "
-                              "logger=csv (or tensorboard), or drop the callback with callbacks=none.")
+            raise ConfigError(
+                f"callbacks.{name}",
+                "LearningRateMonitor needs a logger but logger=none; choose "
+                "logger=csv (or tensorboard), or drop the callback with callbacks=none.",
+            )
     r = str(cfg.resume)
     if r not in ("auto", "never") and not Path(r).expanduser().exists():
-        raise ConfigError("resume", f"{r!r} is neither auto, never nor an existing checkpoint path. Use resume=auto "
-                          "(latest checkpoint in the run directory), resume=never, or resume=PATH of a checkpoint.")
+        raise ConfigError(
+            "resume",
+            f"{r!r} is neither auto, never nor an existing checkpoint path. Use resume=auto "
+            "(latest checkpoint in the run directory), resume=never, or resume=PATH of a checkpoint.",
+        )
 
 
 def check_environment(cfg: DictConfig) -> None:
@@ -128,48 +173,63 @@ def check_environment(cfg: DictConfig) -> None:
         import torch
 
         if not torch.cuda.is_available():
-            raise ConfigError("trainer.accelerator", f"recipe {cfg.recipe!r} asks for GPUs but CUDA is not available "
-                              "on this machine; run it on a GPU node (torchrun/SLURM) or override "
-                              "trainer=default (CPU, 32-true) here.")
+            raise ConfigError(
+                "trainer.accelerator",
+                f"recipe {cfg.recipe!r} asks for GPUs but CUDA is not available "
+                "on this machine; run it on a GPU node (torchrun/SLURM) or override "
+                "trainer=default (CPU, 32-true) here.",
+            )
 
 
 def _validate_mesh(cfg: DictConfig) -> None:
-    tp, dp, pp = int(cfg.mesh.tp), int(cfg.mesh.dp), int(cfg.mesh.pp)
+    tp, dp = int(cfg.mesh.tp), int(cfg.mesh.dp)
     m = cfg.model
     rtp = cfg.ntp.replica_tp
     if rtp is not None:
         if len(rtp) != dp:
-            raise ConfigError("ntp.replica_tp", f"has {len(rtp)} entries {list(rtp)} but mesh.dp={dp}; give one "
-                              "active TP degree per DP replica, e.g. ntp.replica_tp=[" + ",".join([str(tp)] * dp) + "].")
+            raise ConfigError(
+                "ntp.replica_tp",
+                f"has {len(rtp)} entries {list(rtp)} but mesh.dp={dp}; give one "
+                "active TP degree per DP replica, e.g. ntp.replica_tp=[" + ",".join([str(tp)] * dp) + "].",
+            )
         for i, n in enumerate(rtp):
             if not 1 <= int(n) <= tp:
-                raise ConfigError("ntp.replica_tp", f"replica {i} has {n} active ranks; each entry must be between 1 "
-                                  f"and mesh.tp={tp}.")
+                raise ConfigError(
+                    "ntp.replica_tp",
+                    f"replica {i} has {n} active ranks; each entry must be between 1 and mesh.tp={tp}.",
+                )
             if int(n) < int(cfg.ntp.min_replica_tp):
-                raise ConfigError("ntp.replica_tp", f"replica {i} has {n} active ranks, below ntp.min_replica_tp="
-                                  f"{cfg.ntp.min_replica_tp}; drop the replica (mesh.dp) or lower ntp.min_replica_tp.")
+                raise ConfigError(
+                    "ntp.replica_tp",
+                    f"replica {i} has {n} active ranks, below ntp.min_replica_tp="
+                    f"{cfg.ntp.min_replica_tp}; drop the replica (mesh.dp) or lower ntp.min_replica_tp.",
+                )
     if tp > m.num_heads:
-        raise ConfigError("mesh.tp", f"mesh.tp={tp} exceeds model.num_heads={m.num_heads}: attention is sharded by "
-                          "heads, so use mesh.tp <= the head count.")
+        raise ConfigError(
+            "mesh.tp",
+            f"mesh.tp={tp} exceeds model.num_heads={m.num_heads}: attention is sharded by "
+            "heads, so use mesh.tp <= the head count.",
+        )
     if tp > m.ffn_hidden_size or tp > m.vocab_size:
         raise ConfigError("mesh.tp", f"mesh.tp={tp} exceeds the MLP width or vocabulary size.")
     pb = cfg.ntp.power_boost
     if pb is not None:
         values = list(pb) if not isinstance(pb, (int, float)) else [pb]
         if not isinstance(pb, (int, float)) and len(values) != dp:
-            raise ConfigError("ntp.power_boost", f"needs one entry per replica (mesh.dp={dp}) or a single number.")
+            raise ConfigError(
+                "ntp.power_boost", f"needs one entry per replica (mesh.dp={dp}) or a single number."
+            )
         for v in values:
             if not 1.0 <= float(v) <= 2.0:
-                raise ConfigError("ntp.power_boost", f"{v} is not a valid boost factor; use a value in [1.0, 2.0] "
-                                  "(1.3 = +30% per surviving GPU).")
+                raise ConfigError(
+                    "ntp.power_boost",
+                    f"{v} is not a valid boost factor; use a value in [1.0, 2.0] "
+                    "(1.3 = +30% per surviving GPU).",
+                )
     from ntp_nemo.pipeline.validate import validate_pipeline
 
     validate_pipeline(cfg)
-    layer_tp = resolve_layer_tp(cfg)
-    num_micro = cfg.data.global_batch_size // cfg.data.micro_batch_size
-    if num_micro < 1:
-        raise ConfigError("data.micro_batch_size", "the global batch holds no micro-batch.")
-    del layer_tp
+    resolve_layer_tp(cfg)  # raises on an impossible per-layer layout
 
 
 def resolve_layer_tp(cfg: DictConfig) -> list[int]:
@@ -180,17 +240,24 @@ def resolve_layer_tp(cfg: DictConfig) -> list[int]:
     tp = int(cfg.mesh.tp)
     spec = cfg.layout.layer_tp
     m = cfg.model
-    shape = ModelShape(vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_layers=m.num_layers,
-                       num_heads=m.num_heads, num_kv_heads=m.num_kv_heads or m.num_heads,
-                       ffn_hidden_size=m.ffn_hidden_size, tie_embeddings=m.tie_embeddings,
-                       gated_mlp=m.arch == "llama")
+    shape = ModelShape(
+        vocab_size=m.vocab_size,
+        hidden_size=m.hidden_size,
+        num_layers=m.num_layers,
+        num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads or m.num_heads,
+        ffn_hidden_size=m.ffn_hidden_size,
+        tie_embeddings=m.tie_embeddings,
+        gated_mlp=m.arch == "llama",
+    )
     if spec == "auto":
         from ntp_nemo.planner import plan_layout
 
         plan = plan_layout(shape, tp, resolved_replica_tp(cfg), cfg.data.seq_len, cfg.data.micro_batch_size)
         layer_tp = list(plan.layer_tp)
     else:
-        layer_tp = parse_layer_tp(spec if spec is None or isinstance(spec, (str, int)) else list(spec),
-                                  m.num_layers, tp)
+        layer_tp = parse_layer_tp(
+            spec if spec is None or isinstance(spec, (str, int)) else list(spec), m.num_layers, tp
+        )
     validate_layer_tp(shape, tp, resolved_replica_tp(cfg), layer_tp)
     return layer_tp

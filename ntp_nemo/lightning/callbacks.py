@@ -19,18 +19,26 @@ class MetricsJSONL(Callback):
         self._t0 = 0.0
         self.history: list[dict[str, Any]] = []
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._t0 = time.perf_counter()
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if not trainer.is_global_zero:
             return
         dt = time.perf_counter() - self._t0
         rec = dict(pl_module.last_step)
         info = getattr(trainer.strategy, "layout_info", {}) or {}
-        rec.update(step_time_s=dt, tokens_per_s=rec["tokens"] / dt if dt > 0 else 0.0,
-                   layout=info.get("layout", "single"), capacity=info.get("capacity", 1.0), time=time.time())
+        rec.update(
+            step_time_s=dt,
+            tokens_per_s=rec["tokens"] / dt if dt > 0 else 0.0,
+            layout=info.get("layout", "single"),
+            capacity=info.get("capacity", 1.0),
+            time=time.time(),
+        )
         self.history.append(rec)
         with self.path.open("a") as f:
             f.write(json.dumps(rec) + "\n")
@@ -62,7 +70,9 @@ class RunSummary(Callback):
             "val_loss": getattr(pl_module, "last_val_loss", None),
             "tokens_per_s": tokens / secs if secs > 0 else None,
             "train_wall_s": time.time() - self._start,
-            "layout": hist[-1]["layout"] if hist else getattr(trainer.strategy, "layout_info", {}).get("layout"),
+            "layout": hist[-1]["layout"]
+            if hist
+            else getattr(trainer.strategy, "layout_info", {}).get("layout"),
             "run_dir": str(self.run_dir),
         }
         goodput_file = self.run_dir / "goodput.jsonl"
@@ -82,13 +92,24 @@ class StepCheckpoint(ModelCheckpoint):
     FILE_EXTENSION = ""
 
     def __init__(self, dirpath: str | Path, every_n_steps: int, save_on_end: bool = True) -> None:
-        super().__init__(dirpath=str(dirpath), filename="step_{step:06d}", auto_insert_metric_name=False,
-                         every_n_train_steps=every_n_steps or None, every_n_epochs=0, save_top_k=-1, save_last=False,
-                         save_on_train_epoch_end=False)
+        super().__init__(
+            dirpath=str(dirpath),
+            filename="step_{step:06d}",
+            auto_insert_metric_name=False,
+            every_n_train_steps=every_n_steps or None,
+            every_n_epochs=0,
+            save_top_k=-1,
+            save_last=False,
+            save_on_train_epoch_end=False,
+        )
         self.save_on_end = save_on_end
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.save_on_end and trainer.global_step > 0 and self._last_global_step_saved != trainer.global_step:
+        if (
+            self.save_on_end
+            and trainer.global_step > 0
+            and self._last_global_step_saved != trainer.global_step
+        ):
             self._save_checkpoint(trainer, self.format_checkpoint_name({"step": trainer.global_step}))
             self._last_global_step_saved = trainer.global_step
 
@@ -100,8 +121,9 @@ class StopAtStep(Callback):
     def __init__(self, step: int) -> None:
         self.step = step
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.global_step >= self.step:
             trainer.should_stop = True
 
@@ -116,8 +138,9 @@ class PreemptionCheckpoint(Callback):
     def __init__(self) -> None:
         self.requested = False
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         # (Re)installed per step: the trainer's own signal handling may reset the handlers after setup.
         import signal
 
@@ -129,8 +152,9 @@ class PreemptionCheckpoint(Callback):
     def _request(self, signum, frame) -> None:  # noqa: ANN001 - signal handler signature
         self.requested = True
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         import torch
         import torch.distributed as dist
 
@@ -139,8 +163,10 @@ class PreemptionCheckpoint(Callback):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item() > 0:
             if trainer.is_global_zero:
-                print(f"preemption signal received: checkpointing at step {trainer.global_step} and stopping",
-                      flush=True)
+                print(
+                    f"preemption signal received: checkpointing at step {trainer.global_step} and stopping",
+                    flush=True,
+                )
             trainer.should_stop = True
 
 
@@ -148,7 +174,9 @@ class MemoryReport(Callback):
     """Per-rank memory: the estimate from the model slice and layout at start, the measured peak after
     `after_steps` steps (parameters, gradients, optimizer state, activations; process max RSS)."""
 
-    def __init__(self, micro_batch_size: int, seq_len: int, global_microbatches: int, after_steps: int = 3) -> None:
+    def __init__(
+        self, micro_batch_size: int, seq_len: int, global_microbatches: int, after_steps: int = 3
+    ) -> None:
         self.mbs, self.seq, self.m, self.after = micro_batch_size, seq_len, global_microbatches, after_steps
 
     @staticmethod
@@ -165,12 +193,18 @@ class MemoryReport(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         from ntp_nemo.pipeline.memory import rank_memory_estimate
 
-        est = rank_memory_estimate(pl_module.runtime, pl_module.model, global_microbatches=self.m,
-                                   micro_batch_size=self.mbs, seq_len=self.seq)
+        est = rank_memory_estimate(
+            pl_module.runtime,
+            pl_module.model,
+            global_microbatches=self.m,
+            micro_batch_size=self.mbs,
+            seq_len=self.seq,
+        )
         self._gather_print(trainer, "memory per rank (from model slice and layout):", est.format())
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.global_step != self.after:
             return
         from ntp_nemo.pipeline.memory import measure_memory

@@ -19,8 +19,14 @@ class StepBatches(Dataset):
     layout sees the same samples; `my_range(num_micro)` picks this replica's capacity share.
     """
 
-    def __init__(self, dataset: TokenDataset, sampler: GlobalBatchSampler, micro_batch_size: int,
-                 max_steps: int, my_range: Callable[[int], range]) -> None:
+    def __init__(
+        self,
+        dataset: TokenDataset,
+        sampler: GlobalBatchSampler,
+        micro_batch_size: int,
+        max_steps: int,
+        my_range: Callable[[int], range],
+    ) -> None:
         self.dataset, self.sampler = dataset, sampler
         self.micro_batch_size, self.max_steps = micro_batch_size, max_steps
         self.my_range = my_range
@@ -36,16 +42,20 @@ class StepBatches(Dataset):
         ids = np.concatenate([micro[j] for j in mine]) if len(mine) else np.zeros(0, dtype=np.int64)
         tokens = self.dataset.batch(ids).view(len(mine), self.micro_batch_size, -1)
         seq = self.dataset.seq_len
-        return {"step": torch.tensor(step), "micro": tokens,
-                "global_tokens": torch.tensor(self.sampler.global_batch_size * seq),
-                "counts": torch.tensor([len(mine)])}
+        return {
+            "step": torch.tensor(step),
+            "micro": tokens,
+            "global_tokens": torch.tensor(self.sampler.global_batch_size * seq),
+            "counts": torch.tensor([len(mine)]),
+        }
 
 
 class ValBatches(Dataset):
     """One item: this replica's share of a fixed set of validation micro-batches."""
 
-    def __init__(self, dataset: TokenDataset, num_micro: int, micro_batch_size: int,
-                 my_range: Callable[[int], range]) -> None:
+    def __init__(
+        self, dataset: TokenDataset, num_micro: int, micro_batch_size: int, my_range: Callable[[int], range]
+    ) -> None:
         self.dataset, self.num_micro, self.mbs, self.my_range = dataset, num_micro, micro_batch_size, my_range
 
     def __len__(self) -> int:
@@ -56,4 +66,7 @@ class ValBatches(Dataset):
         n = len(self.dataset)
         ids = np.arange(mine.start * self.mbs, mine.stop * self.mbs) % n
         tokens = self.dataset.batch(ids).view(len(mine), self.mbs, -1)
-        return {"micro": tokens, "global_tokens": torch.tensor(self.num_micro * self.mbs * self.dataset.seq_len)}
+        return {
+            "micro": tokens,
+            "global_tokens": torch.tensor(self.num_micro * self.mbs * self.dataset.seq_len),
+        }

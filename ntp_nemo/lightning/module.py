@@ -32,12 +32,26 @@ def warmup_cosine(warmup: int, max_steps: int, min_ratio: float):
 
 
 class NTPLanguageModule(pl.LightningModule):
-    def __init__(self, model_cfg: ModelConfig, optim: dict, data: DataBundle, *, seed: int, micro_batch_size: int,
-                 val_batches: int, max_steps: int) -> None:
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        optim: dict,
+        data: DataBundle,
+        *,
+        seed: int,
+        micro_batch_size: int,
+        val_batches: int,
+        max_steps: int,
+    ) -> None:
         super().__init__()
         self.automatic_optimization = False
         self.model_cfg, self.optim_cfg, self.data = model_cfg, optim, data
-        self.seed, self.micro_batch_size, self.val_batches, self.max_steps = seed, micro_batch_size, val_batches, max_steps
+        self.seed, self.micro_batch_size, self.val_batches, self.max_steps = (
+            seed,
+            micro_batch_size,
+            val_batches,
+            max_steps,
+        )
         self.model: torch.nn.Module | None = None
         self._train_set: StepBatches | None = None
         self.last_step: dict[str, Any] = {}
@@ -59,16 +73,24 @@ class NTPLanguageModule(pl.LightningModule):
         no_decay = [p for p in self.model.parameters() if p.dim() < 2]
         opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": o["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=o["lr"], betas=(o["beta1"], o["beta2"]), eps=o["eps"],
+            lr=o["lr"],
+            betas=(o["beta1"], o["beta2"]),
+            eps=o["eps"],
         )
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(o["warmup_steps"], self.max_steps,
-                                                                     o["min_lr_ratio"]))
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, warmup_cosine(o["warmup_steps"], self.max_steps, o["min_lr_ratio"])
+        )
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # ---- data -------------------------------------------------------------------------------------
     def train_dataloader(self) -> DataLoader:
-        self._train_set = StepBatches(self.data.train, self.data.sampler, self.micro_batch_size, self.max_steps,
-                                      self.runtime.my_microbatches)
+        self._train_set = StepBatches(
+            self.data.train,
+            self.data.sampler,
+            self.micro_batch_size,
+            self.max_steps,
+            self.runtime.my_microbatches,
+        )
         self._train_set.start_step = self.trainer.global_step
         return DataLoader(self._train_set, batch_size=None, shuffle=False, num_workers=0)
 
@@ -93,8 +115,9 @@ class NTPLanguageModule(pl.LightningModule):
         opt = self.optimizers()
         sched = self.lr_schedulers()
         global_tokens = int(batch["global_tokens"])
-        loss_sum = self.runtime.train_microbatches(self.model, list(batch["micro"]), global_tokens,
-                                                   backward=self.manual_backward)
+        loss_sum = self.runtime.train_microbatches(
+            self.model, list(batch["micro"]), global_tokens, backward=self.manual_backward
+        )
         sync = self.runtime.sync
         sync.sync()
         grad_norm = sync.clip_grad_norm_(self.optim_cfg["grad_clip"])
@@ -105,10 +128,17 @@ class NTPLanguageModule(pl.LightningModule):
         loss = float(self.runtime.global_sum(loss_sum)) / global_tokens
         self.log("train/loss", loss, prog_bar=True, rank_zero_only=True, batch_size=1)
         self.log("train/grad_norm", grad_norm, rank_zero_only=True, batch_size=1)
-        self.last_step = {"step": int(batch["step"]) + 1, "loss": loss, "tokens": global_tokens, "lr": lr,
-                          "grad_norm": grad_norm, "compute_s": time.perf_counter() - t0,
-                          "microbatches": self.runtime.microbatch_counts(
-                              self.data.sampler.global_batch_size // self.micro_batch_size)}
+        self.last_step = {
+            "step": int(batch["step"]) + 1,
+            "loss": loss,
+            "tokens": global_tokens,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "compute_s": time.perf_counter() - t0,
+            "microbatches": self.runtime.microbatch_counts(
+                self.data.sampler.global_batch_size // self.micro_batch_size
+            ),
+        }
         return {"loss": torch.tensor(loss)}
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:

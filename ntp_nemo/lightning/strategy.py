@@ -117,12 +117,15 @@ class NTPStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         if self.world_size != self.topology.world_size:
-            raise RuntimeError(f"{self.world_size} processes for a layout of {self.topology.world_size} ranks")
+            raise RuntimeError(
+                f"{self.world_size} processes for a layout of {self.topology.world_size} ranks"
+            )
         if self.topology.world_size > 1:
             torch.set_num_threads(max(1, torch.get_num_threads() if self.root_device.type == "cuda" else 1))
             self.set_world_ranks()
-            self._process_group_backend = (self._process_group_backend
-                                           or _get_default_process_group_backend_for_device(self.root_device))
+            self._process_group_backend = (
+                self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+            )
             kwargs: dict[str, Any] = {"timeout": self._timeout}
             if self.root_device.type != "cpu":
                 kwargs["device_id"] = self.root_device
@@ -168,7 +171,9 @@ class NTPStrategy(ParallelStrategy):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
-    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
+    def all_gather(
+        self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False
+    ) -> torch.Tensor:
         if not _distributed_is_initialized():
             return tensor.unsqueeze(0)
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
@@ -217,7 +222,9 @@ class NTPStrategy(ParallelStrategy):
         if cb is not None:
             cb.record(event, **fields)
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any = None
+    ) -> None:
         """Collective: every rank writes the chunks it owns; Lightning's own state rides along as `extra`.
 
         With `async_save`, tensors are snapshotted and written by a background thread; the commit
@@ -230,18 +237,36 @@ class NTPStrategy(ParallelStrategy):
         path = Path(self.broadcast(str(filepath)))
         step = int(checkpoint.get("global_step", 0))
         extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        layout = {"replica_tp": self.topology.replica_tp, "tp": self.topology.tp,
-                  "layer_tp": self.topology.layer_tp, "pp": self.topology.pp}
+        layout = {
+            "replica_tp": self.topology.replica_tp,
+            "tp": self.topology.tp,
+            "layer_tp": self.topology.layer_tp,
+            "pp": self.topology.pp,
+        }
         t0 = time.perf_counter()
         self._goodput("ckpt_save_start", step=step)
         if self.async_save:
             if self._saver is None:
                 self._saver = AsyncCheckpointSaver()
-            self._saver.save(path, self.lightning_module.model, self._optimizer(), extra, step=step, layout=layout,
-                             keep_last=self.keep_last)
+            self._saver.save(
+                path,
+                self.lightning_module.model,
+                self._optimizer(),
+                extra,
+                step=step,
+                layout=layout,
+                keep_last=self.keep_last,
+            )
         else:
-            save_checkpoint(path, self.lightning_module.model, self._optimizer(), extra, step=step, layout=layout,
-                            keep_last=self.keep_last)
+            save_checkpoint(
+                path,
+                self.lightning_module.model,
+                self._optimizer(),
+                extra,
+                step=step,
+                layout=layout,
+                keep_last=self.keep_last,
+            )
         self._goodput("ckpt_save_end", step=step, blocking_s=time.perf_counter() - t0)
 
     async_save: bool = False
@@ -249,7 +274,9 @@ class NTPStrategy(ParallelStrategy):
 
     keep_last: int | None = None
 
-    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, checkpoint_path: str | Path, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         """Collective: each rank reads exactly the slices its layout needs (any saved layout)."""
         from ntp_nemo.checkpoint.sharded import load_checkpoint
 

@@ -8,8 +8,16 @@ from ntp_nemo.models.plan import SingleDevicePlan, TPPlan
 from ntp_nemo.models.stats import flops_per_token, param_count
 from ntp_nemo.models.transformer import DecoderLM
 
-__all__ = ["DecoderLM", "ModelConfig", "SingleDevicePlan", "TPPlan", "build_model", "flops_per_token",
-           "initialize_", "param_count"]
+__all__ = [
+    "DecoderLM",
+    "ModelConfig",
+    "SingleDevicePlan",
+    "TPPlan",
+    "build_model",
+    "flops_per_token",
+    "initialize_",
+    "param_count",
+]
 
 
 def build_model(cfg: ModelConfig, plan: TPPlan | None = None, seed: int = 0, **stage) -> DecoderLM:

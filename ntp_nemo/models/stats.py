@@ -26,6 +26,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     h, f, L, V = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers, cfg.vocab_size
     nkv = cfg.num_kv_heads or cfg.num_heads
     d = h // cfg.num_heads
-    matmul = L * (2 * h * cfg.num_heads * d + 2 * h * nkv * d + (3 if cfg.arch == "llama" else 2) * h * f) + V * h
+    matmul = (
+        L * (2 * h * cfg.num_heads * d + 2 * h * nkv * d + (3 if cfg.arch == "llama" else 2) * h * f) + V * h
+    )
     attention = L * 2 * cfg.num_heads * d * seq_len  # QK^T and AV, causal half of 2*s*h each
     return 6.0 * matmul + 6.0 * attention

@@ -58,7 +58,9 @@ def attention_head_intervals(num_heads: int, num_kv_heads: int, tp: TPContext) -
     return (qlo, qhi), (qlo // group, (qhi - 1) // group + 1)
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    seq_len: int, head_dim: int, theta: float, device, dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
     ang = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float64), inv)
     ang = torch.cat([ang, ang], dim=-1)
@@ -84,13 +86,18 @@ class Attention(nn.Module):
         (qlo, qhi), (klo, khi) = attention_head_intervals(nh, nkv, tp)
         self.q_lo, self.kv_lo = qlo, klo
         d = self.head_dim
-        self.q_proj = ColumnParallelLinear(h, nh * d, tp, unit_size=d, interval=(qlo, qhi), bias=bias,
-                                           std=cfg.init_std, copy_input=False)
-        self.k_proj = ColumnParallelLinear(h, nkv * d, tp, unit_size=d, interval=(klo, khi), bias=bias,
-                                           std=cfg.init_std, copy_input=False)
-        self.v_proj = ColumnParallelLinear(h, nkv * d, tp, unit_size=d, interval=(klo, khi), bias=bias,
-                                           std=cfg.init_std, copy_input=False)
-        self.o_proj = RowParallelLinear(nh * d, h, tp, unit_size=d, interval=(qlo, qhi), bias=bias, std=out_std)
+        self.q_proj = ColumnParallelLinear(
+            h, nh * d, tp, unit_size=d, interval=(qlo, qhi), bias=bias, std=cfg.init_std, copy_input=False
+        )
+        self.k_proj = ColumnParallelLinear(
+            h, nkv * d, tp, unit_size=d, interval=(klo, khi), bias=bias, std=cfg.init_std, copy_input=False
+        )
+        self.v_proj = ColumnParallelLinear(
+            h, nkv * d, tp, unit_size=d, interval=(klo, khi), bias=bias, std=cfg.init_std, copy_input=False
+        )
+        self.o_proj = RowParallelLinear(
+            nh * d, h, tp, unit_size=d, interval=(qlo, qhi), bias=bias, std=out_std
+        )
         # Local KV head each local query head reads.
         kv_of_q = torch.tensor([q // self.group - klo for q in range(qlo, qhi)], dtype=torch.long)
         self.register_buffer("kv_of_q", kv_of_q, persistent=False)
@@ -174,9 +181,11 @@ class DecoderLM(nn.Module):
         emb_tp = plan.context(0)
         head_tp = plan.context(cfg.num_layers + 1)
         self.tied = cfg.tie_embeddings
-        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, emb_tp, std=cfg.init_std) if (
-            has_embedding or (has_head and self.tied)
-        ) else None
+        self.embed = (
+            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, emb_tp, std=cfg.init_std)
+            if (has_embedding or (has_head and self.tied))
+            else None
+        )
         self.has_embedding, self.has_head = has_embedding, has_head
         if has_embedding and not self.llama:
             self.pos_embed = replicated_param((cfg.max_seq_len, cfg.hidden_size), emb_tp, ("normal", 0.01))
@@ -184,11 +193,13 @@ class DecoderLM(nn.Module):
         self.blocks = nn.ModuleDict({str(i): Block(cfg, plan.context(i + 1)) for i in self.layer_range})
         if has_head:
             self.head_tp = emb_tp if self.tied else head_tp
-            self.final_norm = Norm(cfg.hidden_size, self.head_tp, rms=self.llama, eps=cfg.norm_eps,
-                                   bias=not self.llama)
+            self.final_norm = Norm(
+                cfg.hidden_size, self.head_tp, rms=self.llama, eps=cfg.norm_eps, bias=not self.llama
+            )
             if not self.tied:
-                self.head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, head_tp, bias=False,
-                                                 std=cfg.init_std)
+                self.head = ColumnParallelLinear(
+                    cfg.hidden_size, cfg.vocab_size, head_tp, bias=False, std=cfg.init_std
+                )
         self._rope_cache: dict = {}
 
     def _rope(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -197,7 +208,11 @@ class DecoderLM(nn.Module):
         key = (x.device, x.dtype)
         if key not in self._rope_cache:
             self._rope_cache[key] = rope_tables(
-                self.cfg.max_seq_len, self.cfg.hidden_size // self.cfg.num_heads, self.cfg.rope_theta, x.device, x.dtype
+                self.cfg.max_seq_len,
+                self.cfg.hidden_size // self.cfg.num_heads,
+                self.cfg.rope_theta,
+                x.device,
+                x.dtype,
             )
         return self._rope_cache[key]
 
@@ -229,7 +244,9 @@ class DecoderLM(nn.Module):
         return self.logits_local(self.run_blocks(self.embed_tokens(ids)))
 
     def token_losses(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(self.logits_local(hidden), targets, self.vocab_start, self.head_tp)
+        return vocab_parallel_cross_entropy(
+            self.logits_local(hidden), targets, self.vocab_start, self.head_tp
+        )
 
     def loss_sum(self, tokens: torch.Tensor) -> torch.Tensor:
         """Sum of per-token losses of a [b, s+1] token batch (inputs = tokens[:, :-1])."""

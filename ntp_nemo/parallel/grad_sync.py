@@ -96,8 +96,14 @@ def _view(p: torch.Tensor, f: Fragment) -> torch.Tensor:
 class GradientSynchronizer:
     """Runs a SyncPlan: bucketed flat all-reduces, one process group per holder set."""
 
-    def __init__(self, model: nn.Module, plan: SyncPlan, group_of: Callable, bucket_bytes: int = 25 << 20,
-                 world_group=None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: SyncPlan,
+        group_of: Callable,
+        bucket_bytes: int = 25 << 20,
+        world_group=None,
+    ) -> None:
         self.params = dict(model.named_parameters())
         self.plan = plan
         self.group_of = group_of

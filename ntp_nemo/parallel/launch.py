@@ -18,11 +18,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _worker(rank: int, fn: Callable, world_size: int, store_path: str, backend: str, queue, args: tuple) -> None:
+def _worker(
+    rank: int, fn: Callable, world_size: int, store_path: str, backend: str, queue, args: tuple
+) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world_size)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
+    )
     try:
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", result))
@@ -39,8 +42,10 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, backend: st
     queue = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(r, fn, world_size, store_path, backend, queue, args))
-                 for r in range(world_size)]
+        procs = [
+            ctx.Process(target=_worker, args=(r, fn, world_size, store_path, backend, queue, args))
+            for r in range(world_size)
+        ]
         for p in procs:
             p.start()
         results: dict[int, Any] = {}

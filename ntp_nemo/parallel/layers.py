@@ -110,7 +110,9 @@ class VocabParallelEmbedding(nn.Module):
         self.tp = tp
         lo, hi = unit_interval(tp.rank, tp.size, num_embeddings)
         self.vocab_start, self.vocab_end = lo, hi
-        self.weight = sharded_param(ShardSpec.split((num_embeddings, dim), 0, 1, lo, hi), tp.copies, ("normal", std))
+        self.weight = sharded_param(
+            ShardSpec.split((num_embeddings, dim), 0, 1, lo, hi), tp.copies, ("normal", std)
+        )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if not self.tp.sharded:
@@ -169,5 +171,7 @@ def vocab_parallel_cross_entropy(
         return F.cross_entropy(_upcast(logits_local).flatten(0, -2), target.flatten(), reduction="none").view(
             target.shape
         )
-    flat = _VocabParallelCrossEntropy.apply(logits_local.flatten(0, -2), target.flatten(), vocab_start, tp.group)
+    flat = _VocabParallelCrossEntropy.apply(
+        logits_local.flatten(0, -2), target.flatten(), vocab_start, tp.group
+    )
     return flat.view(target.shape)

@@ -36,8 +36,13 @@ class NTPRuntime:
         from ntp_nemo.models import DecoderLM, initialize_
 
         stage, last = self.coord.stage, self.topology.pp - 1
-        model = DecoderLM(cfg, self.plan, layers=self.topology.stage_layer_range(stage),
-                          has_embedding=stage == 0, has_head=stage == last)
+        model = DecoderLM(
+            cfg,
+            self.plan,
+            layers=self.topology.stage_layer_range(stage),
+            has_embedding=stage == 0,
+            has_head=stage == last,
+        )
         if dtype is not None:
             model.to(dtype)
         initialize_(model, seed)
@@ -86,8 +91,9 @@ class NTPRuntime:
         dist.all_reduce(out)
         return out
 
-    def train_microbatches(self, model: nn.Module, microbatches: Sequence[torch.Tensor], global_tokens: int,
-                           backward=None) -> torch.Tensor:
+    def train_microbatches(
+        self, model: nn.Module, microbatches: Sequence[torch.Tensor], global_tokens: int, backward=None
+    ) -> torch.Tensor:
         """Forward/backward this replica's micro-batches; loss normalised by the global token count.
 
         Returns the replica's summed token loss (not normalised).

@@ -52,8 +52,9 @@ class Topology:
         self.pp = pp
         self.stage_layers = list(stage_layers) if stage_layers else even_stage_layers(self.num_layers, pp)
         if len(self.stage_layers) != pp or sum(self.stage_layers) != self.num_layers:
-            raise ValueError(f"stage_layers {self.stage_layers} do not split {self.num_layers} layers "
-                             f"into {pp} stages")
+            raise ValueError(
+                f"stage_layers {self.stage_layers} do not split {self.num_layers} layers into {pp} stages"
+            )
         self.coords: list[RankCoord] = []
         self._base: list[int] = []
         for r, n in enumerate(self.replica_tp):
@@ -120,7 +121,9 @@ class Topology:
         return sum(self.replica_tp) / (self.tp * self.dp)
 
     def describe(self) -> str:
-        return "(" + ",".join(str(n) for n in self.replica_tp) + ")" + (f"xPP{self.pp}" if self.pp > 1 else "")
+        return (
+            "(" + ",".join(str(n) for n in self.replica_tp) + ")" + (f"xPP{self.pp}" if self.pp > 1 else "")
+        )
 
     # ---- process groups ----------------------------------------------------------------------
     def tp_group_tuples(self) -> list[tuple[int, ...]]:
@@ -172,8 +175,17 @@ class Topology:
         from rich.table import Table
 
         tbl = Table(title=f"NTP layout {self.describe()} (nominal TP {self.tp}, world {self.world_size})")
-        for col in ("rank", "replica", "stage", "slot", "replica TP", "vocab rows", "heads (1st layer)",
-                    "ffn cols (1st layer)", "layer degrees"):
+        for col in (
+            "rank",
+            "replica",
+            "stage",
+            "slot",
+            "replica TP",
+            "vocab rows",
+            "heads (1st layer)",
+            "ffn cols (1st layer)",
+            "layer degrees",
+        ):
             tbl.add_column(col)
         for c in self.coords:
             degs = sorted({self.degree(c.replica, s) for s in range(len(self.layer_tp))})
@@ -181,8 +193,17 @@ class Topology:
             first = self.stage_layer_range(c.stage).start + 1  # first transformer layer of this rank's stage
             h = self.units_held(c.rank, first, num_heads)
             f = self.units_held(c.rank, first, ffn_hidden)
-            tbl.add_row(str(c.rank), str(c.replica), str(c.stage), str(c.slot), str(self.replica_tp[c.replica]),
-                        f"[{v[0]},{v[1]})", f"[{h[0]},{h[1]})", f"[{f[0]},{f[1]})", ",".join(map(str, degs)))
+            tbl.add_row(
+                str(c.rank),
+                str(c.replica),
+                str(c.stage),
+                str(c.slot),
+                str(self.replica_tp[c.replica]),
+                f"[{v[0]},{v[1]})",
+                f"[{h[0]},{h[1]})",
+                f"[{f[0]},{f[1]})",
+                ",".join(map(str, degs)),
+            )
         console = Console(width=140, record=True, force_terminal=False)
         with console.capture() as cap:
             console.print(tbl)
@@ -200,5 +221,6 @@ class RankPlan:
         topo = self.topology
         ranks = topo.layer_group_ranks(self.rank, slot)
         n = topo.replica_tp[topo.coord(self.rank).replica]
-        return TPContext(size=len(ranks), rank=ranks.index(self.rank), group=topo.group(ranks),
-                         copies=n // len(ranks))
+        return TPContext(
+            size=len(ranks), rank=ranks.index(self.rank), group=topo.group(ranks), copies=n // len(ranks)
+        )
