@@ -1,5 +1,6 @@
 """Shared pieces of the benchmarks: config composition, the real `ntp-train` CLI in a subprocess, a
-plain GPT-2-style model with the same shapes as ntp_nemo's, and a plain PyTorch training loop.
+plain GPT-2-style model with the same shapes as ntp_nemo's, a plain PyTorch training loop, and a runner
+that lets two training processes take turns step by step.
 
 The plain model's parameter names match `ntp_nemo.models.DecoderLM`, so it starts from exactly the
 same (layout-independent) initialisation and the benchmarks can check that both sides do the same
@@ -7,7 +8,7 @@ work by comparing loss curves.
 
 Run as a script it is the plain-loop worker (used by overhead.py and throughput.py):
 
-    python bench/_common.py --steps 25 --out plain.jsonl -- data.seq_len=128 ...
+    python bench/_common.py --steps 25 --threads 1 --out plain.jsonl -- mesh.dp=1 mesh.tp=1 ...
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ import argparse
 import json
 import math
 import os
+import select
+import signal
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -107,29 +111,56 @@ def thread_env(threads: int) -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", PYTHONPATH=path)
 
 
+# ---- taking turns ----------------------------------------------------------------------------------
+GO_ENV, DONE_ENV = "NTP_BENCH_GO", "NTP_BENCH_DONE"
+
+
+class Turn:
+    """One rank's side of the lockstep (see `run_side_by_side`): wait for a go before each step, report
+    after it. Does nothing when the environment names no FIFOs (a run outside the lockstep)."""
+
+    def __init__(self) -> None:
+        go, done = os.environ.get(GO_ENV), os.environ.get(DONE_ENV)
+        # O_RDWR: opening a FIFO this way never blocks, and writes never fail while this process holds it.
+        self._go = os.open(go, os.O_RDWR) if go else None
+        self._done = os.open(done, os.O_RDWR) if done else None
+
+    def wait(self) -> None:
+        if self._go is not None:
+            os.read(self._go, 1)
+
+    def step_done(self) -> None:
+        """Report the step and wait for the next go (outside every timed window)."""
+        if self._done is not None:
+            os.write(self._done, b".")
+        self.wait()
+
+
 def step_probe(path: str):
     """Hydra `_target_` (or direct use) for a callback that records on global rank 0, per training step, the
     wall time and process CPU time from `on_train_batch_start` to `on_train_batch_end` (the window of
-    ntp_nemo's `step_time_s`; CPU time is far less disturbed by other load on a shared box) and the torch
-    thread count, and writes them to `path` when training ends."""
+    ntp_nemo's `step_time_s`; CPU time is less disturbed by other load on a shared box) and the torch
+    thread count, writes them to `path` when training ends, and takes turns (`Turn`) on every rank."""
     from lightning.pytorch.callbacks import Callback
 
     class StepProbe(Callback):
         def __init__(self) -> None:
             self.steps: list[dict[str, float]] = []
             self._t0 = self._c0 = 0.0
+            self.turn: Turn | None = None
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.turn = Turn()  # opened in the worker process, after the launcher forked it
+            self.turn.wait()
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             self._t0, self._c0 = time.perf_counter(), time.process_time()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            self.steps.append(
-                {
-                    "step_time_s": time.perf_counter() - self._t0,
-                    "cpu_s": time.process_time() - self._c0,
-                    "time": time.time(),
-                }
-            )
+            wall, cpu = time.perf_counter() - self._t0, time.process_time() - self._c0
+            self.steps.append({"step_time_s": wall, "cpu_s": cpu, "time": time.time()})
+            # Callbacks run in list order: ntp_nemo's MetricsJSONL has already taken its step time.
+            self.turn.step_done()
 
         def on_train_end(self, trainer, pl_module) -> None:
             if trainer.is_global_zero:
@@ -138,41 +169,109 @@ def step_probe(path: str):
     return StepProbe()
 
 
-# ---- ntp-train through its CLI ---------------------------------------------------------------------
-def run_ntp_train(
-    overrides: Sequence[str], run_dir: Path, threads: int, timeout: int = 900
-) -> dict[str, Any]:
-    """Run the real `ntp-train` CLI; returns its metrics.jsonl records and the worker's thread count."""
-    probe = run_dir.parent / f"{run_dir.name}.probe.json"
+@dataclass
+class Side:
+    """One contender of a side-by-side run: its command, process count and how to read its results."""
+
+    name: str
+    ranks: int
+    command: list[str]
+    env: dict[str, str]
+    collect: Callable[[], dict[str, Any]]
+
+
+def run_side_by_side(sides: Sequence[Side], steps: int, workdir: Path, timeout: float = 1200.0) -> dict:
+    """Start every side at once and let them take turns step by step (A B, B A, A B, ...).
+
+    At any moment one side computes while the others wait between steps, and the sides' steps are
+    seconds apart, so load from other processes on the machine falls on them alike; alternating who goes
+    first avoids always following the same side. Returns each side's collected results.
+    """
+    fds: dict[tuple[str, str], int] = {}
+    procs: dict[str, subprocess.Popen] = {}
+    logs = []
+    deadline = time.monotonic() + timeout
+    try:
+        for side in sides:
+            for kind in ("go", "done"):
+                path = workdir / f"{side.name}.{kind}.fifo"
+                os.mkfifo(path)
+                fds[side.name, kind] = os.open(path, os.O_RDWR)
+            env = {
+                **side.env,
+                GO_ENV: str(workdir / f"{side.name}.go.fifo"),
+                DONE_ENV: str(workdir / f"{side.name}.done.fifo"),
+            }
+            log = (workdir / f"{side.name}.log").open("w")
+            logs.append(log)
+            procs[side.name] = subprocess.Popen(
+                side.command,
+                cwd=workdir,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        for step in range(steps + 1):  # the extra go lets every side finish after its last step
+            for side in sides if step % 2 == 0 else sides[::-1]:
+                os.write(fds[side.name, "go"], b"." * side.ranks)
+                if step < steps:
+                    _await(fds[side.name, "done"], side.ranks, procs, side.name, deadline)
+        for name, proc in procs.items():
+            if proc.wait(timeout=max(1.0, deadline - time.monotonic())) != 0:
+                raise RuntimeError(f"{name} exited {proc.returncode}:\n{_tail(workdir / f'{name}.log')}")
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        for fd in fds.values():
+            os.close(fd)
+        for log in logs:
+            log.close()
+    return {side.name: side.collect() for side in sides}
+
+
+def _await(fd: int, count: int, procs: dict[str, subprocess.Popen], name: str, deadline: float) -> None:
+    got = 0
+    while got < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name} did not finish its step in time")
+        exited = [n for n, p in procs.items() if p.poll() is not None]
+        if exited:
+            raise RuntimeError(f"{exited} exited before the side-by-side run ended (see the logs)")
+        if select.select([fd], [], [], 1.0)[0]:
+            got += len(os.read(fd, count - got))
+
+
+def _tail(path: Path, chars: int = 3000) -> str:
+    return path.read_text()[-chars:] if path.exists() else ""
+
+
+# ---- the sides ------------------------------------------------------------------------------------
+def ntp_side(name: str, overrides: Sequence[str], workdir: Path, ranks: int, threads: int) -> Side:
+    """The real `ntp-train` CLI; its results are metrics.jsonl's records (plus the probe's CPU times)."""
+    run_dir, probe = workdir / name, workdir / f"{name}.probe.json"
     args = [
         *overrides,
         f"hydra.run.dir={run_dir}",
         f"+callbacks.probe._target_={__name__}.step_probe",
         f"+callbacks.probe.path={probe}",
     ]
-    proc = subprocess.run(
-        [sys.executable, "-m", "ntp_nemo.train", *args],
-        cwd=run_dir.parent,
-        env=thread_env(threads),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"ntp-train {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    records = [json.loads(line) for line in lines if line.strip()]
-    probed = json.loads(probe.read_text())
-    for rec, probed_step in zip(records, probed["steps"], strict=True):
-        rec["cpu_s"] = probed_step["cpu_s"]
-    return {"records": records, "threads": probed["threads"]}
+
+    def collect() -> dict[str, Any]:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        records = [json.loads(line) for line in lines if line.strip()]
+        probed = json.loads(probe.read_text())
+        for rec, probed_step in zip(records, probed["steps"], strict=True):
+            rec["cpu_s"] = probed_step["cpu_s"]
+        return {"records": records, "threads": probed["threads"]}
+
+    return Side(name, ranks, [sys.executable, "-m", "ntp_nemo.train", *args], thread_env(threads), collect)
 
 
-def run_plain(
-    overrides: Sequence[str], steps: int, threads: int, workdir: Path, timeout: int = 900
-) -> dict[str, Any]:
-    """Run the plain PyTorch loop below in a fresh process with the same thread count."""
-    out = workdir / f"plain-{time.monotonic_ns()}.jsonl"
+def plain_side(name: str, overrides: Sequence[str], steps: int, workdir: Path, threads: int) -> Side:
+    """The plain PyTorch loop of this module in a fresh process."""
+    out = workdir / f"{name}.jsonl"
     cmd = [
         sys.executable,
         str(Path(__file__)),
@@ -185,28 +284,30 @@ def run_plain(
         "--",
         *overrides,
     ]
-    proc = subprocess.run(
-        cmd, cwd=workdir, env=thread_env(threads), capture_output=True, text=True, timeout=timeout
+
+    def collect() -> dict[str, Any]:
+        lines = out.read_text().splitlines()
+        return {
+            "records": [json.loads(line) for line in lines[1:]],
+            "threads": json.loads(lines[0])["threads"],
+        }
+
+    return Side(name, 1, cmd, thread_env(threads), collect)
+
+
+def paired_ratio(runs_a: Sequence[dict], runs_b: Sequence[dict], key: str, warmup: int) -> float:
+    """Median over steps after `warmup` of a[step] / b[step], pairing the steps the sides took in turn."""
+    return median(
+        [
+            x[key] / y[key]
+            for a, b in zip(runs_a, runs_b, strict=True)
+            for x, y in list(zip(a["records"], b["records"], strict=True))[warmup:]
+        ]
     )
-    if proc.returncode != 0:
-        raise RuntimeError(f"plain loop exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-    lines = out.read_text().splitlines()
-    return {"records": [json.loads(line) for line in lines[1:]], "threads": json.loads(lines[0])["threads"]}
 
 
-def steady(records: Sequence[dict], warmup: int) -> dict[str, float]:
-    """Median `step_time_s` and CPU time after `warmup` steps, and the wall time per step from the end of
-    step `warmup` to the end of the run (which also counts batch fetching and everything between steps)."""
-    if not 1 <= warmup < len(records):
-        raise ValueError(f"need more than {warmup} steps, got {len(records)}")
-    rest = list(records[warmup:])
-    wall = (records[-1]["time"] - records[warmup - 1]["time"]) / len(rest)
-    return {
-        "step_s": median([r["step_time_s"] for r in rest]),
-        "cpu_s": median([r["cpu_s"] for r in rest]),
-        "wall_s": wall,
-        "tokens": records[-1]["tokens"],
-    }
+def pooled_median(runs: Sequence[dict], key: str, warmup: int) -> float:
+    return median([x[key] for run in runs for x in run["records"][warmup:]])
 
 
 def loss_agreement(runs_a: Sequence[dict], runs_b: Sequence[dict], first: int = 10) -> str:
@@ -345,35 +446,36 @@ def plain_loop(overrides: Sequence[str], steps: int, out: Path) -> None:
     opt, sched = adamw(model.parameters(), cfg.optim, int(cfg.trainer.max_steps))
     mbs = int(cfg.data.micro_batch_size)
     global_tokens = int(cfg.data.global_batch_size) * int(cfg.data.seq_len)
-    with out.open("w") as f:
-        f.write(json.dumps({"threads": torch.get_num_threads()}) + "\n")
-        for step in range(steps):
-            micro = step_tokens(data, step, mbs)
-            t0, c0 = time.perf_counter(), time.process_time()
-            total = torch.zeros((), dtype=torch.float64)
-            for mb in micro:
-                loss_sum = model.loss_sum(mb)
-                (loss_sum / global_tokens).backward()
-                total += loss_sum.detach().double()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-            opt.step()
-            opt.zero_grad()
-            sched.step()
-            loss = float(total) / global_tokens
-            dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-            f.write(
-                json.dumps(
-                    {
-                        "step": step + 1,
-                        "loss": loss,
-                        "tokens": global_tokens,
-                        "step_time_s": dt,
-                        "cpu_s": cpu,
-                        "time": time.time(),
-                    }
-                )
-                + "\n"
-            )
+    records = []
+    turn = Turn()
+    turn.wait()
+    for step in range(steps):
+        micro = step_tokens(data, step, mbs)
+        t0, c0 = time.perf_counter(), time.process_time()
+        total = torch.zeros((), dtype=torch.float64)
+        for mb in micro:
+            loss_sum = model.loss_sum(mb)
+            (loss_sum / global_tokens).backward()
+            total += loss_sum.detach().double()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        loss = float(total) / global_tokens
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+        records.append(
+            {
+                "step": step + 1,
+                "loss": loss,
+                "tokens": global_tokens,
+                "step_time_s": dt,
+                "cpu_s": cpu,
+                "time": time.time(),
+            }
+        )
+        turn.step_done()
+    lines = [{"threads": torch.get_num_threads()}, *records]
+    out.write_text("".join(json.dumps(line) + "\n" for line in lines))
 
 
 def main() -> None:

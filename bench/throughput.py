@@ -1,7 +1,7 @@
 """Training throughput: ntp_nemo's tensor parallelism vs Lightning's own ModelParallelStrategy (DTensor),
 and ntp_nemo at TP 1 vs a plain PyTorch loop.
 
-    python bench/throughput.py [--rounds 2] [--steps 20] [--warmup 5] [--tp 2]
+    python bench/throughput.py [--rounds 2] [--steps 25] [--warmup 5] [--tp 2] [--pairs tp,tp1]
 
 Sides, all on the default recipe's model (gpt_tiny), data, global batch (12 x 128 tokens in micro-batches
 of 2), AdamW + warmup-cosine and initial weights, one torch thread per process, gloo on CPU:
@@ -15,9 +15,11 @@ of 2), AdamW + warmup-cosine and initial weights, one torch thread per process, 
   step's micro-batches, loss normalised by the global token count, gradient clipping at 1.0, AdamW,
   schedule, logging the loss and the gradient norm);
 - `ntp TP1` and `plain TP1`: `ntp-train` on one process and the plain loop of `bench/_common.py`.
-Each run is timed from `on_train_batch_start` to `on_train_batch_end` (ntp: metrics.jsonl
-`step_time_s`); tokens/s = tokens per step / median step time after the warm-up, over all rounds.
-Sides alternate within every round. The goal is ntp / dtensor >= 1.0.
+The two sides of a pair run at once and take turns step by step, so load from other processes falls on
+both alike. Each step is timed from `on_train_batch_start` to `on_train_batch_end` (ntp: metrics.jsonl
+`step_time_s`); tokens/s = tokens per step / median step time after the warm-up, over all rounds; the
+ratios are medians of per-step ratios (each step against the other side's step next to it in time).
+The goal is ntp / dtensor >= 1.0.
 """
 
 from __future__ import annotations
@@ -25,26 +27,27 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 from _common import (
     QUIET,
     SINGLE,
+    Side,
     adamw,
     build_data_for,
     compose,
     load_average,
     loss_agreement,
-    median,
     model_config,
+    ntp_side,
+    paired_ratio,
     plain_model,
-    run_ntp_train,
-    run_plain,
+    plain_side,
+    pooled_median,
+    run_side_by_side,
     step_probe,
     step_tokens,
     thread_env,
@@ -182,8 +185,9 @@ def dtensor_worker(overrides: list[str], steps: int, out: Path) -> None:
         out.write_text(json.dumps({"threads": probed["threads"], "records": records}))
 
 
-def run_dtensor(overrides: list[str], steps: int, tp: int, work: Path, timeout: int = 900) -> dict:
-    out = work / f"dtensor-{time.monotonic_ns()}.json"
+def dtensor_side(name: str, overrides: list[str], steps: int, tp: int, work: Path) -> Side:
+    """Lightning + ModelParallelStrategy under torchrun (which also sets one thread per process)."""
+    out = work / f"{name}.json"
     cmd = [
         sys.executable,
         "-m",
@@ -199,20 +203,17 @@ def run_dtensor(overrides: list[str], steps: int, tp: int, work: Path, timeout: 
         "--",
         *overrides,
     ]
-    proc = subprocess.run(cmd, cwd=work, env=thread_env(1), capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"DTensor side exited {proc.returncode}:\n{proc.stderr[-4000:]}")
-    return json.loads(out.read_text())
+    return Side(name, tp, cmd, thread_env(1), lambda: json.loads(out.read_text()))
 
 
 # ---- the comparison ----------------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=20, help="optimizer steps per run")
+    ap.add_argument("--rounds", type=int, default=2, help="side-by-side runs of each pair")
+    ap.add_argument("--steps", type=int, default=25, help="optimizer steps per run")
     ap.add_argument("--warmup", type=int, default=5, help="steps of each run left out of the figures")
     ap.add_argument("--tp", type=int, default=2, help="TP degree (= processes) of the ntp and DTensor sides")
-    ap.add_argument("--sides", default="ntp-tp,dtensor-tp,ntp-tp1,plain-tp1")
+    ap.add_argument("--pairs", default="tp,tp1", help="tp: ntp vs DTensor at --tp; tp1: ntp vs plain loop")
     ap.add_argument("--dtensor-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="extra ntp-train overrides applied to every side")
@@ -223,61 +224,57 @@ def main() -> None:
     base = [*QUIET, f"trainer.max_steps={args.steps}", *args.overrides]
     tp_overrides = ["mesh.dp=1", f"mesh.tp={args.tp}", "mesh.pp=1", "ntp.replica_tp=null", *base]
     one_overrides = [*SINGLE, *base]
-    runners = {
-        "ntp-tp": (f"ntp TP{args.tp}", lambda w, r: run_ntp_train(tp_overrides, w / f"ntp-tp-{r}", 1)),
-        "dtensor-tp": (
-            f"dtensor TP{args.tp}",
-            lambda w, r: run_dtensor(tp_overrides, args.steps, args.tp, w),
-        ),
-        "ntp-tp1": ("ntp TP1", lambda w, r: run_ntp_train(one_overrides, w / f"ntp-tp1-{r}", 1)),
-        "plain-tp1": ("plain TP1", lambda w, r: run_plain(one_overrides, args.steps, 1, w)),
+    pairs = {
+        "tp": lambda w: [
+            ntp_side(f"ntp TP{args.tp}", tp_overrides, w, args.tp, 1),
+            dtensor_side(f"dtensor TP{args.tp}", tp_overrides, args.steps, args.tp, w),
+        ],
+        "tp1": lambda w: [
+            ntp_side("ntp TP1", one_overrides, w, 1, 1),
+            plain_side("plain TP1", one_overrides, args.steps, w, 1),
+        ],
     }
-    sides = [s for s in args.sides.split(",") if s]
+    chosen = [p for p in args.pairs.split(",") if p]
     print(
-        f"throughput: {', '.join(runners[s][0] for s in sides)}; {args.rounds} rounds x {args.steps} steps "
-        f"(warm-up {args.warmup}); overrides {' '.join(tp_overrides)}; load average {load_average()}",
+        f"throughput: pairs {chosen}, {args.rounds} rounds x {args.steps} steps taken in turns "
+        f"(warm-up {args.warmup}); TP overrides {' '.join(tp_overrides)}; load average {load_average()}",
         flush=True,
     )
-    runs: dict[str, list[dict]] = {s: [] for s in sides}
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        for r in range(args.rounds):
-            for side in sides if r % 2 == 0 else sides[::-1]:
-                res = runners[side][1](work, r)
-                runs[side].append(res)
-                s = _stats(res["records"][args.warmup :])
+    runs: dict[str, list[dict]] = {}
+    for r in range(args.rounds):
+        for pair in chosen if r % 2 == 0 else chosen[::-1]:
+            with tempfile.TemporaryDirectory() as tmp:
+                sides = pairs[pair](Path(tmp))
+                result = run_side_by_side(sides if r % 2 == 0 else sides[::-1], args.steps, Path(tmp))
+            for name, res in result.items():
+                runs.setdefault(name, []).append(res)
+                step, cpu = (pooled_median([res], key, args.warmup) * 1e3 for key in ("step_time_s", "cpu_s"))
                 print(
-                    f"  round {r} {runners[side][0]:12s}: step {s['step'] * 1e3:7.1f} ms  "
-                    f"cpu {s['cpu'] * 1e3:7.1f} ms  (threads {res['threads']})",
+                    f"  round {r} {name:12s}: step {step:7.1f} ms  cpu {cpu:7.1f} ms  "
+                    f"(threads {res['threads']})",
                     flush=True,
                 )
-    stats = {
-        side: _stats([x for res in results for x in res["records"][args.warmup :]])
-        for side, results in runs.items()
-    }
     print(
-        f"\nresult: medians over {args.rounds} x {args.steps - args.warmup} steps; "
+        f"\nresult: medians over {args.rounds} x {args.steps - args.warmup} steps per side; "
         f"load average now {load_average()}"
     )
     print(f" {'side':14s} {'step ms':>9s} {'tokens/s':>9s} {'rank-0 CPU ms':>14s} {'tokens/CPU-s':>13s}")
-    for side, s in stats.items():
-        print(
-            f" {runners[side][0]:14s} {s['step'] * 1e3:9.1f} {s['tps']:9.0f} {s['cpu'] * 1e3:14.1f} "
-            f"{s['tps_cpu']:13.0f}"
-        )
-    for a, b, goal in (("ntp-tp", "dtensor-tp", " (goal >= 1.0)"), ("ntp-tp1", "plain-tp1", "")):
-        if a in stats and b in stats:
-            ratio, cpu_ratio = stats[a]["tps"] / stats[b]["tps"], stats[a]["tps_cpu"] / stats[b]["tps_cpu"]
+    for name, results in runs.items():
+        step, cpu = (pooled_median(results, key, args.warmup) for key in ("step_time_s", "cpu_s"))
+        tokens = results[0]["records"][0]["tokens"]
+        print(f" {name:14s} {step * 1e3:9.1f} {tokens / step:9.0f} {cpu * 1e3:14.1f} {tokens / cpu:13.0f}")
+    for a, b, goal in (
+        (f"ntp TP{args.tp}", f"dtensor TP{args.tp}", " (goal >= 1.0)"),
+        ("ntp TP1", "plain TP1", ""),
+    ):
+        if a in runs and b in runs:
+            # tokens/s ratio a/b = step time b/a, paired step by step.
+            ratio = paired_ratio(runs[b], runs[a], "step_time_s", args.warmup)
+            cpu_ratio = paired_ratio(runs[b], runs[a], "cpu_s", args.warmup)
             print(
-                f" {runners[a][0]} / {runners[b][0]}: tokens/s ratio {ratio:.3f}{goal}, "
-                f"by CPU time {cpu_ratio:.3f}; {loss_agreement(runs[a], runs[b])}"
+                f" {a} / {b}: tokens/s ratio {ratio:.3f}{goal}, by CPU time {cpu_ratio:.3f}; "
+                f"{loss_agreement(runs[a], runs[b])}"
             )
-
-
-def _stats(records: list[dict]) -> dict[str, float]:
-    step, cpu = median([x["step_time_s"] for x in records]), median([x["cpu_s"] for x in records])
-    tokens = records[0]["tokens"]
-    return {"step": step, "cpu": cpu, "tps": tokens / step, "tps_cpu": tokens / cpu}
 
 
 if __name__ == "__main__":

@@ -51,8 +51,9 @@ def train(cfg: DictConfig) -> dict:
     _quiet_libraries()
     from ntp_nemo.data.module import build_data
 
-    data = build_data(cfg.data.path, cfg.data.tokenizer, int(cfg.data.seq_len), int(cfg.data.global_batch_size),
-                      int(cfg.seed), float(cfg.data.val_fraction), int(cfg.model.vocab_size))
+    data = build_data(cfg.data.path, cfg.data.tokenizer, int(cfg.data.seq_len),
+                      int(cfg.data.global_batch_size), int(cfg.seed), float(cfg.data.val_fraction),
+                      int(cfg.model.vocab_size))
     from ntp_nemo.lightning.factory import build_trainer, model_config
     from ntp_nemo.models import flops_per_token, param_count
 
@@ -61,7 +62,8 @@ def train(cfg: DictConfig) -> dict:
                             lambda c, extra: build_trainer(c, run_dir, data, resolve_layer_tp(c), extra))
     trainer, module, strategy = supervisor.build_first()
     topo = strategy.topology
-    print(f"ntp_nemo | recipe {cfg.recipe} | model {mcfg.name} ({mcfg.arch}) {param_count(mcfg) / 1e6:.2f}M params, "
+    print(f"ntp_nemo | recipe {cfg.recipe} | model {mcfg.name} ({mcfg.arch}) "
+          f"{param_count(mcfg) / 1e6:.2f}M params, "
           f"{flops_per_token(mcfg, int(cfg.data.seq_len)) / 1e6:.1f} MFLOP/token | data {data.source} "
           f"({len(data.train)} train / {len(data.val)} val samples)", flush=True)
     print(topo.table(mcfg.num_heads, mcfg.ffn_hidden_size, mcfg.vocab_size), flush=True)
@@ -73,7 +75,8 @@ def train(cfg: DictConfig) -> dict:
     if ckpt_path is not None and _checkpoint_step(ckpt_path) >= int(cfg.trainer.max_steps):
         print(f"run in {run_dir} is already complete: checkpoint {ckpt_path.name} is at step "
               f"{_checkpoint_step(ckpt_path)} >= trainer.max_steps={cfg.trainer.max_steps}; nothing to do. "
-              "Raise trainer.max_steps to continue, or pass resume=never / a new hydra.run.dir to start over.")
+              "Raise trainer.max_steps to continue, or pass resume=never / a new hydra.run.dir to start "
+              "over.")
         return {"already_complete": True, "checkpoint": str(ckpt_path)}
     if ckpt_path is not None:
         print(f"resuming from {ckpt_path} (resume={cfg.resume})", flush=True)

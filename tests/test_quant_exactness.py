@@ -14,7 +14,6 @@ import torch
 
 from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.parallel.runtime import NTPRuntime
-from ntp_nemo.parallel.shard import ShardSpec
 from ntp_nemo.topology import Topology
 from tests.ntp_cases import GLOBAL_BATCH, GPT, LLAMA, SEED, tokens
 
@@ -185,17 +184,21 @@ def test_resharded_reload_keeps_quantised_model(references, case, tmp_path):
     _check(results, f"{case} reload (2,1)->(3,2)")
 
 
-def test_amax_spec_follows_channel_sharding():
-    """Per-channel amax of a column-parallel weight is split like its rows; reduced dims are whole."""
-    from ntp_nemo.quant.sharding import TensorSharding, amax_spec
+@pytest.mark.slow
+def test_fake_quantisation_is_active_and_spares_excluded_modules(references):
+    """The reference the layouts are held to is really quantised; `exclude` leaves the head alone."""
+    from ntp_nemo.models import build_model
+    from ntp_nemo.quant.calibrate import quantize_model
+    from ntp_nemo.quant.sharding import quantizer_buffers
 
-    rows = TensorSharding(dim=0, size=10, unit_size=2, lo=1, hi=3)
-    assert amax_spec((4, 1), 0, rows, is_global=False) == ShardSpec((10, 1), 0, 2, 1, 3)
-    assert amax_spec((10, 1), 0, rows, is_global=True).local_shape == (4, 1)
-    assert amax_spec((), None, rows, is_global=False).is_full
-    cols = TensorSharding(dim=1, size=10, unit_size=2, lo=1, hi=3)
-    assert amax_spec((6, 1), 0, cols, is_global=False) == ShardSpec.full((6, 1))
-    last = TensorSharding(dim=-1, size=10, unit_size=2, lo=1, hi=3)
-    assert amax_spec((1, 1, 4), -1, last, is_global=False) == ShardSpec((1, 1, 10), 2, 2, 1, 3)
-    with pytest.raises(ValueError):
-        amax_spec((5, 1), 0, rows, is_global=False)
+    plain = build_model(LLAMA, seed=SEED)
+    with torch.no_grad():
+        logits = plain(tokens(LLAMA)[:, :-1])
+    ref = _ref(references, "llama", "int8")  # exclude=[]: the head is quantised too
+    assert _rel(ref["logits"], logits) > 1e-3
+    assert any(n.startswith("head.") for n in ref["amax"])
+    quantize_model(plain, "int8", ["head"], [tokens(LLAMA)])
+    names = quantizer_buffers(plain)
+    assert names and not any(n.startswith("head.") for n in names)
+    assert not plain.head.weight_quantizer.is_enabled
+    assert plain.blocks["0"].mlp.up_proj.weight_quantizer.is_enabled

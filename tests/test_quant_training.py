@@ -32,8 +32,19 @@ def _fit(tmp_path, name: str, layout: list[str], fmt: str) -> list[float]:
     return [m["loss"] for m in read_metrics(run_dir)]
 
 
+@pytest.fixture
+def one_thread():
+    """Single-process fits run in this process: one thread, as in the workers (2 shared cores)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.mark.slow
-def test_qat_on_a_degraded_layout_follows_the_single_process_curve(tmp_path, capfd):
+def test_qat_on_a_degraded_layout_follows_the_single_process_curve(tmp_path, capfd, one_thread):
     from ntp_nemo.quant.modules import register_tp_layers
 
     register_tp_layers()  # import modelopt once, before the workers are forked

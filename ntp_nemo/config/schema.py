@@ -40,7 +40,10 @@ class MeshConfig:
 class NTPConfig:
     replica_tp: list[int] | None = None  # active TP ranks per replica; None = all at mesh.tp
     power_boost: Any = None  # float or per-replica list; NTP-PW capacity multiplier of degraded replicas
-    min_replica_tp: int = 1  # failover drops a replica below this many ranks
+    min_replica_tp: int = 1
+    # Replicas the job was planned with: after replicas are dropped (failover), capacity is counted
+    # against these. None = mesh.dp.
+    nominal_replicas: int | None = None  # failover drops a replica below this many ranks
     grad_bucket_mb: float = 25.0
 
 

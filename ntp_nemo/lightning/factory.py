@@ -60,6 +60,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, data: DataBundle, layer_tp: li
         power_boost=OmegaConf.to_container(cfg.ntp.power_boost) if OmegaConf.is_list(cfg.ntp.power_boost)
         else cfg.ntp.power_boost,
         bucket_mb=float(cfg.ntp.grad_bucket_mb), start_method=t.start_method,
+        nominal_replicas=cfg.ntp.nominal_replicas,
         process_group_backend=t.process_group_backend,
         timeout=timedelta(seconds=float(cfg.fault.collective_timeout_s)),
     )

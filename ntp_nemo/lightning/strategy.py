@@ -74,6 +74,7 @@ class NTPStrategy(ParallelStrategy):
         schedule: str = "1f1b",
         power_boost: Any = None,
         bucket_mb: float = 25.0,
+        nominal_replicas: int | None = None,
         start_method: str = "fork",
         process_group_backend: str | None = None,
         timeout: timedelta = timedelta(minutes=10),
@@ -84,6 +85,7 @@ class NTPStrategy(ParallelStrategy):
         self.schedule = schedule
         self.power_boost = power_boost
         self.bucket_mb = bucket_mb
+        self.nominal_replicas = nominal_replicas
         self._start_method = start_method
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -300,4 +302,6 @@ class NTPStrategy(ParallelStrategy):
     @property
     def layout_info(self) -> dict[str, Any]:
         topo = self.topology
-        return {"layout": topo.describe(), "capacity": topo.capacity_fraction}
+        return {"layout": topo.describe(), "capacity": topo.capacity_fraction(self.nominal_replicas)}
+
+    nominal_replicas: int | None = None

@@ -56,8 +56,15 @@ def param_descriptors(model: nn.Module) -> dict[str, tuple]:
     return out
 
 
-def build_sync_plan(rank: int, descriptors: Sequence[dict[str, tuple]]) -> SyncPlan:
-    """Pure function of every rank's descriptors (index = global rank)."""
+def build_sync_plan(
+    rank: int, descriptors: Sequence[dict[str, tuple]], replica_of: Sequence[int] | None = None
+) -> SyncPlan:
+    """Pure function of every rank's descriptors (index = global rank).
+
+    With `replica_of` (global rank -> replica), a fragment whose holders all sit in one replica and
+    are identical copies of each other (a norm or a replicated layer when there is a single replica)
+    already has its full gradient on every holder and is not communicated.
+    """
     holders_of: dict[str, list[tuple[int, tuple]]] = defaultdict(list)
     for r, desc in enumerate(descriptors):
         for name, d in desc.items():
@@ -72,16 +79,23 @@ def build_sync_plan(rank: int, descriptors: Sequence[dict[str, tuple]]) -> SyncP
         bounds = sorted({d[3] for _, d in entries} | {d[4] for _, d in entries})
         mine = dict(entries).get(rank)
         for a, b in zip(bounds[:-1], bounds[1:], strict=False):
-            holders = tuple(r for r, d in entries if d[3] <= a and b <= d[4])
+            holding = [(r, d) for r, d in entries if d[3] <= a and b <= d[4]]
+            holders = tuple(r for r, _ in holding)
             if not holders:
                 continue
-            if len(holders) > 1:
+            identical = (
+                replica_of is not None
+                and len({replica_of[r] for r in holders}) == 1
+                and all(d[5] == len(holders) for _, d in holding)
+            )
+            if len(holders) > 1 and not identical:
                 sets.add(holders)
             if mine is None or rank not in holders:
                 continue
             _, dim, unit, lo, _, copies = mine
-            frag = Fragment(name, dim, (a - lo) * unit, (b - a) * unit, 1.0 / copies, 1.0 / len(holders))
-            if len(holders) > 1:
+            weight = 1.0 if identical else 1.0 / copies
+            frag = Fragment(name, dim, (a - lo) * unit, (b - a) * unit, weight, 1.0 / len(holders))
+            if len(holders) > 1 and not identical:
                 plan.by_holders.setdefault(holders, []).append(frag)
             else:
                 plan.local_only.append(frag)

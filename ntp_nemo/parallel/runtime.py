@@ -60,7 +60,8 @@ class NTPRuntime:
             dist.all_gather_object(everyone, desc)
         else:
             everyone = [desc]
-        plan = build_sync_plan(self.rank, everyone)
+        replica_of = [c.replica for c in self.topology.coords]
+        plan = build_sync_plan(self.rank, everyone, replica_of)
         if self.topology.world_size > 1:
             self.topology.build_groups(extra=plan.all_holder_sets)
         self.sync = GradientSynchronizer(model, plan, self.topology.group, int(bucket_mb * (1 << 20)))

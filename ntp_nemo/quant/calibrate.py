@@ -12,6 +12,7 @@ channels' sharding (disjoint positions), replicas of unequal TP and replicas tha
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import io
 from collections.abc import Callable, Iterable, Sequence
 
@@ -19,8 +20,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ntp_nemo.errors import ConfigError
 from ntp_nemo.quant.config import modelopt_config
-from ntp_nemo.quant.sharding import quantizer_amax_spec, quantizer_buffers, tp_quantizers
+from ntp_nemo.quant.sharding import (
+    QUANTIZER_ROLES,
+    quantizer_amax_spec,
+    quantizer_buffers,
+    split_block,
+    tensor_sharding,
+    tp_quantizers,
+)
 
 
 def _world() -> int:
@@ -30,50 +39,80 @@ def _world() -> int:
 @torch.no_grad()
 def sync_amax(model: nn.Module) -> int:
     """Make every amax equal to the unsharded model's (collective over the world); returns the count."""
-    local: dict[str, tuple] = {}
-    for name, q, layer, role in tp_quantizers(model):
-        amax = q._buffers.get("_amax")
-        if amax is not None:
-            spec = quantizer_amax_spec(layer, role, q)
-            local[name] = (spec.global_shape, amax.dtype)
+    mine = {name: (q, layer, role) for name, q, layer, role in tp_quantizers(model)}
+    local = {name: (quantizer_amax_spec(layer, role, q).global_shape, q._amax.dtype)
+             for name, (q, layer, role) in mine.items() if q._buffers.get("_amax") is not None}
+    # Every rank learns every logical amax (a rank without calibration data, or without the layer,
+    # still takes part in the one all-reduce below with the same buffer layout).
+    gathered: list = [local]
     if _world() > 1:
-        gathered: list = [None] * _world()
+        gathered = [None] * _world()
         dist.all_gather_object(gathered, local)
-    else:
-        gathered = [local]
-    shapes: dict[str, tuple] = {}
+    logical: dict[str, tuple] = {}
     for part in gathered:
         for name, (shape, dtype) in part.items():
-            if shapes.setdefault(name, (shape, dtype))[0] != shape:
+            if logical.setdefault(name, (shape, dtype))[0] != shape:
                 raise RuntimeError(f"ranks disagree on the global amax shape of {name}: "
-                                   f"{shapes[name][0]} vs {shape}")
-    names = sorted(shapes)
-    sizes = [int(torch.Size(shapes[n][0]).numel()) for n in names]
-    offsets = dict(zip(names, torch.tensor([0, *sizes]).cumsum(0).tolist(), strict=False))
-    device = next(model.parameters()).device
-    flat = torch.zeros(sum(sizes), dtype=torch.float64, device=device)
-    mine = {name: (q, layer, role) for name, q, layer, role in tp_quantizers(model)}
+                                   f"{logical[name][0]} vs {shape}")
+    slots: dict[str, slice] = {}
+    offset = 0
+    for name in sorted(logical):
+        size = torch.Size(logical[name][0]).numel()
+        slots[name] = slice(offset, offset + size)
+        offset += size
+    flat = torch.zeros(offset, dtype=torch.float64, device=next(model.parameters()).device)
 
-    def view(name: str) -> torch.Tensor:
-        return flat[offsets[name]: offsets[name] + sizes[names.index(name)]].view(shapes[name][0])
+    def global_view(name: str) -> torch.Tensor:
+        return flat[slots[name]].view(logical[name][0])
 
     for name in local:
         q, layer, role = mine[name]
-        spec = quantizer_amax_spec(layer, role, q)
-        spec.narrow(view(name)).copy_(q._amax)
+        quantizer_amax_spec(layer, role, q).narrow(global_view(name)).copy_(q._amax)
     if _world() > 1:
         dist.all_reduce(flat, op=dist.ReduceOp.MAX)
-    for name in names:
+    for name, (shape, dtype) in logical.items():
         if name not in mine:
-            continue  # another pipeline stage's layer
+            continue  # a layer of another pipeline stage
         q, layer, role = mine[name]
-        spec = quantizer_amax_spec(layer, role, q, shapes[name][0], is_global=True)
-        value = spec.narrow(view(name)).to(shapes[name][1])
-        if getattr(q, "_amax", None) is None:
-            q.amax = value.clone()  # this rank saw no calibration data for it
-        else:
+        value = quantizer_amax_spec(layer, role, q, shape, is_global=True).narrow(global_view(name)).to(dtype)
+        if name in local:
             q._amax.copy_(value)
-    return len(names)
+        else:
+            q.amax = value.clone()  # this rank saw no calibration data for it
+    return len(logical)
+
+
+def _block_sizes(config: dict, quantizer_name: str) -> dict | None:
+    """Block sizes the (ordered, last match wins) modelopt config gives a quantizer, None if none/disabled."""
+    found = None
+    for entry in config["quant_cfg"]:
+        if not fnmatch.fnmatch(quantizer_name, entry["quantizer_name"]) or entry.get("parent_class"):
+            continue
+        if entry.get("cfg") is not None:
+            found = entry["cfg"].get("block_sizes") if entry.get("enable", True) else None
+        elif entry.get("enable") is False:
+            found = None
+    return found
+
+
+def check_block_alignment(model: nn.Module, fmt: str, config: dict) -> None:
+    """Refuse a block format whose blocks a shard boundary would cut (before anything is quantised)."""
+    from ntp_nemo.parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    for name, layer in model.named_modules():
+        if not isinstance(layer, ColumnParallelLinear | RowParallelLinear):
+            continue
+        for role in QUANTIZER_ROLES:
+            blocks = _block_sizes(config, f"{name}.{role}")
+            block = split_block(tensor_sharding(layer, role), blocks, 2 if role == "weight_quantizer" else 3)
+            if block is not None:
+                raise ConfigError(
+                    "quant.format",
+                    f"{fmt!r} quantises in blocks of {block} along the sharded dim of {name} "
+                    f"({role.split('_')[0]}), and this layout's shard boundary there is not a multiple of "
+                    f"{block}: the sharded model would use other scales than the unsharded one. Choose TP "
+                    "degrees whose shards hold whole blocks, add the layer to quant.exclude, or use "
+                    "quant=int8/fp8.")
 
 
 def quantize_model(model: nn.Module, fmt: str, exclude: Sequence[str], batches: Iterable[torch.Tensor],
@@ -90,6 +129,8 @@ def quantize_model(model: nn.Module, fmt: str, exclude: Sequence[str], batches: 
     from ntp_nemo.quant.modules import register_tp_layers
 
     register_tp_layers()
+    config = modelopt_config(fmt, list(exclude))
+    check_block_alignment(model, fmt, config)
     forward = forward or (lambda m, b: m.loss_sum(b))
     batches = list(batches)
 
@@ -98,11 +139,8 @@ def quantize_model(model: nn.Module, fmt: str, exclude: Sequence[str], batches: 
             forward(m, b)
 
     with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
-        mtq.quantize(model, modelopt_config(fmt, list(exclude)), loop)
+        mtq.quantize(model, config, loop)
     count = sync_amax(model)
     quantizer_buffers(model)  # annotate for checkpoints
     return count
 
-
-def is_quantized(model: nn.Module) -> bool:
-    return next(tp_quantizers(model), None) is not None

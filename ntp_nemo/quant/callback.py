@@ -24,13 +24,18 @@ from ntp_nemo.quant.config import FORMATS
 
 
 class QuantizationCallback(Callback):
+    """Quantise the LightningModule's `model` for QAT at step `start_step` (see the module docstring).
+
+    `format`: none | int8 | fp8 | nvfp4; `calib_batches`: global batches used for max calibration;
+    `exclude`: module-name patterns (fnmatch, relative to the model) left unquantised.
+    """
+
     def __init__(self, format: str = "int8", calib_batches: int = 4, start_step: int = 0,
                  exclude: Sequence[str] = ("head",)) -> None:
         if format not in FORMATS:
             raise ConfigError("quant.format", f"unknown format {format!r}; use one of {', '.join(FORMATS)}.")
         self.format, self.calib_batches, self.start_step = format, int(calib_batches), int(start_step)
         self.exclude = list(exclude)
-        self.calibrated_at: int | None = None
 
     def calibration_batches(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                             step: int) -> list[torch.Tensor]:
@@ -47,11 +52,11 @@ class QuantizationCallback(Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        from ntp_nemo.quant.sharding import tp_quantizers
+        from ntp_nemo.quant.sharding import is_quantized
 
         if self.format == "none" or trainer.global_step < self.start_step:
             return
-        if next(tp_quantizers(pl_module.model), None) is not None:
+        if is_quantized(pl_module.model):
             return  # quantised already (calibrated earlier or restored from a checkpoint)
         self.calibrate(trainer, pl_module)
 
@@ -63,7 +68,6 @@ class QuantizationCallback(Callback):
         step = trainer.global_step
         count = quantize_model(pl_module.model, self.format, self.exclude,
                                self.calibration_batches(trainer, pl_module, step))
-        self.calibrated_at = step
         if trainer.is_global_zero:
             print(f"quant: {self.format} fake quantisation from step {step}: {count} amax tensors "
                   f"calibrated on {self.calib_batches} global batches in {time.perf_counter() - t0:.1f} s"

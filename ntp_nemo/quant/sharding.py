@@ -78,6 +78,24 @@ def amax_spec(shape: Sequence[int], axis, sharding: TensorSharding | None, *, is
     return spec
 
 
+def split_block(sharding: TensorSharding | None, block_sizes: dict | None, ndim: int) -> int | None:
+    """The block size a shard boundary cuts through (None: every quantisation block lies in one shard).
+
+    Block formats (NVFP4) scale each run of `block` elements along a dim; a boundary inside a run
+    gives the sharded model different blocks, hence different scales, than the unsharded one.
+    """
+    if sharding is None or not block_sizes:
+        return None
+    d = sharding.dim % ndim
+    start, end = sharding.lo * sharding.unit_size, sharding.hi * sharding.unit_size
+    for dim, block in block_sizes.items():
+        if not isinstance(dim, int) or dim % ndim != d:
+            continue  # another dim, or a setting ("type", "scale_bits")
+        if start % block or (end % block and end != sharding.size):
+            return int(block)
+    return None
+
+
 def _is_quantizer(module: nn.Module) -> bool:
     # No quantizer can exist before modelopt is imported, and the check must not import it (~10 s).
     qnn = sys.modules.get("modelopt.torch.quantization.nn")
@@ -93,6 +111,11 @@ def tp_quantizers(model: nn.Module) -> Iterator[tuple[str, nn.Module, nn.Module,
             q = layer._modules.get(role)
             if q is not None and _is_quantizer(q):
                 yield (f"{name}.{role}" if name else role), q, layer, role
+
+
+def is_quantized(model: nn.Module) -> bool:
+    """Whether the model's TP layers carry quantizers (calibrated, or restored from a checkpoint)."""
+    return next(tp_quantizers(model), None) is not None
 
 
 def quantizer_amax_spec(layer: nn.Module, role: str, quantizer: nn.Module, shape: Sequence[int] | None = None,

@@ -14,12 +14,18 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
-import sys
 from typing import Any
 
 from torch import nn
 
-from ntp_nemo.quant.sharding import amax_spec, quantizer_amax_spec, quantizer_buffers, tensor_sharding
+from ntp_nemo.errors import ConfigError
+from ntp_nemo.quant.sharding import (
+    amax_spec,
+    is_quantized,
+    quantizer_amax_spec,
+    quantizer_buffers,
+    tensor_sharding,
+)
 
 FORMAT_VERSION = 1
 
@@ -56,7 +62,7 @@ def quant_state(model: nn.Module) -> dict[str, Any] | None:
 
     Picklable; identical on every rank of a layout without pipeline stages (any rank may write it).
     """
-    if not quantizer_buffers(model) and not _converted(model):
+    if not is_quantized(model):
         return None
     import modelopt.torch.opt as mto
 
@@ -71,14 +77,6 @@ def quant_state(model: nn.Module) -> dict[str, Any] | None:
     return {"version": FORMAT_VERSION, "modelopt_state": state}
 
 
-def _converted(model: nn.Module) -> bool:
-    if "modelopt.torch.opt" not in sys.modules:
-        return False
-    import modelopt.torch.opt as mto
-
-    return mto.ModeloptStateManager.is_converted(model)
-
-
 def restore_quant_state(model: nn.Module, state: dict[str, Any]) -> nn.Module:
     """Re-create the quantizers of `state` on this rank's (unquantised) slice, with local amax shapes.
 
@@ -91,7 +89,9 @@ def restore_quant_state(model: nn.Module, state: dict[str, Any]) -> nn.Module:
     from ntp_nemo.quant.modules import register_tp_layers
 
     if state.get("version") != FORMAT_VERSION:
-        raise ValueError(f"unsupported quantisation state version {state.get('version')!r}")
+        raise ConfigError("resume", "the checkpoint's quantisation state has format version "
+                          f"{state.get('version')!r}; this ntp_nemo reads version {FORMAT_VERSION}. Resume "
+                          "it with the ntp_nemo version that wrote it, or start without it (resume=never).")
     register_tp_layers()
     ms = copy.deepcopy(state["modelopt_state"])
     present = {n for n, _ in model.named_modules()}

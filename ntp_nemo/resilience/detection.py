@@ -104,15 +104,33 @@ def classify(
     return None
 
 
+def _children(pid: int) -> list[int]:
+    """Direct children of `pid` (Linux /proc; empty elsewhere)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 def kill_worker(pid: int) -> None:
-    """SIGKILL a worker and, when it leads its own process group, everything it started."""
-    try:
-        if os.getpgid(pid) == pid:
-            os.killpg(pid, signal.SIGKILL)
-        else:
-            os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    """SIGKILL a worker and everything it started (data-loader workers and their children).
+
+    Workers stay in the job's process group, so that a signal sent to the whole job (a terminal's
+    Ctrl-C, a scheduler) still reaches them; the supervisor therefore kills a worker's process tree
+    rather than a process group, which would include itself."""
+    stack, tree = [pid], []
+    while stack:
+        p = stack.pop()
+        tree.append(p)
+        stack += _children(p)
+    for p in tree:  # the whole tree was collected first: a killed parent's children get re-parented
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 class WorkerMonitor(threading.Thread):

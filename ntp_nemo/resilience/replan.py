@@ -125,5 +125,7 @@ def main() -> int:
     return 0
 
 
+cli = cli_main(main)  # console-script entry point: ConfigError -> exit 2
+
 if __name__ == "__main__":
-    cli_main(main)()
+    cli()

@@ -86,6 +86,7 @@ def with_layout(
 
     new = copy.deepcopy(cfg)
     new.mesh.dp = len(layout.replica_tp)
+    new.ntp.nominal_replicas = cfg.ntp.nominal_replicas or cfg.mesh.dp
     new.ntp.replica_tp = list(layout.replica_tp)
     pb = cfg.ntp.power_boost
     if kept is not None and OmegaConf.is_list(pb):
@@ -290,7 +291,7 @@ class Supervisor:
             layout = plan_layout
             if not self._port_was_set:
                 os.environ.pop("MASTER_PORT", None)  # a fresh rendezvous port for the new workers
-            trainer, module, strategy = self.build(
+            trainer, module, _ = self.build(
                 cfg, self.callbacks(len(self.result.attempts), reason == "failover")
             )
             print(

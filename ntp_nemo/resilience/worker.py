@@ -1,6 +1,5 @@
 """Worker-side half of supervision: what a worker launched by the supervisor does differently.
 
-- It leads its own process group, so the supervisor can kill it with everything it started.
 - SIGTERM takes its default action.  Lightning's own handler answers SIGTERM with a broadcast to
   coordinate a preemption; after a lost rank that collective can only fail, and the supervisor, not
   the worker, decides what happens next.
@@ -10,7 +9,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 from typing import Any
 
@@ -23,10 +21,6 @@ class SupervisedWorker(Callback):
     def __init__(self, recovering: bool, attempt: int = 0) -> None:
         self.recovering = recovering
         self.attempt = attempt
-
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage == "fit" and os.getpgrp() != os.getpid():
-            os.setpgid(0, 0)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # Lightning installed its handler just before

@@ -116,9 +116,9 @@ class Topology:
             caps.append(min(1.0, n / self.tp * boost))
         return caps
 
-    @property
-    def capacity_fraction(self) -> float:
-        return sum(self.replica_tp) / (self.tp * self.dp)
+    def capacity_fraction(self, nominal_replicas: int | None = None) -> float:
+        """Active ranks over the nominal ones (`nominal_replicas` x TP; replicas dropped by failover count)."""
+        return sum(self.replica_tp) / (self.tp * max(self.dp, nominal_replicas or 0))
 
     def describe(self) -> str:
         return (
