@@ -45,17 +45,24 @@ def _optimizer(model: torch.nn.Module, o: OptimConfig, max_steps: int):
 class Run:
     """One training run: model, optimizer, schedule and the measured step times."""
 
-    def __init__(self, model: torch.nn.Module, o: OptimConfig, max_steps: int) -> None:
-        self.model, self.o, self.max_steps = model, o, max_steps
+    def __init__(self, model: torch.nn.Module, cfg: ModelConfig, o: OptimConfig, max_steps: int) -> None:
+        self.model, self.cfg, self.o, self.max_steps = model, cfg, o, max_steps
         self.opt, self.sched = _optimizer(model, o, max_steps)
         self.step_times: list[float] = []
 
     def fork(self) -> Run:
         """An independent copy at the same point (weights, optimizer moments, schedule position)."""
-        run = Run(copy.deepcopy(self.model), self.o, self.max_steps)
-        run.opt.load_state_dict(self.opt.state_dict())
+        run = Run(self.copy_model(), self.cfg, self.o, self.max_steps)
+        # A deep copy: load_state_dict keeps the given tensors, so both runs would share Adam's moments.
+        run.opt.load_state_dict(copy.deepcopy(self.opt.state_dict()))
         run.sched.load_state_dict(self.sched.state_dict())
         return run
+
+    def copy_model(self) -> torch.nn.Module:
+        """A fresh model with these weights (a deep copy would drop the parameters' ShardSpecs)."""
+        model = build_model(self.cfg)
+        model.load_state_dict(self.model.state_dict())
+        return model
 
     def train_step(self, batch: dict) -> float:
         t0 = time.perf_counter()
@@ -120,7 +127,7 @@ def main() -> None:
     data = build_data(None, "byte", args.seq_len, args.global_batch, args.seed, 0.05, cfg.vocab_size)
     stream = StepBatches(data.train, data.sampler, args.micro_batch, args.steps, range)
     val = ValBatches(data.val, args.val_batches, args.micro_batch, range)[0]
-    fp = Run(build_model(cfg, seed=args.seed), o, args.steps)
+    fp = Run(build_model(cfg, seed=args.seed), cfg, o, args.steps)
 
     def calib_batches(step: int) -> list[torch.Tensor]:
         steps = range(step, min(step + args.calib_batches, args.steps))
@@ -142,7 +149,7 @@ def main() -> None:
              "step_s": statistics.median(fp.step_times[args.qat_from:])}]
     timing_batch = stream[args.steps - 1]
     for fmt, branch in branches.items():
-        ptq = copy.deepcopy(fp.model)
+        ptq = fp.copy_model()
         quantize_model(ptq, fmt, ["head"], calib_batches(args.qat_from))
         t_fp, t_q = step_time_ratio(fp.model, ptq, timing_batch, args.timing_reps)
         rows.append({"run": f"{fmt} PTQ (no QAT)", "val_loss": val_loss(ptq, val)})

@@ -40,11 +40,12 @@ def _quiet_libraries() -> None:
 def train(cfg: DictConfig) -> dict:
     """Validate, prepare data, launch the workers and train; returns the run summary."""
     from ntp_nemo.config.validate import check_environment, resolve_layer_tp, validate
+
+    validate(cfg)  # before any heavy import: a bad value answers in well under a second
+    check_environment(cfg)
     from ntp_nemo.resilience.supervisor import Supervisor, validate_fault_config
 
-    validate(cfg)
     validate_fault_config(cfg)
-    check_environment(cfg)
     layer_tp = resolve_layer_tp(cfg)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -54,6 +55,10 @@ def train(cfg: DictConfig) -> dict:
     data = build_data(cfg.data.path, cfg.data.tokenizer, int(cfg.data.seq_len),
                       int(cfg.data.global_batch_size), int(cfg.seed), float(cfg.data.val_fraction),
                       int(cfg.model.vocab_size))
+    if cfg.quant.format != "none":
+        from ntp_nemo.quant.modules import register_tp_layers
+
+        register_tp_layers()  # import modelopt once, before the workers are forked
     from ntp_nemo.lightning.factory import build_trainer, model_config
     from ntp_nemo.models import flops_per_token, param_count
 

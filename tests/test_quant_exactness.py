@@ -139,8 +139,13 @@ def _check(results: list[dict], label: str, dtype: torch.dtype = torch.float32) 
 
 
 @pytest.fixture(scope="module")
-def references() -> dict:
-    return {}
+def references():
+    """Unsharded references, computed in this process with one thread: no OpenMP team may exist in a
+    process that later forks workers."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield {}
+    torch.set_num_threads(before)
 
 
 def _ref(references: dict, case: str, fmt: str, dtype: torch.dtype = torch.float32) -> dict:

@@ -33,12 +33,17 @@ def _fit(tmp_path, name: str, layout: list[str], fmt: str) -> list[float]:
 
 
 @pytest.fixture
-def one_thread():
-    """Single-process fits run in this process: one thread, as in the workers (2 shared cores)."""
+def one_thread(monkeypatch):
+    """One thread in this process and in the forked workers, as in the CLI (2 shared cores).
+
+    Lightning's launcher would otherwise raise a 1-process worker to cpu_count threads; an OpenMP
+    team inherited from threaded work earlier in this process then deadlocks the forked worker.
+    """
     import torch
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     yield
     torch.set_num_threads(before)
 

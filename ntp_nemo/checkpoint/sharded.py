@@ -55,6 +55,8 @@ from ntp_nemo.checkpoint.state import (
 )
 from ntp_nemo.errors import ConfigError
 from ntp_nemo.parallel.shard import ShardSpec
+from ntp_nemo.quant.sharding import is_quantized
+from ntp_nemo.quant.state import restore_quant_state
 
 META_FILE = "meta.pt"
 
@@ -206,6 +208,10 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     if problem is not None:
         raise invalid_checkpoint_error(path, problem, key)
     path = Path(path)
+    meta = torch.load(path / META_FILE, weights_only=True)
+    quant = meta["extra"].get("quant")
+    if quant is not None and not is_quantized(model):
+        restore_quant_state(model, quant)  # creates the quantizers and their (sharded) amax buffers
     stored = {k: (v.shape, v.dtype) for k, v in stored_tensors(path).items()}
     targets, mismatches = load_targets(model, optimizer, stored)
     mismatches = sorted({m for ms in _all_gather(mismatches, group) for m in ms})
@@ -216,7 +222,6 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
                                f"model config it was trained with, or start without it ({key}=never).")
     read_chunks(path, [Chunk(k, t.spec.global_shape, t.spec.offsets, t.tensor) for k, t in targets.items()],
                 group)
-    meta = torch.load(path / META_FILE, weights_only=True)
     if optimizer is not None:
         install_optimizer_state(model, optimizer, targets, meta.get("param_groups"))
     return meta["extra"]

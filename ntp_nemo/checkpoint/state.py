@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ntp_nemo.parallel.shard import ShardSpec
+from ntp_nemo.quant.sharding import quantizer_buffers
 
 MODEL_PREFIX = "model/"
 OPTIM_PREFIX = "optim/"
@@ -54,6 +55,9 @@ def _param_names(model: nn.Module) -> dict[int, str]:
 def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, NamedSlice]:
     """Every tensor this rank holds: parameters, then per-parameter optimizer state by name."""
     out = {model_key(name): NamedSlice(param_spec(p), p.detach()) for name, p in model.named_parameters()}
+    # Quantizer scales (amax) of a QAT model, sharded like the channels they scale.
+    out.update({model_key(name): NamedSlice(buf.ntp_spec, buf.detach())
+                for name, buf in quantizer_buffers(model).items()})
     if optimizer is not None:
         names = _param_names(model)
         for p, state in optimizer.state.items():
@@ -96,6 +100,12 @@ def load_targets(
         if key.startswith(OPTIM_PREFIX):
             name, _, state_key = key[len(OPTIM_PREFIX):].rpartition("/")
             optim_keys.setdefault(name, []).append(state_key)
+    for name, buf in quantizer_buffers(model).items():
+        key = model_key(name)
+        if key not in stored:
+            problems.append(f"quantizer scale {name} is not in the checkpoint")
+        else:
+            targets[key] = NamedSlice(buf.ntp_spec, buf)
     for name, p in model.named_parameters():
         spec = param_spec(p)
         key = model_key(name)

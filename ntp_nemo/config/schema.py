@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ntp_nemo.quant.config import QuantConfig
+
 
 @dataclass
 class ModelConfig:
@@ -144,5 +146,6 @@ class RootConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
     callbacks: dict[str, Any] = field(default_factory=dict)
     logger: dict[str, Any] = field(default_factory=dict)

@@ -11,6 +11,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from ntp_nemo.errors import ConfigError
+from ntp_nemo.quant.config import validate_quant
 
 PRECISIONS = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true")
 ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
@@ -87,6 +88,7 @@ def validate(cfg: DictConfig) -> None:
         )
     resolve_init_from(cfg)
     validate_model(cfg.model)
+    validate_quant(cfg)
     for key in (
         "mesh.dp",
         "mesh.tp",

@@ -82,6 +82,8 @@ def build_trainer(cfg: DictConfig, run_dir: Path, data: DataBundle, layer_tp: li
 
         callbacks.append(RichProgressBar() if os.isatty(1) else TQDMProgressBar(refresh_rate=10))
     callbacks += [instantiate(c) for c in (cfg.callbacks or {}).values() if c is not None]
+    if cfg.quant.format != "none":
+        callbacks.append(instantiate(cfg.quant))  # ntp_nemo.quant.callback.QuantizationCallback
     callbacks += list(extra_callbacks)  # failure injection and heartbeats (ntp_nemo.resilience)
     loggers = [instantiate(lg) for lg in (cfg.logger or {}).values() if lg is not None]
     trainer = pl.Trainer(

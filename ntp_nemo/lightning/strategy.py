@@ -32,6 +32,7 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcess
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from ntp_nemo.parallel.runtime import NTPRuntime
+from ntp_nemo.quant.state import quant_state
 from ntp_nemo.topology import Topology
 
 
@@ -239,6 +240,7 @@ class NTPStrategy(ParallelStrategy):
         path = Path(self.broadcast(str(filepath)))
         step = int(checkpoint.get("global_step", 0))
         extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        extra["quant"] = quant_state(self.lightning_module.model)  # None unless the model is quantised
         layout = {
             "replica_tp": self.topology.replica_tp,
             "tp": self.topology.tp,

@@ -28,6 +28,7 @@ from ntp_nemo.quant.sharding import (
     quantizer_buffers,
     split_block,
     tensor_sharding,
+    tp_layers,
     tp_quantizers,
 )
 
@@ -99,7 +100,7 @@ def check_block_alignment(model: nn.Module, fmt: str, config: dict) -> None:
     """Refuse a block format whose blocks a shard boundary would cut (before anything is quantised)."""
     from ntp_nemo.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    for name, layer in model.named_modules():
+    for name, layer in tp_layers(model):
         if not isinstance(layer, ColumnParallelLinear | RowParallelLinear):
             continue
         for role in QUANTIZER_ROLES:

@@ -102,11 +102,16 @@ def _is_quantizer(module: nn.Module) -> bool:
     return qnn is not None and isinstance(module, qnn.TensorQuantizer)
 
 
+def tp_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(name, layer) of every layer whose weight carries a ShardSpec (the TP linear and embedding layers)."""
+    for name, layer in model.named_modules():
+        if hasattr(layer._parameters.get("weight"), "ntp_spec"):
+            yield name, layer
+
+
 def tp_quantizers(model: nn.Module) -> Iterator[tuple[str, nn.Module, nn.Module, str]]:
     """(quantizer name, quantizer, its TP layer, role) for every quantizer of a quantised TP layer."""
-    for name, layer in model.named_modules():
-        if "weight" not in layer._parameters or not hasattr(layer._parameters["weight"], "ntp_spec"):
-            continue
+    for name, layer in tp_layers(model):
         for role in QUANTIZER_ROLES:
             q = layer._modules.get(role)
             if q is not None and _is_quantizer(q):
