@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import select
 import signal
@@ -31,6 +30,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ntp_nemo.schedules import warmup_cosine  # the schedule NTPLanguageModule uses
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = Path(__file__).resolve().parent
@@ -403,17 +404,6 @@ def plain_model(cfg, seed: int) -> PlainGPT:
     return model
 
 
-def warmup_cosine(warmup: int, max_steps: int, min_ratio: float):
-    """NTPLanguageModule's LR factor, restated so the plain process need not import Lightning; the benchmarks
-    compare loss curves, which would diverge if the two schedules differed."""
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
 
 
 def adamw(params: Sequence[nn.Parameter], o, max_steps: int):

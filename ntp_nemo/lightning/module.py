@@ -8,7 +8,6 @@ fragment gradient sync, the TP-aware clipping, the optimizer and the LR schedule
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
@@ -19,16 +18,7 @@ from torch.utils.data import DataLoader
 from ntp_nemo.config.schema import ModelConfig
 from ntp_nemo.data.module import DataBundle
 from ntp_nemo.lightning.data import StepBatches, ValBatches
-
-
-def warmup_cosine(warmup: int, max_steps: int, min_ratio: float):
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
+from ntp_nemo.schedules import warmup_cosine
 
 
 class NTPLanguageModule(pl.LightningModule):

@@ -249,28 +249,11 @@ class NTPStrategy(ParallelStrategy):
         }
         t0 = time.perf_counter()
         self._goodput("ckpt_save_start", step=step)
-        if self.async_save:
-            if self._saver is None:
-                self._saver = AsyncCheckpointSaver()
-            self._saver.save(
-                path,
-                self.lightning_module.model,
-                self._optimizer(),
-                extra,
-                step=step,
-                layout=layout,
-                keep_last=self.keep_last,
-            )
-        else:
-            save_checkpoint(
-                path,
-                self.lightning_module.model,
-                self._optimizer(),
-                extra,
-                step=step,
-                layout=layout,
-                keep_last=self.keep_last,
-            )
+        if self.async_save and self._saver is None:
+            self._saver = AsyncCheckpointSaver()
+        save = self._saver.save if self.async_save else save_checkpoint
+        save(path, self.lightning_module.model, self._optimizer(), extra, step=step, layout=layout,
+             keep_last=self.keep_last)
         self._goodput("ckpt_save_end", step=step, blocking_s=time.perf_counter() - t0)
 
     async_save: bool = False
