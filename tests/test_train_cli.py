@@ -43,6 +43,9 @@ def test_multirun_sweep_makes_one_run_dir_per_job(tmp_path):
     assert "optim.lr=0.001" in overrides[0] and "optim.lr=0.003" in overrides[1]
     losses = [read_metrics(p)[-1]["loss"] for p in jobs]
     assert losses[0] != losses[1]  # the two learning rates really ran
+    table = (sweep / "sweep_summary.md").read_text()
+    assert "optim.lr=0.001" in table and "optim.lr=0.003" in table
+    assert (sweep / "sweep_summary.csv").exists()
 
 
 LAYOUTS = {
