@@ -1,0 +1,96 @@
+"""The planner's communicated-bytes model against the TP all-reduce bytes measured on CPU (gloo).
+
+For each layout, one forward+backward of one micro-batch runs on real worker processes through
+`NTPRuntime`; `torch.distributed.all_reduce` is wrapped in the workers to count payload bytes and
+calls on rank 0. The planner's `item_cost` gives the modelled bytes and calls for the same layout.
+
+    python bench/planner_bytes.py
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ntp_nemo.config.schema import ModelConfig
+from ntp_nemo.parallel.launch import run_workers
+from ntp_nemo.parallel.runtime import NTPRuntime
+from ntp_nemo.planner.cost import item_cost, item_kinds
+from ntp_nemo.planner.shapes import DeviceModel, LinkModel, ModelShape
+from ntp_nemo.topology import Topology, effective_degree
+
+MB, SEQ = 2, 32
+
+
+def model_config(arch: str) -> ModelConfig:
+    return ModelConfig(
+        arch=arch,
+        vocab_size=257,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2 if arch == "llama" else None,
+        ffn_hidden_size=128,
+        max_seq_len=SEQ + 1,
+        tie_embeddings=False,
+    )
+
+
+def worker(rank: int, world: int, arch: str, layer_tp: list[int], replica_tp: list[int]) -> dict:
+    torch.set_num_threads(1)
+    rt = NTPRuntime(Topology(tp=max(replica_tp), replica_tp=replica_tp, layer_tp=layer_tp), rank)
+    model = rt.build_model(model_config(arch), seed=0)
+    counts = {"bytes": 0, "calls": 0}
+    original = dist.all_reduce
+
+    def counting(t, *args, **kwargs):
+        counts["bytes"] += t.numel() * t.element_size()
+        counts["calls"] += 1
+        return original(t, *args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        ids = torch.randint(0, 257, (MB, SEQ + 1), generator=torch.Generator().manual_seed(0))
+        model.loss_sum(ids).backward()
+    finally:
+        dist.all_reduce = original
+    return counts
+
+
+def modelled(arch: str, layer_tp: list[int], n: int) -> tuple[float, int]:
+    c = model_config(arch)
+    shape = ModelShape(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        num_layers=c.num_layers,
+        num_heads=c.num_heads,
+        num_kv_heads=c.num_kv_heads or c.num_heads,
+        ffn_hidden_size=c.ffn_hidden_size,
+        gated_mlp=arch == "llama",
+    )
+    total, calls = 0.0, 0
+    for kind, t in zip(item_kinds(shape), layer_tp, strict=True):
+        cost = item_cost(shape, kind, effective_degree(t, n), SEQ, MB, DeviceModel(act_bytes=4), LinkModel())
+        total += cost.comm_bytes
+        calls += cost.num_allreduces
+    return total, calls
+
+
+def main() -> None:
+    print(
+        f"{'model':6} {'layout':28} {'measured B':>11} {'calls':>5} {'modelled B':>11} {'calls':>5} {'error':>7}"
+    )
+    for arch in ("gpt2", "llama"):
+        for replica_tp, layer_tp in (([2], [2, 2, 2, 2]), ([3], [3, 3, 3, 3]), ([4], [2, 4, 4, 2])):
+            meas = run_workers(worker, sum(replica_tp), arch, layer_tp, replica_tp)[0]
+            mod, mcalls = modelled(arch, layer_tp, replica_tp[0])
+            err = 100 * (mod - meas["bytes"]) / meas["bytes"]
+            layout = f"TP{replica_tp[0]} layers {'-'.join(map(str, layer_tp))}"
+            print(
+                f"{arch:6} {layout:28} {meas['bytes']:>11} {meas['calls']:>5} {mod:>11.0f} {mcalls:>5} {err:>+6.1f}%",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
