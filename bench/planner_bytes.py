@@ -77,19 +77,16 @@ def modelled(arch: str, layer_tp: list[int], n: int) -> tuple[float, int]:
 
 
 def main() -> None:
-    print(
-        f"{'model':6} {'layout':28} {'measured B':>11} {'calls':>5} {'modelled B':>11} {'calls':>5} {'error':>7}"
-    )
+    header = ("model", "layout", "measured B", "calls", "modelled B", "calls", "error")
+    print(f"{header[0]:6} {header[1]:28} {header[2]:>11} {header[3]:>5} {header[4]:>11} {header[5]:>5} {header[6]:>7}")
     for arch in ("gpt2", "llama"):
         for replica_tp, layer_tp in (([2], [2, 2, 2, 2]), ([3], [3, 3, 3, 3]), ([4], [2, 4, 4, 2])):
             meas = run_workers(worker, sum(replica_tp), arch, layer_tp, replica_tp)[0]
             mod, mcalls = modelled(arch, layer_tp, replica_tp[0])
             err = 100 * (mod - meas["bytes"]) / meas["bytes"]
             layout = f"TP{replica_tp[0]} layers {'-'.join(map(str, layer_tp))}"
-            print(
-                f"{arch:6} {layout:28} {meas['bytes']:>11} {meas['calls']:>5} {mod:>11.0f} {mcalls:>5} {err:>+6.1f}%",
-                flush=True,
-            )
+            row = f"{arch:6} {layout:28} {meas['bytes']:>11} {meas['calls']:>5} {mod:>11.0f} {mcalls:>5}"
+            print(f"{row} {err:>+6.1f}%", flush=True)
 
 
 if __name__ == "__main__":
