@@ -77,8 +77,7 @@ def modelled(arch: str, layer_tp: list[int], n: int) -> tuple[float, int]:
 
 
 def main() -> None:
-    header = ("model", "layout", "measured B", "calls", "modelled B", "calls", "error")
-    print(f"{header[0]:6} {header[1]:28} {header[2]:>11} {header[3]:>5} {header[4]:>11} {header[5]:>5} {header[6]:>7}")
+    print("model  layout                        measured B calls  modelled B calls   error")
     for arch in ("gpt2", "llama"):
         for replica_tp, layer_tp in (([2], [2, 2, 2, 2]), ([3], [3, 3, 3, 3]), ([4], [2, 4, 4, 2])):
             meas = run_workers(worker, sum(replica_tp), arch, layer_tp, replica_tp)[0]
