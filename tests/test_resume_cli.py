@@ -58,8 +58,9 @@ def test_stop_and_resume_equals_straight_run(tmp_path, straight, name, layout):
         SINGLE,
         ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,2]"],
         ["mesh.dp=1", "mesh.tp=3", "ntp.replica_tp=[3]"],
+        ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]", "mesh.pp=2"],
     ],
-    ids=["to-single", "to-2-2", "to-tp3"],
+    ids=["to-single", "to-2-2", "to-tp3", "to-pp2"],
 )
 def test_resume_on_another_layout_follows_the_curve(tmp_path, straight, target):
     src = tmp_path / "src"
