@@ -58,16 +58,7 @@ def worker(rank: int, world: int, arch: str, layer_tp: list[int], replica_tp: li
 
 
 def modelled(arch: str, layer_tp: list[int], n: int) -> tuple[float, int]:
-    c = model_config(arch)
-    shape = ModelShape(
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        num_layers=c.num_layers,
-        num_heads=c.num_heads,
-        num_kv_heads=c.num_kv_heads or c.num_heads,
-        ffn_hidden_size=c.ffn_hidden_size,
-        gated_mlp=arch == "llama",
-    )
+    shape = ModelShape.of_model_config(model_config(arch))
     total, calls = 0.0, 0
     for kind, t in zip(item_kinds(shape), layer_tp, strict=True):
         cost = item_cost(shape, kind, effective_degree(t, n), SEQ, MB, DeviceModel(act_bytes=4), LinkModel())

@@ -242,16 +242,7 @@ def resolve_layer_tp(cfg: DictConfig) -> list[int]:
     tp = int(cfg.mesh.tp)
     spec = cfg.layout.layer_tp
     m = cfg.model
-    shape = ModelShape(
-        vocab_size=m.vocab_size,
-        hidden_size=m.hidden_size,
-        num_layers=m.num_layers,
-        num_heads=m.num_heads,
-        num_kv_heads=m.num_kv_heads or m.num_heads,
-        ffn_hidden_size=m.ffn_hidden_size,
-        tie_embeddings=m.tie_embeddings,
-        gated_mlp=m.arch == "llama",
-    )
+    shape = ModelShape.of_model_config(m)
     if spec == "auto":
         from ntp_nemo.planner import plan_layout
 

@@ -17,15 +17,6 @@ from ntp_nemo.planner.cost import EMBEDDING, HEAD, LAYER, item_cost
 from ntp_nemo.planner.shapes import DeviceModel, LinkModel, ModelShape
 
 
-def model_shape(m) -> ModelShape:
-    """The planner's ModelShape of a model config (ModelConfig or its DictConfig)."""
-    return ModelShape(vocab_size=int(m.vocab_size), hidden_size=int(m.hidden_size),
-                      num_layers=int(m.num_layers), num_heads=int(m.num_heads),
-                      num_kv_heads=int(m.num_kv_heads or m.num_heads),
-                      ffn_hidden_size=int(m.ffn_hidden_size), tie_embeddings=bool(m.tie_embeddings),
-                      gated_mlp=m.arch == "llama")
-
-
 def item_costs(shape: ModelShape, layer_tp: Sequence[int], seq_len: int,
                micro_batch_size: int) -> list[float]:
     """Modelled seconds per micro-batch of [embedding, layer 0..L-1, head] at the given degrees."""
@@ -88,6 +79,6 @@ def resolve_stage_layers(cfg: DictConfig, layer_tp: Sequence[int] | None = None)
         from ntp_nemo.config.validate import resolve_layer_tp
 
         layer_tp = resolve_layer_tp(cfg)
-    costs = item_costs(model_shape(cfg.model), layer_tp, int(cfg.data.seq_len),
+    costs = item_costs(ModelShape.of_model_config(cfg.model), layer_tp, int(cfg.data.seq_len),
                        int(cfg.data.micro_batch_size))
     return balanced_partition(costs, pp)

@@ -80,6 +80,14 @@ class ModelShape:
             )
 
     @classmethod
+    def of_model_config(cls, m: Any) -> ModelShape:
+        """The shape of a training model config (`ModelConfig` or the `model` DictConfig)."""
+        return cls(vocab_size=int(m.vocab_size), hidden_size=int(m.hidden_size), num_layers=int(m.num_layers),
+                   num_heads=int(m.num_heads), num_kv_heads=int(m.num_kv_heads or m.num_heads),
+                   ffn_hidden_size=int(m.ffn_hidden_size), tie_embeddings=bool(m.tie_embeddings),
+                   gated_mlp=m.arch == "llama")
+
+    @classmethod
     def from_dict(cls, data: Mapping[str, Any], key: str = "model") -> ModelShape:
         return _from_mapping(cls, data, key)
 
