@@ -52,9 +52,15 @@ def train(cfg: DictConfig) -> dict:
     _quiet_libraries()
     from ntp_nemo.data.module import build_data
 
-    data = build_data(cfg.data.path, cfg.data.tokenizer, int(cfg.data.seq_len),
-                      int(cfg.data.global_batch_size), int(cfg.seed), float(cfg.data.val_fraction),
-                      int(cfg.model.vocab_size))
+    data = build_data(
+        cfg.data.path,
+        cfg.data.tokenizer,
+        int(cfg.data.seq_len),
+        int(cfg.data.global_batch_size),
+        int(cfg.seed),
+        float(cfg.data.val_fraction),
+        int(cfg.model.vocab_size),
+    )
     if cfg.quant.format != "none":
         from ntp_nemo.quant.modules import register_tp_layers
 
@@ -63,25 +69,34 @@ def train(cfg: DictConfig) -> dict:
     from ntp_nemo.models import flops_per_token, param_count
 
     mcfg = model_config(cfg)
-    supervisor = Supervisor(cfg, run_dir,
-                            lambda c, extra: build_trainer(c, run_dir, data, resolve_layer_tp(c), extra))
+    supervisor = Supervisor(
+        cfg, run_dir, lambda c, extra: build_trainer(c, run_dir, data, resolve_layer_tp(c), extra)
+    )
     trainer, module, strategy = supervisor.build_first()
     topo = strategy.topology
-    print(f"ntp_nemo | recipe {cfg.recipe} | model {mcfg.name} ({mcfg.arch}) "
-          f"{param_count(mcfg) / 1e6:.2f}M params, "
-          f"{flops_per_token(mcfg, int(cfg.data.seq_len)) / 1e6:.1f} MFLOP/token | data {data.source} "
-          f"({len(data.train)} train / {len(data.val)} val samples)", flush=True)
+    print(
+        f"ntp_nemo | recipe {cfg.recipe} | model {mcfg.name} ({mcfg.arch}) "
+        f"{param_count(mcfg) / 1e6:.2f}M params, "
+        f"{flops_per_token(mcfg, int(cfg.data.seq_len)) / 1e6:.1f} MFLOP/token | data {data.source} "
+        f"({len(data.train)} train / {len(data.val)} val samples)",
+        flush=True,
+    )
     print(topo.table(mcfg.num_heads, mcfg.ffn_hidden_size, mcfg.vocab_size), flush=True)
-    print(f"layer degrees (embedding, layers..., head): {layer_tp}; micro-batches per replica per step: "
-          f"{module_counts(strategy, cfg)}", flush=True)
+    print(
+        f"layer degrees (embedding, layers..., head): {layer_tp}; micro-batches per replica per step: "
+        f"{module_counts(strategy, cfg)}",
+        flush=True,
+    )
     from ntp_nemo.goodput import GoodputRecorder
 
     ckpt_path = resolve_resume(cfg, run_dir)
     if ckpt_path is not None and _checkpoint_step(ckpt_path) >= int(cfg.trainer.max_steps):
-        print(f"run in {run_dir} is already complete: checkpoint {ckpt_path.name} is at step "
-              f"{_checkpoint_step(ckpt_path)} >= trainer.max_steps={cfg.trainer.max_steps}; nothing to do. "
-              "Raise trainer.max_steps to continue, or pass resume=never / a new hydra.run.dir to start "
-              "over.")
+        print(
+            f"run in {run_dir} is already complete: checkpoint {ckpt_path.name} is at step "
+            f"{_checkpoint_step(ckpt_path)} >= trainer.max_steps={cfg.trainer.max_steps}; nothing to do. "
+            "Raise trainer.max_steps to continue, or pass resume=never / a new hydra.run.dir to start "
+            "over."
+        )
         return {"already_complete": True, "checkpoint": str(ckpt_path)}
     if ckpt_path is not None:
         print(f"resuming from {ckpt_path} (resume={cfg.resume})", flush=True)
@@ -147,8 +162,14 @@ def print_summary(summary: dict, run_dir: Path) -> None:
         f" tokens/s      {fmt(summary.get('tokens_per_s'), '.0f')}",
         f" goodput       {fmt(_percent(summary.get('goodput')), '.1f')}%",
         f" wall time     {fmt(summary.get('wall_s'), '.1f')} s",
-        *([f" failover      {summary['failover']['failures']} failure(s); layouts "
-           + " -> ".join(summary["failover"]["layouts"])] if summary.get("failover") else []),
+        *(
+            [
+                f" failover      {summary['failover']['failures']} failure(s); layouts "
+                + " -> ".join(summary["failover"]["layouts"])
+            ]
+            if summary.get("failover")
+            else []
+        ),
         f" outputs       {run_dir} (metrics.jsonl, goodput.jsonl, checkpoints/, logs/)",
         "──────────────────────────────────────────────────────",
     ]

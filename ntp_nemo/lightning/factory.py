@@ -31,7 +31,7 @@ from ntp_nemo.pipeline.partition import resolve_stage_layers
 
 
 def process_layout(world_size: int) -> tuple[int, int]:
-    """(devices per node, nodes): from torchrun/SLURM when they launched us, else all ranks on this machine."""
+    """(devices per node, nodes): from torchrun/SLURM when they launched us, else all on this machine."""
     if "LOCAL_WORLD_SIZE" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
         local, world = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["WORLD_SIZE"])
     elif "SLURM_NTASKS" in os.environ and "SLURM_NTASKS_PER_NODE" in os.environ:
@@ -39,8 +39,11 @@ def process_layout(world_size: int) -> tuple[int, int]:
     else:
         return world_size, 1
     if world != world_size:
-        raise ConfigError("mesh", f"the launcher started {world} processes but the layout needs {world_size} "
-                          "(pp x sum(ntp.replica_tp)); adjust ntp.replica_tp/mesh.* or the launcher's process count.")
+        raise ConfigError(
+            "mesh",
+            f"the launcher started {world} processes but the layout needs {world_size} "
+            "(pp x sum(ntp.replica_tp)); adjust ntp.replica_tp/mesh.* or the launcher's process count.",
+        )
     return local, world // local
 
 
@@ -51,15 +54,22 @@ def model_config(cfg: DictConfig) -> ModelConfig:
     return resolve_model_config(ModelConfig(**fields))
 
 
-def build_trainer(cfg: DictConfig, run_dir: Path, data: DataBundle, layer_tp: list[int],
-                  extra_callbacks: Sequence[Any] = ()) -> tuple[pl.Trainer, NTPLanguageModule, NTPStrategy]:
+def build_trainer(
+    cfg: DictConfig, run_dir: Path, data: DataBundle, layer_tp: list[int], extra_callbacks: Sequence[Any] = ()
+) -> tuple[pl.Trainer, NTPLanguageModule, NTPStrategy]:
     t = cfg.trainer
     strategy = NTPStrategy(
-        tp=int(cfg.mesh.tp), replica_tp=resolved_replica_tp(cfg), layer_tp=layer_tp, pp=int(cfg.mesh.pp),
-        stage_layers=resolve_stage_layers(cfg, layer_tp), schedule=str(cfg.layout.schedule),
-        power_boost=OmegaConf.to_container(cfg.ntp.power_boost) if OmegaConf.is_list(cfg.ntp.power_boost)
+        tp=int(cfg.mesh.tp),
+        replica_tp=resolved_replica_tp(cfg),
+        layer_tp=layer_tp,
+        pp=int(cfg.mesh.pp),
+        stage_layers=resolve_stage_layers(cfg, layer_tp),
+        schedule=str(cfg.layout.schedule),
+        power_boost=OmegaConf.to_container(cfg.ntp.power_boost)
+        if OmegaConf.is_list(cfg.ntp.power_boost)
         else cfg.ntp.power_boost,
-        bucket_mb=float(cfg.ntp.grad_bucket_mb), start_method=t.start_method,
+        bucket_mb=float(cfg.ntp.grad_bucket_mb),
+        start_method=t.start_method,
         nominal_replicas=cfg.ntp.nominal_replicas,
         process_group_backend=t.process_group_backend,
         timeout=timedelta(seconds=float(cfg.fault.collective_timeout_s)),
@@ -70,11 +80,21 @@ def build_trainer(cfg: DictConfig, run_dir: Path, data: DataBundle, layer_tp: li
     strategy.async_save = bool(cfg.checkpoint.async_save)
     callbacks: list[Any] = [metrics, GoodputCallback(str(run_dir)), RunSummary(run_dir, metrics)]
     if cfg.checkpoint.every_n_steps or cfg.checkpoint.save_on_end:
-        callbacks.append(StepCheckpoint(run_dir / cfg.checkpoint.dir, int(cfg.checkpoint.every_n_steps),
-                                        bool(cfg.checkpoint.save_on_end)))
+        callbacks.append(
+            StepCheckpoint(
+                run_dir / cfg.checkpoint.dir,
+                int(cfg.checkpoint.every_n_steps),
+                bool(cfg.checkpoint.save_on_end),
+            )
+        )
         callbacks.append(PreemptionCheckpoint())
-    callbacks.append(MemoryReport(int(cfg.data.micro_batch_size), int(cfg.data.seq_len),
-                                  int(cfg.data.global_batch_size) // int(cfg.data.micro_batch_size)))
+    callbacks.append(
+        MemoryReport(
+            int(cfg.data.micro_batch_size),
+            int(cfg.data.seq_len),
+            int(cfg.data.global_batch_size) // int(cfg.data.micro_batch_size),
+        )
+    )
     if t.stop_at_step:
         callbacks.append(StopAtStep(int(t.stop_at_step)))
     if t.progress_bar:
@@ -88,16 +108,31 @@ def build_trainer(cfg: DictConfig, run_dir: Path, data: DataBundle, layer_tp: li
     loggers = [instantiate(lg) for lg in (cfg.logger or {}).values() if lg is not None]
     trainer = pl.Trainer(
         accelerator="gpu" if t.accelerator in ("gpu", "cuda") else t.accelerator,
-        devices=devices, num_nodes=nodes, strategy=strategy, precision=t.precision,
-        max_steps=int(t.max_steps), max_epochs=-1, val_check_interval=int(t.val_every_n_steps),
-        check_val_every_n_epoch=None, num_sanity_val_steps=0, log_every_n_steps=int(t.log_every_n_steps),
-        enable_progress_bar=bool(t.progress_bar), enable_checkpointing=bool(cfg.checkpoint.every_n_steps or cfg.checkpoint.save_on_end), callbacks=callbacks,
-        logger=loggers or False, use_distributed_sampler=False, default_root_dir=str(run_dir),
+        devices=devices,
+        num_nodes=nodes,
+        strategy=strategy,
+        precision=t.precision,
+        max_steps=int(t.max_steps),
+        max_epochs=-1,
+        val_check_interval=int(t.val_every_n_steps),
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        log_every_n_steps=int(t.log_every_n_steps),
+        enable_progress_bar=bool(t.progress_bar),
+        enable_checkpointing=bool(cfg.checkpoint.every_n_steps or cfg.checkpoint.save_on_end),
+        callbacks=callbacks,
+        logger=loggers or False,
+        use_distributed_sampler=False,
+        default_root_dir=str(run_dir),
         enable_model_summary=False,
     )
     module = NTPLanguageModule(
-        model_config(cfg), OmegaConf.to_container(cfg.optim, resolve=True), data, seed=int(cfg.seed),
-        micro_batch_size=int(cfg.data.micro_batch_size), val_batches=int(cfg.data.val_batches),
+        model_config(cfg),
+        OmegaConf.to_container(cfg.optim, resolve=True),
+        data,
+        seed=int(cfg.seed),
+        micro_batch_size=int(cfg.data.micro_batch_size),
+        val_batches=int(cfg.data.val_batches),
         max_steps=int(t.max_steps),
     )
     return trainer, module, strategy

@@ -117,7 +117,7 @@ class Topology:
         return caps
 
     def capacity_fraction(self, nominal_replicas: int | None = None) -> float:
-        """Active ranks over the nominal ones (`nominal_replicas` x TP; replicas dropped by failover count)."""
+        """Active ranks over the nominal ones (`nominal_replicas` x TP, dropped replicas included)."""
         return sum(self.replica_tp) / (self.tp * max(self.dp, nominal_replicas or 0))
 
     def describe(self) -> str:
