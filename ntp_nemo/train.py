@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 import warnings
@@ -22,6 +23,20 @@ from ntp_nemo.config.register import register_configs
 from ntp_nemo.errors import EXIT_CONFIG, EXIT_RUNTIME, ConfigError, report_config_error
 
 _job_started = False
+
+
+def launcher_rank() -> int:
+    """Global rank given by an external launcher (torchrun: RANK, srun: SLURM_PROCID); 0 when we launch."""
+    for var in ("RANK", "SLURM_PROCID"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
+
+
+def say(*args, **kwargs) -> None:
+    """Print once per job: under torchrun/SLURM every rank runs this entry point."""
+    if launcher_rank() == 0:
+        print(*args, **kwargs)
 
 
 def _quiet_libraries() -> None:
@@ -74,15 +89,15 @@ def train(cfg: DictConfig) -> dict:
     )
     trainer, module, strategy = supervisor.build_first()
     topo = strategy.topology
-    print(
+    say(
         f"ntp_nemo | recipe {cfg.recipe} | model {mcfg.name} ({mcfg.arch}) "
         f"{param_count(mcfg) / 1e6:.2f}M params, "
         f"{flops_per_token(mcfg, int(cfg.data.seq_len)) / 1e6:.1f} MFLOP/token | data {data.source} "
         f"({len(data.train)} train / {len(data.val)} val samples)",
         flush=True,
     )
-    print(topo.table(mcfg.num_heads, mcfg.ffn_hidden_size, mcfg.vocab_size), flush=True)
-    print(
+    say(topo.table(mcfg.num_heads, mcfg.ffn_hidden_size, mcfg.vocab_size), flush=True)
+    say(
         f"layer degrees (embedding, layers..., head): {layer_tp}; micro-batches per replica per step: "
         f"{module_counts(strategy, cfg)}",
         flush=True,
@@ -91,7 +106,7 @@ def train(cfg: DictConfig) -> dict:
 
     ckpt_path = resolve_resume(cfg, run_dir)
     if ckpt_path is not None and _checkpoint_step(ckpt_path) >= int(cfg.trainer.max_steps):
-        print(
+        say(
             f"run in {run_dir} is already complete: checkpoint {ckpt_path.name} is at step "
             f"{_checkpoint_step(ckpt_path)} >= trainer.max_steps={cfg.trainer.max_steps}; nothing to do. "
             "Raise trainer.max_steps to continue, or pass resume=never / a new hydra.run.dir to start "
@@ -99,8 +114,9 @@ def train(cfg: DictConfig) -> dict:
         )
         return {"already_complete": True, "checkpoint": str(ckpt_path)}
     if ckpt_path is not None:
-        print(f"resuming from {ckpt_path} (resume={cfg.resume})", flush=True)
-    GoodputRecorder(run_dir).record("job_start", layout=topo.describe())
+        say(f"resuming from {ckpt_path} (resume={cfg.resume})", flush=True)
+    if launcher_rank() == 0:
+        GoodputRecorder(run_dir).record("job_start", layout=topo.describe())
     t0 = time.time()
     supervisor.initial_resume = ckpt_path
     result = supervisor.run((trainer, module, strategy), ckpt_path)
@@ -173,7 +189,7 @@ def print_summary(summary: dict, run_dir: Path) -> None:
         f" outputs       {run_dir} (metrics.jsonl, goodput.jsonl, checkpoints/, logs/)",
         "──────────────────────────────────────────────────────",
     ]
-    print("\n".join(lines), flush=True)
+    say("\n".join(lines), flush=True)
 
 
 @hydra.main(version_base=None, config_path=str(conf_dir()), config_name="config")
@@ -190,6 +206,9 @@ def _hydra_entry(cfg: DictConfig) -> float | None:
 
 def main() -> None:
     register_configs()
+    if launcher_rank() != 0:
+        # Only global rank 0 keeps the run's .hydra/ record and log file.
+        sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled"]
     try:
         _hydra_entry()
     except SystemExit as exc:

@@ -77,3 +77,42 @@ def test_ntp_layout_follows_single_process_loss_curve(tmp_path, single_process_c
         assert abs(a - b) <= 1e-5 * abs(b), f"{layout} step {step}: {a} vs {b}"
     expected = "(" + LAYOUTS[layout][2].split("[")[1].rstrip("]") + ")"
     assert metrics[0]["layout"] == expected + ("xPP2" if "mesh.pp=2" in LAYOUTS[layout] else "")
+
+
+@pytest.mark.slow
+def test_torchrun_launch_follows_the_same_curve(tmp_path, single_process_curve):
+    """Under torchrun the ranks come from the launcher (Lightning's cluster environment): nothing is
+    forked, only rank 0 writes the run directory, and the numbers are those of the local launch."""
+    import os
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "3",
+        "-m",
+        "ntp_nemo.train",
+        *TINY,
+        *LAYOUTS["ntp-2-1"],
+        "trainer.max_steps=20",
+        f"hydra.run.dir={run}",
+    ]
+    proc = subprocess.run(
+        cmd,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("run summary") == 1
+    curve = [m["loss"] for m in read_metrics(run)]
+    assert len(curve) == 20
+    for step, (a, b) in enumerate(zip(curve, single_process_curve, strict=True), 1):
+        assert abs(a - b) <= 1e-5 * abs(b), f"torchrun step {step}: {a} vs {b}"
