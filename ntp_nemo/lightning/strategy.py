@@ -124,7 +124,8 @@ class NTPStrategy(ParallelStrategy):
                 f"{self.world_size} processes for a layout of {self.topology.world_size} ranks"
             )
         if self.topology.world_size > 1:
-            torch.set_num_threads(max(1, torch.get_num_threads() if self.root_device.type == "cuda" else 1))
+            if self.root_device.type == "cpu":
+                torch.set_num_threads(1)  # several CPU ranks share the cores: no oversubscription
             self.set_world_ranks()
             self._process_group_backend = (
                 self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
