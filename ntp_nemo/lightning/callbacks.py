@@ -131,23 +131,20 @@ class StopAtStep(Callback):
 class PreemptionCheckpoint(Callback):
     """SIGTERM/SIGUSR1 (preemption notice): finish the step, agree on the stop flag across all ranks
     (one MAX all-reduce per step, so no rank saves alone), then stop; the end-of-training checkpoint
-    is written by `StepCheckpoint`."""
+    is written by `StepCheckpoint` when checkpointing is on."""
 
     SIGNALS = ("SIGTERM", "SIGUSR1")
 
     def __init__(self) -> None:
         self.requested = False
 
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        # (Re)installed per step: the trainer's own signal handling may reset the handlers after setup.
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Replaces the trainer's own SIGTERM handler (installed when the run started): that one broadcasts
+        # from inside the handler, which can block in a collective the other ranks never join.
         import signal
 
         for name in self.SIGNALS:
-            sig = getattr(signal, name)
-            if signal.getsignal(sig) != self._request:
-                signal.signal(sig, self._request)
+            signal.signal(getattr(signal, name), self._request)
 
     def _request(self, signum, frame) -> None:  # noqa: ANN001 - signal handler signature
         self.requested = True

@@ -87,7 +87,6 @@ def build_trainer(
                 bool(cfg.checkpoint.save_on_end),
             )
         )
-        callbacks.append(PreemptionCheckpoint())
     callbacks.append(
         MemoryReport(
             int(cfg.data.micro_batch_size),
@@ -95,6 +94,7 @@ def build_trainer(
             int(cfg.data.global_batch_size) // int(cfg.data.micro_batch_size),
         )
     )
+    callbacks.append(PreemptionCheckpoint())
     if t.stop_at_step:
         callbacks.append(StopAtStep(int(t.stop_at_step)))
     if t.progress_bar:

@@ -1,15 +1,13 @@
 """Worker-side half of supervision: what a worker launched by the supervisor does differently.
 
-- SIGTERM takes its default action.  Lightning's own handler answers SIGTERM with a broadcast to
-  coordinate a preemption; after a lost rank that collective can only fail, and the supervisor, not
-  the worker, decides what happens next.
+- Lost ranks are handled by the supervisor (it SIGKILLs what is left of an attempt); SIGTERM and
+  SIGUSR1 stay a coordinated preemption (`ntp_nemo.lightning.callbacks.PreemptionCheckpoint`).
 - On the first step it completes in an attempt that follows a failure, global rank 0 records the
   goodput event `recovery_done` with the new layout.
 """
 
 from __future__ import annotations
 
-import signal
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -21,9 +19,6 @@ class SupervisedWorker(Callback):
     def __init__(self, recovering: bool, attempt: int = 0) -> None:
         self.recovering = recovering
         self.attempt = attempt
-
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # Lightning installed its handler just before
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
