@@ -116,3 +116,24 @@ def test_torchrun_launch_follows_the_same_curve(tmp_path, single_process_curve):
     assert len(curve) == 20
     for step, (a, b) in enumerate(zip(curve, single_process_curve, strict=True), 1):
         assert abs(a - b) <= 1e-5 * abs(b), f"torchrun step {step}: {a} vs {b}"
+
+
+@pytest.mark.slow
+def test_bf16_mixed_precision_tracks_float32(tmp_path, single_process_curve):
+    run = tmp_path / "run"
+    proc = run_cli(
+        [
+            *TINY,
+            *LAYOUTS["ntp-2-1"],
+            "trainer.max_steps=20",
+            "trainer.precision=bf16-mixed",
+            f"hydra.run.dir={run}",
+        ],
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    curve = [m["loss"] for m in read_metrics(run)]
+    assert len(curve) == 20
+    # bf16 autocast rounds activations to 8 mantissa bits: close to, but not equal to, the float32 curve
+    assert max(abs(a - b) / b for a, b in zip(curve, single_process_curve, strict=True)) < 0.05
+    assert curve != single_process_curve
