@@ -46,7 +46,6 @@ class StepBatches(Dataset):
             "step": torch.tensor(step),
             "micro": tokens,
             "global_tokens": torch.tensor(self.sampler.global_batch_size * seq),
-            "counts": torch.tensor([len(mine)]),
         }
 
 
