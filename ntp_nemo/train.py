@@ -105,10 +105,11 @@ def train(cfg: DictConfig) -> dict:
     from ntp_nemo.goodput import GoodputRecorder
 
     ckpt_path = resolve_resume(cfg, run_dir)
-    if ckpt_path is not None and _checkpoint_step(ckpt_path) >= int(cfg.trainer.max_steps):
+    done_step = _checkpoint_step(ckpt_path) if ckpt_path is not None else -1
+    if done_step >= int(cfg.trainer.max_steps):
         say(
             f"run in {run_dir} is already complete: checkpoint {ckpt_path.name} is at step "
-            f"{_checkpoint_step(ckpt_path)} >= trainer.max_steps={cfg.trainer.max_steps}; nothing to do. "
+            f"{done_step} >= trainer.max_steps={cfg.trainer.max_steps}; nothing to do. "
             "Raise trainer.max_steps to continue, or pass resume=never / a new hydra.run.dir to start "
             "over."
         )

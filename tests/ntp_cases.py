@@ -49,27 +49,32 @@ def reference(cfg: ModelConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor], 
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, logits
 
 
-def exactness_worker(
-    rank: int, world: int, cfg: ModelConfig, tp: int, replica_tp: list[int], layer_tp: list[int]
-) -> dict:
-    topo = Topology(tp, replica_tp, layer_tp)
-    rt = NTPRuntime(topo, rank)
-    model = rt.build_model(cfg, SEED, dtype=torch.float64)
-    rt.attach(model)
-    ref_loss, ref_grads, ref_logits = reference(cfg)
+def step_against_reference(rt: NTPRuntime, model, cfg: ModelConfig) -> tuple[range, dict]:
+    """One optimizer step's forward/backward + sync of this replica's share of the global batch, and the
+    relative errors of the loss and of this rank's gradient slices against the unsharded model."""
+    ref_loss, ref_grads, _ = reference(cfg)
     toks = tokens(cfg)
     mine = rt.my_microbatches(GLOBAL_BATCH)  # micro-batch size 1
     total = rt.train_microbatches(model, [toks[i : i + 1] for i in mine], toks[:, 1:].numel())
     rt.sync.sync()
     loss = rt.global_sum(total) / toks[:, 1:].numel()
-    worst = {"loss": abs(float(loss) - float(ref_loss)) / abs(float(ref_loss))}
     grad_err = 0.0
     for name, p in model.named_parameters():
         want = p.ntp_spec.narrow(ref_grads[name])
         # Floor: some gradients are exactly zero in theory (a key bias under softmax) and pure noise here.
         grad_err = max(grad_err, float((p.grad - want).abs().max() / max(float(want.abs().max()), 1e-6)))
-    worst["grad"] = grad_err
+    return mine, {"loss": abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)), "grad": grad_err}
+
+
+def exactness_worker(
+    rank: int, world: int, cfg: ModelConfig, tp: int, replica_tp: list[int], layer_tp: list[int]
+) -> dict:
+    rt = NTPRuntime(Topology(tp, replica_tp, layer_tp), rank)
+    model = rt.build_model(cfg, SEED, dtype=torch.float64)
+    rt.attach(model)
+    mine, worst = step_against_reference(rt, model, cfg)
     if len(mine):
+        toks, ref_logits = tokens(cfg), reference(cfg)[2]
         with torch.no_grad():
             logits = model(toks[mine.start : mine.stop, :-1])
         vs = model.vocab_start

@@ -16,7 +16,7 @@ from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.parallel.runtime import NTPRuntime
 from ntp_nemo.pipeline.memory import estimate_memory
 from ntp_nemo.topology import Topology
-from tests.ntp_cases import GLOBAL_BATCH, GPT, LLAMA, SEED, reference, tokens
+from tests.ntp_cases import GLOBAL_BATCH, GPT, LLAMA, SEED, reference, step_against_reference, tokens
 
 GPT4 = dataclasses.replace(GPT, num_layers=4)
 LLAMA4 = dataclasses.replace(LLAMA, num_layers=4)
@@ -38,20 +38,10 @@ def pipeline_worker(rank: int, world: int, cfg, tp, replica_tp, pp, stage_layers
     rt = NTPRuntime(topo, rank, schedule=schedule)
     model = rt.build_model(cfg, SEED, dtype=torch.float64)
     rt.attach(model)
-    ref_loss, ref_grads, _ = reference(cfg)
-    toks = tokens(cfg)
-    mine = rt.my_microbatches(GLOBAL_BATCH)  # micro-batch size 1
-    total = rt.train_microbatches(model, [toks[i : i + 1] for i in mine], toks[:, 1:].numel())
-    rt.sync.sync()
-    loss = rt.global_sum(total) / toks[:, 1:].numel()
-    grad_err = 0.0
-    for name, p in model.named_parameters():
-        want = p.ntp_spec.narrow(ref_grads[name])
-        grad_err = max(grad_err, float((p.grad - want).abs().max() / max(float(want.abs().max()), 1e-6)))
+    mine, errors = step_against_reference(rt, model, cfg)
     est = estimate_memory(model, stage=rt.coord.stage, pp=pp, schedule=schedule, microbatches=len(mine),
-                          micro_batch_size=1, seq_len=toks.shape[1] - 1)
-    return {"loss": abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)), "grad": grad_err,
-            "act_estimate": est.activations, "act_peak": rt.pipeline.meter.peak,
+                          micro_batch_size=1, seq_len=tokens(cfg).shape[1] - 1)
+    return {**errors, "act_estimate": est.activations, "act_peak": rt.pipeline.meter.peak,
             "params": sorted(n for n, _ in model.named_parameters()), "microbatches": len(mine)}
 
 
