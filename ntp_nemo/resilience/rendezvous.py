@@ -1,0 +1,143 @@
+"""Generations of process groups on one long-lived store, and forked workers that share it.
+
+The launching process hosts a `TCPStore`; every worker connects to it once and keeps the connection for
+the whole run.  Generation `g` of the job's process groups is initialised on `PrefixStore(f"gen{g}",
+store)`, so after a failure the survivors drop the broken groups and join generation `g + 1` with their
+new ranks, on the same store, without any key of the old generation getting in the way.  The store also
+carries the launcher's word to the workers (`failed_key`: the ranks the launcher saw die).
+"""
+
+from __future__ import annotations
+
+import json
+import traceback
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+STORE_HOST = "127.0.0.1"
+
+
+def host_store(timeout_s: float = 300.0) -> dist.TCPStore:
+    """The launcher's store (server side), on a free port."""
+    return dist.TCPStore(STORE_HOST, 0, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s))
+
+
+def connect(port: int, timeout_s: float = 300.0) -> dist.TCPStore:
+    """A worker's client connection to the launcher's store."""
+    return dist.TCPStore(STORE_HOST, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+def join(store: dist.Store, generation: int, rank: int, world_size: int, *, backend: str = "gloo",
+         timeout_s: float = 60.0) -> None:
+    """Initialise the default process group of `generation` (collective over its `world_size` ranks)."""
+    dist.init_process_group(backend, store=dist.PrefixStore(f"gen{generation}", store), rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+
+
+def leave() -> None:
+    """Drop every process group of the current generation, broken or not (no collective: a peer is gone)."""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.distributed_c10d._abort_process_group()
+    except Exception:  # noqa: BLE001 - an already broken group may refuse to abort; destroy it anyway
+        pass
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def failed_key(generation: int) -> str:
+    """Store key under which the launcher lists the ranks of `generation` it saw die."""
+    return f"failed/gen{generation}"
+
+
+def publish_failed(store: dist.Store, generation: int, ranks: Sequence[int]) -> None:
+    store.set(failed_key(generation), json.dumps(sorted(int(r) for r in ranks)))
+
+
+def wait_failed(store: dist.Store, generation: int, timeout_s: float = 60.0) -> list[int]:
+    """The ranks of `generation` the launcher saw die (blocks until it says so)."""
+    store.wait([failed_key(generation)], timedelta(seconds=timeout_s))
+    return json.loads(store.get(failed_key(generation)))
+
+
+# ---- forked workers sharing one store (tests, benchmarks) --------------------------------------------
+def _worker(rank: int, fn: Callable, world_size: int, port: int, queue, args: tuple) -> None:
+    torch.set_num_threads(1)
+    store = connect(port)
+    try:
+        result = fn(rank, world_size, store, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+        raise
+    finally:
+        leave()
+
+
+def run_elastic(fn: Callable[..., Any], world_size: int, *args: Any, watch: bool = True,
+                timeout_s: float = 300.0) -> tuple[dict[int, Any], list[int | None]]:
+    """Fork `world_size` workers running `fn(rank, world_size, store, *args)`; `fn` joins generations itself.
+
+    With `watch`, a worker that dies without reporting (a lost rank) is published on the store as failed
+    in generation `len(deaths so far)`, which is how survivors learn who is gone.  Returns the results of
+    the workers that finished, by first-generation rank, and every worker's exit code.  A worker that
+    raised makes this raise with its traceback.
+    """
+    import multiprocessing.connection
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    queue = ctx.SimpleQueue()
+    store = host_store(timeout_s)
+    procs = [ctx.Process(target=_worker, args=(r, fn, world_size, store.port, queue, args))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    finished: set[int] = set()
+    dead: set[int] = set()
+    generation = 0
+    try:
+        while len(finished | dead) < world_size and not errors:
+            while not queue.empty():
+                rank, status, value = queue.get()
+                finished.add(rank)
+                if status == "ok":
+                    results[rank] = value
+                else:
+                    errors.append(f"rank {rank}:\n{value}")
+            alive = {r: p for r, p in enumerate(procs) if r not in finished | dead}
+            ready = multiprocessing.connection.wait([p.sentinel for p in alive.values()], timeout=0.05)
+            gone = [r for r, p in alive.items() if p.sentinel in ready]
+            if not gone:
+                continue
+            while not queue.empty():  # a worker may have reported just before exiting
+                rank, status, value = queue.get()
+                finished.add(rank)
+                if status == "ok":
+                    results[rank] = value
+                else:
+                    errors.append(f"rank {rank}:\n{value}")
+            lost = [r for r in gone if r not in finished]
+            if lost and watch:
+                dead.update(lost)
+                publish_failed(store, generation, lost)
+                generation += 1
+    finally:
+        for p in procs:
+            p.join(timeout=10 if not errors else 2)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise RuntimeError("worker failed:\n" + "\n".join(errors))
+    return results, [p.exitcode for p in procs]
+

@@ -1,0 +1,146 @@
+"""Live reshard after a lost rank equals, bit for bit, a checkpoint load on the new layout.
+
+Every worker trains two AdamW steps on the old layout (float32) and writes a real sharded checkpoint at
+that step; the lost rank then leaves.  The survivors join the next generation of process groups on the
+same store with their new ranks (policy `ntp`), build the new layout's model from a *different* seed and
+reshard into it from each other's memory.  The reference is a third model on the same new layout loaded
+from the checkpoint with `load_checkpoint` (the restart path): parameters, Adam moments and steps, and
+the optimizer hyperparameters must be identical.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ntp_nemo.checkpoint import load_checkpoint, save_checkpoint
+from ntp_nemo.parallel.runtime import NTPRuntime
+from ntp_nemo.parallel.shard import ShardSpec
+from ntp_nemo.resilience.live import Holding, NoLiveCopy, live_reshard, plan_reshard
+from ntp_nemo.resilience.policies import Layout, make_policy, replan
+from ntp_nemo.resilience.rendezvous import join, leave, run_elastic
+from ntp_nemo.topology import Topology
+from tests.ntp_cases import GPT, LLAMA
+
+SEED, SEQ, GLOBAL_BATCH, LR, STEPS = 7, 8, 6, 1e-2, 2
+
+
+def _batch(cfg, step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, cfg.vocab_size, (GLOBAL_BATCH, SEQ + 1), generator=gen)
+
+
+def _setup(topo: Topology, rank: int, cfg, seed: int, lr: float):
+    rt = NTPRuntime(topo, rank)
+    model = rt.build_model(cfg, seed, dtype=torch.float32)
+    rt.attach(model)
+    return rt, model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+
+
+def _train_step(rt, model, opt, cfg, step: int) -> None:
+    toks = _batch(cfg, step)
+    mine = rt.my_microbatches(GLOBAL_BATCH)
+    rt.train_microbatches(model, [toks[i : i + 1] for i in mine], toks[:, 1:].numel())
+    rt.sync.sync()
+    opt.step()
+    opt.zero_grad()
+
+
+def _differences(a_model, a_opt, b_model, b_opt) -> list[str]:
+    out = []
+    b_params = dict(b_model.named_parameters())
+    for name, p in a_model.named_parameters():
+        q = b_params[name]
+        if p.ntp_spec != q.ntp_spec or not torch.equal(p, q):
+            out.append(f"{name} param")
+        sa, sb = a_opt.state[p], b_opt.state[q]
+        if sorted(sa) != sorted(sb):
+            out.append(f"{name} state keys {sorted(sa)} vs {sorted(sb)}")
+            continue
+        for k in sa:
+            if sa[k].dtype != sb[k].dtype or not torch.equal(sa[k], sb[k]):
+                out.append(f"{name} {k}")
+    if [g["lr"] for g in a_opt.param_groups] != [g["lr"] for g in b_opt.param_groups]:
+        out.append("learning rates")
+    return out
+
+
+def reshard_worker(rank, world, store, cfg, tp, replica_tp, pp, failed, path):
+    layer_tp = [tp] * (cfg.num_layers + 2)
+    old_topo = Topology(tp, replica_tp, layer_tp, pp)
+    join(store, 0, rank, world)
+    rt, model, opt = _setup(old_topo, rank, cfg, SEED, LR)
+    for step in range(STEPS):
+        _train_step(rt, model, opt, cfg, step)
+    save_checkpoint(path, model, opt, {"step": STEPS}, step=STEPS)
+    plan = replan(Layout(tp, tuple(replica_tp), pp), failed, make_policy("ntp"))
+    leave()
+    if rank not in plan.assignment:  # the lost rank, or a survivor the new layout leaves idle
+        return None
+    new_rank = plan.assignment.index(rank)
+    join(store, 1, new_rank, len(plan.assignment))
+    new_topo = Topology(tp, plan.new.replica_tp, layer_tp, pp)
+    rt2, live_model, live_opt = _setup(new_topo, new_rank, cfg, SEED + 1, lr=0.5)  # every value must move
+    result = live_reshard(model, opt, live_model, live_opt, old_topo.coord(rank).replica)
+    _, ref_model, ref_opt = _setup(new_topo, new_rank, cfg, SEED + 2, lr=0.5)
+    load_checkpoint(path, ref_model, ref_opt, verify_checksums=False)  # a fresh checkpoint: no scan
+    return {
+        "new_rank": new_rank,
+        "diffs": _differences(live_model, live_opt, ref_model, ref_opt),
+        "moved": result.moved_bytes,
+        "needed": result.needed_bytes,
+        "sent": result.sent_bytes,
+        "received": result.received_bytes,
+        "params": sum(p.numel() for p in live_model.parameters()),
+    }
+
+
+CASES = {
+    "2.2-to-2.1": (LLAMA, 2, [2, 2], 1, [3], 3),
+    "3.3-to-3.2": (LLAMA, 3, [3, 3], 1, [4], 5),
+    "pp2-2.1-to-1.1": (GPT, 2, [2, 1], 2, [1], 4),  # rank 3 (replica 0, stage 1) is left idle
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_live_reshard_equals_checkpoint_load(case, tmp_path):
+    cfg, tp, replica_tp, pp, failed, new_world = CASES[case]
+    world = pp * sum(replica_tp)
+    results, codes = run_elastic(reshard_worker, world, cfg, tp, replica_tp, pp, failed,
+                                 str(tmp_path / "step_000002"), watch=False)
+    assert codes == [0] * world
+    live = [r for r in results.values() if r is not None]
+    assert sorted(r["new_rank"] for r in live) == list(range(new_world))
+    for r in live:
+        assert r["diffs"] == [], f"new rank {r['new_rank']}: {r['diffs']}"
+    # Every rank agrees on the plan's totals; a rank only receives what it lacked, so nothing beyond the
+    # lower bound moves, and the sends and receives of all ranks add up to it.
+    assert len({(r["moved"], r["needed"]) for r in live}) == 1
+    moved = live[0]["moved"]
+    assert moved == live[0]["needed"] > 0
+    assert sum(r["sent"] for r in live) == sum(r["received"] for r in live) == moved
+
+
+def _h(lo: int, hi: int, units: int = 4) -> Holding:
+    return Holding(ShardSpec.split((units, 3), 0, 1, lo, hi), "float32", 4)
+
+
+def test_plan_prefers_self_then_own_replica_then_least_loaded_healthy_replica():
+    # Old layout (2,2) of a 4-row tensor, plus a third replica: participants 0,1 = replica 0 (rows [0,2),
+    # [2,4)), 2 = survivor of replica 1 (rows [0,2)), 3,4 = replica 2. New: participant 2 needs all rows.
+    held = [{"w": _h(0, 2)}, {"w": _h(2, 4)}, {"w": _h(0, 2)}, {"w": _h(0, 2)}, {"w": _h(2, 4)}]
+    wanted = [{"w": _h(0, 2)}, {"w": _h(2, 4)}, {"w": _h(0, 4)}, {"w": _h(0, 2)}, {"w": _h(2, 4)}]
+    plan = plan_reshard(held, wanted, [0, 0, 1, 2, 2])
+    into_2 = sorted((p.start, p.stop, p.src) for p in plan.pieces if p.dst == 2)
+    assert into_2[0] == (0, 2, 2)  # its own rows stay local
+    assert into_2[1][:2] == (2, 4) and into_2[1][2] in (1, 4)  # the lost rows from a healthy holder
+    assert plan.moved_bytes == plan.needed_bytes == 2 * 3 * 4
+    # Own replica first: a survivor of replica 1 at new position 3 holding rows [2,4) serves participant 2.
+    held2 = held[:4] + [{"w": _h(2, 4)}]
+    plan2 = plan_reshard(held2, wanted, [0, 0, 1, 2, 1])
+    assert {p.src for p in plan2.pieces if p.dst == 2 and p.start == 2} == {4}
+
+
+def test_no_live_copy_is_reported():
+    with pytest.raises(NoLiveCopy, match=r"no survivor holds w elements \[2,4\)"):
+        plan_reshard([{"w": _h(0, 2)}], [{"w": _h(0, 4)}], [0])
