@@ -85,7 +85,9 @@ def train(cfg: DictConfig) -> dict:
 
     mcfg = model_config(cfg)
     supervisor = Supervisor(
-        cfg, run_dir, lambda c, extra: build_trainer(c, run_dir, data, resolve_layer_tp(c), extra)
+        cfg,
+        run_dir,
+        lambda c, extra, devices: build_trainer(c, run_dir, data, resolve_layer_tp(c), extra, devices),
     )
     trainer, module, strategy = supervisor.build_first()
     topo = strategy.topology
@@ -121,6 +123,8 @@ def train(cfg: DictConfig) -> dict:
     t0 = time.time()
     supervisor.initial_resume = ckpt_path
     result = supervisor.run((trainer, module, strategy), ckpt_path)
+    if launcher_rank() != 0:
+        return {}  # summary.json has one writer, global rank 0, which also reads and prints it
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     summary["wall_s"] = time.time() - t0

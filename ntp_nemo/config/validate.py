@@ -172,9 +172,9 @@ def validate(cfg: DictConfig) -> None:
 def check_environment(cfg: DictConfig) -> None:
     """Checks against this machine (not the config's consistency): run just before launching."""
     if cfg.trainer.accelerator in ("gpu", "cuda"):
-        import torch
+        from ntp_nemo.parallel.devices import cuda_available  # no CUDA context in the launching parent
 
-        if not torch.cuda.is_available():
+        if not cuda_available():
             raise ConfigError(
                 "trainer.accelerator",
                 f"recipe {cfg.recipe!r} asks for GPUs but CUDA is not available "

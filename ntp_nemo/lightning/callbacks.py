@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,13 @@ class MetricsJSONL(Callback):
             f.write(json.dumps(rec) + "\n")
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Write `path` whole or not at all (temporary file + rename): a reader never sees it half-written."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 class RunSummary(Callback):
     """Writes `summary.json` at the end of training (final losses, throughput, goodput, layout)."""
 
@@ -82,7 +90,7 @@ class RunSummary(Callback):
             report = compute_goodput(load_events(goodput_file))
             summary["goodput"] = report.goodput
             summary["capacity_fraction"] = report.capacity_fraction
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
 
 
 class StepCheckpoint(ModelCheckpoint):

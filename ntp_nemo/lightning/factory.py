@@ -15,7 +15,6 @@ from omegaconf import DictConfig, OmegaConf
 from ntp_nemo.config.schema import ModelConfig
 from ntp_nemo.config.validate import resolved_replica_tp
 from ntp_nemo.data.module import DataBundle
-from ntp_nemo.errors import ConfigError
 from ntp_nemo.lightning.callbacks import (
     MemoryReport,
     MetricsJSONL,
@@ -24,6 +23,7 @@ from ntp_nemo.lightning.callbacks import (
     StepCheckpoint,
     StopAtStep,
 )
+from ntp_nemo.lightning.cluster import cluster_environment, launcher_layout
 from ntp_nemo.lightning.goodput_callback import GoodputCallback
 from ntp_nemo.lightning.module import NTPLanguageModule
 from ntp_nemo.lightning.strategy import NTPStrategy
@@ -31,20 +31,13 @@ from ntp_nemo.pipeline.partition import resolve_stage_layers
 
 
 def process_layout(world_size: int) -> tuple[int, int]:
-    """(devices per node, nodes): from torchrun/SLURM when they launched us, else all on this machine."""
-    if "LOCAL_WORLD_SIZE" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
-        local, world = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["WORLD_SIZE"])
-    elif "SLURM_NTASKS" in os.environ and "SLURM_NTASKS_PER_NODE" in os.environ:
-        local, world = int(os.environ["SLURM_NTASKS_PER_NODE"]), int(os.environ["SLURM_NTASKS"])
-    else:
+    """(devices on this node, nodes) for Lightning: from torchrun/SLURM when they launched us (nodes may
+    run unequal process counts; see ntp_nemo.lightning.cluster), else all on this machine."""
+    layout = launcher_layout()
+    if layout is None:
         return world_size, 1
-    if world != world_size:
-        raise ConfigError(
-            "mesh",
-            f"the launcher started {world} processes but the layout needs {world_size} "
-            "(pp x sum(ntp.replica_tp)); adjust ntp.replica_tp/mesh.* or the launcher's process count.",
-        )
-    return local, world // local
+    layout.check(world_size)
+    return layout.local_world_size, layout.num_nodes
 
 
 def model_config(cfg: DictConfig) -> ModelConfig:
@@ -55,8 +48,15 @@ def model_config(cfg: DictConfig) -> ModelConfig:
 
 
 def build_trainer(
-    cfg: DictConfig, run_dir: Path, data: DataBundle, layer_tp: list[int], extra_callbacks: Sequence[Any] = ()
+    cfg: DictConfig,
+    run_dir: Path,
+    data: DataBundle,
+    layer_tp: list[int],
+    extra_callbacks: Sequence[Any] = (),
+    cuda_devices: Sequence[int] | None = None,
 ) -> tuple[pl.Trainer, NTPLanguageModule, NTPStrategy]:
+    """`cuda_devices`: the CUDA ordinal each local rank binds (the supervisor's relaunch after a lost
+    GPU); default ranks 0..n-1 on ordinals 0..n-1."""
     t = cfg.trainer
     strategy = NTPStrategy(
         tp=int(cfg.mesh.tp),
@@ -75,6 +75,12 @@ def build_trainer(
         timeout=timedelta(seconds=float(cfg.fault.collective_timeout_s)),
     )
     devices, nodes = process_layout(strategy.topology.world_size)
+    gpu = t.accelerator in ("gpu", "cuda")
+    if gpu and cuda_devices is not None:
+        if len(cuda_devices) != devices or nodes != 1:
+            raise ValueError(f"{len(cuda_devices)} CUDA devices for {devices} processes on {nodes} nodes")
+        devices = list(cuda_devices)  # Lightning: parallel_devices = [cuda:i for i in the list]
+    env = cluster_environment(launcher_layout())
     metrics = MetricsJSONL(run_dir)
     strategy.keep_last = int(cfg.checkpoint.keep_last)
     strategy.async_save = bool(cfg.checkpoint.async_save)
@@ -107,10 +113,11 @@ def build_trainer(
     callbacks += list(extra_callbacks)  # failure injection and heartbeats (ntp_nemo.resilience)
     loggers = [instantiate(lg) for lg in (cfg.logger or {}).values() if lg is not None]
     trainer = pl.Trainer(
-        accelerator="gpu" if t.accelerator in ("gpu", "cuda") else t.accelerator,
+        accelerator="gpu" if gpu else t.accelerator,
         devices=devices,
         num_nodes=nodes,
         strategy=strategy,
+        plugins=[env] if env is not None else None,
         precision=t.precision,
         max_steps=int(t.max_steps),
         max_epochs=-1,

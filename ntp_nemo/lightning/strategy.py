@@ -137,9 +137,12 @@ class NTPStrategy(ParallelStrategy):
         self.runtime = NTPRuntime(self.topology, self.global_rank, self.power_boost, self.schedule)
 
     def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        """Ranks we launched: local rank = global rank (one node).  Under torchrun/SLURM the launcher's
+        RANK/SLURM_PROCID stand (nodes may run unequal process counts: no node_rank * devices)."""
+        env = self.cluster_environment
+        if env is not None and not env.creates_processes_externally:
+            env.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            env.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
 
     def setup(self, trainer: pl.Trainer) -> None:

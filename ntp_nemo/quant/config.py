@@ -45,13 +45,14 @@ def validate_quant(cfg: Any) -> None:
     if fmt == "none":
         return
     if fmt in CUDA_ONLY:
-        import torch
+        from ntp_nemo.parallel.devices import cuda_available  # no CUDA context in the launching parent
 
         accel = str(_get(_get(cfg, "trainer", {}), "accelerator", "cpu"))
-        if accel == "cpu" or not torch.cuda.is_available():
+        has_cuda = cuda_available()
+        if accel == "cpu" or not has_cuda:
             raise ConfigError("quant.format", f"{fmt!r} fake quantisation runs only on CUDA GPUs (modelopt's "
                               f"block-quantisation kernels), but this run uses accelerator={accel!r}"
-                              f"{'' if torch.cuda.is_available() else ' and no CUDA device is visible'}. "
+                              f"{'' if has_cuda else ' and no CUDA device is visible'}. "
                               "Use quant=int8 or quant=fp8 on CPU, or trainer=gpu on a CUDA machine.")
     calib = _get(q, "calib_batches", 1)
     if calib is None or int(calib) < 1:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from ntp_nemo.errors import EXIT_RUNTIME, ConfigError, cli_main
@@ -30,6 +31,36 @@ def _ints(text: str, key: str) -> list[int]:
         raise ConfigError(
             key, f"{text!r} is not a comma-separated list of integers, e.g. {key} 4,4."
         ) from None
+
+
+def relaunch_devices(
+    plan: Replan, devices: Sequence[int], lost: Collection[int], visible: int
+) -> tuple[list[int], list[str]]:
+    """CUDA device of each rank of the re-planned layout on this machine, and notes to print.
+
+    `devices[old_rank]` is the device the old rank used; new rank i takes the device of its old rank
+    `plan.assignment[i]`, so the survivors keep their GPUs and a lost device (`lost`) is never handed
+    out.  Under `restart` a replaced rank takes a spare: a visible device no rank uses and none lost;
+    with no spare left it restarts on its old device (the restart policy assumes it recovered)."""
+    lost_set = set(lost)
+    taken = {devices[o] for o in plan.assignment if o not in plan.replaced}
+    spares = [d for d in range(visible) if d not in taken and d not in lost_set]
+    out, notes = [], []
+    for new_rank, old in enumerate(plan.assignment):
+        device = devices[old]
+        if old in plan.replaced:
+            if spares:
+                device = spares.pop(0)
+                notes.append(f"rank {new_rank} takes spare cuda:{device} for lost cuda:{devices[old]}")
+            else:
+                notes.append(
+                    f"no spare GPU for rank {new_rank}: it restarts on cuda:{device} "
+                    "(policy restart; use fault.policy=ntp to continue without the lost device)"
+                )
+        elif device in lost_set:
+            raise RuntimeError(f"rank {new_rank} of the re-planned layout would bind the lost cuda:{device}")
+        out.append(device)
+    return out, notes
 
 
 def placement(plan: Replan, nodes: list[str], gpus_per_node: int) -> dict[str, Any]:

@@ -23,7 +23,7 @@ import os
 import shutil
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,8 +40,9 @@ from ntp_nemo.resilience.worker import SupervisedWorker
 FAILOVER_DIR = "failover"
 ATTEMPTS_FILE = "attempts.jsonl"
 
-# build(cfg, extra_callbacks) -> (trainer, module, strategy)
-BuildFn = Callable[[DictConfig, list[Any]], tuple[Any, Any, Any]]
+# build(cfg, extra_callbacks, cuda_devices) -> (trainer, module, strategy); cuda_devices: the CUDA
+# ordinal of each rank (None: ranks 0..n-1 on ordinals 0..n-1, and always on CPU)
+BuildFn = Callable[[DictConfig, list[Any], list[int] | None], tuple[Any, Any, Any]]
 
 
 class FailoverError(RuntimeError):
@@ -113,6 +114,7 @@ class AttemptRecord:
     outcome: str | None = None  # ok | repair_stop | failed
     failure: dict[str, Any] | None = None
     replan: str | None = None
+    devices: list[int] | None = None  # CUDA ordinal per rank (None: CPU, or ranks 0..n-1 on 0..n-1)
 
 
 @dataclass
@@ -152,6 +154,9 @@ class Supervisor:
         )
         self.result = SupervisorResult()
         self._port_was_set = "MASTER_PORT" in os.environ
+        self.gpu = str(cfg.trainer.accelerator) in ("gpu", "cuda")
+        self.devices: list[int] | None = None  # CUDA ordinal per rank of the running attempt
+        self.lost_devices: set[int] = set()  # GPUs lost since the last repair: never handed out again
 
     # ---- building attempts ----------------------------------------------------------------------
     def callbacks(self, attempt: int = 0, recovering: bool = False) -> list[Any]:
@@ -167,7 +172,7 @@ class Supervisor:
     def build_first(self) -> tuple[Any, Any, Any]:
         """Trainer, module and strategy of the first attempt (the run's own config and layout)."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        built = self.build(self.cfg, self.callbacks())
+        built = self.build(self.cfg, self.callbacks(), None)
         if built[0].strategy.launcher is None:  # torchrun/SLURM created the processes: they are not ours
             built[0].callbacks[:] = [cb for cb in built[0].callbacks if not isinstance(cb, SupervisedWorker)]
         if self.faults:
@@ -237,6 +242,7 @@ class Supervisor:
                 str(resume) if resume else None,
                 stop_at,
                 time.time(),
+                devices=self.devices,
             )
             self.result.attempts.append(rec)
             lost = self._execute(trainer, module, layout, resume)
@@ -247,6 +253,8 @@ class Supervisor:
                 if rec.outcome == "ok":
                     return self.result
                 plan_layout, kept, reason = self.nominal, None, "repair"
+                self.lost_devices.clear()  # the lost GPUs are back: the original placement again
+                new_devices = None
                 print(
                     f"failover | repaired: step {rec.stop_at_step} reached on {layout.describe()}; "
                     f"relaunching on the original layout {self.nominal.describe()}",
@@ -285,14 +293,16 @@ class Supervisor:
                         "check the machine."
                     )
                 plan_layout, kept, reason = plan.new, plan.kept, "failover"
+                new_devices = self.relaunch_devices(layout, plan, lost.ranks)
             resume = self._latest_checkpoint()
             stop_at = self._repair_stop(plan_layout, self._step_of(resume))
             cfg = with_layout(self.cfg, plan_layout, kept, stop_at)
             layout = plan_layout
+            self.devices = new_devices
             if not self._port_was_set:
                 os.environ.pop("MASTER_PORT", None)  # a fresh rendezvous port for the new workers
             trainer, module, _ = self.build(
-                cfg, self.callbacks(len(self.result.attempts), reason == "failover")
+                cfg, self.callbacks(len(self.result.attempts), reason == "failover"), new_devices
             )
             print(
                 f"failover | attempt {len(self.result.attempts)} on layout {layout.describe()}"
@@ -303,6 +313,25 @@ class Supervisor:
             self._record(
                 "job_start", layout=layout.describe(), attempt=len(self.result.attempts), reason=reason
             )
+
+    def relaunch_devices(self, layout: Layout, plan: Replan, lost_ranks: Sequence[int]) -> list[int] | None:
+        """CUDA ordinal of each rank of the next attempt (None on CPU): the survivors keep their GPUs
+        (`plan.assignment`), the lost ranks' GPUs join `lost_devices` and are not handed out again
+        until a repair."""
+        if not self.gpu:
+            return None
+        from ntp_nemo.parallel.devices import cuda_device_count
+        from ntp_nemo.resilience.replan import relaunch_devices
+
+        current = self.devices if self.devices is not None else list(range(layout.world_size))
+        self.lost_devices |= {current[r] for r in lost_ranks}
+        try:
+            devices, notes = relaunch_devices(plan, current, self.lost_devices, cuda_device_count())
+        except RuntimeError as err:
+            raise FailoverError(str(err)) from None
+        for note in notes:
+            print(f"failover | {note}", flush=True)
+        return devices
 
     def _replan(self, layout: Layout, lost: LostRanks) -> Replan:
         policy = self.policy

@@ -1,0 +1,47 @@
+"""Counting CUDA devices in the launching parent without initialising CUDA.
+
+The parent forks its workers, and a process that forked after CUDA was initialised cannot use CUDA
+in the child; even `torch.cuda.is_available()` calls `cudaGetDeviceCount`, which initialises the
+driver (`cuInit`).  `torch.cuda.device_count()` asks NVML first (it honours CUDA_VISIBLE_DEVICES
+and leaves CUDA alone); only when NVML cannot answer does this module count in a short-lived child
+process, so the parent stays fork-safe either way.  Each worker then binds its own device
+(`torch.cuda.set_device`) after it started.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+_COUNT_IN_CHILD = "import torch; print(torch.cuda.device_count())"
+
+
+def cuda_device_count() -> int:
+    """Visible CUDA devices; never creates a CUDA context or initialises the driver in this process."""
+    if not torch.cuda._is_compiled():
+        return 0
+    if torch.cuda.is_initialized():
+        return torch.cuda.device_count()  # already initialised here: nothing left to protect
+    nvml = getattr(torch.cuda, "_device_count_nvml", None)
+    count = nvml() if callable(nvml) else -1
+    if count >= 0:
+        return count
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", _COUNT_IN_CHILD],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=dict(os.environ, PYTORCH_NVML_BASED_CUDA_CHECK="0"),
+        )
+        return int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else 0
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return 0
+
+
+def cuda_available() -> bool:
+    """`torch.cuda.is_available()` for the launching parent (see `cuda_device_count`)."""
+    return cuda_device_count() > 0
