@@ -15,6 +15,27 @@ def available_recipes() -> list[str]:
     return sorted(p.stem for p in recipes_dir().glob("*.yaml"))
 
 
+def mandatory_keys(recipe: str) -> list[str]:
+    """Dotted keys that `recipes/NAME.yaml` marks `???` (must be given on the command line)."""
+    path = recipes_dir() / f"{recipe}.yaml"
+    if not path.is_file():
+        return []
+    out: list[str] = []
+
+    def walk(node, prefix: str) -> None:
+        for key in node:
+            if key == "defaults":
+                continue
+            full = f"{prefix}{key}"
+            if OmegaConf.is_missing(node, key):
+                out.append(full)
+            elif OmegaConf.is_dict(node[key]):
+                walk(node[key], full + ".")
+
+    walk(OmegaConf.load(path), "")
+    return out
+
+
 def register_configs() -> None:
     """Register `base_config` (typed defaults) and every `recipes/NAME.yaml` as `recipe=NAME`.
 

@@ -20,6 +20,22 @@ class MetricsJSONL(Callback):
         self._t0 = 0.0
         self.history: list[dict[str, Any]] = []
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Keep only the steps up to the one training resumes from (all of them are redone after it):
+        a fresh start rewrites the file, a resume or a failover relaunch never duplicates a step."""
+        if not trainer.is_global_zero:
+            return
+        start = int(trainer.global_step)
+        kept: list[str] = []
+        if start > 0 and self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    if int(json.loads(line)["step"]) <= start:
+                        kept.append(line)
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line cut short by a crash
+        self.path.write_text("".join(line + "\n" for line in kept))
+
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -82,7 +98,11 @@ class RunSummary(Callback):
             if hist
             else getattr(trainer.strategy, "layout_info", {}).get("layout"),
             "run_dir": str(self.run_dir),
+            "max_steps": int(trainer.max_steps),
         }
+        stop = next((cb for cb in trainer.callbacks if isinstance(cb, PreemptionCheckpoint)), None)
+        if stop is not None and stop.stopped and trainer.global_step < trainer.max_steps:
+            summary["stopped_early"] = stop.signal_name or "signal"
         goodput_file = self.run_dir / "goodput.jsonl"
         if goodput_file.exists():
             from ntp_nemo.goodput import compute_goodput, load_events
@@ -137,14 +157,17 @@ class StopAtStep(Callback):
 
 
 class PreemptionCheckpoint(Callback):
-    """SIGTERM/SIGUSR1 (preemption notice): finish the step, agree on the stop flag across all ranks
-    (one MAX all-reduce per step, so no rank saves alone), then stop; the end-of-training checkpoint
-    is written by `StepCheckpoint` when checkpointing is on."""
+    """SIGTERM/SIGUSR1 (preemption notice) or SIGINT (Ctrl-C): finish the step, agree on the stop flag
+    across all ranks (the flag rides in the training step's fused all-reduce, so no rank saves alone),
+    then stop; the end-of-training checkpoint is written by `StepCheckpoint` when checkpointing is on.
+    A second Ctrl-C stops the process at once (no checkpoint)."""
 
-    SIGNALS = ("SIGTERM", "SIGUSR1")
+    SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 
     def __init__(self) -> None:
         self.requested = False
+        self.signal_name: str | None = None
+        self.stopped = False  # this run stopped on a signal (received here or by another rank)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Replaces the trainer's own SIGTERM handler (installed when the run started): that one broadcasts
@@ -155,23 +178,38 @@ class PreemptionCheckpoint(Callback):
             signal.signal(getattr(signal, name), self._request)
 
     def _request(self, signum, frame) -> None:  # noqa: ANN001 - signal handler signature
+        import os
+        import signal
+
+        if signum == signal.SIGINT and self.signal_name == "SIGINT":
+            # The second Ctrl-C: die of SIGINT now, as an uncaught Ctrl-C would (no checkpoint).
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+            return
         self.requested = True
+        if self.signal_name is None or signum == signal.SIGINT:
+            self.signal_name = signal.Signals(signum).name
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        import torch
-        import torch.distributed as dist
+        # The training step folds `requested` into its one fused all-reduce (NTPRuntime.step_scalars)
+        # and leaves the agreed answer on the module: no collective or host read of its own here.
+        agreed = getattr(pl_module, "stop_agreed", None)
+        if agreed is None:  # a module without the fused step: agree with a MAX all-reduce on its device
+            import torch
+            import torch.distributed as dist
 
-        flag = torch.tensor([1.0 if self.requested else 0.0])
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() > 0:
+            flag = torch.tensor([1.0 if self.requested else 0.0], device=trainer.strategy.root_device)
+            if dist.is_available() and dist.is_initialized():
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            agreed = bool(flag.item() > 0)
+        if agreed:
+            self.stopped = True
             if trainer.is_global_zero:
-                print(
-                    f"preemption signal received: checkpointing at step {trainer.global_step} and stopping",
-                    flush=True,
-                )
+                why = "interrupted (Ctrl-C)" if self.signal_name == "SIGINT" else "preemption signal received"
+                more = "; press Ctrl-C again to stop at once without it" if self.signal_name == "SIGINT" else ""
+                print(f"{why}: checkpointing at step {trainer.global_step} and stopping{more}", flush=True)
             trainer.should_stop = True
 
 

@@ -1,0 +1,113 @@
+"""The run directory's lifecycle around a command: writable before anything starts, its `.hydra/`
+record written only once the config is valid, and nothing left behind by a command that failed.
+
+Hydra would write `.hydra/config.yaml` before the job runs, so a rerun with a bad override would
+replace the record of the run already in that directory; `ntp-train` therefore turns Hydra's own
+record off (`hydra.output_subdir=null`) and writes the same three files itself, after validation.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from ntp_nemo.errors import EXIT_CONFIG, ConfigError, report_config_error
+
+RECORD_DIR = ".hydra"
+LOG_NAMES = ("train.log",)
+
+
+def writable_dir_problem(path: Path) -> str | None:
+    """Why `path` cannot be created or written (None when it can): checks the nearest existing
+    ancestor without creating anything."""
+    p = Path(path).absolute()
+    probe = p
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is a file, not a directory"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable"
+    if probe == p:
+        try:  # access() says yes to root even on a read-only mount: try it
+            fd, name = _probe_file(p)
+            os.close(fd)
+            os.unlink(name)
+        except OSError as err:
+            return f"{p} is not writable ({err.strerror})"
+    return None
+
+
+def _probe_file(directory: Path) -> tuple[int, str]:
+    import tempfile
+
+    return tempfile.mkstemp(prefix=".ntp_write_check", dir=directory)
+
+
+def require_writable(path: Path, key: str) -> None:
+    problem = writable_dir_problem(path)
+    if problem is not None:
+        raise ConfigError(key, f"cannot write the run's files to {path}: {problem}. Choose a writable directory.")
+
+
+def save_record(cfg: DictConfig, run_dir: Path) -> None:
+    """Write `.hydra/{config,hydra,overrides}.yaml` as Hydra does (called once the config is valid)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    out = Path(run_dir) / RECORD_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    hydra_cfg = HydraConfig.get()
+    files = {
+        "config.yaml": cfg,
+        "hydra.yaml": OmegaConf.create({"hydra": hydra_cfg}),
+        "overrides.yaml": hydra_cfg.overrides.task,
+    }
+    for name, node in files.items():
+        tmp = out / f".{name}.tmp"
+        tmp.write_text(OmegaConf.to_yaml(node))
+        os.replace(tmp, out / name)
+
+
+def remove_if_empty(run_dir: Path) -> bool:
+    """Remove a run directory that holds nothing but this command's log and empty folders (a command
+    that failed before doing anything); returns whether it was removed."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return False
+    for p in run_dir.rglob("*"):
+        if p.is_file() and not (p.parent == run_dir and p.name in LOG_NAMES):
+            return False
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return True
+
+
+class RunDirCheck(Callback):
+    """Hydra callback: the run (or sweep) directory must be writable before Hydra creates it; a bad one
+    ends the command with exit code 2 and one line, not a traceback from `mkdir`."""
+
+    def _check(self, config: DictConfig, key: str) -> None:
+        try:
+            path = OmegaConf.select(config, key)
+        except Exception:  # noqa: BLE001 - an interpolation only the job can resolve: Hydra reports it
+            return
+        if path is None:
+            return
+        try:
+            require_writable(Path(str(path)), key)
+        except ConfigError as err:
+            report_config_error(err)
+            sys.exit(EXIT_CONFIG)
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._check(config, "hydra.run.dir")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._check(config, "hydra.sweep.dir")
