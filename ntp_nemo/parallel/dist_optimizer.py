@@ -1,0 +1,327 @@
+"""Distributed AdamW: master weights and AdamW moments sharded across the holders of each gradient fragment.
+
+The SyncPlan groups every fragment of every parameter by its holder set (the ranks, one or more per
+replica, that hold that piece of the logical tensor).  The holder sets' buckets (`buckets.py`) are
+split into `len(holders)` equal chunks and holder `i` owns chunk `i`:
+
+1. `reduce_scatter_grads`: each bucket's weighted gradients are reduce-scattered in the holder set's
+   group, so every holder receives the summed gradient of its chunk only;
+2. `clip_grad_norm_`: the norm of the logical gradient from the owned chunks (each logical element is
+   owned exactly once) plus the un-communicated fragments, one all-reduce of a scalar;
+3. `step`: AdamW (torch's own `adamw` function, same arithmetic as `torch.optim.AdamW`) on the owned
+   chunks, then each bucket's updated chunks are all-gathered back into every holder's parameters.
+
+Steps 1 and 3 together move the same bytes as the all-reduce of the plain sync.  Fragments the plan
+does not communicate (identical copies inside one replica, or held by one rank) are updated whole on
+every rank that holds them, as with the plain optimizer.  Unequal replicas need nothing special: a
+holder set mixes ranks of a TP-2 and a TP-1 replica exactly as the plain sync does.
+
+Weights: the parameters stay the model's tensors.  For float32/float64 parameters they are the master
+weights (the owned chunk is copied to a scratch buffer for the update and gathered back); for
+float16/bfloat16 parameters a float32 master of the owned chunk is kept.  Persistent state per rank is
+the moments (plus the low-precision master) of its chunks: about 1/len(holders) of the plain
+optimizer's.
+
+Checkpoints stay per parameter (and so topology-independent): `gather_state()` (collective, every rank)
+fills `self.state` with each parameter's full local `step`/`exp_avg`/`exp_avg_sq`, exactly what
+`torch.optim.AdamW` holds, for the checkpoint writer to read; state installed into `self.state` by a
+checkpoint loader (from a run with or without this optimizer, on any layout) is taken over by the next
+`step()`, which keeps only this rank's chunks and empties `self.state`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim.adamw import adamw
+
+from ntp_nemo.parallel.buckets import Bucket, build_buckets, fragment_view, pack, unpack
+from ntp_nemo.parallel.grad_sync import Fragment, SyncPlan
+
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def _master_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in _LOW else dtype
+
+
+@dataclass
+class _Segment:
+    """A piece of one parameter fragment owned by this rank: `length` elements starting at element
+    `frag_offset` of the fragment's flattened view, at `offset` of its owner buffer."""
+
+    frag: Fragment
+    frag_offset: int
+    offset: int
+    length: int
+    group: int  # index into param_groups
+    step: torch.Tensor
+
+
+class _Owned:
+    """This rank's part of one bucket (or one un-communicated fragment): moments, master, segments."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device, low_precision: bool) -> None:
+        self.numel = numel
+        self.exp_avg = torch.zeros(numel, dtype=dtype, device=device)
+        self.exp_avg_sq = torch.zeros(numel, dtype=dtype, device=device)
+        self.master = torch.zeros(numel, dtype=dtype, device=device) if low_precision else None
+        self.segments: list[_Segment] = []
+        self.grad: torch.Tensor | None = None  # the reduced gradient of the owned part, this step
+
+
+def _flat_piece(t: torch.Tensor, f: Fragment, offset: int, length: int) -> torch.Tensor:
+    return fragment_view(t, f).reshape(-1)[offset : offset + length]
+
+
+def _copy_into_fragment(t: torch.Tensor, f: Fragment, offset: int, values: torch.Tensor) -> None:
+    v = fragment_view(t, f)
+    if v.is_contiguous():
+        v.view(-1)[offset : offset + values.numel()].copy_(values)
+    else:
+        flat = v.reshape(-1).clone()
+        flat[offset : offset + values.numel()].copy_(values)
+        v.copy_(flat.view(v.shape))
+
+
+class DistributedAdamW(torch.optim.Optimizer):
+    """AdamW over a model's parameters with the state sharded along the SyncPlan's holder sets.
+
+    `param_groups` are ordinary torch groups of the model's parameters (e.g. decay / no decay); an LR
+    scheduler drives their `lr` as usual.  Construction is local (no communication).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: SyncPlan,
+        group_of: Callable,
+        param_groups,
+        *,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        bucket_bytes: int = 25 << 20,
+        world_group=None,
+    ) -> None:
+        super().__init__(param_groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.named = dict(model.named_parameters())
+        self.plan, self.group_of, self.world_group = plan, group_of, world_group
+        self.rank = plan.rank
+        group_idx = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
+        self._group_of_name = {n: group_idx[id(p)] for n, p in self.named.items()}
+        self.buckets: list[Bucket] = build_buckets(plan, self.named, bucket_bytes)
+        some = next(iter(self.named.values()))
+        self.device = some.device
+        self._step_count = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.owned: list[_Owned] = []  # one per bucket, then one per un-communicated fragment
+        for b in self.buckets:
+            lo, hi = b.owned(self.rank)
+            dtype = self.named[b.frags[0].name].dtype
+            own = self._new_owned(hi - lo, dtype)
+            for f, fo, wo, n in b.pieces(lo, hi):
+                own.segments.append(self._segment(f, fo, wo, n))
+            self.owned.append(own)
+        for f in plan.local_only:
+            p = self.named[f.name]
+            n = fragment_view(p, f).numel()
+            own = self._new_owned(n, p.dtype)
+            own.segments.append(self._segment(f, 0, 0, n))
+            self.owned.append(own)
+        self._grads_ready = False
+        self._load_masters()
+
+    def _new_owned(self, numel: int, dtype: torch.dtype) -> _Owned:
+        return _Owned(numel, _master_dtype(dtype), self.device, dtype in _LOW)
+
+    def _segment(self, f: Fragment, fo: int, wo: int, n: int) -> _Segment:
+        step = torch.zeros((), dtype=torch.float32, device=self.device)
+        return _Segment(f, fo, wo, n, self._group_of_name[f.name], step)
+
+    @property
+    def local_fragments(self) -> list[Fragment]:
+        return self.plan.local_only
+
+    # ---- gradients -----------------------------------------------------------------------------
+    def _grads(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, p in self.named.items():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            out[name] = p.grad
+        return out
+
+    @torch.no_grad()
+    def reduce_scatter_grads(self) -> None:
+        """Blocking: every bucket reduce-scattered in its holder set's group (in the plan's global order)."""
+        grads = self._grads()
+        for b, own in zip(self.buckets, self.owned, strict=False):
+            flat = pack(b, grads)
+            own.grad = flat.new_empty(b.chunk)
+            dist.reduce_scatter_single(own.grad, flat, group=self.group_of(b.holders))
+        self.take_local_grads()
+
+    def bucket_launch(self, b_index: int, grads: dict[str, torch.Tensor]):
+        """Asynchronous reduce-scatter of bucket `b_index` (for the overlapped sync); returns the work."""
+        b, own = self.buckets[b_index], self.owned[b_index]
+        flat = pack(b, grads)
+        own.grad = flat.new_empty(b.chunk)
+        return dist.reduce_scatter_single(own.grad, flat, group=self.group_of(b.holders), async_op=True)
+
+    @torch.no_grad()
+    def take_local_grads(self) -> None:
+        """The un-communicated fragments' gradients (weighted), after the buckets are reduced."""
+        grads = self._grads()
+        for own in self.owned[len(self.buckets):]:
+            f = own.segments[0].frag
+            own.grad = (fragment_view(grads[f.name], f) * f.weight).reshape(-1)
+        self._grads_ready = True
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the owned gradients so the logical gradient's norm is at most `max_norm`; return that norm
+        (a float64 tensor on the device, before clipping)."""
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        nb = len(self.buckets)
+        for i, own in enumerate(self.owned):
+            g = own.grad.double().pow(2).sum()
+            sq += g if i < nb else g * own.segments[0].frag.norm_weight
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(sq, group=self.world_group)
+        norm = sq.sqrt()
+        if max_norm and max_norm > 0:
+            coef = torch.where(norm > max_norm, max_norm / (norm + 1e-6), torch.ones_like(norm))
+            for own in self.owned:
+                own.grad.mul_(coef.to(own.grad.dtype))
+        return norm
+
+    # ---- update --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        if closure is not None:
+            raise ValueError("DistributedAdamW does not take a closure")
+        if self.state:
+            self._take_over_state()
+        if not self._grads_ready:
+            self.reduce_scatter_grads()
+        work: list[torch.Tensor] = []
+        for own in self.owned:
+            if own.master is not None:
+                buf = own.master
+            else:
+                buf = torch.zeros(own.numel, dtype=own.exp_avg.dtype, device=self.device)
+                for s in own.segments:
+                    buf[s.offset : s.offset + s.length] = _flat_piece(self.named[s.frag.name], s.frag,
+                                                                      s.frag_offset, s.length)
+            work.append(buf)
+        for gi, group in enumerate(self.param_groups):
+            ps, gs, m1, m2, steps = [], [], [], [], []
+            for own, buf in zip(self.owned, work, strict=True):
+                grad = own.grad.to(buf.dtype)
+                for s in own.segments:
+                    if s.group != gi:
+                        continue
+                    sl = slice(s.offset, s.offset + s.length)
+                    ps.append(buf[sl])
+                    gs.append(grad[sl])
+                    m1.append(own.exp_avg[sl])
+                    m2.append(own.exp_avg_sq[sl])
+                    steps.append(s.step)
+            if not ps:
+                continue
+            beta1, beta2 = group["betas"]
+            adamw(ps, gs, m1, m2, [], steps, foreach=None, amsgrad=False, beta1=beta1, beta2=beta2,
+                  lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+        self._step_count += 1
+        nb = len(self.buckets)
+        for b, buf in zip(self.buckets, work[:nb], strict=True):
+            p0 = self.named[b.frags[0].name]
+            full = torch.empty(b.padded, dtype=p0.dtype, device=self.device)
+            dist.all_gather_single(full, buf.to(p0.dtype), group=self.group_of(b.holders))
+            unpack(b, full, self.named)
+        for own, buf in zip(self.owned[nb:], work[nb:], strict=True):
+            s = own.segments[0]
+            p = self.named[s.frag.name]
+            fragment_view(p, s.frag).copy_(buf.view(fragment_view(p, s.frag).shape).to(p.dtype))
+        for own in self.owned:
+            own.grad = None
+        self._grads_ready = False
+        return None
+
+    # ---- checkpoint hooks ------------------------------------------------------------------------
+    @torch.no_grad()
+    def gather_state(self) -> None:
+        """Collective (every rank, same order): fill `self.state` with each parameter's full local AdamW
+        state (`step`, `exp_avg`, `exp_avg_sq` shaped like the parameter), as `torch.optim.AdamW` holds it."""
+        self.state.clear()
+        for p in self.named.values():
+            dtype = _master_dtype(p.dtype)
+            self.state[p] = {
+                "step": self._step_count.clone(),
+                "exp_avg": torch.zeros(p.shape, dtype=dtype, device=self.device),
+                "exp_avg_sq": torch.zeros(p.shape, dtype=dtype, device=self.device),
+            }
+        nb = len(self.buckets)
+        for b, own in zip(self.buckets, self.owned[:nb], strict=True):
+            group = self.group_of(b.holders)
+            for key in ("exp_avg", "exp_avg_sq"):
+                full = torch.empty(b.padded, dtype=own.exp_avg.dtype, device=self.device)
+                dist.all_gather_single(full, getattr(own, key), group=group)
+                unpack(b, full, {n: self.state[p][key] for n, p in self.named.items()})
+        for own in self.owned[nb:]:
+            f = own.segments[0].frag
+            p = self.named[f.name]
+            for key in ("exp_avg", "exp_avg_sq"):
+                v = fragment_view(self.state[p][key], f)
+                v.copy_(getattr(own, key).view(v.shape))
+
+    @torch.no_grad()
+    def _take_over_state(self) -> None:
+        """Keep this rank's chunks of per-parameter state found in `self.state` (local, no communication)."""
+        step = None
+        for own in self.owned:
+            for s in own.segments:
+                st = self.state.get(self.named[s.frag.name], {})
+                sl = slice(s.offset, s.offset + s.length)
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if key in st:
+                        getattr(own, key)[sl] = _flat_piece(st[key], s.frag, s.frag_offset, s.length)
+                    else:
+                        getattr(own, key)[sl] = 0
+                if "step" in st:
+                    step = st["step"]
+                    s.step.copy_(st["step"])
+        self._load_masters()
+        if step is not None:
+            self._step_count.copy_(step)
+        self.state.clear()
+
+    @torch.no_grad()
+    def _load_masters(self) -> None:
+        """Low-precision parameters: the float32 master of the owned chunk from the current values."""
+        for own in self.owned:
+            if own.master is not None:
+                for s in own.segments:
+                    own.master[s.offset : s.offset + s.length] = _flat_piece(
+                        self.named[s.frag.name], s.frag, s.frag_offset, s.length)
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank keeps between steps (moments and low-precision masters)."""
+        total = 0
+        for own in self.owned:
+            for t in (own.exp_avg, own.exp_avg_sq, own.master):
+                if t is not None:
+                    total += t.numel() * t.element_size()
+        return total
+
+
+def adamw_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """The decay (matrices) / no-decay (vectors) groups the plain optimizer uses."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

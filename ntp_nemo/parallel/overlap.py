@@ -1,0 +1,135 @@
+"""Gradient sync overlapped with the backward: each bucket is launched as soon as its gradients are final.
+
+Every parameter gets a post-accumulate-grad hook (`Tensor.register_post_accumulate_grad_hook`), which
+autograd calls once per backward pass after the parameter's `.grad` has been accumulated.  A step
+announces how many backward passes it runs (`begin_step(m)`: one per micro-batch of this replica);
+a parameter's gradient is final when its hook has fired `m` times, and a bucket is ready when all its
+parameters are final.  Ready buckets are launched asynchronously (`async_op=True`): an all-reduce
+(plain sync) or, with the distributed optimizer, a reduce-scatter into the optimizer's owned chunk.
+
+Inside one holder set's group the buckets are launched strictly in bucket order (a ready bucket waits
+for its predecessors), so every holder issues the same collectives in the same order on that group
+even when replicas of different TP degrees finish their gradients in a different order.  Different
+groups are independent.  `finish()` launches whatever has not been launched (a replica with no
+micro-batches this step, a parameter without gradient), waits for everything and writes the result:
+after it the gradients are exactly what `GradientSynchronizer.sync()` gives.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ntp_nemo.parallel.buckets import Bucket, build_buckets, fragment_view, pack, unpack
+from ntp_nemo.parallel.grad_sync import SyncPlan
+
+
+class OverlappedGradSync:
+    """Bucketed, hook-driven DP gradient sync; with `optimizer` (a DistributedAdamW): reduce-scatter."""
+
+    def __init__(self, model: nn.Module, plan: SyncPlan, group_of: Callable, bucket_bytes: int = 25 << 20,
+                 optimizer=None) -> None:
+        self.named = dict(model.named_parameters())
+        self.plan, self.group_of, self.optimizer = plan, group_of, optimizer
+        self.buckets: list[Bucket] = (optimizer.buckets if optimizer is not None
+                                      else build_buckets(plan, self.named, bucket_bytes))
+        self._params_of = [sorted({f.name for f in b.frags}) for b in self.buckets]
+        self._buckets_of: dict[str, list[int]] = defaultdict(list)
+        for i, names in enumerate(self._params_of):
+            for n in names:
+                self._buckets_of[n].append(i)
+        self._order: dict[tuple[int, ...], list[int]] = defaultdict(list)  # holder set -> bucket indices
+        for i, b in enumerate(self.buckets):
+            self._order[b.holders].append(i)
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook(n))
+                         for n, p in self.named.items() if n in self._buckets_of]
+        self._expected = 0
+        self._armed = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self._seen: dict[str, int] = defaultdict(int)
+        self._missing = [len(names) for names in self._params_of]
+        self._ready = [False] * len(self.buckets)
+        self._next = {h: 0 for h in self._order}  # next bucket position to launch per holder set
+        self._works: dict[int, tuple] = {}
+        self.launched_in_backward = 0
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def begin_step(self, backward_passes: int) -> None:
+        """Arm the hooks for a step of `backward_passes` backward calls (this replica's micro-batches)."""
+        self._reset()
+        self._expected = backward_passes
+        self._armed = backward_passes > 0
+
+    def _hook(self, name: str):
+        def hook(p: torch.Tensor) -> None:
+            if not self._armed:
+                return
+            self._seen[name] += 1
+            if self._seen[name] != self._expected:
+                return
+            for i in self._buckets_of[name]:
+                self._missing[i] -= 1
+                if self._missing[i] == 0:
+                    self._ready[i] = True
+                    self._launch_in_order(self.buckets[i].holders, in_backward=True)
+
+        return hook
+
+    def _launch_in_order(self, holders: tuple[int, ...], *, in_backward: bool = False,
+                         force: bool = False) -> None:
+        order = self._order[holders]
+        while self._next[holders] < len(order):
+            i = order[self._next[holders]]
+            if not (self._ready[i] or force):
+                return
+            self._launch(i)
+            self._next[holders] += 1
+            self.launched_in_backward += in_backward
+
+    @torch.no_grad()
+    def _launch(self, i: int) -> None:
+        grads = {}
+        for n in self._params_of[i]:
+            p = self.named[n]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads[n] = p.grad
+        if self.optimizer is not None:
+            self._works[i] = (self.optimizer.bucket_launch(i, grads), None)
+            return
+        flat = pack(self.buckets[i], grads)
+        work = dist.all_reduce(flat, group=self.group_of(self.buckets[i].holders), async_op=True)
+        self._works[i] = (work, flat)
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Launch what is left (plan order), wait for every bucket and write the synced gradients."""
+        self._armed = False
+        for holders in self.plan.all_holder_sets:
+            if holders in self._order:
+                self._launch_in_order(holders, force=True)
+        for i in range(len(self.buckets)):
+            work, flat = self._works.pop(i)
+            work.wait()
+            if flat is not None:
+                unpack(self.buckets[i], flat[: self.buckets[i].numel], {n: self.named[n].grad
+                                                                        for n in self._params_of[i]})
+        if self.optimizer is not None:
+            self.optimizer.take_local_grads()
+            return
+        for f in self.plan.local_only:
+            if f.weight != 1.0:
+                p = self.named[f.name]
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                fragment_view(p.grad, f).mul_(f.weight)

@@ -1,0 +1,65 @@
+"""The optimizer and the gradient path of a training step, as chosen by the memory/overlap options.
+
+`build_optimizer` makes the AdamW of a run: `torch.optim.AdamW`, or `DistributedAdamW` (state sharded
+along the fragment holder sets) with `distributed=True`.  `GradientPath` runs what happens between the
+backward and `optimizer.step()`: the DP gradient sync (blocking, or overlapped with the backward) and
+the clipping by the logical gradient's norm.  Used the same way by the Lightning module, the benchmarks
+and the tests:
+
+    path.begin_step(len(microbatches))       # before the first backward
+    ... forward/backward of the micro-batches ...
+    norm = path.sync_and_clip(max_norm)       # after the last backward
+    optimizer.step()
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ntp_nemo.parallel.dist_optimizer import DistributedAdamW, adamw_param_groups
+from ntp_nemo.parallel.grad_sync import GradientSynchronizer
+from ntp_nemo.parallel.overlap import OverlappedGradSync
+
+
+def build_optimizer(model: nn.Module, sync: GradientSynchronizer, *, lr: float, betas: tuple[float, float],
+                    eps: float, weight_decay: float, distributed: bool = False) -> torch.optim.Optimizer:
+    """AdamW with the decay (matrices) / no-decay (vectors) groups; sharded when `distributed`."""
+    groups = adamw_param_groups(model, weight_decay)
+    if not distributed:
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+    return DistributedAdamW(model, sync.plan, sync.group_of, groups, lr=lr, betas=betas, eps=eps,
+                            weight_decay=weight_decay, bucket_bytes=sync.bucket_bytes,
+                            world_group=getattr(sync, "world_group", None))
+
+
+class GradientPath:
+    """Sync + clip of one step: plain (`GradientSynchronizer`), overlapped, and/or for a DistributedAdamW."""
+
+    def __init__(self, model: nn.Module, sync: GradientSynchronizer, optimizer: torch.optim.Optimizer,
+                 *, overlap: bool = False) -> None:
+        self.sync = sync
+        self.distributed = isinstance(optimizer, DistributedAdamW)
+        self.optimizer = optimizer
+        self.overlap = (OverlappedGradSync(model, sync.plan, sync.group_of, sync.bucket_bytes,
+                                           optimizer if self.distributed else None) if overlap else None)
+
+    def begin_step(self, backward_passes: int) -> None:
+        if self.overlap is not None:
+            self.overlap.begin_step(backward_passes)
+
+    def sync_and_clip(self, max_norm: float) -> torch.Tensor | float:
+        """Finish the DP sync and clip; returns the logical gradient's norm before clipping."""
+        if self.overlap is not None:
+            self.overlap.finish()
+        elif self.distributed:
+            self.optimizer.reduce_scatter_grads()
+        else:
+            self.sync.sync()
+        if self.distributed:
+            return self.optimizer.clip_grad_norm_(max_norm)
+        return self.sync.clip_grad_norm_(max_norm)
+
+    def remove(self) -> None:
+        if self.overlap is not None:
+            self.overlap.remove()
