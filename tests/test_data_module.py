@@ -39,7 +39,10 @@ def test_default_corpus(cache):
     assert (data.tokenizer_name, data.vocab_size) == ("byte", 257)
     assert data.num_tokens > 1_000_000
     assert data.val.end == data.num_tokens
-    assert data.val.end - data.val.start == round(0.05 * data.num_tokens)  # the 5% tail is held out
+    ends = open_token_file(data.source).doc_ends
+    assert len(ends) > 100
+    # The last 5% of the documents are held out: validation starts where a document starts.
+    assert data.val.start == data.train.end == ends[len(ends) - round(0.05 * len(ends)) - 1]
     assert data.sampler.num_samples == len(data.train)
     batch = data.train.batch(data.sampler.batch_ids(0))
     assert batch.shape == (8, 65) and batch.dtype == torch.int64

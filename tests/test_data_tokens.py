@@ -24,7 +24,7 @@ def test_round_trip(tmp_path, vocab, dtype):
     assert isinstance(tf.tokens, np.memmap)
     assert tf.dtype == dtype and tf.num_tokens == 1000 and tf.tokenizer == "byte"
     assert np.array_equal(np.asarray(tf.tokens, dtype=np.int64), ids)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["toks.bin", "toks.bin.json"]  # no temp left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["toks.bin", "toks.bin.idx", "toks.bin.json"]  # no temp left
 
 
 def test_streaming_writer_and_abort(tmp_path):
@@ -36,7 +36,7 @@ def test_streaming_writer_and_abort(tmp_path):
         with TokenFileWriter(tmp_path / "b.bin", "byte", 257) as w:
             w.append([1, 2])
             raise RuntimeError("interrupted")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.bin", "a.bin.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.bin", "a.bin.idx", "a.bin.json"]
 
 
 def test_out_of_range_ids_rejected(tmp_path):

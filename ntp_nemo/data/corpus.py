@@ -19,10 +19,10 @@ MIN_CORPUS_BYTES = 64 * 1024
 
 
 def default_corpus_tokens(tokenizer_name: str = "byte", max_bytes: int = DEFAULT_MAX_BYTES) -> Path:
-    """Path of the built-in corpus' token file for `tokenizer_name`, building it on first use."""
+    """Path of the built-in corpus' token file for a tokenizer spec, building it on first use."""
     tokenizer = build_tokenizer(tokenizer_name)
     identity = corpus_identity(max_bytes)
-    key = fingerprint({"corpus": identity, "tokenizer": tokenizer.name, "vocab": tokenizer.vocab_size})
+    key = fingerprint({"corpus": identity, "tokenizer": tokenizer.identity, "v": 2})
     out = cache_dir("corpus") / f"stdlib-py{identity['python']}-{tokenizer.name}-{key}.bin"
     if sidecar_path(out).exists():
         return out
@@ -33,8 +33,12 @@ def default_corpus_tokens(tokenizer_name: str = "byte", max_bytes: int = DEFAULT
             f"{len(identity['files'])} .py files were found under {identity['stdlib']!r} (this Python "
             "installation ships without them). Set data.path to a text file or a token file instead.",
         )
-    with TokenFileWriter(out, tokenizer.name, tokenizer.vocab_size) as writer:
+    eos = tokenizer.eos_id
+    extra = {"tokenizer_identity": dict(tokenizer.identity, eos_id=eos), "eos_id": eos}
+    with TokenFileWriter(out, tokenizer.name, tokenizer.vocab_size, extra) as writer:
         for doc in stdlib_documents(max_bytes):
+            writer.append(getattr(tokenizer, "prefix", []))
             writer.append(tokenizer.encode(doc))
             writer.append([tokenizer.eos_id])
+            writer.end_document()
     return out

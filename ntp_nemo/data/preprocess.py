@@ -1,48 +1,81 @@
-"""`ntp-preprocess`: tokenize text files into a memory-mappable token file for `data.path=`.
+"""`ntp-preprocess`: tokenize text, JSON lines or Parquet files into a token file for `data.path=`.
 
-    ntp-preprocess notes.txt books/ --out data/tokens.bin --tokenizer byte
+    ntp-preprocess corpus/*.jsonl.zst --out data/tokens.bin --tokenizer hf_model_dir/ --workers 8
 
-Each input file becomes one document followed by the end-of-document id; directories contribute
-their non-hidden text files in sorted order. Writes `OUT` and its sidecar `OUT.json`.
+Inputs: files, directories and glob patterns; `.txt` (and any other text file: one document per
+file), `.jsonl` / `.jsonl.gz` / `.jsonl.zst` (one document per line, its `--field`, default `text`)
+and `.parquet` (one per row). Each document is followed by the tokenizer's end-of-document id.
+Writes `OUT` (uint16 or uint32 ids), `OUT.idx` (document index) and `OUT.json` (the sidecar: the
+tokenizer's identity and hash, counts, the inputs), each under a temporary name renamed into place,
+the sidecar last: an interrupted run leaves nothing that loads. Running again on the same inputs
+with the same tokenizer does nothing; an `OUT` written with another tokenizer is refused.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
+import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ntp_nemo.data.text_files import expand_inputs, tokenize_files
-from ntp_nemo.data.tokenizer import TOKENIZER_NAMES, build_tokenizer
-from ntp_nemo.data.tokens import dtype_for_vocab, sidecar_path
+from ntp_nemo.data.readers import InputError, collect_inputs
+from ntp_nemo.data.text_files import tokenize_to_file
+from ntp_nemo.data.tokenizer import build_tokenizer
+from ntp_nemo.data.tokens import index_path, read_sidecar, sidecar_path
 from ntp_nemo.errors import ConfigError, cli_main
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ntp-preprocess", description=__doc__.split("\n\n")[0])
-    p.add_argument("inputs", nargs="+", metavar="INPUT", help="text files or directories of text files")
-    p.add_argument("--out", required=True, help="token file to write (its sidecar is OUT.json)")
-    p.add_argument("--tokenizer", default="byte", choices=TOKENIZER_NAMES, help="tokenizer (default: byte)")
+    p.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help="files (.txt, .jsonl, .jsonl.gz, .jsonl.zst, .parquet), directories or glob patterns")
+    p.add_argument("--out", required=True, help="token file to write (plus OUT.idx and the sidecar OUT.json)")
+    p.add_argument("--tokenizer", default="byte",
+                   help="byte, bpe, a Hugging Face tokenizer.json or a model directory holding one "
+                        "(default: byte)")
+    p.add_argument("--field", default="text", help="JSON / Parquet field holding the text (default: text)")
+    p.add_argument("--workers", type=int, default=1, help="tokenizing processes (default: 1)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (the summary line stays)")
     return p
 
 
 def run(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    t0 = time.perf_counter()
-    inputs = expand_inputs(args.inputs, key="INPUT")
-    if not inputs.files:
-        raise ConfigError("INPUT", "no text files found in the inputs (binary files are skipped).")
-    out = Path(args.out).expanduser()
+    # One tokenizing thread per process: --workers decides the parallelism.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.workers < 1:
+        raise ConfigError("--workers", f"must be >= 1, got {args.workers}. Use e.g. --workers "
+                                       f"{os.cpu_count()}.")
+    out = Path(args.out).expanduser().absolute()
     if out.is_dir():
         raise ConfigError("--out", f"{args.out!r} is a directory; name a file, e.g. {out / 'tokens.bin'}.")
-    tokenizer = build_tokenizer(args.tokenizer)
-    n = tokenize_files(inputs.files, tokenizer, out)
-    skipped = f", skipped {len(inputs.skipped)} binary" if inputs.skipped else ""
+    build_tokenizer(args.tokenizer, key="--tokenizer")  # a bad tokenizer answers before reading anything
+    files, skipped = collect_inputs(args.inputs, key="INPUT")
+    if not files or all(f.size == 0 for f in files):
+        raise ConfigError("INPUT", f"the inputs {' '.join(args.inputs)!r} hold no data: "
+                                   f"{'no files' if not files else 'every file is empty'}"
+                                   f"{f' ({len(skipped)} binary files skipped)' if skipped else ''}. "
+                                   "Give non-empty text, .jsonl(.gz/.zst) or .parquet files.")
+    try:
+        s = tokenize_to_file(files, args.tokenizer, out, args.field, args.workers,
+                             progress=not args.no_progress and sys.stderr.isatty())
+    except InputError as err:
+        raise err.config_error() from err
+    meta = read_sidecar(out) or {}
+    names = f"{out} (+ {index_path(out).name}, {sidecar_path(out).name})"
+    if s.up_to_date:
+        print(f"up to date: {names} already holds {s.num_tokens} tokens in {s.num_documents} documents from "
+              f"these {s.num_files} files with this tokenizer; nothing to do")
+        return 0
+    skipped_note = f", skipped {len(skipped)} binary" if skipped else ""
+    rate = s.seconds if s.seconds > 0 else float("nan")
     print(
-        f"wrote {n} tokens ({tokenizer.name}, vocab {tokenizer.vocab_size}, "
-        f"{dtype_for_vocab(tokenizer.vocab_size)}) from {len(inputs.files)} files{skipped} to {out} "
-        f"(+ {sidecar_path(out).name}) in {time.perf_counter() - t0:.2f}s"
+        f"wrote {s.num_tokens} tokens in {s.num_documents} documents ({meta.get('tokenizer')}, vocab "
+        f"{meta.get('vocab_size')}, {meta.get('dtype')}) from {s.num_files} files{skipped_note} "
+        f"({s.input_bytes / 1e6:.1f} MB) to {names} in {s.seconds:.2f}s: "
+        f"{s.num_documents / rate:,.0f} docs/s, "
+        f"{s.input_bytes / 1e6 / rate:.2f} MB/s, {args.workers} worker(s)"
     )
     return 0
 

@@ -16,7 +16,7 @@ from ntp_nemo.errors import ConfigError
 class GlobalBatchSampler:
     """Maps `(seed, step)` to the `global_batch_size` sample ids of that optimizer step."""
 
-    def __init__(self, num_samples: int, global_batch_size: int, seed: int) -> None:
+    def __init__(self, num_samples: int, global_batch_size: int, seed: int, tag_epochs: bool = False) -> None:
         if num_samples < 1:
             raise ConfigError("data.path", f"the data has no training samples (num_samples={num_samples}).")
         if global_batch_size < 1:
@@ -26,6 +26,8 @@ class GlobalBatchSampler:
         self.num_samples = int(num_samples)
         self.global_batch_size = int(global_batch_size)
         self.seed = int(seed)
+        # Blended datasets draw new samples every epoch: they get `epoch * num_samples + id`.
+        self.tag_epochs = bool(tag_epochs)
         self._perms: dict[int, np.ndarray] = {}
 
     def permutation(self, epoch: int) -> np.ndarray:
@@ -44,7 +46,9 @@ class GlobalBatchSampler:
         return step * self.global_batch_size // self.num_samples
 
     def batch_ids(self, step: int) -> np.ndarray:
-        """Sample ids (int64, length `global_batch_size`) of optimizer step `step`, in order."""
+        """Sample ids (int64, length `global_batch_size`) of optimizer step `step`, in order.
+
+        With `tag_epochs`, each id is offset by `epoch * num_samples` (the dataset takes it modulo)."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         positions = step * self.global_batch_size + np.arange(self.global_batch_size, dtype=np.int64)
@@ -53,6 +57,8 @@ class GlobalBatchSampler:
         for e in np.unique(epochs):
             mask = epochs == e
             out[mask] = self.permutation(int(e))[positions[mask] - e * self.num_samples]
+        if self.tag_epochs:
+            out += epochs * self.num_samples
         return out
 
     def microbatch_ids(self, step: int, micro_batch_size: int) -> list[np.ndarray]:

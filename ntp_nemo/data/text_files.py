@@ -1,118 +1,230 @@
-"""Turning user text (files or directories of files) into token files.
+"""Tokenizing documents into token files: in order, in one process or several, with progress.
 
-Each input file is one document, followed by the tokenizer's end-of-document id. Files are read in
-chunks ending at a line break, so a large file is never held in memory as ids all at once.
-Directories contribute their non-hidden files in sorted relative-path order; binary files
-(a NUL byte near the start) are skipped.
+The inputs are cut into units (see `readers`); each unit is tokenized on its own (in a worker
+process when there are several) and the results are appended in unit order, so the output does not
+depend on the number of workers. Used by `ntp-preprocess` and, for text given as `data.path`, by
+training (tokenized once into the cache directory).
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from ntp_nemo.data.cache import cache_dir, fingerprint
-from ntp_nemo.data.tokenizer import Tokenizer
-from ntp_nemo.data.tokens import TokenFileWriter, sidecar_path
+from ntp_nemo.data.readers import (
+    UNIT_BYTES,
+    InputError,
+    InputFile,
+    Unit,
+    collect_inputs,
+    documents,
+    plan_units,
+)
+from ntp_nemo.data.tokenizer import build_tokenizer
+from ntp_nemo.data.tokens import (
+    _DTYPES,
+    FORMAT_VERSION,
+    TokenFileWriter,
+    dtype_for_vocab,
+    read_sidecar,
+    sidecar_path,
+)
 from ntp_nemo.errors import ConfigError
 
-CHUNK_CHARS = 1 << 22
-_SNIFF_BYTES = 8192
+BATCH_DOCS = 256  # documents per encode_batch call
 
 
-@dataclass(frozen=True)
-class TextInputs:
-    """The text files an input list expands to, and the binary files that were left out."""
-
-    files: list[Path]
-    skipped: list[Path]
-
-
-def _looks_binary(path: Path) -> bool:
-    with open(path, "rb") as fh:
-        return b"\x00" in fh.read(_SNIFF_BYTES)
+@dataclass
+class UnitResult:
+    tokens: np.ndarray  # in the output dtype, end-of-document ids included
+    doc_lengths: np.ndarray
+    max_id: int
+    size: int  # input bytes
 
 
-def expand_inputs(inputs: Sequence[str | os.PathLike], key: str = "data.path") -> TextInputs:
-    """Files named by `inputs` (directories expanded), in order; ConfigError for a missing input."""
-    files: list[Path] = []
-    skipped: list[Path] = []
-    for item in inputs:
-        path = Path(item).expanduser().absolute()
-        if path.is_dir():
-            members = sorted(
-                (p for p in path.rglob("*") if p.is_file()
-                 and not any(part.startswith(".") for part in p.relative_to(path).parts)),
-                key=lambda p: p.relative_to(path).as_posix(),
+@dataclass
+class Summary:
+    out: Path
+    num_tokens: int
+    num_documents: int
+    input_bytes: int
+    num_files: int
+    seconds: float
+    up_to_date: bool = False
+
+
+def _encode_unit(unit: Unit, spec: str, field: str, dtype: str) -> UnitResult:
+    tok = build_tokenizer(spec, key="--tokenizer")
+    prefix = getattr(tok, "prefix", np.zeros(0, dtype=np.int64))
+    eos = np.asarray([tok.eos_id], dtype=np.int64)
+    pieces: list[np.ndarray] = []
+    lengths: list[int] = []
+    batch: list[str | bytes] = []
+
+    def flush() -> None:
+        for ids in tok.encode_batch(batch):
+            pieces.extend((prefix, ids, eos))
+            lengths.append(len(prefix) + len(ids) + 1)
+        batch.clear()
+
+    for doc in documents(unit, field):
+        if isinstance(doc, list):  # a text file: one document in several pieces
+            flush()
+            encoded = tok.encode_batch(doc)
+            pieces.extend((prefix, *encoded, eos))
+            lengths.append(len(prefix) + sum(len(e) for e in encoded) + 1)
+            continue
+        batch.append(doc)
+        if len(batch) >= BATCH_DOCS:
+            flush()
+    flush()
+    ids = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+    max_id = int(ids.max()) if ids.size else -1
+    if ids.size and (int(ids.min()) < 0 or max_id >= tok.vocab_size):
+        raise InputError("--tokenizer", f"the tokenizer produced ids outside [0, {tok.vocab_size}).")
+    return UnitResult(ids.astype(_DTYPES[dtype]), np.asarray(lengths, dtype=np.int64), max_id, unit.size)
+
+
+def _work(args: tuple[Unit, str, str, str]) -> UnitResult | InputError:
+    try:
+        return _encode_unit(*args)
+    except InputError as err:
+        return err
+    except ConfigError as err:
+        return InputError(err.key, str(err).split(": ", 1)[-1])
+
+
+def _results(units: list[Unit], spec: str, field: str, dtype: str, workers: int) -> Iterator[UnitResult]:
+    jobs = [(u, spec, field, dtype) for u in units]
+    if workers <= 1 or len(units) <= 1:
+        for job in jobs:
+            yield _raise_on_error(_work(job))
+        return
+    import multiprocessing as mp
+
+    with mp.get_context("fork").Pool(min(workers, len(units))) as pool:
+        for result in pool.imap(_work, jobs, chunksize=1):
+            yield _raise_on_error(result)
+
+
+def _raise_on_error(result: UnitResult | InputError) -> UnitResult:
+    if isinstance(result, InputError):
+        raise result.config_error()
+    return result
+
+
+def _progress(total_bytes: int, enabled: bool):
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        Progress,
+        ProgressColumn,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+    from rich.text import Text
+
+    class DocsPerSecond(ProgressColumn):
+        def render(self, task) -> Text:
+            elapsed = task.elapsed or 0.0
+            rate = task.fields.get("docs", 0) / elapsed if elapsed > 0 else 0.0
+            return Text(f"{rate:,.0f} docs/s", style="progress.data.speed")
+
+    return Progress(
+        TextColumn("tokenizing"), BarColumn(), TextColumn("{task.fields[docs]:,} docs"), DocsPerSecond(),
+        TransferSpeedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+        console=Console(stderr=True), disable=not enabled, transient=False,
+    ), total_bytes
+
+
+def inputs_record(files: Sequence[InputFile]) -> list[list]:
+    return [f.record() for f in files]
+
+
+def tokenize_to_file(
+    files: Sequence[InputFile],
+    spec: str,
+    out: Path,
+    field: str = "text",
+    workers: int = 1,
+    progress: bool = False,
+    key: str = "INPUT",
+    unit_bytes: int = UNIT_BYTES,
+) -> Summary:
+    """Tokenize `files` into the token file `out` (no-op when it is up to date); returns the counts."""
+    t0 = time.perf_counter()
+    tok = build_tokenizer(spec, key="--tokenizer" if key == "INPUT" else "data.tokenizer")
+    identity = dict(tok.identity, eos_id=int(tok.eos_id))
+    record = {"inputs": inputs_record(files), "field": field}
+    existing = read_sidecar(out)
+    if existing is not None:
+        old = existing.get("tokenizer_identity") or {"name": existing.get("tokenizer"), "hash": None}
+        if old.get("hash") != identity["hash"]:
+            raise ConfigError(
+                "--out" if key == "INPUT" else "data.path",
+                f"{str(out)!r} already holds tokens from tokenizer {old.get('name')!r} "
+                f"(hash {old.get('hash')}), "
+                f"not {identity['name']!r} (hash {identity['hash']}). Choose another --out, or delete "
+                f"{out.name} and {sidecar_path(out).name} to re-tokenize with this tokenizer.",
             )
-            for member in members:
-                (skipped if _looks_binary(member) else files).append(member)
-        elif path.is_file():
-            (skipped if _looks_binary(path) else files).append(path)
-        else:
-            fix = (
-                "Give an existing text file, a directory of text files, or a token file written by "
-                "ntp-preprocess; leave data.path empty to train on the built-in corpus."
-                if key == "data.path"
-                else "Give existing text files or directories of text files."
-            )
-            raise ConfigError(key, f"{str(item)!r} does not exist (resolved to {str(path)!r}). {fix}")
-    return TextInputs(files, skipped)
+        same = all(existing.get(k) == v for k, v in record.items())
+        if same and existing.get("format_version") == FORMAT_VERSION and out.is_file():
+            return Summary(out, int(existing["num_tokens"]), int(existing.get("num_documents", 0)),
+                           sum(f.size for f in files), len(files), time.perf_counter() - t0, up_to_date=True)
+    units = plan_units(files, unit_bytes)
+    dtype = dtype_for_vocab(tok.vocab_size)
+    total = sum(u.size for u in units)
+    bar, _ = _progress(total, progress)
+    extra = {"tokenizer_identity": identity, "eos_id": int(tok.eos_id), "input_bytes": total, **record}
+    ndocs = 0
+    with bar, TokenFileWriter(out, tok.name, tok.vocab_size, extra) as writer:
+        task = bar.add_task("tokenize", total=max(total, 1), docs=0)
+        try:
+            for res in _results(units, spec, field, dtype, workers):
+                writer.append_encoded(res.tokens, res.doc_lengths, res.max_id)
+                ndocs += len(res.doc_lengths)
+                bar.update(task, advance=res.size, docs=ndocs)
+        except InputError as err:
+            raise err.config_error() from err
+        if writer.num_tokens == 0 or ndocs == 0:
+            raise ConfigError(key, f"the inputs ({len(files)} files) hold no documents: nothing to tokenize. "
+                                   "Check that the files are not empty (and --field names the text).")
+    return Summary(out, writer.num_tokens, ndocs, total, len(files), time.perf_counter() - t0)
 
 
-def read_chunks(path: Path, chunk_chars: int = CHUNK_CHARS) -> Iterator[str]:
-    """Successive pieces of a text file, each ending at a line break where one exists."""
-    with open(path, encoding="utf-8", errors="replace", newline="") as fh:
-        carry = ""
-        while True:
-            block = fh.read(chunk_chars)
-            if not block:
-                break
-            block = carry + block
-            cut = block.rfind("\n") + 1
-            if cut == 0:
-                carry = block
-                continue
-            carry = block[cut:]
-            yield block[:cut]
-        if carry:
-            yield carry
 
-
-def tokenize_files(files: Sequence[Path], tokenizer: Tokenizer, out: Path) -> int:
-    """Tokenize `files` (one document each) into the token file `out`; returns the token count."""
-    with TokenFileWriter(out, tokenizer.name, tokenizer.vocab_size) as writer:
-        for path in files:
-            for chunk in read_chunks(path):
-                writer.append(tokenizer.encode(chunk))
-            writer.append([tokenizer.eos_id])
-    return writer.num_tokens
-
-
-def cached_text_tokens(path: str | os.PathLike, tokenizer: Tokenizer) -> Path:
-    """Token file for a text file or directory, built on first use and cached.
+def cached_text_tokens(path: str | os.PathLike, spec: str) -> Path:
+    """Token file for text given as `data.path` (a file or directory), built on first use and cached.
 
     The cache key covers each file's absolute path, size and modification time, and the tokenizer,
     so editing a file retokenizes it.
     """
-    inputs = expand_inputs([path])
-    if not inputs.files:
+    files, _ = collect_inputs([path], key="data.path")
+    if not files:
         raise ConfigError(
             "data.path",
             f"{str(path)!r} contains no text files (binary files are skipped). Point data.path at a "
-            "UTF-8 text file or a directory holding some.",
+            "text file, .jsonl file or a directory holding some.",
         )
-    if all(p.stat().st_size == 0 for p in inputs.files):
+    if all(f.size == 0 for f in files):
         raise ConfigError(
             "data.path",
             f"{str(path)!r} is empty: there is no text to train on. Point data.path at a non-empty text "
             "file, or leave it empty to use the built-in corpus.",
         )
-    stats = [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in inputs.files]
-    key = fingerprint({"files": stats, "tokenizer": tokenizer.name, "vocab": tokenizer.vocab_size, "v": 1})
-    out = cache_dir("tokens") / f"text-{tokenizer.name}-{key}.bin"
+    tok = build_tokenizer(spec)
+    key = fingerprint({"files": inputs_record(files), "tokenizer": tok.identity, "v": 2})
+    out = cache_dir("tokens") / f"text-{tok.name.replace(':', '_').replace('/', '_')}-{key}.bin"
     if not sidecar_path(out).exists():
-        tokenize_files(inputs.files, tokenizer, out)
+        try:
+            tokenize_to_file(files, spec, out, key="data.path")
+        except InputError as err:
+            raise err.config_error() from err
     return out

@@ -1,13 +1,27 @@
-"""Tokenizers: a byte-level one that needs nothing, and a byte-level BPE trained locally.
+"""Tokenizers: raw bytes, a byte-level BPE trained locally, or any Hugging Face `tokenizer.json`.
 
-Both follow one small protocol (`name`, `vocab_size`, `eos_id`, `encode`, `decode`) so the rest of
-the data pipeline never asks which one it has. The BPE tokenizer is trained once on the built-in
-corpus with the `tokenizers` package and cached; training is deterministic, so every process of a
-run (and every run on the same installation) gets the same vocabulary.
+All follow one small protocol (`name`, `vocab_size`, `eos_id`, `identity`, `encode`,
+`encode_batch`, `decode`) so the rest of the data pipeline never asks which one it has.
+
+- `byte`: ids 0..255 are the bytes of the input, 256 ends a document. Input given as `bytes` is
+  taken as is, so any file (valid UTF-8 or not) round-trips exactly.
+- `bpe`: trained once on the built-in corpus with the `tokenizers` package and cached; training is
+  deterministic, so every process of a run gets the same vocabulary.
+- a path to a `tokenizer.json`, or a directory holding one (a Hugging Face model directory): loaded
+  with the `tokenizers` package. The end-of-document id comes from the directory's
+  `tokenizer_config.json` / `config.json` / `generation_config.json` when present, else from the
+  usual end-of-text special tokens. A beginning-of-sequence token the tokenizer itself adds on
+  encoding (Llama's) starts every document.
+
+A tokenizer's `identity` (name, kind, SHA-256 of its definition) is written into token files, so a
+run can tell whether a token file was made with its tokenizer.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
@@ -20,6 +34,9 @@ from ntp_nemo.errors import ConfigError
 TOKENIZER_NAMES = ("byte", "bpe")
 BPE_VOCAB_SIZE = 4096
 BPE_EOS = "<|endoftext|>"
+BYTE_HASH = "byte-v1"
+# End-of-text tokens of common tokenizers (GPT-2, Llama 3, Llama 2 / Mistral, Gemma), in order of preference.
+EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>")
 
 
 class Tokenizer(Protocol):
@@ -27,58 +44,163 @@ class Tokenizer(Protocol):
     vocab_size: int
     eos_id: int
 
-    def encode(self, text: str) -> np.ndarray: ...
+    @property
+    def identity(self) -> dict: ...
+
+    def encode(self, text: str | bytes) -> np.ndarray: ...
+
+    def encode_batch(self, texts: Sequence[str | bytes]) -> list[np.ndarray]: ...
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str: ...
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as tokens: ids 0..255 are bytes, 256 is end-of-document. Lossless for any text."""
+    """Bytes as tokens: ids 0..255 are bytes, 256 is end-of-document. Lossless for any input."""
 
     name = "byte"
     vocab_size = 257
     eos_id = 256
 
-    def encode(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+    @property
+    def identity(self) -> dict:
+        return {"name": self.name, "kind": "byte", "hash": BYTE_HASH, "source": "byte"}
 
-    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+    def encode(self, text: str | bytes) -> np.ndarray:
+        data = text if isinstance(text, (bytes, bytearray, memoryview)) else text.encode("utf-8")
+        return np.frombuffer(data, dtype=np.uint8).astype(np.int64)
+
+    def encode_batch(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
+        return [self.encode(t) for t in texts]
+
+    def decode_bytes(self, ids: Sequence[int] | np.ndarray) -> bytes:
         arr = np.asarray(ids, dtype=np.int64).reshape(-1)
         if arr.size and (arr.min() < 0 or arr.max() > self.eos_id):
             raise ValueError(f"byte tokenizer ids must lie in [0, {self.eos_id}]")
-        return arr[arr != self.eos_id].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+        return arr[arr != self.eos_id].astype(np.uint8).tobytes()
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
 
-class BPETokenizer:
-    """Byte-level BPE (GPT-2 style pre-tokenisation) backed by a `tokenizers.Tokenizer`."""
+class HFTokenizer:
+    """A `tokenizers.Tokenizer` (a `tokenizer.json`): the BPE trained here or a Hugging Face model's."""
 
-    name = "bpe"
-
-    def __init__(self, backend) -> None:
+    def __init__(self, backend, name: str, digest: str, source: str, eos_id: int | None = None) -> None:
         self._backend = backend
-        self.vocab_size = int(backend.get_vocab_size())
-        eos = backend.token_to_id(BPE_EOS)
-        if eos is None:
-            raise ValueError(f"BPE tokenizer has no {BPE_EOS} token")
-        self.eos_id = int(eos)
+        self.name = name
+        self.vocab_size = int(backend.get_vocab_size(with_added_tokens=True))
+        self.eos_id = int(eos_id) if eos_id is not None else _eos_from_vocab(backend, source)
+        self._hash = digest
+        self._source = source
+        with_special = backend.encode("a").ids
+        plain = backend.encode("a", add_special_tokens=False).ids
+        cut = len(with_special) - len(plain)
+        # Special tokens the tokenizer puts before a text (Llama's <|begin_of_text|>) start each document.
+        self.prefix = np.asarray(with_special[:cut] if cut > 0 and with_special[cut:] == plain else [],
+                                 dtype=np.int64)
 
-    def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self._backend.encode(text).ids, dtype=np.int64)
+    @property
+    def identity(self) -> dict:
+        return {"name": self.name, "kind": "tokenizers", "hash": self._hash, "source": self._source}
+
+    @staticmethod
+    def _text(text: str | bytes) -> str:
+        return text if isinstance(text, str) else bytes(text).decode("utf-8", errors="replace")
+
+    def encode(self, text: str | bytes) -> np.ndarray:
+        ids = self._backend.encode(self._text(text), add_special_tokens=False).ids
+        return np.asarray(ids, dtype=np.int64)
+
+    def encode_batch(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
+        out = self._backend.encode_batch([self._text(t) for t in texts], add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=np.int64) for e in out]
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         return self._backend.decode([int(i) for i in np.asarray(ids).reshape(-1)])
 
 
-def _import_tokenizers():
+BPETokenizer = HFTokenizer  # the locally trained BPE is a tokenizer.json like any other
+
+
+def _import_tokenizers(what: str = "this tokenizer"):
     try:
         import tokenizers
     except ImportError as err:
         raise ConfigError(
             "data.tokenizer",
-            "'bpe' needs the `tokenizers` package, which is not installed. Install it with "
+            f"{what} needs the `tokenizers` package, which is not installed. Install it with "
             "`pip install tokenizers`, or use data.tokenizer=byte.",
         ) from err
     return tokenizers
+
+
+def _eos_from_vocab(backend, source: str) -> int:
+    for token in EOS_CANDIDATES:
+        tid = backend.token_to_id(token)
+        if tid is not None:
+            return int(tid)
+    raise ConfigError(
+        "data.tokenizer",
+        f"{source!r} has no end-of-document token: none of {', '.join(EOS_CANDIDATES)} is in its vocabulary "
+        "and no tokenizer_config.json / config.json beside it names an eos token. Add one of these tokens "
+        "to the tokenizer (as a special token) or put it in a directory whose config.json has eos_token_id.",
+    )
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _eos_from_dir(backend, directory: Path) -> int | None:
+    """The end-of-document id a HF model directory declares, if any."""
+    tok_cfg = _read_json(directory / "tokenizer_config.json")
+    token = tok_cfg.get("eos_token")
+    if isinstance(token, dict):
+        token = token.get("content")
+    if isinstance(token, str) and backend.token_to_id(token) is not None:
+        return int(backend.token_to_id(token))
+    for name in ("generation_config.json", "config.json"):
+        eos = _read_json(directory / name).get("eos_token_id")
+        if isinstance(eos, list) and eos:
+            eos = eos[0]
+        if isinstance(eos, int) and 0 <= eos < backend.get_vocab_size(with_added_tokens=True):
+            return eos
+    return None
+
+
+def tokenizer_json_of(spec: str | Path) -> Path | None:
+    """The `tokenizer.json` a spec names (the file, or a directory holding one), else None."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    return path.resolve() if path.is_file() else None
+
+
+def looks_like_path(spec: str) -> bool:
+    return "/" in spec or spec.endswith(".json") or spec.startswith((".", "~"))
+
+
+@functools.lru_cache(maxsize=8)
+def load_tokenizer_json(path: str) -> HFTokenizer:
+    """A tokenizer from a `tokenizer.json` (cached per process: workers reuse it)."""
+    tk = _import_tokenizers(f"the tokenizer {path!r}")
+    p = Path(path)
+    blob = p.read_bytes()
+    try:
+        backend = tk.Tokenizer.from_str(blob.decode("utf-8"))
+    except Exception as err:  # noqa: BLE001 - the library raises a bare Exception on bad files
+        raise ConfigError(
+            "data.tokenizer",
+            f"{path!r} is not a readable Hugging Face tokenizer.json ({err}). Point data.tokenizer (or "
+            "ntp-preprocess --tokenizer) at a tokenizer.json or at a model directory holding one.",
+        ) from err
+    name = p.parent.name if p.name == "tokenizer.json" and p.parent.name else p.stem
+    eos = _eos_from_dir(backend, p.parent)
+    return HFTokenizer(backend, f"hf:{name}", hashlib.sha256(blob).hexdigest()[:16], str(p), eos)
 
 
 def bpe_tokenizer_path(vocab_size: int = BPE_VOCAB_SIZE) -> Path:
@@ -88,15 +210,15 @@ def bpe_tokenizer_path(vocab_size: int = BPE_VOCAB_SIZE) -> Path:
     return cache_dir("tokenizers") / f"bpe-{vocab_size}-{key}.json"
 
 
-def train_bpe(documents, vocab_size: int = BPE_VOCAB_SIZE):
-    """Train a byte-level BPE `tokenizers.Tokenizer` on an iterable of documents."""
-    tk = _import_tokenizers()
+def train_bpe(documents, vocab_size: int = BPE_VOCAB_SIZE, eos: str = BPE_EOS):
+    """Train a byte-level BPE `tokenizers.Tokenizer` (GPT-2 style pre-tokenisation) on documents."""
+    tk = _import_tokenizers("'bpe'")
     backend = tk.Tokenizer(tk.models.BPE())
     backend.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = tk.decoders.ByteLevel()
     trainer = tk.trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[BPE_EOS],
+        special_tokens=[eos],
         initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -104,26 +226,38 @@ def train_bpe(documents, vocab_size: int = BPE_VOCAB_SIZE):
     return backend
 
 
-def load_bpe(vocab_size: int = BPE_VOCAB_SIZE) -> BPETokenizer:
+@functools.lru_cache(maxsize=2)
+def load_bpe(vocab_size: int = BPE_VOCAB_SIZE) -> HFTokenizer:
     """The BPE tokenizer trained on the built-in corpus, training and caching it on first use."""
-    tk = _import_tokenizers()
     path = bpe_tokenizer_path(vocab_size)
     if not path.exists():
         from ntp_nemo.data.stdlib_text import DEFAULT_MAX_BYTES, stdlib_documents
 
         backend = train_bpe(stdlib_documents(DEFAULT_MAX_BYTES), vocab_size)
         atomic_write_text(path, backend.to_str())
-    return BPETokenizer(tk.Tokenizer.from_file(str(path)))
+    tok = load_tokenizer_json(str(path))
+    tok.name = "bpe"
+    return tok
 
 
-def build_tokenizer(name: str) -> ByteTokenizer | BPETokenizer:
-    """Tokenizer by config name (`data.tokenizer`): `byte` or `bpe`."""
-    if name == "byte":
+def build_tokenizer(spec: str, key: str = "data.tokenizer") -> ByteTokenizer | HFTokenizer:
+    """Tokenizer by config value: `byte`, `bpe`, a `tokenizer.json` or a directory holding one."""
+    spec = str(spec).strip()
+    if spec == "byte":
         return ByteTokenizer()
-    if name == "bpe":
+    if spec == "bpe":
         return load_bpe()
+    found = tokenizer_json_of(spec)
+    if found is not None:
+        try:
+            return load_tokenizer_json(str(found))
+        except ConfigError as err:
+            raise ConfigError(key, str(err).split(": ", 1)[1]) from err
+    where = Path(spec).expanduser()
+    hint = (f"{str(where)!r} is a directory without a tokenizer.json" if where.is_dir()
+            else f"{str(where)!r} does not exist" if looks_like_path(spec) else f"unknown tokenizer {spec!r}")
     raise ConfigError(
-        "data.tokenizer",
-        f"unknown tokenizer {name!r}. Choose one of {', '.join(TOKENIZER_NAMES)} "
-        "(e.g. data.tokenizer=byte).",
+        key,
+        f"{hint}. Use byte (raw bytes), bpe (trained on the built-in corpus), the path of a Hugging Face "
+        "tokenizer.json, or a model directory holding one (e.g. data.tokenizer=byte).",
     )

@@ -1,8 +1,11 @@
 """Token files: a flat array of token ids on disk, memory-mapped for training, with a JSON sidecar.
 
-Layout: `PATH` holds the ids as little-endian uint16 (vocabularies below 65536) or uint32;
-`PATH.json` records dtype, vocab_size, num_tokens, max_token_id and the tokenizer name. The sidecar
-is written last, so its presence marks a complete file; both are renamed into place atomically.
+Layout: `PATH` holds the ids as little-endian uint16 (vocabularies up to 65536) or uint32;
+`PATH.idx` (the document index) holds the end offset of every document as little-endian uint64;
+`PATH.json` (the sidecar) records dtype, vocab_size, num_tokens, num_documents, max_token_id, the
+tokenizer (name and identity: kind, hash, source, eos id) and, from `ntp-preprocess`, the inputs.
+Each file is written under a temporary name and renamed into place; the sidecar is removed first and
+written last, so its presence marks a complete set and an interrupted write leaves nothing loadable.
 """
 
 from __future__ import annotations
@@ -26,6 +29,19 @@ def sidecar_path(path: str | os.PathLike) -> Path:
     return Path(f"{os.fspath(path)}.json")
 
 
+def index_path(path: str | os.PathLike) -> Path:
+    return Path(f"{os.fspath(path)}.idx")
+
+
+def read_sidecar(path: str | os.PathLike) -> dict | None:
+    """The sidecar of token file `path` as a dict, or None when absent or unreadable."""
+    try:
+        meta = json.loads(sidecar_path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
 def dtype_for_vocab(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 65536 else "uint32"
 
@@ -41,20 +57,27 @@ class TokenFile:
     num_tokens: int
     tokenizer: str
     max_token_id: int | None
+    tokenizer_hash: str | None = None
+    doc_ends: np.ndarray | None = None  # end offset of each document (None: no document index)
+    meta: dict | None = None
 
 
 class TokenFileWriter:
     """Streams token ids to `path` (use as a context manager); commits atomically on clean exit."""
 
-    def __init__(self, path: str | os.PathLike, tokenizer_name: str, vocab_size: int) -> None:
+    def __init__(
+        self, path: str | os.PathLike, tokenizer_name: str, vocab_size: int, extra: dict | None = None
+    ) -> None:
         if vocab_size < 1 or vocab_size > 2**32:
             raise ValueError(f"vocab_size must lie in [1, 2**32], got {vocab_size}")
         self.path = Path(path)
         self.tokenizer_name = tokenizer_name
         self.vocab_size = vocab_size
         self.dtype = dtype_for_vocab(vocab_size)
+        self.extra = dict(extra or {})
         self.num_tokens = 0
         self.max_token_id = -1
+        self.doc_ends: list[int] = []
         self._tmp = temp_path_beside(self.path)
         self._fh = open(self._tmp, "xb")  # closed by commit() or abort()
 
@@ -71,16 +94,44 @@ class TokenFileWriter:
         self.num_tokens += arr.size
         self.max_token_id = max(self.max_token_id, hi)
 
+    def append_encoded(self, tokens: np.ndarray, doc_lengths: np.ndarray, max_id: int) -> None:
+        """Append ids already in this file's dtype, with the lengths of the documents they hold."""
+        if tokens.dtype != _DTYPES[self.dtype]:
+            raise TypeError(f"expected {self.dtype} ids, got {tokens.dtype}")
+        if max_id >= self.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got max {max_id}")
+        self._fh.write(tokens.tobytes())
+        ends = self.num_tokens + np.cumsum(np.asarray(doc_lengths, dtype=np.int64))
+        self.doc_ends.extend(int(e) for e in ends)
+        self.num_tokens += int(tokens.size)
+        if tokens.size:
+            self.max_token_id = max(self.max_token_id, int(max_id))
+
+    def end_document(self) -> None:
+        """Mark the tokens appended so far as the end of a document (for the document index)."""
+        if not self.doc_ends or self.doc_ends[-1] != self.num_tokens:
+            self.doc_ends.append(self.num_tokens)
+
     def commit(self) -> Path:
         self._fh.close()
+        if self.num_tokens and (not self.doc_ends or self.doc_ends[-1] != self.num_tokens):
+            self.doc_ends.append(self.num_tokens)  # the tail after the last end_document() is a document
+        idx_tmp = temp_path_beside(index_path(self.path))
+        with open(idx_tmp, "xb") as fh:
+            fh.write(np.asarray(self.doc_ends, dtype="<u8").tobytes())
+        # The old sidecar goes first: until the new one is written nothing here loads.
+        sidecar_path(self.path).unlink(missing_ok=True)
         os.replace(self._tmp, self.path)
+        os.replace(idx_tmp, index_path(self.path))
         meta = {
             "format_version": FORMAT_VERSION,
             "dtype": self.dtype,
             "vocab_size": self.vocab_size,
             "num_tokens": self.num_tokens,
+            "num_documents": len(self.doc_ends),
             "max_token_id": self.max_token_id if self.num_tokens else None,
             "tokenizer": self.tokenizer_name,
+            **self.extra,
         }
         atomic_write_text(sidecar_path(self.path), json.dumps(meta, indent=2) + "\n")
         return self.path
@@ -132,6 +183,9 @@ def open_token_file(path: str | os.PathLike) -> TokenFile:
         tokenizer = str(meta.get("tokenizer", "unknown"))
         max_id = meta.get("max_token_id")
         max_id = None if max_id is None else int(max_id)
+        num_docs = meta.get("num_documents")
+        num_docs = None if num_docs is None else int(num_docs)
+        tok_hash = (meta.get("tokenizer_identity") or {}).get("hash")
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise _bad(path, f"its sidecar {meta_path.name!r} is unreadable or incomplete ({err!r})") from err
     if dtype_name not in _DTYPES:
@@ -147,7 +201,17 @@ def open_token_file(path: str | os.PathLike) -> TokenFile:
     if num_tokens == 0:
         raise _bad(path, "it contains no tokens")
     tokens = np.memmap(path, dtype=_DTYPES[dtype_name], mode="r", shape=(num_tokens,))
-    return TokenFile(path, tokens, dtype_name, vocab_size, num_tokens, tokenizer, max_id)
+    doc_ends = None
+    idx = index_path(path)
+    if num_docs is not None and idx.is_file():
+        if idx.stat().st_size != 8 * num_docs:
+            raise _bad(path, f"its document index {idx.name!r} does not hold the {num_docs} documents the "
+                             "sidecar promises")
+        doc_ends = np.fromfile(idx, dtype="<u8").astype(np.int64)
+        if num_docs and (doc_ends[-1] != num_tokens or np.any(np.diff(doc_ends) < 0)):
+            raise _bad(path, f"its document index {idx.name!r} does not match the token count")
+    return TokenFile(path, tokens, dtype_name, vocab_size, num_tokens, tokenizer, max_id,
+                     None if tok_hash is None else str(tok_hash), doc_ends, meta)
 
 
 def max_token_id(tf: TokenFile, chunk: int = 1 << 24) -> int:
