@@ -54,14 +54,16 @@ def _quiet_libraries() -> None:
 
 def train(cfg: DictConfig) -> dict:
     """Validate, prepare data, launch the workers and train; returns the run summary."""
-    from ntp_nemo.config.validate import check_environment, resolve_layer_tp, validate
+    from ntp_nemo.config.layout import resolve_layout
+    from ntp_nemo.config.validate import check_environment, validate
 
     validate(cfg)  # before any heavy import: a bad value answers in well under a second
     check_environment(cfg)
     from ntp_nemo.resilience.supervisor import Supervisor, validate_fault_config
 
     validate_fault_config(cfg)
-    layer_tp = resolve_layer_tp(cfg)
+    layout = resolve_layout(cfg)  # once, before launch: the strategy and runtime take this value
+    layer_tp = list(layout.layer_tp)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     _quiet_libraries()
@@ -87,7 +89,9 @@ def train(cfg: DictConfig) -> dict:
     supervisor = Supervisor(
         cfg,
         run_dir,
-        lambda c, extra, devices: build_trainer(c, run_dir, data, resolve_layer_tp(c), extra, devices),
+        lambda c, extra, devices: build_trainer(
+            c, run_dir, data, layout if c is cfg else resolve_layout(c), extra, devices
+        ),
     )
     trainer, module, strategy = supervisor.build_first()
     topo = strategy.topology
@@ -162,7 +166,7 @@ def module_counts(strategy, cfg: DictConfig) -> list[int]:
     from ntp_nemo.data.rebalance import assign_microbatches
 
     n = int(cfg.data.global_batch_size) // int(cfg.data.micro_batch_size)
-    return assign_microbatches(n, strategy.topology.capacities(strategy.power_boost))
+    return assign_microbatches(n, strategy.layout.capacities())
 
 
 def _percent(x: float | None) -> float | None:

@@ -12,8 +12,8 @@ import lightning.pytorch as pl
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from ntp_nemo.config.layout import resolve_layout
 from ntp_nemo.config.schema import ModelConfig
-from ntp_nemo.config.validate import resolved_replica_tp
 from ntp_nemo.data.module import DataBundle
 from ntp_nemo.lightning.callbacks import (
     MemoryReport,
@@ -27,7 +27,7 @@ from ntp_nemo.lightning.cluster import cluster_environment, launcher_layout
 from ntp_nemo.lightning.goodput_callback import GoodputCallback
 from ntp_nemo.lightning.module import NTPLanguageModule
 from ntp_nemo.lightning.strategy import NTPStrategy
-from ntp_nemo.pipeline.partition import resolve_stage_layers
+from ntp_nemo.topology.layout import ResolvedLayout
 
 
 def process_layout(world_size: int) -> tuple[int, int]:
@@ -51,26 +51,20 @@ def build_trainer(
     cfg: DictConfig,
     run_dir: Path,
     data: DataBundle,
-    layer_tp: list[int],
+    layout: ResolvedLayout | Sequence[int],
     extra_callbacks: Sequence[Any] = (),
     cuda_devices: Sequence[int] | None = None,
 ) -> tuple[pl.Trainer, NTPLanguageModule, NTPStrategy]:
-    """`cuda_devices`: the CUDA ordinal each local rank binds (the supervisor's relaunch after a lost
-    GPU); default ranks 0..n-1 on ordinals 0..n-1."""
+    """`layout`: the run's ResolvedLayout (`ntp_nemo.config.layout.resolve_layout`; a list is taken as
+    the resolved per-slot degrees). `cuda_devices`: the CUDA ordinal each local rank binds (the
+    supervisor's relaunch after a lost GPU); default ranks 0..n-1 on ordinals 0..n-1."""
     t = cfg.trainer
+    if not isinstance(layout, ResolvedLayout):
+        layout = resolve_layout(cfg, layer_tp=layout)
     strategy = NTPStrategy(
-        tp=int(cfg.mesh.tp),
-        replica_tp=resolved_replica_tp(cfg),
-        layer_tp=layer_tp,
-        pp=int(cfg.mesh.pp),
-        stage_layers=resolve_stage_layers(cfg, layer_tp),
-        schedule=str(cfg.layout.schedule),
-        power_boost=OmegaConf.to_container(cfg.ntp.power_boost)
-        if OmegaConf.is_list(cfg.ntp.power_boost)
-        else cfg.ntp.power_boost,
+        layout,
         bucket_mb=float(cfg.ntp.grad_bucket_mb),
         start_method=t.start_method,
-        nominal_replicas=cfg.ntp.nominal_replicas,
         process_group_backend=t.process_group_backend,
         timeout=timedelta(seconds=float(cfg.fault.collective_timeout_s)),
     )

@@ -8,6 +8,7 @@ fragment gradient sync, the TP-aware clipping, the optimizer and the LR schedule
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -15,9 +16,9 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
-from ntp_nemo.config.schema import ModelConfig
 from ntp_nemo.data.module import DataBundle
 from ntp_nemo.lightning.data import StepBatches, ValBatches
+from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.schedules import warmup_cosine
 
 
@@ -45,6 +46,7 @@ class NTPLanguageModule(pl.LightningModule):
         self.model: torch.nn.Module | None = None
         self._train_set: StepBatches | None = None
         self.last_step: dict[str, Any] = {}
+        self.stop_agreed = False  # some rank asked to stop (from the last step's fused all-reduce)
 
     @property
     def runtime(self):
@@ -100,22 +102,45 @@ class NTPLanguageModule(pl.LightningModule):
         checkpoint["model_config"] = dataclasses.asdict(self.model_cfg)
 
     # ---- steps ------------------------------------------------------------------------------------
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """Only the token micro-batches go to the device; the step index and token count stay host
+        integers (reading them never waits for the device)."""
+        if isinstance(batch, dict) and "micro" in batch:
+            return {**batch, "micro": batch["micro"].to(device, non_blocking=True)}
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+    def _stop_requested(self) -> bool:
+        """A preemption/interrupt signal reached this rank (folded into the step's fused all-reduce)."""
+        from ntp_nemo.lightning.callbacks import PreemptionCheckpoint
+
+        return any(cb.requested for cb in self.trainer.callbacks if isinstance(cb, PreemptionCheckpoint))
+
     def training_step(self, batch: dict, batch_idx: int) -> dict:
+        """One optimizer step.  Device work only, except one host read of the fused step scalars
+        (loss, gradient norm, non-finite and stop flags: one all-reduce), which decides, identically
+        on every rank, whether the optimizer steps (a non-finite gradient skips it)."""
         t0 = time.perf_counter()
         opt = self.optimizers()
         sched = self.lr_schedulers()
         global_tokens = int(batch["global_tokens"])
-        loss_sum = self.runtime.train_microbatches(
+        rt = self.runtime
+        loss_sum = rt.train_microbatches(
             self.model, list(batch["micro"]), global_tokens, backward=self.manual_backward
         )
-        sync = self.runtime.sync
+        sync = rt.sync
         sync.sync()
-        grad_norm = sync.clip_grad_norm_(self.optim_cfg["grad_clip"])
+        fused = rt.step_scalars(loss_sum, sync.grad_norm_sq_local(), stop=self._stop_requested())
+        sync.clip_to_norm_(fused[1].sqrt(), self.optim_cfg["grad_clip"])
         lr = sched.get_last_lr()[0]
-        opt.step()
+        values = rt.read_step_scalars(fused)  # the step's one host read
+        skipped = values["nonfinite"] > 0
+        if not skipped:
+            opt.step()
         opt.zero_grad(set_to_none=False)
         sched.step()
-        loss = float(self.runtime.global_sum(loss_sum)) / global_tokens
+        self.stop_agreed = values["stop"] > 0  # read by PreemptionCheckpoint at the end of the batch
+        loss = values["loss_sum"] / global_tokens
+        grad_norm = math.sqrt(values["grad_norm_sq"]) if values["grad_norm_sq"] >= 0 else float("nan")
         self.log("train/loss", loss, prog_bar=True, rank_zero_only=True, batch_size=1)
         self.log("train/grad_norm", grad_norm, rank_zero_only=True, batch_size=1)
         self.last_step = {
@@ -125,10 +150,12 @@ class NTPLanguageModule(pl.LightningModule):
             "lr": lr,
             "grad_norm": grad_norm,
             "compute_s": time.perf_counter() - t0,
-            "microbatches": self.runtime.microbatch_counts(
+            "microbatches": rt.microbatch_counts(
                 self.data.sampler.global_batch_size // self.micro_batch_size
             ),
         }
+        if skipped:
+            self.last_step["skipped"] = True  # non-finite gradient on some rank: no update this step
         return {"loss": torch.tensor(loss)}
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:

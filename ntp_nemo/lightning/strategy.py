@@ -11,7 +11,6 @@ replicas of unequal TP.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -33,7 +32,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from ntp_nemo.parallel.runtime import NTPRuntime
 from ntp_nemo.quant.state import quant_state
-from ntp_nemo.topology import Topology
+from ntp_nemo.topology import ResolvedLayout
 
 
 class _ForkLauncher(_MultiProcessingLauncher):
@@ -49,7 +48,23 @@ class _ForkLauncher(_MultiProcessingLauncher):
                 if proc.is_alive():
                     os.kill(proc.pid, signum)
 
+        interrupts, parent = [], os.getpid()
+
+        def interrupt(signum, frame):  # noqa: ANN001 - Ctrl-C: the workers checkpoint; a second one kills
+            if os.getpid() != parent:  # a worker before its own handler is installed
+                raise KeyboardInterrupt
+            interrupts.append(signum)
+            if len(interrupts) == 1:
+                forward(signal.SIGTERM, frame)  # a terminal's Ctrl-C reaches them too: the stop is the same
+                return
+            for proc in self.procs:
+                if proc.is_alive():
+                    os.kill(proc.pid, signal.SIGKILL)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+
         previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
         finally:
@@ -67,26 +82,24 @@ class NTPStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        tp: int,
-        replica_tp: Sequence[int],
-        layer_tp: Sequence[int],
-        pp: int = 1,
-        stage_layers: Sequence[int] | None = None,
-        schedule: str = "1f1b",
-        power_boost: Any = None,
+        layout: ResolvedLayout,
         bucket_mb: float = 25.0,
-        nominal_replicas: int | None = None,
         start_method: str = "fork",
         process_group_backend: str | None = None,
         timeout: timedelta = timedelta(minutes=10),
         **kwargs: Any,
     ) -> None:
+        """`layout`: the run's layout, resolved once from the config before launch
+        (`ntp_nemo.config.layout.resolve_layout`)."""
         super().__init__(**kwargs)
-        self.topology = Topology(tp, replica_tp, layer_tp, pp, stage_layers)
-        self.schedule = schedule
-        self.power_boost = power_boost
+        if not isinstance(layout, ResolvedLayout):
+            raise TypeError(f"NTPStrategy takes a ResolvedLayout, got {type(layout).__name__}")
+        self.layout = layout
+        self.topology = layout.topology()
+        self.schedule = layout.schedule
+        self.power_boost = layout.power_boost
         self.bucket_mb = bucket_mb
-        self.nominal_replicas = nominal_replicas
+        self.nominal_replicas = layout.nominal_replicas
         self._start_method = start_method
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -134,7 +147,8 @@ class NTPStrategy(ParallelStrategy):
             if self.root_device.type != "cpu":
                 kwargs["device_id"] = self.root_device
             _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        self.runtime = NTPRuntime(self.topology, self.global_rank, self.power_boost, self.schedule)
+        self.runtime = NTPRuntime(self.layout, self.global_rank, device=self.root_device)
+        self.topology = self.runtime.topology  # the one whose process groups the run uses
 
     def set_world_ranks(self) -> None:
         """Ranks we launched: local rank = global rank (one node).  Under torchrun/SLURM the launcher's

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ntp_nemo.config.schema import ModelConfig
+from ntp_nemo.models.config import ModelConfig
 
 
 def param_count(cfg: ModelConfig) -> int:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ntp_nemo.config.schema import ModelConfig
+from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.models.plan import SingleDevicePlan, TPPlan
 from ntp_nemo.parallel.comm import copy_to_tp
 from ntp_nemo.parallel.layers import (

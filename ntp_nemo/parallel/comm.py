@@ -51,3 +51,31 @@ def all_reduce_(x: torch.Tensor, tp: TPContext, op=dist.ReduceOp.SUM) -> torch.T
     if tp.sharded:
         dist.all_reduce(x, op=op, group=tp.group)
     return x
+
+
+# ---- device-checked collectives of the training step ---------------------------------------------
+def same_device(actual: torch.device, expected: torch.device) -> bool:
+    """`cuda` (no index) matches any `cuda:i`; otherwise type and index must agree."""
+    return actual.type == expected.type and (expected.index is None or actual.index == expected.index)
+
+
+def check_device(tensor: torch.Tensor, device: torch.device, what: str = "tensor") -> torch.Tensor:
+    """Raise a clear RuntimeError when `tensor` is not on the runtime's `device`.
+
+    On CPU with gloo a misplaced tensor would pass silently, while NCCL rejects (or hangs on) it; this
+    check makes the mistake visible on any machine, including the meta device of a dry run."""
+    if not same_device(tensor.device, device):
+        raise RuntimeError(
+            f"{what} is on {tensor.device} but the runtime's device is {device}: every tensor of the "
+            f"training step must live on the runtime's device (a collective on a {device.type} process "
+            "group cannot take it)."
+        )
+    return tensor
+
+
+def all_reduce_on(tensor: torch.Tensor, device: torch.device, group=None, op=dist.ReduceOp.SUM,
+                  what: str = "all-reduce buffer") -> torch.Tensor:
+    """In-place all-reduce of a tensor that must be on `device` (checked first)."""
+    check_device(tensor, device, what)
+    dist.all_reduce(tensor, op=op, group=group)
+    return tensor

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ntp_nemo.parallel.comm import all_reduce_on, check_device
+
 
 @dataclass(frozen=True)
 class Fragment:
@@ -107,8 +109,17 @@ def _view(p: torch.Tensor, f: Fragment) -> torch.Tensor:
     return p if p.dim() == 0 else p.narrow(f.dim, f.start, f.length)
 
 
+def accumulator_dtype(device: torch.device) -> torch.dtype:
+    """float64 for the step's scalar sums where the device has it, float32 where not (MPS)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
 class GradientSynchronizer:
-    """Runs a SyncPlan: bucketed flat all-reduces, one process group per holder set."""
+    """Runs a SyncPlan: bucketed flat all-reduces, one process group per holder set.
+
+    Every buffer lives on `device` (the gradients' device; by default the first parameter's) and each
+    collective checks it, so no CPU tensor reaches the group of a GPU (or meta) runtime.
+    """
 
     def __init__(
         self,
@@ -117,12 +128,18 @@ class GradientSynchronizer:
         group_of: Callable,
         bucket_bytes: int = 25 << 20,
         world_group=None,
+        device: torch.device | None = None,
     ) -> None:
         self.params = dict(model.named_parameters())
         self.plan = plan
         self.group_of = group_of
         self.bucket_bytes = bucket_bytes
         self.world_group = world_group
+        if device is None:
+            first = next(iter(self.params.values()), None)
+            device = first.device if first is not None else torch.device("cpu")
+        self.device = torch.device(device)
+        self.acc_dtype = accumulator_dtype(self.device)
         self.counter: Callable[[str, int, tuple[int, ...]], None] | None = None  # comm accounting hook
 
     def _grad(self, name: str) -> torch.Tensor:
@@ -158,7 +175,7 @@ class GradientSynchronizer:
         flat = torch.cat([(v * f.weight).reshape(-1) for v, f in zip(views, frags, strict=True)])
         if self.counter is not None:
             self.counter("dp_all_reduce", flat.numel() * flat.element_size(), holders)
-        dist.all_reduce(flat, group=group)
+        all_reduce_on(flat, self.device, group, what="gradient bucket")
         offset = 0
         for v in views:
             n = v.numel()
@@ -167,24 +184,38 @@ class GradientSynchronizer:
 
     @torch.no_grad()
     def grad_norm_sq_local(self) -> torch.Tensor:
-        """This rank's share of the global squared gradient norm (sum over ranks = the full norm^2)."""
-        total = torch.zeros((), dtype=torch.float64)
+        """This rank's share of the global squared gradient norm (sum over ranks = the full norm^2),
+        a 0-dim tensor on the gradients' device; non-finite when any local gradient is."""
+        total = torch.zeros((), dtype=self.acc_dtype, device=self.device)
         for f in self.plan.fragments():
             g = self.params[f.name].grad
             if g is not None:
-                total += _view(g, f).double().pow(2).sum() * f.norm_weight
+                check_device(g, self.device, f"gradient of {f.name}")
+                total += _view(g, f).to(self.acc_dtype).pow(2).sum() * f.norm_weight
         return total
 
     @torch.no_grad()
+    def clip_to_norm_(self, norm: torch.Tensor, max_norm: float | None) -> None:
+        """Scale the gradients by min(1, max_norm / (norm + 1e-6)) without a host read (`norm`: the
+        reduced global norm, a tensor on the device), as `torch.nn.utils.clip_grad_norm_` does."""
+        if not max_norm or max_norm <= 0:
+            return
+        check_device(norm, self.device, "gradient norm")
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+        for p in self.params.values():
+            if p.grad is not None:
+                by_dtype[p.grad.dtype].append(p.grad)
+        for dtype, grads in by_dtype.items():
+            torch._foreach_mul_(grads, coef.to(dtype))
+
+    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> float:
-        """Clip by the norm of the logical (unsharded) gradient; returns that norm."""
+        """Clip by the norm of the logical (unsharded) gradient; returns that norm (one host read:
+        the training step uses the fused `NTPRuntime.step_scalars` instead)."""
         sq = self.grad_norm_sq_local()
         if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(sq, group=self.world_group)
-        norm = float(sq.sqrt())
-        if max_norm and max_norm > 0 and norm > max_norm:
-            coef = max_norm / (norm + 1e-6)
-            for p in self.params.values():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-        return norm
+            all_reduce_on(sq, self.device, self.world_group, what="squared gradient norm")
+        norm = sq.sqrt()
+        self.clip_to_norm_(norm, max_norm)
+        return float(norm)

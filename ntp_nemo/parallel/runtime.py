@@ -1,48 +1,97 @@
-"""One rank's NTP runtime: its place in the Topology, its model slice, gradient sync and batch share.
+"""One rank's NTP runtime: its place in the layout, its model slice, gradient sync and batch share.
 
-Kept free of Lightning so tests and benchmarks drive exactly the code the NTPStrategy runs.
+Kept free of Lightning so tests, benchmarks and the dry run drive exactly the code the NTPStrategy
+runs.  Every tensor of the training step lives on `runtime.device`; the step's scalars (loss sum,
+squared gradient norm, non-finite flag, stop request) travel in one fused all-reduce
+(`step_scalars`), whose result the caller reads on the host once per step (`read_step_scalars`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ntp_nemo.config.schema import ModelConfig
-from ntp_nemo.data.rebalance import assign_microbatches
-from ntp_nemo.parallel.grad_sync import GradientSynchronizer, build_sync_plan, param_descriptors
-from ntp_nemo.topology import Topology
+from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.parallel.comm import all_reduce_on, check_device
+from ntp_nemo.parallel.grad_sync import (
+    GradientSynchronizer,
+    accumulator_dtype,
+    build_sync_plan,
+    param_descriptors,
+)
+from ntp_nemo.topology import ResolvedLayout, Topology
+
+STEP_SCALARS = ("loss_sum", "grad_norm_sq", "nonfinite", "stop")
 
 
 class NTPRuntime:
-    def __init__(self, topology: Topology, rank: int, power_boost=None, schedule: str = "1f1b") -> None:
-        self.topology = topology
+    """`NTPRuntime(layout, rank, device=...)`.
+
+    `layout` is the run's `ResolvedLayout` (or, for tests and benchmarks, a `Topology`, whose
+    schedule and power boost then come from the keyword arguments).  `device` defaults to the layout's
+    device of this rank, else CPU; `torch.device("meta")` builds shapes only (dry run).
+    """
+
+    def __init__(
+        self,
+        layout: ResolvedLayout | Topology,
+        rank: int,
+        power_boost: Any = None,
+        schedule: str | None = None,
+        *,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if isinstance(layout, Topology):
+            self.topology = layout
+            layout = ResolvedLayout.of_topology(layout, schedule or "1f1b", power_boost)
+        else:
+            if power_boost is not None or schedule is not None:
+                raise TypeError("power_boost and schedule come from the ResolvedLayout")
+            self.topology = layout.topology()
+        self.layout = layout
         self.rank = rank
-        self.coord = topology.coord(rank)
-        self.power_boost = power_boost
-        self.schedule = schedule  # pipeline schedule (gpipe | 1f1b), used when topology.pp > 1
+        self.coord = self.topology.coord(rank)
+        self.power_boost = layout.power_boost
+        self.schedule = layout.schedule  # pipeline schedule (gpipe | 1f1b), used when pp > 1
+        self.device = torch.device(device or layout.device_of(rank) or "cpu")
+        self.acc_dtype = accumulator_dtype(self.device)
+        self.world_group = None  # the default group: on CUDA it may be NCCL-only, so its tensors are CUDA
         self.sync: GradientSynchronizer | None = None
-        self.pipeline = None  # PipelineEngine, built by attach() when topology.pp > 1
-        if topology.world_size > 1:
-            topology.build_groups()
-        self.plan = topology.plan_for(rank)
+        self.pipeline = None  # PipelineEngine, built by attach() when pp > 1
+        if self.topology.world_size > 1:
+            self.topology.build_groups()
+        self.plan = self.topology.plan_for(rank)
+
+    @property
+    def is_meta(self) -> bool:
+        return self.device.type == "meta"
 
     # ---- model --------------------------------------------------------------------------------
     def build_model(self, cfg: ModelConfig, seed: int, dtype: torch.dtype | None = None) -> nn.Module:
-        """This rank's slice of the model (its pipeline stage), initialised layout-independently."""
+        """This rank's slice of the model (its pipeline stage), initialised layout-independently and
+        placed on the runtime's device.  On `meta` only shapes exist (no initialisation, no import)."""
         from ntp_nemo.models import DecoderLM, initialize_
 
         stage, last = self.coord.stage, self.topology.pp - 1
-        model = DecoderLM(
-            cfg,
-            self.plan,
-            layers=self.topology.stage_layer_range(stage),
-            has_embedding=stage == 0,
-            has_head=stage == last,
-        )
+
+        def make() -> nn.Module:
+            return DecoderLM(
+                cfg,
+                self.plan,
+                layers=self.topology.stage_layer_range(stage),
+                has_embedding=stage == 0,
+                has_head=stage == last,
+            )
+
+        if self.is_meta:
+            with torch.device("meta"):
+                model = make()
+            return model.to(dtype) if dtype is not None else model
+        model = make()
         if dtype is not None:
             model.to(dtype)
         initialize_(model, seed)
@@ -50,30 +99,39 @@ class NTPRuntime:
             from ntp_nemo.hf import load_hf_into
 
             load_hf_into(model, cfg.init_from)  # each rank reads only its slices
-        return model
+        return model.to(self.device)
 
-    def attach(self, model: nn.Module, bucket_mb: float = 25.0) -> GradientSynchronizer:
-        """Build the fragment sync plan (one all_gather_object) and its process groups."""
-        desc = param_descriptors(model)
-        if self.topology.world_size > 1:
-            everyone: list = [None] * self.topology.world_size
-            dist.all_gather_object(everyone, desc)
+    def attach(
+        self, model: nn.Module, bucket_mb: float = 25.0, descriptors: Sequence[dict] | None = None
+    ) -> GradientSynchronizer:
+        """Build the fragment sync plan and its process groups.
+
+        `descriptors` (every rank's `param_descriptors`, index = global rank) skips the exchange (one
+        `all_gather_object`); the dry run passes them since a fake process group moves no data."""
+        if descriptors is not None:
+            everyone = list(descriptors)
+        elif self.topology.world_size > 1:
+            everyone = [None] * self.topology.world_size
+            dist.all_gather_object(everyone, param_descriptors(model))
         else:
-            everyone = [desc]
+            everyone = [param_descriptors(model)]
         replica_of = [c.replica for c in self.topology.coords]
         plan = build_sync_plan(self.rank, everyone, replica_of)
         if self.topology.world_size > 1:
             self.topology.build_groups(extra=plan.all_holder_sets)
-        self.sync = GradientSynchronizer(model, plan, self.topology.group, int(bucket_mb * (1 << 20)))
+        self.sync = GradientSynchronizer(
+            model, plan, self.topology.group, int(bucket_mb * (1 << 20)), self.world_group, self.device
+        )
         if self.topology.pp > 1:
             from ntp_nemo.pipeline.engine import PipelineEngine
 
-            self.pipeline = PipelineEngine(model, self.topology, self.rank, self.schedule)
+            self.pipeline = PipelineEngine(model, self.topology, self.rank, self.schedule,
+                                           acc_dtype=self.acc_dtype)
         return self.sync
 
     # ---- batch share ----------------------------------------------------------------------------
     def microbatch_counts(self, num_microbatches: int) -> list[int]:
-        return assign_microbatches(num_microbatches, self.topology.capacities(self.power_boost))
+        return self.layout.microbatch_counts(num_microbatches)
 
     def my_microbatches(self, num_microbatches: int) -> range:
         counts = self.microbatch_counts(num_microbatches)
@@ -81,39 +139,89 @@ class NTPRuntime:
         return range(start, start + counts[self.coord.replica])
 
     # ---- reductions -----------------------------------------------------------------------------
-    def global_sum(self, value: torch.Tensor) -> torch.Tensor:
-        """Sum a per-replica quantity (identical on a replica's last-stage ranks) over replicas."""
+    def _replica_share(self, value: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a per-replica quantity held by all of a replica's last-stage ranks."""
+        check_device(value, self.device, "per-replica sum")
+        out = value.detach().to(self.acc_dtype)
         if self.topology.world_size == 1:
-            return value
-        n = self.topology.replica_tp[self.coord.replica]
-        out = value.detach().double() / n
+            return out.clone()
         if self.coord.stage != self.topology.pp - 1:
-            out.zero_()  # with a pipeline only the last stage holds the loss
-        dist.all_reduce(out)
+            return torch.zeros_like(out)  # with a pipeline only the last stage holds the loss
+        return out / self.topology.replica_tp[self.coord.replica]
+
+    def global_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum a per-replica quantity (identical on a replica's last-stage ranks) over replicas; a
+        tensor on the runtime's device (used by evaluation, outside the fused step)."""
+        out = self._replica_share(value)
+        if self.topology.world_size > 1:
+            all_reduce_on(out, self.device, self.world_group, what="global sum")
         return out
 
+    def step_scalars(
+        self,
+        loss_sum: torch.Tensor,
+        grad_norm_sq_local: torch.Tensor,
+        nonfinite: torch.Tensor | bool | None = None,
+        stop: bool | torch.Tensor = False,
+    ) -> torch.Tensor:
+        """The step's one fused all-reduce: returns `[loss_sum, grad_norm_sq, nonfinite, stop]`,
+        summed over the world, as a tensor on the runtime's device (float64, float32 without it).
+
+        `loss_sum`: this replica's summed token loss (`train_microbatches`); `grad_norm_sq_local`:
+        `GradientSynchronizer.grad_norm_sq_local()` after the sync; `nonfinite`: this rank found a
+        non-finite gradient (default: the local norm is not finite); `stop`: this rank asks to stop
+        (preemption).  Entries 2 and 3 are counts: > 0 means some rank raised the flag.
+        """
+        check_device(grad_norm_sq_local, self.device, "squared gradient norm")
+        sq = grad_norm_sq_local.detach().to(self.acc_dtype)
+        if nonfinite is None:
+            flag = (~torch.isfinite(sq)).to(self.acc_dtype)
+        elif isinstance(nonfinite, torch.Tensor):
+            flag = check_device(nonfinite, self.device, "non-finite flag").to(self.acc_dtype)
+        else:
+            flag = torch.full((), float(bool(nonfinite)), dtype=self.acc_dtype, device=self.device)
+        if isinstance(stop, torch.Tensor):
+            stop_t = check_device(stop, self.device, "stop flag").to(self.acc_dtype)
+        else:
+            stop_t = torch.full((), float(bool(stop)), dtype=self.acc_dtype, device=self.device)
+        buf = torch.stack([self._replica_share(loss_sum), sq, flag.reshape(()), stop_t.reshape(())])
+        if self.topology.world_size > 1:
+            all_reduce_on(buf, self.device, self.world_group, what="fused step scalars")
+        return buf
+
+    @staticmethod
+    def read_step_scalars(buf: torch.Tensor) -> dict[str, float]:
+        """The step's single host read of the fused scalars."""
+        return dict(zip(STEP_SCALARS, buf.tolist(), strict=True))
+
+    # ---- micro-batches ----------------------------------------------------------------------------
     def train_microbatches(
         self, model: nn.Module, microbatches: Sequence[torch.Tensor], global_tokens: int, backward=None
     ) -> torch.Tensor:
         """Forward/backward this replica's micro-batches; loss normalised by the global token count.
 
-        Returns the replica's summed token loss (not normalised).
+        Returns the replica's summed token loss (not normalised), a 0-dim tensor on the device; no
+        host synchronisation happens here.
         """
+        microbatches = [mb.to(self.device, non_blocking=True) for mb in microbatches]
         if self.pipeline is not None:
             return self.pipeline.train(microbatches, global_tokens, backward)
         backward = backward or (lambda loss: loss.backward())
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=self.acc_dtype, device=self.device)
         for mb in microbatches:
             loss_sum = model.loss_sum(mb)
+            check_device(loss_sum, self.device, "micro-batch loss")
             backward(loss_sum / global_tokens)
-            total += loss_sum.detach().double()
+            total += loss_sum.detach().to(self.acc_dtype)
         return total
 
     def eval_microbatches(self, model: nn.Module, microbatches: Sequence[torch.Tensor]) -> torch.Tensor:
         """Forward-only summed token loss of this replica's micro-batches (0 on non-last pipeline stages)."""
+        microbatches = [mb.to(self.device, non_blocking=True) for mb in microbatches]
         if self.pipeline is not None:
             return self.pipeline.evaluate(microbatches)
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=self.acc_dtype, device=self.device)
         for mb in microbatches:
-            total += model.loss_sum(mb).detach().double()
+            loss_sum = check_device(model.loss_sum(mb), self.device, "micro-batch loss")
+            total += loss_sum.detach().to(self.acc_dtype)
         return total

@@ -100,8 +100,9 @@ class PipelineEngine:
     """One rank's stage of its replica's pipeline; construction is collective (link groups)."""
 
     def __init__(self, model: nn.Module, topology: Topology, rank: int, schedule: str = "1f1b",
-                 new_group: Callable | None = None) -> None:
+                 new_group: Callable | None = None, acc_dtype: torch.dtype = torch.float64) -> None:
         c = topology.coord(rank)
+        self.acc_dtype = acc_dtype  # loss accumulator (float32 on devices without float64)
         self.model, self.schedule = model, schedule
         self.stage, self.pp = c.stage, topology.pp
         self.first, self.last = c.stage == 0, c.stage == topology.pp - 1
@@ -138,7 +139,7 @@ class PipelineEngine:
                            + [t for pair in getattr(self.model, "_rope_cache", {}).values() for t in pair])
         self.trace = StepTrace()
         t0 = time.perf_counter()
-        total = torch.zeros((), dtype=torch.float64, device=device)
+        total = torch.zeros((), dtype=self.acc_dtype, device=device)
         inputs: dict[int, torch.Tensor | None] = {}
         outputs: dict[int, torch.Tensor] = {}
         for a in schedule_order(self.schedule, self.stage, self.pp, len(microbatches)):
@@ -151,7 +152,7 @@ class PipelineEngine:
                 with self.meter.recording(a.microbatch):
                     out = self._stage_forward(tokens, x)
                 if self.last:
-                    total += out.detach().double()
+                    total += out.detach().to(self.acc_dtype)
                 else:
                     self.meter.add(a.microbatch, out)
                     self.links.send_activation(out.detach().to(wire))
@@ -178,12 +179,12 @@ class PipelineEngine:
     def evaluate(self, microbatches: Sequence[torch.Tensor]) -> torch.Tensor:
         """Forward-only pass (validation): summed token loss on the last stage, 0 elsewhere."""
         p = self._param
-        total = torch.zeros((), dtype=torch.float64, device=p.device)
+        total = torch.zeros((), dtype=self.acc_dtype, device=p.device)
         for tokens in microbatches:
             x = None if self.first else self.links.recv_activation(self._shape(tokens), p.dtype, p.device)
             out = self._stage_forward(tokens, x)
             if self.last:
-                total += out.double()
+                total += out.to(self.acc_dtype)
             else:
                 self.links.send_activation(out.to(p.dtype))
         self.links.flush()

@@ -67,7 +67,8 @@ def balanced_partition(costs: Sequence[float], pp: int) -> list[int]:
 def resolve_stage_layers(cfg: DictConfig, layer_tp: Sequence[int] | None = None) -> list[int]:
     """Layers per stage for a run: `layout.stage_layers` when given, else the cost-balanced split.
 
-    Call after `validate_pipeline(cfg)`; `layer_tp` defaults to the resolved per-slot degrees.
+    Call after `validate_pipeline(cfg)`; the balanced split needs the resolved per-slot degrees
+    `layer_tp` (the config layer resolves them: `ntp_nemo.config.layout.resolve_layout`).
     """
     pp, num_layers = int(cfg.mesh.pp), int(cfg.model.num_layers)
     explicit = cfg.layout.get("stage_layers")
@@ -76,9 +77,7 @@ def resolve_stage_layers(cfg: DictConfig, layer_tp: Sequence[int] | None = None)
     if pp == 1:
         return [num_layers]
     if layer_tp is None:
-        from ntp_nemo.config.validate import resolve_layer_tp
-
-        layer_tp = resolve_layer_tp(cfg)
+        raise ValueError("the cost-balanced pipeline split needs the resolved per-slot degrees (layer_tp)")
     costs = item_costs(ModelShape.of_model_config(cfg.model), layer_tp, int(cfg.data.seq_len),
                        int(cfg.data.micro_batch_size))
     return balanced_partition(costs, pp)

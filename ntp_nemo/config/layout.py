@@ -1,0 +1,34 @@
+"""Resolve a validated config into the run's `ResolvedLayout`, once, before anything is launched."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+from ntp_nemo.topology.layout import ResolvedLayout
+
+
+def resolve_layout(cfg: DictConfig, layer_tp: Sequence[int] | None = None) -> ResolvedLayout:
+    """The layout of `cfg` (validated): per-slot degrees (planned when `layout.layer_tp=auto`), the
+    pipeline split (cost-balanced unless `layout.stage_layers` is given) and the batch shares.
+
+    `layer_tp`, when given, is taken as already resolved (skips the planner)."""
+    from ntp_nemo.config.validate import resolve_layer_tp, resolved_replica_tp
+    from ntp_nemo.pipeline.partition import resolve_stage_layers
+
+    if layer_tp is None:
+        layer_tp = resolve_layer_tp(cfg)
+    pb = cfg.ntp.power_boost
+    power_boost = OmegaConf.to_container(pb) if OmegaConf.is_list(pb) else pb
+    return ResolvedLayout.make(
+        tp=int(cfg.mesh.tp),
+        replica_tp=resolved_replica_tp(cfg),
+        layer_tp=layer_tp,
+        pp=int(cfg.mesh.pp),
+        stage_layers=resolve_stage_layers(cfg, layer_tp),
+        schedule=str(cfg.layout.schedule),
+        power_boost=power_boost,
+        nominal_replicas=cfg.ntp.nominal_replicas,
+        num_microbatches=int(cfg.data.global_batch_size) // int(cfg.data.micro_batch_size),
+    )
