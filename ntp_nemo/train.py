@@ -54,18 +54,38 @@ def _quiet_libraries() -> None:
 
 def train(cfg: DictConfig) -> dict:
     """Validate, prepare data, launch the workers and train; returns the run summary."""
+    from ntp_nemo.config import checks
     from ntp_nemo.config.layout import resolve_layout
     from ntp_nemo.config.validate import check_environment, validate
 
+    checks.require_mandatory(cfg)
+    checks.adjust(cfg)
+    from ntp_nemo.data.validate import explicit_keys, resolve_data_config
+
+    # The tokenizer sizes model.vocab_size (unless it is given on the command line).
+    overrides = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
+    resolve_data_config(cfg, explicit_keys(overrides))
     validate(cfg)  # before any heavy import: a bad value answers in well under a second
     check_environment(cfg)
-    from ntp_nemo.resilience.supervisor import Supervisor, validate_fault_config
+    checks.check_batch_split(cfg)
+    checks.warn_no_ops(cfg)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    checks.check_outputs(cfg, run_dir)
+    ckpt_path = resolve_resume(cfg, run_dir)
+    if ckpt_path is not None:
+        checks.check_resume_model(cfg, ckpt_path)
+    from ntp_nemo.resilience.supervisor import Supervisor, validate_fault_config  # imports Lightning
 
     validate_fault_config(cfg)
     layout = resolve_layout(cfg)  # once, before launch: the strategy and runtime take this value
     layer_tp = list(layout.layer_tp)
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if launcher_rank() == 0:
+        from ntp_nemo.config.run_dir import save_record
+
+        save_record(cfg, run_dir)  # only now: a command that fails validation keeps the old record
+    if cfg.model.get("init_from"):
+        say(f"model weights: initialised from {cfg.model.init_from} (model.init_from)", flush=True)
     _quiet_libraries()
     from ntp_nemo.data.module import build_data
 
@@ -77,6 +97,8 @@ def train(cfg: DictConfig) -> dict:
         int(cfg.seed),
         float(cfg.data.val_fraction),
         int(cfg.model.vocab_size),
+        blend=cfg.data.blend,
+        val_path=cfg.data.val_path,
     )
     if cfg.quant.format != "none":
         from ntp_nemo.quant.modules import register_tp_layers
@@ -98,7 +120,9 @@ def train(cfg: DictConfig) -> dict:
     say(
         f"ntp_nemo | recipe {cfg.recipe} | model {mcfg.name} ({mcfg.arch}) "
         f"{param_count(mcfg) / 1e6:.2f}M params, "
-        f"{flops_per_token(mcfg, int(cfg.data.seq_len)) / 1e6:.1f} MFLOP/token | data {data.source} "
+        f"{flops_per_token(mcfg, int(cfg.data.seq_len)) / 1e6:.1f} MFLOP/token | data "
+        f"{cfg.data.path or 'embedded corpus (Python standard library)'} "
+        f"[tokenizer {data.tokenizer_name}, {data.vocab_size} ids -> {mcfg.vocab_size} vocabulary rows] "
         f"({len(data.train)} train / {len(data.val)} val samples)",
         flush=True,
     )
@@ -110,7 +134,6 @@ def train(cfg: DictConfig) -> dict:
     )
     from ntp_nemo.goodput import GoodputRecorder
 
-    ckpt_path = resolve_resume(cfg, run_dir)
     done_step = _checkpoint_step(ckpt_path) if ckpt_path is not None else -1
     if done_step >= int(cfg.trainer.max_steps):
         say(
@@ -195,10 +218,32 @@ def print_summary(summary: dict, run_dir: Path) -> None:
             if summary.get("failover")
             else []
         ),
+        *(
+            [
+                f" stopped early at step {summary.get('steps')} of {summary.get('max_steps')} "
+                f"({'Ctrl-C' if summary['stopped_early'] == 'SIGINT' else summary['stopped_early']}); "
+                "checkpoint saved",
+                f" to resume     {resume_command(run_dir)}",
+            ]
+            if summary.get("stopped_early")
+            else []
+        ),
         f" outputs       {run_dir} (metrics.jsonl, goodput.jsonl, checkpoints/, logs/)",
         "──────────────────────────────────────────────────────",
     ]
     say("\n".join(lines), flush=True)
+
+
+def resume_command(run_dir: Path) -> str:
+    """The command that continues this run: its own overrides, in its run directory (resume=auto)."""
+    import shlex
+
+    try:
+        overrides = list(HydraConfig.get().overrides.task)
+    except ValueError:  # no Hydra job (called from Python)
+        overrides = []
+    keep = [o for o in overrides if not o.startswith(("hydra.run.dir=", "resume=", "trainer.stop_at_step="))]
+    return " ".join(["ntp-train", *map(shlex.quote, keep), shlex.quote(f"hydra.run.dir={run_dir}")])
 
 
 @hydra.main(version_base=None, config_path=str(conf_dir()), config_name="config")
@@ -209,15 +254,37 @@ def _hydra_entry(cfg: DictConfig) -> float | None:
         summary = train(cfg)
     except ConfigError as err:
         report_config_error(err)
+        _drop_empty_run_dir()
         sys.exit(EXIT_CONFIG)
+    except BaseException:
+        _drop_empty_run_dir()
+        raise
     return summary.get("final_loss")
+
+
+def _drop_empty_run_dir() -> None:
+    """A command that failed before writing anything leaves no run directory behind."""
+    from ntp_nemo.config.run_dir import remove_if_empty
+
+    if launcher_rank() == 0:
+        remove_if_empty(Path(HydraConfig.get().runtime.output_dir))
 
 
 def main() -> None:
     register_configs()
+    from ntp_nemo.config.keys import check_override_keys
+
+    try:
+        check_override_keys(sys.argv[1:])  # a misspelt or `+`-added typed key: "did you mean"
+    except ConfigError as err:
+        report_config_error(err)
+        sys.exit(EXIT_CONFIG)
+    # The .hydra/ record is written by the job once the config is valid (ntp_nemo.config.run_dir).
+    if not any(a.startswith("hydra.output_subdir=") for a in sys.argv):
+        sys.argv += ["hydra.output_subdir=null"]
     if launcher_rank() != 0:
         # Only global rank 0 keeps the run's .hydra/ record and log file.
-        sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled"]
+        sys.argv += ["hydra/job_logging=disabled"]
     try:
         _hydra_entry()
     except SystemExit as exc:

@@ -55,7 +55,9 @@ def _probe_file(directory: Path) -> tuple[int, str]:
 def require_writable(path: Path, key: str) -> None:
     problem = writable_dir_problem(path)
     if problem is not None:
-        raise ConfigError(key, f"cannot write the run's files to {path}: {problem}. Choose a writable directory.")
+        raise ConfigError(
+            key, f"cannot write the run's files to {path}: {problem}. Choose a writable directory."
+        )
 
 
 def save_record(cfg: DictConfig, run_dir: Path) -> None:

@@ -207,8 +207,9 @@ class PreemptionCheckpoint(Callback):
         if agreed:
             self.stopped = True
             if trainer.is_global_zero:
-                why = "interrupted (Ctrl-C)" if self.signal_name == "SIGINT" else "preemption signal received"
-                more = "; press Ctrl-C again to stop at once without it" if self.signal_name == "SIGINT" else ""
+                ctrl_c = self.signal_name == "SIGINT"
+                why = "interrupted (Ctrl-C)" if ctrl_c else "preemption signal received"
+                more = "; press Ctrl-C again to stop at once without it" if ctrl_c else ""
                 print(f"{why}: checkpointing at step {trainer.global_step} and stopping{more}", flush=True)
             trainer.should_stop = True
 
