@@ -1,0 +1,145 @@
+"""A new user's first hour, through the real `ntp-train` CLI: stopping and resuming, config mistakes,
+and the run directory left behind. Tiny models (TINY), one process unless the item needs more."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+from tests.conftest import ROOT, SINGLE, TINY, read_metrics, run_cli
+
+CKPT_ON_END = ["checkpoint.save_on_end=true"]
+
+
+def _start(args: list[str], cwd: Path) -> subprocess.Popen:
+    """Like a terminal: the job in its own process group, so a Ctrl-C reaches every process of it."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen(
+        [sys.executable, "-m", "ntp_nemo.train", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _wait_for_steps(proc: subprocess.Popen, run: Path, n: int, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    metrics = run / "metrics.jsonl"
+    while time.time() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= n:
+            return
+        assert proc.poll() is None, proc.communicate()[0]
+        time.sleep(0.1)
+    raise AssertionError(f"no {n} steps in {timeout}s")
+
+
+def test_ctrl_c_checkpoints_then_resume_has_no_duplicate_steps(tmp_path):
+    run = tmp_path / "run"
+    args = [*TINY, *SINGLE, *CKPT_ON_END, f"hydra.run.dir={run}"]
+    proc = _start([*args, "trainer.max_steps=400"], tmp_path)
+    _wait_for_steps(proc, run, 2)
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+    out = proc.communicate(timeout=240)[0]
+    assert proc.returncode == 0, out
+    assert "interrupted (Ctrl-C): checkpointing at step" in out
+    stopped = json.loads((run / "summary.json").read_text())
+    step = stopped["steps"]
+    assert stopped["stopped_early"] == "SIGINT" and 2 <= step < 400
+    assert f"stopped early at step {step} of 400 (Ctrl-C); checkpoint saved" in out
+    assert f"hydra.run.dir={run}" in out.split("to resume", 1)[1].splitlines()[0]
+    assert (run / "checkpoints" / f"step_{step:06d}" / "manifest.json").is_file()
+    record = (run / ".hydra" / "config.yaml").read_text()
+
+    # Resuming with another model: refused before launch, the run's record kept.
+    bad = run_cli([*args, "trainer.max_steps=400", "model.hidden_size=32"], tmp_path)
+    assert bad.returncode == 2, bad.stderr
+    assert "model.hidden_size=64 in the checkpoint vs 32 configured" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    assert (run / ".hydra" / "config.yaml").read_text() == record
+
+    # The rerun resumes at the checkpoint: one line per step, none twice.
+    res = run_cli([*args, f"trainer.max_steps={step + 2}"], tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert f"resuming from {run / 'checkpoints' / f'step_{step:06d}'}" in res.stdout
+    assert [m["step"] for m in read_metrics(run)] == list(range(1, step + 3))
+    assert "stopped early" not in res.stdout
+
+
+def test_metrics_file_restarts_with_the_run(tmp_path):
+    """A start from scratch rewrites metrics.jsonl; a resume keeps the steps up to its checkpoint
+    (lines as MetricsJSONL writes them, including a last one cut short by a crash)."""
+    from ntp_nemo.lightning.callbacks import MetricsJSONL
+
+    lines = [json.dumps({"step": s, "loss": 5.0 - s}) for s in (1, 2, 3, 4)] + ['{"step": 5, "lo']
+    path = tmp_path / "metrics.jsonl"
+    cb = MetricsJSONL(tmp_path)
+    path.write_text("\n".join(lines))
+    cb.on_train_start(SimpleNamespace(global_step=2, is_global_zero=True), None)
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2]
+    cb.on_train_start(SimpleNamespace(global_step=0, is_global_zero=True), None)
+    assert path.read_text() == ""
+
+
+def test_second_ctrl_c_stops_at_once(tmp_path):
+    run = tmp_path / "run"
+    proc = _start([*TINY, *SINGLE, *CKPT_ON_END, "trainer.max_steps=400", f"hydra.run.dir={run}"], tmp_path)
+    _wait_for_steps(proc, run, 2)
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGINT)
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == -signal.SIGINT, out
+    assert not (run / "summary.json").exists()
+
+
+def test_config_mistakes_exit_2_with_the_fix_and_leave_nothing_behind(tmp_path):
+    run = tmp_path / "fresh"
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    cases = {
+        "+trainer.max_step=5": "Did you mean trainer.max_steps?",
+        "trainer.max_stpes=5": "Did you mean trainer.max_steps?",
+        "recipe=llama_tiny_from_hf": "recipe=llama_tiny_from_hf needs model.init_from",
+        f"checkpoint.dir={blocker}/ckpt": f"checkpoint.dir: cannot write the run's files to {blocker}/ckpt",
+        f"hydra.run.dir={blocker}/run": f"{blocker} is a file, not a directory",
+        "data.global_batch_size=2": "The smallest global batch that gives every replica one is 4",
+        "recipe=gpt_tiny_qat": "quantisation-aware training starts at step 100 but the run ends",
+    }
+    for override, message in cases.items():
+        args = [*TINY, "mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]", "trainer.max_steps=5"]
+        res = run_cli([*args, f"hydra.run.dir={run}", override], tmp_path)
+        assert res.returncode == 2, (override, res.stderr)
+        assert message in res.stderr, (override, res.stderr)
+        assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+        assert not run.exists(), override  # no empty run directory left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+
+
+def test_recipe_checks_through_the_public_api(capsys):
+    """Warnings that keep a short smoke run going (composed configs, the same checks ntp-train runs)."""
+    from ntp_nemo.config import checks
+    from tests.conftest import compose
+
+    cfg = compose(["trainer.max_steps=4", "optim.warmup_steps=10"])
+    checks.adjust(cfg)
+    assert cfg.optim.warmup_steps == 4
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "warning: optim.warmup_steps=10 is longer than the run (trainer.max_steps=4); using warmup_steps=4."
+    ]
+    cfg = compose(["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=null", "ntp.power_boost=1.3"])
+    checks.warn_no_ops(cfg)
+    assert "ntp.power_boost=1.3 has no effect" in capsys.readouterr().err
+    cfg = compose(["ntp.power_boost=1.3"])  # the default recipe has a degraded replica: it counts
+    checks.warn_no_ops(cfg)
+    assert capsys.readouterr().err == ""
+    assert ROOT.is_dir()
