@@ -10,14 +10,18 @@ the optimizer hyperparameters must be identical.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from ntp_nemo.checkpoint import load_checkpoint, save_checkpoint
+from ntp_nemo.models import build_model
 from ntp_nemo.parallel.runtime import NTPRuntime
 from ntp_nemo.parallel.shard import ShardSpec
 from ntp_nemo.resilience.live import Holding, NoLiveCopy, live_reshard, plan_reshard
 from ntp_nemo.resilience.policies import Layout, make_policy, replan
+from ntp_nemo.resilience.recovery import Generation, recover
 from ntp_nemo.resilience.rendezvous import join, leave, run_elastic
 from ntp_nemo.topology import Topology
 from tests.ntp_cases import GPT, LLAMA
@@ -83,7 +87,7 @@ def reshard_worker(rank, world, store, cfg, tp, replica_tp, pp, failed, path):
     rt2, live_model, live_opt = _setup(new_topo, new_rank, cfg, SEED + 1, lr=0.5)  # every value must move
     result = live_reshard(model, opt, live_model, live_opt, old_topo.coord(rank).replica)
     _, ref_model, ref_opt = _setup(new_topo, new_rank, cfg, SEED + 2, lr=0.5)
-    load_checkpoint(path, ref_model, ref_opt, verify_checksums=False)  # a fresh checkpoint: no scan
+    load_checkpoint(path, ref_model, ref_opt)
     return {
         "new_rank": new_rank,
         "diffs": _differences(live_model, live_opt, ref_model, ref_opt),
@@ -144,3 +148,91 @@ def test_plan_prefers_self_then_own_replica_then_least_loaded_healthy_replica():
 def test_no_live_copy_is_reported():
     with pytest.raises(NoLiveCopy, match=r"no survivor holds w elements \[2,4\)"):
         plan_reshard([{"w": _h(0, 2)}], [{"w": _h(0, 4)}], [0])
+
+
+# ---- in-process recovery: a worker dies mid-run, the survivors finish every step ---------------------
+TRAIN_STEPS = 6
+
+
+def _loss_step(rt, model, opt, cfg, step: int, die: bool, phase: str) -> float:
+    toks = _batch(cfg, step)
+    mine = rt.my_microbatches(GLOBAL_BATCH)
+    total = rt.train_microbatches(model, [toks[i : i + 1] for i in mine], toks[:, 1:].numel())
+    if die and phase == "backward":  # gradients computed, the data-parallel sync not started
+        os._exit(137)
+    rt.sync.sync()
+    loss = float(rt.global_sum(total)) / toks[:, 1:].numel()
+    opt.step()
+    opt.zero_grad()
+    if die and phase == "optimizer":  # the step is complete everywhere; the next one finds the rank gone
+        os._exit(137)
+    return loss
+
+
+def training_worker(pid, world, store, cfg, tp, replica_tp, kills):
+    layer_tp = [tp] * (cfg.num_layers + 2)
+    gen = Generation.first(Layout(tp, tuple(replica_tp)))
+    join(store, 0, pid, world)
+
+    def build(layout, rank):
+        return _setup(Topology(layout.tp, layout.replica_tp, layer_tp, layout.pp), rank, cfg, SEED, LR)
+
+    rt, model, opt = build(gen.layout, pid)
+    losses, recoveries, step = {}, [], 0
+    while step < TRAIN_STEPS:
+        kill = kills.get((step, pid))
+        try:
+            losses[step] = _loss_step(rt, model, opt, cfg, step, kill is not None, kill or "")
+            step += 1
+        except RuntimeError:  # a peer is gone: gloo reports the closed connection
+            rec = recover(store, gen, pid, step, (model, opt), build, make_policy("ntp"))
+            if rec is None:
+                return None
+            gen, rt, model, opt, step = rec.generation, rec.runtime, rec.model, rec.optimizer, rec.step
+            recoveries.append({"layout": gen.layout.describe(), "step": step, "failed": rec.failed,
+                               "moved": rec.reshard.moved_bytes, "needed": rec.reshard.needed_bytes})
+    return losses, recoveries
+
+
+def _reference_losses(cfg) -> list[float]:
+    """The failure-free curve: the unsharded model, whole global batch, same AdamW."""
+    model = build_model(cfg, seed=SEED).float()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    out = []
+    for step in range(TRAIN_STEPS):
+        toks = _batch(cfg, step)
+        loss = model.loss_sum(toks) / toks[:, 1:].numel()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(float(loss.detach()))
+    return out
+
+
+RECOVERY_CASES = {
+    # (layout, {(step, process): phase}, layouts after each failure)
+    "backward": ((2, [2, 2]), {(3, 3): "backward"}, ["(2,1)"]),
+    "optimizer": ((2, [2, 2]), {(2, 0): "optimizer"}, ["(1,2)"]),
+}
+
+
+@pytest.mark.parametrize("case", list(RECOVERY_CASES))
+def test_survivors_recover_in_process_and_follow_the_failure_free_curve(case):
+    (tp, replica_tp), kills, layouts = RECOVERY_CASES[case]
+    world = sum(replica_tp)
+    results, codes = run_elastic(training_worker, world, LLAMA, tp, replica_tp, kills)
+    victims = {pid for _, pid in kills}
+    assert [codes[p] for p in sorted(victims)] == [137] * len(victims)
+    assert all(codes[p] == 0 for p in range(world) if p not in victims)
+    reference = _reference_losses(LLAMA)
+    survivors = [results[p] for p in range(world) if p not in victims]
+    assert survivors and all(s is not None for s in survivors)
+    for losses, recoveries in survivors:
+        assert sorted(losses) == list(range(TRAIN_STEPS))
+        curve = [losses[s] for s in range(TRAIN_STEPS)]
+        assert max(abs(a - b) / abs(b) for a, b in zip(curve, reference, strict=True)) < 1e-4, curve
+        assert [r["layout"] for r in recoveries] == layouts
+        assert all(r["moved"] == r["needed"] > 0 for r in recoveries)
+    failed_at = min(s for s, _ in kills)
+    expect_step = failed_at if kills[min(kills)] == "backward" else failed_at + 1
+    assert survivors[0][1][0]["step"] == expect_step  # the interrupted step is redone, none skipped

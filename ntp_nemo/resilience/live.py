@@ -293,9 +293,13 @@ def live_reshard(
     new_optimizer: torch.optim.Optimizer | None,
     replica: int,
     group=None,
+    *,
+    stale: bool = False,
 ) -> ReshardResult:
     """Collective over the transfer group: move `model`/`optimizer`'s state (old layout) into
     `new_model`/`new_optimizer` (new layout; None on a survivor the new layout leaves idle).
+
+    A `stale` participant (one step behind the others) serves as no source: it receives everything.
 
     Parameters are filled in place; the new optimizer's state is replaced (AdamW's moments and step,
     any per-parameter tensor state) and its groups take the old groups' hyperparameters, as a
@@ -307,7 +311,7 @@ def live_reshard(
     problems: list[str] = []
     if new_model is not None:
         targets, problems = load_targets(new_model, new_optimizer, stored)
-    result = reshard_state(held, targets, replica, group, problems)
+    result = reshard_state({} if stale else held, targets, replica, group, problems)
     if new_model is not None and new_optimizer is not None:
         options = group_options(model, optimizer) if optimizer is not None else None
         install_optimizer_state(new_model, new_optimizer, targets, options)

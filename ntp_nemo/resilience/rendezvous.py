@@ -10,6 +10,9 @@ carries the launcher's word to the workers (`failed_key`: the ranks the launcher
 from __future__ import annotations
 
 import json
+import os
+import socket
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -39,10 +42,62 @@ def join(store: dist.Store, generation: int, rank: int, world_size: int, *, back
                             world_size=world_size, timeout=timedelta(seconds=timeout_s))
 
 
-def leave() -> None:
-    """Drop every process group of the current generation, broken or not (no collective: a peer is gone)."""
+def sever(store: dist.Store | None) -> int:
+    """Shut down this process's connected TCP sockets other than its store connection; returns how many.
+
+    Aborting a gloo process group neither unblocks a collective in flight nor closes its connections
+    while Python objects (the old model's layers) still reference the group, so a peer blocked on this
+    process would wait for the whole collective timeout.  Shutting the sockets down makes every pending
+    and future gloo operation of this generation, here and at the peers, fail at once ("connection
+    closed"), which is how a failure spreads to every survivor in milliseconds.  Listening sockets are
+    left alone (gloo's listener aborts the process if its socket is shut).  NCCL communicators are not
+    sockets; their abort (`leave`) is what stops them."""
+    skip = _store_address(store)
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            sock = socket.socket(fileno=os.dup(int(name)))
+        except OSError:  # not a socket
+            continue
+        try:
+            if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+                continue
+            try:
+                peer = sock.getpeername()[:2]
+            except OSError:  # listening or unconnected
+                continue
+            ends = (peer, sock.getsockname()[:2])  # either end: a forked worker inherits the server's side
+            if skip is not None and any(p == skip[1] and _same_host(h, skip[0]) for h, p in ends):
+                continue
+            sock.shutdown(socket.SHUT_RDWR)
+            count += 1
+        except OSError:
+            pass
+        finally:
+            sock.close()
+    return count
+
+
+def _store_address(store: dist.Store | None) -> tuple[str, int] | None:
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if isinstance(store, dist.TCPStore):
+        return socket.gethostbyname(store.host), int(store.port)
+    return None
+
+
+def _same_host(a: str, b: str) -> bool:
+    return a == b or (a.startswith("127.") and b.startswith("127.")) or a in ("::1", "::ffff:" + b)
+
+
+def leave(store: dist.Store | None = None) -> None:
+    """Drop every process group of the current generation, broken or not (no collective: a peer is gone).
+
+    With `store` (the job's store) the generation's connections are severed first (see `sever`)."""
     if not dist.is_initialized():
         return
+    if store is not None and dist.get_backend() == "gloo":
+        sever(store)
     try:
         dist.distributed_c10d._abort_process_group()
     except Exception:  # noqa: BLE001 - an already broken group may refuse to abort; destroy it anyway
@@ -81,11 +136,12 @@ def _worker(rank: int, fn: Callable, world_size: int, port: int, queue, args: tu
 
 
 def run_elastic(fn: Callable[..., Any], world_size: int, *args: Any, watch: bool = True,
-                timeout_s: float = 300.0) -> tuple[dict[int, Any], list[int | None]]:
+                timeout_s: float = 300.0, grace_s: float = 0.3) -> tuple[dict[int, Any], list[int | None]]:
     """Fork `world_size` workers running `fn(rank, world_size, store, *args)`; `fn` joins generations itself.
 
     With `watch`, a worker that dies without reporting (a lost rank) is published on the store as failed
-    in generation `len(deaths so far)`, which is how survivors learn who is gone.  Returns the results of
+    in generation `len(failures so far)`, which is how survivors learn who is gone (deaths within
+    `grace_s` of each other count as one failure).  Returns the results of
     the workers that finished, by first-generation rank, and every worker's exit code.  A worker that
     raised makes this raise with its traceback.
     """
@@ -119,6 +175,10 @@ def run_elastic(fn: Callable[..., Any], world_size: int, *args: Any, watch: bool
             gone = [r for r, p in alive.items() if p.sentinel in ready]
             if not gone:
                 continue
+            if watch:  # a failure taking several ranks: collect them all before publishing
+                time.sleep(grace_s)
+                ready = multiprocessing.connection.wait([p.sentinel for p in alive.values()], timeout=0)
+                gone = [r for r, p in alive.items() if p.sentinel in ready]
             while not queue.empty():  # a worker may have reported just before exiting
                 rank, status, value = queue.get()
                 finished.add(rank)
