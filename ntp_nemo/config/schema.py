@@ -44,7 +44,11 @@ class LayoutConfig:
 @dataclass
 class DataConfig:
     path: str | None = None  # None = embedded corpus; text file/dir or pre-tokenised .bin
-    tokenizer: str = "byte"
+    # None = init_from's tokenizer.json, else the token files' own (byte for text); byte | bpe | tokenizer.json
+    tokenizer: str | None = None
+    blend: Any = None  # [[weight, path], ...] instead of path
+    val_path: str | None = None  # held-out token file (instead of data.val_fraction of the documents)
+    vocab_multiple: int = 1  # model vocabulary = tokenizer's rounded up to a multiple of this
     seq_len: int = 128
     global_batch_size: int = 16
     micro_batch_size: int = 4

@@ -127,7 +127,10 @@ def _token_ids(cfg: ModelConfig, ckpt: Path) -> tuple[int | None, int | None]:
     if run_dir is not None:
         from omegaconf import OmegaConf
 
-        tokenizer = OmegaConf.load(run_dir / ".hydra" / "config.yaml").get("data", {}).get("tokenizer")
+        data = OmegaConf.load(run_dir / ".hydra" / "config.yaml").get("data", {})
+        tokenizer = data.get("tokenizer")
+        if tokenizer is None and not data.get("path") and not data.get("blend"):
+            tokenizer = "byte"  # the built-in corpus' default tokenizer
     if tokenizer == "byte" and cfg.vocab_size > BYTE_EOS_ID:
         return BYTE_EOS_ID, BYTE_EOS_ID
     return None, None

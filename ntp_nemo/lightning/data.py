@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -31,22 +32,26 @@ class StepBatches(Dataset):
         self.micro_batch_size, self.max_steps = micro_batch_size, max_steps
         self.my_range = my_range
         self.start_step = 0
+        self.last_fetch_s = 0.0  # time the last item took to build (the goodput callback records it)
 
     def __len__(self) -> int:
         return self.max_steps
 
     def __getitem__(self, i: int) -> dict:
+        t0 = time.perf_counter()
         step = self.start_step + i
         micro = self.sampler.microbatch_ids(step, self.micro_batch_size)
         mine = self.my_range(len(micro))
         ids = np.concatenate([micro[j] for j in mine]) if len(mine) else np.zeros(0, dtype=np.int64)
         tokens = self.dataset.batch(ids).view(len(mine), self.micro_batch_size, -1)
         seq = self.dataset.seq_len
-        return {
+        item = {
             "step": torch.tensor(step),
             "micro": tokens,
             "global_tokens": torch.tensor(self.sampler.global_batch_size * seq),
         }
+        self.last_fetch_s = time.perf_counter() - t0
+        return item
 
 
 class ValBatches(Dataset):

@@ -16,6 +16,7 @@ from ntp_nemo.goodput import events as ev
 from ntp_nemo.goodput.recorder import GoodputRecorder
 
 DEFAULT_LAYOUT = {"layout": "single", "capacity": 1.0, "tokens_per_step": None}
+DATA_WAIT_FLUSH_S = 0.005  # shorter waits are summed until they reach this, then recorded as one
 
 
 class GoodputCallback(Callback):
@@ -32,6 +33,7 @@ class GoodputCallback(Callback):
         self._save_open = False  # a ckpt_save_start without its end
         self._external_saves = False  # another component records save start/end itself
         self._ended = False
+        self._data_wait_s = 0.0  # waits for data not yet recorded
 
     @classmethod
     def of(cls, trainer: Trainer) -> GoodputCallback | None:
@@ -91,9 +93,19 @@ class GoodputCallback(Callback):
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._close_auto_save(trainer)
+        self._record_data_wait(trainer)
         if self._open_step is None:  # with gradient accumulation a step spans several batches
             self._open_step = trainer.global_step + 1
             self._write(ev.STEP_START, step=self._open_step)
+
+    def _record_data_wait(self, trainer: Trainer) -> None:
+        """The batch just fetched was built in this process (no loader workers): that time was spent
+        waiting for data. Recorded as `data_wait` (summed until DATA_WAIT_FLUSH_S, to bound the writes)."""
+        dataset = getattr(getattr(trainer, "train_dataloader", None), "dataset", None)
+        self._data_wait_s += float(getattr(dataset, "last_fetch_s", 0.0) or 0.0)
+        if self._data_wait_s >= DATA_WAIT_FLUSH_S:
+            self._write(ev.DATA_WAIT, seconds=self._data_wait_s, step=trainer.global_step + 1)
+            self._data_wait_s = 0.0
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -140,6 +152,9 @@ class GoodputCallback(Callback):
 
     def _finish(self, trainer: Trainer, status: str, **fields: Any) -> None:
         self._close_auto_save(trainer)
+        if self._data_wait_s > 0 and not self._ended:
+            self._write(ev.DATA_WAIT, seconds=self._data_wait_s, step=trainer.global_step)
+            self._data_wait_s = 0.0
         if not self._ended:
             self._ended = True
             self._write(ev.JOB_END, status=status, step=trainer.global_step, **fields)
