@@ -14,6 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.models.plan import SingleDevicePlan, TPPlan
@@ -103,6 +104,7 @@ class Attention(nn.Module):
         self.register_buffer("kv_of_q", kv_of_q, persistent=False)
         self.regular_gqa = tp.size <= nkv
         self.tp = tp
+        self.recompute_core = getattr(cfg, "recompute", "none") == "selective"
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         b, s, _ = x.shape
@@ -111,17 +113,26 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, s, -1, d).transpose(1, 2)
         k = self.k_proj(x).view(b, s, -1, d).transpose(1, 2)
         v = self.v_proj(x).view(b, s, -1, d).transpose(1, 2)
-        if rope is not None:
-            cos, sin = rope
-            q, k = apply_rope(q, cos[:s], sin[:s]), apply_rope(k, cos[:s], sin[:s])
+        cos_sin = (rope[0][:s], rope[1][:s]) if rope is not None else ()
+        if self.recompute_core and torch.is_grad_enabled():
+            y = checkpoint(self.core, q, k, v, *cos_sin, use_reentrant=False)
+        else:
+            y = self.core(q, k, v, *cos_sin)
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *cos_sin: torch.Tensor) -> torch.Tensor:
+        """RoPE, GQA expansion and softmax(QK^T)V of the local heads: no communication inside, so
+        selective recomputation reruns only local math."""
+        if cos_sin:
+            cos, sin = cos_sin
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.regular_gqa:
             if self.group > 1:
                 k = k.repeat_interleave(self.group, dim=1)
                 v = v.repeat_interleave(self.group, dim=1)
         else:
             k, v = k.index_select(1, self.kv_of_q), v.index_select(1, self.kv_of_q)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class MLP(nn.Module):
@@ -222,10 +233,20 @@ class DecoderLM(nn.Module):
             x = x + self.pos_embed[: ids.shape[1]]
         return x
 
+    def recomputes_layer(self, index: int) -> bool:
+        """Whether layer `index` (global) is recomputed whole in the backward (`recompute=full`)."""
+        return getattr(self.cfg, "recompute", "none") == "full" and index % max(
+            1, int(getattr(self.cfg, "recompute_every", 1))) == 0
+
     def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
         rope = self._rope(x)
-        for block in self.blocks.values():
-            x = block(x, rope)
+        for key, block in self.blocks.items():
+            if self.recomputes_layer(int(key)) and torch.is_grad_enabled():
+                # Non-reentrant: the backward reruns the layer's forward, TP all-reduces included, in the
+                # same order on every rank of the TP group, then differentiates it.
+                x = checkpoint(block, x, rope, use_reentrant=False)
+            else:
+                x = block(x, rope)
         return x
 
     def logits_local(self, x: torch.Tensor) -> torch.Tensor:
