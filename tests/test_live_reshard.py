@@ -185,7 +185,10 @@ def training_worker(pid, world, store, cfg, tp, replica_tp, kills):
             losses[step] = _loss_step(rt, model, opt, cfg, step, kill is not None, kill or "")
             step += 1
         except RuntimeError:  # a peer is gone: gloo reports the closed connection
-            rec = recover(store, gen, pid, step, (model, opt), build, make_policy("ntp"))
+            try:
+                rec = recover(store, gen, pid, step, (model, opt), build, make_policy("ntp"))
+            except NoLiveCopy as err:  # the caller's cue for the restart path
+                return {"fallback": str(err)}
             if rec is None:
                 return None
             gen, rt, model, opt, step = rec.generation, rec.runtime, rec.model, rec.optimizer, rec.step
@@ -213,6 +216,7 @@ RECOVERY_CASES = {
     # (layout, {(step, process): phase}, layouts after each failure)
     "backward": ((2, [2, 2]), {(3, 3): "backward"}, ["(2,1)"]),
     "optimizer": ((2, [2, 2]), {(2, 0): "optimizer"}, ["(1,2)"]),
+    "two-failures": ((2, [2, 2]), {(1, 3): "backward", (3, 1): "optimizer"}, ["(2,1)", "(1,1)"]),
 }
 
 
@@ -236,3 +240,10 @@ def test_survivors_recover_in_process_and_follow_the_failure_free_curve(case):
     failed_at = min(s for s, _ in kills)
     expect_step = failed_at if kills[min(kills)] == "backward" else failed_at + 1
     assert survivors[0][1][0]["step"] == expect_step  # the interrupted step is redone, none skipped
+
+
+def test_no_live_copy_with_one_replica_falls_back():
+    # One replica of TP 2: the lost rank's half of every sharded tensor exists nowhere else.
+    results, codes = run_elastic(training_worker, 2, LLAMA, 2, [2], {(1, 1): "backward"})
+    assert codes == [0, 137]
+    assert "no survivor holds" in results[0]["fallback"]
