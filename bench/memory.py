@@ -1,0 +1,143 @@
+"""Memory saved by activation recomputation and by the distributed optimizer, measured.
+
+    python bench/memory.py [--layers 4] [--hidden 256] [--seq-len 256] [--micro-batch-size 4]
+
+1. Saved activation bytes per micro-batch for `model.recompute=none|selective|full` (and full every
+   2nd layer), GPT-2- and Llama-style: every tensor autograd saves for the backward during one
+   micro-batch's forward is counted once per storage by a `torch.autograd.graph.saved_tensors_hooks`
+   pack hook (`ActivationMeter`, the pipeline engine's accounting), parameters and buffers excluded;
+   these are the bytes a micro-batch holds between its forward and its backward.  Single rank, TP 1.
+   The gradients of the runs are compared with the run without recomputation (they must be identical).
+   SDPA "default" lets PyTorch pick the kernel (flash attention on CPU, which saves only q, k, v, the
+   output and the log-sum-exp, so selective recomputation has little left to drop); "math" forces the
+   unfused kernel, which saves the s x s attention probabilities that selective recomputation removes.
+2. Optimizer-state bytes per rank, plain `torch.optim.AdamW` against `DistributedAdamW`, on DP 2 and
+   DP 4 (TP 1) and on the degraded layout replicas (2, 1): plain = the tensors in the AdamW state after
+   one step; distributed = the moments of the chunks the rank owns.  float32 parameters, so the
+   parameters themselves are the master weights in both cases (no extra master copy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import torch
+
+from ntp_nemo.models import build_model
+from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.parallel.launch import run_workers
+from ntp_nemo.parallel.runtime import NTPRuntime
+from ntp_nemo.parallel.step_path import GradientPath, build_optimizer
+from ntp_nemo.pipeline.engine import ActivationMeter
+from ntp_nemo.topology import Topology
+
+MiB = float(1 << 20)
+OPTIM = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def saved_bytes(cfg: ModelConfig, tokens: torch.Tensor) -> tuple[int, dict[str, torch.Tensor]]:
+    """(bytes saved for the backward by one micro-batch's forward, gradients after its backward)."""
+    model = build_model(cfg, seed=0)
+    model._rope(torch.empty(0))  # the rotary tables are cached buffers, not activations
+    meter = ActivationMeter()
+    meter.exclude(list(model.parameters()) + list(model.buffers())
+                  + [t for pair in model._rope_cache.values() for t in pair])
+    with meter.recording(0):
+        loss = model.loss_sum(tokens)
+    saved = meter.live.get(0, 0)
+    loss.backward()
+    return saved, {n: p.grad for n, p in model.named_parameters()}
+
+
+def activation_table(base: ModelConfig, mbs: int, seq: int) -> list[dict]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, base.vocab_size, (mbs, seq + 1), generator=gen)
+    for arch, kernel in (("gpt2", "default"), ("llama", "default"), ("gpt2", "math")):
+        kv = base.num_heads // 2 if arch == "llama" else None
+        cfg = dataclasses.replace(base, arch=arch, num_kv_heads=kv)
+        backends = [SDPBackend.MATH] if kernel == "math" else list(SDPBackend)
+        with sdpa_kernel(backends):
+            ref_bytes, ref_grads = saved_bytes(cfg, tokens)
+            for mode, every in (("none", 1), ("selective", 1), ("full", 2), ("full", 1)):
+                if mode == "none":
+                    b, same = ref_bytes, True
+                else:
+                    variant = dataclasses.replace(cfg, recompute=mode, recompute_every=every)
+                    b, grads = saved_bytes(variant, tokens)
+                    same = all(torch.equal(grads[n], g) for n, g in ref_grads.items())
+                rows.append({"arch": arch, "sdpa": kernel,
+                             "recompute": mode if mode != "full" or every == 1 else f"full/{every}",
+                             "saved_bytes": b, "ratio_vs_none": ref_bytes / b, "grads_identical": same})
+    return rows
+
+
+def optimizer_worker(rank: int, world: int, cfg: ModelConfig, replica_tp: list[int]) -> dict:
+    tp = max(replica_tp)
+    rt = NTPRuntime(Topology(tp, replica_tp, [tp] * (cfg.num_layers + 2)), rank)
+    gen = torch.Generator().manual_seed(0)
+    toks = torch.randint(0, cfg.vocab_size, (2 * len(replica_tp), 33), generator=gen)
+    out = {}
+    for distributed in (False, True):
+        model = rt.build_model(cfg, 0)
+        sync = rt.attach(model)
+        opt = build_optimizer(model, sync, distributed=distributed, **OPTIM)
+        path = GradientPath(model, sync, opt)
+        micro = [toks[i : i + 1] for i in rt.my_microbatches(toks.shape[0])]
+        rt.train_microbatches(model, micro, toks[:, 1:].numel())
+        path.sync_and_clip(1.0)
+        opt.step()
+        if distributed:
+            out["distributed"] = opt.state_bytes()
+        else:
+            out["plain"] = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+                               if t.dim() > 0)  # the moments (the 0-dim step counters are negligible)
+        out["param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--micro-batch-size", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=257)
+    ap.add_argument("--json", default=None, help="also write the rows to this file")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    cfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
+                      num_heads=max(2, args.hidden // 64), ffn_hidden_size=4 * args.hidden,
+                      max_seq_len=args.seq_len, tie_embeddings=True)
+    print(f"1. saved activations per micro-batch: {args.layers} layers, hidden {args.hidden}, "
+          f"seq {args.seq_len}, micro-batch {args.micro_batch_size}, vocab {args.vocab}, float32, TP 1")
+    print(f"{'arch':<6} {'SDPA':<8} {'recompute':<10} {'saved MiB':>10} {'none / this':>12} "
+          f"{'grads identical':>16}")
+    act = activation_table(cfg, args.micro_batch_size, args.seq_len)
+    for r in act:
+        print(f"{r['arch']:<6} {r['sdpa']:<8} {r['recompute']:<10} {r['saved_bytes'] / MiB:>10.2f} "
+              f"{r['ratio_vs_none']:>12.2f} {r['grads_identical']!s:>16}", flush=True)
+    print(f"\n2. optimizer state per rank (AdamW moments), same model ({args.layers} layers, hidden "
+          f"{args.hidden}), float32")
+    print(f"{'layout':<14} {'rank':>4} {'params MiB':>10} {'plain MiB':>10} {'distributed MiB':>16} "
+          f"{'dist / plain':>12} {'1/holders':>10}")
+    opt_rows = []
+    for name, replica_tp in (("DP2 x TP1", [1, 1]), ("DP4 x TP1", [1, 1, 1, 1]), ("replicas (2,1)", [2, 1])):
+        res = run_workers(optimizer_worker, sum(replica_tp), cfg, replica_tp)
+        for rank, r in enumerate(res):
+            ratio = r["distributed"] / r["plain"]
+            ideal = 1 / len(replica_tp)
+            opt_rows.append({"layout": name, "rank": rank, **r, "ratio": ratio, "ideal": ideal})
+            print(f"{name:<14} {rank:>4} {r['param_bytes'] / MiB:>10.2f} {r['plain'] / MiB:>10.2f} "
+                  f"{r['distributed'] / MiB:>16.2f} {ratio:>12.3f} {ideal:>10.3f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"activations": act, "optimizer": opt_rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
