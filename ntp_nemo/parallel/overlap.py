@@ -17,6 +17,7 @@ after it the gradients are exactly what `GradientSynchronizer.sync()` gives.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -58,6 +59,7 @@ class OverlappedGradSync:
         self._next = {h: 0 for h in self._order}  # next bucket position to launch per holder set
         self._works: dict[int, tuple] = {}
         self.launched_in_backward = 0
+        self.launch_times: list[float] = []  # perf_counter() of each launch this step (for measurements)
 
     def remove(self) -> None:
         for h in self._handles:
@@ -98,6 +100,7 @@ class OverlappedGradSync:
 
     @torch.no_grad()
     def _launch(self, i: int) -> None:
+        self.launch_times.append(time.perf_counter())
         grads = {}
         for n in self._params_of[i]:
             p = self.named[n]
