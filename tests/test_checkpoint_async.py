@@ -61,3 +61,56 @@ def test_async_save_snapshots_the_step_and_overlaps_training(tmp_path):
 def test_async_save_in_one_process(tmp_path):
     committed, diff, extra, _ = _one_process(async_worker, (1, [1], [1] * 4), str(tmp_path))[0]
     assert committed == str(tmp_path / checkpoint_name(2)) and diff == 0.0 and extra == {"step": 2}
+
+
+def _killed_while_writing(directory: str) -> None:
+    """Commit step 1, start step 2 in the background, and die (SIGKILL) while its files are written."""
+    import os
+    import signal
+    from pathlib import Path
+
+    import ntp_nemo.checkpoint.storage as storage
+
+    torch.set_num_threads(1)
+    rt, model, opt = _setup(0, (1, [1], [1] * 4), LLAMA, 7, torch.float32)
+    saver = AsyncCheckpointSaver()
+    _train_step(rt, model, opt, LLAMA, 0)
+    saver.save(f"{directory}/{checkpoint_name(1)}", model, opt, {"step": 1}, step=1)
+    saver.wait()
+    flat = np.concatenate([p.detach().numpy().ravel() for p in model.parameters()])
+    np.save(f"{directory}/step1.npy", flat)
+    _train_step(rt, model, opt, LLAMA, 1)
+    write_file = storage._write_file
+    started = Path(directory) / "writing"
+
+    def slow_write(path, chunks, sync):  # the background write is under way, then the process dies
+        started.touch()
+        time.sleep(30)
+        return write_file(path, chunks, sync)
+
+    storage._write_file = slow_write
+    saver.save(f"{directory}/{checkpoint_name(2)}", model, opt, {"step": 2}, step=2)  # returns at once
+    while not started.exists():
+        time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_kill_during_background_write_keeps_the_previous_checkpoint(tmp_path):
+    import multiprocessing
+    import warnings
+
+    from ntp_nemo.checkpoint import latest_valid_checkpoint
+
+    proc = multiprocessing.get_context("fork").Process(target=_killed_while_writing, args=(str(tmp_path),))
+    proc.start()
+    proc.join(120)
+    assert proc.exitcode == -9
+    assert (tmp_path / (checkpoint_name(2) + ".tmp")).is_dir()  # the partial save is left behind...
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert latest_valid_checkpoint(tmp_path) == tmp_path / checkpoint_name(1)  # ...and ignored
+    assert caught == []
+    model = _setup(0, (1, [1], [1] * 4), LLAMA, 8, torch.float32)[1]
+    assert load_checkpoint(tmp_path / checkpoint_name(1), model) == {"step": 1}
+    got = np.concatenate([p.detach().numpy().ravel() for p in model.parameters()])
+    assert np.array_equal(got, np.load(tmp_path / "step1.npy"))

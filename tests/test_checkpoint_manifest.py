@@ -76,17 +76,27 @@ def _latest(directory):
 
 
 def _largest_data_file(path):
-    return max(path.glob("*.distcp"), key=lambda f: f.stat().st_size)
+    return max(path.glob("data_*.bin"), key=lambda f: f.stat().st_size)
 
 
 def test_manifest_lists_every_file_with_size_and_checksum(ckpts):
     path = ckpts / checkpoint_name(2)
     doc = read_manifest(path)
-    assert doc["step"] == 2 and doc["version"] == 1
+    assert doc["step"] == 2 and doc["version"] == 2
     files = sorted(f.name for f in path.iterdir() if f.name != "manifest.json")
     assert sorted(doc["files"]) == files
-    assert ".metadata" in files and "meta.pt" in files and any(f.endswith(".distcp") for f in files)
+    assert "index.json" in files and "meta.pt" in files and any(f.startswith("data_") for f in files)
     assert all(doc["files"][f]["size"] == (path / f).stat().st_size for f in files)
+    # The metadata files carry a whole-file digest; the data files' digests are per record in the index.
+    import xxhash
+
+    for f in ("index.json", "meta.pt"):
+        assert doc["files"][f]["xxh3_64"] == xxhash.xxh3_64_hexdigest((path / f).read_bytes())
+    index = json.loads((path / "index.json").read_text())
+    for t in index["tensors"].values():
+        for r in t["records"]:
+            data = (path / r["file"]).read_bytes()[r["offset"] : r["offset"] + r["nbytes"]]
+            assert xxhash.xxh3_64_hexdigest(data) == r["xxh3_64"]
     assert read_manifest(ckpts / checkpoint_name(1))["layout"] == {"replica_tp": [2]}
     assert not list(ckpts.glob("*.tmp"))
 
@@ -109,17 +119,26 @@ def test_truncated_file_is_skipped_with_warning(ckpts):
     assert "truncated" in skipped[0]
 
 
-def test_flipped_byte_is_caught_by_the_checksum(ckpts):
+def test_flipped_byte_is_left_to_the_load_but_caught_by_a_full_check(ckpts):
     path = ckpts / checkpoint_name(2)
     victim = _largest_data_file(path)
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x01
     victim.write_bytes(bytes(data))
-    assert checkpoint_problem(path, verify_checksums=False) is None  # same size: only the hash sees it
+    assert checkpoint_problem(path) is None  # same size: the cheap check cannot see it, the load does
+    problem = checkpoint_problem(path, verify_data=True)
+    assert problem is not None and victim.name in problem and "xxh3_64" in problem
+
+
+def test_corrupt_metadata_file_is_caught_cheaply(ckpts):
+    path = ckpts / checkpoint_name(2)
+    raw = bytearray((path / "meta.pt").read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    (path / "meta.pt").write_bytes(bytes(raw))
     assert not is_valid_checkpoint(path)
     chosen, skipped = _latest(ckpts)
     assert chosen == ckpts / checkpoint_name(1)
-    assert len(skipped) == 1 and "sha256" in skipped[0] and checkpoint_name(2) in skipped[0]
+    assert len(skipped) == 1 and "meta.pt fails its xxh3_64 check" in skipped[0]
 
 
 def test_missing_manifest_and_wrong_version_are_skipped(ckpts):

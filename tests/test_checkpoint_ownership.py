@@ -1,4 +1,5 @@
-"""The write-once rule: every unit of every tensor is written by exactly one rank, the lowest holding it."""
+"""The write-once rule: every unit of every tensor is written by exactly one of the ranks holding it,
+and the bytes are spread over the holders (every replica writes, not only the first)."""
 
 from __future__ import annotations
 
@@ -6,46 +7,70 @@ import random
 
 import pytest
 
-from ntp_nemo.checkpoint.ownership import write_pieces
+from ntp_nemo.checkpoint.ownership import assign_pieces, write_pieces
 from ntp_nemo.parallel.shard import ShardSpec, unit_interval
 
 SHAPE = (12, 5)
 
 
-def _spec(lo: int, hi: int) -> ShardSpec:
-    return ShardSpec.split(SHAPE, 0, 1, lo, hi)
+def _spec(lo: int, hi: int, shape=SHAPE) -> ShardSpec:
+    return ShardSpec.split(shape, 0, 1, lo, hi)
 
 
-def _intervals(rank: int, holdings: list[dict]) -> list[tuple[int, int]]:
-    return [(p.lo, p.hi) for p in write_pieces(rank, holdings).get("w", [])]
+def _units(pieces: dict, name: str = "w") -> list[tuple[int, int]]:
+    return [(p.lo, p.hi) for p in pieces.get(name, [])]
 
 
-def test_healthy_replica_writes_and_degraded_replica_skips():
-    # Replica 0 at TP 4 (ranks 0-3) and replica 1 degraded to TP 3 (ranks 4-6).
+def _check_once(holdings: list[dict], assigned: list[dict], name: str = "w", units: int = 12) -> list[int]:
+    """Each held unit written once, by a rank holding it; returns the units written per rank."""
+    writes = [0] * units
+    per_rank = []
+    for rank, pieces in enumerate(assigned):
+        n = 0
+        for lo, hi in _units(pieces, name):
+            held = holdings[rank][name]
+            assert held.lo <= lo < hi <= held.hi
+            for u in range(lo, hi):
+                writes[u] += 1
+            n += hi - lo
+        per_rank.append(n)
+    held_units = {u for h in holdings if name in h for u in range(h[name].lo, h[name].hi)}
+    assert writes == [1 if u in held_units else 0 for u in range(units)]
+    return per_rank
+
+
+def test_healthy_and_degraded_replicas_both_write():
+    # Replica 0 at TP 4 (ranks 0-3) and replica 1 degraded to TP 3 (ranks 4-6); split every run.
     holdings = [{"w": _spec(*unit_interval(i, 4, 12))} for i in range(4)]
     holdings += [{"w": _spec(*unit_interval(i, 3, 12))} for i in range(3)]
-    expected = [[(0, 3)], [(3, 6)], [(6, 9)], [(9, 12)], [], [], []]
-    assert [_intervals(r, holdings) for r in range(7)] == expected
+    per_rank = _check_once(holdings, assign_pieces(holdings, split_elements=1))
+    assert sum(per_rank[:4]) > 0 and sum(per_rank[4:]) > 0
+    assert max(per_rank) <= 2  # 12 units over 7 ranks
 
 
-def test_replicated_layer_written_by_first_copy_only():
+def test_two_replicas_share_every_large_tensor():
     holdings = [{"w": _spec(0, 12)}, {"w": _spec(0, 12)}]
-    assert _intervals(0, holdings) == [(0, 12)]
-    assert _intervals(1, holdings) == []
+    assert [_units(p) for p in assign_pieces(holdings, split_elements=1)] == [[(0, 6)], [(6, 12)]]
+    # A small tensor goes whole to one holder; many of them are spread by bytes.
+    small = [{f"b{i}": _spec(0, 12) for i in range(10)} for _ in range(2)]
+    counts = [len([n for n, ps in p.items() if ps]) for p in assign_pieces(small)]
+    assert counts == [5, 5]
 
 
-def test_hole_in_lower_ranks_gives_two_pieces():
+def test_hole_in_one_holder_is_filled_by_the_other():
     holdings = [{"w": _spec(4, 6)}, {"w": _spec(0, 12)}]
-    assert _intervals(1, holdings) == [(0, 4), (6, 12)]
+    assigned = assign_pieces(holdings, split_elements=1)
+    _check_once(holdings, assigned)
+    assert _units(assigned[0]) == [(4, 6)] and _units(assigned[1]) == [(0, 4), (6, 12)]
 
 
 def test_tensor_held_only_by_higher_ranks():
     holdings = [{}, {"w": _spec(0, 6)}, {"w": _spec(3, 12)}]  # e.g. pipeline stages
-    assert _intervals(1, holdings) == [(0, 6)]
-    assert _intervals(2, holdings) == [(6, 12)]
+    _check_once(holdings, assign_pieces(holdings))
+    assert write_pieces(0, holdings) == {}
 
 
-def test_random_layouts_cover_each_unit_exactly_once():
+def test_random_layouts_cover_each_unit_exactly_once_and_balance():
     rng = random.Random(0)
     for _ in range(300):
         world = rng.randint(1, 9)
@@ -54,17 +79,13 @@ def test_random_layouts_cover_each_unit_exactly_once():
             lo = rng.randint(0, 12)
             hi = rng.randint(lo, 12)
             holdings.append({"w": _spec(lo, hi)} if rng.random() < 0.9 else {})
-        writes = [0] * 12
-        for rank in range(world):
-            for lo, hi in _intervals(rank, holdings):
-                held = holdings[rank]["w"]
-                assert held.lo <= lo < hi <= held.hi
-                lower = [h["w"] for h in holdings[:rank] if "w" in h]
-                assert not any(max(lo, o.lo) < min(hi, o.hi) for o in lower), "a lower rank holds it"
-                for u in range(lo, hi):
-                    writes[u] += 1
-        held_units = {u for h in holdings if "w" in h for u in range(h["w"].lo, h["w"].hi)}
-        assert writes == [1 if u in held_units else 0 for u in range(12)]
+        assigned = assign_pieces(holdings, split_elements=1)
+        assert [write_pieces(r, holdings) for r in range(world)] == assign_pieces(holdings)
+        _check_once(holdings, assigned)
+    # Full replicas of a big tensor: each of k holders writes 1/k.
+    for k in (2, 3, 4):
+        holdings = [{"w": _spec(0, 12)} for _ in range(k)]
+        assert _check_once(holdings, assign_pieces(holdings, split_elements=1)) == [12 // k] * k
 
 
 def test_inconsistent_sharding_is_an_error():

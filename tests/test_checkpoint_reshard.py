@@ -201,5 +201,5 @@ def test_each_element_stored_once(tmp_path):
         assert chunks[f"optim/{name}/step"] == [((), ())]
         logical_bytes += 3 * numel * 4 + 4
     assert len(shapes) == len(chunks) // 4
-    on_disk = sum(f.stat().st_size for f in path.glob("*.distcp"))
+    on_disk = sum(f.stat().st_size for f in path.glob("data_*.bin"))
     assert logical_bytes <= on_disk < logical_bytes * 1.1, (on_disk, logical_bytes)

@@ -110,8 +110,7 @@ def calibrate_worker(rank: int, world: int, cfg, fmt: str, exclude: list[str], l
     quantize_model(model, fmt, exclude, _microbatches(tokens(cfg), rt.my_microbatches(GLOBAL_BATCH)))
     state = quant_state(model)
     if save_to is not None:
-        snap = take_snapshot(model)
-        snap.state.update(_amax_slices(model))
+        snap = take_snapshot(model)  # the amax buffers are part of the sharded state
         write_snapshot(save_to, snap, {"quant": state}, step=0)
     return {"worst": _compare(rt, model, cfg, ref), "state": state}
 
@@ -119,7 +118,7 @@ def calibrate_worker(rank: int, world: int, cfg, fmt: str, exclude: list[str], l
 def restore_worker(rank: int, world: int, cfg, layout: tuple, path: str, ref: dict) -> dict:
     """A fresh, never calibrated model of another layout: quantisers from the saved state, weights and
     amax slices read back from the sharded checkpoint."""
-    from ntp_nemo.checkpoint.dcp_io import Chunk, read_chunks
+    from ntp_nemo.checkpoint.storage import Chunk, read_chunks
     from ntp_nemo.checkpoint.sharded import META_FILE, load_checkpoint
     from ntp_nemo.quant.state import restore_quant_state
 

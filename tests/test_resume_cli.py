@@ -112,7 +112,7 @@ def test_corrupt_latest_checkpoint_is_skipped(tmp_path, straight):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     latest = run / "checkpoints" / "step_000010"
-    data = sorted(latest.glob("*.distcp"))[0]
+    data = sorted(latest.glob("data_*.bin"))[0]
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     data.write_bytes(bytes(raw))

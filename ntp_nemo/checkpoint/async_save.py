@@ -1,10 +1,13 @@
-"""Checkpoint saves that overlap training.
+"""Checkpoint saves that overlap training (the default: `checkpoint.async_save=true`).
 
-Only the snapshot blocks: this rank's tensors are copied to CPU memory, then writing,
-checksumming and the commit run in a background thread.  The thread's collectives go over a
-dedicated gloo process group, so they never interleave with the training loop's collectives on
-the default group.  One save is in flight at a time: a new `save` (or `wait`) first waits for the
-previous commit, so checkpoints commit in step order and memory holds at most one snapshot.
+Only the snapshot blocks: the pieces this rank writes are copied into host buffers that are
+reused from save to save (pinned when the state is on a GPU), and every generator's state is
+captured.  Writing, digesting, the index, the manifest and the commit run in a background thread,
+whose collectives go over a dedicated gloo process group, so they never interleave with the
+training loop's collectives on the default group.  One save is in flight at a time: a new `save`
+(or `wait`) first waits for the previous commit, so checkpoints commit in step order, the staging
+buffers are free again, and memory holds one snapshot.  A process killed during the background
+write leaves only `NAME.tmp/`: the previous checkpoint stays the latest valid one.
 """
 
 from __future__ import annotations
@@ -20,17 +23,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ntp_nemo.checkpoint.sharded import take_snapshot, write_snapshot
+from ntp_nemo.checkpoint.sharded import THREADS, Staging, WritePlan, take_snapshot, write_snapshot
 
 
 class AsyncCheckpointSaver:
     """Background checkpoint writer; `save` is collective (every rank calls it for the same steps)."""
 
-    def __init__(self) -> None:
+    def __init__(self, threads: int = THREADS) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ntp-checkpoint")
         self._pending: Future | None = None
         self._group: Any = None
         self._group_ready = False
+        self._plan = WritePlan()
+        self._staging = Staging()
+        self.threads = threads
 
     def _checkpoint_group(self) -> Any:
         if not self._group_ready:  # collective, on the caller's thread, at the first save of every rank
@@ -53,10 +59,10 @@ class AsyncCheckpointSaver:
         """
         self.wait()
         group = self._checkpoint_group()
-        snap = take_snapshot(model, optimizer, to_cpu_copy=True)
+        snap = take_snapshot(model, optimizer, group=group, plan=self._plan, staging=self._staging)
         extra, layout = copy.deepcopy(dict(extra or {})), copy.deepcopy(layout)
         self._pending = self._pool.submit(write_snapshot, path, snap, extra, step=step, layout=layout,
-                                          keep_last=keep_last, group=group)
+                                          keep_last=keep_last, group=group, threads=self.threads)
         return self._pending
 
     def wait(self) -> Path | None:

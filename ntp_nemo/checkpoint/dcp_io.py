@@ -1,21 +1,23 @@
-"""The only module that talks to `torch.distributed.checkpoint` (DCP): chunks in, chunks out.
+"""The only module that talks to `torch.distributed.checkpoint` (DCP): export to DCP, and DCP
+reads/writes of the same chunks for the benchmark's side-by-side comparison.
 
-DCP stores every tensor as chunks with global offsets and, on load, reads the stored chunks that
-intersect whatever chunks the caller asks for.  Its usual inputs are DTensor and ShardedTensor;
-neither fits NTP: ShardedTensor is deprecated upstream, costs one collective per tensor to build
-(`init_from_local_shards`), and refuses overlapping shards, which is what a load target is when
-ranks hold the same units (replicas, layers replicated inside a replica, shared KV heads).  So
-two small planners describe chunks to DCP directly through its public planner interface
-(`WriteItem`/`ReadItem`, `create_read_items_for_chunk_list`): a save planner that writes the
-given disjoint chunks, and a load planner that fills each rank's own (possibly overlapping)
-slices in place.  DCP still does the plan exchange, the global-metadata file, the overlap and
-coverage validation, and the storage layout (one `.distcp` file per writing rank + `.metadata`).
+ntp_nemo's own format (`storage.py`) writes raw records and checks digests while reading; DCP
+serialises every chunk with `torch.save` and has no integrity check.  `export_dcp` converts a
+checkpoint to a DCP directory (`.metadata` + `.distcp`) with the same chunks and keys, which DCP's
+stock `dcp.load` reads into plain tensors (or any DCP-aware tool reshards):
+
+    python -m ntp_nemo.checkpoint.dcp_io CHECKPOINT_DIR OUT_DIR
+
+DCP's usual inputs are DTensor and ShardedTensor; neither fits NTP (ShardedTensor is deprecated
+and refuses overlapping shards, which is what a load target is when ranks hold the same units),
+so two small planners describe chunks to DCP directly through its public planner interface
+(`WriteItem`/`ReadItem`, `create_read_items_for_chunk_list`).
 """
 
 from __future__ import annotations
 
+import argparse
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,23 +34,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-
-@dataclass(frozen=True)
-class Chunk:
-    """A box of the logical tensor `key`: `tensor` sits at `offsets` inside `global_shape`."""
-
-    key: str
-    global_shape: tuple[int, ...]
-    offsets: tuple[int, ...]
-    tensor: torch.Tensor
-
-
-@dataclass(frozen=True)
-class StoredTensor:
-    """What the checkpoint says about one logical tensor."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
+from ntp_nemo.checkpoint.storage import Chunk, Index, read_chunks
 
 
 def _own_storage(t: torch.Tensor) -> torch.Tensor:
@@ -107,29 +93,41 @@ def _distributed(group) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
-def write_chunks(directory: Path, chunks: list[Chunk], group=None) -> None:
-    """Collective over `group`: write every rank's chunks (disjoint across ranks) into `directory`."""
-    writer = dcp.FileSystemWriter(str(directory), single_file_per_rank=True, sync_files=True)
+def save_dcp(directory: Path, chunks: list[Chunk], group=None, thread_count: int = 1) -> None:
+    """Collective over `group`: write every rank's chunks (disjoint across ranks) as a DCP checkpoint."""
+    writer = dcp.FileSystemWriter(str(directory), single_file_per_rank=True, sync_files=True,
+                                  thread_count=thread_count)
     dcp.save({}, storage_writer=writer, planner=_ChunkSavePlanner(chunks), process_group=group,
              no_dist=not _distributed(group))
 
 
-def read_chunks(directory: Path, targets: list[Chunk], group=None) -> None:
+def load_dcp(directory: Path, targets: list[Chunk], group=None, thread_count: int = 1) -> None:
     """Collective over `group`: fill each target tensor (in place) with its box of the stored tensor."""
     reader = dcp.FileSystemReader(str(directory))
     dcp.load({}, storage_reader=reader, planner=_SliceLoadPlanner(targets), process_group=group,
              no_dist=not _distributed(group))
 
 
-def stored_tensors(directory: Path) -> dict[str, StoredTensor]:
-    """Global shape and dtype of every tensor in a checkpoint (reads only DCP's metadata file)."""
-    md = dcp.FileSystemReader(str(directory)).read_metadata()
-    return {key: StoredTensor(tuple(m.size), m.properties.dtype)
-            for key, m in md.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
+def export_dcp(checkpoint: str | Path, out: str | Path) -> Path:
+    """Write checkpoint `checkpoint`'s tensors (same keys and chunks) as a DCP checkpoint in `out`
+    (one process; every record is read once, digest checked, and written once)."""
+    index = Index.read(Path(checkpoint))
+    chunks = [Chunk(r.key, index.tensors[r.key].shape, r.offsets,
+                    torch.empty(r.sizes, dtype=index.tensors[r.key].dtype))
+              for recs in index.records.values() for r in recs]
+    read_chunks(Path(checkpoint), chunks)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    save_dcp(Path(out), chunks)
+    return Path(out)
 
 
-def stored_chunks(directory: Path) -> dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]:
-    """(offsets, sizes) of every stored chunk per tensor: what the files hold, for inspection and tests."""
-    md = dcp.FileSystemReader(str(directory)).read_metadata()
-    return {key: [(tuple(c.offsets), tuple(c.sizes)) for c in m.chunks]
-            for key, m in md.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Convert an ntp_nemo sharded checkpoint to a DCP checkpoint.")
+    ap.add_argument("checkpoint")
+    ap.add_argument("out")
+    args = ap.parse_args(argv)
+    print(f"wrote {export_dcp(args.checkpoint, args.out)}")
+
+
+if __name__ == "__main__":
+    main()

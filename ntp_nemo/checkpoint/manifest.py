@@ -1,16 +1,22 @@
 """Commit protocol and validity of checkpoint directories.
 
 A checkpoint is written into `NAME.tmp/`; when every file is on disk, global rank 0 writes
-`manifest.json` (size and sha256 of every file, step, layout, format version) and renames the
-directory to `NAME`.  So a directory counts as a checkpoint only if its manifest exists, parses,
-has the expected format and every listed file has the listed size and checksum: a run killed
-mid-save leaves a `.tmp` directory (ignored), a truncated file or a flipped byte is detected,
-and resuming falls back to the previous valid checkpoint with a warning naming both.
+`manifest.json` (size of every file, the xxh3-64 digest of the small metadata files, step, layout,
+format version) and renames the directory to `NAME`.  The data files' digests sit per record in
+the index and are checked while the data is read (`storage.py`), once per load by the rank that
+reads each record, never in a separate pass.
+
+So the cheap check here (`checkpoint_problem`, run in the launching parent before any worker
+starts) asks: manifest present, parsed, of this format; every listed file present with the listed
+size; metadata digests right; not marked corrupt.  A run killed mid-save leaves a `.tmp` directory
+(ignored), a truncated file is caught by its size, and a flipped byte in the data is caught when
+the workers load it: the loading ranks agree on it, rank 0 records it in `corrupt.json` (so every
+later check skips the checkpoint cheaply), and the load falls back to the previous valid
+checkpoint with a warning naming the file, or fails naming it when the user named the checkpoint.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -21,11 +27,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import xxhash
+
 from ntp_nemo.errors import ConfigError
 
 FORMAT = "ntp_nemo.sharded_checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
+CORRUPT_MARKER = "corrupt.json"
+DIGEST = "xxh3_64"
 TMP_SUFFIX = ".tmp"
 
 
@@ -43,8 +53,8 @@ def tmp_path(path: Path) -> Path:
 
 
 def file_digest(path: Path, block: int = 1 << 20) -> tuple[int, str]:
-    """(size in bytes, sha256 hex) of a file, streamed."""
-    h = hashlib.sha256()
+    """(size in bytes, xxh3-64 hex) of a file, streamed."""
+    h = xxhash.xxh3_64()
     size = 0
     with open(path, "rb") as f:
         while chunk := f.read(block):
@@ -55,7 +65,8 @@ def file_digest(path: Path, block: int = 1 << 20) -> tuple[int, str]:
 
 def data_files(directory: Path) -> list[str]:
     """Every regular file of a checkpoint directory except the manifest, sorted (relative names)."""
-    return sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != MANIFEST)
+    return sorted(p.name for p in directory.iterdir() 
+                  if p.is_file() and p.name not in (MANIFEST, CORRUPT_MARKER))
 
 
 def _fsync_dir(path: Path) -> None:
@@ -71,15 +82,18 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_manifest(directory: Path, files: dict[str, tuple[int, str]], step: int, layout: Any) -> None:
-    """Write the manifest (last file of a checkpoint), flushed to disk."""
+def write_manifest(directory: Path, files: dict[str, tuple[int, str | None]], step: int, layout: Any) -> None:
+    """Write the manifest (last file of a checkpoint), flushed to disk; `files` maps name ->
+    (size, xxh3-64 hex digest or None for data files, whose digests are per record in the index)."""
     doc = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
         "step": int(step),
         "layout": layout,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "files": {name: {"size": size, "sha256": digest} for name, (size, digest) in sorted(files.items())},
+        "digest": DIGEST,
+        "files": {name: {"size": size, **({DIGEST: digest} if digest else {})}
+                  for name, (size, digest) in sorted(files.items())},
     }
     target = directory / MANIFEST
     with open(target, "w") as f:
@@ -109,8 +123,21 @@ def read_manifest(path: Path) -> dict:
         return json.load(f)
 
 
-def checkpoint_problem(path: str | os.PathLike, verify_checksums: bool = True) -> str | None:
-    """Why `path` is not a usable checkpoint, or None if it is."""
+def mark_corrupt(path: str | os.PathLike, problem: str) -> None:
+    """Record that loading `path` found `problem` (a bad data file): later checks skip it cheaply."""
+    try:
+        (Path(path) / CORRUPT_MARKER).write_text(json.dumps({"problem": problem}))
+    except OSError:
+        pass
+
+
+def checkpoint_problem(path: str | os.PathLike, verify_data: bool = False) -> str | None:
+    """Why `path` is not a usable checkpoint, or None if it is (as far as the check goes).
+
+    Cheap: reads the manifest, the sizes of the files and the small metadata files.  The data
+    files' record digests are checked while loading; `verify_data` checks them here too (one
+    full read, for offline inspection).
+    """
     path = Path(path)
     if not path.is_dir():
         return "not a directory" if path.exists() else "does not exist"
@@ -129,6 +156,12 @@ def checkpoint_problem(path: str | os.PathLike, verify_checksums: bool = True) -
     files = doc.get("files")
     if not isinstance(files, dict) or not files:
         return f"{MANIFEST} lists no files"
+    marker = path / CORRUPT_MARKER
+    if marker.is_file():
+        try:
+            return str(json.loads(marker.read_text()).get("problem"))
+        except (OSError, ValueError, AttributeError):
+            return f"marked corrupt ({CORRUPT_MARKER})"
     for name, want in files.items():
         f = path / name
         if not f.is_file():
@@ -136,14 +169,18 @@ def checkpoint_problem(path: str | os.PathLike, verify_checksums: bool = True) -
         size = f.stat().st_size
         if size != want.get("size"):
             return f"file {name} has {size} bytes, the manifest says {want.get('size')} (truncated?)"
-        if verify_checksums and file_digest(f)[1] != want.get("sha256"):
-            return f"file {name} fails its sha256 check (corrupted)"
+        if DIGEST in want and file_digest(f)[1] != want[DIGEST]:
+            return f"file {name} fails its {DIGEST} check (corrupted)"
+    if verify_data:
+        from ntp_nemo.checkpoint.storage import verify_all_records
+
+        return verify_all_records(path)
     return None
 
 
-def is_valid_checkpoint(path: str | os.PathLike, verify_checksums: bool = True) -> bool:
+def is_valid_checkpoint(path: str | os.PathLike, verify_data: bool = False) -> bool:
     """True if `path` is a committed checkpoint whose files all match the manifest."""
-    return checkpoint_problem(path, verify_checksums) is None
+    return checkpoint_problem(path, verify_data) is None
 
 
 def invalid_checkpoint_error(path: str | os.PathLike, problem: str, key: str = "resume") -> ConfigError:
@@ -155,10 +192,9 @@ def invalid_checkpoint_error(path: str | os.PathLike, problem: str, key: str = "
     )
 
 
-def require_valid_checkpoint(path: str | os.PathLike, key: str = "resume",
-                             verify_checksums: bool = True) -> Path:
+def require_valid_checkpoint(path: str | os.PathLike, key: str = "resume", verify_data: bool = False) -> Path:
     """A checkpoint path given by the user, checked; a bad one raises `ConfigError(key, ...)`."""
-    problem = checkpoint_problem(path, verify_checksums)
+    problem = checkpoint_problem(path, verify_data)
     if problem is not None:
         raise invalid_checkpoint_error(path, problem, key)
     return Path(path)
@@ -191,16 +227,20 @@ def _candidates(directory: Path) -> list[_Candidate]:
     return sorted(cands, key=lambda c: (c.step, c.path.name), reverse=True)
 
 
-def latest_valid_checkpoint(directory: str | os.PathLike, verify_checksums: bool = True) -> Path | None:
+def latest_valid_checkpoint(directory: str | os.PathLike, verify_data: bool = False,
+                            before_step: int | None = None) -> Path | None:
     """The valid checkpoint of `directory` with the highest step, or None.
 
     Newer directories that are partial or corrupt are skipped, each with a
-    `CheckpointSkippedWarning` naming it, why, and the checkpoint used instead.
+    `CheckpointSkippedWarning` naming it, why, and the checkpoint used instead.  `before_step`:
+    only checkpoints of an earlier step count (the fallback when loading one failed).
     """
     skipped: list[tuple[Path, str]] = []
     chosen = None
     for cand in _candidates(Path(directory)):
-        problem = checkpoint_problem(cand.path, verify_checksums)
+        if before_step is not None and cand.step >= before_step:
+            continue
+        problem = checkpoint_problem(cand.path, verify_data)
         if problem is None:
             chosen = cand.path
             break

@@ -1,45 +1,80 @@
-"""Which rank writes which piece of every logical tensor, so each element is stored exactly once.
+"""Which rank writes which piece of every logical tensor: each element once, the work spread over holders.
 
 Ranks' slices overlap: replicas hold the same units, a layer of lower degree is replicated inside
-its replica, shared KV heads sit on several ranks.  A storage format that reassembles chunks by
-global offset (DCP) needs disjoint chunks, so every unit is written by the lowest global rank
-holding it.  The rule is a pure function of every rank's `ShardSpec`s (exchanged once), needs
-no further communication, and gives every rank the same answer.
+its replica, shared KV heads sit on several ranks.  The checkpoint stores disjoint chunks, so every
+unit is written by exactly one of the ranks holding it.  Which one is chosen to balance the bytes
+each rank writes (largest pieces first, each to its least-loaded holder), so all replicas write,
+not only the first.  The rule is a pure function of every rank's `ShardSpec`s (exchanged once),
+needs no further communication and gives every rank the same answer.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 from ntp_nemo.parallel.shard import ShardSpec
+
+SPLIT_ELEMENTS = 1 << 16
 
 
 def _same_tensor(a: ShardSpec, b: ShardSpec) -> bool:
     return (a.global_shape, a.dim, a.unit_size) == (b.global_shape, b.dim, b.unit_size)
 
 
-def write_pieces(rank: int, holdings: Sequence[Mapping[str, ShardSpec]]) -> dict[str, list[ShardSpec]]:
-    """The sub-slices of its own holdings that `rank` writes: the units no lower rank holds.
+def _unit_elements(spec: ShardSpec) -> int:
+    """Elements in one unit of `spec`'s tensor."""
+    if not spec.global_shape:
+        return 1
+    return math.prod(spec.global_shape) // spec.num_units
 
-    `holdings[r]` maps tensor name -> the slice rank `r` holds.  Returns name -> disjoint
-    sub-specs (usually one; none when a lower rank holds everything), each inside `rank`'s slice.
+
+def assign_pieces(holdings: Sequence[Mapping[str, ShardSpec]],
+                  split_elements: int = SPLIT_ELEMENTS) -> list[dict[str, list[ShardSpec]]]:
+    """For every rank, the disjoint sub-slices of its own holdings that it writes.
+
+    `holdings[r]` maps tensor name -> the slice rank `r` holds.  Every unit of every tensor is
+    assigned to exactly one rank holding it; the assignment balances elements written per rank
+    (runs of at least `split_elements` elements are split among their holders, smaller ones go
+    whole to the least-loaded holder).
+    Returns, per rank, name -> pieces (maximal runs of adjacent units, each inside the rank's slice).
     """
-    mine = holdings[rank]
-    out: dict[str, list[ShardSpec]] = {}
-    for name in sorted(mine):
-        spec = mine[name]
-        lower = [h[name] for h in holdings[:rank] if name in h]
-        for other in lower:
-            if not _same_tensor(spec, other):
-                raise RuntimeError(f"tensor {name} is sharded differently across ranks: {spec} vs {other}")
-        inner = {b for o in lower for b in (o.lo, o.hi) if spec.lo < b < spec.hi}
-        bounds = sorted({spec.lo, spec.hi} | inner)
-        pieces: list[ShardSpec] = []
+    names = sorted({name for h in holdings for name in h})
+    segments: list[tuple[int, str, int, int, list[int]]] = []  # (elements, name, lo, hi, holders)
+    for name in names:
+        held = [(r, h[name]) for r, h in enumerate(holdings) if name in h]
+        first = held[0][1]
+        for _, spec in held[1:]:
+            if not _same_tensor(first, spec):
+                raise RuntimeError(f"tensor {name} is sharded differently across ranks: {first} vs {spec}")
+        bounds = sorted({b for _, s in held for b in (s.lo, s.hi)})
+        unit = _unit_elements(first)
         for a, b in zip(bounds[:-1], bounds[1:], strict=False):
-            if any(o.lo <= a and b <= o.hi for o in lower):
+            holders = [r for r, s in held if s.lo <= a and b <= s.hi]
+            if not holders:
                 continue
-            if pieces and pieces[-1].hi == a:  # extend the previous piece: keep chunks maximal
-                a = pieces.pop().lo
-            pieces.append(ShardSpec(spec.global_shape, spec.dim, spec.unit_size, a, b))
-        out[name] = pieces
+            # A large run held by k ranks is cut into k parts, so every holder can take one.
+            parts = min(len(holders), b - a) if (b - a) * unit >= split_elements else 1
+            for i in range(parts):
+                lo, hi = a + (i * (b - a)) // parts, a + ((i + 1) * (b - a)) // parts
+                segments.append(((hi - lo) * unit, name, lo, hi, holders))
+    load = [0] * len(holdings)
+    owner: dict[tuple[str, int], int] = {}
+    for size, name, a, _, holders in sorted(segments, key=lambda s: (-s[0], s[1], s[2])):
+        r = min(holders, key=lambda x: (load[x], x))
+        load[r] += size
+        owner[(name, a)] = r
+    out: list[dict[str, list[ShardSpec]]] = [{name: [] for name in h} for h in holdings]
+    for _, name, a, b, _ in sorted(segments, key=lambda s: (s[1], s[2])):
+        r = owner[(name, a)]
+        spec = holdings[r][name]
+        pieces = out[r][name]
+        if pieces and pieces[-1].hi == a:  # extend the previous piece: keep chunks maximal
+            a = pieces.pop().lo
+        pieces.append(ShardSpec(spec.global_shape, spec.dim, spec.unit_size, a, b))
     return out
+
+
+def write_pieces(rank: int, holdings: Sequence[Mapping[str, ShardSpec]]) -> dict[str, list[ShardSpec]]:
+    """The pieces `rank` writes (see `assign_pieces`)."""
+    return assign_pieces(holdings)[rank]

@@ -3,19 +3,20 @@
 `save_checkpoint` and `load_checkpoint` are collective over all ranks (or run in one process
 without torch.distributed).  On disk a checkpoint directory holds:
 
-- `__<rank>_0.distcp`: one file per rank (empty for a rank that owns nothing); every logical
-  element of the model and of the optimizer state is stored exactly once (by the lowest global
-  rank holding it), as chunks with their global offsets;
-- `.metadata`: DCP's index (every tensor's global shape, dtype and chunk list);
+- `data_<rank>_<k>.bin`: raw tensor records (`storage.py`); every logical element of the model and
+  of the optimizer state is stored exactly once, by one of the ranks holding it, the bytes spread
+  evenly over all holders (`ownership.py`: every replica writes its share);
+- `index.json`: every tensor's global shape, dtype and records (file, byte range, xxh3 digest);
 - `meta.pt`: small replicated state written by rank 0: the caller's `extra` (step, consumed
   batches, LR-scheduler state, config snapshot, …), the optimizer hyperparameters per parameter
-  name, the step and layout;
-- `manifest.json`: written last (size and sha256 of every file, step, layout, format version);
-  the directory is written as `NAME.tmp/` and renamed to `NAME` after the manifest (see
-  `manifest.py`).
+  name, the step, the layout and every rank's RNG states (`rng.py`);
+- `manifest.json`: written last (sizes, metadata digests, step, layout, format version); the
+  directory is written as `NAME.tmp/` and renamed to `NAME` after the manifest (`manifest.py`).
 
-Loading reads, on each rank, only the stored chunks that intersect that rank's slices (whole
-chunks: each is one serialized tensor) and copies the intersections into place.
+Loading reads, on each rank, only the byte ranges of the records that intersect its slices, in
+parallel, and checks each record's digest exactly once across ranks (by one rank that reads it).
+All ranks agree on any bad record before the optimizer state is touched; `load_with_fallback`
+then falls back to the previous valid checkpoint of the same directory, or raises naming the file.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import io
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,24 +36,39 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ntp_nemo.checkpoint.dcp_io import Chunk, read_chunks, stored_tensors, write_chunks
 from ntp_nemo.checkpoint.manifest import (
+    CheckpointSkippedWarning,
     checkpoint_problem,
     commit,
     data_files,
     file_digest,
     invalid_checkpoint_error,
     keep_last_k,
+    latest_valid_checkpoint,
+    mark_corrupt,
+    read_manifest,
     tmp_path,
     write_manifest,
 )
 from ntp_nemo.checkpoint.ownership import write_pieces
+from ntp_nemo.checkpoint.rng import rng_state
 from ntp_nemo.checkpoint.state import (
-    NamedSlice,
     group_options,
     install_optimizer_state,
     load_targets,
     sharded_state,
+)
+from ntp_nemo.checkpoint.storage import (
+    INDEX_FILE,
+    Chunk,
+    Index,
+    ReadStats,
+    assign_verifiers,
+    index_doc,
+    read_records,
+    reads_needed,
+    write_index,
+    write_records,
 )
 from ntp_nemo.errors import ConfigError
 from ntp_nemo.parallel.shard import ShardSpec
@@ -59,6 +76,8 @@ from ntp_nemo.quant.sharding import is_quantized
 from ntp_nemo.quant.state import restore_quant_state
 
 META_FILE = "meta.pt"
+SMALL_FILES = (INDEX_FILE, META_FILE)  # digested whole in the manifest
+THREADS = 4  # files in flight per rank, on save and on load
 
 
 # ---- collectives that degrade to no-ops in one process --------------------------------------------
@@ -91,29 +110,85 @@ def _barrier(group) -> None:
         dist.barrier(group=group)
 
 
+
 # ---- save -------------------------------------------------------------------------------------------
 @dataclass
 class Snapshot:
-    """What one rank contributes to a checkpoint (tensors by key, optimizer hyperparameters by name)."""
+    """What one rank contributes to a checkpoint: the chunks it writes, the shape and dtype of every
+    tensor it holds, its optimizer hyperparameters by parameter name, its RNG states."""
 
-    state: dict[str, NamedSlice]
+    chunks: list[Chunk]
+    tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]
     options: dict[str, dict] = field(default_factory=dict)
+    rng: dict[str, Any] = field(default_factory=dict)
 
-
-def take_snapshot(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-                  to_cpu_copy: bool = False) -> Snapshot:
-    """This rank's state; `to_cpu_copy` detaches it from training (for a background save)."""
-    state = sharded_state(model, optimizer)
-    if to_cpu_copy:
-        state = {k: NamedSlice(v.spec, v.tensor.to("cpu", copy=True)) for k, v in state.items()}
-    options = copy.deepcopy(group_options(model, optimizer)) if optimizer is not None else {}
-    return Snapshot(state, options)
+    @property
+    def nbytes(self) -> int:
+        return sum(c.tensor.numel() * c.tensor.element_size() for c in self.chunks)
 
 
 def _piece_view(held: ShardSpec, piece: ShardSpec, tensor: torch.Tensor) -> torch.Tensor:
     if not held.global_shape:
         return tensor
     return tensor.narrow(held.dim, (piece.lo - held.lo) * held.unit_size, piece.length)
+
+
+class WritePlan:
+    """Which pieces this rank writes; computed with one exchange of every rank's holdings and
+    reused while the holdings stay the same (every save of a run on one layout)."""
+
+    def __init__(self) -> None:
+        self._holdings: dict[str, ShardSpec] | None = None
+        self._pieces: dict[str, list[ShardSpec]] = {}
+
+    def pieces(self, holdings: dict[str, ShardSpec], group) -> dict[str, list[ShardSpec]]:
+        """Collective the first time and whenever some rank's holdings changed."""
+        changed = holdings != self._holdings
+        if any(_all_gather(changed, group)):
+            rank, _ = _rank_world(group)
+            self._pieces = write_pieces(rank, _all_gather(holdings, group))
+            self._holdings = holdings
+        return self._pieces
+
+
+class Staging:
+    """Host buffers the snapshot of a background save is copied into, reused from save to save
+    (pinned memory when the state lives on a GPU, so the copy is one DMA per tensor)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def stage(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
+            self._buffers[key] = buf
+        buf.copy_(t, non_blocking=t.device.type == "cuda")
+        return buf
+
+
+def take_snapshot(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, group=None,
+                  plan: WritePlan | None = None, staging: Staging | None = None) -> Snapshot:
+    """Collective: this rank's share of the checkpoint.  Without `staging` the chunks are views of
+    the live tensors (written straight from their memory); with it, copies into `staging`'s
+    buffers that training may not touch (for a background save)."""
+    if hasattr(optimizer, "gather_state"):  # a sharded optimizer fills per-parameter state (collective)
+        optimizer.gather_state()
+    state = sharded_state(model, optimizer)
+    pieces = (plan or WritePlan()).pieces({k: v.spec for k, v in state.items()}, group)
+    chunks = []
+    for key, key_pieces in pieces.items():
+        held = state[key]
+        for i, piece in enumerate(key_pieces):
+            view = _piece_view(held.spec, piece, held.tensor.detach())
+            if staging is not None:
+                view = staging.stage(f"{key}#{i}", view)
+            chunks.append(Chunk(key, piece.global_shape, piece.offsets, view))
+    if staging is not None and any(c.tensor.is_pinned() for c in chunks):
+        torch.cuda.current_stream().synchronize()  # the non-blocking copies have landed
+    tensors = {k: (tuple(v.spec.global_shape), v.tensor.dtype) for k, v in state.items()}
+    options = copy.deepcopy(group_options(model, optimizer)) if optimizer is not None else {}
+    return Snapshot(chunks, tensors, options, rng_state())
 
 
 def _check_extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -138,38 +213,35 @@ def _save_torch(obj: Any, path: Path) -> None:
 
 
 def write_snapshot(path: str | os.PathLike, snap: Snapshot, extra: Mapping[str, Any] | None, *, step: int,
-                   layout: Any = None, keep_last: int | None = None, group=None) -> Path:
+                   layout: Any = None, keep_last: int | None = None, group=None,
+                   threads: int = THREADS) -> Path:
     """Collective: write `snap` of every rank as checkpoint `path` and commit it (see module doc);
     then rank 0 prunes `path`'s directory to the `keep_last` newest checkpoints."""
     path = Path(path)
     tmp = tmp_path(path)
-    rank, world = _rank_world(group)
+    rank, _ = _rank_world(group)
     json.dumps(layout)  # fail before writing anything if the layout cannot go into the manifest
     extra = _check_extra(extra)
     if rank == 0:
         if tmp.exists():  # leftover of a save that died
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-    holdings = {k: v.spec for k, v in snap.state.items()}
-    everyone = _all_gather((holdings, snap.options), group)  # also orders rank 0's mkdir before any write
-    pieces = write_pieces(rank, [h for h, _ in everyone])
-    chunks = [Chunk(key, piece.global_shape, piece.offsets, _piece_view(snap.state[key].spec, piece,
-                                                                         snap.state[key].tensor))
-              for key, key_pieces in pieces.items() for piece in key_pieces]
-    write_chunks(tmp, chunks, group)
+    _barrier(group)
+    records = write_records(tmp, rank, snap.chunks, threads)
+    everyone = _all_gather((records, snap.tensors, snap.options, snap.rng), group)
     if rank == 0:
+        tensors: dict[str, tuple] = {}
         options: dict[str, dict] = {}
-        for _, opts in everyone:
+        for _, t, opts, _ in everyone:
+            tensors.update(t)
             options.update(opts)
-        meta = {"extra": extra, "param_groups": options, "step": int(step), "layout": layout}
+        write_index(tmp, index_doc((r for recs, *_ in everyone for r in recs), tensors))
+        meta = {"extra": extra, "param_groups": options, "step": int(step), "layout": layout,
+                "rng": [r for *_, r in everyone]}
         _save_torch(meta, tmp / META_FILE)
-    files = _broadcast(data_files(tmp) if rank == 0 else None, group)
-    digests = {name: file_digest(tmp / name) for i, name in enumerate(files) if i % world == rank}
-    all_digests: dict[str, tuple[int, str]] = {}
-    for d in _all_gather(digests, group):
-        all_digests.update(d)
-    if rank == 0:
-        write_manifest(tmp, all_digests, step, layout)
+        files = {name: file_digest(tmp / name) if name in SMALL_FILES else ((tmp / name).stat().st_size, None)
+                 for name in data_files(tmp)}
+        write_manifest(tmp, files, step, layout)
         commit(tmp, path)
         keep_last_k(path.parent, keep_last)
     _barrier(group)
@@ -178,50 +250,121 @@ def write_snapshot(path: str | os.PathLike, snap: Snapshot, extra: Mapping[str, 
 
 def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                     extra: Mapping[str, Any] | None = None, *, step: int, layout: Any = None,
-                    keep_last: int | None = None, group=None) -> Path:
+                    keep_last: int | None = None, group=None, threads: int = THREADS) -> Path:
     """Collective over `group` (default: the world; no torch.distributed: one process).
 
-    Writes model parameters, per-parameter optimizer state and `extra` as the checkpoint
-    directory `path` (committed atomically; an existing one is replaced).  `extra` holds small
-    replicated state taken from rank 0 and must load with `torch.load(weights_only=True)`
+    Writes model parameters, per-parameter optimizer state, every rank's RNG states and `extra` as
+    the checkpoint directory `path` (committed atomically; an existing one is replaced).  `extra`
+    holds small replicated state taken from rank 0 and must load with `torch.load(weights_only=True)`
     (plain containers, numbers, strings, tensors).  `layout` (JSON) is recorded in the manifest.
     After the commit, checkpoints beyond the `keep_last` newest in `path`'s directory are deleted
     (None: keep all).  Returns `path`.
     """
-    return write_snapshot(path, take_snapshot(model, optimizer), extra, step=step, layout=layout,
-                          keep_last=keep_last, group=group)
+    snap = take_snapshot(model, optimizer, group=group)
+    return write_snapshot(path, snap, extra, step=step, layout=layout, keep_last=keep_last, group=group,
+                          threads=threads)
 
 
 # ---- load -------------------------------------------------------------------------------------------
-def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    *, group=None, key: str = "resume", verify_checksums: bool = True) -> dict[str, Any]:
+class CorruptCheckpointError(ConfigError):
+    """A data file of the checkpoint failed its digest or is shorter than its index says."""
+
+    def __init__(self, key: str, path: Path, problem: str) -> None:
+        super().__init__(key, str(invalid_checkpoint_error(path, problem, key)).removeprefix(f"{key}: "))
+        self.path, self.problem = path, problem
+
+
+@dataclass
+class Loaded:
+    """What a load gave: the caller's `extra`, the checkpoint used, its layout and every saving rank's
+    RNG states, and this rank's read statistics."""
+
+    extra: dict[str, Any]
+    path: Path
+    layout: Any
+    rng: list[dict[str, Any]]
+    stats: ReadStats
+
+
+def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+         group=None, key: str = "resume", threads: int = THREADS) -> Loaded:
     """Collective: load checkpoint `path` into this rank's slices of `model` (and `optimizer`).
 
-    Works on any layout: each rank reads the stored chunks that intersect its slices.  The
-    optimizer's state is replaced by the saved one (resharded like the parameters) and its groups
-    take the saved hyperparameters.  Returns the `extra` dict given to `save_checkpoint`.
-    A missing, partial or corrupt checkpoint, or one of another model, raises `ConfigError(key, …)`
-    on every rank.
+    Works on any layout: each rank reads the byte ranges of the stored records that intersect its
+    slices.  The optimizer's state is replaced by the saved one (resharded like the parameters) and
+    its groups take the saved hyperparameters.  A missing, partial or foreign checkpoint raises
+    `ConfigError(key, …)` on every rank; a corrupt or truncated data file raises
+    `CorruptCheckpointError` on every rank, before the optimizer is touched.
     """
+    path = Path(path)
     rank, _ = _rank_world(group)
-    problem = _broadcast(checkpoint_problem(path, verify_checksums) if rank == 0 else None, group)
+    head = None
+    if rank == 0:  # the metadata is read (and its digests checked) once, then broadcast
+        problem = checkpoint_problem(path)
+        head = (problem, None, None)
+        if problem is None:
+            with open(path / INDEX_FILE) as f:
+                head = (None, json.load(f), torch.load(path / META_FILE, weights_only=True))
+    problem, doc, meta = _broadcast(head, group)
+    if problem is not None and problem.startswith("file "):  # a committed checkpoint with a bad file
+        raise CorruptCheckpointError(key, path, problem)
     if problem is not None:
         raise invalid_checkpoint_error(path, problem, key)
-    path = Path(path)
-    meta = torch.load(path / META_FILE, weights_only=True)
+    index = Index.from_doc(doc)
     quant = meta["extra"].get("quant")
     if quant is not None and not is_quantized(model):
         restore_quant_state(model, quant)  # creates the quantizers and their (sharded) amax buffers
-    stored = {k: (v.shape, v.dtype) for k, v in stored_tensors(path).items()}
+    stored = {k: (v.shape, v.dtype) for k, v in index.tensors.items()}
     targets, mismatches = load_targets(model, optimizer, stored)
-    mismatches = sorted({m for ms in _all_gather(mismatches, group) for m in ms})
+    chunks = [Chunk(k, t.spec.global_shape, t.spec.offsets, t.tensor) for k, t in targets.items()]
+    gathered = _all_gather((mismatches, reads_needed(index, chunks)), group)
+    mismatches = sorted({m for ms, _ in gathered for m in ms})
     if mismatches:
         extra_count = f"; and {len(mismatches) - 5} more" if len(mismatches) > 5 else ""
         shown = "; ".join(mismatches[:5]) + extra_count
         raise ConfigError(key, f"{key}={path} was saved from a different model ({shown}). Resume it with the "
                                f"model config it was trained with, or start without it ({key}=never).")
-    read_chunks(path, [Chunk(k, t.spec.global_shape, t.spec.offsets, t.tensor) for k, t in targets.items()],
-                group)
+    verify = assign_verifiers(index, [needs for _, needs in gathered])[rank]
+    stats = read_records(path, index, chunks, verify, threads)
+    problems = sorted({p for ps in _all_gather(stats.problems, group) for p in ps})
+    if problems:
+        raise CorruptCheckpointError(key, path, problems[0])
     if optimizer is not None:
         install_optimizer_state(model, optimizer, targets, meta.get("param_groups"))
-    return meta["extra"]
+    return Loaded(meta["extra"], path, meta.get("layout"), list(meta.get("rng") or []), stats)
+
+
+def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                    *, group=None, key: str = "resume", threads: int = THREADS) -> dict[str, Any]:
+    """`load` returning only the `extra` dict given to `save_checkpoint`."""
+    return load(path, model, optimizer, group=group, key=key, threads=threads).extra
+
+
+def load_with_fallback(path: str | os.PathLike, model: nn.Module,
+                       optimizer: torch.optim.Optimizer | None = None, *, fallback: bool, group=None,
+                       key: str = "resume", threads: int = THREADS) -> Loaded:
+    """Collective `load`; when a data file of `path` turns out corrupt, rank 0 marks the checkpoint
+    corrupt (`corrupt.json`) and, with `fallback`, the previous valid checkpoint of the same
+    directory is loaded instead (a `CheckpointSkippedWarning` names the file and the one used);
+    without `fallback`, or with no earlier checkpoint, `CorruptCheckpointError` names the file."""
+    path = Path(path)
+    rank, _ = _rank_world(group)
+    while True:
+        try:
+            return load(path, model, optimizer, group=group, key=key, threads=threads)
+        except CorruptCheckpointError as err:
+            if rank == 0:
+                mark_corrupt(path, err.problem)
+            _barrier(group)
+            if not fallback:
+                raise
+            step = int(read_manifest(path).get("step", 0))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", CheckpointSkippedWarning)  # the newer ones are told below
+                older = latest_valid_checkpoint(path.parent, before_step=step)
+            instead = f"using {older} instead" if older else "no earlier valid checkpoint remains"
+            warnings.warn(f"skipping checkpoint {path}: {err.problem}; {instead}", CheckpointSkippedWarning,
+                          stacklevel=2)
+            if older is None:
+                raise
+            path = older

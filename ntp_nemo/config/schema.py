@@ -89,7 +89,7 @@ class CheckpointConfig:
     every_n_steps: int = 50
     keep_last: int = 2
     save_on_end: bool = True
-    async_save: bool = False
+    async_save: bool = True  # training blocks only for the snapshot; write and commit in the background
     dir: str = "checkpoints"
 
 

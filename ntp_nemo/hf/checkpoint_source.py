@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ntp_nemo.checkpoint.dcp_io import Chunk, read_chunks, stored_tensors
+from ntp_nemo.checkpoint.storage import Chunk, read_chunks, stored_tensors
 from ntp_nemo.checkpoint.manifest import (
     MANIFEST,
     checkpoint_problem,

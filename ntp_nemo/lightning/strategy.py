@@ -282,14 +282,57 @@ class NTPStrategy(ParallelStrategy):
     def load_checkpoint(
         self, checkpoint_path: str | Path, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        """Collective: each rank reads exactly the slices its layout needs (any saved layout)."""
-        from ntp_nemo.checkpoint.sharded import load_checkpoint
+        """Collective: each rank reads exactly the slices its layout needs (any saved layout).
+
+        Data digests are checked while reading.  A corrupt file in a checkpoint of this run's own
+        checkpoint directory (resume=auto, failover restarts) makes every rank fall back to the
+        previous valid one, with a warning naming the file; one named from elsewhere fails naming it.
+        On the layout it was saved from, every rank's RNG states are put back just before the next
+        training step (after Lightning has built its data iterators), so randomness continues exactly.
+        """
+        import json
+        import sys
+        import warnings
+
+        import lightning.pytorch as pl
+
+        from ntp_nemo.checkpoint import CheckpointSkippedWarning, load_with_fallback
+        from ntp_nemo.checkpoint.rng import set_rng_state
 
         path = Path(self.broadcast(str(checkpoint_path)))
+        trainer = self.lightning_module.trainer
+        own_dir = getattr(trainer.checkpoint_callback, "dirpath", None)
+        fallback = own_dir is not None and Path(own_dir).resolve() == path.parent.resolve()
         self._goodput("ckpt_restore_start")
-        extra = load_checkpoint(path, self.lightning_module.model, self._optimizer())
-        self._goodput("ckpt_restore_end", step=int(extra.get("global_step", 0)))
-        return extra
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", CheckpointSkippedWarning)
+            loaded = load_with_fallback(
+                path, self.lightning_module.model, self._optimizer(), fallback=fallback
+            )
+        for w in caught:
+            if not issubclass(w.category, CheckpointSkippedWarning):
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+            elif self.is_global_zero:
+                print(f"warning: {w.message}", file=sys.stderr, flush=True)
+        if self.is_global_zero and loaded.path != path:
+            print(f"resuming from {loaded.path} instead: {path} is corrupted", flush=True)
+        here = {"replica_tp": self.topology.replica_tp, "tp": self.topology.tp,
+                "layer_tp": self.topology.layer_tp, "pp": self.topology.pp}
+        if json.dumps(loaded.layout, sort_keys=True) == json.dumps(here, sort_keys=True) and len(
+            loaded.rng
+        ) == self.world_size:
+            state = loaded.rng[self.global_rank]
+
+            class _RestoreRNG(pl.Callback):  # once, at the first training step after this load
+                def on_train_batch_start(self, *args: Any) -> None:
+                    nonlocal state
+                    if state is not None:
+                        set_rng_state(state)
+                        state = None
+
+            trainer.callbacks.append(_RestoreRNG())
+        self._goodput("ckpt_restore_end", step=int(loaded.extra.get("global_step", 0)))
+        return loaded.extra
 
     def remove_checkpoint(self, filepath: str | Path) -> None:
         if self.is_global_zero:

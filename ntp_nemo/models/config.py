@@ -21,6 +21,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     init_std: float = 0.02
+    dropout: float = 0.0  # residual dropout after attention and after the MLP (training only)
     init_from: str | None = None  # a Hugging Face model directory to start from
     # Activation recomputation: none | selective (attention core: RoPE, GQA expansion, softmax(QK^T)V;
     # no communication inside) | full (whole transformer layers, TP collectives re-run in the backward).

@@ -163,10 +163,15 @@ class Block(nn.Module):
         self.attn = Attention(cfg, tp, out_std)
         self.mlp_norm = Norm(cfg.hidden_size, tp, rms=rms, eps=cfg.norm_eps, bias=not rms)
         self.mlp = MLP(cfg, tp, out_std)
+        self.dropout = cfg.dropout
+
+    def _drop(self, y: torch.Tensor) -> torch.Tensor:
+        # Replicated activations: every TP rank of a replica draws the same mask (same generator state).
+        return F.dropout(y, self.dropout, training=True) if self.dropout and self.training else y
 
     def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope)
-        return x + self.mlp(self.mlp_norm(x))
+        x = x + self._drop(self.attn(self.attn_norm(x), rope))
+        return x + self._drop(self.mlp(self.mlp_norm(x)))
 
 
 class DecoderLM(nn.Module):

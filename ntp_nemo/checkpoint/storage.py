@@ -1,0 +1,366 @@
+"""The on-disk format of a sharded checkpoint: raw tensor bytes plus an index, digested as written.
+
+Every rank writes its chunks (disjoint boxes of logical tensors, see `ownership.py`) as *records*:
+the chunk's bytes in row-major order, straight from the tensor's memory (a `memoryview` of a
+contiguous CPU tensor: no serialisation, no intermediate copy), 64-byte aligned, into a few
+`data_<rank>_<k>.bin` files written in parallel by a thread pool (one file per thread, balanced
+by bytes).  Each record's xxh3-64 digest is computed block by block in the same pass that writes
+the block (the block is still in cache), so integrity costs no second read.  The records of all
+ranks form the index (`index.json`: per tensor its global shape, dtype and records with file, byte
+offset, length, digest), written by rank 0.
+
+Reading fills target boxes in place: for each stored record that intersects a target, the rank
+reads only the byte range it needs (`os.preadv` straight into the target when the box is
+contiguous on both sides, else the record's rows holding the box into a scratch buffer) on a
+thread pool.  A record named in `verify` is read whole and its digest checked; the caller picks
+exactly one reading rank per record, so each record is hashed once per load.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import xxhash
+
+INDEX_FILE = "index.json"
+ALIGN = 64
+BLOCK = 4 << 20  # bytes hashed then written while still in cache
+DIGEST = "xxh3_64"
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A box of the logical tensor `key`: `tensor` sits at `offsets` inside `global_shape`."""
+
+    key: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    tensor: torch.Tensor
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """What the checkpoint says about one logical tensor."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class Record:
+    """One stored chunk: the box (`offsets`, `sizes`) of `key`, `nbytes` at `offset` in `file`."""
+
+    key: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    offset: int
+    nbytes: int
+    digest: str
+
+    @property
+    def rid(self) -> tuple[str, int]:
+        return self.file, self.offset
+
+
+@dataclass
+class ReadStats:
+    """What one rank's read did: bytes read, records whose digest it checked, and failures found."""
+
+    bytes_read: int = 0
+    verified: list[tuple[str, int]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_of(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in the checkpoint index")
+    return dtype
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without copying (writable when the tensor is)."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def _contiguous_cpu(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type == "cpu" and t.is_contiguous():
+        return t
+    return t.to("cpu").contiguous()
+
+
+# ---- write --------------------------------------------------------------------------------------
+def _write_all(fd: int, mv: memoryview) -> None:
+    while mv:
+        n = os.write(fd, mv)
+        mv = mv[n:]
+
+
+def _write_file(path: Path, chunks: Sequence[Chunk], sync: bool) -> list[Record]:
+    records = []
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        pos = 0
+        for c in chunks:
+            data = byte_view(_contiguous_cpu(c.tensor.detach()))
+            h = xxhash.xxh3_64()
+            for start in range(0, len(data), BLOCK):
+                block = data[start : start + BLOCK]
+                h.update(block)
+                _write_all(fd, block)
+            records.append(Record(c.key, tuple(c.offsets), tuple(c.tensor.shape), path.name, pos, len(data),
+                                  h.hexdigest()))
+            pos += len(data)
+            pad = -pos % ALIGN
+            if pad:
+                _write_all(fd, memoryview(bytes(pad)))
+                pos += pad
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    return records
+
+
+def _balanced_bins(chunks: Sequence[Chunk], n: int) -> list[list[Chunk]]:
+    bins: list[list[Chunk]] = [[] for _ in range(n)]
+    load = [0] * n
+    for c in sorted(chunks, key=lambda c: -c.tensor.numel() * c.tensor.element_size()):
+        i = load.index(min(load))
+        bins[i].append(c)
+        load[i] += c.tensor.numel() * c.tensor.element_size()
+    return [b for b in bins if b]
+
+
+def write_records(directory: Path, rank: int, chunks: Sequence[Chunk], threads: int = 4,
+                  sync: bool = True) -> list[Record]:
+    """Write this rank's chunks as records into `directory` (files in parallel); returns the records."""
+    bins = _balanced_bins(chunks, max(1, min(threads, len(chunks))))
+    paths = [Path(directory) / f"data_{rank:05d}_{k}.bin" for k in range(len(bins))]
+    if len(bins) <= 1:
+        return [r for p, b in zip(paths, bins, strict=True) for r in _write_file(p, b, sync)]
+    with ThreadPoolExecutor(len(bins), thread_name_prefix="ntp-ckpt-write") as pool:
+        futures = [pool.submit(_write_file, p, b, sync) for p, b in zip(paths, bins, strict=True)]
+        return [r for f in futures for r in f.result()]
+
+
+def index_doc(records: Iterable[Record], dtypes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict:
+    """The index document: key -> shape, dtype, records (sorted by offsets)."""
+    tensors: dict[str, dict] = {key: {"shape": list(shape), "dtype": dtype_name(dtype), "records": []}
+                                for key, (shape, dtype) in sorted(dtypes.items())}
+    for r in records:
+        tensors[r.key]["records"].append({"offsets": list(r.offsets), "sizes": list(r.sizes), "file": r.file,
+                                          "offset": r.offset, "nbytes": r.nbytes, DIGEST: r.digest})
+    for t in tensors.values():
+        t["records"].sort(key=lambda r: r["offsets"])
+    return {"digest": DIGEST, "tensors": tensors}
+
+
+def write_index(directory: Path, doc: dict) -> None:
+    with open(Path(directory) / INDEX_FILE, "w") as f:
+        json.dump(doc, f, separators=(",", ":"))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ---- index ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Index:
+    tensors: dict[str, StoredTensor]
+    records: dict[str, list[Record]]
+
+    @staticmethod
+    def from_doc(doc: dict) -> Index:
+        tensors, records = {}, {}
+        for key, t in doc["tensors"].items():
+            tensors[key] = StoredTensor(tuple(t["shape"]), dtype_of(t["dtype"]))
+            records[key] = [Record(key, tuple(r["offsets"]), tuple(r["sizes"]), r["file"], r["offset"],
+                                   r["nbytes"], r[DIGEST]) for r in t["records"]]
+        return Index(tensors, records)
+
+    @staticmethod
+    def read(directory: Path) -> Index:
+        with open(Path(directory) / INDEX_FILE) as f:
+            return Index.from_doc(json.load(f))
+
+
+def stored_tensors(directory: Path) -> dict[str, StoredTensor]:
+    """Global shape and dtype of every tensor in a checkpoint (reads only the index)."""
+    return Index.read(directory).tensors
+
+
+def stored_chunks(directory: Path) -> dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]:
+    """(offsets, sizes) of every stored chunk per tensor: what the files hold, for inspection and tests."""
+    return {key: [(r.offsets, r.sizes) for r in recs] for key, recs in Index.read(directory).records.items()}
+
+
+# ---- read -----------------------------------------------------------------------------------------
+def _intersect(a_off, a_size, b_off, b_size) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    lo = tuple(max(x, y) for x, y in zip(a_off, b_off, strict=True))
+    hi = tuple(min(x + s, y + t) for x, s, y, t in zip(a_off, a_size, b_off, b_size, strict=True))
+    if any(h <= lo_ for lo_, h in zip(lo, hi, strict=True)):
+        return None
+    return lo, tuple(h - lo_ for lo_, h in zip(lo, hi, strict=True))
+
+
+def _box(t: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+    for d, (o, s) in enumerate(zip(offsets, sizes, strict=True)):
+        if o != 0 or s != t.shape[d]:
+            t = t.narrow(d, o, s)
+    return t
+
+
+def plan_reads(index: Index, targets: Sequence[Chunk]) -> list[tuple[Record, Chunk, tuple, tuple]]:
+    """Every (record, target, global box offsets, box sizes) this rank must copy."""
+    out = []
+    for t in targets:
+        for r in index.records.get(t.key, ()):
+            hit = _intersect(r.offsets, r.sizes, t.offsets, tuple(t.tensor.shape))
+            if hit is not None:
+                out.append((r, t, *hit))
+    return out
+
+
+def _read_into(fd: int, mv: memoryview, offset: int) -> int:
+    got = 0
+    while got < len(mv):
+        n = os.preadv(fd, [mv[got:]], offset + got)
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+def _copy(record: Record, target: Chunk, box_off: tuple, box_size: tuple, dtype: torch.dtype,
+          directory: Path, verify: bool, stats: ReadStats) -> None:
+    rel_rec = tuple(b - o for b, o in zip(box_off, record.offsets, strict=True))
+    rel_tgt = tuple(b - o for b, o in zip(box_off, target.offsets, strict=True))
+    dst = _box(target.tensor, rel_tgt, box_size)
+    item = torch.empty((), dtype=dtype).element_size()
+    shape = record.sizes
+    row = item * (math.prod(shape[1:]) if shape else 1)
+    whole = tuple(box_size) == tuple(shape)
+    rows_only = not shape or tuple(box_size[1:]) == tuple(shape[1:])  # the box is a contiguous byte range
+    direct = dst.device.type == "cpu" and dst.is_contiguous() and dst.dtype == dtype
+    fd = os.open(directory / record.file, os.O_RDONLY)
+    try:
+        if direct and (whole or (rows_only and not verify)):
+            mv = byte_view(dst)  # straight into the target: no scratch, no copy
+            got = _read_into(fd, mv, record.offset + (rel_rec[0] * row if shape else 0))
+            src = None
+        else:
+            # Rows of the record's first dim that hold the box (the whole record when verifying).
+            r0, nrows = (0, shape[0] if shape else 1) if (verify or not shape) else (rel_rec[0], box_size[0])
+            buf = torch.empty(nrows * row, dtype=torch.uint8)
+            mv = byte_view(buf)
+            got = _read_into(fd, mv, record.offset + r0 * row)
+            src = buf.view(dtype).view((nrows, *shape[1:]) if shape else ())
+            if shape:
+                src = _box(src, (rel_rec[0] - r0, *rel_rec[1:]), box_size)
+    finally:
+        os.close(fd)
+    stats.bytes_read += got
+    if got < len(mv):
+        stats.problems.append(f"file {record.file} is truncated (record of {record.key} at byte "
+                              f"{record.offset} needs {len(mv)} bytes, {got} there)")
+        return
+    if verify:
+        stats.verified.append(record.rid)
+        if xxhash.xxh3_64_hexdigest(mv) != record.digest:
+            stats.problems.append(f"file {record.file} fails its {DIGEST} check at byte {record.offset} "
+                                  f"({record.key}; corrupted)")
+            return
+    if src is not None:
+        dst.copy_(src)
+
+
+def read_records(directory: Path, index: Index, targets: Sequence[Chunk], verify: set[tuple[str, int]],
+                 threads: int = 4) -> ReadStats:
+    """Fill `targets` in place from the checkpoint's records; check the digest of records in `verify`.
+
+    Returns what was read; failures (truncated or corrupted records) are listed in `problems`, not
+    raised, so that all ranks can agree on them first.
+    """
+    directory = Path(directory)
+    stats = ReadStats()
+    jobs = plan_reads(index, targets)
+
+    def run(job):
+        record, target, off, size = job
+        local = ReadStats()
+        _copy(record, target, off, size, index.tensors[record.key].dtype, directory,
+              record.rid in verify, local)
+        return local
+
+    if threads <= 1 or len(jobs) <= 1:
+        parts = [run(j) for j in jobs]
+    else:
+        with ThreadPoolExecutor(threads, thread_name_prefix="ntp-ckpt-read") as pool:
+            parts = list(pool.map(run, jobs))
+    for p in parts:
+        stats.bytes_read += p.bytes_read
+        stats.verified += p.verified
+        stats.problems += p.problems
+    return stats
+
+
+def assign_verifiers(index: Index, needs: Sequence[Sequence[tuple[tuple[str, int], bool]]]) -> list[set]:
+    """Which rank checks which record: exactly one of the ranks reading it, balancing bytes hashed.
+
+    `needs[r]` lists (record id, whether rank r reads that record whole).  A rank that reads the
+    record whole is preferred (it reads nothing extra to check it).
+    """
+    sizes = {r.rid: r.nbytes for recs in index.records.values() for r in recs}
+    readers: dict[tuple[str, int], list[tuple[bool, int]]] = {}
+    for rank, rank_needs in enumerate(needs):
+        for rid, whole in rank_needs:
+            readers.setdefault(rid, []).append((whole, rank))
+    load = [0] * len(needs)
+    out: list[set] = [set() for _ in needs]
+    for rid in sorted(readers, key=lambda rid: (-sizes.get(rid, 0), rid)):
+        rank = min(readers[rid], key=lambda wr: (not wr[0], load[wr[1]], wr[1]))[1]
+        load[rank] += sizes.get(rid, 0)
+        out[rank].add(rid)
+    return out
+
+
+def reads_needed(index: Index, targets: Sequence[Chunk]) -> list[tuple[tuple[str, int], bool]]:
+    """(record id, whole?) for every record this rank reads."""
+    return [(r.rid, tuple(size) == tuple(r.sizes)) for r, _, _, size in plan_reads(index, targets)]
+
+
+def read_chunks(directory: Path, targets: list[Chunk], threads: int = 4) -> ReadStats:
+    """One process: fill each target tensor (in place) with its box of the stored tensor, checking
+    the digest of every record it reads; a truncated or corrupted record raises `ValueError`."""
+    index = Index.read(directory)
+    stats = read_records(directory, index, targets, {rid for rid, _ in reads_needed(index, targets)}, threads)
+    if stats.problems:
+        raise ValueError(f"checkpoint {directory}: {stats.problems[0]}")
+    return stats
+
+
+def verify_all_records(directory: Path) -> str | None:
+    """Check every record's digest (a full read of the data, for offline inspection); the first problem."""
+    directory = Path(directory)
+    for recs in Index.read(directory).records.values():
+        for r in recs:
+            with open(directory / r.file, "rb") as f:
+                f.seek(r.offset)
+                data = f.read(r.nbytes)
+            if len(data) < r.nbytes:
+                return f"file {r.file} is truncated (record of {r.key} at byte {r.offset})"
+            if xxhash.xxh3_64_hexdigest(data) != r.digest:
+                return f"file {r.file} fails its {DIGEST} check at byte {r.offset} ({r.key}; corrupted)"
+    return None
