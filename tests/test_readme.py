@@ -1,43 +1,222 @@
-"""Every `ntp-train` example in the README composes and validates (the README stays true)."""
+"""Every command in README.md and docs/*.md, extracted from the documents and run or checked.
+
+How each command is treated is decided by `plan()`, in this order (each rule says why):
+
+- run: the commands that make and use files (the README's resume-on-another-layout pair, the
+  Hugging Face import/train/export chain, `ntp-goodput`, the re-planning CLI) run as written in one
+  scratch directory, in document order, with two mechanical changes: step counts are divided by
+  `SCALE` (`trainer.max_steps=300` -> 6, `step_000300` -> `step_000006`; a recipe's own
+  `trainer.max_steps` is scaled the same way) and the small model and batch of `TINY` are appended
+  (not for `model.init_from` runs, whose sizes come from the Hugging Face directory). `<time>` and
+  `...` placeholders of run directories are replaced by a run directory made earlier.
+- config-only, `ntp-train`: every other training command (each takes minutes as written) is
+  composed and put through the same checks `ntp-train` runs before launching anything.
+- config-only, cluster: `torchrun` / `srun` need several machines; their `ntp_nemo.train`
+  arguments are composed and checked as above.
+- config-only, `ntp-sim`: simulator studies take minutes; composed with `--cfg job`.
+- exists: `python bench/*.py` benchmarks take minutes and their printed figures sit in
+  docs/benchmarks.md next to the command; the script must exist.
+- skipped: `pip install` (the checkout under test is installed already) and `pytest` (this suite).
+"""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from ntp_nemo.config.validate import resolve_layer_tp, validate
-from tests.conftest import ROOT, compose
+from tests.conftest import ROOT, TINY, compose
 
-SKIP_KEYS = ("hydra.", "resume=", "model.init_from=")  # paths that only exist in the user's session
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SCALE = 50
+BIN = Path(sys.executable).parent
+# Runs that make files other commands use, and the commands using them, run for real.
+RUN_PATTERNS = (
+    "hydra.run.dir=runs/",
+    "resume=runs/",
+    "save_pretrained",
+    "ntp-export ",
+    "ntp-goodput ",
+    "ntp_nemo.resilience.replan",
+)
+CLUSTER = ("torchrun", "srun", "sbatch")
+PROGRAMS = {
+    *("ntp-train", "ntp-sim", "ntp-goodput", "ntp-export", "ntp-plan", "ntp-preprocess"),
+    *("python", "pip", "pytest", *CLUSTER),
+}
+# Files only the user has (their own model, data): left out of the config check.
+USER_FILES = ("model.init_from=", "data.path=", "data.tokenizer=hf:")
+PLACEHOLDERS = {"outputs/failover_demo/<time>": "runs/a", "outputs/...": "runs/a"}
 
 
-def readme_examples() -> list[list[str]]:
-    text = (ROOT / "README.md").read_text()
-    out = []
-    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
-        for line in block.splitlines():
-            line = line.split("#", 1)[0].strip()
-            if "ntp-train" not in line:
-                continue
-            args = shlex.split(line[line.index("ntp-train") + len("ntp-train"):])
-            out.append([a for a in args if a != "-m" and not a.startswith(SKIP_KEYS)])
+def _strip_comment(line: str) -> str:
+    """Drop a trailing `# comment` that is outside quotes."""
+    quote = None
+    for i, ch in enumerate(line):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i].rstrip()
+    return line.rstrip()
+
+
+def doc_commands(path: Path) -> list[str]:
+    """Shell commands of a document's ```bash blocks (and of untagged blocks whose lines start
+    with `$ `): continuation lines joined, comments dropped, a heredoc kept with its command."""
+    out: list[str] = []
+    for lang, block in re.findall(r"```(\w*)\n(.*?)```", path.read_text(), flags=re.S):
+        lines = block.splitlines()
+        if lang not in ("bash", "sh", "console"):  # untagged: command lines among printed output
+            keep, cont = [], False
+            for line in lines:
+                words = line.split() + ["", ""]
+                if line.startswith("$ ") or (words[0] in PROGRAMS and not words[1].endswith(":")) or cont:
+                    keep.append(line.removeprefix("$ "))
+                cont = bool(keep) and keep[-1] is not None and line.rstrip().endswith("\\")
+            lines = keep
+        i = 0
+        while i < len(lines):
+            cmd = lines[i].removeprefix("$ ")
+            while cmd.rstrip().endswith("\\") and i + 1 < len(lines):
+                i += 1
+                cmd = cmd.rstrip()[:-1] + " " + lines[i].strip()
+            heredoc = re.search(r"<<'?(\w+)'?", cmd)
+            if heredoc:
+                body = []
+                while i + 1 < len(lines) and lines[i + 1].strip() != heredoc.group(1):
+                    i += 1
+                    body.append(lines[i])
+                i += 1
+                cmd = "\n".join([cmd, *body, heredoc.group(1)])
+            else:
+                cmd = _strip_comment(cmd)
+            i += 1
+            if cmd.strip():
+                out.append(cmd.strip())
     return out
 
 
-def test_readme_has_examples():
-    assert len(readme_examples()) >= 8
+def all_commands() -> list[tuple[str, str]]:
+    seen, out = set(), []
+    for path in DOCS:
+        for cmd in doc_commands(path):
+            if cmd not in seen:  # the same command in two documents runs once
+                seen.add(cmd)
+                out.append((path.name, cmd))
+    return out
 
 
-@pytest.mark.parametrize("args", readme_examples(), ids=lambda a: " ".join(a) or "(default)")
-def test_readme_example_validates(args):
-    overrides = []
-    for a in args:
-        key, _, value = a.partition("=")
-        overrides += [f"{key}={v}" for v in value.split(",")][:1] if key == "optim.lr" else [a]
+def plan(cmd: str) -> tuple[str, str]:
+    """(mode, reason) for one command."""
+    words = cmd.split()
+    if words[0] == "pip":
+        return "skip", "installs the package; the checkout under test is installed already"
+    if words[0] == "pytest":
+        return "skip", "this test suite"
+    if words[0] in CLUSTER:
+        return "config", "needs a cluster"
+    if words[0] == "python" and len(words) > 1 and words[1].startswith("bench/"):
+        return "exists", "a benchmark of minutes; its figures are in docs/benchmarks.md"
+    if words[0] == "ntp-sim":
+        return "sim", "simulator studies take minutes"
+    if any(p in cmd for p in RUN_PATTERNS):
+        return "run", "makes or uses files of the runs above"
+    if words[0] == "ntp-train" or "ntp_nemo.train" in cmd:
+        return "config", "trains for minutes as written"
+    return "run", "quick"
+
+
+def train_args(cmd: str) -> list[str]:
+    words = shlex.split(cmd)
+    if "ntp-train" in words:
+        return words[words.index("ntp-train") + 1 :]
+    return words[words.index("ntp_nemo.train") + 1 :]
+
+
+def scaled(cmd: str, recipe_steps: int) -> str:
+    """Divide step counts by SCALE; append the tiny model for a training command."""
+    cmd = re.sub(r"trainer\.max_steps=(\d+)", lambda m: f"trainer.max_steps={int(m[1]) // SCALE}", cmd)
+    cmd = re.sub(r"step_(\d{6})", lambda m: f"step_{int(m[1]) // SCALE:06d}", cmd)
+    for old, new in PLACEHOLDERS.items():
+        cmd = cmd.replace(old, new)
+    if not cmd.startswith("ntp-train"):
+        return cmd
+    extra = [a for a in TINY if not (a.startswith("model.") and "model.init_from" in cmd)]
+    extra = [a for a in extra if not a.startswith(("checkpoint.", "optim.warmup"))]
+    if "trainer.max_steps=" not in cmd:
+        extra.append(f"trainer.max_steps={recipe_steps // SCALE}")
+    extra.append("checkpoint.every_n_steps=0")  # the final checkpoint (save_on_end) only
+    return cmd + " " + " ".join(extra)
+
+
+def first_job(arg: str) -> str:
+    """`key=a,b` of a sweep (`-m`) -> `key=a`; lists and quoted values are kept."""
+    return arg.split(",")[0] if not any(c in arg for c in "[]'\"") else arg
+
+
+def check_config(args: list[str]) -> None:
+    """What ntp-train checks before it launches anything, in process."""
+    from ntp_nemo.config import checks
+    from ntp_nemo.config.keys import check_override_keys
+    from ntp_nemo.config.validate import resolve_layer_tp, validate
+
+    args = [a for a in args if a != "-m" and not a.startswith("hydra.")]
+    check_override_keys(args)
+    args = [a for a in args if not a.startswith(USER_FILES)]
+    overrides = [first_job(a) for a in args]
     cfg = compose(overrides)
-    if cfg.model.get("init_from", None) == "???":
-        pytest.skip("needs a Hugging Face directory")
+    if cfg.model.get("init_from") == "???":
+        cfg.model.init_from = None  # the recipe's Hugging Face directory is the user's
+    checks.adjust(cfg)
     validate(cfg)
+    checks.check_batch_split(cfg)
     resolve_layer_tp(cfg)
+
+
+def test_documents_have_commands():
+    cmds = all_commands()
+    assert len(cmds) >= 25
+    modes = {plan(c)[0] for _, c in cmds}
+    assert modes == {"skip", "config", "exists", "sim", "run"}
+
+
+@pytest.mark.slow
+def test_every_documented_command(tmp_path):
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", PYTHONUNBUFFERED="1")
+    done = []
+    for doc, cmd in all_commands():
+        mode, why = plan(cmd)
+        if mode == "skip":
+            continue
+        if mode == "exists":
+            assert (ROOT / cmd.split()[1]).is_file(), (doc, cmd)
+        elif mode == "config":
+            check_config(train_args(cmd))
+        elif mode == "sim":
+            args = [first_job(a) for a in shlex.split(cmd) if a != "-m"]
+            res = subprocess.run(
+                [*args, "--cfg", "job"], cwd=tmp_path, env=env, capture_output=True, text=True
+            )
+            assert res.returncode == 0, (doc, cmd, res.stderr[-2000:])
+        else:
+            recipe = next((a.split("=", 1)[1] for a in cmd.split() if a.startswith("recipe=")), None)
+            steps = int(compose([f"recipe={recipe}"] if recipe else []).trainer.max_steps)
+            run = scaled(cmd, steps)
+            res = subprocess.run(
+                ["bash", "-c", run], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+            )
+            assert res.returncode == 0, (doc, run, res.stdout[-2000:], res.stderr[-3000:])
+            assert "Traceback" not in res.stderr, (doc, run, res.stderr[-3000:])
+        done.append((mode, cmd))
+    ran = [c for m, c in done if m == "run"]
+    assert any("resume=runs/a/checkpoints/step_000300" in c for c in ran)
+    assert any(c.startswith("ntp-export") for c in ran)
+    assert (tmp_path / "runs" / "b" / "checkpoints" / "step_000008" / "manifest.json").is_file()
+    assert (tmp_path / "hf_trained" / "config.json").is_file()
