@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -73,7 +74,9 @@ def build_trainer(
     if gpu and cuda_devices is not None:
         if len(cuda_devices) != devices or nodes != 1:
             raise ValueError(f"{len(cuda_devices)} CUDA devices for {devices} processes on {nodes} nodes")
-        devices = list(cuda_devices)  # Lightning: parallel_devices = [cuda:i for i in the list]
+        # Local rank i binds cuda:cuda_devices[i] (ranks may share a GPU: gloo only, NCCL refuses that).
+        strategy.parallel_devices = [torch.device("cuda", int(i)) for i in cuda_devices]
+        devices = sorted(set(int(i) for i in cuda_devices))  # the GPUs Lightning checks exist
     env = cluster_environment(launcher_layout())
     metrics = MetricsJSONL(run_dir)
     strategy.keep_last = int(cfg.checkpoint.keep_last)

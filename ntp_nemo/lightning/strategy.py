@@ -77,6 +77,14 @@ class _ForkLauncher(_MultiProcessingLauncher):
         return _WorkerOutput(None, None, trainer.state, results, self.get_extra_results(trainer))
 
 
+def default_backend(device: torch.device) -> str:
+    """NCCL for CUDA tensors with gloo beside it for CPU-side collectives (all_gather_object, a CPU
+    flag); gloo alone on CPU."""
+    if device.type == "cuda":
+        return "cpu:gloo,cuda:nccl"
+    return _get_default_process_group_backend_for_device(device)
+
+
 class NTPStrategy(ParallelStrategy):
     strategy_name = "ntp"
 
@@ -131,7 +139,7 @@ class NTPStrategy(ParallelStrategy):
             self._launcher = _ForkLauncher(self, start_method=self._start_method)
 
     def setup_environment(self) -> None:
-        super().setup_environment()
+        super().setup_environment()  # in the worker: torch.cuda.set_device(its own device) on GPU
         if self.world_size != self.topology.world_size:
             raise RuntimeError(
                 f"{self.world_size} processes for a layout of {self.topology.world_size} ranks"
@@ -140,12 +148,10 @@ class NTPStrategy(ParallelStrategy):
             if self.root_device.type == "cpu":
                 torch.set_num_threads(1)  # several CPU ranks share the cores: no oversubscription
             self.set_world_ranks()
-            self._process_group_backend = (
-                self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-            )
+            self._process_group_backend = self._process_group_backend or default_backend(self.root_device)
             kwargs: dict[str, Any] = {"timeout": self._timeout}
-            if self.root_device.type != "cpu":
-                kwargs["device_id"] = self.root_device
+            if self.root_device.type == "cuda" and "nccl" in self._process_group_backend:
+                kwargs["device_id"] = self.root_device  # NCCL communicators bound to this rank's GPU
             _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         self.runtime = NTPRuntime(self.layout, self.global_rank, device=self.root_device)
         self.topology = self.runtime.topology  # the one whose process groups the run uses

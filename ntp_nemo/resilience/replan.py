@@ -63,12 +63,14 @@ def relaunch_devices(
     return out, notes
 
 
-def placement(plan: Replan, nodes: list[str], gpus_per_node: int) -> dict[str, Any]:
-    """Per new rank and per node: where the processes of the new layout run."""
+def placement(plan: Replan, nodes: list[str], per_node_procs: list[int]) -> dict[str, Any]:
+    """Per new rank and per node: where the processes of the new layout run.  The old run placed its
+    ranks in order, `per_node_procs[i]` of them on node i (torchrun's and srun's block placement)."""
     ranks = []
     per_node: dict[str, dict[str, Any]] = {n: {"devices": [], "ranks": []} for n in nodes}
+    where = [(nodes[i], g) for i, n in enumerate(per_node_procs) for g in range(n)]
     for new_rank, old in enumerate(plan.assignment):
-        node, gpu = nodes[old // gpus_per_node], old % gpus_per_node
+        node, gpu = where[old]
         spare = old in plan.replaced
         ranks.append({"rank": new_rank, "old_rank": old, "node": node, "gpu": gpu, "spare": spare})
         per_node[node]["devices"].append(gpu)
@@ -84,15 +86,31 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
             "--replica-tp", f"every replica needs 1..{args.tp} active ranks, got {args.replica_tp}."
         )
     plan = replan(layout, _ints(args.failed, "--failed"), make_policy(args.policy, args.min_replica_tp))
-    gpn = args.gpus_per_node or args.tp
-    n_nodes = -(-layout.world_size // gpn)
+    per_node_procs = _procs_per_node(args.gpus_per_node or str(args.tp), layout.world_size)
+    n_nodes = len(per_node_procs)
     nodes = args.nodes.split(",") if args.nodes else [f"node{i}" for i in range(n_nodes)]
     if len(nodes) < n_nodes:
         raise ConfigError(
             "--nodes",
             f"{len(nodes)} node(s) given but {layout.world_size} ranks at "
-            f"{gpn} per node need {n_nodes}; list every node of the old run in rank order.",
+            f"{args.gpus_per_node or args.tp} per node need {n_nodes}; list every node of the old run in "
+            "rank order.",
         )
+    where = placement(plan, nodes[:n_nodes], per_node_procs)
+    endpoint = args.rdzv_endpoint or f"{next(iter(where['nodes']))}:29500"
+    for i, v in enumerate(where["nodes"].values()):
+        v["env"] = {"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in v["devices"])}
+        v["torchrun_args"] = [
+            f"--nnodes={len(where['nodes'])}",
+            f"--node-rank={i}",
+            f"--nproc-per-node={len(v['devices'])}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={endpoint}",
+            "-m",
+            "ntp_nemo.train",
+            *plan.overrides(),
+            "resume=auto",
+        ]
     return {
         "policy": plan.policy,
         "old_layout": layout.describe(),
@@ -100,8 +118,32 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         "failed": list(plan.failed),
         "dropped_replicas": list(plan.dropped),
         "overrides": plan.overrides(),
-        **placement(plan, nodes, gpn),
+        **where,
     }
+
+
+def _procs_per_node(text: str, world_size: int) -> list[int]:
+    """`--gpus-per-node`: one count for every node (`4`), or the old run's per-node counts in SLURM's
+    notation (`4,3`, `4(x2),3`)."""
+    from ntp_nemo.parallel.cluster import parse_tasks_per_node
+
+    try:
+        counts = parse_tasks_per_node(text)
+    except ConfigError:
+        raise ConfigError(
+            "--gpus-per-node", f"{text!r} is neither a count nor a per-node list such as 4,3 or 4(x2),3."
+        ) from None
+    if len(counts) == 1:
+        counts = counts * -(-world_size // counts[0])
+    if sum(counts) < world_size or any(n < 1 for n in counts):
+        raise ConfigError(
+            "--gpus-per-node",
+            f"per-node counts {counts} place {sum(counts)} ranks but the old layout ran {world_size}.",
+        )
+    while sum(counts[:-1]) >= world_size:  # a count for every node: drop nodes the old run left empty
+        counts.pop()
+    counts[-1] -= sum(counts) - world_size
+    return counts
 
 
 def render(doc: dict[str, Any]) -> str:
@@ -116,16 +158,14 @@ def render(doc: dict[str, Any]) -> str:
         lines.append(
             f"  {r['rank']:>4}    {r['node']}:{r['gpu']}  ({r['old_rank']}{', spare' if r['spare'] else ''})"
         )
-    lines += ["", f"per node (torchrun --nnodes={len(doc['nodes'])}, one command per node):"]
-    overrides = " ".join(doc["overrides"])
-    first = next(iter(doc["nodes"]))
-    for i, (node, v) in enumerate(doc["nodes"].items()):
-        devices = ",".join(str(d) for d in v["devices"])
-        lines.append(
-            f"  {node}: CUDA_VISIBLE_DEVICES={devices} torchrun --nnodes={len(doc['nodes'])} "
-            f"--node-rank={i} --nproc-per-node={len(v['devices'])} --rdzv-backend=c10d "
-            f"--rdzv-endpoint={first}:29500 -m ntp_nemo.train {overrides} resume=auto"
-        )
+    lines += [
+        "",
+        f"per node (torchrun --nnodes={len(doc['nodes'])}, one command per node; append the run's other "
+        "overrides and its hydra.run.dir):",
+    ]
+    for node, v in doc["nodes"].items():
+        env = " ".join(f"{k}={x}" for k, x in v["env"].items())
+        lines.append(f"  {node}: {env} torchrun {' '.join(v['torchrun_args'])}")
     if doc["exclude"]:
         lines.append(f"srun --exclude={','.join(doc['exclude'])} (nodes left without work)")
     return "\n".join(lines)
@@ -144,7 +184,13 @@ def main() -> int:
     ap.add_argument("--policy", default="ntp", choices=POLICY_NAMES)
     ap.add_argument("--min-replica-tp", type=int, default=1, help="ntp.min_replica_tp")
     ap.add_argument("--nodes", help="node names of the old run in rank order (default node0, node1, ...)")
-    ap.add_argument("--gpus-per-node", type=int, help="GPUs (ranks) per node (default: --tp)")
+    ap.add_argument(
+        "--gpus-per-node",
+        help="ranks per node of the old run: one count (default: --tp) or a list such as 4,3 or 4(x2),3",
+    )
+    ap.add_argument(
+        "--rdzv-endpoint", help="HOST:PORT of the relaunch's c10d rendezvous (default: first node:29500)"
+    )
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = ap.parse_args()
     try:
