@@ -54,6 +54,10 @@ def _quiet_libraries() -> None:
 
 def train(cfg: DictConfig) -> dict:
     """Validate, prepare data, launch the workers and train; returns the run summary."""
+    if cfg.trainer.get("dry_run"):  # validates by itself, reads no data, starts no worker
+        from ntp_nemo.dry_run import run_dry
+
+        return run_dry(cfg, Path(HydraConfig.get().runtime.output_dir), say)
     from ntp_nemo.config import checks
     from ntp_nemo.config.layout import resolve_layout
     from ntp_nemo.config.validate import check_environment, validate

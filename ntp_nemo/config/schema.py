@@ -12,7 +12,6 @@ from typing import Any
 from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.quant.config import QuantConfig
 
-
 __all__ = ["ModelConfig", "RootConfig"]
 
 
@@ -74,14 +73,17 @@ class TrainerConfig:
     stop_at_step: int | None = (
         None  # end this invocation early (checkpoint saved); schedules still use max_steps
     )
-    precision: str = "32-true"  # 32-true | 64-true | bf16-mixed
+    precision: str = "32-true"  # 32-true | 64-true | bf16-mixed | bf16-true (16-mixed is refused)
     accelerator: str = "cpu"
     log_every_n_steps: int = 1
     val_every_n_steps: int = 50
     progress_bar: bool = True
-    deterministic: bool = True
+    deterministic: bool = True  # torch.use_deterministic_algorithms (Lightning's Trainer(deterministic=...))
     process_group_backend: str | None = None  # None: gloo on CPU, nccl on GPU
     start_method: str = "fork"
+    # One step of every rank on the meta device and a fake process group (no GPU, no data): writes
+    # dry_run.json (per-rank memory and communication) in the run directory and exits.
+    dry_run: bool = False
 
 
 @dataclass

@@ -1,0 +1,178 @@
+"""`ntp-train ... trainer.dry_run=true`: one training step of every rank of the configured layout, on CPU.
+
+No GPU, no peers, no data: every rank's model slice is built on the meta device, the process groups
+live on torch's fake backend, and one step's shapes run through the real runtime
+(`ntp_nemo.parallel.dry_run`).  Writes `dry_run.json` in the run directory (per global rank: replica,
+stage, TP degree, parameters held and their bytes, gradient, optimizer and activation bytes, bytes per
+group kind per step; plus the unsharded model's parameter count) and prints the largest and smallest
+rank and the totals.  The data and tokenizer files are never opened: the step needs only
+`data.seq_len`, `data.micro_batch_size`, `data.global_batch_size` and `model.vocab_size` (the
+vocabulary as configured; a real run sizes it from the tokenizer).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from ntp_nemo.errors import ConfigError
+
+# trainer.precision -> (dtype of parameters, gradients and optimizer state; dtype of activations)
+PRECISION_DTYPES = {
+    "32-true": ("float32", "float32"),
+    "64-true": ("float64", "float64"),
+    "bf16-true": ("bfloat16", "bfloat16"),
+    "bf16-mixed": ("float32", "bfloat16"),  # fp32 parameters are the master weights; autocast to bf16
+    "16-mixed": ("float32", "float16"),
+}
+
+GiB = float(1 << 30)
+
+
+def _checked_config(cfg: DictConfig) -> DictConfig:
+    """The validated config, with everything that needs data files, a GPU or a writable run left out."""
+    from ntp_nemo.config.register import mandatory_keys
+    from ntp_nemo.config.validate import validate
+
+    for key in mandatory_keys(str(cfg.recipe)):
+        if key.startswith("data."):
+            continue  # the dry run reads no data
+        value = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
+        if value is None or value == "???":
+            raise ConfigError(key, f"recipe={cfg.recipe} needs {key} (it has no default); pass {key}=... "
+                              "on the command line.")
+    checked = copy.deepcopy(cfg)
+    with open_dict(checked):
+        for key in ("path", "blend", "val_path"):
+            if key in checked.data:
+                checked.data[key] = None
+    validate(checked)
+    if checked.model.vocab_size is None:
+        raise ConfigError("model.vocab_size", "the dry run reads no tokenizer: give model.vocab_size=N.")
+    return checked
+
+
+def _model_config(cfg: DictConfig):
+    from ntp_nemo.models.config import ModelConfig
+
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    fields = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items()
+              if k != "_target_" and k in names}
+    return ModelConfig(**fields)
+
+
+def rank_rows(result) -> list[dict[str, Any]]:
+    out = []
+    for r in result.ranks:
+        row = dataclasses.asdict(r)
+        row["signature"] = list(r.signature)
+        row["memory_bytes"] = r.memory_bytes
+        out.append(row)
+    return out
+
+
+def totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = ("params", "param_bytes", "grad_bytes", "optimizer_bytes", "activation_peak_bytes", "memory_bytes")
+    out: dict[str, Any] = {k: sum(r[k] for r in rows) for k in keys}
+    out["comm_bytes"] = {k: sum(r["comm_bytes"][k] for r in rows) for k in rows[0]["comm_bytes"]}
+    return out
+
+
+def print_table(report: dict[str, Any]) -> str:
+    from rich.console import Console
+    from rich.table import Table
+
+    rows = report["ranks"]
+    big = max(rows, key=lambda r: r["memory_bytes"])
+    small = min(rows, key=lambda r: r["memory_bytes"])
+    tbl = Table(title=f"dry run: layout {report['layout']} ({report['world_size']} ranks), "
+                      f"model {report['model_params'] / 1e9:.3f}B params, {report['precision']}")
+    for col in ("", "rank", "replica/stage", "TP", "params", "params GiB", "grads GiB", "optim GiB",
+                "act/mb GiB", "act peak GiB", "memory GiB", "comm GiB/step tp|pp|dp|world"):
+        tbl.add_column(col)
+
+    def comm(c: dict[str, int]) -> str:
+        return "|".join(f"{c[k] / GiB:.2f}" for k in ("tp", "pp", "dp", "world"))
+
+    for label, r in (("largest", big), ("smallest", small)):
+        tbl.add_row(label, str(r["rank"]), f"{r['replica']}/{r['stage']}", str(r["tp_degree"]),
+                    f"{r['params'] / 1e6:.1f}M", f"{r['param_bytes'] / GiB:.2f}",
+                    f"{r['grad_bytes'] / GiB:.2f}",
+                    f"{r['optimizer_bytes'] / GiB:.2f}", f"{r['activation_bytes'] / GiB:.2f}",
+                    f"{r['activation_peak_bytes'] / GiB:.2f}", f"{r['memory_bytes'] / GiB:.2f}",
+                    comm(r["comm_bytes"]))
+    t = report["totals"]
+    tbl.add_row("total", "", "", "", f"{t['params'] / 1e6:.1f}M", f"{t['param_bytes'] / GiB:.2f}",
+                f"{t['grad_bytes'] / GiB:.2f}", f"{t['optimizer_bytes'] / GiB:.2f}", "",
+                f"{t['activation_peak_bytes'] / GiB:.2f}", f"{t['memory_bytes'] / GiB:.2f}",
+                comm(t["comm_bytes"]))
+    console = Console(width=170, record=True, force_terminal=False)
+    with console.capture() as cap:
+        console.print(tbl)
+    return cap.get()
+
+
+def run_dry(cfg: DictConfig, run_dir: Path, say=print) -> dict[str, Any]:
+    """Validate, resolve the layout, run the dry step for every rank, write `dry_run.json`."""
+    t0 = time.perf_counter()
+    checked = _checked_config(cfg)
+    from ntp_nemo.config.layout import resolve_layout
+
+    layout = resolve_layout(checked)
+    import torch
+
+    from ntp_nemo.parallel.dry_run import StepShape, dry_run
+
+    precision = str(checked.trainer.precision)
+    param_dtype, compute_dtype = (getattr(torch, n) for n in PRECISION_DTYPES[precision])
+    mcfg = _model_config(checked)
+    shape = StepShape(
+        seq_len=int(checked.data.seq_len),
+        micro_batch_size=int(checked.data.micro_batch_size),
+        param_dtype=param_dtype,
+        compute_dtype=compute_dtype,
+        grad_clip=float(checked.optim.grad_clip or 0.0),
+        bucket_mb=float(checked.ntp.grad_bucket_mb),
+        seed=int(checked.seed),
+    )
+    say(f"dry run: {layout.describe()} ({layout.world_size} ranks), model {mcfg.name}, {precision}, "
+        f"seq {shape.seq_len} x micro-batch {shape.micro_batch_size}, {layout.num_microbatches} "
+        f"micro-batches per step {list(layout.microbatches)}; meta device, fake process group, no data read",
+        flush=True)
+    result = dry_run(layout, mcfg, shape, progress=lambda msg: say(f"  {msg}", flush=True))
+    rows = rank_rows(result)
+    report: dict[str, Any] = {
+        "layout": layout.describe(),
+        "world_size": layout.world_size,
+        "resolved_layout": layout.to_dict(),
+        "model": mcfg.name,
+        "model_params": result.model_params,
+        "precision": precision,
+        "param_dtype": str(param_dtype).removeprefix("torch."),
+        "compute_dtype": str(compute_dtype).removeprefix("torch."),
+        "seq_len": shape.seq_len,
+        "micro_batch_size": shape.micro_batch_size,
+        "global_batch_size": int(checked.data.global_batch_size),
+        "vocab_size": int(mcfg.vocab_size),
+        "distinct_model_slices": result.signatures,
+        "ranks": rows,
+        "totals": totals(rows),
+        # Memory each optional saving would bring (activation recomputation, distributed optimizer, ...):
+        # one entry per option, filled by `ntp_nemo.parallel.dry_run.option_savings`.
+        "options": result.options,
+        "timings_s": {**result.timings, "wall_s": time.perf_counter() - t0},
+    }
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "dry_run.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(report, indent=1))
+    tmp.replace(path)
+    say(print_table(report), flush=True)
+    say(f"dry run finished in {report['timings_s']['wall_s']:.1f} s: {path}", flush=True)
+    return report

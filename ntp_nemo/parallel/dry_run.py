@@ -1,0 +1,535 @@
+"""Dry run of one training step for every rank of a layout, on the meta device and a fake process group.
+
+Nothing is computed and nothing is sent: parameters, activations and gradients are meta tensors (shapes
+and dtypes only) and the collectives go to torch's fake process-group backend, which accepts any call of
+any rank without peers.  What runs is the real code: the `Topology` and all its process groups,
+`NTPRuntime.build_model` (the rank's slice of every layer), `NTPRuntime.train_microbatches` (the
+pipeline engine when `pp > 1`), the fragment gradient sync, the fused step-scalar all-reduce, the
+clipping and an AdamW step.  So a layout of hundreds of ranks is checked on a laptop CPU, and the
+per-rank numbers come from the tensors that code creates:
+
+- `params`: elements of the rank's parameter slices; `param_bytes`, `grad_bytes`: bytes of the parameter
+  and gradient tensors after the step; `optimizer_bytes`: bytes of the AdamW state tensors on the
+  device (the two moments; the per-parameter step counters torch keeps on the host are left out).
+- `activation_bytes`: bytes autograd saves for one micro-batch through the rank's stage (counted with
+  `torch.autograd.graph.saved_tensors_hooks`, each storage once, parameters and buffers excluded; the
+  stage output a pipeline stage keeps for its backward included); `activation_peak_bytes`: that times
+  the most micro-batches the pipeline schedule keeps in flight on the stage.
+- `comm_bytes`: payload bytes each kind of group carries for this rank in one step: `tp` (TP
+  all-reduces of forward and backward), `pp` (activations and gradients sent and received between
+  stages), `dp` (the gradient sync over fragment holder sets), `world` (the fused step scalars).
+  Counted by a `TorchDispatchMode` that sees every `c10d` operation; it also refuses any collective
+  given a tensor that is not on the runtime's device, so a host tensor slipping into the step fails the
+  dry run (as NCCL would reject it on GPUs).
+
+Speed: a rank's model slice, forward and backward depend only on its signature (active ranks of its
+replica, stage, slot in the replica): one representative per signature runs the step; the others reuse
+its model and tensors but run their own gradient sync (their own holder sets, their own process-group
+rank).  Forward/backward comm is measured for one micro-batch and multiplied by the replica's
+micro-batch count (every micro-batch has the same shapes).  Every rank's sync plan is derived in one
+pass over all ranks' parameter descriptors (`build_sync_plans`), not once per rank.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.parallel.grad_sync import Fragment, GradientSynchronizer, SyncPlan, param_descriptors
+from ntp_nemo.parallel.runtime import NTPRuntime
+from ntp_nemo.topology import ResolvedLayout, Topology
+
+COMM_KINDS = ("tp", "pp", "dp", "world")
+META = torch.device("meta")
+
+
+# ---- every rank's sync plan at once --------------------------------------------------------------------
+def build_sync_plans(
+    descriptors: Sequence[dict[str, tuple]], replica_of: Sequence[int] | None = None
+) -> list[SyncPlan]:
+    """`[build_sync_plan(r, descriptors, replica_of) for r in ranks]` in one pass over the parameters.
+
+    The same fragments, weights and holder sets as `grad_sync.build_sync_plan` (a test checks every
+    rank of several layouts against it), in O(world x params) instead of O(world^2 x params).
+    """
+    holders_of: dict[str, list[tuple[int, tuple]]] = defaultdict(list)
+    for r, desc in enumerate(descriptors):
+        for name, d in desc.items():
+            holders_of[name].append((r, d))
+    plans = [SyncPlan(r) for r in range(len(descriptors))]
+    sets: set[tuple[int, ...]] = set()
+    for name in sorted(holders_of):
+        entries = holders_of[name]
+        shapes = {d[0] for _, d in entries}
+        if len(shapes) != 1:
+            raise RuntimeError(f"parameter {name} has different global shapes across ranks: {shapes}")
+        bounds = sorted({d[3] for _, d in entries} | {d[4] for _, d in entries})
+        for a, b in zip(bounds[:-1], bounds[1:], strict=False):
+            holding = [(r, d) for r, d in entries if d[3] <= a and b <= d[4]]
+            if not holding:
+                continue
+            holders = tuple(r for r, _ in holding)
+            identical = (
+                replica_of is not None
+                and len({replica_of[r] for r in holders}) == 1
+                and all(d[5] == len(holders) for _, d in holding)
+            )
+            shared = len(holders) > 1 and not identical
+            if shared:
+                sets.add(holders)
+            for r, (_, dim, unit, lo, _, copies) in holding:
+                frag = Fragment(
+                    name, dim, (a - lo) * unit, (b - a) * unit, 1.0 if identical else 1.0 / copies,
+                    1.0 / len(holders),
+                )
+                if shared:
+                    plans[r].by_holders.setdefault(holders, []).append(frag)
+                else:
+                    plans[r].local_only.append(frag)
+    ordered = sorted(sets)
+    for plan in plans:
+        plan.all_holder_sets = ordered
+    return plans
+
+
+# ---- meters ----------------------------------------------------------------------------------------------
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _tensors(x)
+
+
+class CommMeter(TorchDispatchMode):
+    """Counts the payload bytes of every `c10d` operation under the current `kind` label, and refuses a
+    collective that receives a tensor from another device than `device`."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+        self.kind = "tp"
+        self.bytes: dict[str, int] = dict.fromkeys(COMM_KINDS, 0)
+        self.calls: dict[str, int] = dict.fromkeys(COMM_KINDS, 0)
+        self.groups: dict[str, set[tuple[int, ...]]] = {k: set() for k in COMM_KINDS}
+
+    @contextmanager
+    def labelled(self, kind: str):
+        previous, self.kind = self.kind, kind
+        try:
+            yield
+        finally:
+            self.kind = previous
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "c10d":
+            tensors = list(_tensors(args[0])) if args else []
+            for t in tensors:
+                if t.device != self.device:
+                    raise RuntimeError(
+                        f"{func.__name__} received a tensor on {t.device} but the runtime's device is "
+                        f"{self.device}: every tensor of the training step must live on the runtime's "
+                        "device (a collective on a GPU process group cannot take a host tensor)."
+                    )
+            kind = "pp" if func.__name__.split(".")[0] in ("send", "recv_") else self.kind
+            self.bytes[kind] += sum(t.numel() * t.element_size() for t in tensors)
+            self.calls[kind] += 1
+            pg = next((a for a in args if isinstance(a, torch.ScriptObject)), None)
+            if pg is not None:
+                try:
+                    ranks = tuple(dist.get_process_group_ranks(dist.ProcessGroup.unbox(pg)))
+                except (AttributeError, RuntimeError, ValueError):
+                    ranks = ()
+                self.groups[kind].add(ranks)
+        return func(*args, **kwargs)
+
+
+class FlashAttentionOnMeta(TorchFunctionMode):
+    """On meta tensors `scaled_dot_product_attention` has no fused kernel and decomposes into the math
+    path, which saves the full score matrix; on CPU and GPU the fused (flash) kernel runs and saves only
+    its output and log-sum-exp.  This mode sends meta calls to the fused kernel's meta implementation,
+    so the dry run saves what a real step saves."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (func is F.scaled_dot_product_attention and args and args[0].device.type == "meta"
+                and kwargs.get("attn_mask") is None and len(args) == 3):
+            q, k, v = args
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False),
+                scale=kwargs.get("scale"),
+            )[0]
+        return func(*args, **kwargs)
+
+
+class ActivationMeter:
+    """Bytes autograd saves for backward while active (each storage once, `exclude`d tensors left out)."""
+
+    def __init__(self, exclude: Sequence[torch.Tensor] = ()) -> None:
+        self._exclude = {StorageWeakRef(t.untyped_storage()) for t in exclude}
+        self._seen: set[StorageWeakRef] = set()
+        self.bytes = 0
+
+    def add(self, t: torch.Tensor) -> None:
+        ref = StorageWeakRef(t.untyped_storage())
+        if ref in self._exclude or ref in self._seen:
+            return
+        self._seen.add(ref)
+        self.bytes += t.untyped_storage().nbytes()
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.add(t)
+        return t
+
+    def recording(self):
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+
+# ---- inputs and results ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StepShape:
+    """What one training step looks like, independent of the data (which the dry run never reads)."""
+
+    seq_len: int
+    micro_batch_size: int
+    param_dtype: torch.dtype = torch.float32  # dtype of parameters, gradients and optimizer state
+    compute_dtype: torch.dtype = torch.float32  # dtype of activations (bf16 under bf16-mixed)
+    grad_clip: float = 1.0
+    bucket_mb: float = 25.0
+    seed: int = 0
+
+
+@dataclass
+class RankResult:
+    rank: int
+    replica: int
+    stage: int
+    slot: int
+    tp_degree: int  # active TP ranks of the replica
+    layer_degrees: list[int]  # distinct effective degrees of the slots this stage holds
+    microbatches: int  # micro-batches of the replica in one step
+    params: int
+    sharded_params: int  # elements of parameters split across the TP group
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int  # per micro-batch
+    activation_peak_bytes: int  # times the micro-batches in flight on this stage
+    comm_bytes: dict[str, int]
+    comm_calls: dict[str, int]
+    comm_groups: dict[str, int]  # distinct process groups of each kind this rank used
+    signature: tuple[int, int, int]
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_peak_bytes
+
+
+@dataclass
+class DryRunResult:
+    ranks: list[RankResult]
+    model_params: int  # the unsharded model, built on meta
+    signatures: int  # distinct rank signatures (each ran the forward/backward once)
+    timings: dict[str, float] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)  # memory-saving options (see `option_savings`)
+
+
+# ---- the dry run ----------------------------------------------------------------------------------------
+def signature(topology: Topology, rank: int) -> tuple[int, int, int]:
+    """(active ranks of the replica, stage, slot): ranks with equal signatures hold equal model slices."""
+    c = topology.coord(rank)
+    return (topology.replica_tp[c.replica], c.stage, c.slot)
+
+
+def unsharded_param_count(cfg: ModelConfig) -> int:
+    """Parameters of the whole model, counted on a meta-device build of the unsharded `DecoderLM`."""
+    from ntp_nemo.models import DecoderLM
+
+    with torch.device("meta"):
+        model = DecoderLM(cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+@contextmanager
+def fake_world(rank: int, world_size: int):
+    """The default process group as `rank` of `world_size` on torch's fake backend (no peers)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("the dry run needs a process without a process group")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _state_exclusions(model: nn.Module) -> list[torch.Tensor]:
+    """Parameters, buffers and the cached rotary tables: long-lived, not activations."""
+    p = next(model.parameters())
+    if getattr(model, "llama", False):
+        model._rope(torch.empty(0, dtype=p.dtype, device=p.device))  # the engine builds them up front too
+    rope = [t for pair in getattr(model, "_rope_cache", {}).values() for t in pair]
+    return list(model.parameters()) + list(model.buffers()) + rope
+
+
+class _EngineMeter:
+    """Stands in for `PipelineEngine.meter` during the dry run: the engine's own meter keys storages by
+    address, which is 0 for every meta tensor; this one passes the stage outputs the engine keeps to the
+    dry run's `ActivationMeter` and leaves the saved tensors to its hooks."""
+
+    def __init__(self, meter: ActivationMeter) -> None:
+        self.meter = meter
+
+    def exclude(self, tensors) -> None:
+        pass
+
+    def recording(self, microbatch: int):
+        return nullcontext()
+
+    def add(self, microbatch: int, t: torch.Tensor) -> None:
+        self.meter.add(t)
+
+    def release(self, microbatch: int) -> None:
+        pass
+
+
+def _attach(runtime: NTPRuntime, model: nn.Module, plan: SyncPlan, bucket_mb: float) -> GradientSynchronizer:
+    """`NTPRuntime.attach` with a sync plan computed up front (`build_sync_plans`)."""
+    topo = runtime.topology
+    if topo.world_size > 1:
+        topo.build_groups(extra=plan.all_holder_sets)
+    runtime.sync = GradientSynchronizer(
+        model, plan, topo.group, int(bucket_mb * (1 << 20)), runtime.world_group, runtime.device
+    )
+    return runtime.sync
+
+
+def plan_traffic(plan: SyncPlan, descriptors: dict[str, tuple], element_size: int,
+                 bucket_bytes: int) -> tuple[int, int]:
+    """(payload bytes, all-reduce calls) `GradientSynchronizer.sync` sends for `plan`, from the shapes
+    alone: the same buckets, filled in the same order.  The dry run checks it against the bytes the
+    sync sends through the fake process group for one rank of every slice class."""
+    total = calls = 0
+    for holders in plan.all_holder_sets:
+        size = 0
+        for f in plan.by_holders.get(holders, ()):
+            shape, dim = descriptors[f.name][0], descriptors[f.name][1]
+            per_unit = 1
+            for d, n in enumerate(shape):
+                per_unit *= f.length if d == dim else n
+            size += per_unit * element_size
+            total += per_unit * element_size
+            if size >= bucket_bytes:
+                calls, size = calls + 1, 0
+        calls += 1 if size else 0
+    return total, calls
+
+
+@dataclass
+class _Slice:
+    """One rank signature's model slice (built in the first pass, as its first rank)."""
+
+    descriptors: dict[str, tuple]
+    params: int
+    sharded_params: int
+    param_bytes: int
+    key: tuple  # local shapes, dtypes and TP sizes: slices with equal keys run identical steps
+
+
+@dataclass
+class _ClassStep:
+    """What one training step measured on the first rank of a slice class, shared by the class."""
+
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    per_microbatch: dict[str, int]  # tp/pp comm bytes of one micro-batch
+    per_microbatch_calls: dict[str, int]
+    groups: dict[str, int]
+    world_bytes: int
+    world_calls: int
+
+
+def _slice_key(model: nn.Module) -> tuple:
+    params = tuple((n, tuple(p.shape), p.dtype, p.ntp_spec.is_full) for n, p in model.named_parameters())
+    buffers = tuple((n, tuple(b.shape)) for n, b in model.named_buffers())
+    tps = tuple(sorted({(m.tp.size, m.tp.copies) for m in model.modules() if hasattr(m, "tp")}))
+    return params, buffers, tps
+
+
+def _build_slice(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: StepShape) -> _Slice:
+    runtime = NTPRuntime(layout, rank, device=META)
+    model = runtime.build_model(cfg, shape.seed, shape.param_dtype)
+    params = list(model.parameters())
+    return _Slice(
+        descriptors=param_descriptors(model),
+        params=sum(p.numel() for p in params),
+        sharded_params=sum(p.numel() for p in params if not p.ntp_spec.is_full),
+        param_bytes=sum(p.numel() * p.element_size() for p in params),
+        key=(runtime.coord.stage, _slice_key(model)),
+    )
+
+
+def _class_step(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: StepShape, plan: SyncPlan,
+                descriptors: dict[str, tuple], global_tokens: int) -> _ClassStep:
+    """Inside a fake world as `rank`: one micro-batch's forward and backward through
+    `NTPRuntime.train_microbatches` (the pipeline engine when pp > 1) with its saved tensors and
+    communication counted, the gradient sync of the rank's own plan, the fused step scalars, the
+    clipping and an AdamW step."""
+    runtime = NTPRuntime(layout, rank, device=META)
+    model = runtime.build_model(cfg, shape.seed, shape.param_dtype)
+    if param_descriptors(model) != descriptors:
+        raise RuntimeError(f"rank {rank}: its model slice differs between two builds")
+    # Autocast has no meta backend: under mixed precision the forward and backward run on a copy of
+    # the slice in the compute dtype (activations and TP/PP messages in that dtype, as under autocast).
+    mixed = shape.compute_dtype != shape.param_dtype
+    step_model = runtime.build_model(cfg, shape.seed, shape.compute_dtype) if mixed else model
+    meter = ActivationMeter(_state_exclusions(step_model))
+    if layout.pp > 1:
+        from ntp_nemo.pipeline.engine import PipelineEngine
+
+        runtime.pipeline = PipelineEngine(step_model, runtime.topology, rank, runtime.schedule,
+                                          acc_dtype=runtime.acc_dtype)
+        runtime.pipeline.meter = _EngineMeter(meter)
+    tokens = torch.zeros((shape.micro_batch_size, shape.seq_len + 1), dtype=torch.long, device=META)
+    comm = CommMeter(META)
+    with comm:
+        with meter.recording(), FlashAttentionOnMeta():
+            loss_sum = runtime.train_microbatches(step_model, [tokens], global_tokens)
+        per_mb = {k: comm.bytes[k] for k in ("tp", "pp")}
+        per_mb_calls = {k: comm.calls[k] for k in ("tp", "pp")}
+        groups = {k: len(comm.groups[k]) for k in ("tp", "pp")}
+        if mixed:
+            for p in model.parameters():  # autocast's gradients: in the parameters' dtype
+                p.grad = torch.zeros_like(p)
+        sync = _attach(runtime, model, plan, shape.bucket_mb)
+        with comm.labelled("dp"):
+            sync.sync()
+        sq = sync.grad_norm_sq_local()
+        with comm.labelled("world"):
+            scalars = runtime.step_scalars(loss_sum, sq)
+        sync.clip_to_norm_(scalars[1].sqrt(), shape.grad_clip)
+    element = next(model.parameters()).element_size()
+    expected = plan_traffic(plan, descriptors, element, sync.bucket_bytes)
+    if expected != (comm.bytes["dp"], comm.calls["dp"]):
+        raise RuntimeError(f"rank {rank}: gradient sync sent {comm.bytes['dp']} bytes in {comm.calls['dp']} "
+                           f"calls, its plan gives {expected}")
+    opt = torch.optim.AdamW(model.parameters())
+    opt.step()
+    return _ClassStep(
+        grad_bytes=sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()),
+        optimizer_bytes=sum(
+            t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+            if isinstance(t, torch.Tensor) and t.device == META
+        ),
+        activation_bytes=meter.bytes,
+        per_microbatch=per_mb,
+        per_microbatch_calls=per_mb_calls,
+        groups=groups,
+        world_bytes=comm.bytes["world"],
+        world_calls=comm.calls["world"],
+    )
+
+
+def dry_run(
+    layout: ResolvedLayout,
+    cfg: ModelConfig,
+    shape: StepShape,
+    progress: Callable[[str], None] | None = None,
+) -> DryRunResult:
+    """One training step of every rank of `layout` on meta tensors and a fake process group."""
+    from ntp_nemo.pipeline.memory import in_flight
+
+    say = progress or (lambda _msg: None)
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    topo = layout.topology()
+    world = topo.world_size
+    by_signature: dict[tuple[int, int, int], list[int]] = defaultdict(list)
+    for r in range(world):
+        by_signature[signature(topo, r)].append(r)
+    slices: dict[tuple[int, int, int], _Slice] = {}
+    for sig, ranks in by_signature.items():
+        with fake_world(ranks[0], world):
+            slices[sig] = _build_slice(layout, ranks[0], cfg, shape)
+    classes: dict[tuple, list[int]] = defaultdict(list)
+    for r in range(world):
+        classes[slices[signature(topo, r)].key].append(r)
+    say(f"{world} ranks: {len(by_signature)} distinct model slices, {len(classes)} distinct step shapes")
+    timings["build_s"] = time.perf_counter() - t0
+
+    t1 = time.perf_counter()
+    descriptors = [slices[signature(topo, r)].descriptors for r in range(world)]
+    plans = build_sync_plans(descriptors, [c.replica for c in topo.coords])
+    timings["sync_plans_s"] = time.perf_counter() - t1
+
+    t2 = time.perf_counter()
+    counts = layout.microbatch_counts()
+    global_tokens = layout.num_microbatches * shape.micro_batch_size * shape.seq_len
+    steps: dict[tuple, _ClassStep] = {}
+    for i, (key, ranks) in enumerate(classes.items()):
+        r = ranks[0]
+        with fake_world(r, world):
+            steps[key] = _class_step(layout, r, cfg, shape, plans[r], descriptors[r], global_tokens)
+        say(f"step shape {i + 1}/{len(classes)} ({len(ranks)} ranks): ran on rank {r}")
+    timings["steps_s"] = time.perf_counter() - t2
+
+    t3 = time.perf_counter()
+    element = shape.param_dtype.itemsize
+    bucket = int(shape.bucket_mb * (1 << 20))
+    results: list[RankResult] = []
+    for r in range(world):
+        c = topo.coord(r)
+        sig = signature(topo, r)
+        sl = slices[sig]
+        step = steps[sl.key]
+        m = counts[c.replica]
+        dp_bytes, dp_calls = plan_traffic(plans[r], descriptors[r], element, bucket)
+        stage_slots = [0] * (c.stage == 0) + [i + 1 for i in topo.stage_layer_range(c.stage)]
+        stage_slots += [topo.num_layers + 1] * (c.stage == topo.pp - 1)
+        results.append(RankResult(
+            rank=r,
+            replica=c.replica,
+            stage=c.stage,
+            slot=c.slot,
+            tp_degree=topo.replica_tp[c.replica],
+            layer_degrees=sorted({topo.degree(c.replica, s) for s in stage_slots}),
+            microbatches=m,
+            params=sl.params,
+            sharded_params=sl.sharded_params,
+            param_bytes=sl.param_bytes,
+            grad_bytes=step.grad_bytes,
+            optimizer_bytes=step.optimizer_bytes,
+            activation_bytes=step.activation_bytes,
+            activation_peak_bytes=step.activation_bytes * in_flight(layout.schedule, c.stage, topo.pp, m),
+            comm_bytes={**{k: v * m for k, v in step.per_microbatch.items()}, "dp": dp_bytes,
+                        "world": step.world_bytes},
+            comm_calls={**{k: v * m for k, v in step.per_microbatch_calls.items()}, "dp": dp_calls,
+                        "world": step.world_calls},
+            comm_groups={**step.groups, "dp": len([h for h in plans[r].by_holders if plans[r].by_holders[h]]),
+                         "world": 1 if world > 1 else 0},
+            signature=sig,
+        ))
+    timings["ranks_s"] = time.perf_counter() - t3
+
+    t4 = time.perf_counter()
+    model_params = unsharded_param_count(cfg)
+    timings["unsharded_s"] = time.perf_counter() - t4
+    timings["total_s"] = time.perf_counter() - t0
+    return DryRunResult(ranks=results, model_params=model_params, signatures=len(by_signature),
+                        timings=timings)

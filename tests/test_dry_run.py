@@ -1,0 +1,161 @@
+"""`trainer.dry_run=true`: every rank's step on the meta device and a fake process group, no GPU, no data."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from fractions import Fraction
+
+import pytest
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.parallel.dry_run import (
+    CommMeter,
+    StepShape,
+    build_sync_plans,
+    dry_run,
+    fake_world,
+)
+from ntp_nemo.parallel.grad_sync import build_sync_plan, param_descriptors
+from ntp_nemo.parallel.runtime import NTPRuntime
+from ntp_nemo.topology import ResolvedLayout
+from tests.conftest import compose, run_cli
+
+LLAMA3_8B_PARAMS = 8_030_261_248  # published parameter count of Meta-Llama-3-8B
+
+TINY_LLAMA = ModelConfig(arch="llama", name="t", vocab_size=101, hidden_size=64, num_layers=4, num_heads=4,
+                         num_kv_heads=2, ffn_hidden_size=96, max_seq_len=33, tie_embeddings=False)
+
+
+def meta_count(cfg: ModelConfig) -> int:
+    """Parameters of the unsharded model, built here on the meta device."""
+    from ntp_nemo.models import DecoderLM
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in DecoderLM(cfg).parameters())
+
+
+def test_llama3_8b_63_ranks_through_the_cli(tmp_path):
+    run_dir = tmp_path / "run"
+    res = run_cli(["recipe=llama3_8b", "mesh.dp=8", "mesh.tp=8", "mesh.pp=1",
+                   "ntp.replica_tp=[8,8,8,8,8,8,8,7]", "trainer.dry_run=true", f"hydra.run.dir={run_dir}"],
+                  cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "largest" in res.stdout and "smallest" in res.stdout and "total" in res.stdout
+    report = json.loads((run_dir / "dry_run.json").read_text())
+    ranks = report["ranks"]
+    assert report["world_size"] == len(ranks) == 63
+    assert [r["rank"] for r in ranks] == list(range(63))
+
+    # model_params: the unsharded model built on meta here, and the published Llama-3-8B count.
+    fields = {k: v for k, v in OmegaConf.to_container(compose(["recipe=llama3_8b"]).model).items()
+              if k in {f.name for f in dataclasses.fields(ModelConfig)} and k != "_target_"}
+    cfg = ModelConfig(**fields)
+    assert report["model_params"] == meta_count(cfg) == LLAMA3_8B_PARAMS
+
+    healthy = [r for r in ranks if r["replica"] == 0]
+    degraded = [r for r in ranks if r["replica"] == 7]
+    assert len(degraded) == 7 and {r["tp_degree"] for r in degraded} == {7}
+    assert {r["tp_degree"] for r in healthy} == {8} and len({r["sharded_params"] for r in healthy}) == 1
+    # Each replica holds every sharded element once: 8 healthy shares = 7 degraded shares.
+    assert sum(r["sharded_params"] for r in degraded) == sum(r["sharded_params"] for r in healthy)
+    share = Fraction(sum(r["sharded_params"] for r in degraded), 7) / healthy[0]["sharded_params"]
+    assert share == Fraction(8, 7)
+    # Per rank: everything but attention is 8/7 of a healthy rank's (up to one vocabulary row of 128256/7);
+    # attention moves in whole KV groups (a KV head with its query heads): 8 groups over 7 ranks.
+    h, d, L = cfg.hidden_size, cfg.hidden_size // cfg.num_heads, cfg.num_layers
+    per_group = L * (2 * (cfg.num_heads // cfg.num_kv_heads) * d * h + 2 * d * h)
+    healthy_rest = healthy[0]["sharded_params"] - per_group  # TP 8 = one KV group per rank
+    for j, r in enumerate(degraded):
+        groups = (j + 1) * 8 // 7 - j * 8 // 7
+        ratio = (r["sharded_params"] - groups * per_group) / healthy_rest
+        assert ratio == pytest.approx(8 / 7, abs=2 * h / healthy_rest), (j, ratio)
+    # Precision bf16-mixed: fp32 parameters (the master weights), fp32 gradients, two fp32 AdamW moments.
+    for r in ranks:
+        assert r["param_bytes"] == r["grad_bytes"] == 4 * r["params"]
+        assert r["optimizer_bytes"] == 2 * r["param_bytes"]
+        # Every gradient element is held by several replicas: each is all-reduced exactly once per step.
+        assert r["comm_bytes"]["dp"] == r["grad_bytes"]
+        assert r["comm_bytes"]["pp"] == 0 and r["activation_bytes"] > 0
+        assert r["microbatches"] == (57 if r["replica"] == 7 else 65)  # 512 by capacity 8:...:8:7
+    assert report["totals"]["params"] == sum(r["params"] for r in ranks)
+
+
+def test_pp2_ntp_layout_against_independent_counts():
+    """A PP2 layout with a degraded replica: stage split, pipeline messages, activations in flight."""
+    layout = ResolvedLayout.make(2, [2, 1], [2] * 6, pp=2, num_microbatches=6)
+    shape = StepShape(seq_len=32, micro_batch_size=2)
+    result = dry_run(layout, TINY_LLAMA, shape)
+    ranks = result.ranks
+    assert result.model_params == meta_count(TINY_LLAMA)
+    assert [(r.replica, r.stage, r.tp_degree) for r in ranks] == [
+        (0, 0, 2), (0, 0, 2), (0, 1, 2), (0, 1, 2), (1, 0, 1), (1, 1, 1)]
+    # The TP-1 replica's two stages hold the whole model once.
+    assert ranks[4].params + ranks[5].params == result.model_params
+    counts = layout.microbatch_counts()
+    assert counts == [4, 2]
+    act = shape.micro_batch_size * shape.seq_len * TINY_LLAMA.hidden_size * 4  # one stage boundary message
+    for r in ranks:
+        m = counts[r.replica]
+        # Each stage sends one activation (or gradient) and receives one gradient (or activation) per mb.
+        assert r.comm_bytes["pp"] == 2 * act * m
+        assert r.comm_bytes["tp"] == 0 if r.tp_degree == 1 else r.comm_bytes["tp"] > 0
+        in_flight = min(m, 2) if r.stage == 0 else 1  # 1F1B keeps pp - stage micro-batches in flight
+        assert r.activation_peak_bytes == in_flight * r.activation_bytes
+        assert r.comm_bytes["world"] == 4 * 8  # the fused step scalars: 4 float64
+    # Activations per micro-batch against the pipeline's own estimate for a real (CPU) slice of each stage.
+    from ntp_nemo.models import DecoderLM
+    from ntp_nemo.pipeline.memory import activation_bytes_per_microbatch
+
+    for stage, r in ((0, ranks[4]), (1, ranks[5])):
+        layers = range(0, 2) if stage == 0 else range(2, 4)
+        real = DecoderLM(TINY_LLAMA, layers=layers, has_embedding=stage == 0, has_head=stage == 1)
+        expected = activation_bytes_per_microbatch(real, shape.micro_batch_size, shape.seq_len)
+        assert r.activation_bytes == pytest.approx(expected, rel=1e-3)
+
+
+def _descriptors(layout: ResolvedLayout, cfg: ModelConfig) -> list[dict]:
+    out = []
+    for r in range(layout.world_size):
+        with fake_world(r, layout.world_size):
+            out.append(param_descriptors(NTPRuntime(layout, r, device="meta").build_model(cfg, 0)))
+    return out
+
+
+@pytest.mark.parametrize("replica_tp,layer_tp,pp", [
+    ([4, 3], [4] * 6, 1),  # uneven shards, replicated KV heads (4 ranks, 2 KV heads)
+    ([2, 1, 2], [2, 1, 2, 2, 1, 2], 1),  # per-layer degrees
+    ([2, 1], [2] * 6, 2),  # pipeline stages
+])
+def test_all_ranks_sync_plans_equal_the_per_rank_plans(replica_tp, layer_tp, pp):
+    layout = ResolvedLayout.make(max(replica_tp), replica_tp, layer_tp, pp=pp)
+    desc = _descriptors(layout, TINY_LLAMA)
+    replica_of = [c.replica for c in layout.topology().coords]
+    plans = build_sync_plans(desc, replica_of)
+    for r in range(layout.world_size):
+        assert plans[r] == build_sync_plan(r, desc, replica_of)
+
+
+def test_a_host_tensor_at_a_collective_fails_the_dry_run(monkeypatch):
+    # The meter refuses a collective given a tensor from another device than the runtime's.
+    with fake_world(0, 2), CommMeter(torch.device("meta")):
+        dist.all_reduce(torch.empty(3, device="meta"))
+        with pytest.raises(RuntimeError, match="runtime's device"):
+            dist.all_reduce(torch.zeros(3))
+
+    # A step whose loss accumulator stays on the host (the pre-device-discipline runtime) fails the run.
+    def host_accumulator(self, model, microbatches, global_tokens, backward=None):
+        total = torch.zeros((), dtype=torch.float64)
+        for mb in microbatches:
+            loss = model.loss_sum(mb)
+            loss.backward()
+            total += loss.detach().double()
+        return total
+
+    monkeypatch.setattr(NTPRuntime, "train_microbatches", host_accumulator)
+    layout = ResolvedLayout.make(2, [2, 1], [2] * 6, num_microbatches=3)
+    with pytest.raises(RuntimeError, match="runtime's device is meta"):
+        dry_run(layout, TINY_LLAMA, StepShape(seq_len=32, micro_batch_size=1))
