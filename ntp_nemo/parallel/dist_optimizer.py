@@ -6,8 +6,9 @@ split into `len(holders)` equal chunks and holder `i` owns chunk `i`:
 
 1. `reduce_scatter_grads`: each bucket's weighted gradients are reduce-scattered in the holder set's
    group, so every holder receives the summed gradient of its chunk only;
-2. `clip_grad_norm_`: the norm of the logical gradient from the owned chunks (each logical element is
-   owned exactly once) plus the un-communicated fragments, one all-reduce of a scalar;
+2. `grad_norm_sq_local` / `clip_to_norm_`: the norm of the logical gradient from the owned chunks (each
+   logical element is owned exactly once) plus the un-communicated fragments, one all-reduce of a
+   scalar (the caller's fused step all-reduce, or `clip_grad_norm_`);
 3. `step`: AdamW (torch's own `adamw` function, same arithmetic as `torch.optim.AdamW`) on the owned
    chunks, then each bucket's updated chunks are all-gathered back into every holder's parameters.
 
@@ -108,10 +109,12 @@ class DistributedAdamW(torch.optim.Optimizer):
         weight_decay: float = 1e-2,
         bucket_bytes: int = 25 << 20,
         world_group=None,
+        acc_dtype: torch.dtype = torch.float64,
     ) -> None:
         super().__init__(param_groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.named = dict(model.named_parameters())
         self.plan, self.group_of, self.world_group = plan, group_of, world_group
+        self.acc_dtype = acc_dtype  # dtype of the squared-norm accumulator
         self.rank = plan.rank
         group_idx = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
         self._group_of_name = {n: group_idx[id(p)] for n, p in self.named.items()}
@@ -183,28 +186,43 @@ class DistributedAdamW(torch.optim.Optimizer):
         self._grads_ready = True
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Scale the owned gradients so the logical gradient's norm is at most `max_norm`; return that norm
-        (a float64 tensor on the device, before clipping)."""
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+    def grad_norm_sq_local(self) -> torch.Tensor:
+        """This rank's share of the logical gradient's squared norm (sum over ranks = the norm^2): the
+        owned chunks (each logical element is owned once) and the un-communicated fragments (weighted
+        by 1 / their holders).  A 0-dim tensor on the device, no communication."""
+        sq = torch.zeros((), dtype=self.acc_dtype, device=self.device)
         nb = len(self.buckets)
         for i, own in enumerate(self.owned):
-            g = own.grad.double().pow(2).sum()
+            g = own.grad.to(self.acc_dtype).pow(2).sum()
             sq += g if i < nb else g * own.segments[0].frag.norm_weight
+        return sq
+
+    @torch.no_grad()
+    def clip_to_norm_(self, norm: torch.Tensor, max_norm: float | None) -> None:
+        """Scale the owned gradients by min(1, max_norm / (norm + 1e-6)) (`norm`: the reduced global
+        norm, a device tensor), as the plain path does."""
+        if not max_norm or max_norm <= 0:
+            return
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for own in self.owned:
+            own.grad.mul_(coef.to(own.grad.dtype))
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """All-reduce the squared norm, clip; returns the logical gradient's norm before clipping."""
+        sq = self.grad_norm_sq_local()
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(sq, group=self.world_group)
         norm = sq.sqrt()
-        if max_norm and max_norm > 0:
-            coef = torch.where(norm > max_norm, max_norm / (norm + 1e-6), torch.ones_like(norm))
-            for own in self.owned:
-                own.grad.mul_(coef.to(own.grad.dtype))
+        self.clip_to_norm_(norm, max_norm)
         return norm
 
     # ---- update --------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
-        if closure is not None:
-            raise ValueError("DistributedAdamW does not take a closure")
+        if closure is not None:  # Lightning's manual optimisation passes a do-nothing closure
+            with torch.enable_grad():
+                closure()
         if self.state:
             self._take_over_state()
         if not self._grads_ready:

@@ -8,8 +8,12 @@ and the tests:
 
     path.begin_step(len(microbatches))       # before the first backward
     ... forward/backward of the micro-batches ...
-    norm = path.sync_and_clip(max_norm)       # after the last backward
+    path.finish_sync()                        # after the last backward
+    sq = path.grad_norm_sq_local()            # summed over the world (e.g. in the fused step all-reduce)
+    path.clip_to_norm_(sq.sqrt(), max_norm)
     optimizer.step()
+
+(`path.sync_and_clip(max_norm)` does the last three with its own all-reduce.)
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ def build_optimizer(model: nn.Module, sync: GradientSynchronizer, *, lr: float, 
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
     return DistributedAdamW(model, sync.plan, sync.group_of, groups, lr=lr, betas=betas, eps=eps,
                             weight_decay=weight_decay, bucket_bytes=sync.bucket_bytes,
-                            world_group=getattr(sync, "world_group", None))
+                            world_group=getattr(sync, "world_group", None),
+                            acc_dtype=getattr(sync, "acc_dtype", torch.float64))
 
 
 class GradientPath:
@@ -48,14 +53,25 @@ class GradientPath:
         if self.overlap is not None:
             self.overlap.begin_step(backward_passes)
 
-    def sync_and_clip(self, max_norm: float) -> torch.Tensor | float:
-        """Finish the DP sync and clip; returns the logical gradient's norm before clipping."""
+    def finish_sync(self) -> None:
+        """After the last backward: the whole DP sync (blocking, overlapped, or reduce-scatter)."""
         if self.overlap is not None:
             self.overlap.finish()
         elif self.distributed:
             self.optimizer.reduce_scatter_grads()
         else:
             self.sync.sync()
+
+    def grad_norm_sq_local(self) -> torch.Tensor:
+        """This rank's share of the squared logical gradient norm (to be summed over the world)."""
+        return (self.optimizer if self.distributed else self.sync).grad_norm_sq_local()
+
+    def clip_to_norm_(self, norm: torch.Tensor, max_norm: float | None) -> None:
+        (self.optimizer if self.distributed else self.sync).clip_to_norm_(norm, max_norm)
+
+    def sync_and_clip(self, max_norm: float) -> torch.Tensor | float:
+        """`finish_sync`, then clip by the global norm (its own all-reduce); returns that norm."""
+        self.finish_sync()
         if self.distributed:
             return self.optimizer.clip_grad_norm_(max_norm)
         return self.sync.clip_grad_norm_(max_norm)
