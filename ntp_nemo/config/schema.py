@@ -31,6 +31,8 @@ class NTPConfig:
     # against these. None = mesh.dp.
     nominal_replicas: int | None = None  # failover drops a replica below this many ranks
     grad_bucket_mb: float = 25.0
+    # Launch each gradient bucket's DP sync from the backward as soon as its gradients are final.
+    overlap_grad_sync: bool = False
 
 
 @dataclass
@@ -65,6 +67,7 @@ class OptimConfig:
     eps: float = 1e-8
     warmup_steps: int = 10
     grad_clip: float = 1.0
+    distributed: bool = False  # shard AdamW state across the holders of each gradient fragment
 
 
 @dataclass

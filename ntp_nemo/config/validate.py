@@ -11,6 +11,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from ntp_nemo.errors import ConfigError
+from ntp_nemo.parallel.options import validate_memory_options
 from ntp_nemo.quant.config import validate_quant
 
 PRECISIONS = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true")
@@ -89,6 +90,7 @@ def validate(cfg: DictConfig) -> None:
     resolve_init_from(cfg)
     validate_model(cfg.model)
     validate_quant(cfg)
+    validate_memory_options(cfg)
     for key in (
         "mesh.dp",
         "mesh.tp",

@@ -1,0 +1,34 @@
+"""Checks of the memory and overlap options (`model.recompute`, `model.recompute_every`,
+`optim.distributed`, `ntp.overlap_grad_sync`) before anything is launched.  Imports nothing heavy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ntp_nemo.errors import ConfigError
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+def _get(node: Any, key: str, default: Any = None) -> Any:
+    if node is None:
+        return default
+    return node.get(key, default) if hasattr(node, "get") else getattr(node, key, default)
+
+
+def validate_memory_options(cfg: Any) -> None:
+    """Raise ConfigError naming the key and the fix for an impossible value (`cfg`: the root config)."""
+    model = _get(cfg, "model")
+    mode = _get(model, "recompute", "none")
+    if mode not in RECOMPUTE:
+        raise ConfigError("model.recompute", f"unknown recomputation mode {mode!r}; use model.recompute="
+                          "none, selective (attention core only, no communication redone) or full (whole "
+                          "layers).")
+    every = _get(model, "recompute_every", 1)
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ConfigError("model.recompute_every", f"must be a positive integer (recompute every k-th layer "
+                          f"with model.recompute=full), got {every!r}; e.g. model.recompute_every=2.")
+    for key, node in (("optim.distributed", _get(cfg, "optim")), ("ntp.overlap_grad_sync", _get(cfg, "ntp"))):
+        value = _get(node, key.split(".")[1], False)
+        if not isinstance(value, bool):
+            raise ConfigError(key, f"must be true or false, got {value!r}.")
