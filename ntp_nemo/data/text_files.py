@@ -68,9 +68,16 @@ def _encode_unit(unit: Unit, spec: str, field: str, dtype: str) -> UnitResult:
     batch: list[str | bytes] = []
 
     def flush() -> None:
-        for ids in tok.encode_batch(batch):
-            pieces.extend((prefix, ids, eos))
-            lengths.append(len(prefix) + len(ids) + 1)
+        if not batch:
+            return
+        if hasattr(tok, "encode_documents"):
+            ids, lens = tok.encode_documents(batch)
+            pieces.append(ids)
+            lengths.extend(lens)
+        else:
+            for ids in tok.encode_batch(batch):
+                pieces.extend((prefix, ids, eos))
+                lengths.append(len(prefix) + len(ids) + 1)
         batch.clear()
 
     for doc in documents(unit, field):

@@ -115,6 +115,23 @@ class HFTokenizer:
         out = self._backend.encode_batch([self._text(t) for t in texts], add_special_tokens=False)
         return [np.asarray(e.ids, dtype=np.int64) for e in out]
 
+    def encode_documents(
+        self, texts: Sequence[str | bytes], dtype: str = "int64"
+    ) -> tuple[np.ndarray, list[int]]:
+        """Documents as one id array (each: the tokenizer's prefix, its ids, end-of-document) and
+        their lengths; one conversion to numpy for the whole batch."""
+        out = self._backend.encode_batch([self._text(t) for t in texts], add_special_tokens=False)
+        prefix, eos = self.prefix.tolist(), self.eos_id
+        flat: list[int] = []
+        lengths: list[int] = []
+        for e in out:
+            ids = e.ids
+            flat += prefix
+            flat += ids
+            flat.append(eos)
+            lengths.append(len(prefix) + len(ids) + 1)
+        return np.asarray(flat, dtype=dtype), lengths
+
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         return self._backend.decode([int(i) for i in np.asarray(ids).reshape(-1)])
 
