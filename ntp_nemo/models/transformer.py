@@ -243,9 +243,13 @@ class DecoderLM(nn.Module):
         return getattr(self.cfg, "recompute", "none") == "full" and index % max(
             1, int(getattr(self.cfg, "recompute_every", 1))) == 0
 
-    def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
+    def run_blocks(self, x: torch.Tensor, layers=None) -> torch.Tensor:
+        """The transformer layers held here, in order, or only `layers` (global indices: one model chunk
+        of an interleaved pipeline stage)."""
         rope = self._rope(x)
-        for key, block in self.blocks.items():
+        keys = self.blocks.keys() if layers is None else [str(i) for i in layers]
+        for key in keys:
+            block = self.blocks[key]
             if self.recomputes_layer(int(key)) and torch.is_grad_enabled():
                 # Non-reentrant: the backward reruns the layer's forward, TP all-reduces included, in the
                 # same order on every rank of the TP group, then differentiates it.
