@@ -1,6 +1,12 @@
 """Failover policies on the same run and the same failure: NTP vs DP-DROP vs restart-with-a-spare.
 
     python bench/failover.py [--steps 30] [--fail-step 15] [--every 10] [overrides ...]
+    python bench/failover.py --live [--steps 30] [--fail-step 15] [--every 10] [overrides ...]
+
+`--live` compares, instead, the two ways of recovering under policy `ntp` side by side in one harness of
+forked gloo workers sharing one store (`ntp_nemo.resilience.rendezvous.run_elastic`, no Lightning, see
+`live_main`): live (the survivors reshard from each other's memory, no checkpoint) against restart
+(every worker stops, new workers on the new layout load the last checkpoint).
 
 Each policy trains the same job through the real `ntp-train` CLI: 2 DP replicas of TP 2 (4 processes),
 global rank 1 killed hard (exit 137) when step `--fail-step` starts, checkpoints every `--every` steps.
@@ -25,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from _common import ROOT, load_average, thread_env
@@ -137,5 +144,172 @@ def main() -> None:
     print(f"\nreference goodput (no failure): {base.goodput:.3f}; repository: {ROOT}")
 
 
+# ---- live vs restart in one harness ------------------------------------------------------------------
+def _harness_worker(pid, world, store, mode, model_cfg, layout, first_step, steps, fail_step, every, seq,
+                    batch, lr, out_dir, resume):
+    """One worker of the harness: trains steps [first_step, steps) on `layout`; rank 1 of generation 0
+    dies when `fail_step` starts (mid-backward).  `mode`: live | restart | none (failure-free)."""
+    import os
+    import time
+
+    import torch
+
+    from ntp_nemo.checkpoint import load_checkpoint, save_checkpoint
+    from ntp_nemo.checkpoint.state import sharded_state
+    from ntp_nemo.parallel.runtime import NTPRuntime
+    from ntp_nemo.resilience.policies import make_policy
+    from ntp_nemo.resilience.recovery import Generation, recover
+    from ntp_nemo.resilience.rendezvous import join
+    from ntp_nemo.topology import Topology
+
+    layer_tp = [layout.tp] * (model_cfg.num_layers + 2)
+
+    def build(lay, rank, init=True):
+        rt = NTPRuntime(Topology(lay.tp, lay.replica_tp, layer_tp, lay.pp), rank)
+        if init:
+            model = rt.build_model(model_cfg, 1234, dtype=torch.float32)
+        else:  # every value comes from the survivors: runtime.build_model without the initialisation
+            from ntp_nemo.models import DecoderLM
+
+            stage = rt.coord.stage
+            model = DecoderLM(model_cfg, rt.plan, layers=rt.topology.stage_layer_range(stage),
+                              has_embedding=stage == 0, has_head=stage == rt.topology.pp - 1)
+        rt.attach(model)
+        return rt, model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+
+    gen = Generation.first(layout)
+    join(store, 0, pid, world)
+    rt, model, opt = build(layout, pid)
+    if resume:
+        load_checkpoint(resume, model, opt)
+    records, recoveries, step = [], [], first_step
+    dies = mode != "none" and pid == 1 and not resume
+    while step < steps:
+        t0 = time.time()
+        try:
+            gen_tok = torch.Generator().manual_seed(1000 + step)
+            toks = torch.randint(0, model_cfg.vocab_size, (batch, seq + 1), generator=gen_tok)
+            mine = rt.my_microbatches(batch)
+            total = rt.train_microbatches(model, [toks[i : i + 1] for i in mine], toks[:, 1:].numel())
+            if dies and step == fail_step:
+                held = sum(t.tensor.numel() * t.tensor.element_size()
+                           for t in sharded_state(model, opt).values())
+                Path(out_dir, "held_1.json").write_text(json.dumps(held))
+                Path(out_dir, "fault_t.json").write_text(json.dumps(time.time()))
+                os._exit(137)
+            rt.sync.sync()
+            loss = float(rt.global_sum(total)) / toks[:, 1:].numel()
+            opt.step()
+            opt.zero_grad()
+        except RuntimeError:
+            if mode == "restart":  # the supervisor's answer: every worker stops
+                return {"records": records, "stopped_at": step}
+            rec = recover(store, gen, pid, step, (model, opt), lambda lay, r: build(lay, r, init=False),
+                          make_policy("ntp"))
+            if rec is None:
+                return None
+            gen, rt, model, opt, step = rec.generation, rec.runtime, rec.model, rec.optimizer, rec.step
+            recoveries.append({"detect_t": rec.detect_t, "reshard_s": rec.seconds, "step": step,
+                               "phases": rec.phases,
+                               "moved": rec.reshard.moved_bytes, "needed": rec.reshard.needed_bytes,
+                               "layout": gen.layout.describe()})
+            continue
+        records.append({"step": step, "t0": t0, "t1": time.time(), "loss": loss})
+        step += 1
+        if mode == "restart" and every and step % every == 0:
+            t_save = time.time()
+            save_checkpoint(Path(out_dir, f"step_{step:06d}"), model, opt, {"step": step}, step=step)
+            records[-1]["save_s"] = time.time() - t_save
+    return {"records": records, "recoveries": recoveries}
+
+
+def _harness(mode, model_cfg, args, out_dir: Path) -> dict:
+    from ntp_nemo.resilience.policies import Layout, make_policy, replan
+    from ntp_nemo.resilience.rendezvous import run_elastic
+
+    layout = Layout(2, (2, 2))
+    common = (args.steps, args.fail_step, args.every, args.seq_len, args.batch, args.lr, str(out_dir))
+    t_start = time.time()
+    results, _ = run_elastic(_harness_worker, layout.world_size, mode, model_cfg, layout, 0, *common, None)
+    runs = [[r for r in results.values() if r is not None]]
+    if mode == "restart":
+        new = replan(layout, [1], make_policy("ntp")).new
+        ckpts = sorted(out_dir.glob("step_*"))
+        resume = str(ckpts[-1]) if ckpts else None
+        first = int(ckpts[-1].name.split("_")[1]) if ckpts else 0
+        results, _ = run_elastic(_harness_worker, new.world_size, mode, model_cfg, new, first, *common,
+                                 resume)
+        runs.append(list(results.values()))
+    t_end = time.time()
+    execs = [r for rs in runs for r in rs[0]["records"]]
+    last = {}
+    for r in execs:
+        last[r["step"]] = r
+    out = {"wall_s": t_end - t_start, "executions": len(execs),
+           "productive_s": sum(r["t1"] - r["t0"] for r in last.values()),
+           "first_t0": min(r["t0"] for r in execs), "last_t1": max(r["t1"] for r in execs),
+           "losses": {s: r["loss"] for s, r in last.items()}}
+    out["goodput"] = out["productive_s"] / (out["last_t1"] - out["first_t0"])
+    if mode != "none":
+        t_fail = json.loads((out_dir / "fault_t.json").read_text())
+        out["recovery_s"] = min(r["t1"] for r in execs if r["t1"] > t_fail) - t_fail
+        out["lost_steps"] = len(execs) - args.steps + 1  # redone executions + the one cut short
+        out["lost_rank_bytes"] = json.loads((out_dir / "held_1.json").read_text())
+        recs = runs[0][0].get("recoveries") or []
+        out["moved_bytes"] = recs[0]["moved"] if recs else None
+        out["needed_bytes"] = recs[0]["needed"] if recs else None
+        out["reshard_s"] = recs[0]["reshard_s"] if recs else None
+        out["layout_after"] = replan(layout, [1], make_policy("ntp")).new.describe()
+        out["phases"] = recs[0]["phases"] if recs else None
+    return out
+
+
+def live_main(args) -> None:
+    import tempfile as _tempfile
+
+    from _common import compose, model_config
+
+    model_cfg = model_config(compose(args.overrides))
+    print(f"failover --live: {model_cfg.name} ({model_cfg.arch}, hidden {model_cfg.hidden_size}, "
+          f"{model_cfg.num_layers} layers), layout (2,2) float32, global batch {args.batch} x seq "
+          f"{args.seq_len}, "
+          f"{args.steps} steps, rank 1 killed during backward of step {args.fail_step}, policy ntp; restart "
+          f"checkpoints every {args.every}; load average {load_average()}", flush=True)
+    rows = {}
+    for mode in ("none", "live", "restart"):
+        with _tempfile.TemporaryDirectory() as tmp:
+            rows[mode] = _harness(mode, model_cfg, args, Path(tmp))
+    ref = rows["none"]["losses"]
+    print(f"  failure-free: goodput {rows['none']['goodput']:.3f}, wall {rows['none']['wall_s']:.2f} s")
+    header = ("recovery", "layout after", "recovery s", "reshard s", "lost steps", "goodput", "moved bytes",
+              "minimum bytes", "lost rank's bytes", "moved / minimum", "max rel loss diff")
+    print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    for mode in ("live", "restart"):
+        r = rows[mode]
+        diff = max(abs(r["losses"][s] - v) / abs(v) for s, v in ref.items())
+        moved = r["moved_bytes"]
+        print(f"| {mode} | {r['layout_after']} | {r['recovery_s']:.2f} | "
+              f"{'-' if r['reshard_s'] is None else format(r['reshard_s'], '.2f')} | {r['lost_steps']} | "
+              f"{r['goodput']:.3f} | {'-' if moved is None else moved} | "
+              f"{'-' if moved is None else r['needed_bytes']} | {r['lost_rank_bytes']} | "
+              f"{'-' if moved is None else format(moved / r['needed_bytes'], '.2f')} | {diff:.1e} |")
+    phases = ", ".join(f"{k} {v:.2f} s" for k, v in rows["live"]["phases"].items())
+    print(f"\nlive recovery on the first survivor, detection to resharded: {phases}")
+    ratio = rows["live"]["recovery_s"] / rows["restart"]["recovery_s"]
+    print(f"\nlive recovery / restart recovery: {ratio:.2f}")
+
+
 if __name__ == "__main__":
-    main()
+    if "--live" in sys.argv:
+        ap = argparse.ArgumentParser(description="live vs restart recovery in one harness")
+        ap.add_argument("--live", action="store_true")
+        ap.add_argument("--steps", type=int, default=30)
+        ap.add_argument("--fail-step", type=int, default=15)
+        ap.add_argument("--every", type=int, default=10, help="checkpoint interval of the restart path")
+        ap.add_argument("--seq-len", type=int, default=64)
+        ap.add_argument("--batch", type=int, default=12, help="global batch (sequences)")
+        ap.add_argument("--lr", type=float, default=3e-3)
+        ap.add_argument("overrides", nargs="*", help="ntp-train overrides selecting the model")
+        live_main(ap.parse_args())
+    else:
+        main()

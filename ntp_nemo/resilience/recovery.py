@@ -73,6 +73,7 @@ class Recovery:
     replan: Replan
     detect_t: float
     seconds: float  # detection -> state resharded
+    phases: dict[str, float]  # seconds: word (the launcher's), join, build, reshard
 
 
 def recover(
@@ -92,8 +93,10 @@ def recover(
     `completed_steps` is the number of optimizer steps this process has applied, `old` its (model,
     optimizer) on `generation`'s layout.  Collective over the survivors (through the store)."""
     detect_t = time.time()
+    marks = [detect_t]
     leave(store)
     failed = wait_failed(store, generation.index, timeout_s)
+    marks.append(time.time())
     new_gen, plan = generation.next(failed, policy)
     rank = new_gen.rank_of(pid)
     if rank is None:
@@ -102,12 +105,16 @@ def recover(
     steps: list = [None] * new_gen.layout.world_size
     dist.all_gather_object(steps, int(completed_steps))
     step = max(steps)
-    old_rank = generation.rank_of(pid)
-    old_replica = _replica_of(generation.layout, old_rank)
+    marks.append(time.time())
+    old_replica = _replica_of(generation.layout, generation.rank_of(pid))
     runtime, model, optimizer = build(new_gen.layout, rank)
+    marks.append(time.time())
     result = live_reshard(old[0], old[1], model, optimizer, old_replica, stale=completed_steps < step)
+    marks.append(time.time())
+    phases = {k: b - a for k, a, b in zip(("word", "join", "build", "reshard"), marks[:-1], marks[1:],
+                                          strict=True)}
     return Recovery(new_gen, rank, runtime, model, optimizer, step, result, tuple(failed), plan, detect_t,
-                    time.time() - detect_t)
+                    marks[-1] - detect_t, phases)
 
 
 def _replica_of(layout: Layout, rank: int) -> int:

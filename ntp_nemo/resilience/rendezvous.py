@@ -136,7 +136,7 @@ def _worker(rank: int, fn: Callable, world_size: int, port: int, queue, args: tu
 
 
 def run_elastic(fn: Callable[..., Any], world_size: int, *args: Any, watch: bool = True,
-                timeout_s: float = 300.0, grace_s: float = 0.3) -> tuple[dict[int, Any], list[int | None]]:
+                timeout_s: float = 300.0, grace_s: float = 0.1) -> tuple[dict[int, Any], list[int | None]]:
     """Fork `world_size` workers running `fn(rank, world_size, store, *args)`; `fn` joins generations itself.
 
     With `watch`, a worker that dies without reporting (a lost rank) is published on the store as failed
