@@ -254,15 +254,19 @@ def resume_command(run_dir: Path) -> str:
 def _hydra_entry(cfg: DictConfig) -> float | None:
     global _job_started
     _job_started = True
-    try:
-        summary = train(cfg)
-    except ConfigError as err:
-        report_config_error(err)
-        _drop_empty_run_dir()
-        sys.exit(EXIT_CONFIG)
-    except BaseException:
-        _drop_empty_run_dir()
-        raise
+    from ntp_nemo.config.run_dir import ConsoleLog, log_path
+
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    with ConsoleLog(log_path(run_dir), enabled=launcher_rank() == 0):  # train.log = what the console shows
+        try:
+            summary = train(cfg)
+        except ConfigError as err:
+            report_config_error(err)
+            _drop_empty_run_dir()
+            sys.exit(EXIT_CONFIG)
+        except BaseException:
+            _drop_empty_run_dir()
+            raise
     return summary.get("final_loss")
 
 

@@ -67,11 +67,18 @@ def test_ctrl_c_checkpoints_then_resume_has_no_duplicate_steps(tmp_path):
     assert (run / ".hydra" / "config.yaml").read_text() == record
 
     # The rerun resumes at the checkpoint: one line per step, none twice.
-    res = run_cli([*args, f"trainer.max_steps={step + 2}"], tmp_path)
+    res = run_cli([*args, f"trainer.max_steps={step + 2}", "trainer.progress_bar=true"], tmp_path)
     assert res.returncode == 0, res.stderr
     assert f"resuming from {run / 'checkpoints' / f'step_{step:06d}'}" in res.stdout
     assert [m["step"] for m in read_metrics(run)] == list(range(1, step + 3))
     assert "stopped early" not in res.stdout
+    # Progress off a terminal: plain lines in steps of the run's total, never epochs.
+    final = f"step {step + 2}/{step + 2} | loss "
+    assert final in res.stdout and "tokens/s | ETA" in res.stdout
+    assert "Epoch" not in res.stdout + res.stderr and "v_num" not in res.stdout + res.stderr
+    # train.log holds what the console showed, for both invocations.
+    log = (run / "train.log").read_text()
+    assert final in log and "interrupted (Ctrl-C)" in log and log.count("ntp_nemo run summary") == 2
 
 
 def test_metrics_file_restarts_with_the_run(tmp_path):

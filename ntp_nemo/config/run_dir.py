@@ -113,3 +113,66 @@ class RunDirCheck(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._check(config, "hydra.sweep.dir")
+
+
+class _Tee:
+    """A text stream that also appends what it writes to a log file (live terminal updates, which
+    carry carriage returns or escape sequences, stay on the terminal)."""
+
+    def __init__(self, stream: Any, log: Any) -> None:
+        self._stream, self._log = stream, log
+
+    def write(self, text: str) -> int:
+        n = self._stream.write(text)
+        if "\r" not in text and "\x1b[" not in text:
+            try:
+                self._log.write(text)
+            except (OSError, ValueError):
+                pass  # the log went away (a removed run directory): the console still works
+        return n
+
+    def flush(self) -> None:
+        self._stream.flush()
+        try:
+            self._log.flush()
+        except (OSError, ValueError):
+            pass
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding, ... of the console
+        return getattr(self._stream, name)
+
+
+class ConsoleLog:
+    """Context manager: while open, stdout and stderr are also appended to `path` (the run's
+    train.log, next to the records Hydra's log handler writes there), so the log holds what the
+    console showed. Forked workers inherit it."""
+
+    def __init__(self, path: Path, enabled: bool = True) -> None:
+        self.path, self.enabled = Path(path), enabled
+        self._saved: tuple[Any, Any] | None = None
+        self._log: Any = None
+
+    def __enter__(self) -> ConsoleLog:
+        if self.enabled and self.path.parent.is_dir():
+            self._log = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed in __exit__
+            self._saved = (sys.stdout, sys.stderr)
+            sys.stdout, sys.stderr = _Tee(sys.stdout, self._log), _Tee(sys.stderr, self._log)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._saved is not None:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            sys.stdout, sys.stderr = self._saved
+            self._log.close()
+            self._saved = None
+
+
+def log_path(run_dir: Path) -> Path:
+    """The file Hydra's job logging writes (train.log by default)."""
+    import logging
+
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            return Path(handler.baseFilename)
+    return Path(run_dir) / "train.log"

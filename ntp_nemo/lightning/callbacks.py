@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 
 
 class MetricsJSONL(Callback):
@@ -256,3 +256,88 @@ class MemoryReport(Callback):
         opt = trainer.optimizers[0] if trainer.optimizers else None
         measured = measure_memory(pl_module.model, opt, pl_module.runtime.pipeline)
         self._gather_print(trainer, f"memory per rank measured after {self.after} steps:", measured.format())
+
+
+def _duration(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+class StepProgress(ProgressBar):
+    """Training progress in optimizer steps: `step N/total`, loss, tokens/s and ETA (no epochs).
+
+    On a terminal a rich progress bar; otherwise (a pipe, a log file, a batch job) one plain line
+    every `every` steps and at the last step. Only global rank 0 shows it."""
+
+    def __init__(self, every: int = 10, tty: bool | None = None) -> None:
+        super().__init__()
+        self.every = max(1, int(every))
+        self.tty = tty
+        self._enabled = True
+        self._bar: Any = None
+        self._task: Any = None
+        self._t0 = 0.0
+        self._first = 0
+        self._tokens = 0
+
+    def disable(self) -> None:
+        self._enabled = False
+
+    def enable(self) -> None:
+        self._enabled = True
+
+    @property
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.is_global_zero or not self._enabled:
+            return
+        import os
+        import sys
+
+        self._first = int(trainer.global_step)
+        self._t0, self._tokens = time.perf_counter(), 0
+        if self.tty if self.tty is not None else os.isatty(sys.stdout.fileno()):
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._bar = Progress(
+                TextColumn("step"),
+                MofNCompleteColumn(),
+                BarColumn(),
+                TextColumn("{task.fields[stats]}"),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+            )
+            self._bar.start()
+            self._task = self._bar.add_task("train", total=trainer.max_steps, completed=self._first, stats="")
+
+    def _stats(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[str, float | None]:
+        step, total = int(trainer.global_step), int(trainer.max_steps)
+        rec = getattr(pl_module, "last_step", {}) or {}
+        self._tokens += int(rec.get("tokens", 0))
+        elapsed = time.perf_counter() - self._t0
+        done = step - self._first
+        tps = self._tokens / elapsed if elapsed > 0 else 0.0
+        eta = elapsed / done * (total - step) if done > 0 else None
+        loss = rec.get("loss")
+        text = f"loss {loss:.4f} | {tps:,.0f} tokens/s" if loss is not None else f"{tps:,.0f} tokens/s"
+        return text, eta
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not trainer.is_global_zero or not self._enabled:
+            return
+        stats, eta = self._stats(trainer, pl_module)
+        step, total = int(trainer.global_step), int(trainer.max_steps)
+        if self._bar is not None:
+            self._bar.update(self._task, completed=step, stats=stats)
+        elif step % self.every == 0 or step >= total or trainer.should_stop:
+            eta_text = _duration(eta) if eta is not None else "n/a"
+            print(f"step {step}/{total} | {stats} | ETA {eta_text}", flush=True)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
