@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -101,9 +100,9 @@ def build_trainer(
     if t.stop_at_step:
         callbacks.append(StopAtStep(int(t.stop_at_step)))
     if t.progress_bar:
-        from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+        from ntp_nemo.lightning.callbacks import StepProgress
 
-        callbacks.append(RichProgressBar() if os.isatty(1) else TQDMProgressBar(refresh_rate=10))
+        callbacks.append(StepProgress())  # steps of max_steps, loss, tokens/s, ETA; plain lines off a TTY
     callbacks += [instantiate(c) for c in (cfg.callbacks or {}).values() if c is not None]
     if cfg.quant.format != "none":
         callbacks.append(instantiate(cfg.quant))  # ntp_nemo.quant.callback.QuantizationCallback
