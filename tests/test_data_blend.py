@@ -119,3 +119,10 @@ def test_bad_blends(files):
         with pytest.raises(ConfigError) as err:
             build_data(None, None, SEQ, GBS, 0, 0.1, 300, blend=blend)
         assert err.value.key == key, str(err.value)
+
+
+def test_separate_validation_file(files):
+    data = build_data(files["a"], None, SEQ, GBS, 0, 0.1, 300, val_path=files["c"])
+    assert (data.train.start, data.train.end) == (0, SIZES["a"])  # all of a trains
+    val = data.val.batch(np.arange(len(data.val)))
+    assert bool(((val >= 200) & (val < 300)).all())  # validation is file c

@@ -60,3 +60,28 @@ def test_bpe_round_trip_and_cache(tmp_path):
     assert len(cached) == 1
     again = build_tokenizer("bpe")
     assert np.array_equal(again.encode(code), tok.encode(code))
+
+
+def test_tokenizer_json_bos_prefix_and_declared_eos(tmp_path):
+    tk = pytest.importorskip("tokenizers")
+    from ntp_nemo.data.readers import collect_inputs
+    from ntp_nemo.data.text_files import tokenize_to_file
+    from ntp_nemo.data.tokens import open_token_file
+
+    vocab = {"<s>": 0, "</s>": 1, "<eot>": 2, "a": 3, "b": 4}
+    backend = tk.Tokenizer(tk.models.WordLevel(vocab, unk_token="</s>"))
+    backend.pre_tokenizer = tk.pre_tokenizers.Whitespace()
+    backend.add_special_tokens(["<s>", "</s>", "<eot>"])
+    backend.post_processor = tk.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    model = tmp_path / "model"
+    model.mkdir()
+    backend.save(str(model / "tokenizer.json"))
+    (model / "tokenizer_config.json").write_text('{"eos_token": "<eot>"}')  # declared: wins over </s>
+    tok = build_tokenizer(str(model))
+    assert tok.name == "hf:model" and tok.eos_id == 2 and tok.prefix.tolist() == [0]
+    (tmp_path / "d.jsonl").write_text('{"text": "a b"}\n{"text": "b"}\n')
+    files, _ = collect_inputs([tmp_path / "d.jsonl"])
+    tokenize_to_file(files, str(model), tmp_path / "t.bin")
+    tf = open_token_file(tmp_path / "t.bin")
+    assert tf.tokens.tolist() == [0, 3, 4, 2, 0, 4, 2]  # <s> a b <eot> <s> b <eot>
+    assert tf.doc_ends.tolist() == [4, 7]

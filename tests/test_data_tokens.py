@@ -24,7 +24,8 @@ def test_round_trip(tmp_path, vocab, dtype):
     assert isinstance(tf.tokens, np.memmap)
     assert tf.dtype == dtype and tf.num_tokens == 1000 and tf.tokenizer == "byte"
     assert np.array_equal(np.asarray(tf.tokens, dtype=np.int64), ids)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["toks.bin", "toks.bin.idx", "toks.bin.json"]  # no temp left
+    # no temporary file left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["toks.bin", "toks.bin.idx", "toks.bin.json"]
 
 
 def test_streaming_writer_and_abort(tmp_path):
