@@ -1,13 +1,18 @@
-"""Pipeline schedules measured: bubble fraction, step time and activation memory of GPipe vs 1F1B.
+"""Pipeline schedules measured: bubble fraction, step time and activation memory of GPipe, 1F1B and
+interleaved 1F1B.
 
     python bench/pipeline.py [--pp 2] [--microbatches 1,2,4,8] [--steps 4] [--layers 4] [--hidden 256]
+    python bench/pipeline.py --schedules 1f1b,interleaved_1f1b --virtual-stages 2 --layers 8 \
+        --microbatches 2,4,8
 
 Runs a GPT-style model split into `--pp` stages (one rank per stage, TP 1, one replica) on gloo and
 times real training steps through `PipelineEngine`.  A step starts on all stages together
 (barrier) and lasts until the slowest stage finishes.  Per stage: busy time = the summed
 forward/backward compute of its actions; idle = the rest of the step (waiting for the neighbour's
 activations or gradients, the sends, waiting for the other stages to finish); measured bubble =
-mean over stages of idle / step time, compared with the analytical (p - 1) / (m + p - 1).
+mean over stages of idle / step time, compared with the analytical (p - 1) / (m + p - 1), and for
+interleaved 1F1B with `v` virtual stages (each stage holds `v` chunks of layers) (p - 1) / (v m + p - 1)
+(a bubble of (p - 1) / (v m) of the ideal step).
 Activation memory is the peak of the engine's saved-tensor accounting on each stage.  Keep `--pp`
 at or below the number of free cores: an oversubscribed core shows up as bubble.
 """
@@ -22,18 +27,29 @@ import statistics
 import torch
 
 from ntp_nemo.config.schema import ModelConfig
+from ntp_nemo.models import DecoderLM, initialize_
 from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.parallel.runtime import NTPRuntime
-from ntp_nemo.pipeline.schedule import analytical_bubble
+from ntp_nemo.pipeline.interleaved import InterleavedPipelineEngine, stage_layers
+from ntp_nemo.pipeline.schedule import INTERLEAVED, analytical_bubble, simulate
 from ntp_nemo.topology import Topology
 
 
 def bench_worker(rank: int, world: int, cfg: ModelConfig, schedule: str, m: int, mbs: int, seq: int,
-                 steps: int) -> dict:
+                 steps: int, v: int = 1) -> dict:
     topo = Topology(1, [1], [1] * (cfg.num_layers + 2), pp=world)
-    rt = NTPRuntime(topo, rank, schedule=schedule)
-    model = rt.build_model(cfg, seed=0)
-    rt.attach(model)
+    if schedule == INTERLEAVED:
+        rt = NTPRuntime(topo, rank)
+        stage = rt.coord.stage
+        model = DecoderLM(cfg, rt.plan, layers=stage_layers(cfg.num_layers, world, v, stage),
+                          has_embedding=stage == 0, has_head=stage == world - 1)
+        initialize_(model, 0)
+        rt.attach(model)
+        rt.pipeline = InterleavedPipelineEngine(model, topo, rank, v)
+    else:
+        rt = NTPRuntime(topo, rank, schedule=schedule)
+        model = rt.build_model(cfg, seed=0)
+        rt.attach(model)
     gen = torch.Generator().manual_seed(0)
     micro = [torch.randint(0, cfg.vocab_size, (mbs, seq + 1), generator=gen) for _ in range(m)]
     rows = []
@@ -62,6 +78,7 @@ def main() -> None:
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--microbatches", default="1,2,4,8")
     ap.add_argument("--schedules", default="gpipe,1f1b")
+    ap.add_argument("--virtual-stages", type=int, default=2, help="v of interleaved_1f1b")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256)
@@ -77,20 +94,24 @@ def main() -> None:
           f"micro-batch {args.micro_batch_size}; pp={args.pp}, TP 1, 1 replica, gloo; "
           f"median of {args.steps} steps; "
           f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
-    header = ("schedule", "m", "step ms", "bubble", "analytic", "act MiB/stage (peak)")
-    print(f"{header[0]:<8} {header[1]:>3} {header[2]:>9} {header[3]:>8} {header[4]:>9} {header[5]:>24}")
+    header = ("schedule", "m", "step ms", "bubble", "analytic", "simulated", "act MiB/stage (peak)")
+    print(f"{header[0]:<16} {header[1]:>3} {header[2]:>9} {header[3]:>8} {header[4]:>9} {header[5]:>9} "
+          f"{header[6]:>24}")
     for m in [int(x) for x in args.microbatches.split(",")]:
         for schedule in args.schedules.split(","):
+            v = args.virtual_stages if schedule == INTERLEAVED else 1
             res = run_workers(bench_worker, args.pp, cfg, schedule, m, args.micro_batch_size, args.seq_len,
-                              args.steps)
+                              args.steps, v)
             step_s, bubble = summarize(res)
-            row = {"schedule": schedule, "pp": args.pp, "m": m, "step_s": step_s, "bubble": bubble,
-                   "analytical_bubble": analytical_bubble(args.pp, m),
+            name = f"{schedule} v={v}" if schedule == INTERLEAVED else schedule
+            row = {"schedule": name, "pp": args.pp, "m": m, "step_s": step_s, "bubble": bubble,
+                   "analytical_bubble": analytical_bubble(args.pp, m, v),
+                   "simulated_bubble": simulate(schedule, args.pp, m, v=v).bubble,
                    "act_peak_bytes": [r["act_peak"] for r in res]}
             rows.append(row)
             acts = ",".join(f"{b / 2**20:.1f}" for b in row["act_peak_bytes"])
-            print(f"{schedule:<8} {m:>3} {row['step_s'] * 1e3:>9.1f} {row['bubble']:>8.3f} "
-                  f"{row['analytical_bubble']:>9.3f} {acts:>24}", flush=True)
+            print(f"{name:<16} {m:>3} {row['step_s'] * 1e3:>9.1f} {row['bubble']:>8.3f} "
+                  f"{row['analytical_bubble']:>9.3f} {row['simulated_bubble']:>9.3f} {acts:>24}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

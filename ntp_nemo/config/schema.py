@@ -39,7 +39,8 @@ class NTPConfig:
 class LayoutConfig:
     layer_tp: Any = None  # None | int | list (embedding, each layer, head) | compact pattern string | "auto"
     stage_layers: list[int] | None = None  # explicit layers per pipeline stage
-    schedule: str = "1f1b"  # gpipe | 1f1b
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
+    virtual_stages: int = 1  # model chunks per pipeline stage with schedule=interleaved_1f1b
 
 
 @dataclass
