@@ -118,6 +118,22 @@ def print_table(report: dict[str, Any]) -> str:
     return cap.get()
 
 
+def option_lines(options: dict[str, Any]) -> list[str]:
+    """One line per memory-saving option measured on the largest rank."""
+    lines = []
+    rc = options.get("recompute")
+    if rc:
+        saved = ", ".join(f"{m} {b / GiB:.2f}" for m, b in rc["saved_bytes"].items())
+        lines.append(f"model.recompute on rank {rc['rank']}: activations per micro-batch "
+                     f"{rc['activation_bytes']['none'] / GiB:.2f} GiB without; saves (GiB) {saved}")
+    do = options.get("distributed_optimizer")
+    if do:
+        before, after = do["optimizer_bytes"]["adamw"], do["optimizer_bytes"]["distributed"]
+        lines.append(f"distributed optimizer on rank {do['rank']}: optimizer state {before / GiB:.2f} -> "
+                     f"{after / GiB:.2f} GiB (saves {do['saved_bytes'] / GiB:.2f} GiB)")
+    return lines
+
+
 def run_dry(cfg: DictConfig, run_dir: Path, say=print) -> dict[str, Any]:
     """Validate, resolve the layout, run the dry step for every rank, write `dry_run.json`."""
     t0 = time.perf_counter()
@@ -174,5 +190,7 @@ def run_dry(cfg: DictConfig, run_dir: Path, say=print) -> dict[str, Any]:
     tmp.write_text(json.dumps(report, indent=1))
     tmp.replace(path)
     say(print_table(report), flush=True)
+    for line in option_lines(report["options"]):
+        say(line, flush=True)
     say(f"dry run finished in {report['timings_s']['wall_s']:.1f} s: {path}", flush=True)
     return report

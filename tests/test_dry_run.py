@@ -106,6 +106,16 @@ def test_pp2_ntp_layout_against_independent_counts():
         in_flight = min(m, 2) if r.stage == 0 else 1  # 1F1B keeps pp - stage micro-batches in flight
         assert r.activation_peak_bytes == in_flight * r.activation_bytes
         assert r.comm_bytes["world"] == 4 * 8  # the fused step scalars: 4 float64
+    # Memory-saving options, measured on the largest rank.
+    opts = result.options
+    assert opts["recompute"]["rank"] == opts["distributed_optimizer"]["rank"] == max(
+        ranks, key=lambda r: r.memory_bytes).rank
+    act = opts["recompute"]["activation_bytes"]
+    assert act["none"] == ranks[opts["recompute"]["rank"]].activation_bytes > act["full"]
+    # Every fragment has one holder in each of the 2 replicas: each rank keeps about half the moments.
+    opt = opts["distributed_optimizer"]["optimizer_bytes"]
+    assert opt["adamw"] == ranks[opts["distributed_optimizer"]["rank"]].optimizer_bytes
+    assert opt["distributed"] == pytest.approx(opt["adamw"] / 2, rel=0.01)
     # Activations per micro-batch against the pipeline's own estimate for a real (CPU) slice of each stage.
     from ntp_nemo.models import DecoderLM
     from ntp_nemo.pipeline.memory import activation_bytes_per_microbatch

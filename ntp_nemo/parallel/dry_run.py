@@ -32,6 +32,7 @@ pass over all ranks' parameter descriptors (`build_sync_plans`), not once per ra
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -44,7 +45,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ntp_nemo.models.config import ModelConfig
@@ -158,22 +158,29 @@ class CommMeter(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-class FlashAttentionOnMeta(TorchFunctionMode):
+@contextmanager
+def flash_attention_on_meta():
     """On meta tensors `scaled_dot_product_attention` has no fused kernel and decomposes into the math
     path, which saves the full score matrix; on CPU and GPU the fused (flash) kernel runs and saves only
-    its output and log-sum-exp.  This mode sends meta calls to the fused kernel's meta implementation,
-    so the dry run saves what a real step saves."""
+    its output and log-sum-exp.  While active, meta calls go to the fused kernel's meta implementation,
+    so the dry run saves what a real step saves.  It replaces the function in `torch.nn.functional` (a
+    torch-function mode would not reach the recomputation that activation checkpointing runs in the
+    backward) and restores it on exit; other devices and masked calls go to the original."""
+    original = F.scaled_dot_product_attention
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if (func is F.scaled_dot_product_attention and args and args[0].device.type == "meta"
-                and kwargs.get("attn_mask") is None and len(args) == 3):
-            q, k, v = args
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
+        if q.device.type == "meta" and attn_mask is None and not kwargs:
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False),
-                scale=kwargs.get("scale"),
+                q, k, v, dropout_p, is_causal, scale=scale
             )[0]
-        return func(*args, **kwargs)
+        return original(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                        **kwargs)
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
 
 
 class ActivationMeter:
@@ -409,7 +416,7 @@ def _class_step(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: Step
     tokens = torch.zeros((shape.micro_batch_size, shape.seq_len + 1), dtype=torch.long, device=META)
     comm = CommMeter(META)
     with comm:
-        with meter.recording(), FlashAttentionOnMeta():
+        with meter.recording(), flash_attention_on_meta():
             loss_sum = runtime.train_microbatches(step_model, [tokens], global_tokens)
         per_mb = {k: comm.bytes[k] for k in ("tp", "pp")}
         per_mb_calls = {k: comm.calls[k] for k in ("tp", "pp")}
@@ -446,13 +453,71 @@ def _class_step(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: Step
     )
 
 
+def _saved_bytes(runtime: NTPRuntime, cfg: ModelConfig, shape: StepShape, global_tokens: int) -> int:
+    """Activation bytes of one micro-batch of `runtime`'s slice built from `cfg` (a fresh model)."""
+    model = runtime.build_model(cfg, shape.seed, shape.compute_dtype)
+    meter = ActivationMeter(_state_exclusions(model))
+    runtime.pipeline = None
+    if runtime.topology.pp > 1:
+        from ntp_nemo.pipeline.engine import PipelineEngine
+
+        runtime.pipeline = PipelineEngine(model, runtime.topology, runtime.rank, runtime.schedule,
+                                          acc_dtype=runtime.acc_dtype)
+        runtime.pipeline.meter = _EngineMeter(meter)
+    tokens = torch.zeros((shape.micro_batch_size, shape.seq_len + 1), dtype=torch.long, device=META)
+    with CommMeter(META), meter.recording(), flash_attention_on_meta():
+        runtime.train_microbatches(model, [tokens], global_tokens)
+    return meter.bytes
+
+
+def option_savings(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: StepShape, plan: SyncPlan,
+                   global_tokens: int, optimizer_bytes: int) -> dict[str, Any]:
+    """Memory each optional saving would bring on `rank` (the dry run passes its largest rank).
+
+    One entry per option, each `{"rank", <what it changes>: {setting: bytes}, "saved_bytes": ...}`:
+    - `recompute` (`model.recompute`): activation bytes per micro-batch with none / selective / full.
+      Non-reentrant checkpointing keeps each recomputed region's inputs outside autograd's saved
+      tensors, so `full` is counted without the layer inputs it holds (b x s x h per layer);
+    - `distributed_optimizer` (`DistributedAdamW`): optimizer state with the moments (and low-precision
+      masters) sharded over each fragment's holders, against `torch.optim.AdamW`'s.
+    A new option adds its entry here.
+    """
+    out: dict[str, Any] = {}
+    names = {f.name for f in dataclasses.fields(cfg)}
+    with fake_world(rank, layout.world_size):
+        runtime = NTPRuntime(layout, rank, device=META)
+        if "recompute" in names:
+            measured = {mode: _saved_bytes(runtime, dataclasses.replace(cfg, recompute=mode), shape,
+                                           global_tokens)
+                        for mode in ("none", "selective", "full")}
+            out["recompute"] = {"rank": rank, "activation_bytes": measured,
+                                "saved_bytes": {m: measured["none"] - b for m, b in measured.items()
+                                                if m != "none"}}
+        from ntp_nemo.parallel.step_path import build_optimizer
+
+        model = runtime.build_model(cfg, shape.seed, shape.param_dtype)
+        sync = _attach(runtime, model, plan, shape.bucket_mb)
+        with CommMeter(META):
+            opt = build_optimizer(model, sync, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
+                                  distributed=True)
+        distributed = opt.state_bytes()
+        out["distributed_optimizer"] = {
+            "rank": rank,
+            "optimizer_bytes": {"adamw": optimizer_bytes, "distributed": distributed},
+            "saved_bytes": optimizer_bytes - distributed,
+        }
+    return out
+
+
 def dry_run(
     layout: ResolvedLayout,
     cfg: ModelConfig,
     shape: StepShape,
     progress: Callable[[str], None] | None = None,
+    measure_options: bool = True,
 ) -> DryRunResult:
-    """One training step of every rank of `layout` on meta tensors and a fake process group."""
+    """One training step of every rank of `layout` on meta tensors and a fake process group; with
+    `measure_options`, also what each memory-saving option would save on the largest rank."""
     from ntp_nemo.pipeline.memory import in_flight
 
     say = progress or (lambda _msg: None)
@@ -528,8 +593,15 @@ def dry_run(
     timings["ranks_s"] = time.perf_counter() - t3
 
     t4 = time.perf_counter()
+    options: dict[str, Any] = {}
+    if measure_options:
+        big = max(results, key=lambda r: r.memory_bytes).rank
+        options = option_savings(layout, big, cfg, shape, plans[big], global_tokens,
+                                 results[big].optimizer_bytes)
+    timings["options_s"] = time.perf_counter() - t4
+    t4 = time.perf_counter()
     model_params = unsharded_param_count(cfg)
     timings["unsharded_s"] = time.perf_counter() - t4
     timings["total_s"] = time.perf_counter() - t0
     return DryRunResult(ranks=results, model_params=model_params, signatures=len(by_signature),
-                        timings=timings)
+                        timings=timings, options=options)
