@@ -280,6 +280,11 @@ def _drop_empty_run_dir() -> None:
 
 def main() -> None:
     register_configs()
+    if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
+        from ntp_nemo.config.help import help_text
+
+        print(help_text())
+        return
     from ntp_nemo.config.keys import check_override_keys
 
     try:

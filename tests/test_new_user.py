@@ -150,3 +150,16 @@ def test_recipe_checks_through_the_public_api(capsys):
     checks.warn_no_ops(cfg)
     assert capsys.readouterr().err == ""
     assert ROOT.is_dir()
+
+
+def test_help_lists_recipes_groups_and_examples(tmp_path):
+    res = run_cli(["--help"], tmp_path)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    recipes = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml"))
+    listed = out.split("recipes", 1)[1].split("main config groups", 1)[0]
+    assert [line.split()[0] for line in listed.strip().splitlines()[1:]] == recipes
+    for group in ("model", "mesh", "ntp", "data", "optim", "trainer", "checkpoint"):
+        assert f"\n  {group} " in out
+    assert out.split("examples:", 1)[1].count("ntp-train ") == 3
+    assert "hardware" not in out and "Config groups" not in out  # not Hydra's list of every group
