@@ -21,6 +21,7 @@ How each command is treated is decided by `plan()`, in this order (each rule say
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -214,9 +215,19 @@ def test_every_documented_command(tmp_path):
             )
             assert res.returncode == 0, (doc, run, res.stdout[-2000:], res.stderr[-3000:])
             assert "Traceback" not in res.stderr, (doc, run, res.stderr[-3000:])
+            if "model.init_from=" in run:  # a run from a model says so in its first lines
+                head = res.stdout.splitlines()[:3]
+                assert any("model weights: initialised from hf_llama" in line for line in head), head
         done.append((mode, cmd))
     ran = [c for m, c in done if m == "run"]
     assert any("resume=runs/a/checkpoints/step_000300" in c for c in ran)
     assert any(c.startswith("ntp-export") for c in ran)
     assert (tmp_path / "runs" / "b" / "checkpoints" / "step_000008" / "manifest.json").is_file()
-    assert (tmp_path / "hf_trained" / "config.json").is_file()
+    # The export names the ids of the tokenizer the run trained with (bytes: 256 ends a document),
+    # not the Hugging Face directory's defaults it started from.
+    from ntp_nemo.data.tokenizer import ByteTokenizer
+
+    exported = json.loads((tmp_path / "hf_trained" / "config.json").read_text())
+    started = json.loads((tmp_path / "hf_llama" / "config.json").read_text())
+    assert started["eos_token_id"] != ByteTokenizer.eos_id
+    assert exported["eos_token_id"] == exported["bos_token_id"] == ByteTokenizer.eos_id

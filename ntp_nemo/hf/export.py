@@ -115,11 +115,9 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, **options) -> Exp
 
 
 def _token_ids(cfg: ModelConfig, ckpt: Path) -> tuple[int | None, int | None]:
-    """(bos, eos) for the exported config: the HF directory's own when the run started from one,
-    the byte tokenizer's end-of-document id for a byte-level vocabulary, else unknown."""
-    if cfg.init_from and Path(cfg.init_from).expanduser().is_dir():
-        hf = read_hf_config(cfg.init_from)
-        return hf.get("bos_token_id"), hf.get("eos_token_id")
+    """(bos, eos) for the exported config: those of the tokenizer the run trained with (its Hydra
+    record's `data.tokenizer`; the byte tokenizer's end-of-document id for the built-in corpus), else
+    the Hugging Face directory's own when the run started from one, else unknown."""
     from ntp_nemo.hf.checkpoint_source import _run_dir_of
 
     run_dir = _run_dir_of(ckpt)
@@ -131,8 +129,22 @@ def _token_ids(cfg: ModelConfig, ckpt: Path) -> tuple[int | None, int | None]:
         tokenizer = data.get("tokenizer")
         if tokenizer is None and not data.get("path") and not data.get("blend"):
             tokenizer = "byte"  # the built-in corpus' default tokenizer
-    if tokenizer == "byte" and cfg.vocab_size > BYTE_EOS_ID:
-        return BYTE_EOS_ID, BYTE_EOS_ID
+    if tokenizer == "byte":
+        return (BYTE_EOS_ID, BYTE_EOS_ID) if cfg.vocab_size > BYTE_EOS_ID else (None, None)
+    if tokenizer is not None:
+        from ntp_nemo.data.tokenizer import build_tokenizer
+        from ntp_nemo.errors import ConfigError
+
+        try:
+            tok = build_tokenizer(str(tokenizer))
+        except (ConfigError, OSError):
+            tok = None
+        if tok is not None:
+            prefix = [int(i) for i in getattr(tok, "prefix", [])]
+            return (prefix[0] if prefix else None), int(tok.eos_id)
+    if cfg.init_from and Path(cfg.init_from).expanduser().is_dir():
+        hf = read_hf_config(cfg.init_from)
+        return hf.get("bos_token_id"), hf.get("eos_token_id")
     return None, None
 
 
