@@ -19,7 +19,7 @@ from ntp_nemo.checkpoint import load_checkpoint, save_checkpoint
 from ntp_nemo.models import build_model
 from ntp_nemo.parallel.runtime import NTPRuntime
 from ntp_nemo.parallel.shard import ShardSpec
-from ntp_nemo.resilience.live import Holding, NoLiveCopy, live_reshard, plan_reshard
+from ntp_nemo.resilience.live import Holding, NoLiveCopy, live_reshard, plan_reshard, rebind_optimizer
 from ntp_nemo.resilience.policies import Layout, make_policy, replan
 from ntp_nemo.resilience.recovery import Generation, recover
 from ntp_nemo.resilience.rendezvous import join, leave, run_elastic
@@ -154,7 +154,11 @@ def test_no_live_copy_is_reported():
 TRAIN_STEPS = 6
 
 
-def _loss_step(rt, model, opt, cfg, step: int, die: bool, phase: str) -> float:
+def _warmup(step: int) -> float:
+    return min(1.0, (step + 1) / 4)
+
+
+def _loss_step(rt, model, opt, sched, cfg, step: int, die: bool, phase: str) -> float:
     toks = _batch(cfg, step)
     mine = rt.my_microbatches(GLOBAL_BATCH)
     total = rt.train_microbatches(model, [toks[i : i + 1] for i in mine], toks[:, 1:].numel())
@@ -164,6 +168,7 @@ def _loss_step(rt, model, opt, cfg, step: int, die: bool, phase: str) -> float:
     loss = float(rt.global_sum(total)) / toks[:, 1:].numel()
     opt.step()
     opt.zero_grad()
+    sched.step()
     if die and phase == "optimizer":  # the step is complete everywhere; the next one finds the rank gone
         os._exit(137)
     return loss
@@ -177,30 +182,38 @@ def training_worker(pid, world, store, cfg, tp, replica_tp, kills):
     def build(layout, rank):
         return _setup(Topology(layout.tp, layout.replica_tp, layer_tp, layout.pp), rank, cfg, SEED, LR)
 
+    def rebuild(layout, rank):  # the same optimizer object, on the new parameters: the scheduler goes on
+        rt, new_model, _ = build(layout, rank)
+        rebind_optimizer(opt, model, new_model)
+        return rt, new_model, opt
+
     rt, model, opt = build(gen.layout, pid)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup)
     losses, recoveries, step = {}, [], 0
     while step < TRAIN_STEPS:
         kill = kills.get((step, pid))
         try:
-            losses[step] = _loss_step(rt, model, opt, cfg, step, kill is not None, kill or "")
+            losses[step] = _loss_step(rt, model, opt, sched, cfg, step, kill is not None, kill or "")
             step += 1
         except RuntimeError:  # a peer is gone: gloo reports the closed connection
             try:
-                rec = recover(store, gen, pid, step, (model, opt), build, make_policy("ntp"))
+                rec = recover(store, gen, pid, step, (model, opt), rebuild, make_policy("ntp"))
             except NoLiveCopy as err:  # the caller's cue for the restart path
                 return {"fallback": str(err)}
             if rec is None:
                 return None
-            gen, rt, model, opt, step = rec.generation, rec.runtime, rec.model, rec.optimizer, rec.step
+            assert rec.optimizer is opt
+            gen, rt, model, step = rec.generation, rec.runtime, rec.model, rec.step
             recoveries.append({"layout": gen.layout.describe(), "step": step, "failed": rec.failed,
                                "moved": rec.reshard.moved_bytes, "needed": rec.reshard.needed_bytes})
     return losses, recoveries
 
 
 def _reference_losses(cfg) -> list[float]:
-    """The failure-free curve: the unsharded model, whole global batch, same AdamW."""
+    """The failure-free curve: the unsharded model, whole global batch, same AdamW and LR warmup."""
     model = build_model(cfg, seed=SEED).float()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup)
     out = []
     for step in range(TRAIN_STEPS):
         toks = _batch(cfg, step)
@@ -208,6 +221,7 @@ def _reference_losses(cfg) -> list[float]:
         loss.backward()
         opt.step()
         opt.zero_grad()
+        sched.step()
         out.append(float(loss.detach()))
     return out
 

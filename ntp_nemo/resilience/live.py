@@ -305,14 +305,52 @@ def live_reshard(
     any per-parameter tensor state) and its groups take the old groups' hyperparameters, as a
     checkpoint load would.  A quantised old model needs `new_model` quantised alike beforehand.
     """
-    held = sharded_state(model, optimizer)
-    stored = stored_shapes(group, held)
+    return reshard_snapshot(capture(model, optimizer), new_model, new_optimizer, replica, group, stale=stale)
+
+
+@dataclass(frozen=True)
+class Captured:
+    """A rank's state by key (references to the live tensors, no copy) and its optimizer groups'
+    hyperparameters by parameter name."""
+
+    state: dict[str, NamedSlice]
+    options: dict[str, dict]
+
+
+def capture(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Captured:
+    """No collective: usable on a broken process group (a sharded optimizer's state is not gathered)."""
+    return Captured(sharded_state(model, optimizer),
+                    group_options(model, optimizer) if optimizer is not None else {})
+
+
+def reshard_snapshot(
+    old: Captured,
+    new_model: nn.Module | None,
+    new_optimizer: torch.optim.Optimizer | None,
+    replica: int,
+    group=None,
+    *,
+    stale: bool = False,
+) -> ReshardResult:
+    """`live_reshard` from state captured beforehand (`capture`): the old optimizer may meanwhile have
+    been pointed at the new parameters (`rebind_optimizer`)."""
+    stored = stored_shapes(group, old.state)
     targets: dict[str, NamedSlice] = {}
     problems: list[str] = []
     if new_model is not None:
         targets, problems = load_targets(new_model, new_optimizer, stored)
-    result = reshard_state({} if stale else held, targets, replica, group, problems)
+    result = reshard_state({} if stale else old.state, targets, replica, group, problems)
     if new_model is not None and new_optimizer is not None:
-        options = group_options(model, optimizer) if optimizer is not None else None
-        install_optimizer_state(new_model, new_optimizer, targets, options)
+        install_optimizer_state(new_model, new_optimizer, targets, old.options or None)
     return result
+
+
+def rebind_optimizer(optimizer: torch.optim.Optimizer, old_model: nn.Module, new_model: nn.Module) -> None:
+    """Point `optimizer`'s groups at `new_model`'s parameters of the same names and drop its state, so
+    that whatever references the optimizer (an LR scheduler, the trainer) goes on with the new layout;
+    the reshard then installs the state.  Capture the old state (`capture`) first."""
+    names = {id(p): name for name, p in old_model.named_parameters()}
+    params = dict(new_model.named_parameters())
+    for group in optimizer.param_groups:
+        group["params"] = [params[names[id(p)]] for p in group["params"]]
+    optimizer.state.clear()

@@ -13,9 +13,10 @@ gloo reports the closed connection at once; a hang surfaces as the collective ti
 5. agrees with the others on the last completed step: a rank that died inside a collective may have
    let some survivors finish the step and not others; those behind hold stale state and serve as no
    source, so the state comes from the ranks that finished (when they do not cover it: `NoLiveCopy`);
-6. builds the new layout's runtime, model and optimizer (the caller's `build`) and fills them from the
-   survivors' memory (`live.live_reshard`); the caller then redoes the interrupted step with the same
-   global batch, split over the new layout's replicas.
+6. builds the new layout's runtime, model and optimizer (the caller's `build`; it may keep the old
+   optimizer object, pointed at the new parameters with `live.rebind_optimizer`, so that an LR scheduler
+   holding it goes on) and fills them from the survivors' memory (`live.reshard_snapshot`); the caller
+   then redoes the interrupted step with the same global batch, split over the new layout's replicas.
 
 `NoLiveCopy` (DP=1, or every holder of some fragment lost) and any error of the protocol itself are for
 the caller to turn into the restart path.
@@ -30,7 +31,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ntp_nemo.resilience.live import ReshardResult, live_reshard
+from ntp_nemo.resilience.live import ReshardResult, capture, reshard_snapshot
 from ntp_nemo.resilience.policies import Layout, Policy, Replan, replan
 from ntp_nemo.resilience.rendezvous import join, leave, wait_failed
 
@@ -107,9 +108,10 @@ def recover(
     step = max(steps)
     marks.append(time.time())
     old_replica = _replica_of(generation.layout, generation.rank_of(pid))
+    snapshot = capture(*old)  # references, no copy; `build` may rebind the old optimizer
     runtime, model, optimizer = build(new_gen.layout, rank)
     marks.append(time.time())
-    result = live_reshard(old[0], old[1], model, optimizer, old_replica, stale=completed_steps < step)
+    result = reshard_snapshot(snapshot, model, optimizer, old_replica, stale=completed_steps < step)
     marks.append(time.time())
     phases = {k: b - a for k, a, b in zip(("word", "join", "build", "reshard"), marks[:-1], marks[1:],
                                           strict=True)}
