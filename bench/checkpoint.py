@@ -1,14 +1,25 @@
-"""Checkpoint save/load throughput: NTP sharded checkpoints next to torch.save/torch.load.
+"""Checkpoint save/load throughput: NTP sharded checkpoints next to torch.save/torch.load and DCP.
 
-    python bench/checkpoint.py [--hidden 320] [--layers 6] [--vocab 8192] [--repeat 3] [--dir DIR]
+    python bench/checkpoint.py [--hidden 640] [--layers 4] [--vocab 16384] [--repeat 3] [--dir DIR]
 
-The state is a GPT-style model's fp32 weights plus its AdamW moments (what a checkpoint holds).
-Rows: `torch.save` of the full state dict (then fsync, for the same durability as a committed
-checkpoint) and `torch.load` + `load_state_dict`, in one process; the sharded checkpoint saved
-and loaded in one process; saved from two TP-2 replicas (4 ranks) and loaded on TP 3 (3 ranks,
-resharding).  Throughput = logical state bytes / wall time of the slowest rank (best of
-`--repeat`); sharded saves include writing, fsync, sha256 of every file and the commit.  The
-files stay in the page cache between save and load, so loads measure deserialisation, not the disk.
+The state is a GPT-style model's fp32 weights plus its AdamW moments (what a checkpoint holds), the
+same in every row.  Rows, all on one machine in one run:
+
+- `torch.save` of the full state dict (then fsync, the durability of a committed checkpoint) and
+  `torch.load` + `load_state_dict`, in one process: the baseline;
+- the ntp_nemo sharded checkpoint saved and loaded in one process (xxh3 digests written and
+  checked, manifest, commit all included);
+- the same chunks through `torch.distributed.checkpoint` (DCP `FileSystemWriter`/`Reader`, no
+  integrity check), in one process, for comparison;
+- saved from two TP-2 replicas (4 ranks) and loaded on TP 3 (3 ranks, resharding);
+- the asynchronous save: time the caller is blocked (staging into reused buffers) against the
+  synchronous save, and until the background commit; DCP's `async_save` blocking time beside it.
+
+Throughput = state bytes (the torch.save file) / wall time of the slowest rank, best of `--repeat`;
+CPU seconds (all threads, summed over ranks) are printed beside every wall time.  Files stay in the
+page cache between save and load, so loads measure the read path, not the disk.  The last line is
+`ratio save=<x> load=<y> reshard_load=<z> async_blocking=<w>`: x, y, z = ntp_nemo's MB/s over
+torch.save's / torch.load's; w = async blocking time over the synchronous save time.
 """
 
 from __future__ import annotations
@@ -24,7 +35,9 @@ import torch
 import torch.distributed as dist
 
 from ntp_nemo.checkpoint import AsyncCheckpointSaver, load_checkpoint, save_checkpoint
-from ntp_nemo.checkpoint.manifest import file_digest
+from ntp_nemo.checkpoint.dcp_io import load_dcp, save_dcp
+from ntp_nemo.checkpoint.sharded import take_snapshot
+from ntp_nemo.checkpoint.storage import Chunk
 from ntp_nemo.config.schema import ModelConfig
 from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.parallel.runtime import NTPRuntime
@@ -42,77 +55,118 @@ def _model_and_optimizer(rank: int, layout: tuple, cfg: ModelConfig):
     return model, opt
 
 
-def _timed(fn) -> float:
+def _timed(fn, flush: bool = False) -> tuple[float, float]:
+    """(wall, CPU) seconds of `fn`, between barriers when distributed; `flush`: start with no dirty
+    pages queued for the disk (the previous save's writeback must not land on this one)."""
+    if flush:
+        os.sync()
     if dist.is_initialized():
         dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     fn()
     if dist.is_initialized():
         dist.barrier()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
-def _dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+def _best(runs: list[tuple[float, float]]) -> tuple[float, float]:
+    return min(runs)
 
 
-def torch_save_worker(rank, world, cfg, layout, root, repeat):
+def one_process_worker(rank, world, cfg, layout, root, repeat):
+    """torch.save/torch.load, the ntp_nemo checkpoint and DCP on the same state, interleaved (each
+    repeat runs every method once, so a busy moment of a shared machine hits all of them alike)."""
     torch.set_num_threads(1)
     model, opt = _model_and_optimizer(rank, layout, cfg)
-    target = Path(root) / "full_state.pt"
+    full = Path(root) / "full_state.pt"
+    ntp = Path(root) / "one" / "step_000001"
+    dcp_dir = Path(root) / "dcp"
+    chunks = take_snapshot(model, opt).chunks
+    targets = [Chunk(c.key, c.global_shape, c.offsets, torch.empty_like(c.tensor)) for c in chunks]
 
-    def save():
-        with open(target, "wb") as f:
+    def torch_save():
+        with open(full, "wb") as f:
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, f)
             f.flush()
             os.fsync(f.fileno())
 
-    def load():
-        state = torch.load(target, weights_only=True)
+    def torch_load():
+        state = torch.load(full, weights_only=True)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
 
-    saves = [_timed(save) for _ in range(repeat)]
-    loads = [_timed(load) for _ in range(repeat)]
-    return min(saves), min(loads), target.stat().st_size
+    saves = {"torch": torch_save, "ntp": lambda: save_checkpoint(ntp, model, opt, {"step": 1}, step=1),
+             "dcp": lambda: save_dcp(dcp_dir, chunks)}
+    loads = {"torch": torch_load, "ntp": lambda: load_checkpoint(ntp, model, opt),
+             "dcp": lambda: load_dcp(dcp_dir, targets)}
+    out: dict[str, dict] = {name: {"save": [], "load": []} for name in saves}
+    for _ in range(repeat):
+        for name, fn in saves.items():
+            out[name]["save"].append(_timed(fn, flush=True))
+    for _ in range(repeat):
+        for name, fn in loads.items():
+            out[name]["load"].append(_timed(fn))
+    assert all(torch.equal(t.tensor, c.tensor) for t, c in zip(targets, chunks, strict=True))
+    best = {name: (min(r["save"]), min(r["load"])) for name, r in out.items()}
+    sizes = {"torch": full.stat().st_size, "ntp": sum(f.stat().st_size for f in ntp.iterdir())}
+    return best, sizes, _async(model, opt, root, repeat)
+
+
+def _async(model, opt, root, repeat):
+    """Blocking time of the asynchronous save (after a first save has allocated the staging
+    buffers, as in every save of a run but the first), and DCP's async_save beside it."""
+    saver = AsyncCheckpointSaver()
+    saver.save(Path(root) / "async" / "step_000000", model, opt, {"step": 0}, step=0).result()
+    blocking, total = [], []
+    for i in range(repeat):
+        os.sync()
+        t0, c0 = time.perf_counter(), time.process_time()
+        fut = saver.save(Path(root) / "async" / f"step_{i + 1:06d}", model, opt, {"step": i + 1}, step=i + 1,
+                         keep_last=1)
+        blocking.append((time.perf_counter() - t0, time.process_time() - c0))
+        fut.result()
+        total.append(time.perf_counter() - t0)
+    saver.close()
+    try:  # DCP's own async save of the same tensors (it stages a CPU copy, then writes in a thread)
+        import torch.distributed.checkpoint as dcp
+
+        state = {f"{c.key}@{c.offsets}": c.tensor for c in take_snapshot(model, opt).chunks}
+        writer = dcp.FileSystemWriter(str(Path(root) / "dcp_async"))
+        runs = []
+        for _ in range(repeat):
+            os.sync()
+            t0, c0 = time.perf_counter(), time.process_time()
+            fut = dcp.async_save(state, storage_writer=writer, no_dist=True)
+            runs.append((time.perf_counter() - t0, time.process_time() - c0))
+            fut.result()
+        dcp_blocking = min(runs)
+    except Exception as err:  # report, do not hide, a DCP version that cannot do this
+        dcp_blocking = f"n/a ({type(err).__name__}: {err})"
+    return min(blocking), min(total), dcp_blocking
 
 
 def sharded_save_worker(rank, world, cfg, layout, root, repeat):
     torch.set_num_threads(1)
     model, opt = _model_and_optimizer(rank, layout, cfg)
-    path = Path(root) / "sharded" / "step_000001"
-    saves = [_timed(lambda: save_checkpoint(path, model, opt, {"step": 1}, step=1)) for _ in range(repeat)]
-    hash_s = None
-    if rank == 0:
-        t0 = time.perf_counter()
-        for f in path.iterdir():
-            file_digest(f)
-        hash_s = time.perf_counter() - t0
-    blocking, total = None, None
-    if world == 1:  # async: time until `save` returns (the snapshot) and until the commit
-        saver = AsyncCheckpointSaver()
-        t0 = time.perf_counter()
-        fut = saver.save(Path(root) / "async" / "step_000001", model, opt, {"step": 1}, step=1)
-        blocking = time.perf_counter() - t0
-        fut.result()
-        total = time.perf_counter() - t0
-        saver.close()
-    return min(saves), hash_s, _dir_bytes(path), blocking, total
+    path = Path(root) / "four" / "step_000001"
+    runs = [_timed(lambda: save_checkpoint(path, model, opt, {"step": 1}, step=1), flush=True)
+            for _ in range(repeat)]
+    return min(runs), sum(f.stat().st_size for f in path.glob(f"data_{rank:05d}_*.bin"))
 
 
-def sharded_load_worker(rank, world, cfg, layout, root, repeat):
+def reshard_load_worker(rank, world, cfg, layout, root, repeat):
     torch.set_num_threads(1)
     model, opt = _model_and_optimizer(rank, layout, cfg)
-    path = Path(root) / "sharded" / "step_000001"
+    path = Path(root) / "four" / "step_000001"
     return min(_timed(lambda: load_checkpoint(path, model, opt)) for _ in range(repeat))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--hidden", type=int, default=320)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--hidden", type=int, default=640)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=16384)
+    ap.add_argument("--repeat", type=int, default=4)
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -123,30 +177,50 @@ def main() -> None:
     tp3 = (3, [3], [3] * (args.layers + 2))
     root = Path(args.dir or tempfile.mkdtemp(prefix="ntp-ckpt-bench-"))
     root.mkdir(parents=True, exist_ok=True)
-    rows = []
+    t_start = time.perf_counter()
     try:
-        save_s, load_s, size = run_workers(torch_save_worker, 1, cfg, one, str(root), args.repeat)[0]
-        state_bytes = size  # reference: the full state dict on disk (weights + moments + a few KB of pickle)
-        rows.append(("torch.save / torch.load (full state)", "1 / 1", save_s, load_s, size))
-        s1 = run_workers(sharded_save_worker, 1, cfg, one, str(root), args.repeat)[0]
-        l1 = run_workers(sharded_load_worker, 1, cfg, one, str(root), args.repeat)[0]
-        rows.append(("ntp sharded, 1 process -> 1 process", "1 / 1", s1[0], l1, s1[2]))
+        best, sizes, (blocking, committed, dcp_blocking) = run_workers(
+            one_process_worker, 1, cfg, one, str(root), args.repeat)[0]
         s4 = run_workers(sharded_save_worker, 4, cfg, replicas, str(root), args.repeat)
-        l3 = run_workers(sharded_load_worker, 3, cfg, tp3, str(root), args.repeat)
-        rows.append(("ntp sharded, replicas (2,2) -> TP 3", "4 / 3", s4[0][0], max(l3), s4[0][2]))
+        l3 = run_workers(reshard_load_worker, 3, cfg, tp3, str(root), args.repeat)
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
+    size = sizes["torch"]
+    rs = (max(s[0][0] for s in s4), sum(s[0][1] for s in s4))  # slowest rank's wall, all ranks' CPU
+    rl = (max(r[0] for r in l3), sum(r[1] for r in l3))
     params = sum(p.numel() for p in _model_and_optimizer(0, one, cfg)[0].parameters())
     print(f"model: GPT hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: {params / 1e6:.2f} M "
-          f"params; state = fp32 weights + AdamW moments = {state_bytes / MB:.1f} MB (torch.save file)")
-    print(f"{'method':40s} {'ranks save/load':>15s} {'save s':>8s} {'save MB/s':>10s} {'load s':>8s} "
-          f"{'load MB/s':>10s} {'on disk MB':>11s}")
-    for name, ranks, save_s, load_s, size in rows:
-        print(f"{name:40s} {ranks:>15s} {save_s:8.3f} {state_bytes / MB / save_s:10.0f} {load_s:8.3f} "
-              f"{state_bytes / MB / load_s:10.0f} {size / MB:11.1f}")
-    print(f"of the 1-process sharded save: sha256 of all files {s1[1]:.3f} s; "
-          f"async save blocks for {s1[3]:.3f} s (CPU snapshot), committed after {s1[4]:.3f} s")
+          f"params; state = fp32 weights + AdamW moments = {size / MB:.1f} MB (torch.save file); "
+          f"best of {args.repeat}; {os.cpu_count()} CPUs; wall s = slowest rank, cpu s = all ranks' threads")
+    head = " ".join(f"{h:>{w}s}" for h, w in (("save s", 7), ("cpu s", 6), ("MB/s", 6), ("load s", 7),
+                                               ("cpu s", 6), ("MB/s", 6)))
+    print(f"{'method':44s} {'ranks':>6s} {head}")
+
+    def row(name, ranks, save, load):
+        cells = [f"{name:44s} {ranks:>6s}"]
+        for t in (save, load):
+            cells.append(f"{t[0]:7.3f} {t[1]:6.2f} {size / MB / t[0]:6.0f}")
+        print(" ".join(cells))
+
+    row("torch.save / torch.load (full state)", "1/1", *best["torch"])
+    row("ntp sharded, 1 process (xxh3 on write+read)", "1/1", *best["ntp"])
+    row("DCP FileSystemWriter/Reader, same chunks", "1/1", *best["dcp"])
+    row("ntp sharded, 2xTP2 -> TP3 (resharding)", "4/3", rs, rl)
+    per_rank = " / ".join(f"{s[1] / MB:.1f}" for s in s4)
+    print(f"on disk: ntp 1 process {sizes['ntp'] / MB:.1f} MB; 2xTP2 data MB written per rank {per_rank}")
+    sync_save = best["ntp"][0]
+    dcp_b = (f"{dcp_blocking[0]:.3f} s (cpu {dcp_blocking[1]:.2f} s)" if isinstance(dcp_blocking, tuple)
+             else dcp_blocking)
+    print(f"async save (1 process): blocks {blocking[0]:.3f} s (cpu {blocking[1]:.2f} s) against the "
+          f"synchronous save's {sync_save[0]:.3f} s; committed after {committed:.3f} s; "
+          f"DCP async_save blocks {dcp_b}")
+    print(f"bench wall time {time.perf_counter() - t_start:.0f} s")
+    x = best["torch"][0][0] / sync_save[0]
+    y = best["torch"][1][0] / best["ntp"][1][0]
+    z = best["torch"][1][0] / rl[0]
+    w = blocking[0] / sync_save[0]
+    print(f"ratio save={x:.2f} load={y:.2f} reshard_load={z:.2f} async_blocking={w:.3f}")
 
 
 if __name__ == "__main__":

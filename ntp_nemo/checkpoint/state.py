@@ -89,8 +89,9 @@ def load_targets(
 ) -> tuple[dict[str, NamedSlice], list[str]]:
     """Tensors to fill from a checkpoint holding `stored` (key -> (global shape, dtype)).
 
-    Parameters are filled in place.  Optimizer state tensors are allocated for every state key
-    the checkpoint has for a parameter (`install_optimizer_state` hands them to the optimizer).
+    Parameters are filled in place.  Optimizer state tensors are refilled in place when the
+    optimizer already holds them with the right shape, else allocated, for every state key the
+    checkpoint has for a parameter (`install_optimizer_state` hands them to the optimizer).
     Returns the targets and a list of mismatches (missing parameters, different shapes).
     """
     targets: dict[str, NamedSlice] = {}
@@ -123,7 +124,10 @@ def load_targets(
         for state_key in sorted(optim_keys.get(name, ())):
             shape, dtype = stored[optim_key(name, state_key)]
             st_spec = spec if tuple(shape) == tuple(spec.global_shape) else ShardSpec.full(tuple(shape))
-            buf = torch.zeros(st_spec.local_shape, dtype=dtype, device=p.device)
+            buf = optimizer.state.get(p, {}).get(state_key)  # refilled in place when it fits
+            if not (isinstance(buf, torch.Tensor) and tuple(buf.shape) == tuple(st_spec.local_shape)
+                    and buf.dtype == dtype and buf.device == p.device):
+                buf = torch.empty(st_spec.local_shape, dtype=dtype, device=p.device)  # every element is read
             targets[optim_key(name, state_key)] = NamedSlice(st_spec, buf)
     return targets, problems
 
