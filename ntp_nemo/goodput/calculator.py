@@ -5,7 +5,7 @@ Two stages, both pure functions of the event stream so tests can feed synthetic 
 and `compute_goodput` assigns every instant of job time to exactly one category, so
 productive time plus the badput categories add up to the total.
 
-Rules (DESIGN.md section 4):
+Rules:
 - A step is productive only in its last completed execution; earlier completed executions
   (undone by a restart from an older checkpoint) and executions cut short by a failure are
   wasted progress.

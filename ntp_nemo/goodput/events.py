@@ -52,7 +52,7 @@ EVENTS: frozenset[str] = frozenset(
 STATUS_OK = "ok"
 STATUS_FAILED = "failed"
 
-# Badput categories (DESIGN.md section 4), in the order reports show them.
+# Badput categories, in the order reports show them.
 INITIALIZATION = "initialization"
 CHECKPOINT_SAVE = "checkpoint_save"
 CHECKPOINT_RESTORE = "checkpoint_restore"
