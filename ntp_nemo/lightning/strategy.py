@@ -19,6 +19,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
@@ -160,7 +161,8 @@ class NTPStrategy(ParallelStrategy):
         """Ranks we launched: local rank = global rank (one node).  Under torchrun/SLURM the launcher's
         RANK/SLURM_PROCID stand (nodes may run unequal process counts: no node_rank * devices)."""
         env = self.cluster_environment
-        if env is not None and not env.creates_processes_externally:
+        # Not `env.creates_processes_externally`: Lightning sets LOCAL_RANK in the workers it forks too.
+        if isinstance(env, LightningEnvironment):
             env.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             env.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
