@@ -24,10 +24,18 @@ import torch.distributed as dist
 STORE_HOST = "127.0.0.1"
 
 
-def host_store(timeout_s: float = 300.0) -> dist.TCPStore:
-    """The launcher's store (server side), on a free port."""
-    return dist.TCPStore(STORE_HOST, 0, is_master=True, wait_for_workers=False,
+def host_store(port: int = 0, timeout_s: float = 300.0) -> dist.TCPStore:
+    """The launcher's store (server side), on `port` (0: a free one)."""
+    return dist.TCPStore(STORE_HOST, port, is_master=True, wait_for_workers=False,
                          timeout=timedelta(seconds=timeout_s))
+
+
+def free_port() -> int:
+    """A port free now, for a store started after the workers are forked (its server thread must not
+    exist at fork time: a child can inherit one of its locks held)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((STORE_HOST, 0))
+        return s.getsockname()[1]
 
 
 def connect(port: int, timeout_s: float = 300.0) -> dist.TCPStore:
@@ -151,11 +159,12 @@ def run_elastic(fn: Callable[..., Any], world_size: int, *args: Any, watch: bool
 
     ctx = mp.get_context("fork")
     queue = ctx.SimpleQueue()
-    store = host_store(timeout_s)
-    procs = [ctx.Process(target=_worker, args=(r, fn, world_size, store.port, queue, args))
+    port, store = free_port(), None
+    procs = [ctx.Process(target=_worker, args=(r, fn, world_size, port, queue, args))
              for r in range(world_size)]
     for p in procs:
         p.start()
+    store = host_store(port, timeout_s)  # the workers' connections wait for it
     results: dict[int, Any] = {}
     errors: list[str] = []
     finished: set[int] = set()
@@ -197,6 +206,7 @@ def run_elastic(fn: Callable[..., Any], world_size: int, *args: Any, watch: bool
             if p.is_alive():
                 p.kill()
                 p.join()
+        del store  # stops the server thread before anything else forks
     if errors:
         raise RuntimeError("worker failed:\n" + "\n".join(errors))
     return results, [p.exitcode for p in procs]
