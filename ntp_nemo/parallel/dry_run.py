@@ -22,12 +22,21 @@ per-rank numbers come from the tensors that code creates:
   given a tensor that is not on the runtime's device, so a host tensor slipping into the step fails the
   dry run (as NCCL would reject it on GPUs).
 
-Speed: a rank's model slice, forward and backward depend only on its signature (active ranks of its
-replica, stage, slot in the replica): one representative per signature runs the step; the others reuse
-its model and tensors but run their own gradient sync (their own holder sets, their own process-group
-rank).  Forward/backward comm is measured for one micro-batch and multiplied by the replica's
-micro-batch count (every micro-batch has the same shapes).  Every rank's sync plan is derived in one
-pass over all ranks' parameter descriptors (`build_sync_plans`), not once per rank.
+Speed: a rank's model slice depends only on its signature (active ranks of its replica, stage, slot),
+so each signature's slice is built once (as its first rank, giving its parameter descriptors); the
+forward and backward depend only on the slice's local shapes and TP group sizes, so they run once per
+distinct shape class (llama3_8b on (8,...,8,7): 15 signatures, 4 classes), as the class's first rank,
+which also runs its gradient sync, fused scalars, clipping and optimizer through the fake group.  Every
+rank's sync plan comes from one pass over all ranks' descriptors (`build_sync_plans`), and every rank's
+DP bytes and calls from its own plan (`plan_traffic`; checked against the bytes the sync actually sent
+for each class's rank).  Forward/backward communication is measured for one micro-batch and multiplied
+by the replica's micro-batch count (every micro-batch has the same shapes).
+
+Mixed precision: autocast has no meta backend, so under `bf16-mixed` the forward and backward run on
+a copy of the slice in bf16 (activations and TP/PP messages in bf16, as under autocast, though autocast
+keeps a few ops such as the norms in float32) while parameters, gradients and optimizer state stay in
+float32.  `scaled_dot_product_attention` is sent to the fused kernel's meta implementation
+(`flash_attention_on_meta`), which saves what the CPU and GPU kernels save.
 """
 
 from __future__ import annotations
@@ -250,7 +259,7 @@ class RankResult:
 class DryRunResult:
     ranks: list[RankResult]
     model_params: int  # the unsharded model, built on meta
-    signatures: int  # distinct rank signatures (each ran the forward/backward once)
+    signatures: int  # distinct rank signatures (model slices built)
     timings: dict[str, float] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)  # memory-saving options (see `option_savings`)
 
@@ -471,7 +480,7 @@ def _saved_bytes(runtime: NTPRuntime, cfg: ModelConfig, shape: StepShape, global
 
 
 def option_savings(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: StepShape, plan: SyncPlan,
-                   global_tokens: int, optimizer_bytes: int) -> dict[str, Any]:
+                   global_tokens: int, optimizer_bytes: int, activation_bytes: int) -> dict[str, Any]:
     """Memory each optional saving would bring on `rank` (the dry run passes its largest rank).
 
     One entry per option, each `{"rank", <what it changes>: {setting: bytes}, "saved_bytes": ...}`:
@@ -487,9 +496,9 @@ def option_savings(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: S
     with fake_world(rank, layout.world_size):
         runtime = NTPRuntime(layout, rank, device=META)
         if "recompute" in names:
-            measured = {mode: _saved_bytes(runtime, dataclasses.replace(cfg, recompute=mode), shape,
-                                           global_tokens)
-                        for mode in ("none", "selective", "full")}
+            measured = {mode: activation_bytes if mode == cfg.recompute else _saved_bytes(
+                runtime, dataclasses.replace(cfg, recompute=mode), shape, global_tokens)
+                for mode in ("none", "selective", "full")}  # the configured one ran in the step
             out["recompute"] = {"rank": rank, "activation_bytes": measured,
                                 "saved_bytes": {m: measured["none"] - b for m, b in measured.items()
                                                 if m != "none"}}
@@ -597,7 +606,7 @@ def dry_run(
     if measure_options:
         big = max(results, key=lambda r: r.memory_bytes).rank
         options = option_savings(layout, big, cfg, shape, plans[big], global_tokens,
-                                 results[big].optimizer_bytes)
+                                 results[big].optimizer_bytes, results[big].activation_bytes)
     timings["options_s"] = time.perf_counter() - t4
     t4 = time.perf_counter()
     model_params = unsharded_param_count(cfg)
