@@ -14,7 +14,8 @@ from ntp_nemo.errors import ConfigError
 from ntp_nemo.parallel.options import validate_memory_options
 from ntp_nemo.quant.config import validate_quant
 
-PRECISIONS = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true")
+PRECISIONS = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true")  # 16-mixed: refused below
+DEFAULT_MODEL_TARGET = "ntp_nemo.models.build_model"
 ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
 
 
@@ -32,6 +33,14 @@ def resolved_replica_tp(cfg: DictConfig) -> list[int]:
 
 
 def validate_model(m: DictConfig) -> None:
+    target = m.get("_target_", DEFAULT_MODEL_TARGET)
+    if target != DEFAULT_MODEL_TARGET:
+        raise ConfigError(
+            "model._target_",
+            f"{target!r} is not supported: every rank builds its own slice of the NTP decoder "
+            f"({DEFAULT_MODEL_TARGET}), so a custom model class cannot be sharded. Drop the key (or set "
+            f"model._target_={DEFAULT_MODEL_TARGET}) and choose the architecture with model.arch=gpt2|llama.",
+        )
     if m.arch not in ("gpt2", "llama"):
         raise ConfigError(
             "model.arch", f"unknown architecture {m.arch!r}. Use model.arch=gpt2 or model.arch=llama."
@@ -141,6 +150,14 @@ def validate(cfg: DictConfig) -> None:
     if t.precision not in PRECISIONS:
         raise ConfigError(
             "trainer.precision", f"unknown precision {t.precision!r}; use one of {', '.join(PRECISIONS)}."
+        )
+    if t.precision == "16-mixed":
+        raise ConfigError(
+            "trainer.precision",
+            "16-mixed (float16 with a loss scaler) is not supported: the NTP gradient sync and clipping "
+            "run on the scaled gradients, and the scaler's overflow check is not agreed across ranks. "
+            "Use trainer.precision=bf16-mixed (bfloat16 compute, float32 weights and optimizer state; "
+            "no loss scaling needed), or 32-true.",
         )
     if t.accelerator not in ACCELERATORS:
         raise ConfigError("trainer.accelerator", f"unknown accelerator {t.accelerator!r}; use cpu or gpu.")

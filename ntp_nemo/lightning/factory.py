@@ -115,6 +115,7 @@ def build_trainer(
         strategy=strategy,
         plugins=[env] if env is not None else None,
         precision=t.precision,
+        deterministic=bool(t.deterministic),  # torch.use_deterministic_algorithms in every worker
         max_steps=int(t.max_steps),
         max_epochs=-1,
         val_check_interval=int(t.val_every_n_steps),
