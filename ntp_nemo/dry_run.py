@@ -136,7 +136,7 @@ def option_lines(options: dict[str, Any]) -> list[str]:
 
 def run_dry(cfg: DictConfig, run_dir: Path, say=print) -> dict[str, Any]:
     """Validate, resolve the layout, run the dry step for every rank, write `dry_run.json`."""
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     checked = _checked_config(cfg)
     from ntp_nemo.config.layout import resolve_layout
 
@@ -182,7 +182,8 @@ def run_dry(cfg: DictConfig, run_dir: Path, say=print) -> dict[str, Any]:
         # Memory each optional saving would bring (activation recomputation, distributed optimizer, ...):
         # one entry per option, filled by `ntp_nemo.parallel.dry_run.option_savings`.
         "options": result.options,
-        "timings_s": {**result.timings, "wall_s": time.perf_counter() - t0},
+        "timings_s": {**result.timings, "wall_s": time.perf_counter() - t0,
+                      "cpu_s": time.process_time() - cpu0},
     }
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "dry_run.json"
@@ -192,5 +193,6 @@ def run_dry(cfg: DictConfig, run_dir: Path, say=print) -> dict[str, Any]:
     say(print_table(report), flush=True)
     for line in option_lines(report["options"]):
         say(line, flush=True)
-    say(f"dry run finished in {report['timings_s']['wall_s']:.1f} s: {path}", flush=True)
+    say(f"dry run finished in {report['timings_s']['wall_s']:.1f} s "
+        f"({time.process_time() - cpu0:.1f} s of CPU time): {path}", flush=True)
     return report
