@@ -1,7 +1,8 @@
 """Run a function on N local worker processes joined in one gloo/NCCL process group.
 
 Used by tests and benchmarks (Lightning runs are launched by the NTPStrategy instead).  Workers
-are forked: the parent's imports are shared, and a FileStore avoids port clashes.
+are forked (spawned if this process already initialised CUDA): the parent's imports are shared, and
+a FileStore avoids port clashes.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def _worker(
 
 def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo") -> list[Any]:
     """Fork `world_size` workers running `fn(rank, world_size, *args)`; return their results by rank."""
-    ctx = mp.get_context("fork")
+    # Fork shares the parent's imports; a parent that already initialised CUDA cannot fork CUDA users.
+    ctx = mp.get_context("spawn" if torch.cuda.is_initialized() else "fork")
     queue = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
