@@ -53,6 +53,9 @@ def _checked_config(cfg: DictConfig) -> DictConfig:
             if key in checked.data:
                 checked.data[key] = None
     validate(checked)
+    from ntp_nemo.config.checks import check_batch_split
+
+    check_batch_split(checked)  # every replica gets a micro-batch, as the run requires
     if checked.model.vocab_size is None:
         raise ConfigError("model.vocab_size", "the dry run reads no tokenizer: give model.vocab_size=N.")
     return checked
