@@ -192,5 +192,4 @@ class SweepSummaryCallback(Callback):
             log.warning("sweep summary skipped: %s does not exist", sweep_dir)
             return
         md_path, _ = write_summary(sweep_dir, collect_rows(sweep_dir))
-        log.info("sweep summary: %s", md_path)
-        print(f"sweep summary: {md_path}", flush=True)
+        print(f"sweep summary: {md_path}", flush=True)  # once (not also through Hydra's log handler)

@@ -159,6 +159,15 @@ def train(cfg: DictConfig) -> dict:
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     summary["wall_s"] = time.time() - t0
+    summary.update(invocation_stats(run_dir, t0))  # every attempt of this command, not the last one's
+    if (run_dir / "goodput.jsonl").exists():
+        from ntp_nemo.goodput.report import analyse
+
+        report, _ = analyse(run_dir, plot=False)  # the numbers `ntp-goodput RUN_DIR` prints
+        summary["goodput"], summary["capacity_fraction"] = report.goodput, report.capacity_fraction
+    tmp = summary_path.with_name(summary_path.name + ".tmp")
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    os.replace(tmp, summary_path)
     if result.failures:
         summary["failover"] = result.summary()
     print_summary(summary, run_dir)
@@ -181,6 +190,30 @@ def resolve_resume(cfg: DictConfig, run_dir: Path) -> Path | None:
             print(f"warning: {w.message}", file=sys.stderr, flush=True)
         return found
     return require_valid_checkpoint(Path(mode).expanduser(), key="resume")
+
+
+def invocation_stats(run_dir: Path, since: float) -> dict:
+    """Steps, losses and tokens/s of this command's steps in metrics.jsonl (all its attempts)."""
+    path = run_dir / "metrics.jsonl"
+    recs = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("time", 0) >= since:
+                recs.append(rec)
+    if not recs:
+        return {}
+    steady = recs[1:] or recs  # the first step carries one-time warm-up work
+    secs = sum(r["step_time_s"] for r in steady)
+    return {
+        "steps_this_run": len(recs),
+        "first_loss": recs[0]["loss"],
+        "final_loss": recs[-1]["loss"],
+        "tokens_per_s": sum(r["tokens"] for r in steady) / secs if secs > 0 else None,
+    }
 
 
 def _checkpoint_step(path: Path) -> int:

@@ -1,4 +1,5 @@
-"""GoodputCallback inside a tiny real lightning.Trainer (single process, CPU)."""
+"""GoodputCallback inside a tiny real lightning.Trainer (single process, CPU). The events of a real
+`ntp-train` run (NTPStrategy, NTPLanguageModule) are checked in tests/test_new_user.py."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from ntp_nemo.goodput import compute_goodput, load_events
 from ntp_nemo.goodput import events as ev
 from ntp_nemo.lightning.goodput_callback import GoodputCallback
 
-LAYOUT = {"layout": "tp4+tp3", "capacity": 0.875, "tokens_per_step": 32}
+LAYOUT = {"layout": "tp4+tp3", "capacity": 0.875}  # the keys NTPStrategy.layout_info has
 
 
 class LayoutStrategy(SingleDeviceStrategy):
@@ -35,6 +36,7 @@ class Tiny(LightningModule):
         if self.global_step + 1 == self.fail_at_step:
             raise RuntimeError("injected failure")
         x, y = batch
+        self.last_step = {"step": self.global_step + 1, "tokens": x.numel()}  # as NTPLanguageModule sets it
         return torch.nn.functional.mse_loss(self.layer(x), y)
 
     def configure_optimizers(self):
@@ -72,7 +74,7 @@ def test_callback_records_a_run_and_a_failed_restart(tmp_path: Path) -> None:
     ends = [e for e in first if e["event"] == ev.STEP_END]
     assert [e["step"] for e in ends] == [1, 2, 3, 4, 5]
     assert [e["step"] for e in first if e["event"] == ev.STEP_START] == [1, 2, 3, 4, 5]
-    assert all((e["layout"], e["capacity"], e["tokens"]) == ("tp4+tp3", 0.875, 32) for e in ends)
+    assert all((e["layout"], e["capacity"], e["tokens"]) == ("tp4+tp3", 0.875, 8 * 4) for e in ends)
     saves = [(e["event"], e["step"]) for e in first if e["event"].startswith("ckpt_save")]
     assert saves == [
         (ev.CKPT_SAVE_START, 2),

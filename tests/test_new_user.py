@@ -76,6 +76,21 @@ def test_ctrl_c_checkpoints_then_resume_has_no_duplicate_steps(tmp_path):
     final = f"step {step + 2}/{step + 2} | loss "
     assert final in res.stdout and "tokens/s | ETA" in res.stdout
     assert "Epoch" not in res.stdout + res.stderr and "v_num" not in res.stdout + res.stderr
+    # Goodput events as the real run writes them: every step's tokens (global batch x sequence).
+    events = [json.loads(line) for line in (run / "goodput.jsonl").read_text().splitlines()]
+    ends = [e for e in events if e["event"] == "step_end"]
+    assert ends and all(e["tokens"] == 12 * 32 for e in ends)
+    # The console, summary.json and ntp-goodput agree on the goodput.
+    report = run_cli([str(run), "--json", "--no-plot"], tmp_path, module="ntp_nemo.goodput.report")
+    assert report.returncode == 0, report.stderr
+    goodput = json.loads(report.stdout)["goodput"]
+    assert json.loads((run / "summary.json").read_text())["goodput"] == goodput
+    assert f" goodput       {100 * goodput:.1f}%" in res.stdout
+    # ntp-plan takes the run's own model, mesh and data shape.
+    plan = run_cli([f"run={run}", "hardware=h100"], tmp_path, module="ntp_nemo.planner.cli")
+    assert plan.returncode == 0, plan.stderr
+    assert plan.stdout.startswith("gpt_tiny: 2 layers, hidden 64, seq 32, micro-batch 2;"), plan.stdout
+    assert "replica_tp=[1]" in plan.stdout and "overrides: layout.layer_tp=[1,1,1,1]" in plan.stdout
     # train.log holds what the console showed, for both invocations.
     log = (run / "train.log").read_text()
     assert final in log and "interrupted (Ctrl-C)" in log and log.count("ntp_nemo run summary") == 2

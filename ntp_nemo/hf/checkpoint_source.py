@@ -40,7 +40,8 @@ def find_checkpoint(path: str | os.PathLike) -> Path:
         if problem is not None:
             raise invalid_checkpoint_error(p, problem, key=ARG)
         return p
-    ckpt_dirs = [d for d in (p / "checkpoints", p) if d.is_dir()]
+    # A run directory's checkpoints live in checkpoints/ (its logs/, failover/ ... are not checkpoints).
+    ckpt_dirs = [p / "checkpoints"] if (p / "checkpoints").is_dir() else [p]
     for d in ckpt_dirs:
         found = latest_valid_checkpoint(d)
         if found is not None:

@@ -129,6 +129,7 @@ class StepCheckpoint(ModelCheckpoint):
             save_top_k=-1,
             save_last=False,
             save_on_train_epoch_end=False,
+            enable_version_counter=False,  # a step saved again replaces step_NNNNNN (no step_NNNNNN-v1)
         )
         self.save_on_end = save_on_end
 

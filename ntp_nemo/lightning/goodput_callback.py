@@ -114,12 +114,13 @@ class GoodputCallback(Callback):
         if step <= self._last_step_end:
             return  # accumulating: the optimizer has not stepped yet
         info = getattr(trainer.strategy, "layout_info", None) or DEFAULT_LAYOUT
+        tokens = (getattr(pl_module, "last_step", None) or {}).get("tokens", info.get("tokens_per_step"))
         self._write(
             ev.STEP_END,
             step=step,
             layout=str(info.get("layout", "single")),
             capacity=float(info.get("capacity", 1.0)),
-            tokens=info.get("tokens_per_step"),
+            tokens=int(tokens) if tokens is not None else None,  # the step's tokens, from the module
         )
         self._open_step, self._last_step_end = None, step
 

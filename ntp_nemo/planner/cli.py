@@ -2,6 +2,10 @@
 
 Takes Hydra-style overrides of `conf/sim/plan.yaml`, whose keys mirror the training config:
     ntp-plan model=llama3_8b hardware=h100 mesh.tp=8 mesh.pp=1 ntp.replica_tp=[8,8,7] memory_limit_gb=80
+or plans for a training run's own model, mesh and data (its `.hydra/config.yaml`), or for a model of the
+training config group (`conf/model/NAME.yaml`, e.g. gpt_tiny):
+    ntp-plan run=outputs/gpt_tiny/2026-01-01_00-00-00 hardware=h100
+    ntp-plan model=gpt_tiny mesh.tp=2 ntp.replica_tp=[2,1]
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -39,10 +44,54 @@ def load_config(overrides: Sequence[str]) -> DictConfig:
         GlobalHydra.instance().clear()
 
 
-def plan_from_config(cfg: DictConfig) -> Plan:
+def training_overrides(argv: Sequence[str]) -> tuple[list[str], DictConfig | None]:
+    """Split off `run=RUN_DIR` / `model=NAME` of a training model: (plan overrides, training model).
+
+    A run's mesh, replica_tp and data shape become defaults the other overrides can still change."""
+    rest, model, pre = [], None, []
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key == "run":
+            record = Path(value).expanduser() / ".hydra" / "config.yaml"
+            if not record.is_file():
+                raise ConfigError("run", f"{value!r} is not a training run directory (no .hydra/config.yaml)")
+            run = OmegaConf.load(record)
+            model = run.model
+            rtp = run.ntp.get("replica_tp")
+            pre += [f"mesh.tp={run.mesh.tp}", f"mesh.pp={run.mesh.pp}", f"mesh.dp={run.mesh.dp}",
+                    f"ntp.replica_tp={list(rtp) if rtp is not None else 'null'}",
+                    f"data.seq_len={run.data.seq_len}", f"data.micro_batch_size={run.data.micro_batch_size}"]
+        elif key == "model" and not (CONFIG_DIR / "model" / f"{value}.yaml").is_file():
+            path = conf_dir() / "model" / f"{value}.yaml"
+            if not path.is_file():
+                known = sorted(p.stem for p in (*(CONFIG_DIR / "model").glob("*.yaml"),
+                                                *(conf_dir() / "model").glob("*.yaml")))
+                raise ConfigError("model", f"unknown model {value!r}; use one of {known}.")
+            model = OmegaConf.load(path)
+            pre.append(f"data.seq_len={model.max_seq_len}")
+        else:
+            rest.append(arg)
+    return pre + rest, model
+
+
+def _with_defaults(model: DictConfig) -> DictConfig:
+    """A training model config with the schema's defaults for the keys its YAML leaves out."""
+    import dataclasses
+
+    from ntp_nemo.models.config import ModelConfig
+
+    fields = dataclasses.fields(ModelConfig)
+    defaults = {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
+    return OmegaConf.merge(OmegaConf.create(defaults), model)
+
+
+def plan_from_config(cfg: DictConfig, train_model: DictConfig | None = None) -> Plan:
     raw = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(raw, dict)
-    model = ModelShape.from_dict(raw["model"])
+    if train_model is None:
+        model = ModelShape.from_dict(raw["model"])
+    else:
+        model = ModelShape.of_model_config(_with_defaults(train_model))
     device = DeviceModel.from_dict(raw["hardware"]["device"], "hardware.device")
     links = LinkModel.from_dict(raw["hardware"]["links"], "hardware.links")
     mesh, data = raw["mesh"], raw["data"]
@@ -75,11 +124,12 @@ def run(argv: Sequence[str]) -> int:
     unknown = [a for a in argv if a.startswith("-")]
     if unknown:
         raise ConfigError("argv", f"unknown option(s) {unknown}; pass settings as key=value overrides.")
+    argv, train_model = training_overrides(argv)
     cfg = load_config(argv)
     fmt = cfg.get("format", "table")
     if fmt not in ("table", "json"):
         raise ConfigError("format", f"{fmt!r}; use table or json.")
-    plan = plan_from_config(cfg)
+    plan = plan_from_config(cfg, train_model)
     if fmt == "json":
         print(
             json.dumps(
@@ -93,7 +143,7 @@ def run(argv: Sequence[str]) -> int:
             )
         )
         return 0
-    m = cfg.model
+    m = cfg.model if train_model is None else train_model
     print(
         f"{m.name}: {m.num_layers} layers, hidden {m.hidden_size}, seq {cfg.data.seq_len}, micro-batch "
         f"{cfg.data.micro_batch_size}; {cfg.hardware.device.name}, tp={plan.tp}, pp={cfg.mesh.pp}, "
