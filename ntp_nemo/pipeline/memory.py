@@ -124,7 +124,9 @@ def measure_memory(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
     opt = 0
-    if optimizer is not None:
+    if hasattr(optimizer, "state_bytes"):  # DistributedAdamW: its sharded moments, not `state`
+        opt = optimizer.state_bytes()
+    elif optimizer is not None:
         for state in optimizer.state.values():
             opt += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
     cuda = None
