@@ -134,19 +134,21 @@ def _progress(total_bytes: int, enabled: bool):
         ProgressColumn,
         TextColumn,
         TimeRemainingColumn,
-        TransferSpeedColumn,
     )
     from rich.text import Text
 
-    class DocsPerSecond(ProgressColumn):
+    class Rates(ProgressColumn):
+        """Documents and input megabytes per second since the start (averages: units finish in bursts)."""
+
         def render(self, task) -> Text:
             elapsed = task.elapsed or 0.0
-            rate = task.fields.get("docs", 0) / elapsed if elapsed > 0 else 0.0
-            return Text(f"{rate:,.0f} docs/s", style="progress.data.speed")
+            docs = task.fields.get("docs", 0) / elapsed if elapsed > 0 else 0.0
+            mbs = task.completed / elapsed / 1e6 if elapsed > 0 else 0.0
+            return Text(f"{docs:,.0f} docs/s {mbs:,.2f} MB/s", style="progress.data.speed")
 
     return Progress(
-        TextColumn("tokenizing"), BarColumn(), TextColumn("{task.fields[docs]:,} docs"), DocsPerSecond(),
-        TransferSpeedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+        TextColumn("tokenizing"), BarColumn(), TextColumn("{task.fields[docs]:,} docs"), Rates(),
+        TextColumn("ETA"), TimeRemainingColumn(),
         console=Console(stderr=True), disable=not enabled, transient=False,
     ), total_bytes
 
