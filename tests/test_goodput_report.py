@@ -106,3 +106,28 @@ def test_cli_bad_input_exits_2_naming_the_path(tmp_path: Path, content: str | No
     assert proc.returncode == 2
     assert str(tmp_path / GOODPUT_FILENAME) in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_legend_lists_only_what_the_run_has(run_dir: Path, tmp_path: Path) -> None:
+    from ntp_nemo.goodput.calculator import build_timeline, load_events
+    from ntp_nemo.goodput.report import legend_labels
+
+    full = legend_labels(build_timeline(load_events(run_dir)))
+    assert full == [
+        "step on tp4x2",
+        "step on tp4+tp3",
+        "wasted step",
+        "ckpt save",
+        "ckpt restore",
+        "init",
+        "failure -> first step",
+    ]
+    clean = tmp_path / "clean"
+    clean.mkdir()
+    lines = [{"t": 0, "event": ev.JOB_START}, {"t": 1, "event": ev.INIT_DONE}]
+    for step in (1, 2):
+        lines += [{"t": step, "event": ev.STEP_START, "step": step}]
+        lines += [{"t": step + 1, "event": ev.STEP_END, "step": step, "layout": "(2,1)", "capacity": 0.75}]
+    lines += [{"t": 3, "event": ev.JOB_END, "status": "ok"}]
+    (clean / GOODPUT_FILENAME).write_text("".join(json.dumps({"pid": 1, **e}) + "\n" for e in lines))
+    assert legend_labels(build_timeline(load_events(clean))) == ["step on (2,1)", "init"]

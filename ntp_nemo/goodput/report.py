@@ -46,6 +46,19 @@ def breakdown_table(report: GoodputReport) -> Table:
     return table
 
 
+def legend_labels(tl: Timeline) -> list[str]:
+    """The timeline's legend entries: a step colour per layout, then only the kinds the run has."""
+    labels = [f"step on {name}" for name in dict.fromkeys(s.layout for s in tl.steps if s.completed)]
+    present = {
+        "wasted step": any(not r.productive for r in tl.steps),
+        "ckpt save": bool(tl.saves),
+        "ckpt restore": bool(tl.restores),
+        "init": bool(tl.initializations),
+        "failure -> first step": bool(tl.recoveries),
+    }
+    return labels + [label for label, yes in present.items() if yes]
+
+
 def plot_timeline(tl: Timeline, report: GoodputReport, out: Path) -> Path:
     """Draw the run's timeline with matplotlib's Agg backend (no display needed)."""
     import matplotlib
@@ -101,17 +114,18 @@ def plot_timeline(tl: Timeline, report: GoodputReport, out: Path) -> Path:
         f"goodput {100 * report.goodput:.1f}%, NTP capacity {100 * report.capacity_fraction:.1f}%, "
         f"steps redone: {report.steps_redone}, failures: {report.failures}"
     )
+    styles = {
+        "wasted step": {"facecolor": "lightgrey", "hatch": "///", "edgecolor": "black"},
+        "ckpt save": {"facecolor": "tab:blue"},
+        "ckpt restore": {"facecolor": "tab:purple"},
+        "init": {"facecolor": "grey"},
+        "failure -> first step": {"facecolor": "salmon"},
+    }
     handles = [Patch(facecolor=colour[name], label=f"step on {name}") for name in layouts]
-    handles += [
-        Patch(facecolor="lightgrey", hatch="///", edgecolor="black", label="wasted step"),
-        Patch(facecolor="tab:blue", label="ckpt save"),
-        Patch(facecolor="tab:purple", label="ckpt restore"),
-        Patch(facecolor="grey", label="init"),
-        Patch(facecolor="salmon", label="failure -> first step"),
-    ]
+    handles += [Patch(label=label, **styles[label]) for label in legend_labels(tl) if label in styles]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    fig.savefig(out, dpi=120, bbox_inches="tight")  # the legend right of the axes and the labels stay whole
     plt.close(fig)
     return out
 
