@@ -119,6 +119,7 @@ class FaultConfig:
     steps: int | None = None  # slow: for this many steps (None: to the end)
     more: list[FaultSpec] = field(default_factory=list)  # further faults in the same run
     policy: str = "ntp"  # ntp | dp_drop | restart
+    recovery: str = "restart"  # restart (relaunch + checkpoint) | live (survivors reshard in memory)
     repair_after_steps: int | None = None
     max_restarts: int = 3
     # Timeout hierarchy (docs/failover.md): heartbeat < collective < whole step.

@@ -352,6 +352,16 @@ class NTPStrategy(ParallelStrategy):
             elif path.exists():
                 os.remove(path)
 
+    # ---- live recovery (fault.recovery=live) ----------------------------------------------------
+    recovery: Any = None  # set in the workers by ntp_nemo.resilience.live_training.LiveRecovery
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The one hook of live recovery: with `recovery` set, it runs the step, and on a lost peer
+        replaces this strategy's runtime and layout in place and redoes the step."""
+        if self.recovery is None:
+            return super().training_step(*args, **kwargs)
+        return self.recovery.run_step(self, super().training_step, *args, **kwargs)
+
     # ---- reporting ------------------------------------------------------------------------------
     @property
     def layout_info(self) -> dict[str, Any]:

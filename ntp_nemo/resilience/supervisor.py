@@ -60,6 +60,7 @@ def validate_fault_config(cfg: DictConfig) -> None:
     f = cfg.fault
     make_policy(str(f.policy), int(cfg.ntp.min_replica_tp))
     Timeouts.from_config(f)
+    _validate_recovery(cfg)
     if int(f.max_restarts) < 0:
         raise ConfigError("fault.max_restarts", f"must be >= 0, got {f.max_restarts}.")
     if f.repair_after_steps is not None:
@@ -76,6 +77,20 @@ def validate_fault_config(cfg: DictConfig) -> None:
                 "set checkpoint.every_n_steps>0 or checkpoint.save_on_end=true.",
             )
     resolve_faults(cfg, layout_of(cfg).world_size)
+
+
+def _validate_recovery(cfg: DictConfig) -> None:
+    recovery = str(cfg.fault.get("recovery", "restart"))
+    if recovery not in ("restart", "live"):
+        raise ConfigError("fault.recovery", f"unknown recovery {recovery!r}; use restart (relaunch from the "
+                          "last checkpoint) or live (the survivors reshard in memory).")
+    if recovery == "live" and bool(cfg.optim.get("distributed", False)):
+        raise ConfigError("fault.recovery", "live recovery needs every AdamW moment held by every replica, "
+                          "but optim.distributed=true keeps each on one rank only; set "
+                          "optim.distributed=false or fault.recovery=restart.")
+    if recovery == "live" and str(cfg.fault.policy) == "restart":
+        raise ConfigError("fault.recovery", "fault.policy=restart replaces the lost GPU with a spare, which "
+                          "only a relaunch can do; use fault.policy=ntp or dp_drop with fault.recovery=live.")
 
 
 def with_layout(
@@ -147,6 +162,7 @@ class Supervisor:
         self.ckpt_dir = self.run_dir / cfg.checkpoint.dir
         self.nominal = layout_of(cfg)
         self.policy = make_policy(str(cfg.fault.policy), int(cfg.ntp.min_replica_tp))
+        self.live = str(cfg.fault.get("recovery", "restart")) == "live"  # resilience/live_training.py
         self.timeouts = Timeouts.from_config(cfg.fault)
         self.faults = resolve_faults(cfg, self.nominal.world_size)
         self.end_step = min(
@@ -167,6 +183,10 @@ class Supervisor:
             out.append(FaultInjector(self.faults, self.fault_dir, self.ckpt_dir))
         out.append(Heartbeat(self.heartbeat_dir))
         out.append(SupervisedWorker(recovering, attempt))
+        if self.live:
+            from ntp_nemo.resilience.live_training import LiveRecovery
+
+            out.append(LiveRecovery(self.policy.name, int(self.cfg.ntp.min_replica_tp)))
         return out
 
     def build_first(self) -> tuple[Any, Any, Any]:
@@ -350,12 +370,18 @@ class Supervisor:
 
         shutil.rmtree(self.heartbeat_dir, ignore_errors=True)
         self.heartbeat_dir.mkdir(parents=True, exist_ok=True)
-        monitor = WorkerMonitor(
-            lambda: getattr(trainer.strategy.launcher, "procs", None),
-            self.heartbeat_dir,
-            layout.world_size,
-            self.timeouts,
-        )
+        if self.live:  # survivors recover in place; the monitor tells them who is gone
+            from ntp_nemo.resilience.live_training import LiveLauncher, LiveMonitor
+
+            trainer.strategy._launcher = LiveLauncher(trainer.strategy)
+            monitor = LiveMonitor(trainer.strategy.launcher, layout.world_size)
+        else:
+            monitor = WorkerMonitor(
+                lambda: getattr(trainer.strategy.launcher, "procs", None),
+                self.heartbeat_dir,
+                layout.world_size,
+                self.timeouts,
+            )
         monitor.start()
         try:
             trainer.fit(module, ckpt_path=str(resume) if resume else None)

@@ -32,5 +32,6 @@ class SupervisedWorker(Callback):
         info = getattr(trainer.strategy, "layout_info", {}) or {}
         if goodput is not None:
             goodput.record(
-                ev.RECOVERY_DONE, layout=info.get("layout"), step=trainer.global_step, attempt=self.attempt
+                ev.RECOVERY_DONE, layout=info.get("layout"), step=trainer.global_step, attempt=self.attempt,
+                mode="restart",
             )

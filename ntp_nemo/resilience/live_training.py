@@ -1,0 +1,269 @@
+"""Live recovery inside `ntp-train` (`fault.recovery=live`): the Lightning side of `recovery.py`.
+
+Three pieces, used by the supervisor when `fault.recovery=live`:
+
+- `LiveLauncher` forks the workers like NTPStrategy's launcher, but makes them rendezvous on a store the
+  launching process hosts (`TORCHELASTIC_USE_AGENT_STORE`: every rank is a client of `MASTER_PORT`), so
+  the store outlives any worker, and waits for them without stopping the others when one exits;
+- `LiveMonitor` (in the launching process, in place of the restart path's `WorkerMonitor`) publishes a
+  lost worker on the store (`failed/gen{g}`, the survivors' cue) instead of killing the attempt; when
+  the survivors give up (they exit with `FALLBACK_EXIT`) or process 0 is lost, it stops every worker
+  and the supervisor takes the restart path;
+- `LiveRecovery`, a worker callback, owns the strategy's recovery hook (`NTPStrategy.recovery`): it runs
+  each training step; when a collective fails it runs the recovery protocol, swaps the strategy's
+  runtime, the module's model and the rank numbering, keeps the optimizer object (pointed at the new
+  parameters, so the LR scheduler goes on), re-splits the data over the new replicas and redoes the
+  step with the same global batch.  Goodput: `failure_detected` at detection, `recovery_done` with
+  `mode: live`, `moved_bytes`, `minimum_bytes` and `recovery_s` (detection to resharded state).
+
+Limits: process 0 must survive and stay rank 0 (Lightning's results and the rank-0 callbacks live
+there), else the restart path runs; a hang is not detected by the monitor (the collective timeout makes
+the survivors fall back); CPU/gloo only (sockets are severed to stop a broken generation).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+from lightning.pytorch import Callback
+
+from ntp_nemo.lightning.strategy import _ForkLauncher
+from ntp_nemo.resilience.detection import Verdict, is_lost_status, kill_worker
+from ntp_nemo.resilience.live import rebind_optimizer
+from ntp_nemo.resilience.policies import Layout, make_policy
+from ntp_nemo.resilience.recovery import Generation, recover
+from ntp_nemo.resilience.rendezvous import connect, free_port, host_store, publish_failed
+
+FALLBACK_EXIT = 75  # a survivor that could not recover live: the supervisor takes the restart path
+_COLLECTIVE_ERRORS = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout")
+
+
+def is_collective_failure(err: BaseException) -> bool:
+    """A collective that failed because a peer is gone (gloo's closed connection) or timed out."""
+    import torch.distributed as dist
+
+    if isinstance(err, dist.DistError):
+        return True
+    return isinstance(err, RuntimeError) and any(s in str(err).lower() for s in _COLLECTIVE_ERRORS)
+
+
+# ---- launching process ---------------------------------------------------------------------------------
+class LiveLauncher(_ForkLauncher):
+    """Fork launcher whose workers rendezvous on a store hosted here and may lose a peer."""
+
+    def __init__(self, strategy: Any) -> None:
+        super().__init__(strategy, start_method="fork")
+        self.store = None
+        self.lost: set[int] = set()  # process indices the monitor handed to the survivors
+
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        port = free_port()
+        saved = {k: os.environ.get(k) for k in ("MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")}
+        os.environ["MASTER_PORT"] = str(port)
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # every rank a client of the store below
+        context = mp.get_context("fork")
+        return_queue = context.SimpleQueue()
+        try:
+            process_context = mp.start_processes(
+                self._wrapping_function, args=[trainer, function, args, kwargs, return_queue],
+                nprocs=self._strategy.num_processes, start_method="fork", join=False)
+            self.procs = process_context.processes
+            self.store = host_store(port)  # after the fork: no server thread is copied into a worker
+            for p in self.procs:
+                p.join()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        bad = [(i, p) for i, p in enumerate(self.procs) if p.exitcode != 0 and i not in self.lost]
+        if bad or 0 in self.lost:
+            i, p = bad[0] if bad else (0, self.procs[0])
+            raise mp.ProcessExitedException(f"process {i} terminated with exit code {p.exitcode}",
+                                            error_index=i, error_pid=p.pid, exit_code=p.exitcode)
+        if return_queue.empty():
+            return None
+        worker_output = return_queue.get()
+        if trainer is None:
+            return worker_output
+        self._recover_results_in_main_process(worker_output, trainer)
+        return worker_output.trainer_results
+
+
+class LiveMonitor(threading.Thread):
+    """Watches the workers of a live attempt: a lost one is published on the store for the survivors;
+    survivors falling back, a lost process 0 or a Python error in a worker stop the attempt."""
+
+    def __init__(self, launcher: LiveLauncher, world_size: int, poll_s: float = 0.05,
+                 grace_s: float = 0.1) -> None:
+        super().__init__(name="ntp-live-monitor", daemon=True)
+        self.launcher = launcher
+        self.world_size = world_size
+        self.poll_s, self.grace_s = poll_s, grace_s
+        self.verdict: Verdict | None = None
+        self.killed: set[int] = set()
+        self.generation = 0
+        self._halt = threading.Event()
+
+    def stop(self) -> None:
+        self._halt.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout=5)
+
+    def _stop_all(self, procs, reason: str, ranks: tuple[int, ...]) -> None:
+        self.verdict = Verdict("worker exit", ranks, None, time.time(), reason)
+        for i, p in enumerate(procs):
+            if p.pid is not None and p.is_alive():
+                kill_worker(p.pid)
+                self.killed.add(i)
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            procs = getattr(self.launcher, "procs", None) or []
+            if len(procs) == self.world_size and self.launcher.store is not None:
+                break
+            time.sleep(self.poll_s)
+        seen: set[int] = set()
+        while not self._halt.wait(self.poll_s):
+            exited = [i for i, p in enumerate(procs) if i not in seen and p.exitcode is not None]
+            if not exited:
+                continue
+            time.sleep(self.grace_s)  # a failure taking several ranks: collect them all
+            exited = [i for i, p in enumerate(procs) if i not in seen and p.exitcode is not None]
+            seen.update(exited)
+            lost = [i for i in exited
+                    if is_lost_status(procs[i].exitcode) and procs[i].exitcode != FALLBACK_EXIT]
+            fallback = [i for i in exited if procs[i].exitcode == FALLBACK_EXIT]
+            errors = [i for i in exited if procs[i].exitcode == 1]
+            if lost and 0 not in lost and not fallback and not errors:
+                self.launcher.lost.update(lost)
+                publish_failed(self.launcher.store, self.generation, lost)
+                self.generation += 1
+                print(f"failover | live: process(es) {lost} lost (exit status "
+                      f"{', '.join(str(procs[i].exitcode) for i in lost)}); the survivors reshard in place",
+                      flush=True)
+                continue
+            if fallback or 0 in lost:
+                self.killed.update(fallback)
+                why = ("the survivors could not recover live" if fallback else "process 0 was lost")
+                print(f"failover | live: {why}; falling back to the restart path", flush=True)
+                self._stop_all(procs, why, tuple(sorted(self.launcher.lost | set(lost))))
+                return
+            if errors:  # a Python exception: a bug or bad input, reported by the supervisor
+                self._stop_all(procs, "a worker raised", ())
+                self.verdict = None
+                return
+
+
+# ---- worker process -------------------------------------------------------------------------------------
+class LiveRecovery(Callback):
+    """Worker side of `fault.recovery=live` (see the module docstring)."""
+
+    def __init__(self, policy: str, min_replica_tp: int = 1, timeout_s: float = 60.0) -> None:
+        self.policy = make_policy(policy, min_replica_tp)
+        self.timeout_s = timeout_s
+        self.generation: Generation | None = None
+        self.pid = 0
+        self.store = None
+        self.rebuild_through = -1  # batches of steps up to this one were split for an older layout
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage != "fit" or trainer.strategy.launcher is None or "MASTER_PORT" not in os.environ:
+            return
+        topo = trainer.strategy.topology
+        self.generation = Generation.first(Layout(topo.tp, tuple(topo.replica_tp), topo.pp))
+        self.pid = trainer.global_rank
+        self.store = connect(int(os.environ["MASTER_PORT"]), self.timeout_s)
+        trainer.strategy.recovery = self
+
+    # -- the strategy's hook ------------------------------------------------------------------------
+    def run_step(self, strategy: Any, step_fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        """Run one training step (`step_fn(batch, ...)`); on a lost peer recover and redo it."""
+        args = list(args)
+        while True:
+            if self.rebuild_through >= 0 and int(args[0]["step"]) <= self.rebuild_through:
+                args[0] = self._rebatch(strategy, args[0])
+            try:
+                return step_fn(*args, **kwargs)
+            except Exception as err:
+                if self.store is None or not is_collective_failure(err):
+                    raise
+                self._recover(strategy, int(args[0]["step"]))
+
+    def _rebatch(self, strategy: Any, batch: dict) -> dict:
+        module = strategy.lightning_module
+        ds = module._train_set
+        fresh = ds[int(batch["step"]) - ds.start_step]
+        return module.transfer_batch_to_device(fresh, strategy.root_device, 0)
+
+    def _recover(self, strategy: Any, step: int) -> None:
+        from ntp_nemo.lightning.goodput_callback import GoodputCallback
+        from ntp_nemo.parallel.runtime import NTPRuntime
+        from ntp_nemo.topology import ResolvedLayout, Topology
+
+        module = strategy.lightning_module
+        trainer = module.trainer
+        opt = strategy._optimizer()
+        old_topo = strategy.topology
+        goodput = GoodputCallback.of(trainer)
+
+        def build(layout: Layout, rank: int):
+            topo = Topology(layout.tp, layout.replica_tp, old_topo.layer_tp, layout.pp, old_topo.stage_layers)
+            runtime = NTPRuntime(ResolvedLayout.of_topology(topo, strategy.schedule, None), rank,
+                                 device=strategy.root_device)
+            model = runtime.build_model(module.model_cfg, module.seed)
+            runtime.attach(model, strategy.bucket_mb)
+            rebind_optimizer(opt, module.model, model)
+            return runtime, model, opt
+
+        try:
+            rec = recover(self.store, self.generation, self.pid, trainer.global_step, (module.model, opt),
+                          build, self.policy, timeout_s=self.timeout_s)
+            if rec is not None and rec.generation.members[0] != 0:
+                raise RuntimeError("process 0 is not rank 0 of the new layout")
+        except Exception as err:  # noqa: BLE001 - any failure of the live path means the restart path
+            print(f"failover | live recovery failed on process {self.pid} ({type(err).__name__}: {err}); "
+                  "falling back to the restart path", file=sys.stderr, flush=True)
+            sys.stderr.flush()
+            os._exit(FALLBACK_EXIT)
+        if rec is None:  # left idle by the new layout
+            os._exit(0)
+        lost_ranks = [self.generation.members.index(p) for p in rec.failed if p in self.generation.members]
+        self.generation = rec.generation
+        world = rec.generation.layout.world_size
+        strategy.runtime = rec.runtime
+        strategy.topology = rec.runtime.topology
+        strategy.layout = rec.runtime.layout
+        strategy.parallel_devices = strategy.parallel_devices[:world]
+        strategy.cluster_environment.set_global_rank(rec.rank)
+        strategy.cluster_environment.set_world_size(world)
+        os.environ["LOCAL_RANK"] = str(rec.rank)
+        module.model = rec.model
+        if module._train_set is not None:
+            module._train_set.my_range = rec.runtime.my_microbatches
+        for loader in _loaders(trainer.val_dataloaders):
+            if hasattr(loader.dataset, "my_range"):
+                loader.dataset.my_range = rec.runtime.my_microbatches
+        self.rebuild_through = step + 2  # the redone step and what the loader fetched ahead
+        if goodput is not None:
+            goodput.record("failure_detected", t=rec.detect_t, rank=lost_ranks[0] if lost_ranks else None,
+                           ranks=lost_ranks, reason="collective error", step=step, detail="live recovery")
+            goodput.record("recovery_done", layout=rec.generation.layout.describe(), step=step, mode="live",
+                           moved_bytes=rec.reshard.moved_bytes, minimum_bytes=rec.reshard.needed_bytes,
+                           recovery_s=rec.seconds, generation=rec.generation.index)
+        if rec.rank == 0:
+            print(f"failover | live: {rec.replan.describe()} at step {step}; moved {rec.reshard.moved_bytes} "
+                  f"bytes (minimum {rec.reshard.needed_bytes}) in {rec.seconds:.2f} s", flush=True)
+
+
+def _loaders(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list | tuple) else [value]

@@ -1,0 +1,79 @@
+"""`fault.recovery=live` through the real CLI: a rank is lost and the survivors go on in the same processes.
+
+No checkpoint is ever written (`checkpoint.every_n_steps=0`, no save at the end), so the only way to
+finish every step on the failure-free loss curve is the live reshard.  With one replica there is no
+live copy of the lost rank's shards: the run falls back to the restart path and says so.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import TINY, read_metrics, run_cli
+
+BASE = [*TINY, "mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,2]", "trainer.max_steps=8",
+        "checkpoint.every_n_steps=0", "checkpoint.save_on_end=false"]
+STEPS = list(range(1, 9))
+
+
+def _run(tmp_path, name, *overrides):
+    run = tmp_path / name
+    proc = run_cli([*BASE, *overrides, f"hydra.run.dir={run}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return run, proc
+
+
+def _events(run):
+    return [json.loads(line) for line in (run / "goodput.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _last_losses(run):
+    return {m["step"]: m["loss"] for m in read_metrics(run)}
+
+
+@pytest.mark.slow
+def test_live_recovery_and_fallback_through_the_cli(tmp_path):
+    reference = _last_losses(_run(tmp_path, "reference")[0])
+    assert sorted(reference) == STEPS
+
+    # Rank 3 (replica 1) killed when a step drawn from the seed starts.
+    run, proc = _run(tmp_path, "live", "fault=kill_rank", "fault.rank=3", "fault.recovery=live")
+    assert "the survivors reshard in place" in proc.stdout
+    assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
+    metrics = read_metrics(run)
+    assert [m["step"] for m in metrics] == STEPS  # every step once: the interrupted one was redone in place
+    layouts = [m["layout"] for m in metrics]
+    assert layouts[0] == "(2,2)" and layouts[-1] == "(2,1)"
+    got = _last_losses(run)
+    for step, ref in reference.items():
+        assert abs(got[step] - ref) <= 1e-4 * abs(ref), (step, got[step], ref)
+    events = _events(run)
+    detected = [e for e in events if e["event"] == "failure_detected"]
+    done = [e for e in events if e["event"] == "recovery_done"]
+    assert len(detected) == len(done) == 1 and detected[0]["ranks"] == [3]
+    assert done[0]["mode"] == "live" and done[0]["layout"] == "(2,1)"
+    assert done[0]["moved_bytes"] == done[0]["minimum_bytes"] > 0
+    assert 0 < done[0]["recovery_s"] < done[0]["t"] - detected[0]["t"] + 1e-6
+    attempts = (run / "failover" / "attempts.jsonl").read_text().splitlines()
+    assert len(attempts) == 1  # no relaunch
+
+    # One replica of TP 2: nothing holds rank 1's shards any more, so the restart path takes over.
+    run, proc = _run(tmp_path, "fallback", "mesh.dp=1", "ntp.replica_tp=[2]", "fault=kill_rank",
+                     "fault.rank=1", "fault.step=3", "fault.recovery=live")
+    assert "falling back to the restart path" in proc.stdout
+    assert "no survivor holds" in proc.stderr
+    got = _last_losses(run)
+    assert sorted(got) == STEPS
+    for step, ref in reference.items():
+        assert abs(got[step] - ref) <= 1e-4 * abs(ref), (step, got[step], ref)
+    done = [e for e in _events(run) if e["event"] == "recovery_done"]
+    assert [e["mode"] for e in done] == ["restart"] and done[0]["layout"] == "(1)"
+
+
+def test_unknown_recovery_is_a_config_error(tmp_path):
+    proc = run_cli([*BASE, "fault.recovery=sideways", f"hydra.run.dir={tmp_path / 'r'}"], cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "fault.recovery" in proc.stderr and "live" in proc.stderr
+    assert "Traceback" not in proc.stderr
