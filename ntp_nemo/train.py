@@ -57,7 +57,8 @@ def train(cfg: DictConfig) -> dict:
     if cfg.trainer.get("dry_run"):  # validates by itself, reads no data, starts no worker
         from ntp_nemo.dry_run import run_dry
 
-        return run_dry(cfg, Path(HydraConfig.get().runtime.output_dir), say)
+        # Under torchrun/SLURM every process gets here: global rank 0 alone runs it and writes the file.
+        return run_dry(cfg, Path(HydraConfig.get().runtime.output_dir), say) if launcher_rank() == 0 else {}
     from ntp_nemo.config import checks
     from ntp_nemo.config.layout import resolve_layout
     from ntp_nemo.config.validate import check_environment, validate
