@@ -18,18 +18,15 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from ntp_nemo.parallel.shard import unit_interval
 from ntp_nemo.pipeline.engine import ActivationMeter, Backward, PipelineEngine, StepTrace, _default_backward
 from ntp_nemo.pipeline.p2p import StageLinks
-from ntp_nemo.pipeline.schedule import FORWARD, interleaved_order
+from ntp_nemo.pipeline.schedule import FORWARD, interleaved_layers, interleaved_order
 from ntp_nemo.topology import Topology
 
 
 def chunk_layers(num_layers: int, pp: int, v: int, stage: int) -> list[range]:
     """Global layer indices of each chunk of `stage` (virtual stage c * pp + stage, balanced split)."""
-    if num_layers < pp * v:
-        raise ValueError(f"{num_layers} layers cannot fill {pp} stages x {v} virtual stages")
-    return [range(*unit_interval(c * pp + stage, pp * v, num_layers)) for c in range(v)]
+    return interleaved_layers(num_layers, pp, v, stage)
 
 
 def stage_layers(num_layers: int, pp: int, v: int, stage: int) -> list[int]:

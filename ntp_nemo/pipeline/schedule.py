@@ -57,6 +57,16 @@ SCHEDULES: dict[str, Callable[[int, int, int], list[Action]]] = {
 INTERLEAVED = "interleaved_1f1b"
 
 
+def interleaved_layers(num_layers: int, pp: int, v: int, stage: int) -> list[range]:
+    """Global layer indices of each chunk of `stage`: virtual stage `c * pp + stage` of an even split
+    of the layers into `pp * v` virtual stages."""
+    n = pp * v
+    if num_layers < n:
+        raise ValueError(f"{num_layers} layers cannot fill {pp} stages x {v} virtual stages")
+    return [range(((c * pp + stage) * num_layers) // n, ((c * pp + stage + 1) * num_layers) // n)
+            for c in range(v)]
+
+
 def _interleaved_sequence(pp: int, m: int, v: int, backward: bool) -> list[tuple[int, int]]:
     """(chunk, micro-batch) in execution order: groups of `pp` micro-batches, chunk-major inside."""
     seq = []
