@@ -178,6 +178,7 @@ def main() -> None:
     root = Path(args.dir or tempfile.mkdtemp(prefix="ntp-ckpt-bench-"))
     root.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
+    load_before = os.getloadavg()
     try:
         best, sizes, (blocking, committed, dcp_blocking) = run_workers(
             one_process_worker, 1, cfg, one, str(root), args.repeat)[0]
@@ -215,11 +216,17 @@ def main() -> None:
     print(f"async save (1 process): blocks {blocking[0]:.3f} s (cpu {blocking[1]:.2f} s) against the "
           f"synchronous save's {sync_save[0]:.3f} s; committed after {committed:.3f} s; "
           f"DCP async_save blocks {dcp_b}")
-    print(f"bench wall time {time.perf_counter() - t_start:.0f} s")
+    load_after = os.getloadavg()
+    print(f"bench wall time {time.perf_counter() - t_start:.0f} s; load average (1 min) {load_before[0]:.1f} "
+          f"before, {load_after[0]:.1f} after, on {os.cpu_count()} CPUs")
     x = best["torch"][0][0] / sync_save[0]
     y = best["torch"][1][0] / best["ntp"][1][0]
     z = best["torch"][1][0] / rl[0]
     w = blocking[0] / sync_save[0]
+    cx, cy = best["torch"][0][1] / sync_save[1], best["torch"][1][1] / best["ntp"][1][1]
+    print(f"same ratios on CPU seconds (a busy shared machine stretches wall time, not CPU time): "
+          f"save={cx:.2f} load={cy:.2f} reshard_load={best['torch'][1][1] / rl[1]:.2f} "
+          f"async_blocking={blocking[1] / sync_save[1]:.3f}")
     print(f"ratio save={x:.2f} load={y:.2f} reshard_load={z:.2f} async_blocking={w:.3f}")
 
 

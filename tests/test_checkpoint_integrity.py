@@ -172,3 +172,18 @@ def test_each_record_is_verified_once_per_load(pristine):
     verified = [rid for ranks_verified, _ in three for rid in ranks_verified]
     assert sorted(verified) == records  # across the 3 ranks: every record once, none twice
     assert sum(1 for v, _ in three if v) >= 2  # the work is shared
+
+
+def test_export_to_dcp_reads_back_with_stock_dcp(pristine, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from ntp_nemo.checkpoint.dcp_io import export_dcp
+
+    directory, values = pristine
+    out = export_dcp(directory / checkpoint_name(2), tmp_path / "dcp")
+    assert (out / ".metadata").is_file()
+    state = {f"model/{n}": torch.empty(v.shape) for n, v in values[2].items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, checkpoint_id=str(out), no_dist=True)
+    assert all(np.array_equal(state[f"model/{n}"].numpy(), v) for n, v in values[2].items())

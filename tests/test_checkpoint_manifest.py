@@ -210,3 +210,14 @@ def test_extra_that_cannot_reload_safely_is_refused_before_writing(tmp_path):
     msg = _one_process(_save_bad_extra, str(tmp_path))
     assert msg is not None and "weights_only" in msg
     assert list(tmp_path.iterdir()) == []
+
+
+def test_checkpoint_marked_corrupt_is_skipped_cheaply_and_not_counted_by_keep_last(ckpts):
+    from ntp_nemo.checkpoint.manifest import mark_corrupt
+
+    mark_corrupt(ckpts / checkpoint_name(2), "file data_00000_0.bin fails its xxh3_64 check (corrupted)")
+    chosen, skipped = _latest(ckpts)
+    assert chosen == ckpts / checkpoint_name(1)
+    assert len(skipped) == 1 and "data_00000_0.bin fails its xxh3_64 check" in skipped[0]
+    assert keep_last_k(ckpts, 1) == []  # the newest valid one stays; the corrupt one is left for inspection
+    assert sorted(p.name for p in ckpts.iterdir()) == [checkpoint_name(1), checkpoint_name(2)]

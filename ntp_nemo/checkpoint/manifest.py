@@ -256,12 +256,14 @@ def keep_last_k(directory: str | os.PathLike, k: int | None) -> list[Path]:
     """Delete all but the `k` newest committed checkpoints (k None or < 1 keeps everything).
 
     Also removes `.tmp` leftovers of saves older than the newest committed checkpoint (a save that
-    died); corrupt directories are left alone for inspection.  Returns the removed paths.
+    died); corrupt directories (also those marked corrupt at load) are left alone for inspection and
+    do not count among the `k`.  Returns the removed paths.
     """
     directory = Path(directory)
     if k is None or k < 1 or not directory.is_dir():
         return []
-    committed = [c for c in _candidates(directory) if (c.path / MANIFEST).is_file()]
+    committed = [c for c in _candidates(directory)
+                 if (c.path / MANIFEST).is_file() and not (c.path / CORRUPT_MARKER).exists()]
     removed = [c.path for c in committed[k:]]
     if committed:
         newest = committed[0].step

@@ -127,7 +127,7 @@ def load_targets(
             buf = optimizer.state.get(p, {}).get(state_key)  # refilled in place when it fits
             if not (isinstance(buf, torch.Tensor) and tuple(buf.shape) == tuple(st_spec.local_shape)
                     and buf.dtype == dtype and buf.device == p.device):
-                buf = torch.empty(st_spec.local_shape, dtype=dtype, device=p.device)  # every element is read
+                buf = torch.zeros(st_spec.local_shape, dtype=dtype, device=p.device)
             targets[optim_key(name, state_key)] = NamedSlice(st_spec, buf)
     return targets, problems
 
