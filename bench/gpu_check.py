@@ -3,7 +3,9 @@
     python bench/gpu_check.py [--steps 20] [--only default,ntp,ckpt,llama] [--json gpu_check.json]
 
 1. `default`: the default recipe (gpt_tiny) through the real `ntp-train` CLI on cuda:0 (world 1,
-   `trainer=gpu`: bf16-mixed), against the same run on CPU in float32 (bf16 tolerance).
+   `trainer=gpu`: bf16-mixed), against the same run on CPU in float32 (bf16 tolerance); and the GPU
+   runs' process-group backend `cpu:gloo,cuda:nccl` on the one GPU (a world-1 group: an NCCL
+   all-reduce of a CUDA tensor and a gloo object all-gather; a world-1 run itself needs no group).
 2. `ntp`: an NTP layout (2,1) of three processes sharing cuda:0 over gloo with CUDA tensors, against
    the single-process curve on cuda:0, in float32 and in bf16-mixed.  (NCCL refuses two ranks on one
    GPU, so the collectives run over gloo here; on several GPUs the default is `cpu:gloo,cuda:nccl`.)
@@ -147,15 +149,45 @@ def cli(overrides: list[str], run_dir: Path, log: Path, env: dict | None = None)
     return run([sys.executable, "-m", "ntp_nemo.train", *overrides, f"hydra.run.dir={run_dir}"], log, env=env)
 
 
+def worker_backend(out: Path) -> None:
+    """In a child process: the GPU runs' process-group backend, `cpu:gloo,cuda:nccl` (world 1, the one
+    GPU): an all-reduce of a CUDA tensor (NCCL) and an object all-gather (gloo)."""
+    import tempfile as tf
+
+    import torch
+    import torch.distributed as dist
+
+    from ntp_nemo.lightning.strategy import default_backend
+
+    torch.cuda.set_device(0)
+    device = torch.device("cuda", 0)
+    backend = default_backend(device)
+    with tf.TemporaryDirectory() as d:
+        dist.init_process_group(backend, store=dist.FileStore(f"{d}/store", 1), rank=0, world_size=1,
+                                device_id=device)
+        t = torch.full((4,), 2.0, device=device)
+        dist.all_reduce(t)
+        objs = [None]
+        dist.all_gather_object(objs, {"rank": 0})
+        out.write_text(json.dumps({"backend": backend, "all_reduce_ok": bool((t == 2.0).all().item()),
+                                   "all_gather_object": objs}))
+        dist.destroy_process_group()
+
+
 def part_default(tmp: Path, steps: int) -> dict:
     gpu, cpu = tmp / "default_gpu", tmp / "default_cpu"
     rc_gpu = cli([*tiny_overrides(steps), "trainer=gpu"], gpu, tmp / "default_gpu.log")
     rc_cpu = cli([*tiny_overrides(steps)], cpu, tmp / "default_cpu.log")
     got, ref = read_losses(gpu), read_losses(cpu)
     cmp = compare_curves(got, ref, BF16_RTOL)
+    pg = tmp / "backend.json"
+    rc_pg = run([sys.executable, __file__, "--worker-backend", str(pg)], tmp / "backend.log")
+    backend = json.loads(pg.read_text()) if rc_pg == 0 and pg.exists() else {"rc": rc_pg}
     return {
-        "ok": rc_gpu == 0 and rc_cpu == 0 and cmp["ok"] and len(got) == steps and got[-1] < got[0],
+        "ok": rc_gpu == 0 and rc_cpu == 0 and cmp["ok"] and len(got) == steps and got[-1] < got[0]
+        and backend.get("all_reduce_ok") is True,
         "rc": [rc_gpu, rc_cpu],
+        "process_group": backend,
         "gpu_bf16_vs_cpu_fp32": cmp,
         "first_loss": got[0] if got else None,
         "final_loss": got[-1] if got else None,
@@ -313,10 +345,14 @@ def main() -> int:
     ap.add_argument("--keep", help="keep run directories and logs here (default: a temporary directory)")
     ap.add_argument("--worker-ntp", nargs=4, help=argparse.SUPPRESS)
     ap.add_argument("--worker-llama", nargs=6, help=argparse.SUPPRESS)
+    ap.add_argument("--worker-backend", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker_ntp:
         d, layout, precision, steps = args.worker_ntp
         worker_ntp(Path(d), layout, precision, int(steps))
+        return 0
+    if args.worker_backend:
+        worker_backend(Path(args.worker_backend))
         return 0
     if args.worker_llama:
         p, precision, mb, seq, steps, peak = args.worker_llama

@@ -233,3 +233,11 @@ def test_supervisor_relaunches_on_the_survivors_devices(tmp_path: Path, monkeypa
     assert sup.lost_devices == {0, 1}
     recs = (tmp_path / FAILOVER_DIR / ATTEMPTS_FILE).read_text().splitlines()
     assert len(recs) == 3 and '"devices": [2, 3]' in recs[2]
+
+
+def test_process_group_backend_fits_the_device():
+    """CUDA workers: NCCL for the training tensors and gloo beside it for CPU-side objects."""
+    from ntp_nemo.lightning.strategy import default_backend
+
+    assert default_backend(torch.device("cuda", 1)) == "cpu:gloo,cuda:nccl"
+    assert default_backend(torch.device("cpu")) == "gloo"
