@@ -104,7 +104,7 @@ def main() -> None:
           f"buckets {args.bucket_mb} MiB; "
           f"gloo, 1 thread per rank; median of {args.steps} steps; load average before: "
           f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
-    header = ("layout", "compute ms", "sync ms", "blocking ms", "overlap ms", "hidden", "buckets (in bwd)")
+    header = ("layout", "compute ms", "sync ms", "blocking ms", "overlap ms", "hidden", "in bwd/buckets")
     print(f"{header[0]:<14} {header[1]:>10} {header[2]:>8} {header[3]:>11} {header[4]:>10} {header[5]:>7} "
           f"{header[6]:>17}")
     out = []
@@ -113,7 +113,8 @@ def main() -> None:
                           args.micro_batch_size, args.seq_len, args.bucket_mb, args.steps)
         t = summarize(res)
         hidden = (t["blocking"] - t["overlapped"]) / t["sync"] if t["sync"] > 0 else 0.0
-        buckets = f"{max(r['buckets'] for r in res)} ({min(r['launched_in_backward'] for r in res)})"
+        # over all ranks: buckets launched from the backward's hooks (fewest over the steps) / buckets
+        buckets = f"{sum(r['launched_in_backward'] for r in res)}/{sum(r['buckets'] for r in res)}"
         row = {"layout": name, **{k + "_s": v for k, v in t.items()}, "hidden_fraction": hidden,
                "buckets": buckets}
         out.append(row)

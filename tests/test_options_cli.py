@@ -1,0 +1,57 @@
+"""The memory/overlap options through the real `ntp-train` CLI: all on (recomputation, distributed
+optimizer, overlapped sync, interleaved 1F1B with 2 virtual stages) on PP 2 x replicas (2, 1), the loss
+curve follows the single-process run without them; a bad value fails before launch with exit code 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import SINGLE, TINY, read_metrics, run_cli
+
+OPTIONS = ["model.recompute=full", "optim.distributed=true", "ntp.overlap_grad_sync=true",
+           "ntp.grad_bucket_mb=0.01", "mesh.pp=2", "layout.schedule=interleaved_1f1b",
+           "layout.virtual_stages=2"]
+LAYERS = ["model.num_layers=4"]
+STEPS = 4
+
+
+@pytest.mark.slow
+def test_all_options_on_pp2_replicas_2_1_follow_the_plain_single_process_curve(tmp_path):
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    proc = run_cli([*TINY, *LAYERS, *SINGLE, f"trainer.max_steps={STEPS}", f"hydra.run.dir={ref}"],
+                   cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_cli([*TINY, *LAYERS, "mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]", *OPTIONS,
+                    f"trainer.max_steps={STEPS}", f"hydra.run.dir={run}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ("memory options: recompute=full, optimizer=DistributedAdamW, gradient sync=overlapped with the "
+            "backward") in proc.stdout, proc.stdout[-2000:]
+    want = [m["loss"] for m in read_metrics(ref)]
+    got = [m["loss"] for m in read_metrics(run)]
+    assert len(got) == len(want) == STEPS
+    for step, (a, b) in enumerate(zip(got, want, strict=True), 1):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: {a} vs {b}"
+
+
+def test_bad_option_exits_2_before_launch(tmp_path):
+    proc = run_cli([*TINY, *SINGLE, "model.recompute=partial", f"hydra.run.dir={tmp_path / 'run'}"],
+                   cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "model.recompute" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["model.recompute_every=0"], "model.recompute_every"),
+    (["mesh.pp=2", "layout.schedule=interleaved_1f1b"], "layout.virtual_stages"),
+    (["mesh.pp=2", "layout.schedule=interleaved_1f1b", "layout.virtual_stages=3"], "layout.virtual_stages"),
+    (["layout.schedule=interleaved_1f1b", "layout.virtual_stages=2"], "layout.schedule"),
+])
+def test_bad_option_values_name_the_key(overrides, key):
+    from ntp_nemo.config.validate import validate
+    from ntp_nemo.errors import ConfigError
+    from tests.conftest import compose
+
+    cfg = compose([*TINY, *SINGLE, *overrides])  # TINY: 2 layers
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert err.value.key == key, err.value
