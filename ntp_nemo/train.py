@@ -43,6 +43,9 @@ def _quiet_libraries() -> None:
     """Lightning logs through its own handler; stop Hydra's root handler from printing it twice."""
     for name in ("lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).propagate = False
+    # "Terminating process N via signal SIGTERM": torch stopping the other workers after one failed;
+    # the supervisor reports the failure and what it does about it.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
     warnings.filterwarnings("ignore", message=".*sync_dist=True.*")
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
@@ -154,7 +157,11 @@ def train(cfg: DictConfig) -> dict:
         GoodputRecorder(run_dir).record("job_start", layout=topo.describe())
     t0 = time.time()
     supervisor.initial_resume = ckpt_path
-    result = supervisor.run((trainer, module, strategy), ckpt_path)
+    try:
+        result = supervisor.run((trainer, module, strategy), ckpt_path)
+    except Exception:
+        _raise_if_found_corrupt(ckpt_path)
+        raise
     if launcher_rank() != 0:
         return {}  # summary.json has one writer, global rank 0, which also reads and prints it
     summary_path = run_dir / "summary.json"
@@ -215,6 +222,16 @@ def invocation_stats(run_dir: Path, since: float) -> dict:
         "final_loss": recs[-1]["loss"],
         "tokens_per_s": sum(r["tokens"] for r in steady) / secs if secs > 0 else None,
     }
+
+
+def _raise_if_found_corrupt(ckpt_path: Path | None) -> None:
+    """The workers verify the data while loading (the check before launch reads only metadata); when
+    they found a bad file in the checkpoint to resume from and had nothing to fall back to, they marked
+    it corrupt: answer like any bad resume path (exit 2, naming the file), not with their traceback."""
+    from ntp_nemo.checkpoint.manifest import CORRUPT_MARKER, checkpoint_problem, invalid_checkpoint_error
+
+    if ckpt_path is not None and (Path(ckpt_path) / CORRUPT_MARKER).is_file():
+        raise invalid_checkpoint_error(ckpt_path, checkpoint_problem(ckpt_path), "resume") from None
 
 
 def _checkpoint_step(path: Path) -> int:
