@@ -158,7 +158,11 @@ def train(cfg: DictConfig) -> dict:
     t0 = time.time()
     supervisor.initial_resume = ckpt_path
     try:
+        try:
         result = supervisor.run((trainer, module, strategy), ckpt_path)
+    except Exception:
+        _raise_if_found_corrupt(ckpt_path)
+        raise
     except Exception:
         _raise_if_found_corrupt(ckpt_path)
         raise
@@ -222,6 +226,16 @@ def invocation_stats(run_dir: Path, since: float) -> dict:
         "final_loss": recs[-1]["loss"],
         "tokens_per_s": sum(r["tokens"] for r in steady) / secs if secs > 0 else None,
     }
+
+
+def _raise_if_found_corrupt(ckpt_path: Path | None) -> None:
+    """The workers verify the data while loading (the check before launch reads only metadata); when
+    they found a bad file in the checkpoint to resume from and had nothing to fall back to, they marked
+    it corrupt: answer like any bad resume path (exit 2, naming the file), not with their traceback."""
+    from ntp_nemo.checkpoint.manifest import CORRUPT_MARKER, checkpoint_problem, invalid_checkpoint_error
+
+    if ckpt_path is not None and (Path(ckpt_path) / CORRUPT_MARKER).is_file():
+        raise invalid_checkpoint_error(ckpt_path, checkpoint_problem(ckpt_path), "resume") from None
 
 
 def _raise_if_found_corrupt(ckpt_path: Path | None) -> None:
