@@ -51,6 +51,7 @@ def test_ctrl_c_checkpoints_then_resume_has_no_duplicate_steps(tmp_path):
     out = proc.communicate(timeout=240)[0]
     assert proc.returncode == 0, out
     assert "interrupted (Ctrl-C): checkpointing at step" in out
+    assert "| data embedded corpus (Python standard library)" in out  # what the user chose, not a cache file
     stopped = json.loads((run / "summary.json").read_text())
     step = stopped["steps"]
     assert stopped["stopped_early"] == "SIGINT" and 2 <= step < 400
