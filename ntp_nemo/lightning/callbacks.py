@@ -21,9 +21,13 @@ class MetricsJSONL(Callback):
         self.history: list[dict[str, Any]] = []
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Keep only the steps up to the one training resumes from (all of them are redone after it):
-        a fresh start rewrites the file, a resume or a failover relaunch never duplicates a step."""
+        """A command keeps only the steps up to the one it resumes from (all later ones are redone):
+        a fresh start rewrites the file, a rerun that resumes never duplicates a step. Relaunches after
+        a failure inside one command (a supervisor's attempt > 0) append, so the steps they redo stay
+        visible next to the goodput report's wasted progress."""
         if not trainer.is_global_zero:
+            return
+        if any(getattr(cb, "attempt", 0) > 0 for cb in trainer.callbacks):
             return
         start = int(trainer.global_step)
         kept: list[str] = []
