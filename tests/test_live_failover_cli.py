@@ -72,6 +72,20 @@ def test_live_recovery_and_fallback_through_the_cli(tmp_path):
     assert [e["mode"] for e in done] == ["restart"] and done[0]["layout"] == "(1)"
 
 
+@pytest.mark.slow
+def test_hung_rank_is_killed_and_the_survivors_go_on(tmp_path):
+    # Rank 2 stops making progress when step 3 starts; its heartbeat goes stale after 4 s, the monitor
+    # kills it (before the 8 s collective timeout) and it is handled as a lost rank.
+    run, proc = _run(tmp_path, "hang", "fault=hang", "fault.rank=2", "fault.step=3", "fault.recovery=live",
+                     "fault.heartbeat_timeout_s=4", "fault.collective_timeout_s=8", "fault.step_timeout_s=60")
+    assert "process 2 hung" in proc.stdout and "the survivors reshard in place" in proc.stdout
+    metrics = read_metrics(run)
+    assert [m["step"] for m in metrics] == STEPS
+    assert [m["layout"] for m in metrics] == ["(2,2)"] * 2 + ["(2,1)"] * 6
+    done = [e for e in _events(run) if e["event"] == "recovery_done"]
+    assert [e["mode"] for e in done] == ["live"]
+
+
 def test_unknown_recovery_is_a_config_error(tmp_path):
     proc = run_cli([*BASE, "fault.recovery=sideways", f"hydra.run.dir={tmp_path / 'r'}"], cwd=tmp_path)
     assert proc.returncode == 2

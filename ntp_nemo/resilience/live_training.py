@@ -16,9 +16,10 @@ Three pieces, used by the supervisor when `fault.recovery=live`:
   step with the same global batch.  Goodput: `failure_detected` at detection, `recovery_done` with
   `mode: live`, `moved_bytes`, `minimum_bytes` and `recovery_s` (detection to resharded state).
 
-Limits: process 0 must survive and stay rank 0 (Lightning's results and the rank-0 callbacks live
-there), else the restart path runs; a hang is not detected by the monitor (the collective timeout makes
-the survivors fall back); CPU/gloo only (sockets are severed to stop a broken generation).
+A hung rank (heartbeat older than `fault.heartbeat_timeout_s`, behind the others) is killed by the monitor
+and then handled as a lost one.  Limits: process 0 must survive and stay rank 0 (Lightning's results and
+the rank-0 callbacks live there), else the restart path runs; CPU/gloo only (sockets are severed to stop
+a broken generation).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -35,6 +37,7 @@ from lightning.pytorch import Callback
 
 from ntp_nemo.lightning.strategy import _ForkLauncher
 from ntp_nemo.resilience.detection import Verdict, is_lost_status, kill_worker
+from ntp_nemo.resilience.heartbeat import read_beats, suspects
 from ntp_nemo.resilience.live import rebind_optimizer
 from ntp_nemo.resilience.policies import Layout, make_policy
 from ntp_nemo.resilience.recovery import Generation, recover
@@ -101,11 +104,13 @@ class LiveMonitor(threading.Thread):
     """Watches the workers of a live attempt: a lost one is published on the store for the survivors;
     survivors falling back, a lost process 0 or a Python error in a worker stop the attempt."""
 
-    def __init__(self, launcher: LiveLauncher, world_size: int, poll_s: float = 0.05,
-                 grace_s: float = 0.1) -> None:
+    def __init__(self, launcher: LiveLauncher, world_size: int, heartbeat_dir: Path | None = None,
+                 heartbeat_s: float | None = None, poll_s: float = 0.05, grace_s: float = 0.1) -> None:
         super().__init__(name="ntp-live-monitor", daemon=True)
         self.launcher = launcher
         self.world_size = world_size
+        self.heartbeat_dir, self.heartbeat_s = heartbeat_dir, heartbeat_s
+        self._hung: set[int] = set()
         self.poll_s, self.grace_s = poll_s, grace_s
         self.verdict: Verdict | None = None
         self.killed: set[int] = set()
@@ -134,6 +139,7 @@ class LiveMonitor(threading.Thread):
         while not self._halt.wait(self.poll_s):
             exited = [i for i, p in enumerate(procs) if i not in seen and p.exitcode is not None]
             if not exited:
+                self._kill_hung(procs, self.world_size - len(self.launcher.lost))
                 continue
             time.sleep(self.grace_s)  # a failure taking several ranks: collect them all
             exited = [i for i, p in enumerate(procs) if i not in seen and p.exitcode is not None]
@@ -160,6 +166,24 @@ class LiveMonitor(threading.Thread):
                 self._stop_all(procs, "a worker raised", ())
                 self.verdict = None
                 return
+
+
+    def _kill_hung(self, procs, world: int) -> None:
+        """A rank whose heartbeat is older than the heartbeat timeout while it trains, and behind the
+        others, is hung: kill it, so that it is handled as a lost rank (its peers' collectives fail)."""
+        if self.heartbeat_dir is None or self.heartbeat_s is None:
+            return
+        beats = read_beats(self.heartbeat_dir, world)
+        now = time.time()
+        if len(beats) < world or not any(b.training and now - b.t > self.heartbeat_s for b in beats.values()):
+            return
+        pids = {beats[r].pid for r in suspects(beats, world)}
+        for i, p in enumerate(procs):
+            if p.pid in pids and p.exitcode is None and i != 0 and i not in self._hung:
+                self._hung.add(i)
+                print(f"failover | live: process {i} hung (no heartbeat for {self.heartbeat_s:.0f} s); "
+                      "killing it to recover without it", flush=True)
+                kill_worker(p.pid)
 
 
 # ---- worker process -------------------------------------------------------------------------------------

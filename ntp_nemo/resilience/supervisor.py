@@ -374,7 +374,8 @@ class Supervisor:
             from ntp_nemo.resilience.live_training import LiveLauncher, LiveMonitor
 
             trainer.strategy._launcher = LiveLauncher(trainer.strategy)
-            monitor = LiveMonitor(trainer.strategy.launcher, layout.world_size)
+            monitor = LiveMonitor(trainer.strategy.launcher, layout.world_size, self.heartbeat_dir,
+                                  self.timeouts.heartbeat_s)
         else:
             monitor = WorkerMonitor(
                 lambda: getattr(trainer.strategy.launcher, "procs", None),
