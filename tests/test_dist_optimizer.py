@@ -88,3 +88,21 @@ def test_checkpoint_is_topology_independent_with_and_without_the_distributed_opt
     # Resuming the weights without the optimizer state continues differently: the state mattered.
     for losses in (cont["without_state"], back["without_state"]):
         assert abs(losses[-1] - ref[-1]) > 1e-5 * abs(ref[-1]), (losses, ref)
+
+
+def test_planner_counts_the_sharded_optimizer_state():
+    from ntp_nemo.planner import DeviceModel, plan_layout
+    from tests.test_planner_plan import SLOW_LINKS, SMALL
+
+    dev = DeviceModel(peak_tflops=1.0, efficiency=1.0)
+    free = plan_layout(SMALL, 4, [4, 4, 4, 4], 64, 1, SLOW_LINKS, device=dev)
+    free_dist = plan_layout(SMALL, 4, [4, 4, 4, 4], 64, 1, SLOW_LINKS, device=dev, distributed_optimizer=True)
+    assert free.layer_tp == free_dist.layer_tp == [1] * 6  # slow links: no TP unless memory forces it
+    # 4 + 12 / 4 of the 16 state bytes per parameter (activations unchanged)
+    assert max(free_dist.memory_gb) < 0.6 * max(free.memory_gb)
+    limit = 0.7 * max(free.memory_gb)
+    tight = plan_layout(SMALL, 4, [4, 4, 4, 4], 64, 1, SLOW_LINKS, limit, device=dev)
+    relaxed = plan_layout(SMALL, 4, [4, 4, 4, 4], 64, 1, SLOW_LINKS, limit, device=dev,
+                          distributed_optimizer=True)
+    assert tight.layer_tp != free.layer_tp and relaxed.layer_tp == free.layer_tp
+    assert relaxed.time_per_microbatch_s < tight.time_per_microbatch_s

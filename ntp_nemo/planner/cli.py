@@ -29,7 +29,8 @@ from ntp_nemo.planner.shapes import DeviceModel, LinkModel, ModelShape
 CONFIG_DIR = conf_dir() / "sim"
 USAGE = (
     __doc__
-    + "\nOther keys: mesh.dp, data.seq_len, data.micro_batch_size, recompute=true|false, format=json.\n"
+    + "\nOther keys: mesh.dp, data.seq_len, data.micro_batch_size, recompute=true|false,\n"
+    + "distributed_optimizer=true|false, format=json.\n"
 )
 
 
@@ -114,6 +115,7 @@ def plan_from_config(cfg: DictConfig, train_model: DictConfig | None = None) -> 
         pp=mesh.get("pp", 1),
         device=device,
         recompute=bool(raw.get("recompute", False)),
+        distributed_optimizer=bool(raw.get("distributed_optimizer", False)),
     )
 
 

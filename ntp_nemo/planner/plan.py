@@ -164,11 +164,14 @@ def plan_layout(
     pp: int = 1,
     device: DeviceModel | None = None,
     recompute: bool = False,
+    distributed_optimizer: bool = False,
 ) -> Plan:
     """Choose per-item degrees (layout.layer_tp) and batch shares minimising modelled step time.
 
     Keyword-only extras: `pp` pipeline stages (memory and period per stage), `device` compute
-    speed and bytes per parameter (default: H100-class), `recompute` full activation recomputation.
+    speed and bytes per parameter (default: H100-class), `recompute` full activation recomputation,
+    `distributed_optimizer` the fp32 master and Adam moments (12 of the per-parameter state bytes)
+    split over the replicas holding each fragment (`optim.distributed=true`).
     """
     links = links or LinkModel()
     device = device or DeviceModel()
@@ -187,6 +190,8 @@ def plan_layout(
             )
         return cache[(kind, degree)]
 
+    sharded = min(12.0, device.state_bytes_per_param) if distributed_optimizer else 0.0
+    state_per_param = device.state_bytes_per_param - sharded + sharded / len(replica_tp)
     shape = (len(sizes), len(kinds), max(len(c) for c in cands))
     time, mem = np.full(shape, np.inf), np.full(shape, np.inf)
     for u, n in enumerate(sizes):
@@ -194,9 +199,9 @@ def plan_layout(
             in_flight = pp - stages[i]  # 1F1B: stage s holds pp - s micro-batches of activations
             for c, t in enumerate(cands[i]):
                 ic = cost(kind, effective_degree(t, n))
-                state = ic.params * device.state_bytes_per_param
+                activations = ic.memory_bytes - ic.params * device.state_bytes_per_param
                 time[u, i, c] = ic.time_s
-                mem[u, i, c] = state + (ic.memory_bytes - state) * in_flight
+                mem[u, i, c] = ic.params * state_per_param + activations * in_flight
     onehot = np.zeros((len(kinds), pp))
     onehot[np.arange(len(kinds)), stages] = 1.0
     act_bytes = micro_batch_size * seq_len * model.hidden_size * device.act_bytes
