@@ -10,7 +10,9 @@ and per step (a barrier aligns the ranks' starts, median over `--steps` steps af
 - blocking step: forward/backward, then the blocking sync (`GradientSynchronizer.sync`);
 - overlapped step: forward/backward with the buckets launched from the post-accumulate-grad hooks
   (`OverlappedGradSync`), then `finish()` (wait for the rest);
-- hidden = (blocking step - overlapped step) / sync alone: the part of the sync time the overlap hides.
+- hidden = (blocking step - overlapped step) / sync alone: the part of the sync time the overlap hides;
+- lead: how long before the end of the backward the first bucket was launched (median, slowest rank
+  excluded: the smallest over ranks), the window in which communication can run beside compute.
 
 A step's time is the slowest rank's.  Each rank runs on one thread, and gloo's communication runs
 on its own threads: with fewer free cores than ranks x 2, communication and compute compete for
@@ -48,7 +50,7 @@ def overlap_worker(rank: int, world: int, cfg: ModelConfig, replica_tp: list[int
     micro = [toks[i * mbs : (i + 1) * mbs] for i in rt.my_microbatches(total_mb)]
     global_tokens = toks[:, 1:].numel()
     rows: dict[str, list[float]] = {"compute": [], "sync": [], "blocking": [], "overlapped": []}
-    launched = []
+    launched, lead = [], []
     for step in range(steps + 1):
         for kind in ("compute", "blocking", "overlapped"):
             model.zero_grad(set_to_none=False)
@@ -61,6 +63,8 @@ def overlap_worker(rank: int, world: int, cfg: ModelConfig, replica_tp: list[int
                 sync.sync()
             elif kind == "overlapped":
                 launched.append(ov.launched_in_backward)
+                if step:  # how long before the backward's end the first bucket was launched
+                    lead.append(time.perf_counter() - min(ov.launch_times, default=time.perf_counter()))
                 ov.finish()
             elapsed = time.perf_counter() - t0
             if kind == "compute":
@@ -73,6 +77,7 @@ def overlap_worker(rank: int, world: int, cfg: ModelConfig, replica_tp: list[int
                 rows[kind].append(elapsed)
     ov.remove()
     return {"rows": rows, "buckets": len(ov.buckets), "launched_in_backward": min(launched),
+            "lead_s": statistics.median(lead) if lead else 0.0,
             "grad_mib": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20}
 
 
@@ -104,9 +109,10 @@ def main() -> None:
           f"buckets {args.bucket_mb} MiB; "
           f"gloo, 1 thread per rank; median of {args.steps} steps; load average before: "
           f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
-    header = ("layout", "compute ms", "sync ms", "blocking ms", "overlap ms", "hidden", "in bwd/buckets")
+    header = ("layout", "compute ms", "sync ms", "blocking ms", "overlap ms", "hidden", "in bwd/buckets",
+              "lead ms")
     print(f"{header[0]:<14} {header[1]:>10} {header[2]:>8} {header[3]:>11} {header[4]:>10} {header[5]:>7} "
-          f"{header[6]:>17}")
+          f"{header[6]:>15} {header[7]:>8}")
     out = []
     for name, replica_tp in (("DP2 x TP1", [1, 1]), ("replicas (2,1)", [2, 1])):
         res = run_workers(overlap_worker, sum(replica_tp), cfg, replica_tp, args.microbatches,
@@ -115,11 +121,12 @@ def main() -> None:
         hidden = (t["blocking"] - t["overlapped"]) / t["sync"] if t["sync"] > 0 else 0.0
         # over all ranks: buckets launched from the backward's hooks (fewest over the steps) / buckets
         buckets = f"{sum(r['launched_in_backward'] for r in res)}/{sum(r['buckets'] for r in res)}"
+        lead = min(r["lead_s"] for r in res)
         row = {"layout": name, **{k + "_s": v for k, v in t.items()}, "hidden_fraction": hidden,
-               "buckets": buckets}
+               "buckets": buckets, "lead_s": lead}
         out.append(row)
         print(f"{name:<14} {t['compute'] * 1e3:>10.1f} {t['sync'] * 1e3:>8.1f} {t['blocking'] * 1e3:>11.1f} "
-              f"{t['overlapped'] * 1e3:>10.1f} {hidden:>7.2f} {buckets:>17}", flush=True)
+              f"{t['overlapped'] * 1e3:>10.1f} {hidden:>7.2f} {buckets:>15} {lead * 1e3:>8.1f}", flush=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     if args.json:
         with open(args.json, "w") as f:
