@@ -11,8 +11,8 @@ and per step (a barrier aligns the ranks' starts, median over `--steps` steps af
 - overlapped step: forward/backward with the buckets launched from the post-accumulate-grad hooks
   (`OverlappedGradSync`), then `finish()` (wait for the rest);
 - hidden = (blocking step - overlapped step) / sync alone: the part of the sync time the overlap hides;
-- lead: how long before the end of the backward the first bucket was launched (median, slowest rank
-  excluded: the smallest over ranks), the window in which communication can run beside compute.
+- lead: how long before the end of the backward the first bucket was launched (median over steps,
+  smallest over ranks): the window in which communication can run beside compute.
 
 A step's time is the slowest rank's.  Each rank runs on one thread, and gloo's communication runs
 on its own threads: with fewer free cores than ranks x 2, communication and compute compete for
