@@ -57,7 +57,13 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ntp_nemo.models.config import ModelConfig
-from ntp_nemo.parallel.grad_sync import Fragment, GradientSynchronizer, SyncPlan, param_descriptors
+from ntp_nemo.parallel.grad_sync import (
+    Fragment,
+    GradientSynchronizer,
+    SyncPlan,
+    build_sync_plan,
+    param_descriptors,
+)
 from ntp_nemo.parallel.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout, Topology
 
@@ -524,9 +530,12 @@ def dry_run(
     shape: StepShape,
     progress: Callable[[str], None] | None = None,
     measure_options: bool = True,
+    group_ranks: bool = True,
 ) -> DryRunResult:
     """One training step of every rank of `layout` on meta tensors and a fake process group; with
-    `measure_options`, also what each memory-saving option would save on the largest rank."""
+    `measure_options`, also what each memory-saving option would save on the largest rank.
+    `group_ranks=False` runs every rank's step and derives every rank's sync plan on its own (the
+    baseline `bench/dry_run.py` compares against; same results, slower)."""
     from ntp_nemo.pipeline.memory import in_flight
 
     say = progress or (lambda _msg: None)
@@ -543,19 +552,23 @@ def dry_run(
             slices[sig] = _build_slice(layout, ranks[0], cfg, shape)
     classes: dict[tuple, list[int]] = defaultdict(list)
     for r in range(world):
-        classes[slices[signature(topo, r)].key].append(r)
+        classes[slices[signature(topo, r)].key if group_ranks else r].append(r)
     say(f"{world} ranks: {len(by_signature)} distinct model slices, {len(classes)} distinct step shapes")
     timings["build_s"] = time.perf_counter() - t0
 
     t1 = time.perf_counter()
     descriptors = [slices[signature(topo, r)].descriptors for r in range(world)]
-    plans = build_sync_plans(descriptors, [c.replica for c in topo.coords])
+    replica_of = [c.replica for c in topo.coords]
+    if group_ranks:
+        plans = build_sync_plans(descriptors, replica_of)
+    else:
+        plans = [build_sync_plan(r, descriptors, replica_of) for r in range(world)]
     timings["sync_plans_s"] = time.perf_counter() - t1
 
     t2 = time.perf_counter()
     counts = layout.microbatch_counts()
     global_tokens = layout.num_microbatches * shape.micro_batch_size * shape.seq_len
-    steps: dict[tuple, _ClassStep] = {}
+    steps: dict[Any, _ClassStep] = {}
     for i, (key, ranks) in enumerate(classes.items()):
         r = ranks[0]
         with fake_world(r, world):
@@ -571,7 +584,7 @@ def dry_run(
         c = topo.coord(r)
         sig = signature(topo, r)
         sl = slices[sig]
-        step = steps[sl.key]
+        step = steps[sl.key if group_ranks else r]
         m = counts[c.replica]
         dp_bytes, dp_calls = plan_traffic(plans[r], descriptors[r], element, bucket)
         stage_slots = [0] * (c.stage == 0) + [i + 1 for i in topo.stage_layer_range(c.stage)]
