@@ -46,6 +46,8 @@ def _quiet_libraries() -> None:
     # "Terminating process N via signal SIGTERM": torch stopping the other workers after one failed;
     # the supervisor reports the failure and what it does about it.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    # modelopt checks the installed transformers version on import; ntp_nemo uses none of its HF paths.
+    warnings.filterwarnings("ignore", message=r"transformers .* is not tested with current version of model")
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
     warnings.filterwarnings("ignore", message=".*sync_dist=True.*")
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
@@ -158,11 +160,7 @@ def train(cfg: DictConfig) -> dict:
     t0 = time.time()
     supervisor.initial_resume = ckpt_path
     try:
-        try:
         result = supervisor.run((trainer, module, strategy), ckpt_path)
-    except Exception:
-        _raise_if_found_corrupt(ckpt_path)
-        raise
     except Exception:
         _raise_if_found_corrupt(ckpt_path)
         raise
@@ -226,16 +224,6 @@ def invocation_stats(run_dir: Path, since: float) -> dict:
         "final_loss": recs[-1]["loss"],
         "tokens_per_s": sum(r["tokens"] for r in steady) / secs if secs > 0 else None,
     }
-
-
-def _raise_if_found_corrupt(ckpt_path: Path | None) -> None:
-    """The workers verify the data while loading (the check before launch reads only metadata); when
-    they found a bad file in the checkpoint to resume from and had nothing to fall back to, they marked
-    it corrupt: answer like any bad resume path (exit 2, naming the file), not with their traceback."""
-    from ntp_nemo.checkpoint.manifest import CORRUPT_MARKER, checkpoint_problem, invalid_checkpoint_error
-
-    if ckpt_path is not None and (Path(ckpt_path) / CORRUPT_MARKER).is_file():
-        raise invalid_checkpoint_error(ckpt_path, checkpoint_problem(ckpt_path), "resume") from None
 
 
 def _raise_if_found_corrupt(ckpt_path: Path | None) -> None:
