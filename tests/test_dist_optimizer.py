@@ -10,6 +10,7 @@ with the distributed optimizer and resumes on other layouts without it and the r
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ntp_nemo.checkpoint import load, save_checkpoint
 from ntp_nemo.parallel.launch import run_workers
@@ -106,3 +107,21 @@ def test_planner_counts_the_sharded_optimizer_state():
                           distributed_optimizer=True)
     assert tight.layer_tp != free.layer_tp and relaxed.layer_tp == free.layer_tp
     assert relaxed.time_per_microbatch_s < tight.time_per_microbatch_s
+
+
+def low_precision_worker(rank: int, world: int) -> dict:
+    rt = NTPRuntime(_topology([2, 1]), rank)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        run = setup(rt, LLAMA, distributed=True, dtype=dtype)
+        out[str(dtype)] = run_steps(rt, run, LLAMA, 0, STEPS)[0]
+        out[f"{dtype} masters"] = sorted({str(o.master.dtype) for o in run.opt.owned if o.master is not None})
+    return out
+
+
+@pytest.mark.slow
+def test_bfloat16_parameters_update_through_float32_master_shards():
+    for res in run_workers(low_precision_worker, 3):
+        assert res["torch.float32 masters"] == [] and res["torch.bfloat16 masters"] == ["torch.float32"]
+        for got, want in zip(res["torch.bfloat16"], res["torch.float32"], strict=True):
+            assert abs(got - want) <= 1e-3 * abs(want), res
