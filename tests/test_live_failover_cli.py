@@ -73,17 +73,21 @@ def test_live_recovery_and_fallback_through_the_cli(tmp_path):
 
 
 @pytest.mark.slow
-def test_hung_rank_is_killed_and_the_survivors_go_on(tmp_path):
+def test_a_hang_then_a_second_failure_in_one_run(tmp_path):
     # Rank 2 stops making progress when step 3 starts; its heartbeat goes stale after 4 s, the monitor
-    # kills it (before the 8 s collective timeout) and it is handled as a lost rank.
-    run, proc = _run(tmp_path, "hang", "fault=hang", "fault.rank=2", "fault.step=3", "fault.recovery=live",
+    # kills it (before the 8 s collective timeout) and it is handled as a lost rank: (2,2) -> (2,1).
+    # Then rank 1 of that layout (replica 0) is killed at step 6: (2,1) -> (1,1), generation 2.
+    run, proc = _run(tmp_path, "hang", "fault=hang", "fault.rank=2", "fault.step=3",
+                     "fault.more=[{kind:kill_rank,rank:1,step:6}]", "fault.recovery=live",
                      "fault.heartbeat_timeout_s=4", "fault.collective_timeout_s=8", "fault.step_timeout_s=60")
     assert "process 2 hung" in proc.stdout and "the survivors reshard in place" in proc.stdout
     metrics = read_metrics(run)
     assert [m["step"] for m in metrics] == STEPS
-    assert [m["layout"] for m in metrics] == ["(2,2)"] * 2 + ["(2,1)"] * 6
+    assert [m["layout"] for m in metrics] == ["(2,2)"] * 2 + ["(2,1)"] * 3 + ["(1,1)"] * 3
     done = [e for e in _events(run) if e["event"] == "recovery_done"]
-    assert [e["mode"] for e in done] == ["live"]
+    assert [(e["mode"], e["layout"], e["generation"]) for e in done] == [("live", "(2,1)", 1),
+                                                                        ("live", "(1,1)", 2)]
+    assert (run / "failover" / "attempts.jsonl").read_text().count("\n") == 1
 
 
 def test_unknown_recovery_is_a_config_error(tmp_path):
