@@ -73,6 +73,7 @@ class _Owned:
         self.master = torch.zeros(numel, dtype=dtype, device=device) if low_precision else None
         self.segments: list[_Segment] = []
         self.grad: torch.Tensor | None = None  # the reduced gradient of the owned part, this step
+        self.sending: torch.Tensor | None = None  # the packed bucket of an asynchronous reduce-scatter
 
 
 def _flat_piece(t: torch.Tensor, f: Fragment, offset: int, length: int) -> torch.Tensor:
@@ -172,9 +173,10 @@ class DistributedAdamW(torch.optim.Optimizer):
     def bucket_launch(self, b_index: int, grads: dict[str, torch.Tensor]):
         """Asynchronous reduce-scatter of bucket `b_index` (for the overlapped sync); returns the work."""
         b, own = self.buckets[b_index], self.owned[b_index]
-        flat = pack(b, grads)
-        own.grad = flat.new_empty(b.chunk)
-        return dist.reduce_scatter_single(own.grad, flat, group=self.group_of(b.holders), async_op=True)
+        own.sending = pack(b, grads)  # kept alive until the step: the collective reads it asynchronously
+        own.grad = own.sending.new_empty(b.chunk)
+        group = self.group_of(b.holders)
+        return dist.reduce_scatter_single(own.grad, own.sending, group=group, async_op=True)
 
     @torch.no_grad()
     def take_local_grads(self) -> None:
@@ -267,7 +269,7 @@ class DistributedAdamW(torch.optim.Optimizer):
             p = self.named[s.frag.name]
             fragment_view(p, s.frag).copy_(buf.view(fragment_view(p, s.frag).shape).to(p.dtype))
         for own in self.owned:
-            own.grad = None
+            own.grad = own.sending = None
         self._grads_ready = False
         return None
 
