@@ -134,7 +134,10 @@ class NTPLanguageModule(pl.LightningModule):
         lr = sched.get_last_lr()[0]
         values = rt.read_step_scalars(fused)  # the step's one host read
         skipped = values["nonfinite"] > 0
-        if not skipped:
+        if skipped:  # no update, but Lightning still counts the step (global_step stays the batch step)
+            opt._on_before_step()
+            opt._on_after_step()
+        else:
             opt.step()
         opt.zero_grad(set_to_none=False)
         sched.step()
