@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from ntp_nemo.goodput import compute_goodput, load_events
 from tests.conftest import TINY, read_metrics, run_cli
 
 BASE = [*TINY, "mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,2]", "trainer.max_steps=8",
@@ -58,6 +59,9 @@ def test_live_recovery_and_fallback_through_the_cli(tmp_path):
     assert 0 < done[0]["recovery_s"] < done[0]["t"] - detected[0]["t"] + 1e-6
     attempts = (run / "failover" / "attempts.jsonl").read_text().splitlines()
     assert len(attempts) == 1  # no relaunch
+    report = compute_goodput(load_events(run))
+    assert report.failures == 1 and report.steps_redone == 0
+    assert [r["mode"] for r in report.failure_recoveries] == ["live"]
 
     # One replica of TP 2: nothing holds rank 1's shards any more, so the restart path takes over.
     run, proc = _run(tmp_path, "fallback", "mesh.dp=1", "ntp.replica_tp=[2]", "fault=kill_rank",
@@ -70,6 +74,7 @@ def test_live_recovery_and_fallback_through_the_cli(tmp_path):
         assert abs(got[step] - ref) <= 1e-4 * abs(ref), (step, got[step], ref)
     done = [e for e in _events(run) if e["event"] == "recovery_done"]
     assert [e["mode"] for e in done] == ["restart"] and done[0]["layout"] == "(1)"
+    assert [r["mode"] for r in compute_goodput(load_events(run)).failure_recoveries] == ["restart"]
 
 
 @pytest.mark.slow

@@ -82,6 +82,7 @@ class Timeline:
     recoveries: list[Span] = field(default_factory=list)
     idle: list[Span] = field(default_factory=list)
     recoveries_done: list[tuple[float, str]] = field(default_factory=list)
+    recovery_modes: list[tuple[float, str]] = field(default_factory=list)  # live | restart, by time
 
 
 @dataclass
@@ -99,6 +100,8 @@ class GoodputReport:
     lifetimes: int = 1
     idle_s: float = 0.0
     productive_by_layout: dict[str, float] = field(default_factory=dict)
+    # Per failure: how it was recovered (live | restart) and the time from it to the next completed step.
+    failure_recoveries: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def effective_goodput(self) -> float:
@@ -274,6 +277,7 @@ class _LifetimeParser:
 
     def _on_recovery_done(self, e: Mapping[str, Any], t: float, prev_t: float) -> None:
         self.tl.recoveries_done.append((t, str(e.get("layout", ""))))
+        self.tl.recovery_modes.append((t, str(e.get("mode", "restart"))))
 
     def _on_job_end(self, e: Mapping[str, Any], t: float, prev_t: float) -> None:
         self.status = str(e.get("status", ev.STATUS_OK))
@@ -397,6 +401,11 @@ def breakdown(tl: Timeline) -> GoodputReport:
         lifetimes=len(tl.lifetimes),
         idle_s=idle,
         productive_by_layout=by_layout,
+        failure_recoveries=[
+            {"mode": next((m for t, m in sorted(tl.recovery_modes) if t >= f.t), "-"),
+             "recovery_s": span.end - span.start}
+            for f, span in zip(tl.failures, tl.recoveries, strict=True)
+        ],
     )
 
 
@@ -421,4 +430,7 @@ def summary_line(report: GoodputReport) -> str:
         parts.append(f"NTP capacity {report.capacity_fraction:.3f}")
     if report.failures or report.steps_redone:
         parts.append(f"{report.failures} failure(s), {report.steps_redone} step(s) redone")
+    if report.failure_recoveries:
+        parts.append("recovered " + ", ".join(f"{r['mode']} in {r['recovery_s']:.1f} s"
+                                              for r in report.failure_recoveries))
     return "; ".join(parts)

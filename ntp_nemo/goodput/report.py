@@ -40,6 +40,8 @@ def breakdown_table(report: GoodputReport) -> Table:
     table.add_row("steps completed", str(report.steps_completed), "")
     table.add_row("steps redone", str(report.steps_redone), "")
     table.add_row("failures", str(report.failures), "")
+    for i, r in enumerate(report.failure_recoveries):
+        table.add_row(f"  failure {i + 1}: {r['mode']} recovery", f"{r['recovery_s']:.2f}", "")
     table.add_row("process lifetimes", str(report.lifetimes), "")
     if report.idle_s > 0:
         table.add_row("idle between runs (excluded)", f"{report.idle_s:.2f}", "")

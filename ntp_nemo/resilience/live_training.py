@@ -118,9 +118,19 @@ class LiveMonitor(threading.Thread):
         self._halt = threading.Event()
 
     def stop(self) -> None:
+        """Stop watching; survivors that fell back are never blamed, even if they exited after the last
+        poll (the launcher returns as soon as every worker has exited)."""
         self._halt.set()
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout=5)
+        procs = getattr(self.launcher, "procs", None) or []
+        fallback = {i for i, p in enumerate(procs) if p.exitcode == FALLBACK_EXIT}
+        self.killed |= fallback
+        if fallback and self.verdict is None:
+            print("failover | live: the survivors could not recover live; falling back to the restart path",
+                  flush=True)
+            self.verdict = Verdict("worker exit", tuple(sorted(self.launcher.lost)), None, time.time(),
+                                   "the survivors could not recover live")
 
     def _stop_all(self, procs, reason: str, ranks: tuple[int, ...]) -> None:
         self.verdict = Verdict("worker exit", ranks, None, time.time(), reason)
