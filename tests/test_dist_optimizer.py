@@ -33,14 +33,14 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_each_option_and_all_together_match_the_baseline(layout):
     tp, replica_tp, pp, stage_layers = LAYOUTS[layout]
+    # Selective recomputation has no communication inside: checked on (2, 1) only (TP 2 and TP 1 layers).
+    variants = [v for v in VARIANTS if v != "selective" or layout == "replicas-2-1"]
     results = run_workers(options_worker, pp * sum(replica_tp), LLAMA, tp, replica_tp, pp, stage_layers,
-                          list(VARIANTS))
+                          variants)
     for rank, res in enumerate(results):
         assert res["norms"][0] > CLIP, "clipping must be active in the compared steps"
         assert res["moved"] > 1e-3, "the parameters must have moved"
-        for name in VARIANTS:
-            if name == "baseline":
-                continue
+        for name in variants[1:]:
             assert res[name]["loss"] <= 1e-4, (layout, rank, name, res[name])
             assert res[name]["param"] <= 1e-6, (layout, rank, name, res[name])
 

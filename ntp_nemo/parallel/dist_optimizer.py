@@ -122,7 +122,8 @@ class DistributedAdamW(torch.optim.Optimizer):
         self.buckets: list[Bucket] = build_buckets(plan, self.named, bucket_bytes)
         some = next(iter(self.named.values()))
         self.device = some.device
-        self._step_count = torch.zeros((), dtype=torch.float32, device=self.device)
+        # Step counters live on the host, as torch.optim.AdamW keeps them (no device sync to read them).
+        self._step_count = torch.zeros((), dtype=torch.float32)
         self.owned: list[_Owned] = []  # one per bucket, then one per un-communicated fragment
         for b in self.buckets:
             lo, hi = b.owned(self.rank)
@@ -144,7 +145,7 @@ class DistributedAdamW(torch.optim.Optimizer):
         return _Owned(numel, _master_dtype(dtype), self.device, dtype in _LOW)
 
     def _segment(self, f: Fragment, fo: int, wo: int, n: int) -> _Segment:
-        step = torch.zeros((), dtype=torch.float32, device=self.device)
+        step = torch.zeros((), dtype=torch.float32)
         return _Segment(f, fo, wo, n, self._group_of_name[f.name], step)
 
     @property
