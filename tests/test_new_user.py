@@ -106,9 +106,9 @@ def test_metrics_file_restarts_with_the_run(tmp_path):
     path = tmp_path / "metrics.jsonl"
     cb = MetricsJSONL(tmp_path)
     path.write_text("\n".join(lines))
-    cb.on_train_start(SimpleNamespace(global_step=2, is_global_zero=True), None)
+    cb.on_train_start(SimpleNamespace(global_step=2, is_global_zero=True, callbacks=[cb]), None)
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2]
-    cb.on_train_start(SimpleNamespace(global_step=0, is_global_zero=True), None)
+    cb.on_train_start(SimpleNamespace(global_step=0, is_global_zero=True, callbacks=[cb]), None)
     assert path.read_text() == ""
 
 

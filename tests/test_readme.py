@@ -11,8 +11,8 @@ How each command is treated is decided by `plan()`, in this order (each rule say
   `...` placeholders of run directories are replaced by a run directory made earlier.
 - config-only, `ntp-train`: every other training command (each takes minutes as written) is
   composed and put through the same checks `ntp-train` runs before launching anything.
-- config-only, cluster: `torchrun` / `srun` need several machines; their `ntp_nemo.train`
-  arguments are composed and checked as above.
+- config-only, cluster: `torchrun` / `srun` need several machines, and `trainer.dry_run=true`
+  commands rehearse layouts of hundreds of ranks; their arguments are composed and checked as above.
 - config-only, `ntp-sim`: simulator studies take minutes; composed with `--cfg job`.
 - exists: `python bench/*.py` benchmarks take minutes and their printed figures sit in
   docs/benchmarks.md next to the command; the script must exist.
@@ -78,7 +78,8 @@ def doc_commands(path: Path) -> list[str]:
             keep, cont = [], False
             for line in lines:
                 words = line.split() + ["", ""]
-                if line.startswith("$ ") or (words[0] in PROGRAMS and not words[1].endswith(":")) or cont:
+                is_output = words[1].endswith(":") or re.search(r"\S\s{3,}[\d.]", _strip_comment(line))
+                if line.startswith("$ ") or (words[0] in PROGRAMS and not is_output) or cont:
                     keep.append(line.removeprefix("$ "))
                 cont = bool(keep) and keep[-1] is not None and line.rstrip().endswith("\\")
             lines = keep
@@ -127,6 +128,8 @@ def plan(cmd: str) -> tuple[str, str]:
         return "exists", "a benchmark of minutes; its figures are in docs/benchmarks.md"
     if words[0] == "ntp-sim":
         return "sim", "simulator studies take minutes"
+    if "trainer.dry_run=true" in cmd:
+        return "config", "a dry run of a cluster layout (hundreds of ranks), timed in docs/benchmarks.md"
     if any(p in cmd for p in RUN_PATTERNS):
         return "run", "makes or uses files of the runs above"
     if words[0] == "ntp-train" or "ntp_nemo.train" in cmd:
