@@ -58,6 +58,9 @@ class NTPLanguageModule(pl.LightningModule):
             return
         self.model = self.runtime.build_model(self.model_cfg, self.seed)
         self.runtime.attach(self.model, self.trainer.strategy.bucket_mb)
+        # Dropout draws from the global generator: seed it from the run's seed, the same on every rank
+        # (the TP ranks of a replica must draw the same masks); a resume restores the saved states.
+        torch.manual_seed(self.seed)
 
     def configure_optimizers(self):
         o = self.optim_cfg
