@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from ntp_nemo.checkpoint import is_valid_checkpoint
 from ntp_nemo.goodput import compute_goodput, load_events
 from tests.conftest import TINY, read_metrics, run_cli
 
@@ -81,10 +82,13 @@ def test_live_recovery_and_fallback_through_the_cli(tmp_path):
 def test_a_hang_then_a_second_failure_in_one_run(tmp_path):
     # Rank 2 stops making progress when step 3 starts; its heartbeat goes stale after 4 s, the monitor
     # kills it (before the 8 s collective timeout) and it is handled as a lost rank: (2,2) -> (2,1).
-    # Then rank 1 of that layout (replica 0) is killed at step 6: (2,1) -> (1,1), generation 2.
+    # Then rank 1 of that layout (replica 0) is killed at step 6: (2,1) -> (1,1), generation 2.  Here
+    # asynchronous checkpoints are written every 2 steps: the saves after each recovery use the new
+    # generation's process groups and commit.
     run, proc = _run(tmp_path, "hang", "fault=hang", "fault.rank=2", "fault.step=3",
                      "fault.more=[{kind:kill_rank,rank:1,step:6}]", "fault.recovery=live",
-                     "fault.heartbeat_timeout_s=4", "fault.collective_timeout_s=8", "fault.step_timeout_s=60")
+                     "fault.heartbeat_timeout_s=4", "fault.collective_timeout_s=8", "fault.step_timeout_s=60",
+                     "checkpoint.every_n_steps=2", "checkpoint.async_save=true", "checkpoint.keep_last=10")
     assert "process 2 hung" in proc.stdout and "the survivors reshard in place" in proc.stdout
     metrics = read_metrics(run)
     assert [m["step"] for m in metrics] == STEPS
@@ -93,6 +97,9 @@ def test_a_hang_then_a_second_failure_in_one_run(tmp_path):
     assert [(e["mode"], e["layout"], e["generation"]) for e in done] == [("live", "(2,1)", 1),
                                                                         ("live", "(1,1)", 2)]
     assert (run / "failover" / "attempts.jsonl").read_text().count("\n") == 1
+    saved = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert saved[-3:] == ["step_000004", "step_000006", "step_000008"]
+    assert all(is_valid_checkpoint(run / "checkpoints" / name) for name in saved[-3:])
 
 
 def test_unknown_recovery_is_a_config_error(tmp_path):

@@ -87,7 +87,15 @@ class LiveLauncher(_ForkLauncher):
                 else:
                     os.environ[k] = v
         bad = [(i, p) for i, p in enumerate(self.procs) if p.exitcode != 0 and i not in self.lost]
+        raised = [(i, p) for i, p in bad if p.exitcode == 1]
+        if raised:  # a Python exception in a worker: its traceback, as torch's own join reports it
+            i, p = raised[0]
+            trace = _traceback(process_context.error_files[i])
+            raise mp.ProcessRaisedException(f"\n\n-- Process {i} terminated with this error:\n{trace}",
+                                            error_index=i, error_pid=p.pid)
         if bad or 0 in self.lost:
+            codes = ", ".join(f"{i}: {p.exitcode}" for i, p in enumerate(self.procs))
+            print(f"failover | live: workers ended with exit status {codes}", file=sys.stderr, flush=True)
             i, p = bad[0] if bad else (0, self.procs[0])
             raise mp.ProcessExitedException(f"process {i} terminated with exit code {p.exitcode}",
                                             error_index=i, error_pid=p.pid, exit_code=p.exitcode)
@@ -280,6 +288,10 @@ class LiveRecovery(Callback):
         strategy.cluster_environment.set_world_size(world)
         os.environ["LOCAL_RANK"] = str(rec.rank)
         module.model = rec.model
+        # The asynchronous saver's process group and write plan belong to the old generation: the next
+        # save builds new ones.  (A save still in flight when the rank was lost never commits; the one
+        # before it stays the latest checkpoint.)
+        strategy._saver = None
         if module._train_set is not None:
             module._train_set.my_range = rec.runtime.my_microbatches
         for loader in _loaders(trainer.val_dataloaders):
@@ -295,6 +307,16 @@ class LiveRecovery(Callback):
         if rec.rank == 0:
             print(f"failover | live: {rec.replan.describe()} at step {step}; moved {rec.reshard.moved_bytes} "
                   f"bytes (minimum {rec.reshard.needed_bytes}) in {rec.seconds:.2f} s", flush=True)
+
+
+def _traceback(path: str | None) -> str:
+    import pickle
+
+    try:
+        with open(path, "rb") as fh:  # written by torch.multiprocessing's worker wrapper
+            return str(pickle.load(fh))
+    except (OSError, TypeError, pickle.UnpicklingError, EOFError):
+        return "(no traceback recorded)"
 
 
 def _loaders(value: Any) -> list[Any]:
