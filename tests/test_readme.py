@@ -193,6 +193,9 @@ def test_documents_have_commands():
 
 @pytest.mark.slow
 def test_every_documented_command(tmp_path):
+    from ntp_nemo.data.tokenizer import ByteTokenizer
+
+    exported_ids = None
     env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", PYTHONUNBUFFERED="1")
     done = []
     for doc, cmd in all_commands():
@@ -220,6 +223,13 @@ def test_every_documented_command(tmp_path):
             assert "Traceback" not in res.stderr, (doc, run, res.stderr[-3000:])
             if run.startswith("ntp-export"):
                 assert "skipping checkpoint" not in res.stderr, res.stderr  # logs/, failover/ are not ones
+            if run.startswith("ntp-export runs/from_hf hf_trained"):
+                # The ids of the tokenizer the run trained with (bytes: 256 ends a document), not the
+                # Hugging Face directory's defaults it started from (README's directory: transformers').
+                started = json.loads((tmp_path / "hf_llama" / "config.json").read_text())
+                assert started["eos_token_id"] != ByteTokenizer.eos_id
+                exported = json.loads((tmp_path / "hf_trained" / "config.json").read_text())
+                exported_ids = [exported["bos_token_id"], exported["eos_token_id"]]
             if "model.init_from=" in run:  # a run from a model says so in its first lines
                 head = res.stdout.splitlines()[:3]
                 said = r"model weights: initialised from \S*hf_llama"
@@ -229,11 +239,4 @@ def test_every_documented_command(tmp_path):
     assert any("resume=runs/a/checkpoints/step_000300" in c for c in ran)
     assert any(c.startswith("ntp-export") for c in ran)
     assert (tmp_path / "runs" / "b" / "checkpoints" / "step_000008" / "manifest.json").is_file()
-    # The export names the ids of the tokenizer the run trained with (bytes: 256 ends a document),
-    # not the Hugging Face directory's defaults it started from.
-    from ntp_nemo.data.tokenizer import ByteTokenizer
-
-    exported = json.loads((tmp_path / "hf_trained" / "config.json").read_text())
-    started = json.loads((tmp_path / "hf_llama" / "config.json").read_text())
-    assert started["eos_token_id"] != ByteTokenizer.eos_id
-    assert exported["eos_token_id"] == exported["bos_token_id"] == ByteTokenizer.eos_id
+    assert exported_ids == [ByteTokenizer.eos_id] * 2
