@@ -118,8 +118,8 @@ def calibrate_worker(rank: int, world: int, cfg, fmt: str, exclude: list[str], l
 def restore_worker(rank: int, world: int, cfg, layout: tuple, path: str, ref: dict) -> dict:
     """A fresh, never calibrated model of another layout: quantisers from the saved state, weights and
     amax slices read back from the sharded checkpoint."""
-    from ntp_nemo.checkpoint.storage import Chunk, read_chunks
     from ntp_nemo.checkpoint.sharded import META_FILE, load_checkpoint
+    from ntp_nemo.checkpoint.storage import Chunk, read_chunks
     from ntp_nemo.quant.state import restore_quant_state
 
     rt, model = _runtime(*layout, rank, cfg, ref["logits"].dtype)

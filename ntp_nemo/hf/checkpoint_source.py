@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 
-from ntp_nemo.checkpoint.storage import Chunk, read_chunks, stored_tensors
 from ntp_nemo.checkpoint.manifest import (
     MANIFEST,
     checkpoint_problem,
@@ -25,6 +24,7 @@ from ntp_nemo.checkpoint.manifest import (
     latest_valid_checkpoint,
 )
 from ntp_nemo.checkpoint.state import MODEL_PREFIX
+from ntp_nemo.checkpoint.storage import Chunk, read_chunks, stored_tensors
 from ntp_nemo.config.schema import ModelConfig
 from ntp_nemo.errors import ConfigError
 from ntp_nemo.hf.config_map import resolve_model_config
