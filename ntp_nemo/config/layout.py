@@ -16,6 +16,9 @@ def resolve_layout(cfg: DictConfig, layer_tp: Sequence[int] | None = None) -> Re
     `layer_tp`, when given, is taken as already resolved (skips the planner)."""
     from ntp_nemo.config.validate import resolve_layer_tp, resolved_replica_tp
     from ntp_nemo.pipeline.partition import resolve_stage_layers
+    from ntp_nemo.pipeline.schedule import INTERLEAVED, interleaved_layers
+
+    v = int(cfg.layout.get("virtual_stages", 1))
 
     if layer_tp is None:
         layer_tp = resolve_layer_tp(cfg)
@@ -26,8 +29,11 @@ def resolve_layout(cfg: DictConfig, layer_tp: Sequence[int] | None = None) -> Re
         replica_tp=resolved_replica_tp(cfg),
         layer_tp=layer_tp,
         pp=int(cfg.mesh.pp),
-        stage_layers=resolve_stage_layers(cfg, layer_tp),
+        stage_layers=resolve_stage_layers(cfg, layer_tp) if str(cfg.layout.schedule) != INTERLEAVED else [
+            sum(map(len, interleaved_layers(int(cfg.model.num_layers), int(cfg.mesh.pp), v, s)))
+            for s in range(int(cfg.mesh.pp))],
         schedule=str(cfg.layout.schedule),
+        virtual_stages=v,
         power_boost=power_boost,
         nominal_replicas=cfg.ntp.nominal_replicas,
         num_microbatches=int(cfg.data.global_batch_size) // int(cfg.data.micro_batch_size),

@@ -138,5 +138,6 @@ def build_trainer(
         micro_batch_size=int(cfg.data.micro_batch_size),
         val_batches=int(cfg.data.val_batches),
         max_steps=int(t.max_steps),
+        overlap_grad_sync=bool(cfg.ntp.get("overlap_grad_sync", False)),
     )
     return trainer, module, strategy

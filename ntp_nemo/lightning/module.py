@@ -33,6 +33,7 @@ class NTPLanguageModule(pl.LightningModule):
         micro_batch_size: int,
         val_batches: int,
         max_steps: int,
+        overlap_grad_sync: bool = False,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -47,6 +48,8 @@ class NTPLanguageModule(pl.LightningModule):
         self._train_set: StepBatches | None = None
         self.last_step: dict[str, Any] = {}
         self.stop_agreed = False  # some rank asked to stop (from the last step's fused all-reduce)
+        self.overlap_grad_sync = overlap_grad_sync
+        self.grad_path = None  # GradientPath: DP sync (blocking or overlapped) and clipping, per the options
 
     @property
     def runtime(self):
@@ -63,15 +66,21 @@ class NTPLanguageModule(pl.LightningModule):
         torch.manual_seed(self.seed)
 
     def configure_optimizers(self):
+        from ntp_nemo.parallel.step_path import GradientPath, build_optimizer
+
         o = self.optim_cfg
-        decay = [p for p in self.model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
-        opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": o["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=o["lr"],
-            betas=(o["beta1"], o["beta2"]),
-            eps=o["eps"],
-        )
+        opt = build_optimizer(self.model, self.runtime.sync, lr=o["lr"], betas=(o["beta1"], o["beta2"]),
+                              eps=o["eps"], weight_decay=o["weight_decay"],
+                              distributed=bool(o.get("distributed", False)))
+        if self.grad_path is not None:
+            self.grad_path.remove()
+        self.grad_path = GradientPath(self.model, self.runtime.sync, opt, overlap=self.overlap_grad_sync)
+        recompute = getattr(self.model_cfg, "recompute", "none")
+        if self.trainer.is_global_zero and (recompute != "none" or self.grad_path.distributed
+                                            or self.overlap_grad_sync):
+            print(f"memory options: recompute={recompute}, optimizer={type(opt).__name__}, gradient sync="
+                  f"{'overlapped with the backward' if self.overlap_grad_sync else 'after the backward'}",
+                  flush=True)
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, warmup_cosine(o["warmup_steps"], self.max_steps, o["min_lr_ratio"])
         )
@@ -127,11 +136,12 @@ class NTPLanguageModule(pl.LightningModule):
         sched = self.lr_schedulers()
         global_tokens = int(batch["global_tokens"])
         rt = self.runtime
+        self.grad_path.begin_step(len(batch["micro"]))
         loss_sum = rt.train_microbatches(
             self.model, list(batch["micro"]), global_tokens, backward=self.manual_backward
         )
-        sync = rt.sync
-        sync.sync()
+        sync = self.grad_path
+        sync.finish_sync()
         fused = rt.step_scalars(loss_sum, sync.grad_norm_sq_local(), stop=self._stop_requested())
         sync.clip_to_norm_(fused[1].sqrt(), self.optim_cfg["grad_clip"])
         lr = sched.get_last_lr()[0]

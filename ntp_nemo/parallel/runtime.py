@@ -71,6 +71,15 @@ class NTPRuntime:
         return self.device.type == "meta"
 
     # ---- model --------------------------------------------------------------------------------
+    def _stage_layers(self, num_layers: int, stage: int):
+        """Global indices of the layers this rank's stage holds (all of its chunks when interleaved)."""
+        if self.schedule != "interleaved_1f1b":
+            return self.topology.stage_layer_range(stage)
+        from ntp_nemo.pipeline.schedule import interleaved_layers
+
+        return [i for r in interleaved_layers(num_layers, self.topology.pp, self.layout.virtual_stages, stage)
+                for i in r]
+
     def build_model(self, cfg: ModelConfig, seed: int, dtype: torch.dtype | None = None) -> nn.Module:
         """This rank's slice of the model (its pipeline stage), initialised layout-independently and
         placed on the runtime's device.  On `meta` only shapes exist (no initialisation, no import)."""
@@ -82,7 +91,7 @@ class NTPRuntime:
             return DecoderLM(
                 cfg,
                 self.plan,
-                layers=self.topology.stage_layer_range(stage),
+                layers=self._stage_layers(cfg.num_layers, stage),
                 has_embedding=stage == 0,
                 has_head=stage == last,
             )
@@ -122,7 +131,12 @@ class NTPRuntime:
         self.sync = GradientSynchronizer(
             model, plan, self.topology.group, int(bucket_mb * (1 << 20)), self.world_group, self.device
         )
-        if self.topology.pp > 1:
+        if self.topology.pp > 1 and self.schedule == "interleaved_1f1b":
+            from ntp_nemo.pipeline.interleaved import InterleavedPipelineEngine
+
+            self.pipeline = InterleavedPipelineEngine(model, self.topology, self.rank,
+                                                      self.layout.virtual_stages, acc_dtype=self.acc_dtype)
+        elif self.topology.pp > 1:
             from ntp_nemo.pipeline.engine import PipelineEngine
 
             self.pipeline = PipelineEngine(model, self.topology, self.rank, self.schedule,

@@ -47,6 +47,7 @@ class ResolvedLayout:
     pp: int = 1
     stage_layers: tuple[int, ...] = ()
     schedule: str = "1f1b"
+    virtual_stages: int = 1  # model chunks per pipeline stage (schedule interleaved_1f1b)
     power_boost: PowerBoost = None
     nominal_replicas: int | None = None
     num_microbatches: int = 0
@@ -66,6 +67,7 @@ class ResolvedLayout:
         nominal_replicas: int | None = None,
         num_microbatches: int | None = None,
         devices: Sequence[str] | None = None,
+        virtual_stages: int = 1,
     ) -> ResolvedLayout:
         """Normalise the inputs and fill the derived fields (stage split, batch shares); checks that
         the parts agree (a ValueError names the mismatch)."""
@@ -81,6 +83,7 @@ class ResolvedLayout:
             pp=int(pp),
             stage_layers=tuple(topo.stage_layers),
             schedule=str(schedule),
+            virtual_stages=int(virtual_stages),
             power_boost=boost,
             nominal_replicas=None if nominal_replicas is None else int(nominal_replicas),
             num_microbatches=m,
@@ -99,11 +102,12 @@ class ResolvedLayout:
         power_boost: Any = None,
         nominal_replicas: int | None = None,
         num_microbatches: int | None = None,
+        virtual_stages: int = 1,
     ) -> ResolvedLayout:
         """The layout of an existing Topology (tests and benchmarks that build one directly)."""
         t = topology
         return cls.make(t.tp, t.replica_tp, t.layer_tp, t.pp, t.stage_layers, schedule, power_boost,
-                        nominal_replicas, num_microbatches)
+                        nominal_replicas, num_microbatches, virtual_stages=virtual_stages)
 
     # ---- derived --------------------------------------------------------------------------------
     @property
