@@ -95,7 +95,7 @@ def main() -> None:
           f"median of {args.steps} steps; "
           f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     header = ("schedule", "m", "step ms", "bubble", "analytic", "simulated", "act MiB/stage (peak)")
-    print(f"{header[0]:<16} {header[1]:>3} {header[2]:>9} {header[3]:>8} {header[4]:>9} {header[5]:>9} "
+    print(f"{header[0]:<20} {header[1]:>3} {header[2]:>9} {header[3]:>8} {header[4]:>9} {header[5]:>9} "
           f"{header[6]:>24}")
     for m in [int(x) for x in args.microbatches.split(",")]:
         for schedule in args.schedules.split(","):
@@ -110,7 +110,7 @@ def main() -> None:
                    "act_peak_bytes": [r["act_peak"] for r in res]}
             rows.append(row)
             acts = ",".join(f"{b / 2**20:.1f}" for b in row["act_peak_bytes"])
-            print(f"{name:<16} {m:>3} {row['step_s'] * 1e3:>9.1f} {row['bubble']:>8.3f} "
+            print(f"{name:<20} {m:>3} {row['step_s'] * 1e3:>9.1f} {row['bubble']:>8.3f} "
                   f"{row['analytical_bubble']:>9.3f} {row['simulated_bubble']:>9.3f} {acts:>24}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
