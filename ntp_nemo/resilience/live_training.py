@@ -91,6 +91,7 @@ class LiveLauncher(_ForkLauncher):
         if raised:  # a Python exception in a worker: its traceback, as torch's own join reports it
             i, p = raised[0]
             trace = _traceback(process_context.error_files[i])
+            print(f"failover | live: process {i} raised:\n{trace}", file=sys.stderr, flush=True)
             raise mp.ProcessRaisedException(f"\n\n-- Process {i} terminated with this error:\n{trace}",
                                             error_index=i, error_pid=p.pid)
         if bad or 0 in self.lost:
@@ -288,6 +289,12 @@ class LiveRecovery(Callback):
         strategy.cluster_environment.set_world_size(world)
         os.environ["LOCAL_RANK"] = str(rec.rank)
         module.model = rec.model
+        if getattr(module, "grad_path", None) is not None:  # the step's sync path, bound to the old groups
+            from ntp_nemo.parallel.step_path import GradientPath
+
+            module.grad_path.remove()
+            module.grad_path = GradientPath(rec.model, rec.runtime.sync, opt,
+                                            overlap=bool(getattr(module, "overlap_grad_sync", False)))
         # The asynchronous saver's process group and write plan belong to the old generation: the next
         # save builds new ones.  (A save still in flight when the rank was lost never commits; the one
         # before it stays the latest checkpoint.)
