@@ -45,6 +45,7 @@ def test_bad_option_exits_2_before_launch(tmp_path):
     (["mesh.pp=2", "layout.schedule=interleaved_1f1b"], "layout.virtual_stages"),
     (["mesh.pp=2", "layout.schedule=interleaved_1f1b", "layout.virtual_stages=3"], "layout.virtual_stages"),
     (["layout.schedule=interleaved_1f1b", "layout.virtual_stages=2"], "layout.schedule"),
+    (["optim.distributed=true", "fault.recovery=live"], "optim.distributed"),
 ])
 def test_bad_option_values_name_the_key(overrides, key):
     from ntp_nemo.config.validate import validate

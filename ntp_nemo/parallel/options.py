@@ -32,3 +32,8 @@ def validate_memory_options(cfg: Any) -> None:
         value = _get(node, key.split(".")[1], False)
         if not isinstance(value, bool):
             raise ConfigError(key, f"must be true or false, got {value!r}.")
+    if _get(_get(cfg, "optim"), "distributed", False) and _get(_get(cfg, "fault"), "recovery") == "live":
+        raise ConfigError("optim.distributed", "the distributed optimizer keeps each rank's share of the "
+                          "AdamW state on that rank only, so a lost rank's share cannot be recovered in "
+                          "memory; use fault.recovery=restart (resume from the last checkpoint) or "
+                          "optim.distributed=false.")
