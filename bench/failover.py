@@ -8,7 +8,8 @@ forked gloo workers sharing one store (`ntp_nemo.resilience.rendezvous.run_elast
 `live_main`): live (the survivors reshard from each other's memory, no checkpoint) against restart
 (every worker stops, new workers on the new layout load the last checkpoint).
 
-Each policy trains the same job through the real `ntp-train` CLI: 2 DP replicas of TP 2 (4 processes),
+Each policy (and `ntp` again with `fault.recovery=live`) trains the same job through the real `ntp-train`
+CLI: 2 DP replicas of TP 2 (4 processes),
 global rank 1 killed hard (exit 137) when step `--fail-step` starts, checkpoints every `--every` steps.
 A failure-free run of the same job is the reference for the loss curve and the goodput. Figures, from each
 run's goodput.jsonl, metrics.jsonl and the fault marker:
@@ -39,6 +40,10 @@ from _common import ROOT, load_average, thread_env
 from ntp_nemo.goodput import compute_goodput, load_events
 
 POLICIES = ("ntp", "dp_drop", "restart")
+# Rows of the table: name -> overrides.  `ntp-live` is policy ntp with fault.recovery=live (the survivors
+# reshard from each other's memory in the same processes; no relaunch, no checkpoint read).
+RUNS = {**{p: [f"fault.policy={p}"] for p in POLICIES},
+        "ntp-live": ["fault.policy=ntp", "fault.recovery=live"]}
 
 
 def run(overrides: list[str], run_dir: Path) -> None:
@@ -68,7 +73,11 @@ def figures(run_dir: Path, reference: dict[int, float], nominal_ranks: int) -> d
     layout_after = after_recs[-1]["layout"]
     active = sum(int(x) for x in layout_after.strip("()").split(","))
     last = {r["step"]: r["loss"] for r in recs}
+    done = [e for e in events if e["event"] == "recovery_done"]
     return {
+        "mode": done[0].get("mode", "restart") if done else "-",
+        "moved_bytes": done[0].get("moved_bytes") if done else None,
+        "minimum_bytes": done[0].get("minimum_bytes") if done else None,
         "layout_after": layout_after,
         "detection_s": detected - t_fail,
         "recovery_s": next_end - t_fail,
@@ -116,13 +125,14 @@ def main() -> None:
         reference = {r["step"]: r["loss"] for r in metrics(work / "reference")}
         base = compute_goodput(load_events(work / "reference"))
         print(f"  failure-free: goodput {base.goodput:.3f}", flush=True)
-        for policy in POLICIES:
-            run([*job, *fault, f"fault.policy={policy}"], work / policy)
+        for policy, extra in RUNS.items():
+            run([*job, *fault, *extra], work / policy)
             rows[policy] = figures(work / policy, reference, nominal_ranks=4)
             shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in rows[policy].items()}
             print(f"  {policy}: {json.dumps(shown)}", flush=True)
     header = (
         "policy",
+        "recovery",
         "layout after",
         "detect s",
         "recovery s",
@@ -133,14 +143,20 @@ def main() -> None:
         "capacity after",
         "throughput after",
         "max rel loss diff",
+        "moved bytes (minimum)",
     )
     print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for policy, r in rows.items():
+        moved = "-" if r["moved_bytes"] is None else f"{r['moved_bytes']} ({r['minimum_bytes']})"
         print(
-            f"| {policy} | {r['layout_after']} | {r['detection_s']:.2f} | {r['recovery_s']:.2f} | "
-            f"{r['lost_steps']} | {r['goodput']:.3f} | {r['wasted_s']:.2f} | {r['downtime_s']:.2f} | "
-            f"{r['capacity_after']:.2f} | {r['throughput_after']:.2f} | {r['max_rel_loss_diff']:.1e} |"
+            f"| {policy.removesuffix('-live')} | {r['mode']} | {r['layout_after']} | "
+            f"{r['detection_s']:.2f} | {r['recovery_s']:.2f} | {r['lost_steps']} | {r['goodput']:.3f} | "
+            f"{r['wasted_s']:.2f} | "
+            f"{r['downtime_s']:.2f} | {r['capacity_after']:.2f} | {r['throughput_after']:.2f} | "
+            f"{r['max_rel_loss_diff']:.1e} | {moved} |"
         )
+    live, restart = rows["ntp-live"]["recovery_s"], rows["ntp"]["recovery_s"]
+    print(f"\nntp: live recovery / restart recovery = {live / restart:.2f}")
     print(f"\nreference goodput (no failure): {base.goodput:.3f}; repository: {ROOT}")
 
 
