@@ -46,7 +46,7 @@ class LayoutConfig:
 @dataclass
 class DataConfig:
     path: str | None = None  # None = embedded corpus; text file/dir or pre-tokenised .bin
-    # None = init_from's tokenizer.json, else the token files' own (byte for text); byte | bpe | tokenizer.json
+    # byte | bpe | tokenizer.json | HF dir; None = init_from's tokenizer.json, else the token file's own
     tokenizer: str | None = None
     blend: Any = None  # [[weight, path], ...] instead of path
     val_path: str | None = None  # held-out token file (instead of data.val_fraction of the documents)

@@ -177,6 +177,9 @@ class FaultInjector(Callback):
                 continue
             if f.kind == "corrupt_checkpoint":
                 if step > f.step and self._claim(f, step):
+                    saver = getattr(trainer.strategy, "_saver", None)
+                    if saver is not None:  # an asynchronous save of `step` may still be committing
+                        saver.wait()
                     hit = corrupt_latest_checkpoint(self.ckpt_dir, f.step)
                     print(
                         f"fault: corrupted {hit if hit else 'nothing (no committed checkpoint yet)'}",
