@@ -106,11 +106,15 @@ def test_trainer_on_the_one_process_node_keeps_the_launchers_rank(monkeypatch, t
     """Node 1 of a (2,1) torchrun job runs one process: Lightning gets devices=1, num_nodes=2, and the
     strategy's global rank is the launcher's RANK=2 (node_rank * devices + local_rank would say 1)."""
     from hydra.core.global_hydra import GlobalHydra
+    from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
     from ntp_nemo.config.validate import resolve_layer_tp
     from ntp_nemo.data.module import build_data
     from ntp_nemo.lightning.factory import build_trainer
 
+    for tracker in (rank_zero_only, fabric_rank_zero_only):  # the Trainer sets them to rank 2: restore after
+        monkeypatch.setattr(tracker, "rank", getattr(tracker, "rank", 0))
     GlobalHydra.instance().clear()
     cfg = compose([*TINY, "mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]", "trainer.max_steps=2"])
     for k, v in torchrun_env([2, 1], 2).items():
