@@ -15,11 +15,10 @@ from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.parallel.dry_run import (
     CommMeter,
     StepShape,
-    build_sync_plans,
     dry_run,
     fake_world,
 )
-from ntp_nemo.parallel.grad_sync import build_sync_plan, param_descriptors
+from ntp_nemo.parallel.grad_sync import build_sync_plan, build_sync_plans, param_descriptors
 from ntp_nemo.parallel.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout
 from tests.conftest import compose, run_cli

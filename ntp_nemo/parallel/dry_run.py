@@ -58,10 +58,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.parallel.grad_sync import (
-    Fragment,
     GradientSynchronizer,
     SyncPlan,
     build_sync_plan,
+    build_sync_plans,
     param_descriptors,
 )
 from ntp_nemo.parallel.runtime import NTPRuntime
@@ -69,55 +69,6 @@ from ntp_nemo.topology import ResolvedLayout, Topology
 
 COMM_KINDS = ("tp", "pp", "dp", "world")
 META = torch.device("meta")
-
-
-# ---- every rank's sync plan at once --------------------------------------------------------------------
-def build_sync_plans(
-    descriptors: Sequence[dict[str, tuple]], replica_of: Sequence[int] | None = None
-) -> list[SyncPlan]:
-    """`[build_sync_plan(r, descriptors, replica_of) for r in ranks]` in one pass over the parameters.
-
-    The same fragments, weights and holder sets as `grad_sync.build_sync_plan` (a test checks every
-    rank of several layouts against it), in O(world x params) instead of O(world^2 x params).
-    """
-    holders_of: dict[str, list[tuple[int, tuple]]] = defaultdict(list)
-    for r, desc in enumerate(descriptors):
-        for name, d in desc.items():
-            holders_of[name].append((r, d))
-    plans = [SyncPlan(r) for r in range(len(descriptors))]
-    sets: set[tuple[int, ...]] = set()
-    for name in sorted(holders_of):
-        entries = holders_of[name]
-        shapes = {d[0] for _, d in entries}
-        if len(shapes) != 1:
-            raise RuntimeError(f"parameter {name} has different global shapes across ranks: {shapes}")
-        bounds = sorted({d[3] for _, d in entries} | {d[4] for _, d in entries})
-        for a, b in zip(bounds[:-1], bounds[1:], strict=False):
-            holding = [(r, d) for r, d in entries if d[3] <= a and b <= d[4]]
-            if not holding:
-                continue
-            holders = tuple(r for r, _ in holding)
-            identical = (
-                replica_of is not None
-                and len({replica_of[r] for r in holders}) == 1
-                and all(d[5] == len(holders) for _, d in holding)
-            )
-            shared = len(holders) > 1 and not identical
-            if shared:
-                sets.add(holders)
-            for r, (_, dim, unit, lo, _, copies) in holding:
-                frag = Fragment(
-                    name, dim, (a - lo) * unit, (b - a) * unit, 1.0 if identical else 1.0 / copies,
-                    1.0 / len(holders),
-                )
-                if shared:
-                    plans[r].by_holders.setdefault(holders, []).append(frag)
-                else:
-                    plans[r].local_only.append(frag)
-    ordered = sorted(sets)
-    for plan in plans:
-        plan.all_holder_sets = ordered
-    return plans
 
 
 # ---- meters ----------------------------------------------------------------------------------------------

@@ -67,11 +67,21 @@ def build_sync_plan(
     are identical copies of each other (a norm or a replicated layer when there is a single replica)
     already has its full gradient on every holder and is not communicated.
     """
+    return build_sync_plans(descriptors, replica_of, ranks=[rank])[0]
+
+
+def build_sync_plans(
+    descriptors: Sequence[dict[str, tuple]],
+    replica_of: Sequence[int] | None = None,
+    ranks: Sequence[int] | None = None,
+) -> list[SyncPlan]:
+    """The plans of `ranks` (default: every rank, in rank order) in one pass over the parameters."""
+    ranks = list(range(len(descriptors))) if ranks is None else list(ranks)
+    plans = {r: SyncPlan(r) for r in ranks}
     holders_of: dict[str, list[tuple[int, tuple]]] = defaultdict(list)
     for r, desc in enumerate(descriptors):
         for name, d in desc.items():
             holders_of[name].append((r, d))
-    plan = SyncPlan(rank)
     sets: set[tuple[int, ...]] = set()
     for name in sorted(holders_of):
         entries = holders_of[name]
@@ -79,30 +89,33 @@ def build_sync_plan(
         if len(shapes) != 1:
             raise RuntimeError(f"parameter {name} has different global shapes across ranks: {shapes}")
         bounds = sorted({d[3] for _, d in entries} | {d[4] for _, d in entries})
-        mine = dict(entries).get(rank)
         for a, b in zip(bounds[:-1], bounds[1:], strict=False):
             holding = [(r, d) for r, d in entries if d[3] <= a and b <= d[4]]
-            holders = tuple(r for r, _ in holding)
-            if not holders:
+            if not holding:
                 continue
+            holders = tuple(r for r, _ in holding)
             identical = (
                 replica_of is not None
                 and len({replica_of[r] for r in holders}) == 1
                 and all(d[5] == len(holders) for _, d in holding)
             )
-            if len(holders) > 1 and not identical:
+            shared = len(holders) > 1 and not identical
+            if shared:
                 sets.add(holders)
-            if mine is None or rank not in holders:
-                continue
-            _, dim, unit, lo, _, copies = mine
-            weight = 1.0 if identical else 1.0 / copies
-            frag = Fragment(name, dim, (a - lo) * unit, (b - a) * unit, weight, 1.0 / len(holders))
-            if len(holders) > 1 and not identical:
-                plan.by_holders.setdefault(holders, []).append(frag)
-            else:
-                plan.local_only.append(frag)
-    plan.all_holder_sets = sorted(sets)
-    return plan
+            for r, (_, dim, unit, lo, _, copies) in holding:
+                plan = plans.get(r)
+                if plan is None:
+                    continue
+                weight = 1.0 if identical else 1.0 / copies
+                frag = Fragment(name, dim, (a - lo) * unit, (b - a) * unit, weight, 1.0 / len(holders))
+                if shared:
+                    plan.by_holders.setdefault(holders, []).append(frag)
+                else:
+                    plan.local_only.append(frag)
+    ordered = sorted(sets)
+    for plan in plans.values():
+        plan.all_holder_sets = ordered
+    return [plans[r] for r in ranks]
 
 
 def _view(p: torch.Tensor, f: Fragment) -> torch.Tensor:
