@@ -170,15 +170,19 @@ def run_elastic(fn: Callable[..., Any], world_size: int, *args: Any, watch: bool
     finished: set[int] = set()
     dead: set[int] = set()
     generation = 0
+
+    def drain() -> None:
+        while not queue.empty():
+            rank, status, value = queue.get()
+            finished.add(rank)
+            if status == "ok":
+                results[rank] = value
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+
     try:
         while len(finished | dead) < world_size and not errors:
-            while not queue.empty():
-                rank, status, value = queue.get()
-                finished.add(rank)
-                if status == "ok":
-                    results[rank] = value
-                else:
-                    errors.append(f"rank {rank}:\n{value}")
+            drain()
             alive = {r: p for r, p in enumerate(procs) if r not in finished | dead}
             ready = multiprocessing.connection.wait([p.sentinel for p in alive.values()], timeout=0.05)
             gone = [r for r, p in alive.items() if p.sentinel in ready]
@@ -188,13 +192,7 @@ def run_elastic(fn: Callable[..., Any], world_size: int, *args: Any, watch: bool
                 time.sleep(grace_s)
                 ready = multiprocessing.connection.wait([p.sentinel for p in alive.values()], timeout=0)
                 gone = [r for r, p in alive.items() if p.sentinel in ready]
-            while not queue.empty():  # a worker may have reported just before exiting
-                rank, status, value = queue.get()
-                finished.add(rank)
-                if status == "ok":
-                    results[rank] = value
-                else:
-                    errors.append(f"rank {rank}:\n{value}")
+            drain()  # a worker may have reported just before exiting
             lost = [r for r in gone if r not in finished]
             if lost and watch:
                 dead.update(lost)
