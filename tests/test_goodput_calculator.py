@@ -129,6 +129,27 @@ def test_degraded_capacity_after_in_process_recovery() -> None:
     assert f"NTP capacity {r.capacity_fraction:.3f}" in summary_line(r)
 
 
+def test_step_recovered_live_inside_its_own_execution() -> None:
+    # The live path's event order: the step never restarts (no second step_start); the failure and the
+    # recovery fall inside it and the same execution ends once the step was redone on the new layout.
+    s = Stream().add(0.0, ev.JOB_START).add(1.0, ev.INIT_DONE)
+    t = s.steps(1, start=1.0, duration=2.0, count=4)  # 1 -> 9
+    s.add(t, ev.STEP_START, step=5)
+    s.add(9.5, ev.FAILURE_DETECTED, rank=3, reason="collective error")
+    s.add(10.5, ev.RECOVERY_DONE, layout="(2,1)", mode="live")
+    s.add(11.5, ev.STEP_END, step=5, layout="(2,1)", capacity=0.75, tokens=64)
+    t = s.steps(6, start=11.5, duration=1.0, count=2, layout="(2,1)", capacity=0.75)  # -> 13.5
+    s.add(t, ev.JOB_END, status="ok")
+
+    r = compute_goodput(s.events)
+    assert_partition(r)
+    assert r.badput_s[ev.WASTED_PROGRESS] == pytest.approx(0.5)  # step 5 before the failure
+    assert r.badput_s[ev.RECOVERY_DOWNTIME] == pytest.approx(1.0)  # detection -> recovery_done
+    assert r.productive_s == pytest.approx(8.0 + 1.0 + 2.0)  # the redone step counts from recovery_done
+    assert (r.steps_completed, r.steps_redone, r.failures) == (7, 0, 1)
+    assert r.failure_recoveries == [{"mode": "live", "recovery_s": pytest.approx(2.0)}]
+
+
 def test_checkpoint_blocking_part_and_save_inside_step() -> None:
     s = Stream().add(0.0, ev.JOB_START).add(0.0, ev.INIT_DONE)
     s.steps(1, start=0.0, duration=1.0, count=1)

@@ -35,10 +35,23 @@ def _last_losses(run):
     return {m["step"]: m["loss"] for m in read_metrics(run)}
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Losses of the failure-free run of BASE."""
+    losses = _last_losses(_run(tmp_path_factory.mktemp("live"), "reference")[0])
+    assert sorted(losses) == STEPS
+    return losses
+
+
+def _on_reference_curve(run, reference) -> None:
+    got = _last_losses(run)
+    assert sorted(got) == STEPS
+    for step, ref in reference.items():
+        assert abs(got[step] - ref) <= 1e-4 * abs(ref), (step, got[step], ref)
+
+
 @pytest.mark.slow
-def test_live_recovery_and_fallback_through_the_cli(tmp_path):
-    reference = _last_losses(_run(tmp_path, "reference")[0])
-    assert sorted(reference) == STEPS
+def test_live_recovery_and_fallback_through_the_cli(tmp_path, reference):
 
     # Rank 3 (replica 1) killed when a step drawn from the seed starts.
     run, proc = _run(tmp_path, "live", "fault=kill_rank", "fault.rank=3", "fault.recovery=live")
@@ -100,6 +113,50 @@ def test_a_hang_then_a_second_failure_in_one_run(tmp_path):
     saved = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert saved[-3:] == ["step_000004", "step_000006", "step_000008"]
     assert all(is_valid_checkpoint(run / "checkpoints" / name) for name in saved[-3:])
+
+
+@pytest.mark.slow
+def test_killed_during_backward_then_during_the_optimizer_step(tmp_path, reference):
+    # Rank 3 of (2,2) dies inside the backward of step 3 (its first parameter's gradient: before the
+    # gradient sync); then rank 1 of (2,1) dies right after its optimizer step of step 6 updated its
+    # weights (its replica peer has updated too, so step 6 stands and step 7 is the one interrupted).
+    run, proc = _run(tmp_path, "phases", "fault=kill_rank", "fault.rank=3", "fault.step=3",
+                     "fault.phase=backward", "fault.more=[{kind:kill_rank,rank:1,step:6,phase:optimizer}]",
+                     "fault.recovery=live")
+    assert proc.stdout.count("the survivors reshard in place") == 2
+    metrics = read_metrics(run)
+    assert [m["step"] for m in metrics] == STEPS
+    assert [m["layout"] for m in metrics] == ["(2,2)"] * 2 + ["(2,1)"] * 4 + ["(1,1)"] * 2
+    _on_reference_curve(run, reference)
+    done = [e for e in _events(run) if e["event"] == "recovery_done"]
+    assert [(e["mode"], e["layout"], e["step"]) for e in done] == [("live", "(2,1)", 3), ("live", "(1,1)", 7)]
+    assert all(e["moved_bytes"] == e["minimum_bytes"] > 0 for e in done)
+    assert (run / "failover" / "attempts.jsonl").read_text().count("\n") == 1
+    report = compute_goodput(load_events(run))
+    # The interrupted executions before each detection are wasted; detection -> recovery is downtime.
+    assert report.badput_s["wasted_progress"] > 0 and report.badput_s["recovery_downtime"] > 0
+    assert (report.failures, report.steps_redone, report.steps_completed) == (2, 0, 8)
+
+
+@pytest.mark.slow
+def test_killed_during_an_asynchronous_checkpoint_save(tmp_path, reference):
+    # Rank 2 dies while the background thread writes the checkpoint of step 4: that save never commits,
+    # the survivors reshard live (no checkpoint is read) and the later saves commit on the new layout.
+    run, proc = _run(tmp_path, "save", "fault=kill_during_save", "fault.rank=2", "fault.step=4",
+                     "fault.recovery=live", "checkpoint.every_n_steps=2", "checkpoint.async_save=true",
+                     "checkpoint.keep_last=10")
+    assert "the survivors reshard in place" in proc.stdout
+    metrics = read_metrics(run)
+    assert [m["step"] for m in metrics] == STEPS
+    assert [m["layout"] for m in metrics][:4] == ["(2,2)"] * 4 and metrics[-1]["layout"] == "(2,1)"
+    _on_reference_curve(run, reference)
+    ckpts = run / "checkpoints"
+    assert is_valid_checkpoint(ckpts / "step_000002")
+    assert not is_valid_checkpoint(ckpts / "step_000004")  # absent or left partial: never valid
+    assert all(is_valid_checkpoint(ckpts / f"step_{s:06d}") for s in (6, 8))
+    done = [e for e in _events(run) if e["event"] == "recovery_done"]
+    assert [e["mode"] for e in done] == ["live"]
+    assert not any(e["event"] == "ckpt_restore_start" for e in _events(run))  # nothing read from disk
 
 
 def test_unknown_recovery_is_a_config_error(tmp_path):

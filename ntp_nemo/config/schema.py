@@ -108,6 +108,7 @@ class FaultSpec:
     step: int | None = None
     seconds: float = 1.0  # slow: extra seconds per step
     steps: int | None = None  # slow: for this many steps (None: to the end)
+    phase: str = "step_start"  # kill_rank: step_start | backward | optimizer
 
 
 @dataclass
@@ -117,6 +118,7 @@ class FaultConfig:
     step: int | None = None
     seconds: float = 1.0  # slow: extra seconds per step
     steps: int | None = None  # slow: for this many steps (None: to the end)
+    phase: str = "step_start"  # kill_rank: step_start | backward | optimizer (when in the step it dies)
     more: list[FaultSpec] = field(default_factory=list)  # further faults in the same run
     policy: str = "ntp"  # ntp | dp_drop | restart
     recovery: str = "restart"  # restart (relaunch + checkpoint) | live (survivors reshard in memory)

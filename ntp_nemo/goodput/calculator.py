@@ -9,7 +9,10 @@ Rules:
 - A step is productive only in its last completed execution; earlier completed executions
   (undone by a restart from an older checkpoint) and executions cut short by a failure are
   wasted progress.
-- Recovery downtime runs from a failure to the first step that completes after it.
+- Recovery downtime runs from a failure to the first step that completes after it.  A step
+  recovered live (its `failure_detected` and `recovery_done` fall inside it, in the same process)
+  is split: the part before the failure is wasted progress, the recovery is downtime, and the
+  execution that counts starts at `recovery_done`.
   A lifetime that ran steps and then stopped without `job_end` (followed by a restart) or
   with status "failed", with no `failure_detected` recorded for it, counts as an implicit
   failure at its last event.
@@ -189,6 +192,8 @@ class _LifetimeParser:
         self.events = events
         self.open_step: tuple[int, float] | None = None
         self.disrupted_at: float | None = None
+        self.failed_in_step: float | None = None  # a failure detected while the open step ran (live recovery)
+        self.resumed_at: float | None = None  # ... and the recovery that followed it, in the same process
         self.open_saves: list[tuple[Any, float]] = []
         self.open_restore: float | None = None
         self.init_start: float | None = events[0]["t"] if events[0]["event"] == ev.JOB_START else None
@@ -201,6 +206,7 @@ class _LifetimeParser:
             end = self.disrupted_at if self.disrupted_at is not None else t
             self.tl.steps.append(StepRun(step, start, end, self.layout, self.capacity, None, completed=False))
         self.open_step, self.disrupted_at = None, None
+        self.failed_in_step, self.resumed_at = None, None
 
     def parse(self) -> str | None:
         prev_t = self.events[0]["t"]
@@ -234,7 +240,13 @@ class _LifetimeParser:
         step = int(_num(e, "step"))
         if self.open_step is not None and self.open_step[0] == step:
             start = self.open_step[1]
+            if self.failed_in_step is not None:  # recovered live inside the step: the part before the
+                # failure is wasted, the recovery is downtime, the redone part is the step's execution
+                self.tl.steps.append(StepRun(step, start, self.failed_in_step, self.layout, self.capacity,
+                                             None, completed=False))
+                start = self.resumed_at if self.resumed_at is not None else self.failed_in_step
             self.open_step, self.disrupted_at = None, None
+            self.failed_in_step, self.resumed_at = None, None
         else:  # no matching step_start: the step ran since the previous event
             self._interrupt(prev_t)
             start = prev_t
@@ -274,10 +286,14 @@ class _LifetimeParser:
     def _on_failure_detected(self, e: Mapping[str, Any], t: float, prev_t: float) -> None:
         rank = e.get("rank")
         self.tl.failures.append(Failure(t, rank if isinstance(rank, int) else None, str(e.get("reason", ""))))
+        if self.open_step is not None and self.failed_in_step is None:
+            self.failed_in_step = t
 
     def _on_recovery_done(self, e: Mapping[str, Any], t: float, prev_t: float) -> None:
         self.tl.recoveries_done.append((t, str(e.get("layout", ""))))
         self.tl.recovery_modes.append((t, str(e.get("mode", "restart"))))
+        if self.failed_in_step is not None:
+            self.resumed_at = t
 
     def _on_job_end(self, e: Mapping[str, Any], t: float, prev_t: float) -> None:
         self.status = str(e.get("status", ev.STATUS_OK))

@@ -186,14 +186,18 @@ class NTPStrategy(ParallelStrategy):
     # ---- collectives ----------------------------------------------------------------------------
     def barrier(self, name: str | None = None) -> None:
         if _distributed_is_initialized():
-            dist.barrier()
+            self._between_steps(dist.barrier)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not _distributed_is_initialized():
             return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
+
+        def once() -> Any:
+            box = [obj]
+            dist.broadcast_object_list(box, src)
+            return box[0]
+
+        return self._between_steps(once)
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         if isinstance(tensor, torch.Tensor):
@@ -254,6 +258,10 @@ class NTPStrategy(ParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any = None
     ) -> None:
+        """Collective; a peer lost during it (live recovery) leaves this save uncommitted."""
+        self._between_steps(self._save_checkpoint, checkpoint, filepath, redo=False)
+
+    def _save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path) -> None:
         """Collective: every rank writes the chunks it owns; Lightning's own state rides along as `extra`.
 
         With `async_save`, tensors are snapshotted and written by a background thread; the commit
@@ -361,6 +369,13 @@ class NTPStrategy(ParallelStrategy):
         if self.recovery is None:
             return super().training_step(*args, **kwargs)
         return self.recovery.run_step(self, super().training_step, *args, **kwargs)
+
+    def _between_steps(self, fn: Any, *args: Any, redo: bool = True) -> Any:
+        """A collective outside the training step (barrier, broadcast, checkpoint save): with `recovery`
+        set, a lost peer is recovered from before the next step, then `fn` is redone (`redo`) or skipped."""
+        if self.recovery is None:
+            return fn(*args)
+        return self.recovery.run_between_steps(self, fn, *args, redo=redo)
 
     # ---- reporting ------------------------------------------------------------------------------
     @property

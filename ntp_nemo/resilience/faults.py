@@ -4,7 +4,10 @@ callback that makes them happen inside the workers.
 Kinds (each strikes global rank `rank` of the layout running at the time, at optimizer step `step`):
 
 - `kill_rank`: the process exits at once with status 137 (`os._exit`, no cleanup), as a lost GPU or
-  node looks to the launcher.
+  node looks to the launcher.  `phase` says when in the step: `step_start` (before the forward),
+  `backward` (inside the first micro-batch's backward, when the gradient of this rank's first
+  parameter is computed: before any gradient sync completes) or `optimizer` (right after this rank's
+  optimizer step updated its weights, before the step ends).
 - `hang`: the process stops making progress (sleeps forever); only heartbeats or timeouts reveal it.
 - `slow`: a straggler: `seconds` of extra time per step for `steps` steps (None: to the end).
 - `kill_during_save`: the rank dies while the checkpoint of the first save at or after `step` is
@@ -34,6 +37,7 @@ from omegaconf import DictConfig
 from ntp_nemo.errors import ConfigError
 
 FAULT_KINDS = ("kill_rank", "hang", "slow", "kill_during_save", "corrupt_checkpoint")
+KILL_PHASES = ("step_start", "backward", "optimizer")
 KILL_EXIT_CODE = 137  # 128 + SIGKILL: what a shell reports for a process killed hard
 
 
@@ -45,6 +49,7 @@ class Fault:
     step: int
     seconds: float = 0.0
     steps: int | None = None
+    phase: str = "step_start"
 
     @property
     def once(self) -> bool:
@@ -94,8 +99,16 @@ def resolve_faults(cfg: DictConfig, world_size: int) -> list[Fault]:
             raise ConfigError(
                 f"{key}.seconds", f"a slow rank needs seconds > 0 of delay per step, got {seconds}."
             )
+        phase = str(spec.get("phase", "step_start") or "step_start")
+        if phase not in KILL_PHASES or (phase != "step_start" and kind != "kill_rank"):
+            raise ConfigError(
+                f"{key}.phase",
+                f"phase {phase!r} is not one of {', '.join(KILL_PHASES)}"
+                if phase not in KILL_PHASES
+                else f"phase {phase!r} applies to kill_rank only, not {kind}; drop {key}.phase.",
+            )
         out.append(
-            Fault(len(out), kind, int(rank), int(step), seconds, None if steps is None else int(steps))
+            Fault(len(out), kind, int(rank), int(step), seconds, None if steps is None else int(steps), phase)
         )
     return out
 
@@ -147,6 +160,7 @@ class FaultInjector(Callback):
         self.faults = list(faults)
         self.fault_dir = Path(fault_dir)
         self.ckpt_dir = Path(ckpt_dir)
+        self._armed: list[Any] = []  # hooks of a kill inside the current step (phase backward/optimizer)
 
     def _claim(self, fault: Fault, step: int) -> bool:
         """Record that `fault` fires now; False if an earlier attempt already fired it."""
@@ -186,11 +200,40 @@ class FaultInjector(Callback):
                         flush=True,
                     )
                 continue
+            if f.kind == "kill_rank" and f.phase != "step_start":
+                if step >= f.step and not marker_path(self.fault_dir, f).exists():
+                    self._arm(f, pl_module, trainer, step)
+                continue
             if step >= f.step and self._claim(f, step):
                 if f.kind == "kill_rank":
                     os._exit(KILL_EXIT_CODE)
                 while True:  # hang: alive, silent, holding its peers in their next collective
                     time.sleep(3600)
+
+    def _arm(self, fault: Fault, pl_module: LightningModule, trainer: Trainer, step: int) -> None:
+        """Kill this rank inside step `step`: in the backward (a one-shot hook on the gradient of its
+        first parameter) or right after its optimizer step (a one-shot optimizer post-step hook)."""
+        handles: list[Any] = []
+
+        def die(*_: Any) -> None:
+            for h in handles:
+                h.remove()
+            if self._claim(fault, step):
+                os._exit(KILL_EXIT_CODE)
+
+        if fault.phase == "backward":
+            param = next(p for p in pl_module.model.parameters() if p.requires_grad)
+            handles.append(param.register_hook(lambda grad: die()))
+        else:
+            opt = trainer.strategy._optimizer()
+            handles.append(opt.register_step_post_hook(lambda *_: die()))
+        # Disarmed at the step's end if it never fired (e.g. no backward reached this parameter).
+        self._armed = handles
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        for h in self._armed:
+            h.remove()
+        self._armed = []
 
     def on_save_checkpoint(
         self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]

@@ -240,6 +240,25 @@ class LiveRecovery(Callback):
                     raise
                 self._recover(strategy, int(args[0]["step"]))
 
+    def run_between_steps(self, strategy: Any, fn: Callable, *args: Any, redo: bool = True) -> Any:
+        """Run a collective outside the training step (a barrier, a broadcast, a checkpoint save); on a
+        lost peer recover before the next step, then redo it (`redo`) or skip it (a checkpoint save
+        interrupted by the loss stays uncommitted; the previous checkpoint stays the latest valid one)."""
+        while True:
+            try:
+                return fn(*args)
+            except Exception as err:
+                if self.store is None or not is_collective_failure(err):
+                    raise
+                trainer = strategy.lightning_module.trainer
+                self._recover(strategy, trainer.global_step)  # the next step's batch index
+                if not redo:
+                    if trainer.global_rank == 0:
+                        print(f"failover | live: the checkpoint of step {trainer.global_step} was not "
+                              "committed (a rank was lost while it was written); the next save writes one",
+                              flush=True)
+                    return None
+
     def _rebatch(self, strategy: Any, batch: dict) -> dict:
         module = strategy.lightning_module
         ds = module._train_set
@@ -247,6 +266,7 @@ class LiveRecovery(Callback):
         return module.transfer_batch_to_device(fresh, strategy.root_device, 0)
 
     def _recover(self, strategy: Any, step: int) -> None:
+        """Recover before (re)running the step of batch index `step` (0-based: step `step + 1`)."""
         from ntp_nemo.lightning.goodput_callback import GoodputCallback
         from ntp_nemo.parallel.runtime import NTPRuntime
         from ntp_nemo.topology import ResolvedLayout, Topology
@@ -307,13 +327,15 @@ class LiveRecovery(Callback):
         self.rebuild_through = step + 2  # the redone step and what the loader fetched ahead
         if goodput is not None:
             goodput.record("failure_detected", t=rec.detect_t, rank=lost_ranks[0] if lost_ranks else None,
-                           ranks=lost_ranks, reason="collective error", step=step, detail="live recovery")
-            goodput.record("recovery_done", layout=rec.generation.layout.describe(), step=step, mode="live",
-                           moved_bytes=rec.reshard.moved_bytes, minimum_bytes=rec.reshard.needed_bytes,
-                           recovery_s=rec.seconds, generation=rec.generation.index)
+                           ranks=lost_ranks, reason="collective error", step=step + 1, detail="live recovery")
+            goodput.record("recovery_done", layout=rec.generation.layout.describe(), step=step + 1,
+                           mode="live", moved_bytes=rec.reshard.moved_bytes,
+                           minimum_bytes=rec.reshard.needed_bytes, recovery_s=rec.seconds,
+                           generation=rec.generation.index)
         if rec.rank == 0:
-            print(f"failover | live: {rec.replan.describe()} at step {step}; moved {rec.reshard.moved_bytes} "
-                  f"bytes (minimum {rec.reshard.needed_bytes}) in {rec.seconds:.2f} s", flush=True)
+            moved, minimum = rec.reshard.moved_bytes, rec.reshard.needed_bytes
+            print(f"failover | live: {rec.replan.describe()}; step {step + 1} runs on it; moved {moved} "
+                  f"bytes (minimum {minimum}) in {rec.seconds:.2f} s", flush=True)
 
 
 def _traceback(path: str | None) -> str:
