@@ -13,16 +13,19 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
-
-from ntp_nemo.config.paths import conf_dir
-from ntp_nemo.config.register import register_configs
 from ntp_nemo.errors import EXIT_CONFIG, EXIT_RUNTIME, ConfigError, report_config_error
 
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+# Module level imports stay light: `--help` and a misspelt key answer before Hydra is imported, a bad
+# value before torch; Lightning is imported once the config is valid, before the workers are forked
+# (they inherit it).
+
 _job_started = False
+_IMPORTED = time.time()  # when /proc does not say when this process started
 
 
 def launcher_rank() -> int:
@@ -31,6 +34,19 @@ def launcher_rank() -> int:
         if var in os.environ:
             return int(os.environ[var])
     return 0
+
+
+def process_start_time() -> float:
+    """Wall-clock time this process started (from /proc on Linux: interpreter start-up and imports
+    included); elsewhere when this module was imported."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks since boot
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        started = time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return _IMPORTED
+    return started if _IMPORTED - 600 < started <= _IMPORTED else _IMPORTED
 
 
 def say(*args, **kwargs) -> None:
@@ -59,6 +75,8 @@ def _quiet_libraries() -> None:
 
 def train(cfg: DictConfig) -> dict:
     """Validate, prepare data, launch the workers and train; returns the run summary."""
+    from hydra.core.hydra_config import HydraConfig
+
     if cfg.trainer.get("dry_run"):  # validates by itself, reads no data, starts no worker
         from ntp_nemo.dry_run import run_dry
 
@@ -170,6 +188,8 @@ def train(cfg: DictConfig) -> dict:
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     summary["wall_s"] = time.time() - t0
     summary.update(invocation_stats(run_dir, t0))  # every attempt of this command, not the last one's
+    if summary.get("first_step_start") is not None:
+        summary["startup_s"] = summary.pop("first_step_start") - process_start_time()
     if (run_dir / "goodput.jsonl").exists():
         from ntp_nemo.goodput.report import analyse
 
@@ -220,6 +240,7 @@ def invocation_stats(run_dir: Path, since: float) -> dict:
     secs = sum(r["step_time_s"] for r in steady)
     return {
         "steps_this_run": len(recs),
+        "first_step_start": recs[0]["time"] - recs[0]["step_time_s"],
         "first_loss": recs[0]["loss"],
         "final_loss": recs[-1]["loss"],
         "tokens_per_s": sum(r["tokens"] for r in steady) / secs if secs > 0 else None,
@@ -268,6 +289,11 @@ def print_summary(summary: dict, run_dir: Path) -> None:
         f" goodput       {fmt(_percent(summary.get('goodput')), '.1f')}%",
         f" wall time     {fmt(summary.get('wall_s'), '.1f')} s",
         *(
+            [f" startup       {summary['startup_s']:.1f} s from the command to the first step"]
+            if summary.get("startup_s") is not None
+            else []
+        ),
+        *(
             [
                 f" failover      {summary['failover']['failures']} failure(s); layouts "
                 + " -> ".join(summary["failover"]["layouts"])
@@ -295,6 +321,8 @@ def resume_command(run_dir: Path) -> str:
     """The command that continues this run: its own overrides, in its run directory (resume=auto)."""
     import shlex
 
+    from hydra.core.hydra_config import HydraConfig
+
     try:
         overrides = list(HydraConfig.get().overrides.task)
     except ValueError:  # no Hydra job (called from Python)
@@ -303,10 +331,12 @@ def resume_command(run_dir: Path) -> str:
     return " ".join(["ntp-train", *map(shlex.quote, keep), shlex.quote(f"hydra.run.dir={run_dir}")])
 
 
-@hydra.main(version_base=None, config_path=str(conf_dir()), config_name="config")
 def _hydra_entry(cfg: DictConfig) -> float | None:
+    """The Hydra job (`main` wraps it in `hydra.main`)."""
     global _job_started
     _job_started = True
+    from hydra.core.hydra_config import HydraConfig
+
     from ntp_nemo.config.run_dir import ConsoleLog, log_path
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -325,6 +355,8 @@ def _hydra_entry(cfg: DictConfig) -> float | None:
 
 def _drop_empty_run_dir() -> None:
     """A command that failed before writing anything leaves no run directory behind."""
+    from hydra.core.hydra_config import HydraConfig
+
     from ntp_nemo.config.run_dir import remove_if_empty
 
     if launcher_rank() == 0:
@@ -332,7 +364,6 @@ def _drop_empty_run_dir() -> None:
 
 
 def main() -> None:
-    register_configs()
     if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
         from ntp_nemo.config.help import help_text
 
@@ -345,6 +376,12 @@ def main() -> None:
     except ConfigError as err:
         report_config_error(err)
         sys.exit(EXIT_CONFIG)
+    import hydra
+
+    from ntp_nemo.config.paths import conf_dir
+    from ntp_nemo.config.register import register_configs
+
+    register_configs()
     # The .hydra/ record is written by the job once the config is valid (ntp_nemo.config.run_dir).
     if not any(a.startswith("hydra.output_subdir=") for a in sys.argv):
         sys.argv += ["hydra.output_subdir=null"]
@@ -352,7 +389,7 @@ def main() -> None:
         # Only global rank 0 keeps the run's .hydra/ record and log file.
         sys.argv += ["hydra/job_logging=disabled"]
     try:
-        _hydra_entry()
+        hydra.main(version_base=None, config_path=str(conf_dir()), config_name="config")(_hydra_entry)()
     except SystemExit as exc:
         # Hydra exits 1 on composition errors (unknown key, bad override) before the job starts.
         if exc.code == 1 and not _job_started:

@@ -27,6 +27,8 @@ def test_single_process_run_learns_and_writes_run_dir(tmp_path):
     assert (run / "goodput.jsonl").exists() and (run / ".hydra" / "config.yaml").exists()
     assert list((run / "logs").rglob("metrics.csv")), "CSV logger wrote nothing"
     assert "run summary" in proc.stdout and "tokens/s" in proc.stdout
+    # Launch to the first step, from the process start (interpreter and imports included).
+    assert 0 < summary["startup_s"] < 300 and " s from the command to the first step" in proc.stdout
 
 
 @pytest.mark.slow

@@ -23,7 +23,13 @@ from ntp_nemo.data.corpus import default_corpus_tokens
 from ntp_nemo.data.dataset import TokenDataset, num_windows, split_train_val
 from ntp_nemo.data.sampler import GlobalBatchSampler
 from ntp_nemo.data.text_files import cached_text_tokens
-from ntp_nemo.data.tokenizer import TOKENIZER_NAMES, build_tokenizer, looks_like_path, tokenizer_json_of
+from ntp_nemo.data.tokenizer import (  # noqa: F401  (tokenizer_identity re-exported)
+    TOKENIZER_NAMES,
+    build_tokenizer,
+    looks_like_path,
+    tokenizer_identity,
+    tokenizer_json_of,
+)
 from ntp_nemo.data.tokens import TokenFile, max_token_id, open_token_file, sidecar_path
 from ntp_nemo.errors import ConfigError
 
@@ -75,18 +81,6 @@ def resolve_token_file(path: str | os.PathLike | None, tokenizer: str | None, ke
         raise ConfigError(key, f"{str(path)!r} does not exist. Point {key} at a token file written by "
                                "ntp-preprocess, a text/.jsonl file or a directory of them.")
     return cached_text_tokens(p, spec)
-
-
-def tokenizer_identity(spec: str | None) -> dict | None:
-    """Identity (name, hash, vocab_size, eos_id) of a tokenizer spec without tokenizing anything;
-    None for an empty spec; for a bare name (not byte/bpe/a path) just the name."""
-    if spec in (None, ""):
-        return None
-    spec = str(spec)
-    if spec in TOKENIZER_NAMES or tokenizer_json_of(spec) is not None or looks_like_path(spec):
-        tok = build_tokenizer(spec)
-        return dict(tok.identity, vocab_size=tok.vocab_size, eos_id=tok.eos_id)
-    return {"name": spec, "hash": None}
 
 
 def check_tokenizer(tf: TokenFile, want: dict | None, key: str = "data.tokenizer") -> None:

@@ -278,3 +278,15 @@ def build_tokenizer(spec: str, key: str = "data.tokenizer") -> ByteTokenizer | H
         f"{hint}. Use byte (raw bytes), bpe (trained on the built-in corpus), the path of a Hugging Face "
         "tokenizer.json, or a model directory holding one (e.g. data.tokenizer=byte).",
     )
+
+
+def tokenizer_identity(spec: str | None) -> dict | None:
+    """Identity (name, hash, vocab_size, eos_id) of a tokenizer spec without tokenizing anything;
+    None for an empty spec; for a bare name (not byte/bpe/a path) just the name."""
+    if spec in (None, ""):
+        return None
+    spec = str(spec)
+    if spec in TOKENIZER_NAMES or tokenizer_json_of(spec) is not None or looks_like_path(spec):
+        tok = build_tokenizer(spec)
+        return dict(tok.identity, vocab_size=tok.vocab_size, eos_id=tok.eos_id)
+    return {"name": spec, "hash": None}

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from ntp_nemo.data.tokenizer import tokenizer_json_of
+from ntp_nemo.data.tokenizer import tokenizer_identity, tokenizer_json_of
 from ntp_nemo.data.tokens import read_sidecar
 from ntp_nemo.errors import ConfigError
 
@@ -80,8 +80,6 @@ def _check_paths(d: DictConfig) -> None:
 
 def resolve_data_config(cfg: DictConfig, explicit: set[str] | None = None) -> dict:
     """Fill in `data.tokenizer` and `model.vocab_size` (see the module doc); returns what was chosen."""
-    from ntp_nemo.data.module import tokenizer_identity
-
     explicit = explicit or set()
     d = cfg.data
     multiple = int(d.get("vocab_multiple") or 1)
