@@ -42,7 +42,7 @@ from ntp_nemo.goodput import compute_goodput, load_events
 POLICIES = ("ntp", "dp_drop", "restart")
 # Rows of the table: name -> overrides.  `ntp-live` is policy ntp with fault.recovery=live (the survivors
 # reshard from each other's memory in the same processes; no relaunch, no checkpoint read).
-RUNS = {**{p: [f"fault.policy={p}"] for p in POLICIES},
+RUNS = {**{p: [f"fault.policy={p}", "fault.recovery=restart"] for p in POLICIES},
         "ntp-live": ["fault.policy=ntp", "fault.recovery=live"]}
 
 

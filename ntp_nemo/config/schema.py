@@ -121,7 +121,7 @@ class FaultConfig:
     phase: str = "step_start"  # kill_rank: step_start | backward | optimizer (when in the step it dies)
     more: list[FaultSpec] = field(default_factory=list)  # further faults in the same run
     policy: str = "ntp"  # ntp | dp_drop | restart
-    recovery: str = "restart"  # restart (relaunch + checkpoint) | live (survivors reshard in memory)
+    recovery: str = "auto"  # auto (live where it can work) | live (survivors reshard in memory) | restart
     repair_after_steps: int | None = None
     max_restarts: int = 3
     # Timeout hierarchy (docs/failover.md): heartbeat < collective < whole step.

@@ -42,10 +42,17 @@ class _ForkLauncher(_MultiProcessingLauncher):
 
     def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         """Forward SIGTERM/SIGUSR1 sent to the parent to every worker (they checkpoint and stop together)."""
+        with self.forwarding_signals():
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    @contextmanager
+    def forwarding_signals(self):
+        """While the workers run: SIGTERM/SIGUSR1 to the parent reach every worker; a first Ctrl-C makes
+        them checkpoint and stop (as SIGTERM does), a second one kills them."""
         import signal
 
         def forward(signum, frame):  # noqa: ANN001 - signal handler signature
-            for proc in self.procs:
+            for proc in getattr(self, "procs", None) or []:
                 if proc.is_alive():
                     os.kill(proc.pid, signum)
 
@@ -58,7 +65,7 @@ class _ForkLauncher(_MultiProcessingLauncher):
             if len(interrupts) == 1:
                 forward(signal.SIGTERM, frame)  # a terminal's Ctrl-C reaches them too: the stop is the same
                 return
-            for proc in self.procs:
+            for proc in getattr(self, "procs", None) or []:
                 if proc.is_alive():
                     os.kill(proc.pid, signal.SIGKILL)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -67,7 +74,7 @@ class _ForkLauncher(_MultiProcessingLauncher):
         previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
         previous[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)
         try:
-            return super().launch(function, *args, trainer=trainer, **kwargs)
+            yield
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

@@ -66,6 +66,10 @@ class LiveLauncher(_ForkLauncher):
         self.lost: set[int] = set()  # process indices the monitor handed to the survivors
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        with self.forwarding_signals():  # SIGTERM/Ctrl-C: the workers checkpoint and stop, as without live
+            return self._launch(function, *args, trainer=trainer, **kwargs)
+
+    def _launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         port = free_port()
         saved = {k: os.environ.get(k) for k in ("MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")}
         os.environ["MASTER_PORT"] = str(port)
@@ -79,7 +83,10 @@ class LiveLauncher(_ForkLauncher):
             self.procs = process_context.processes
             self.store = host_store(port)  # after the fork: no server thread is copied into a worker
             for p in self.procs:
-                p.join()
+                # The monitor thread polls the same children: a join that loses the race to reap one
+                # returns before its exit status is recorded; wait until it is.
+                while p.exitcode is None:
+                    p.join(0.05)
         finally:
             for k, v in saved.items():
                 if v is None:

@@ -79,18 +79,49 @@ def validate_fault_config(cfg: DictConfig) -> None:
     resolve_faults(cfg, layout_of(cfg).world_size)
 
 
+RECOVERY_MODES = ("auto", "live", "restart")
+
+
+def _live_blocker(cfg: DictConfig) -> tuple[str, str] | None:
+    """(key, why) when the live path cannot serve this run, else None."""
+    if bool(cfg.optim.get("distributed", False)):
+        return ("optim.distributed", "live recovery needs every AdamW moment held by every replica, but "
+                "optim.distributed=true keeps each on one rank only")
+    if str(cfg.fault.policy) == "restart":
+        return ("fault.policy", "fault.policy=restart replaces the lost GPU with a spare, which only a "
+                "relaunch can do")
+    if str(cfg.trainer.accelerator) in ("gpu", "cuda"):
+        return ("trainer.accelerator", "the live path stops a broken generation by severing gloo's sockets, "
+                "which does not unblock NCCL collectives: it runs on CPU (gloo) only")
+    if cfg.fault.repair_after_steps is not None:
+        return ("fault.repair_after_steps", "the repaired GPU rejoins through a relaunch, not live")
+    if int(cfg.mesh.dp) < 2:
+        return ("mesh.dp", "with one replica no survivor holds a lost rank's shards")
+    return None
+
+
+def recovery_mode(cfg: DictConfig) -> tuple[str, str]:
+    """(`live` or `restart`, why) for `fault.recovery` (`auto`: live wherever it can work)."""
+    asked = str(cfg.fault.get("recovery", "auto"))
+    blocker = _live_blocker(cfg)
+    if asked == "restart":
+        return "restart", "fault.recovery=restart"
+    if blocker is None:
+        return "live", f"fault.recovery={asked}"
+    return "restart", f"fault.recovery=auto: {blocker[1]}"
+
+
 def _validate_recovery(cfg: DictConfig) -> None:
-    recovery = str(cfg.fault.get("recovery", "restart"))
-    if recovery not in ("restart", "live"):
-        raise ConfigError("fault.recovery", f"unknown recovery {recovery!r}; use restart (relaunch from the "
-                          "last checkpoint) or live (the survivors reshard in memory).")
-    if recovery == "live" and bool(cfg.optim.get("distributed", False)):
-        raise ConfigError("fault.recovery", "live recovery needs every AdamW moment held by every replica, "
-                          "but optim.distributed=true keeps each on one rank only; set "
-                          "optim.distributed=false or fault.recovery=restart.")
-    if recovery == "live" and str(cfg.fault.policy) == "restart":
-        raise ConfigError("fault.recovery", "fault.policy=restart replaces the lost GPU with a spare, which "
-                          "only a relaunch can do; use fault.policy=ntp or dp_drop with fault.recovery=live.")
+    recovery = str(cfg.fault.get("recovery", "auto"))
+    if recovery not in RECOVERY_MODES:
+        raise ConfigError("fault.recovery", f"unknown recovery {recovery!r}; use auto (live where it can "
+                          "work, else restart), live (the survivors reshard in memory) or restart (relaunch "
+                          "from the last checkpoint).")
+    blocker = _live_blocker(cfg)
+    if recovery == "live" and blocker is not None and blocker[0] != "mesh.dp":
+        key, why = blocker
+        raise ConfigError("fault.recovery", f"{why}; change {key} or use fault.recovery=restart (or auto, "
+                          "which picks restart here).")
 
 
 def with_layout(
@@ -162,7 +193,8 @@ class Supervisor:
         self.ckpt_dir = self.run_dir / cfg.checkpoint.dir
         self.nominal = layout_of(cfg)
         self.policy = make_policy(str(cfg.fault.policy), int(cfg.ntp.min_replica_tp))
-        self.live = str(cfg.fault.get("recovery", "restart")) == "live"  # resilience/live_training.py
+        self.recovery, self.recovery_why = recovery_mode(cfg)
+        self.live = self.recovery == "live"  # resilience/live_training.py
         self.timeouts = Timeouts.from_config(cfg.fault)
         self.faults = resolve_faults(cfg, self.nominal.world_size)
         self.end_step = min(
@@ -203,7 +235,7 @@ class Supervisor:
                     + (f" (+{f.seconds}s/step)" if f.kind == "slow" else "")
                     for f in self.faults
                 )
-                + f"; policy {self.policy.name}",
+                + f"; policy {self.policy.name}; recovery {self.recovery} ({self.recovery_why})",
                 flush=True,
             )
         return built
