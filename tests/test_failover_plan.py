@@ -127,6 +127,12 @@ def test_timeout_hierarchy_is_validated():
         (["fault=slow", "fault.seconds=0"], "fault.seconds"),
         (["fault.repair_after_steps=0"], "fault.repair_after_steps"),
         (["fault=kill_rank", "fault.more=[{kind:kill_rank,rank:9,step:3}]"], "fault.more[0].rank"),
+        (["fault=kill_rank", "fault.phase=during"], "fault.phase"),
+        (["fault=hang", "fault.phase=backward"], "fault.phase"),
+        (["fault.recovery=sideways"], "fault.recovery"),
+        (["fault.recovery=live", "fault.policy=restart"], "fault.recovery"),
+        (["fault.recovery=live", "optim.distributed=true"], "fault.recovery"),
+        (["fault.recovery=live", "trainer.accelerator=gpu"], "fault.recovery"),
     ],
 )
 def test_bad_fault_config(overrides, key):
@@ -135,6 +141,27 @@ def test_bad_fault_config(overrides, key):
     with pytest.raises(ConfigError) as err:
         validate_fault_config(_cfg(*overrides))
     assert err.value.key == key
+
+
+@pytest.mark.parametrize(
+    "overrides,mode,why",
+    [
+        ([], "live", "fault.recovery=auto"),  # two replicas on CPU: the survivors can reshard in memory
+        (["fault.recovery=restart"], "restart", "fault.recovery=restart"),
+        (["mesh.dp=1", "ntp.replica_tp=[2]"], "restart", "one replica"),
+        (["optim.distributed=true"], "restart", "optim.distributed=true"),
+        (["fault.policy=restart"], "restart", "spare"),
+        (["trainer.accelerator=gpu"], "restart", "NCCL"),
+        (["fault.repair_after_steps=2"], "restart", "relaunch"),
+        (["fault.recovery=live", "mesh.dp=1", "ntp.replica_tp=[2]"], "live", "fault.recovery=live"),
+    ],
+)
+def test_recovery_mode_auto_picks_live_where_it_can_work(overrides, mode, why):
+    # With one replica an explicit `live` is kept: the survivors find no live copy and fall back, saying so.
+    from ntp_nemo.resilience.supervisor import recovery_mode
+
+    got, reason = recovery_mode(_cfg("mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,2]", *overrides))
+    assert got == mode and why in reason, reason
 
 
 def test_unset_step_and_rank_are_drawn_from_the_seed():

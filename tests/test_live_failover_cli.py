@@ -53,8 +53,10 @@ def _on_reference_curve(run, reference) -> None:
 @pytest.mark.slow
 def test_live_recovery_and_fallback_through_the_cli(tmp_path, reference):
 
-    # Rank 3 (replica 1) killed when a step drawn from the seed starts.
-    run, proc = _run(tmp_path, "live", "fault=kill_rank", "fault.rank=3", "fault.recovery=live")
+    # Rank 3 (replica 1) killed when a step drawn from the seed starts; fault.recovery is left at its
+    # default (auto), which picks the live path for two replicas on CPU.
+    run, proc = _run(tmp_path, "live", "fault=kill_rank", "fault.rank=3")
+    assert "recovery live (fault.recovery=auto)" in proc.stdout
     assert "the survivors reshard in place" in proc.stdout
     assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
     metrics = read_metrics(run)

@@ -106,7 +106,7 @@ def recovery_mode(cfg: DictConfig) -> tuple[str, str]:
     blocker = _live_blocker(cfg)
     if asked == "restart":
         return "restart", "fault.recovery=restart"
-    if blocker is None:
+    if blocker is None or asked == "live":  # validation refused the other blockers; one replica falls back
         return "live", f"fault.recovery={asked}"
     return "restart", f"fault.recovery=auto: {blocker[1]}"
 
