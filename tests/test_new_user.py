@@ -91,7 +91,7 @@ def test_ctrl_c_checkpoints_then_resume_has_no_duplicate_steps(tmp_path):
     plan = run_cli([f"run={run}", "hardware=h100"], tmp_path, module="ntp_nemo.planner.cli")
     assert plan.returncode == 0, plan.stderr
     assert plan.stdout.startswith("gpt_tiny: 2 layers, hidden 64, seq 32, micro-batch 2;"), plan.stdout
-    assert "replica_tp=[1]" in plan.stdout and "overrides: layout.layer_tp=[1,1,1,1]" in plan.stdout
+    assert "replica_tp=[1]" in plan.stdout and "\"layout.layer_tp='1,1*2,1'\"" in plan.stdout
     # train.log holds what the console showed, for both invocations.
     log = (run / "train.log").read_text()
     assert final in log and "interrupted (Ctrl-C)" in log and log.count("ntp_nemo run summary") == 2

@@ -114,12 +114,13 @@ def test_ntp_plan_cli(capsys):
                 "ntp.replica_tp=[8,8,7]",
                 "recompute=false",
                 "memory_limit_gb=80",
+                "detail=true",
             ]
         )
         == 0
     )
     out = capsys.readouterr().out
-    assert "layer0-31" in out and "overrides: layout.layer_tp=[" in out
+    assert "layer0-31" in out and "\"layout.layer_tp='1,8*32,8'\"" in out
     assert run(["model=llama3_8b", "mesh.tp=8", "mesh.pp=2", "format=json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert len(data["layer_tp"]) == 34 and len(data["batch_shares"]) == 2

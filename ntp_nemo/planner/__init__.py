@@ -2,7 +2,7 @@
 
 from ntp_nemo.planner.cost import ItemCost, item_cost
 from ntp_nemo.planner.layout import effective_degree, parse_layer_tp, validate_layer_tp
-from ntp_nemo.planner.plan import Plan, PlanRow, plan_layout
+from ntp_nemo.planner.plan import Plan, PlanRow, Ranking, plan_layout, rank_layouts
 from ntp_nemo.planner.shapes import DeviceModel, LinkModel, ModelShape
 
 __all__ = [
@@ -12,9 +12,11 @@ __all__ = [
     "ModelShape",
     "Plan",
     "PlanRow",
+    "Ranking",
     "effective_degree",
     "item_cost",
     "parse_layer_tp",
     "plan_layout",
+    "rank_layouts",
     "validate_layer_tp",
 ]

@@ -1,11 +1,23 @@
-"""`ntp-plan`: print the planner's per-layer table and the overrides that apply it to `ntp-train`.
+"""`ntp-plan`: rank per-layer TP layouts with the planner's cost model; print the best few and the
+`ntp-train` overrides that apply the best one.
 
-Takes Hydra-style overrides of `conf/sim/plan.yaml`, whose keys mirror the training config:
+Usage: ntp-plan [--all] [key=value ...]
+
+The model, mesh and data shape come from one of
+    model=NAME       a training model (conf/model/NAME.yaml: gpt_tiny, llama_tiny, ...) with the
+                     default recipe's mesh and data, or a large simulator model (conf/sim/model:
+                     gpt_480b, llama3_70b, llama3_8b) with conf/sim/plan.yaml's mesh
+    recipe=NAME      a training recipe (recipes/NAME.yaml): its model, mesh, replicas and data
+    run=RUN_DIR      a training run's own record (RUN_DIR/.hydra/config.yaml)
+and the other keys change them, e.g.
+    ntp-plan model=gpt_tiny
+    ntp-plan recipe=gpt_tiny_pp hardware=h100
     ntp-plan model=llama3_8b hardware=h100 mesh.tp=8 mesh.pp=1 ntp.replica_tp=[8,8,7] memory_limit_gb=80
-or plans for a training run's own model, mesh and data (its `.hydra/config.yaml`), or for a model of the
-training config group (`conf/model/NAME.yaml`, e.g. gpt_tiny):
-    ntp-plan run=outputs/gpt_tiny/2026-01-01_00-00-00 hardware=h100
-    ntp-plan model=gpt_tiny mesh.tp=2 ntp.replica_tp=[2,1]
+Keys: hardware=b200|h100, mesh.tp, mesh.pp, mesh.dp, ntp.replica_tp, data.seq_len,
+data.micro_batch_size, memory_limit_gb, recompute=true|false, distributed_optimizer=true|false;
+with a training model or recipe also model.FIELD (e.g. model.num_layers=8, model.init_from=DIR).
+Output: top=N rows (default 5), --all for every layout within the memory limit, detail=true for the
+best layout's per-item costs and per-replica periods, format=json for all of it as JSON.
 """
 
 from __future__ import annotations
@@ -14,6 +26,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -21,17 +34,16 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ntp_nemo.config.paths import conf_dir
+from ntp_nemo.config.paths import conf_dir, recipes_dir
 from ntp_nemo.errors import ConfigError, cli_main
-from ntp_nemo.planner.plan import Plan, plan_layout
+from ntp_nemo.planner.plan import Plan, Ranking, rank_layouts, run_length
 from ntp_nemo.planner.shapes import DeviceModel, LinkModel, ModelShape
 
 CONFIG_DIR = conf_dir() / "sim"
-USAGE = (
-    __doc__
-    + "\nOther keys: mesh.dp, data.seq_len, data.micro_batch_size, recompute=true|false,\n"
-    + "distributed_optimizer=true|false, format=json.\n"
-)
+USAGE = __doc__
+DEFAULT_TOP = 5
+# Keys of the plan config that a training config also has: a run's or recipe's values are defaults.
+LAYOUT_KEYS = ("mesh.tp", "mesh.pp", "mesh.dp", "ntp.replica_tp", "data.seq_len", "data.micro_batch_size")
 
 
 def load_config(overrides: Sequence[str]) -> DictConfig:
@@ -45,54 +57,134 @@ def load_config(overrides: Sequence[str]) -> DictConfig:
         GlobalHydra.instance().clear()
 
 
-def training_overrides(argv: Sequence[str]) -> tuple[list[str], DictConfig | None]:
-    """Split off `run=RUN_DIR` / `model=NAME` of a training model: (plan overrides, training model).
-
-    A run's mesh, replica_tp and data shape become defaults the other overrides can still change."""
-    rest, model, pre = [], None, []
-    for arg in argv:
-        key, _, value = arg.partition("=")
-        if key == "run":
-            record = Path(value).expanduser() / ".hydra" / "config.yaml"
-            if not record.is_file():
-                raise ConfigError("run", f"{value!r} is not a training run directory (no .hydra/config.yaml)")
-            run = OmegaConf.load(record)
-            model = run.model
-            rtp = run.ntp.get("replica_tp")
-            pre += [f"mesh.tp={run.mesh.tp}", f"mesh.pp={run.mesh.pp}", f"mesh.dp={run.mesh.dp}",
-                    f"ntp.replica_tp={list(rtp) if rtp is not None else 'null'}",
-                    f"data.seq_len={run.data.seq_len}", f"data.micro_batch_size={run.data.micro_batch_size}"]
-        elif key == "model" and not (CONFIG_DIR / "model" / f"{value}.yaml").is_file():
-            path = conf_dir() / "model" / f"{value}.yaml"
-            if not path.is_file():
-                known = sorted(p.stem for p in (*(CONFIG_DIR / "model").glob("*.yaml"),
-                                                *(conf_dir() / "model").glob("*.yaml")))
-                raise ConfigError("model", f"unknown model {value!r}; use one of {known}.")
-            model = OmegaConf.load(path)
-            pre.append(f"data.seq_len={model.max_seq_len}")
-        else:
-            rest.append(arg)
-    return pre + rest, model
+def _names(folder: Path) -> list[str]:
+    return sorted(p.stem for p in folder.glob("*.yaml") if p.stem != "__init__")
 
 
-def _with_defaults(model: DictConfig) -> DictConfig:
-    """A training model config with the schema's defaults for the keys its YAML leaves out."""
+def _choices() -> str:
+    return (
+        f"training models (conf/model): {', '.join(_names(conf_dir() / 'model'))}; "
+        f"simulator models (conf/sim/model): {', '.join(_names(CONFIG_DIR / 'model'))}; "
+        f"or recipe=NAME with one of {', '.join(_names(recipes_dir()))}, or run=RUN_DIR"
+    )
+
+
+def _compose_training(overrides: list[str]) -> DictConfig:
+    """The config `ntp-train OVERRIDES` would start from (composed, not validated)."""
+    from ntp_nemo.config.register import register_configs
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+            return compose(config_name="config", overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as err:
+        raise ConfigError("overrides", f"{err} (in the training config: {' '.join(overrides)})") from err
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _training_defaults(cfg: DictConfig) -> list[str]:
+    """Plan overrides taking a training config's mesh, replicas, data shape and memory options."""
+    rtp = cfg.ntp.get("replica_tp")
+    model = cfg.model
+    return [
+        f"mesh.tp={cfg.mesh.tp}",
+        f"mesh.pp={cfg.mesh.pp}",
+        f"mesh.dp={cfg.mesh.dp}",
+        f"ntp.replica_tp={list(rtp) if rtp is not None else 'null'}",
+        f"data.seq_len={cfg.data.seq_len}",
+        f"data.micro_batch_size={cfg.data.micro_batch_size}",
+        f"recompute={str(model.get('recompute', 'none')) == 'full'}".lower(),
+        f"distributed_optimizer={bool(cfg.get('optim', {}).get('distributed', False))}".lower(),
+    ]
+
+
+def training_overrides(argv: Sequence[str]) -> tuple[list[str], DictConfig | None, str | None]:
+    """Split off the training side: `run=RUN_DIR`, `recipe=NAME`, `model=NAME` of a training model
+    and, with those, `model.FIELD=VALUE`. Returns (plan overrides, training model config or None,
+    what to select it with in `ntp-train`, e.g. 'recipe=gpt_tiny')."""
+    pairs = [(a.partition("=")[0], a.partition("=")[2], a) for a in argv]
+    given = {k for k, _, _ in pairs}
+    selected = {k: v for k, v, _ in pairs if k in ("run", "recipe", "model")}
+    if "run" in selected and len(selected) > 1:
+        raise ConfigError("run", "takes the run's own model and recipe; drop model=/recipe= or run=.")
+    model_name = selected.get("model")
+    sim_model = model_name is not None and (CONFIG_DIR / "model" / f"{model_name}.yaml").is_file()
+    train_model = model_name is not None and (conf_dir() / "model" / f"{model_name}.yaml").is_file()
+    if model_name is not None and not (sim_model or train_model):
+        raise ConfigError("model", f"unknown model {model_name!r}; choose one of the {_choices()}.")
+    if "recipe" in selected and not (recipes_dir() / f"{selected['recipe']}.yaml").is_file():
+        raise ConfigError("recipe", f"unknown recipe {selected['recipe']!r}; use one of the {_choices()}.")
+    if sim_model and "recipe" in selected:
+        raise ConfigError("model", f"{model_name!r} is a simulator model; with recipe= name a training model "
+                          f"({', '.join(_names(conf_dir() / 'model'))}) or drop model=.")
+    if not selected or (sim_model and len(selected) == 1):  # a simulator model with plan.yaml's mesh
+        return list(argv), None, f"model={model_name}" if train_model else None
+
+    if "run" in selected:
+        record = Path(selected["run"]).expanduser() / ".hydra" / "config.yaml"
+        if not record.is_file():
+            raise ConfigError(
+                "run", f"{selected['run']!r} is not a training run directory (no .hydra/config.yaml)."
+            )
+        train = OmegaConf.load(record)
+        model_args = [a for k, _, a in pairs if k.startswith("model.")]
+        if model_args:
+            train.model = OmegaConf.merge(train.model, OmegaConf.from_dotlist([a for a in model_args]).model)
+        select = None  # the run's own overrides, plus these
+        training_keys = ("run",)
+    else:
+        model_args = [a for k, _, a in pairs if k.startswith("model.")]
+        train_args = [f"{k}={selected[k]}" for k in ("recipe", "model") if k in selected] + model_args
+        train = _compose_training(train_args)
+        select = " ".join(f"{k}={selected[k]}" for k in ("recipe", "model") if k in selected)
+        training_keys = ("recipe", "model")
+    pre = _training_defaults(train)
+    if ({"mesh.tp", "mesh.dp"} & given) and "ntp.replica_tp" not in given:
+        pre = [p for p in pre if not p.startswith("ntp.replica_tp=")]  # the given mesh's healthy replicas
+    rest = [a for k, _, a in pairs if k not in training_keys and not k.startswith("model.")]
+    return pre + rest, _model_of(train), select
+
+
+def _model_of(train: DictConfig) -> DictConfig:
+    """The training model with the schema's defaults, sizes read from `model.init_from` if set."""
     import dataclasses
 
     from ntp_nemo.models.config import ModelConfig
 
+    model = train.model
+    if OmegaConf.is_missing(model, "init_from"):
+        raise ConfigError("model.init_from", "this recipe starts from a Hugging Face model directory; pass "
+                          "model.init_from=DIR to ntp-plan too (the planner reads its config.json).")
     fields = dataclasses.fields(ModelConfig)
     defaults = {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
-    return OmegaConf.merge(OmegaConf.create(defaults), model)
+    merged = OmegaConf.merge(OmegaConf.create(defaults), model)
+    if merged.get("init_from"):
+        from ntp_nemo.hf.config_map import resolve_model_config
+
+        raw = {k: v for k, v in OmegaConf.to_container(merged, resolve=True).items() if k != "_target_"}
+        merged = OmegaConf.structured(resolve_model_config(ModelConfig(**raw)))
+    return merged
 
 
-def plan_from_config(cfg: DictConfig, train_model: DictConfig | None = None) -> Plan:
+def _options(cfg: DictConfig, show_all: bool) -> tuple[int | None, bool]:
+    top = cfg.get("top", DEFAULT_TOP)
+    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+        raise ConfigError("top", f"must be a positive number of rows, got {top!r}; or pass --all.")
+    detail = cfg.get("detail", False)
+    if not isinstance(detail, bool):
+        raise ConfigError("detail", f"must be true or false, got {detail!r}.")
+    return (None if show_all else top), detail
+
+
+def rank_from_config(cfg: DictConfig, train_model: DictConfig | None = None) -> Ranking:
     raw = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(raw, dict)
     if train_model is None:
         model = ModelShape.from_dict(raw["model"])
     else:
-        model = ModelShape.of_model_config(_with_defaults(train_model))
+        model = ModelShape.of_model_config(train_model)
     device = DeviceModel.from_dict(raw["hardware"]["device"], "hardware.device")
     links = LinkModel.from_dict(raw["hardware"]["links"], "hardware.links")
     mesh, data = raw["mesh"], raw["data"]
@@ -104,7 +196,7 @@ def plan_from_config(cfg: DictConfig, train_model: DictConfig | None = None) -> 
         raise ConfigError(
             "ntp.replica_tp", f"must be a list of active ranks per replica, got {replica_tp!r}."
         )
-    return plan_layout(
+    return rank_layouts(
         model,
         mesh["tp"],
         replica_tp,
@@ -119,19 +211,82 @@ def plan_from_config(cfg: DictConfig, train_model: DictConfig | None = None) -> 
     )
 
 
+def plan_from_config(cfg: DictConfig, train_model: DictConfig | None = None) -> Plan:
+    """The planner's choice (the first of `rank_from_config`)."""
+    return rank_from_config(cfg, train_model).plans[0]
+
+
+def train_overrides(cfg: DictConfig, plan: Plan, select: str | None) -> str:
+    """The `ntp-train` arguments that run `plan` (shell-quoted where Hydra needs it)."""
+    rtp = ",".join(str(n) for n in plan.replica_tp)
+    args = [
+        *([select] if select else []),
+        f"mesh.tp={plan.tp}",
+        f"mesh.pp={cfg.mesh.pp}",
+        f"mesh.dp={len(plan.replica_tp)}",
+        f"ntp.replica_tp=[{rtp}]",
+        f"\"layout.layer_tp='{plan.layer_tp_pattern()}'\"",
+    ]
+    return " ".join(args)
+
+
+def _row(rank: int, plan: Plan, best: Plan) -> list[str]:
+    layers = plan.layer_tp[1:-1]
+    slower = plan.time_per_microbatch_s / best.time_per_microbatch_s - 1
+    return [
+        str(rank),
+        str(plan.layer_tp[0]),
+        run_length(layers),
+        str(plan.layer_tp[-1]),
+        f"{plan.time_per_microbatch_s * 1e3:.3f}",
+        "best" if rank == 1 else f"+{100 * slower:.1f}%",
+        f"{max(plan.memory_gb):.2f}",
+        "/".join(f"{w:.3f}" for w in plan.batch_shares),
+    ]
+
+
+def format_ranking(rows: list[Plan]) -> str:
+    header = ["#", "embedding", "layers", "head", "ms/micro-batch", "vs best", "peak GB", "batch shares"]
+    cells = [header, *(_row(i + 1, p, rows[0]) for i, p in enumerate(rows))]
+    widths = [max(len(r[c]) for r in cells) for c in range(len(header))]
+    left = {1, 2, 3, 7}  # degrees and shares read left to right; numbers right-aligned
+    lines = []
+    for n, r in enumerate(cells):
+        lines.append("  ".join(v.ljust(w) if c in left else v.rjust(w) for c, (v, w) in
+                               enumerate(zip(r, widths, strict=True))).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _describe(m: Any, cfg: DictConfig, plan: Plan) -> str:
+    limit = cfg.memory_limit_gb
+    return (
+        f"{m.name}: {m.num_layers} layers, hidden {m.hidden_size}, seq {cfg.data.seq_len}, micro-batch "
+        f"{cfg.data.micro_batch_size}; {cfg.hardware.device.name}, tp={plan.tp}, pp={cfg.mesh.pp}, "
+        f"replica_tp={plan.replica_tp}, memory limit {'none' if limit is None else f'{limit} GB'}"
+    )
+
+
 def run(argv: Sequence[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
         return 0
+    show_all = "--all" in argv
+    argv = [a for a in argv if a != "--all"]
     unknown = [a for a in argv if a.startswith("-")]
     if unknown:
-        raise ConfigError("argv", f"unknown option(s) {unknown}; pass settings as key=value overrides.")
-    argv, train_model = training_overrides(argv)
+        raise ConfigError("argv", f"unknown option(s) {unknown}; use --all, or pass settings as key=value.")
+    argv, train_model, select = training_overrides(argv)
     cfg = load_config(argv)
     fmt = cfg.get("format", "table")
     if fmt not in ("table", "json"):
         raise ConfigError("format", f"{fmt!r}; use table or json.")
-    plan = plan_from_config(cfg, train_model)
+    top, detail = _options(cfg, show_all)
+    ranking = rank_from_config(cfg, train_model)
+    plan = ranking.plans[0]
+    shown = ranking.plans if top is None else ranking.plans[:top]
+    command = "ntp-train " + train_overrides(cfg, plan, select)
     if fmt == "json":
         print(
             json.dumps(
@@ -141,28 +296,52 @@ def run(argv: Sequence[str]) -> int:
                     "overrides": plan.overrides(),
                     "microbatch_time_s": plan.microbatch_time_s,
                     "memory_gb": plan.memory_gb,
+                    "command": command,
+                    "considered": ranking.considered,
+                    "within_memory_limit": len(ranking.plans),
+                    "candidates": [
+                        {
+                            "layer_tp": p.layer_tp_pattern(),
+                            "time_per_microbatch_s": p.time_per_microbatch_s,
+                            "memory_gb": p.memory_gb,
+                            "batch_shares": p.batch_shares,
+                        }
+                        for p in shown
+                    ],
                 }
             )
         )
         return 0
     m = cfg.model if train_model is None else train_model
+    print(_describe(m, cfg, plan))
+    fits = len(ranking.plans)
+    over = ranking.considered - fits
+    beyond = f" ({over} more over it)" if over else ""
+    if len(shown) == fits:
+        print(f"all {fits} layouts within the memory limit{beyond}, fastest first")
+    else:
+        print(f"the {len(shown)} fastest of {fits} layouts within the memory limit{beyond}")
     print(
-        f"{m.name}: {m.num_layers} layers, hidden {m.hidden_size}, seq {cfg.data.seq_len}, micro-batch "
-        f"{cfg.data.micro_batch_size}; {cfg.hardware.device.name}, tp={plan.tp}, pp={cfg.mesh.pp}, "
-        f"replica_tp={plan.replica_tp}, memory limit {cfg.memory_limit_gb} GB"
+        "(TP degree of the embedding, the layers as DEGREE*COUNT, and the head; modelled time per\n"
+        "micro-batch of the global batch; the busiest GPU's memory; each replica's share of the batch)\n"
     )
-    print(
-        "(per micro-batch, forward+backward, busiest rank of the smallest replica; "
-        "mem excludes in-flight copies)"
-    )
-    print(plan.format_table())
-    print("\nreplica  ranks  period ms  share   mem GB")
-    for r, (n, t, w, mem) in enumerate(
-        zip(plan.replica_tp, plan.microbatch_time_s, plan.batch_shares, plan.memory_gb, strict=True)
-    ):
-        print(f"{r:>7} {n:>6} {t * 1e3:>10.3f} {w:>6.3f} {mem:>8.2f}")
-    print(f"\ntime per micro-batch of the global batch: {plan.time_per_microbatch_s * 1e3:.3f} ms")
-    print("overrides: " + " ".join(plan.overrides()))
+    print(format_ranking(shown))
+    if len(shown) < fits:
+        print(f"({fits - len(shown)} more: top=N or --all)")
+    if detail:
+        print("\nbest layout, per micro-batch, forward+backward, busiest rank of the smallest replica "
+              "(mem excludes in-flight copies):")
+        print(plan.format_table())
+        print("\nreplica  ranks  period ms  share   mem GB")
+        for r, (n, t, w, mem) in enumerate(
+            zip(plan.replica_tp, plan.microbatch_time_s, plan.batch_shares, plan.memory_gb, strict=True)
+        ):
+            print(f"{r:>7} {n:>6} {t * 1e3:>10.3f} {w:>6.3f} {mem:>8.2f}")
+    print("\nto train with the best layout:")
+    print(f"  {command}")
+    if train_model is None and select is None:
+        print(f"  ({m.name} is a simulator model with no training config: add the model of a training "
+              "config with its shape)")
     return 0
 
 

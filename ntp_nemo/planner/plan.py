@@ -58,6 +58,11 @@ class Plan:
         """Hydra overrides that apply this plan to a training run."""
         return [f"layout.layer_tp=[{','.join(str(t) for t in self.layer_tp)}]"]
 
+    def layer_tp_pattern(self) -> str:
+        """`layer_tp` as embedding, layers (runs of one degree as DEGREE*COUNT), head: the run-length
+        form `parse_layer_tp` reads, e.g. '1,8*32,8'."""
+        return ",".join((str(self.layer_tp[0]), run_length(self.layer_tp[1:-1]), str(self.layer_tp[-1])))
+
     def format_table(self) -> str:
         """Per-item table; consecutive identical layers are merged into one row (e.g. layer0-49)."""
         header = (
@@ -84,6 +89,17 @@ class Plan:
                 f"{r.comm_bytes / 1e6:>10.3f} {r.time_s * 1e3:>10.4f} {r.memory_gb:>9.3f}"
             )
         return "\n".join(lines)
+
+
+def run_length(degrees: Sequence[int]) -> str:
+    """'1,8*32,8' for [1, 8, ..., 8, 8]: runs of one degree as DEGREE*COUNT."""
+    runs: list[list[int]] = []
+    for t in degrees:
+        if runs and runs[-1][0] == t:
+            runs[-1][1] += 1
+        else:
+            runs.append([t, 1])
+    return ",".join(str(t) if n == 1 else f"{t}*{n}" for t, n in runs)
 
 
 def _check_inputs(
@@ -152,6 +168,14 @@ def _descend(
     return choice
 
 
+@dataclass(frozen=True)
+class Ranking:
+    """Layouts within the memory limit, fastest first (`plans[0]` is what `plan_layout` returns)."""
+
+    plans: list[Plan]
+    considered: int  # layouts costed, those over the memory limit included
+
+
 def plan_layout(
     model: ModelShape,
     tp: int,
@@ -173,6 +197,31 @@ def plan_layout(
     `distributed_optimizer` the fp32 master and Adam moments (12 of the per-parameter state bytes)
     split over the replicas holding each fragment (`optim.distributed=true`).
     """
+    return rank_layouts(
+        model, tp, replica_tp, seq_len, micro_batch_size, links, memory_limit_gb, pp=pp, device=device,
+        recompute=recompute, distributed_optimizer=distributed_optimizer,
+    ).plans[0]
+
+
+def rank_layouts(
+    model: ModelShape,
+    tp: int,
+    replica_tp: list[int],
+    seq_len: int,
+    micro_batch_size: int,
+    links: LinkModel | None = None,
+    memory_limit_gb: float | None = None,
+    *,
+    pp: int = 1,
+    device: DeviceModel | None = None,
+    recompute: bool = False,
+    distributed_optimizer: bool = False,
+) -> Ranking:
+    """The planner's candidates, ranked: every layout with one degree for the embedding, one for all
+    layers and one for the head (tied embeddings: one for both), and the coordinate descent's
+    per-layer layout from the highest degrees (and from the best of the others, when that is
+    better). Those within the memory limit, fastest (J, then summed stage time) first. Arguments
+    as for `plan_layout`."""
     links = links or LinkModel()
     device = device or DeviceModel()
     replica_tp = list(replica_tp)
@@ -213,8 +262,8 @@ def plan_layout(
         send_s=2 * links.send_time(act_bytes) if pp > 1 else 0.0,
     )
     limit = np.inf if memory_limit_gb is None else memory_limit_gb * GB
-    choice = np.array([len(c) - 1 for c in cands])  # highest degrees: the least memory any layout uses
-    least_mem = tables.evaluate(choice)[3].max()
+    highest = np.array([len(c) - 1 for c in cands])  # highest degrees: the least memory any layout uses
+    least_mem = tables.evaluate(highest)[3].max()
     if least_mem > limit:
         raise ConfigError(
             "memory_limit_gb",
@@ -223,24 +272,52 @@ def plan_layout(
         )
     last = len(kinds) - 1
     variables = [[i] for i in range(1, last)] + ([[0, last]] if model.tie_embeddings else [[0], [last]])
-    choice = _descend(tables, choice, variables, [len(c) for c in cands], limit)
-    j, _, period, mem_u = tables.evaluate(choice)
-    layer_tp = [cands[i][c] for i, c in enumerate(choice)]
-    validate_layer_tp(model, tp, replica_tp, layer_tp)
-    rate = {n: 1.0 / p for n, p in zip(sizes, period, strict=True)}
-    total_rate = sum(rate[n] for n in replica_tp)
-    table = []
-    for name, kind, t in zip(names, kinds, layer_tp, strict=True):
-        eff = effective_degree(t, sizes[0])
-        ic = cost(kind, eff)
-        table.append(PlanRow(name, t, eff, ic.flops, ic.comm_bytes, ic.time_s, ic.memory_bytes / GB))
-    return Plan(
-        layer_tp=layer_tp,
-        batch_shares=[rate[n] / total_rate for n in replica_tp],
-        table=table,
-        tp=tp,
-        replica_tp=replica_tp,
-        microbatch_time_s=[float(period[sizes.index(n)]) for n in replica_tp],
-        memory_gb=[float(mem_u[sizes.index(n)]) / GB for n in replica_tp],
-        time_per_microbatch_s=j,
-    )
+    n_cands = [len(c) for c in cands]
+
+    def score(choice: np.ndarray) -> tuple[float, float, float]:
+        j, total, _, mem_u = tables.evaluate(choice)
+        return j, total, float(mem_u.max())
+
+    scored: dict[tuple[int, ...], tuple[float, float, float]] = {}
+    layer_cands = n_cands[1] if last > 1 else 1
+    for e in range(n_cands[0]):
+        for lc in range(layer_cands):
+            for h in [e] if model.tie_embeddings else range(n_cands[last]):
+                choice = np.array([e] + [min(lc, n_cands[i] - 1) for i in range(1, last)] + [h])
+                scored.setdefault(tuple(int(c) for c in choice), score(choice))
+    considered = len(scored)
+    starts = [highest]
+    fitting = sorted((v[:2], k) for k, v in scored.items() if v[2] <= limit)
+    if fitting:
+        starts.append(np.array(fitting[0][1]))
+    for start in starts:
+        choice = _descend(tables, start, variables, n_cands, limit)
+        key = tuple(int(c) for c in choice)
+        if key not in scored:
+            considered += 1
+        scored.setdefault(key, score(choice))
+    order = sorted((v[:2], k) for k, v in scored.items() if v[2] <= limit)
+
+    def make_plan(choice: Sequence[int]) -> Plan:
+        j, _, period, mem_u = tables.evaluate(np.array(choice))
+        layer_tp = [cands[i][c] for i, c in enumerate(choice)]
+        validate_layer_tp(model, tp, replica_tp, layer_tp)
+        rate = {n: 1.0 / p for n, p in zip(sizes, period, strict=True)}
+        total_rate = sum(rate[n] for n in replica_tp)
+        table = []
+        for name, kind, t in zip(names, kinds, layer_tp, strict=True):
+            eff = effective_degree(t, sizes[0])
+            ic = cost(kind, eff)
+            table.append(PlanRow(name, t, eff, ic.flops, ic.comm_bytes, ic.time_s, ic.memory_bytes / GB))
+        return Plan(
+            layer_tp=layer_tp,
+            batch_shares=[rate[n] / total_rate for n in replica_tp],
+            table=table,
+            tp=tp,
+            replica_tp=replica_tp,
+            microbatch_time_s=[float(period[sizes.index(n)]) for n in replica_tp],
+            memory_gb=[float(mem_u[sizes.index(n)]) / GB for n in replica_tp],
+            time_per_microbatch_s=j,
+        )
+
+    return Ranking([make_plan(k) for _, k in order], considered)
