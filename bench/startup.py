@@ -1,6 +1,7 @@
 """Startup: how long `ntp-train` takes before it answers, for the commands a user types first.
 
-    python bench/startup.py [--baseline-root /tmp/startup_base] [--repeats 5] [--run-repeats 3]
+    python bench/startup.py [--baseline-root /tmp/startup_base] [--root CHECKOUT] [--repeats 5]
+                            [--run-repeats 3] [--cases TEXT]
 
 Each command runs in a fresh Python process, the way the `ntp-train` console script runs it
 (`ntp_nemo.train:main` with the command's arguments), several times; the table gives best and median
@@ -11,14 +12,15 @@ wall seconds from the process start to
 - `trainer.dry_run=true` on the tests' tiny model: its exit (it validates and sizes every rank without
   starting a worker);
 - a tiny run (the tests' TINY overrides, `trainer.max_steps=2`, the default NTP layout (2,1): three
-  forked workers): the end of its first training step (the `time` of step 1 in metrics.jsonl) and
-  the exit.
+  forked workers): the first worker's fork (the launching process has composed and validated the
+  config, imported what the workers run and prepared the data), the end of the first training step
+  (the `time` of step 1 in metrics.jsonl) and the exit.
 
 The column "heavy imports" names which of torch, torch.distributed, lightning, modelopt, matplotlib,
 transformers were imported by the command's own process (from `python -X importtime`, one extra run).
 
 With `--baseline-root`, a second checkout of the project (e.g. `git worktree add /tmp/startup_base
-<commit>`) runs every command too, interleaved with this tree's runs (baseline, current, baseline,
+<commit>`) runs every command too, interleaved with the timed checkout's runs (baseline, current, baseline,
 ...), so that load from other processes falls on both alike; its package and its `conf/` and
 `recipes/` are the ones imported there. Last, the largest import costs of a tiny run's launching
 process, summed by top-level package (self time).
@@ -79,15 +81,18 @@ sys.exit(main())
 """
 
 
-# With -X importtime: a line on stderr where the first worker is forked (its imports come after it).
+# A line on stderr where a worker is forked, with the time (the first one marks the launch; with
+# -X importtime the worker's own imports come after it).
 FORK_MARK = "-- forked"
-MARK_FORK = f"import os; os.register_at_fork(after_in_child=lambda: sys.stderr.write('{FORK_MARK}\\n'))\n"
+MARK_FORK = (
+    "import os, sys, time\n"
+    f"os.register_at_fork(after_in_child=lambda: sys.stderr.write(f'{FORK_MARK} {{time.time()}}\\n'))\n"
+)
 
 
 def command(root: Path, args: list[str], importtime: bool = False) -> list[str]:
-    if importtime:
-        return [sys.executable, "-X", "importtime", "-c", MARK_FORK + LAUNCH, str(root), *args]
-    return [sys.executable, "-c", LAUNCH, str(root), *args]
+    flags = ["-X", "importtime"] if importtime else []
+    return [sys.executable, *flags, "-c", MARK_FORK + LAUNCH, str(root), *args]
 
 
 def environment(cache: Path) -> dict[str, str]:
@@ -120,6 +125,8 @@ def run_once(root: Path, case: dict, work: Path, env: dict[str, str], importtime
     if case.get("train"):
         first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
         out["first_step"] = first["time"] - t0
+        forks = [float(line.split()[-1]) for line in proc.stderr.splitlines() if line.startswith(FORK_MARK)]
+        out["fork"] = min(forks) - t0
     shutil.rmtree(run_dir, ignore_errors=True)
     return out
 
@@ -128,7 +135,7 @@ def imported(stderr: str) -> set[str]:
     """Modules imported by the command's own process (before it forks any worker)."""
     names = set()
     for line in stderr.splitlines():
-        if line == FORK_MARK:
+        if line.startswith(FORK_MARK):
             break
         if line.startswith("import time:") and "|" in line:
             names.add(line.rsplit("|", 1)[1].strip())
@@ -139,7 +146,7 @@ def package_costs(stderr: str, top: int) -> list[tuple[str, float]]:
     """Self import time summed by top-level package, largest first (seconds), up to the first fork."""
     costs: Counter[str] = Counter()
     for line in stderr.splitlines():
-        if line == FORK_MARK:
+        if line.startswith(FORK_MARK):
             break
         if line.startswith("import time:") and "self [us]" not in line:
             self_us, _, name = line[len("import time:"):].split("|")
@@ -154,13 +161,15 @@ def stats(xs: list[float]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--baseline-root", type=Path, help="another checkout of the project, run beside this one")
+    ap.add_argument("--root", type=Path, default=ROOT, help="the checkout to time (default: this one)")
     ap.add_argument("--repeats", type=int, default=5, help="runs per fast command (help, errors)")
     ap.add_argument("--run-repeats", type=int, default=3, help="runs of the dry run and the tiny run")
     ap.add_argument("--top", type=int, default=12, help="packages listed in the import costs")
+    ap.add_argument("--cases", default="", help="time only the commands whose name contains this text")
     args = ap.parse_args()
-    roots = {"current": ROOT}
+    roots = {"current": args.root.resolve()}
     if args.baseline_root:
-        roots = {"baseline": args.baseline_root.resolve(), "current": ROOT}
+        roots = {"baseline": args.baseline_root.resolve(), "current": args.root.resolve()}
     one, five, _ = os.getloadavg()
     print(f"load average at start: {one:.2f} (1 min) {five:.2f} (5 min) on {os.cpu_count()} CPUs")
     for name, root in roots.items():
@@ -173,9 +182,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="ntp_startup_") as tmp:
         work = Path(tmp)
         env = environment(work / "cache")
-        table = cases(work)
+        table = {name: case for name, case in cases(work).items() if args.cases in name}
         for root in roots.values():  # fills the corpus cache and the bytecode caches: not timed
-            run_once(root, table["tiny run, 2 steps"], work, env)
+            run_once(root, cases(work)["tiny run, 2 steps"], work, env)
         results: dict[tuple[str, str], list[dict]] = {}
         heavy: dict[tuple[str, str], str] = {}
         for case_name, case in table.items():
@@ -193,8 +202,10 @@ def main() -> None:
             for name in roots:
                 runs = results[case_name, name]
                 if case.get("train"):
+                    fork = stats([r["fork"] for r in runs])
+                    print(f"{case_name + ': first fork':34s} {name:8s} {fork}  {heavy[case_name, name]}")
                     first = stats([r["first_step"] for r in runs])
-                    print(f"{case_name + ': first step':34s} {name:8s} {first}  {heavy[case_name, name]}")
+                    print(f"{case_name + ': first step':34s} {name:8s} {first}")
                     label = case_name + ": exit"
                 else:
                     label = case_name
@@ -203,13 +214,13 @@ def main() -> None:
         if "baseline" in roots:
             print("\nmedian current / median baseline")
             for case_name, case in table.items():
-                keys = ["first_step", "end"] if case.get("train") else ["end"]
+                keys = ["fork", "first_step", "end"] if case.get("train") else ["end"]
                 for key in keys:
                     cur = statistics.median(r[key] for r in results[case_name, "current"])
                     base = statistics.median(r[key] for r in results[case_name, "baseline"])
                     print(f"{case_name + ('' if len(keys) == 1 else ': ' + key):34s} {cur / base:5.2f}")
 
-        for name, root in roots.items():
+        for name, root in roots.items() if "tiny run, 2 steps" in table else ():
             traced = run_once(root, table["tiny run, 2 steps"], work, env, importtime=True)
             costs = package_costs(traced["stderr"], args.top)
             print(f"\nimport costs of the tiny run's launching process before it forks ({name}; "
