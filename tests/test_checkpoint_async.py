@@ -33,6 +33,7 @@ def async_worker(rank, world, layout, directory):
             at_save[step] = _slices(model, opt)
             path = f"{directory}/{checkpoint_name(step)}"
             saver.save(path, model, opt, {"step": step}, step=step, keep_last=1)
+            saver.staged()  # what a caller changing the state other than by an optimizer step must do
             with torch.no_grad():  # change the weights in place while the save runs (undone exactly below)
                 for p in model.parameters():
                     p.neg_()
@@ -114,3 +115,111 @@ def test_kill_during_background_write_keeps_the_previous_checkpoint(tmp_path):
     assert load_checkpoint(tmp_path / checkpoint_name(1), model) == {"step": 1}
     got = np.concatenate([p.detach().numpy().ravel() for p in model.parameters()])
     assert np.array_equal(got, np.load(tmp_path / "step1.npy"))
+
+
+def _slow_staging(monkeypatch, seconds: float = 0.3) -> list[float]:
+    """Make the background copy start late, so the caller reaches its next step before it is done;
+    returns the times the copies finished."""
+    import ntp_nemo.checkpoint.async_save as async_save
+
+    stage_live, finished = async_save.stage_live, []
+
+    def late(snap, staging):
+        time.sleep(seconds)
+        stage_live(snap, staging)
+        finished.append(time.perf_counter())
+
+    monkeypatch.setattr(async_save, "stage_live", late)
+    return finished
+
+
+def _flat(model, opt) -> dict[str, torch.Tensor]:
+    out = {f"p/{n}": p.detach().clone() for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        out.update({f"o/{n}/{k}": v.clone() for k, v in opt.state[p].items()})
+    return out
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_optimizer_step_right_after_save_waits_for_the_staging(tmp_path, monkeypatch):
+    """The step that follows `save` at once changes every parameter; the checkpoint still holds the
+    state at `save`, bit for bit (the step waited for the deferred copy)."""
+    torch.set_num_threads(1)
+    finished = _slow_staging(monkeypatch)
+    rt, model, opt = _setup(0, (1, [1], [1] * 4), LLAMA, 7, torch.float32)
+    _train_step(rt, model, opt, LLAMA, 0)
+    saver = AsyncCheckpointSaver()
+    at_save = _flat(model, opt)
+    saver.save(tmp_path / checkpoint_name(1), model, opt, {"step": 1}, step=1)
+    assert saver.in_flight and not finished  # save returned before the copy
+    _train_step(rt, model, opt, LLAMA, 1)  # forward, backward, then the step waits for the copy
+    stepped = time.perf_counter()
+    assert finished and finished[0] <= stepped and saver.guard_wait_s > 0.1
+    after_step = _flat(model, opt)
+    assert not _equal(after_step, at_save)
+    saver.close()
+    _, fresh, fresh_opt = _setup(0, (1, [1], [1] * 4), LLAMA, 8, torch.float32)
+    assert load_checkpoint(tmp_path / checkpoint_name(1), fresh, fresh_opt) == {"step": 1}
+    assert _equal(_flat(fresh, fresh_opt), at_save)
+
+
+def test_step_guard_is_installed_once_moved_and_removed(tmp_path):
+    torch.set_num_threads(1)
+    rt, model, opt = _setup(0, (1, [1], [1] * 4), LLAMA, 7, torch.float32)
+    _train_step(rt, model, opt, LLAMA, 0)
+    saver = AsyncCheckpointSaver()
+    for step in (1, 2):  # one hook for every save with the same optimizer
+        saver.save(tmp_path / checkpoint_name(step), model, opt, {"step": step}, step=step)
+        assert len(opt._optimizer_step_pre_hooks) == 1 and saver.guarded_optimizer is opt
+    saver.wait()
+    _train_step(rt, model, opt, LLAMA, 1)  # staged and committed: the step does not wait
+    assert saver.guard_wait_s == 0.0
+    other = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    saver.save(tmp_path / checkpoint_name(3), model, other, {"step": 3}, step=3)
+    assert len(opt._optimizer_step_pre_hooks) == 0 and len(other._optimizer_step_pre_hooks) == 1
+    saver.save(tmp_path / checkpoint_name(4), model, None, {"step": 4}, step=4)  # nothing to hook
+    assert len(other._optimizer_step_pre_hooks) == 0 and saver.guarded_optimizer is None
+    saver.save(tmp_path / checkpoint_name(5), model, opt, {"step": 5}, step=5)
+    assert len(opt._optimizer_step_pre_hooks) == 1
+    saver.close()
+    assert len(opt._optimizer_step_pre_hooks) == 0 and saver.guarded_optimizer is None
+    assert not saver.in_flight and load_checkpoint(tmp_path / checkpoint_name(5), model, opt) == {"step": 5}
+
+
+def test_model_only_save_copies_at_once(tmp_path):
+    """Without an optimizer to hold, `save` copies before it returns: the caller may change the weights."""
+    torch.set_num_threads(1)
+    _, model, _ = _setup(0, (1, [1], [1] * 4), LLAMA, 7, torch.float32)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    saver = AsyncCheckpointSaver()
+    saver.save(tmp_path / checkpoint_name(1), model, None, {"step": 1}, step=1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    saver.close()
+    _, fresh, _ = _setup(0, (1, [1], [1] * 4), LLAMA, 8, torch.float32)
+    load_checkpoint(tmp_path / checkpoint_name(1), fresh)
+    assert all(torch.equal(p, before[n]) for n, p in fresh.named_parameters())
+
+
+def test_load_waits_for_the_staging_of_a_save_in_flight(tmp_path, monkeypatch):
+    """A load overwrites parameters and moments in place: it waits until the save in flight copied them."""
+    torch.set_num_threads(1)
+    rt, model, opt = _setup(0, (1, [1], [1] * 4), LLAMA, 7, torch.float32)
+    _train_step(rt, model, opt, LLAMA, 0)
+    saver = AsyncCheckpointSaver()
+    saver.save(tmp_path / checkpoint_name(1), model, opt, {"step": 1}, step=1)
+    saver.wait()
+    _train_step(rt, model, opt, LLAMA, 1)
+    at_save = _flat(model, opt)
+    finished = _slow_staging(monkeypatch)
+    saver.save(tmp_path / checkpoint_name(2), model, opt, {"step": 2}, step=2)
+    load_checkpoint(tmp_path / checkpoint_name(1), model, opt)  # back to step 1, in place
+    assert finished
+    saver.close()
+    _, fresh, fresh_opt = _setup(0, (1, [1], [1] * 4), LLAMA, 8, torch.float32)
+    load_checkpoint(tmp_path / checkpoint_name(2), fresh, fresh_opt)
+    assert _equal(_flat(fresh, fresh_opt), at_save) and not _equal(_flat(model, opt), at_save)

@@ -26,6 +26,7 @@ import io
 import json
 import os
 import shutil
+import threading
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -53,9 +54,11 @@ from ntp_nemo.checkpoint.manifest import (
 from ntp_nemo.checkpoint.ownership import write_pieces
 from ntp_nemo.checkpoint.rng import rng_state
 from ntp_nemo.checkpoint.state import (
+    OPTIM_PREFIX,
     group_options,
     install_optimizer_state,
     load_targets,
+    model_key,
     sharded_state,
 )
 from ntp_nemo.checkpoint.storage import (
@@ -115,12 +118,15 @@ def _barrier(group) -> None:
 @dataclass
 class Snapshot:
     """What one rank contributes to a checkpoint: the chunks it writes, the shape and dtype of every
-    tensor it holds, its optimizer hyperparameters by parameter name, its RNG states."""
+    tensor it holds, its optimizer hyperparameters by parameter name, its RNG states.  `live` names
+    the chunks (by index, with their staging key) that still view live tensors and that `stage_live`
+    has yet to copy (a deferred snapshot of a background save)."""
 
     chunks: list[Chunk]
     tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]
     options: dict[str, dict] = field(default_factory=dict)
     rng: dict[str, Any] = field(default_factory=dict)
+    live: dict[int, str] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -167,28 +173,72 @@ class Staging:
         return buf
 
 
+# Deferred stagings still reading live tensors, in this process: a load waits for them before it
+# overwrites parameters and optimizer state in place.
+_staging_cv = threading.Condition()
+_staging_count = 0
+
+
+def staging_started() -> None:
+    global _staging_count
+    with _staging_cv:
+        _staging_count += 1
+
+
+def staging_finished() -> None:
+    global _staging_count
+    with _staging_cv:
+        _staging_count -= 1
+        _staging_cv.notify_all()
+
+
+def wait_for_staging() -> None:
+    """Block until no background save of this process still copies live tensors."""
+    with _staging_cv:
+        _staging_cv.wait_for(lambda: _staging_count == 0)
+
+
 def take_snapshot(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, group=None,
-                  plan: WritePlan | None = None, staging: Staging | None = None) -> Snapshot:
+                  plan: WritePlan | None = None, staging: Staging | None = None,
+                  defer: bool = False) -> Snapshot:
     """Collective: this rank's share of the checkpoint.  Without `staging` the chunks are views of
     the live tensors (written straight from their memory); with it, copies into `staging`'s
-    buffers that training may not touch (for a background save)."""
+    buffers that training may not touch (for a background save).  With `defer` too, the chunks of
+    parameters and optimizer state held in host memory stay views, listed in `Snapshot.live`, for
+    `stage_live` to copy later: until then the caller must not change those tensors (only an
+    optimizer step or a load does).  Everything else (GPU tensors, quantizer scales, the RNG
+    states, the hyperparameters) is captured now."""
     if hasattr(optimizer, "gather_state"):  # a sharded optimizer fills per-parameter state (collective)
         optimizer.gather_state()
     state = sharded_state(model, optimizer)
     pieces = (plan or WritePlan()).pieces({k: v.spec for k, v in state.items()}, group)
-    chunks = []
+    deferrable = {model_key(name) for name, _ in model.named_parameters()} if defer else set()
+    chunks: list[Chunk] = []
+    live: dict[int, str] = {}
     for key, key_pieces in pieces.items():
         held = state[key]
+        later = key in deferrable or (defer and key.startswith(OPTIM_PREFIX))
         for i, piece in enumerate(key_pieces):
             view = _piece_view(held.spec, piece, held.tensor.detach())
             if staging is not None:
-                view = staging.stage(f"{key}#{i}", view)
+                if later and view.device.type == "cpu":
+                    live[len(chunks)] = f"{key}#{i}"
+                else:
+                    view = staging.stage(f"{key}#{i}", view)
             chunks.append(Chunk(key, piece.global_shape, piece.offsets, view))
     if staging is not None and any(c.tensor.is_pinned() for c in chunks):
         torch.cuda.current_stream().synchronize()  # the non-blocking copies have landed
     tensors = {k: (tuple(v.spec.global_shape), v.tensor.dtype) for k, v in state.items()}
     options = copy.deepcopy(group_options(model, optimizer)) if optimizer is not None else {}
-    return Snapshot(chunks, tensors, options, rng_state())
+    return Snapshot(chunks, tensors, options, rng_state(), live)
+
+
+def stage_live(snap: Snapshot, staging: Staging) -> None:
+    """Copy the chunks of a deferred snapshot that still view live tensors into `staging`'s buffers."""
+    for i, key in snap.live.items():
+        c = snap.chunks[i]
+        snap.chunks[i] = Chunk(c.key, c.global_shape, c.offsets, staging.stage(key, c.tensor))
+    snap.live = {}
 
 
 def _check_extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -297,6 +347,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     `CorruptCheckpointError` on every rank, before the optimizer is touched.
     """
     path = Path(path)
+    wait_for_staging()  # a background save may still be copying the tensors this load overwrites
     rank, _ = _rank_world(group)
     head = None
     if rank == 0:  # the metadata is read (and its digests checked) once, then broadcast
