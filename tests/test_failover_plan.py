@@ -152,7 +152,7 @@ def test_bad_fault_config(overrides, key):
         (["optim.distributed=true"], "restart", "optim.distributed=true"),
         (["fault.policy=restart"], "restart", "spare"),
         (["trainer.accelerator=gpu"], "restart", "NCCL"),
-        (["fault.repair_after_steps=2"], "restart", "relaunch"),
+        (["fault.repair_after_steps=2"], "live", "fault.recovery=auto"),  # the repaired rank rejoins live
         (["fault.recovery=live", "mesh.dp=1", "ntp.replica_tp=[2]"], "live", "fault.recovery=live"),
     ],
 )

@@ -161,6 +161,29 @@ def test_killed_during_an_asynchronous_checkpoint_save(tmp_path, reference):
     assert not any(e["event"] == "ckpt_restore_start" for e in _events(run))  # nothing read from disk
 
 
+@pytest.mark.slow
+def test_repaired_rank_rejoins_live(tmp_path, reference):
+    # Rank 3 dies at step 2; one step after the live recovery the launcher starts a repaired process,
+    # which joins the running job before a later step: the survivors hand it its shards (and the state
+    # Lightning would read from a checkpoint) and the replica returns to TP 2.  No checkpoint exists.
+    run, proc = _run(tmp_path, "rejoin", "fault=kill_rank", "fault.rank=3", "fault.step=2",
+                     "fault.repair_after_steps=1")
+    assert "recovery live (fault.recovery=auto)" in proc.stdout
+    assert "repaired process(es) rejoined: layout (2,1) -> (2,2)" in proc.stdout
+    metrics = read_metrics(run)
+    assert [m["step"] for m in metrics] == STEPS  # every step once
+    layouts = [m["layout"] for m in metrics]
+    back = layouts.index("(2,2)", 1)
+    assert layouts[0] == "(2,2)" and set(layouts[1:back]) == {"(2,1)"} and set(layouts[back:]) == {"(2,2)"}
+    _on_reference_curve(run, reference)
+    done = [e for e in _events(run) if e["event"] == "recovery_done"]
+    assert [(e["mode"], e["layout"], e.get("rejoin", False)) for e in done] == [
+        ("live", "(2,1)", False), ("live", "(2,2)", True)]
+    assert done[1]["step"] == back + 1 and done[1]["moved_bytes"] == done[1]["minimum_bytes"] > 0
+    assert (run / "failover" / "attempts.jsonl").read_text().count("\n") == 1
+    assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
+
+
 def test_unknown_recovery_is_a_config_error(tmp_path):
     proc = run_cli([*BASE, "fault.recovery=sideways", f"hydra.run.dir={tmp_path / 'r'}"], cwd=tmp_path)
     assert proc.returncode == 2

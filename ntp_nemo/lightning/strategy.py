@@ -160,7 +160,10 @@ class NTPStrategy(ParallelStrategy):
             kwargs: dict[str, Any] = {"timeout": self._timeout}
             if self.root_device.type == "cuda" and "nccl" in self._process_group_backend:
                 kwargs["device_id"] = self.root_device  # NCCL communicators bound to this rank's GPU
-            _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+            if self.joining is not None:  # a repaired process: it joins the running job's generation
+                self.joining.init_process_group(self)
+            else:
+                _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         self.runtime = NTPRuntime(self.layout, self.global_rank, device=self.root_device)
         self.topology = self.runtime.topology  # the one whose process groups the run uses
 
@@ -191,12 +194,17 @@ class NTPStrategy(ParallelStrategy):
             yield
 
     # ---- collectives ----------------------------------------------------------------------------
+    def _local(self) -> bool:
+        """No collective: not distributed, or a repaired process still starting up (the survivors are
+        not running Lightning's start-up with it)."""
+        return not _distributed_is_initialized() or (self.joining is not None and self.joining.active)
+
     def barrier(self, name: str | None = None) -> None:
-        if _distributed_is_initialized():
+        if not self._local():
             self._between_steps(dist.barrier)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
+        if self._local():
             return obj
 
         def once() -> Any:
@@ -207,14 +215,14 @@ class NTPStrategy(ParallelStrategy):
         return self._between_steps(once)
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        if isinstance(tensor, torch.Tensor):
+        if isinstance(tensor, torch.Tensor) and not self._local():
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     def all_gather(
         self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False
     ) -> torch.Tensor:
-        if not _distributed_is_initialized():
+        if self._local():
             return tensor.unsqueeze(0)
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
         dist.all_gather(out, tensor.contiguous(), group=group)
@@ -322,6 +330,8 @@ class NTPStrategy(ParallelStrategy):
         from ntp_nemo.checkpoint import CheckpointSkippedWarning, load_with_fallback
         from ntp_nemo.checkpoint.rng import set_rng_state
 
+        if self.joining is not None:  # a repaired process: the state comes from the survivors' memory
+            return self.joining.receive(self)
         path = Path(self.broadcast(str(checkpoint_path)))
         trainer = self.lightning_module.trainer
         own_dir = getattr(trainer.checkpoint_callback, "dirpath", None)
@@ -369,10 +379,13 @@ class NTPStrategy(ParallelStrategy):
 
     # ---- live recovery (fault.recovery=live) ----------------------------------------------------
     recovery: Any = None  # set in the workers by ntp_nemo.resilience.live_training.LiveRecovery
+    joining: Any = None  # a repaired process rejoining the running job (live_training.Rejoining)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """The one hook of live recovery: with `recovery` set, it runs the step, and on a lost peer
         replaces this strategy's runtime and layout in place and redoes the step."""
+        if self.joining is not None and self.joining.active:
+            self.joining.finish(self)
         if self.recovery is None:
             return super().training_step(*args, **kwargs)
         return self.recovery.run_step(self, super().training_step, *args, **kwargs)

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch import Callback
 
@@ -40,8 +41,15 @@ from ntp_nemo.resilience.detection import Verdict, is_lost_status, kill_worker
 from ntp_nemo.resilience.heartbeat import read_beats, suspects
 from ntp_nemo.resilience.live import rebind_optimizer
 from ntp_nemo.resilience.policies import Layout, make_policy
-from ntp_nemo.resilience.recovery import Generation, recover
-from ntp_nemo.resilience.rendezvous import connect, free_port, host_store, publish_failed
+from ntp_nemo.resilience.recovery import Generation, grow, recover
+from ntp_nemo.resilience.rendezvous import (
+    connect,
+    free_port,
+    host_store,
+    publish_failed,
+    publish_rejoin,
+    read_rejoin,
+)
 
 FALLBACK_EXIT = 75  # a survivor that could not recover live: the supervisor takes the restart path
 _COLLECTIVE_ERRORS = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout")
@@ -64,6 +72,19 @@ class LiveLauncher(_ForkLauncher):
         super().__init__(strategy, start_method="fork")
         self.store = None
         self.lost: set[int] = set()  # process indices the monitor handed to the survivors
+        self._spawn: tuple | None = None  # what the workers were started with (for repaired processes)
+
+    def respawn(self, idx: int, generation: int, layout: Layout, timeout_s: float = 60.0) -> None:
+        """Start a repaired process in place of process `idx`: it joins `generation` (a rejoin)."""
+        assert self._spawn is not None
+        port, trainer, function, args, kwargs, return_queue = self._spawn
+        joining = Rejoining(port, generation, layout, idx, timeout_s)
+        proc = mp.get_context("fork").Process(
+            target=_rejoin_main, args=(self, idx, joining, trainer, function, args, kwargs, return_queue),
+            name=f"ntp-rejoin-{idx}")
+        proc.start()
+        self.procs[idx] = proc
+        self.lost.discard(idx)
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         with self.forwarding_signals():  # SIGTERM/Ctrl-C: the workers checkpoint and stop, as without live
@@ -81,6 +102,7 @@ class LiveLauncher(_ForkLauncher):
                 self._wrapping_function, args=[trainer, function, args, kwargs, return_queue],
                 nprocs=self._strategy.num_processes, start_method="fork", join=False)
             self.procs = process_context.processes
+            self._spawn = (port, trainer, function, args, kwargs, return_queue)
             self.store = host_store(port)  # after the fork: no server thread is copied into a worker
             for p in self.procs:
                 # The monitor thread polls the same children: a join that loses the race to reap one
@@ -121,7 +143,9 @@ class LiveMonitor(threading.Thread):
     survivors falling back, a lost process 0 or a Python error in a worker stop the attempt."""
 
     def __init__(self, launcher: LiveLauncher, world_size: int, heartbeat_dir: Path | None = None,
-                 heartbeat_s: float | None = None, poll_s: float = 0.05, grace_s: float = 0.1) -> None:
+                 heartbeat_s: float | None = None, poll_s: float = 0.05, grace_s: float = 0.1,
+                 repair_after_steps: int | None = None, layout: Layout | None = None,
+                 end_step: int | None = None) -> None:
         super().__init__(name="ntp-live-monitor", daemon=True)
         self.launcher = launcher
         self.world_size = world_size
@@ -132,6 +156,8 @@ class LiveMonitor(threading.Thread):
         self.killed: set[int] = set()
         self.generation = 0
         self._halt = threading.Event()
+        self.repair_after_steps, self.layout, self.end_step = repair_after_steps, layout, end_step
+        self._degraded_at: int | None = None  # the step the survivors had reached at the last failure
 
     def stop(self) -> None:
         """Stop watching; survivors that fell back are never blamed, even if they exited after the last
@@ -166,6 +192,7 @@ class LiveMonitor(threading.Thread):
             exited = [i for i, p in enumerate(procs) if i not in seen and p.exitcode is not None]
             if not exited:
                 self._kill_hung(procs, self.world_size - len(self.launcher.lost))
+                self._maybe_rejoin(procs, seen)
                 continue
             time.sleep(self.grace_s)  # a failure taking several ranks: collect them all
             exited = [i for i, p in enumerate(procs) if i not in seen and p.exitcode is not None]
@@ -178,6 +205,7 @@ class LiveMonitor(threading.Thread):
                 self.launcher.lost.update(lost)
                 publish_failed(self.launcher.store, self.generation, lost)
                 self.generation += 1
+                self._degraded_at = self._max_step()
                 print(f"failover | live: process(es) {lost} lost (exit status "
                       f"{', '.join(str(procs[i].exitcode) for i in lost)}); the survivors reshard in place",
                       flush=True)
@@ -193,6 +221,36 @@ class LiveMonitor(threading.Thread):
                 self.verdict = None
                 return
 
+
+    def _max_step(self) -> int:
+        beats = read_beats(self.heartbeat_dir, self.world_size) if self.heartbeat_dir is not None else {}
+        return max((b.step for b in beats.values()), default=0)
+
+    def _maybe_rejoin(self, procs, seen: set[int]) -> None:
+        """`fault.repair_after_steps` steps after a live recovery, start a repaired process for every
+        process that is gone (lost, or left idle by the new layout) and announce that they join before a
+        step no survivor has started yet; the survivors return to the original layout there."""
+        if self.repair_after_steps is None or self._degraded_at is None or self.layout is None:
+            return
+        step = self._max_step()
+        if step < self._degraded_at + self.repair_after_steps:
+            return
+        gone = [i for i, p in enumerate(procs) if p.exitcode is not None]
+        if not gone or len(gone) == len(procs):
+            self._degraded_at = None
+            return
+        join_at = step + 3  # beats are written at each step's start: no survivor is past `step + 1` yet
+        if self.end_step is not None and join_at > self.end_step:
+            self._degraded_at = None  # too close to the end: the run finishes on the degraded layout
+            return
+        for i in gone:
+            self.launcher.respawn(i, self.generation + 1, self.layout)
+            seen.discard(i)
+        publish_rejoin(self.launcher.store, self.generation, join_at, range(self.layout.world_size))
+        self.generation += 1
+        self._degraded_at = None
+        print(f"failover | live: repaired process(es) {gone} start and rejoin before step {join_at}",
+              flush=True)
 
     def _kill_hung(self, procs, world: int) -> None:
         """A rank whose heartbeat is older than the heartbeat timeout while it trains, and behind the
@@ -216,10 +274,14 @@ class LiveMonitor(threading.Thread):
 class LiveRecovery(Callback):
     """Worker side of `fault.recovery=live` (see the module docstring)."""
 
-    def __init__(self, policy: str, min_replica_tp: int = 1, timeout_s: float = 60.0) -> None:
+    def __init__(self, policy: str, min_replica_tp: int = 1, timeout_s: float = 60.0,
+                 repair: bool = False) -> None:
         self.policy = make_policy(policy, min_replica_tp)
         self.timeout_s = timeout_s
+        self.repair = repair  # repaired processes may rejoin (fault.repair_after_steps)
         self.generation: Generation | None = None
+        self.nominal: Layout | None = None
+        self.devices: list[Any] = []
         self.pid = 0
         self.store = None
         self.rebuild_through = -1  # batches of steps up to this one were split for an older layout
@@ -228,7 +290,9 @@ class LiveRecovery(Callback):
         if stage != "fit" or trainer.strategy.launcher is None or "MASTER_PORT" not in os.environ:
             return
         topo = trainer.strategy.topology
-        self.generation = Generation.first(Layout(topo.tp, tuple(topo.replica_tp), topo.pp))
+        self.nominal = Layout(topo.tp, tuple(topo.replica_tp), topo.pp)
+        self.generation = Generation.first(self.nominal)
+        self.devices = list(trainer.strategy.parallel_devices)
         self.pid = trainer.global_rank
         self.store = connect(int(os.environ["MASTER_PORT"]), self.timeout_s)
         trainer.strategy.recovery = self
@@ -272,17 +336,15 @@ class LiveRecovery(Callback):
         fresh = ds[int(batch["step"]) - ds.start_step]
         return module.transfer_batch_to_device(fresh, strategy.root_device, 0)
 
-    def _recover(self, strategy: Any, step: int) -> None:
-        """Recover before (re)running the step of batch index `step` (0-based: step `step + 1`)."""
-        from ntp_nemo.lightning.goodput_callback import GoodputCallback
+    def _builder(self, strategy: Any) -> Callable:
+        """build(layout, rank) -> (runtime, model, optimizer) on the current default group; the optimizer
+        object is kept, pointed at the new parameters (the LR scheduler and Lightning hold it)."""
         from ntp_nemo.parallel.runtime import NTPRuntime
         from ntp_nemo.topology import ResolvedLayout, Topology
 
         module = strategy.lightning_module
-        trainer = module.trainer
         opt = strategy._optimizer()
         old_topo = strategy.topology
-        goodput = GoodputCallback.of(trainer)
 
         def build(layout: Layout, rank: int):
             topo = Topology(layout.tp, layout.replica_tp, old_topo.layer_tp, layout.pp, old_topo.stage_layers)
@@ -293,25 +355,50 @@ class LiveRecovery(Callback):
             rebind_optimizer(opt, module.model, model)
             return runtime, model, opt
 
+        return build
+
+    def _recover(self, strategy: Any, step: int) -> None:
+        """Recover before (re)running the step of batch index `step` (0-based: step `step + 1`)."""
+        from ntp_nemo.lightning.goodput_callback import GoodputCallback
+
+        module = strategy.lightning_module
+        trainer = module.trainer
+        opt = strategy._optimizer()
+        goodput = GoodputCallback.of(trainer)
         try:
             rec = recover(self.store, self.generation, self.pid, trainer.global_step, (module.model, opt),
-                          build, self.policy, timeout_s=self.timeout_s)
+                          self._builder(strategy), self.policy, timeout_s=self.timeout_s)
             if rec is not None and rec.generation.members[0] != 0:
                 raise RuntimeError("process 0 is not rank 0 of the new layout")
         except Exception as err:  # noqa: BLE001 - any failure of the live path means the restart path
-            print(f"failover | live recovery failed on process {self.pid} ({type(err).__name__}: {err}); "
-                  "falling back to the restart path", file=sys.stderr, flush=True)
-            sys.stderr.flush()
-            os._exit(FALLBACK_EXIT)
+            _give_up(self.pid, err)
         if rec is None:  # left idle by the new layout
             os._exit(0)
         lost_ranks = [self.generation.members.index(p) for p in rec.failed if p in self.generation.members]
+        self._install(strategy, rec, step)
+        if goodput is not None:
+            goodput.record("failure_detected", t=rec.detect_t, rank=lost_ranks[0] if lost_ranks else None,
+                           ranks=lost_ranks, reason="collective error", step=step + 1, detail="live recovery")
+            goodput.record("recovery_done", layout=rec.generation.layout.describe(), step=step + 1,
+                           mode="live", moved_bytes=rec.reshard.moved_bytes,
+                           minimum_bytes=rec.reshard.needed_bytes, recovery_s=rec.seconds,
+                           generation=rec.generation.index)
+        if rec.rank == 0:
+            moved, minimum = rec.reshard.moved_bytes, rec.reshard.needed_bytes
+            print(f"failover | live: {rec.replan.describe()}; step {step + 1} runs on it; moved {moved} "
+                  f"bytes (minimum {minimum}) in {rec.seconds:.2f} s", flush=True)
+
+    def _install(self, strategy: Any, rec: Any, step: int) -> None:
+        """Make `rec` (a recovery or a rejoin) the strategy's and the module's runtime, model and ranks;
+        the batches of step index `step` and the one fetched ahead are rebuilt for the new split."""
+        module = strategy.lightning_module
+        opt = strategy._optimizer()
         self.generation = rec.generation
         world = rec.generation.layout.world_size
         strategy.runtime = rec.runtime
         strategy.topology = rec.runtime.topology
         strategy.layout = rec.runtime.layout
-        strategy.parallel_devices = strategy.parallel_devices[:world]
+        strategy.parallel_devices = self.devices[:world]
         strategy.cluster_environment.set_global_rank(rec.rank)
         strategy.cluster_environment.set_world_size(world)
         os.environ["LOCAL_RANK"] = str(rec.rank)
@@ -328,21 +415,142 @@ class LiveRecovery(Callback):
         strategy._saver = None
         if module._train_set is not None:
             module._train_set.my_range = rec.runtime.my_microbatches
-        for loader in _loaders(trainer.val_dataloaders):
+        for loader in _loaders(module.trainer.val_dataloaders):
             if hasattr(loader.dataset, "my_range"):
                 loader.dataset.my_range = rec.runtime.my_microbatches
         self.rebuild_through = step + 2  # the redone step and what the loader fetched ahead
+
+    # -- rejoin (fault.repair_after_steps): the survivors' side ----------------------------------------
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if not self.repair or self.store is None or self.generation is None:
+            return
+        announced = read_rejoin(self.store, self.generation.index)
+        if announced is None or trainer.global_step + 1 < announced["step"]:
+            return
+        if trainer.global_step + 1 > announced["step"]:
+            _give_up(self.pid, RuntimeError(f"the rejoin before step {announced['step']} was announced after "
+                                            f"this process started step {trainer.global_step + 1}"))
+        self._grow(trainer.strategy)
+
+    def _grow(self, strategy: Any) -> None:
+        from ntp_nemo.checkpoint.rng import rng_state
+        from ntp_nemo.lightning.goodput_callback import GoodputCallback
+
+        module = strategy.lightning_module
+        trainer = module.trainer
+        step = trainer.global_step  # the batch index of the step about to run
+        if strategy._saver is not None:  # its collectives run on the generation about to be dropped
+            strategy._saver.wait()
+        payload = None
+        if trainer.global_rank == 0:  # what a checkpoint would hand Lightning, for the repaired ranks
+            state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            state.pop("state_dict", None)
+            state.pop("optimizer_states", None)
+            payload = {"lightning": state, "rng": rng_state()}
+        old_layout = self.generation.layout
+        try:
+            rec = grow(self.store, self.generation, self.nominal, self.pid, step,
+                       (module.model, strategy._optimizer()), self._builder(strategy),
+                       timeout_s=self.timeout_s)
+            box = [payload]
+            dist.broadcast_object_list(box, src=0)
+        except Exception as err:  # noqa: BLE001 - the restart path takes over
+            _give_up(self.pid, err)
+        self._install(strategy, rec, step)
+        # The validation loader was checked (a collective) before the repaired ranks existed: every rank
+        # sets it up again at the next validation.
+        trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
+        goodput = GoodputCallback.of(trainer)
         if goodput is not None:
-            goodput.record("failure_detected", t=rec.detect_t, rank=lost_ranks[0] if lost_ranks else None,
-                           ranks=lost_ranks, reason="collective error", step=step + 1, detail="live recovery")
-            goodput.record("recovery_done", layout=rec.generation.layout.describe(), step=step + 1,
-                           mode="live", moved_bytes=rec.reshard.moved_bytes,
+            goodput.record("recovery_done", layout=self.nominal.describe(), step=step + 1, mode="live",
+                           rejoin=True, moved_bytes=rec.reshard.moved_bytes,
                            minimum_bytes=rec.reshard.needed_bytes, recovery_s=rec.seconds,
                            generation=rec.generation.index)
         if rec.rank == 0:
-            moved, minimum = rec.reshard.moved_bytes, rec.reshard.needed_bytes
-            print(f"failover | live: {rec.replan.describe()}; step {step + 1} runs on it; moved {moved} "
-                  f"bytes (minimum {minimum}) in {rec.seconds:.2f} s", flush=True)
+            print(f"failover | live: repaired process(es) rejoined: layout {old_layout.describe()} -> "
+                  f"{self.nominal.describe()} before step {step + 1}; moved {rec.reshard.moved_bytes} bytes "
+                  f"(minimum {rec.reshard.needed_bytes}) in {rec.seconds:.2f} s", flush=True)
+
+
+class Rejoining:
+    """A repaired process's side of a rejoin (set as `NTPStrategy.joining` in the process the launcher
+    forks): it joins generation `index` from start-up, builds the original layout with Lightning as any
+    worker does (the strategy's barriers, broadcasts and reductions stay local meanwhile: the survivors
+    are not running Lightning's start-up), receives its shards and Lightning's state from the survivors
+    where a resume would read a checkpoint, and takes part in every collective from its first step on."""
+
+    CKPT_PATH = "<live rejoin>"  # what Lightning is given as the checkpoint to resume from
+
+    def __init__(self, port: int, index: int, layout: Layout, pid: int, timeout_s: float = 60.0) -> None:
+        self.port, self.index, self.layout, self.pid, self.timeout_s = port, index, layout, pid, timeout_s
+        self.active = True
+
+    def init_process_group(self, strategy: Any) -> None:
+        from ntp_nemo.resilience.rendezvous import join
+
+        join(connect(self.port, self.timeout_s), self.index, self.pid, self.layout.world_size,
+             timeout_s=self.timeout_s)
+
+    def receive(self, strategy: Any) -> dict:
+        """In place of a checkpoint load: the shards from the survivors, Lightning's state from rank 0."""
+        from ntp_nemo.checkpoint.rng import set_rng_state
+        from ntp_nemo.resilience.recovery import arrive
+
+        module = strategy.lightning_module
+        replica = strategy.topology.coord(strategy.global_rank).replica
+        arrive(module.model, strategy._optimizer(), replica)
+        box: list = [None]
+        dist.broadcast_object_list(box, src=0)
+        set_rng_state(box[0]["rng"])  # every rank draws the same dropout masks as its replica peers
+        recovery = strategy.recovery
+        if recovery is not None:
+            recovery.generation = Generation(self.index, self.layout, tuple(range(self.layout.world_size)))
+            recovery.pid = self.pid
+        return box[0]["lightning"]
+
+    def finish(self, strategy: Any) -> None:
+        """At the first training step: the learning rates the restored scheduler gives; collectives on."""
+        opt = strategy._optimizer()
+        for group, lr in zip(opt.param_groups, strategy.lr_scheduler_configs[0].scheduler.get_last_lr(),
+                             strict=True):
+            group["lr"] = lr
+        self.active = False
+
+
+def _rejoin_main(launcher: LiveLauncher, idx: int, joining: Rejoining, trainer: Any, function: Callable,
+                 args: tuple, kwargs: dict, return_queue: Any) -> None:
+    """Entry of a repaired process (forked by the launching process)."""
+    import inspect
+
+    from ntp_nemo.lightning.callbacks import MemoryReport
+
+    trainer.strategy.joining = joining
+    for cb in trainer.callbacks:  # its start-up gather has no partner: the survivors started long ago
+        if isinstance(cb, MemoryReport):
+            cb.on_train_start = lambda *a, **k: None
+    # Lightning broadcasts a SIGTERM flag from rank 0 before each step; the survivors broadcast the first
+    # step's on the old generation, before the rejoin: this process skips that one.
+    loop = trainer.fit_loop.epoch_loop
+    flag = getattr(loop, "_broadcast_sigterm_tensor", None)
+    if flag is not None:
+        def skip_once() -> None:
+            loop._broadcast_sigterm_tensor = flag
+
+        loop._broadcast_sigterm_tensor = skip_once
+    args = list(args)
+    names = list(inspect.signature(function).parameters)
+    if "ckpt_path" in names:
+        args[names.index("ckpt_path")] = Rejoining.CKPT_PATH
+    else:
+        kwargs = {**kwargs, "ckpt_path": Rejoining.CKPT_PATH}
+    launcher._wrapping_function(idx, trainer, function, args, kwargs, return_queue)
+
+
+def _give_up(pid: int, err: BaseException) -> None:
+    print(f"failover | live recovery failed on process {pid} ({type(err).__name__}: {err}); "
+          "falling back to the restart path", file=sys.stderr, flush=True)
+    sys.stderr.flush()
+    os._exit(FALLBACK_EXIT)
 
 
 def _traceback(path: str | None) -> str:

@@ -20,6 +20,15 @@ gloo reports the closed connection at once; a hang surfaces as the collective ti
 
 `NoLiveCopy` (DP=1, or every holder of some fragment lost) and any error of the protocol itself are for
 the caller to turn into the restart path.
+
+Rejoin (`grow` on the survivors, `arrive` on a repaired process): the launcher announces on the store
+that repaired processes join before step `T` (`rendezvous.publish_rejoin`); at the start of step `T`
+every survivor waits on the store for the others (so no collective of generation `g` is still in
+flight), drops generation `g` and joins generation `g + 1` on the original layout with every process
+in its original place; the repaired processes have joined it from their start-up.  All build the
+layout's runtime, model and optimizer in the same order, agree on the last completed step, and the
+repaired processes (holding nothing valid) receive their shards from the survivors, the survivors of a
+degraded replica their re-split: the same reshard as a failure's, in the other direction.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ import torch.distributed as dist
 
 from ntp_nemo.resilience.live import ReshardResult, capture, reshard_snapshot
 from ntp_nemo.resilience.policies import Layout, Policy, Replan, replan
-from ntp_nemo.resilience.rendezvous import join, leave, wait_failed
+from ntp_nemo.resilience.rendezvous import join, leave, store_barrier, wait_failed
 
 # build(layout, rank) -> (runtime, model, optimizer), called on the new generation's default group
 BuildFn = Callable[[Layout, int], tuple[Any, Any, Any]]
@@ -51,6 +60,10 @@ class Generation:
 
     def rank_of(self, pid: int) -> int | None:
         return self.members.index(pid) if pid in self.members else None
+
+    def grown(self, layout: Layout) -> Generation:
+        """The generation after a rejoin: `layout` (the original one) with every process in its place."""
+        return Generation(self.index + 1, layout, tuple(range(layout.world_size)))
 
     def next(self, failed_pids: Sequence[int], policy: Policy) -> tuple[Generation, Replan]:
         """The generation after losing the processes `failed_pids` (those not in this one are ignored)."""
@@ -71,7 +84,7 @@ class Recovery:
     step: int  # the step to run next (the interrupted one)
     reshard: ReshardResult
     failed: tuple[int, ...]  # process ids lost
-    replan: Replan
+    replan: Replan | None  # None for a rejoin
     detect_t: float
     seconds: float  # detection -> state resharded
     phases: dict[str, float]  # seconds: word (the launcher's), join, build, reshard
@@ -124,3 +137,36 @@ def _replica_of(layout: Layout, rank: int) -> int:
         if any(rank in stage for stage in layout.ranks_of(i)):
             return i
     raise ValueError(f"rank {rank} is not in layout {layout.describe()}")
+
+
+def grow(store: dist.Store, generation: Generation, layout: Layout, pid: int, completed_steps: int,
+         old: tuple[Any, Any], build: BuildFn, *, backend: str = "gloo", timeout_s: float = 60.0) -> Recovery:
+    """A survivor's side of a rejoin (see the module docstring); collective with `arrive`."""
+    start = time.time()
+    marks = [start]
+    store_barrier(store, f"rejoin/gen{generation.index}/left", len(generation.members), timeout_s)
+    leave()  # generation `g` is healthy and idle: nothing to sever
+    new_gen = generation.grown(layout)
+    rank = new_gen.rank_of(pid)
+    join(store, new_gen.index, rank, layout.world_size, backend=backend, timeout_s=timeout_s)
+    marks.append(time.time())
+    old_replica = _replica_of(generation.layout, generation.rank_of(pid))
+    snapshot = capture(*old)
+    runtime, model, optimizer = build(layout, rank)
+    marks.append(time.time())
+    steps: list = [None] * layout.world_size
+    dist.all_gather_object(steps, int(completed_steps))
+    result = reshard_snapshot(snapshot, model, optimizer, old_replica, stale=completed_steps < max(steps))
+    marks.append(time.time())
+    phases = {k: b - a for k, a, b in zip(("join", "build", "reshard"), marks[:-1], marks[1:], strict=True)}
+    return Recovery(new_gen, rank, runtime, model, optimizer, max(steps), result, (), None, start,
+                    marks[-1] - start, phases)
+
+
+def arrive(model: Any, optimizer: Any, replica: int) -> tuple[int, ReshardResult]:
+    """A repaired process's side of a rejoin, on generation `g + 1`'s default group, after building
+    its runtime, model and optimizer (in the survivors' order): returns (last completed step, result).
+    Its model holds nothing valid: every element comes from the survivors."""
+    steps: list = [None] * dist.get_world_size()
+    dist.all_gather_object(steps, -1)
+    return max(steps), reshard_snapshot(capture(model, optimizer), model, optimizer, replica, stale=True)

@@ -129,6 +129,33 @@ def wait_failed(store: dist.Store, generation: int, timeout_s: float = 60.0) -> 
     return json.loads(store.get(failed_key(generation)))
 
 
+def rejoin_key(generation: int) -> str:
+    """Store key under which the launcher announces that repaired processes join after `generation`."""
+    return f"rejoin/gen{generation}"
+
+
+def publish_rejoin(store: dist.Store, generation: int, step: int, members: Sequence[int]) -> None:
+    """Announce a rejoin: before (1-based) step `step`, generation `generation + 1` has `members`."""
+    store.set(rejoin_key(generation), json.dumps({"step": int(step), "members": [int(m) for m in members]}))
+
+
+def read_rejoin(store: dist.Store, generation: int) -> dict | None:
+    """The rejoin announced for `generation`, or None (one store round trip)."""
+    if not store.check([rejoin_key(generation)]):
+        return None
+    return json.loads(store.get(rejoin_key(generation)))
+
+
+def store_barrier(store: dist.Store, key: str, count: int, timeout_s: float = 60.0) -> None:
+    """Block until `count` processes have reached `key` (no process group needed)."""
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    while int(store.add(key, 0)) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{key}: fewer than {count} processes arrived in {timeout_s:.0f} s")
+        time.sleep(0.002)
+
+
 # ---- forked workers sharing one store (tests, benchmarks) --------------------------------------------
 def _worker(rank: int, fn: Callable, world_size: int, port: int, queue, args: tuple) -> None:
     torch.set_num_threads(1)

@@ -70,7 +70,8 @@ def validate_fault_config(cfg: DictConfig) -> None:
                 f"must be >= 1 (steps on the degraded layout before the "
                 f"repaired GPU rejoins), got {f.repair_after_steps}.",
             )
-        if not (cfg.checkpoint.every_n_steps or cfg.checkpoint.save_on_end):
+        saves = cfg.checkpoint.every_n_steps or cfg.checkpoint.save_on_end
+        if recovery_mode(cfg)[0] == "restart" and not saves:
             raise ConfigError(
                 "fault.repair_after_steps",
                 "returning to the repaired layout needs checkpoints; "
@@ -93,8 +94,6 @@ def _live_blocker(cfg: DictConfig) -> tuple[str, str] | None:
     if str(cfg.trainer.accelerator) in ("gpu", "cuda"):
         return ("trainer.accelerator", "the live path stops a broken generation by severing gloo's sockets, "
                 "which does not unblock NCCL collectives: it runs on CPU (gloo) only")
-    if cfg.fault.repair_after_steps is not None:
-        return ("fault.repair_after_steps", "the repaired GPU rejoins through a relaunch, not live")
     if int(cfg.mesh.dp) < 2:
         return ("mesh.dp", "with one replica no survivor holds a lost rank's shards")
     return None
@@ -218,7 +217,8 @@ class Supervisor:
         if self.live:
             from ntp_nemo.resilience.live_training import LiveRecovery
 
-            out.append(LiveRecovery(self.policy.name, int(self.cfg.ntp.min_replica_tp)))
+            out.append(LiveRecovery(self.policy.name, int(self.cfg.ntp.min_replica_tp),
+                                    repair=self.cfg.fault.repair_after_steps is not None))
         return out
 
     def build_first(self) -> tuple[Any, Any, Any]:
@@ -406,8 +406,11 @@ class Supervisor:
             from ntp_nemo.resilience.live_training import LiveLauncher, LiveMonitor
 
             trainer.strategy._launcher = LiveLauncher(trainer.strategy)
+            repair = self.cfg.fault.repair_after_steps
             monitor = LiveMonitor(trainer.strategy.launcher, layout.world_size, self.heartbeat_dir,
-                                  self.timeouts.heartbeat_s)
+                                  self.timeouts.heartbeat_s, layout=layout,
+                                  repair_after_steps=None if repair is None else int(repair),
+                                  end_step=self.end_step)
         else:
             monitor = WorkerMonitor(
                 lambda: getattr(trainer.strategy.launcher, "procs", None),
