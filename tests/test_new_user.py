@@ -114,10 +114,13 @@ def test_metrics_file_restarts_with_the_run(tmp_path):
 
 def test_second_ctrl_c_stops_at_once(tmp_path):
     run = tmp_path / "run"
-    proc = _start([*TINY, *SINGLE, *CKPT_ON_END, "trainer.max_steps=400", f"hydra.run.dir={run}"], tmp_path)
+    # Step 3 takes 5 s longer (a straggler fault), so both Ctrl-Cs land inside it, each handled on its
+    # own (two signals in quick succession can coalesce into one).
+    proc = _start([*TINY, *SINGLE, *CKPT_ON_END, "trainer.max_steps=400", "fault=slow", "fault.rank=0",
+                   "fault.step=3", "fault.steps=1", "fault.seconds=5", f"hydra.run.dir={run}"], tmp_path)
     _wait_for_steps(proc, run, 2)
     os.killpg(proc.pid, signal.SIGINT)
-    time.sleep(0.01)
+    time.sleep(0.5)
     os.killpg(proc.pid, signal.SIGINT)
     out = proc.communicate(timeout=60)[0]
     assert proc.returncode == -signal.SIGINT, out
