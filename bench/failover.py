@@ -16,6 +16,8 @@ run's goodput.jsonl, metrics.jsonl and the fault marker:
 
 - detection: fault fired -> `failure_detected` (the supervisor saw the exit status);
 - recovery: fault fired -> first step completed after it (detection, relaunch, restore, redone step);
+- caught up: fault fired -> the failed step completed (a restart also redoes the steps since its
+  checkpoint before it gets there; live redoes only the interrupted step);
 - lost steps: completed steps executed again after the restore, plus the step the failure cut short;
 - goodput: productive time / job time (ntp_nemo.goodput.compute_goodput), and the badput it paid;
 - capacity after: active ranks after the failure / nominal ranks of the job (DP-DROP's dropped replica
@@ -66,6 +68,9 @@ def figures(run_dir: Path, reference: dict[int, float], nominal_ranks: int) -> d
     t_fail = fired["t"]
     detected = min(e["t"] for e in events if e["event"] == "failure_detected")
     next_end = min(e["t"] for e in events if e["event"] == "step_end" and e["t"] > t_fail)
+    # Caught up: the failed step completed again (a restart first redoes the steps since its checkpoint).
+    caught_up = min(e["t"] for e in events
+                    if e["event"] == "step_end" and e["t"] > t_fail and int(e["step"]) >= int(fired["step"]))
     recs = metrics(run_dir)
     before = [r["tokens_per_s"] for r in recs if r["time"] < t_fail][2:]
     after_recs = [r for r in recs if r["time"] > next_end]
@@ -81,6 +86,7 @@ def figures(run_dir: Path, reference: dict[int, float], nominal_ranks: int) -> d
         "layout_after": layout_after,
         "detection_s": detected - t_fail,
         "recovery_s": next_end - t_fail,
+        "caught_up_s": caught_up - t_fail,
         "lost_steps": rep.steps_redone + 1,
         "goodput": rep.goodput,
         "wasted_s": rep.badput_s["wasted_progress"],
@@ -136,6 +142,7 @@ def main() -> None:
         "layout after",
         "detect s",
         "recovery s",
+        "caught up s",
         "lost steps",
         "goodput",
         "wasted s",
@@ -150,13 +157,15 @@ def main() -> None:
         moved = "-" if r["moved_bytes"] is None else f"{r['moved_bytes']} ({r['minimum_bytes']})"
         print(
             f"| {policy.removesuffix('-live')} | {r['mode']} | {r['layout_after']} | "
-            f"{r['detection_s']:.2f} | {r['recovery_s']:.2f} | {r['lost_steps']} | {r['goodput']:.3f} | "
+            f"{r['detection_s']:.2f} | {r['recovery_s']:.2f} | {r['caught_up_s']:.2f} | {r['lost_steps']} | "
+            f"{r['goodput']:.3f} | "
             f"{r['wasted_s']:.2f} | "
             f"{r['downtime_s']:.2f} | {r['capacity_after']:.2f} | {r['throughput_after']:.2f} | "
             f"{r['max_rel_loss_diff']:.1e} | {moved} |"
         )
     live, restart = rows["ntp-live"]["recovery_s"], rows["ntp"]["recovery_s"]
-    print(f"\nntp: live recovery / restart recovery = {live / restart:.2f}")
+    caught = rows["ntp-live"]["caught_up_s"] / rows["ntp"]["caught_up_s"]
+    print(f"\nntp: live recovery / restart recovery = {live / restart:.2f}; caught up: {caught:.2f}")
     print(f"\nreference goodput (no failure): {base.goodput:.3f}; repository: {ROOT}")
 
 

@@ -195,11 +195,16 @@ def train(cfg: DictConfig) -> dict:
 
         report, _ = analyse(run_dir, plot=False)  # the numbers `ntp-goodput RUN_DIR` prints
         summary["goodput"], summary["capacity_fraction"] = report.goodput, report.capacity_fraction
+        recoveries = report.failure_recoveries  # each failure's mode (live | restart) and downtime
+    else:
+        recoveries = []
     tmp = summary_path.with_name(summary_path.name + ".tmp")
     tmp.write_text(json.dumps(summary, indent=2) + "\n")
     os.replace(tmp, summary_path)
-    if result.failures:
-        summary["failover"] = result.summary()
+    if result.failures or recoveries:
+        summary["failover"] = {**result.summary(), "failures": max(result.failures, len(recoveries)),
+                               "layouts": _layout_sequence(run_dir) or result.summary()["layouts"],
+                               "recoveries": recoveries}
     print_summary(summary, run_dir)
     return summary
 
@@ -270,6 +275,20 @@ def module_counts(strategy, cfg: DictConfig) -> list[int]:
     return assign_microbatches(n, strategy.layout.capacities())
 
 
+def _layout_sequence(run_dir: Path) -> list[str]:
+    """The layouts the run trained on, in order (from metrics.jsonl; consecutive repeats merged)."""
+    out: list[str] = []
+    path = run_dir / "metrics.jsonl"
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            layout = json.loads(line).get("layout")
+        except json.JSONDecodeError:
+            continue
+        if layout and (not out or out[-1] != layout):
+            out.append(layout)
+    return out
+
+
 def _percent(x: float | None) -> float | None:
     return None if x is None else 100 * x
 
@@ -295,8 +314,10 @@ def print_summary(summary: dict, run_dir: Path) -> None:
         ),
         *(
             [
-                f" failover      {summary['failover']['failures']} failure(s); layouts "
-                + " -> ".join(summary["failover"]["layouts"])
+                f" failover      {summary['failover']['failures']} failure(s)"
+                + "".join(f"; recovered {r['mode']} in {r['recovery_s']:.1f} s"
+                          for r in summary["failover"].get("recoveries", []))
+                + "; layouts " + " -> ".join(summary["failover"]["layouts"])
             ]
             if summary.get("failover")
             else []
