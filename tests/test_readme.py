@@ -122,6 +122,8 @@ def plan(cmd: str) -> tuple[str, str]:
         return "skip", "installs the package; the checkout under test is installed already"
     if words[0] == "pytest":
         return "skip", "this test suite"
+    if words[:2] == ["git", "worktree"]:
+        return "skip", "checks out the commits a benchmark compares (needs the repository's history)"
     if words[0] in CLUSTER:
         return "config", "needs a cluster"
     if words[0] == "python" and len(words) > 1 and words[1].startswith("bench/"):
