@@ -161,16 +161,24 @@ def _load_stats(rank, world, layout, path):
     return loaded.stats.verified, _values(model)
 
 
-def test_each_record_is_verified_once_per_load(pristine):
-    directory, values = pristine
+def test_each_block_is_verified_once_per_load(tmp_path, monkeypatch):
+    # Block digests of 4 KiB, so that this small model's records span several blocks and the TP 3
+    # ranks read parts of records (each block must still be checked exactly once, by one of its readers).
+    import ntp_nemo.checkpoint.storage as storage
+
+    monkeypatch.setattr(storage, "HASH_BLOCK", 4096)
+    values = run_workers(_save_two, 2, str(tmp_path))[0]
+    directory = tmp_path
     path = directory / checkpoint_name(2)
-    records = sorted(r.rid for recs in Index.read(path).records.values() for r in recs)
+    recs = [r for rs in Index.read(path).records.values() for r in rs]
+    blocks = sorted((*r.rid, k) for r in recs for k in range(len(r.blocks) or 1))
+    assert any(len(r.blocks) > 1 for r in recs)  # some records span several digest blocks
     one, got = _load_stats(0, 1, SINGLE, path)
-    assert sorted(one) == records  # one process reads and checks everything, each record once
+    assert sorted(one) == blocks  # one process reads and checks everything, each block once
     assert all(np.array_equal(got[n], v) for n, v in values[2].items())
     three = run_workers(_load_stats, 3, TP3, str(path))
-    verified = [rid for ranks_verified, _ in three for rid in ranks_verified]
-    assert sorted(verified) == records  # across the 3 ranks: every record once, none twice
+    verified = [uid for ranks_verified, _ in three for uid in ranks_verified]
+    assert sorted(tuple(u) for u in verified) == blocks  # across the 3 ranks: every block once, none twice
     assert sum(1 for v, _ in three if v) >= 2  # the work is shared
 
 

@@ -87,7 +87,8 @@ def test_manifest_lists_every_file_with_size_and_checksum(ckpts):
     assert sorted(doc["files"]) == files
     assert "index.json" in files and "meta.pt" in files and any(f.startswith("data_") for f in files)
     assert all(doc["files"][f]["size"] == (path / f).stat().st_size for f in files)
-    # The metadata files carry a whole-file digest; the data files' digests are per record in the index.
+    # The metadata files carry a whole-file digest; the data files' digests are per block of each record
+    # in the index (and the record's digest is the digest of its block digests).
     import xxhash
 
     for f in ("index.json", "meta.pt"):
@@ -96,7 +97,10 @@ def test_manifest_lists_every_file_with_size_and_checksum(ckpts):
     for t in index["tensors"].values():
         for r in t["records"]:
             data = (path / r["file"]).read_bytes()[r["offset"] : r["offset"] + r["nbytes"]]
-            assert xxhash.xxh3_64_hexdigest(data) == r["xxh3_64"]
+            n = r["block_bytes"]
+            blocks = [xxhash.xxh3_64_hexdigest(data[i : i + n]) for i in range(0, len(data), n)]
+            assert r["blocks"] == blocks and len(blocks) >= 1
+            assert xxhash.xxh3_64_hexdigest("".join(blocks).encode()) == r["xxh3_64"]
     assert read_manifest(ckpts / checkpoint_name(1))["layout"] == {"replica_tp": [2]}
     assert not list(ckpts.glob("*.tmp"))
 

@@ -4,16 +4,20 @@ Every rank writes its chunks (disjoint boxes of logical tensors, see `ownership.
 the chunk's bytes in row-major order, straight from the tensor's memory (a `memoryview` of a
 contiguous CPU tensor: no serialisation, no intermediate copy), 64-byte aligned, into a few
 `data_<rank>_<k>.bin` files written in parallel by a thread pool (one file per thread, balanced
-by bytes).  Each record's xxh3-64 digest is computed block by block in the same pass that writes
-the block (the block is still in cache), so integrity costs no second read.  The records of all
-ranks form the index (`index.json`: per tensor its global shape, dtype and records with file, byte
-offset, length, digest), written by rank 0.
+by bytes).  Each record is digested per `HASH_BLOCK` (1 MiB) block with xxh3-64, each block just
+before it is written (still in cache), so integrity costs no second read; the record's digest is
+the xxh3-64 of its block digests.  The records of all ranks form the index (`index.json`: per
+tensor its global shape, dtype and records with file, byte offset, length, digest, block digests),
+written by rank 0.
 
 Reading fills target boxes in place: for each stored record that intersects a target, the rank
 reads only the byte range it needs (`os.preadv` straight into the target when the box is
 contiguous on both sides, else the record's rows holding the box into a scratch buffer) on a
-thread pool.  A record named in `verify` is read whole and its digest checked; the caller picks
-exactly one reading rank per record, so each record is hashed once per load.
+thread pool.  Verification is per block: the caller assigns every block a rank reads to exactly one
+of its readers (`assign_verifiers`), which reads that block whole (at most one extra block at each
+end of its range) and checks it, so each stored byte a load needs is hashed once, by a rank that reads
+it, and a rank that needs a third of a record reads about a third of it.  Records without block
+digests are verified whole.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import xxhash
 
 INDEX_FILE = "index.json"
 ALIGN = 64
-BLOCK = 4 << 20  # bytes hashed then written while still in cache
+HASH_BLOCK = 1 << 20  # bytes per block digest: hashed then written while still in cache
 DIGEST = "xxh3_64"
 
 
@@ -64,10 +68,30 @@ class Record:
     offset: int
     nbytes: int
     digest: str
+    blocks: tuple[str, ...] = ()  # xxh3-64 of each `block_bytes` bytes; () = verified whole by `digest`
+    block_bytes: int = 0
 
     @property
     def rid(self) -> tuple[str, int]:
         return self.file, self.offset
+
+    @property
+    def span(self) -> int:
+        """Bytes per verification unit."""
+        return self.block_bytes if self.blocks else max(1, self.nbytes)
+
+    def units(self, lo: int, hi: int) -> range:
+        """Verification units (block indices) overlapping bytes [lo, hi) of the record."""
+        if not self.blocks:
+            return range(1)
+        return range(lo // self.span, max(lo // self.span + 1, -(-hi // self.span)))
+
+    def unit_bytes(self, k: int) -> tuple[int, int]:
+        """Byte range [lo, hi) of verification unit `k` in the record."""
+        return k * self.span, min((k + 1) * self.span, self.nbytes)
+
+    def unit_digest(self, k: int) -> str:
+        return self.blocks[k] if self.blocks else self.digest
 
 
 @dataclass
@@ -75,7 +99,7 @@ class ReadStats:
     """What one rank's read did: bytes read, records whose digest it checked, and failures found."""
 
     bytes_read: int = 0
-    verified: list[tuple[str, int]] = field(default_factory=list)
+    verified: list[tuple[str, int, int]] = field(default_factory=list)  # (file, record offset, block)
     problems: list[str] = field(default_factory=list)
 
 
@@ -115,13 +139,14 @@ def _write_file(path: Path, chunks: Sequence[Chunk], sync: bool) -> list[Record]
         pos = 0
         for c in chunks:
             data = byte_view(_contiguous_cpu(c.tensor.detach()))
-            h = xxhash.xxh3_64()
-            for start in range(0, len(data), BLOCK):
-                block = data[start : start + BLOCK]
-                h.update(block)
+            blocks = []
+            for start in range(0, len(data), HASH_BLOCK):
+                block = data[start : start + HASH_BLOCK]
+                blocks.append(xxhash.xxh3_64_hexdigest(block))
                 _write_all(fd, block)
+            digest = xxhash.xxh3_64_hexdigest("".join(blocks).encode())
             records.append(Record(c.key, tuple(c.offsets), tuple(c.tensor.shape), path.name, pos, len(data),
-                                  h.hexdigest()))
+                                  digest, tuple(blocks), HASH_BLOCK))
             pos += len(data)
             pad = -pos % ALIGN
             if pad:
@@ -162,7 +187,8 @@ def index_doc(records: Iterable[Record], dtypes: dict[str, tuple[tuple[int, ...]
                                 for key, (shape, dtype) in sorted(dtypes.items())}
     for r in records:
         tensors[r.key]["records"].append({"offsets": list(r.offsets), "sizes": list(r.sizes), "file": r.file,
-                                          "offset": r.offset, "nbytes": r.nbytes, DIGEST: r.digest})
+                                          "offset": r.offset, "nbytes": r.nbytes, DIGEST: r.digest,
+                                          "block_bytes": r.block_bytes, "blocks": list(r.blocks)})
     for t in tensors.values():
         t["records"].sort(key=lambda r: r["offsets"])
     return {"digest": DIGEST, "tensors": tensors}
@@ -187,7 +213,9 @@ class Index:
         for key, t in doc["tensors"].items():
             tensors[key] = StoredTensor(tuple(t["shape"]), dtype_of(t["dtype"]))
             records[key] = [Record(key, tuple(r["offsets"]), tuple(r["sizes"]), r["file"], r["offset"],
-                                   r["nbytes"], r[DIGEST]) for r in t["records"]]
+                                   r["nbytes"], r[DIGEST], tuple(r.get("blocks", ())),
+                                   int(r.get("block_bytes", 0)))
+                            for r in t["records"]]
         return Index(tensors, records)
 
     @staticmethod
@@ -243,32 +271,50 @@ def _read_into(fd: int, mv: memoryview, offset: int) -> int:
     return got
 
 
+def _rows(record: Record, box_off: tuple, box_size: tuple, item: int) -> tuple[int, int, int]:
+    """(first row, rows, bytes per row) of the record holding the box (rows of its first dimension)."""
+    shape = record.sizes
+    if not shape:
+        return 0, 1, item
+    row = item * math.prod(shape[1:])
+    return box_off[0] - record.offsets[0], box_size[0], row
+
+
+def needed_bytes(record: Record, box_off: tuple, box_size: tuple, dtype: torch.dtype) -> tuple[int, int]:
+    """Byte range [lo, hi) of the record a box needs (whole rows of its first dimension)."""
+    r0, nrows, row = _rows(record, box_off, box_size, torch.empty((), dtype=dtype).element_size())
+    return r0 * row, (r0 + nrows) * row
+
+
 def _copy(record: Record, target: Chunk, box_off: tuple, box_size: tuple, dtype: torch.dtype,
-          directory: Path, verify: bool, stats: ReadStats) -> None:
+          directory: Path, verify: Sequence[int], stats: ReadStats) -> None:
+    """Copy the box from the record into the target; check the blocks `verify` of the record."""
     rel_rec = tuple(b - o for b, o in zip(box_off, record.offsets, strict=True))
     rel_tgt = tuple(b - o for b, o in zip(box_off, target.offsets, strict=True))
     dst = _box(target.tensor, rel_tgt, box_size)
-    item = torch.empty((), dtype=dtype).element_size()
     shape = record.sizes
-    row = item * (math.prod(shape[1:]) if shape else 1)
-    whole = tuple(box_size) == tuple(shape)
+    lo, hi = needed_bytes(record, box_off, box_size, dtype)
+    elo, ehi = lo, hi  # widened to whole blocks at the ends when this rank checks them
+    for k in verify:
+        a, b = record.unit_bytes(k)
+        elo, ehi = min(elo, a), max(ehi, b)
     rows_only = not shape or tuple(box_size[1:]) == tuple(shape[1:])  # the box is a contiguous byte range
     direct = dst.device.type == "cpu" and dst.is_contiguous() and dst.dtype == dtype
     fd = os.open(directory / record.file, os.O_RDONLY)
     try:
-        if direct and (whole or (rows_only and not verify)):
+        if direct and rows_only and (elo, ehi) == (lo, hi):
             mv = byte_view(dst)  # straight into the target: no scratch, no copy
-            got = _read_into(fd, mv, record.offset + (rel_rec[0] * row if shape else 0))
+            got = _read_into(fd, mv, record.offset + lo)
             src = None
         else:
-            # Rows of the record's first dim that hold the box (the whole record when verifying).
-            r0, nrows = (0, shape[0] if shape else 1) if (verify or not shape) else (rel_rec[0], box_size[0])
-            buf = torch.empty(nrows * row, dtype=torch.uint8)
+            buf = torch.empty(ehi - elo, dtype=torch.uint8)
             mv = byte_view(buf)
-            got = _read_into(fd, mv, record.offset + r0 * row)
-            src = buf.view(dtype).view((nrows, *shape[1:]) if shape else ())
+            got = _read_into(fd, mv, record.offset + elo)
+            src = buf[lo - elo : hi - elo].view(dtype)
             if shape:
-                src = _box(src, (rel_rec[0] - r0, *rel_rec[1:]), box_size)
+                src = _box(src.view((box_size[0], *shape[1:])), (0, *rel_rec[1:]), box_size)
+            else:
+                src = src.view(())
     finally:
         os.close(fd)
     stats.bytes_read += got
@@ -276,19 +322,21 @@ def _copy(record: Record, target: Chunk, box_off: tuple, box_size: tuple, dtype:
         stats.problems.append(f"file {record.file} is truncated (record of {record.key} at byte "
                               f"{record.offset} needs {len(mv)} bytes, {got} there)")
         return
-    if verify:
-        stats.verified.append(record.rid)
-        if xxhash.xxh3_64_hexdigest(mv) != record.digest:
-            stats.problems.append(f"file {record.file} fails its {DIGEST} check at byte {record.offset} "
+    for k in verify:
+        a, b = record.unit_bytes(k)
+        stats.verified.append((*record.rid, k))
+        if xxhash.xxh3_64_hexdigest(mv[a - elo : b - elo]) != record.unit_digest(k):
+            stats.problems.append(f"file {record.file} fails its {DIGEST} check at byte {record.offset + a} "
                                   f"({record.key}; corrupted)")
             return
     if src is not None:
         dst.copy_(src)
 
 
-def read_records(directory: Path, index: Index, targets: Sequence[Chunk], verify: set[tuple[str, int]],
+def read_records(directory: Path, index: Index, targets: Sequence[Chunk], verify: set[tuple[str, int, int]],
                  threads: int = 4) -> ReadStats:
-    """Fill `targets` in place from the checkpoint's records; check the digest of records in `verify`.
+    """Fill `targets` in place from the checkpoint's records; check the blocks in `verify` (each one a
+    (file, record offset, block index) this rank reads).
 
     Returns what was read; failures (truncated or corrupted records) are listed in `problems`, not
     raised, so that all ranks can agree on them first.
@@ -296,19 +344,26 @@ def read_records(directory: Path, index: Index, targets: Sequence[Chunk], verify
     directory = Path(directory)
     stats = ReadStats()
     jobs = plan_reads(index, targets)
+    claimed: set[tuple[str, int, int]] = set()  # a block two of this rank's boxes touch is checked once
+    work = []
+    for record, target, off, size in jobs:
+        lo, hi = needed_bytes(record, off, size, index.tensors[record.key].dtype)
+        mine = [k for k in record.units(lo, hi)
+                if (*record.rid, k) in verify and (*record.rid, k) not in claimed]
+        claimed.update((*record.rid, k) for k in mine)
+        work.append((record, target, off, size, mine))
 
     def run(job):
-        record, target, off, size = job
+        record, target, off, size, mine = job
         local = ReadStats()
-        _copy(record, target, off, size, index.tensors[record.key].dtype, directory,
-              record.rid in verify, local)
+        _copy(record, target, off, size, index.tensors[record.key].dtype, directory, mine, local)
         return local
 
-    if threads <= 1 or len(jobs) <= 1:
-        parts = [run(j) for j in jobs]
+    if threads <= 1 or len(work) <= 1:
+        parts = [run(j) for j in work]
     else:
         with ThreadPoolExecutor(threads, thread_name_prefix="ntp-ckpt-read") as pool:
-            parts = list(pool.map(run, jobs))
+            parts = list(pool.map(run, work))
     for p in parts:
         stats.bytes_read += p.bytes_read
         stats.verified += p.verified
@@ -316,43 +371,55 @@ def read_records(directory: Path, index: Index, targets: Sequence[Chunk], verify
     return stats
 
 
-def assign_verifiers(index: Index, needs: Sequence[Sequence[tuple[tuple[str, int], bool]]]) -> list[set]:
-    """Which rank checks which record: exactly one of the ranks reading it, balancing bytes hashed.
+def assign_verifiers(index: Index, needs: Sequence[Sequence[tuple[tuple[str, int, int], bool]]]) -> list[set]:
+    """Which rank checks which block: exactly one of the ranks reading it, balancing bytes hashed.
 
-    `needs[r]` lists (record id, whether rank r reads that record whole).  A rank that reads the
-    record whole is preferred (it reads nothing extra to check it).
+    `needs[r]` lists (block id, whether rank r reads that block whole).  A rank that reads the block
+    whole is preferred (it reads nothing extra to check it).
     """
-    sizes = {r.rid: r.nbytes for recs in index.records.values() for r in recs}
-    readers: dict[tuple[str, int], list[tuple[bool, int]]] = {}
+    records = {r.rid: r for recs in index.records.values() for r in recs}
+    readers: dict[tuple[str, int, int], list[tuple[bool, int]]] = {}
     for rank, rank_needs in enumerate(needs):
-        for rid, whole in rank_needs:
-            readers.setdefault(rid, []).append((whole, rank))
+        for uid, whole in rank_needs:
+            readers.setdefault(tuple(uid), []).append((whole, rank))
+
+    def size(uid: tuple[str, int, int]) -> int:
+        a, b = records[uid[:2]].unit_bytes(uid[2])
+        return b - a
+
     load = [0] * len(needs)
     out: list[set] = [set() for _ in needs]
-    for rid in sorted(readers, key=lambda rid: (-sizes.get(rid, 0), rid)):
-        rank = min(readers[rid], key=lambda wr: (not wr[0], load[wr[1]], wr[1]))[1]
-        load[rank] += sizes.get(rid, 0)
-        out[rank].add(rid)
+    for uid in sorted(readers, key=lambda u: (-size(u), u)):
+        rank = min(readers[uid], key=lambda wr: (not wr[0], load[wr[1]], wr[1]))[1]
+        load[rank] += size(uid)
+        out[rank].add(uid)
     return out
 
 
-def reads_needed(index: Index, targets: Sequence[Chunk]) -> list[tuple[tuple[str, int], bool]]:
-    """(record id, whole?) for every record this rank reads."""
-    return [(r.rid, tuple(size) == tuple(r.sizes)) for r, _, _, size in plan_reads(index, targets)]
+def reads_needed(index: Index, targets: Sequence[Chunk]) -> list[tuple[tuple[str, int, int], bool]]:
+    """(block id, whole?) for every block of every record this rank reads."""
+    out: dict[tuple[str, int, int], bool] = {}
+    for r, _, off, size in plan_reads(index, targets):
+        lo, hi = needed_bytes(r, off, size, index.tensors[r.key].dtype)
+        for k in r.units(lo, hi):
+            a, b = r.unit_bytes(k)
+            uid = (*r.rid, k)
+            out[uid] = out.get(uid, False) or (lo <= a and b <= hi)
+    return list(out.items())
 
 
 def read_chunks(directory: Path, targets: list[Chunk], threads: int = 4) -> ReadStats:
     """One process: fill each target tensor (in place) with its box of the stored tensor, checking
     the digest of every record it reads; a truncated or corrupted record raises `ValueError`."""
     index = Index.read(directory)
-    stats = read_records(directory, index, targets, {rid for rid, _ in reads_needed(index, targets)}, threads)
+    stats = read_records(directory, index, targets, {uid for uid, _ in reads_needed(index, targets)}, threads)
     if stats.problems:
         raise ValueError(f"checkpoint {directory}: {stats.problems[0]}")
     return stats
 
 
 def verify_all_records(directory: Path) -> str | None:
-    """Check every record's digest (a full read of the data, for offline inspection); the first problem."""
+    """Check every record's digests (a full read of the data, for offline inspection); the first problem."""
     directory = Path(directory)
     for recs in Index.read(directory).records.values():
         for r in recs:
@@ -361,6 +428,9 @@ def verify_all_records(directory: Path) -> str | None:
                 data = f.read(r.nbytes)
             if len(data) < r.nbytes:
                 return f"file {r.file} is truncated (record of {r.key} at byte {r.offset})"
-            if xxhash.xxh3_64_hexdigest(data) != r.digest:
-                return f"file {r.file} fails its {DIGEST} check at byte {r.offset} ({r.key}; corrupted)"
+            for k in range(len(r.blocks) or 1):
+                a, b = r.unit_bytes(k)
+                if xxhash.xxh3_64_hexdigest(data[a:b]) != r.unit_digest(k):
+                    return (f"file {r.file} fails its {DIGEST} check at byte {r.offset + a} "
+                            f"({r.key}; corrupted)")
     return None
