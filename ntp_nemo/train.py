@@ -94,6 +94,9 @@ def train(cfg: DictConfig) -> dict:
     overrides = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
     resolve_data_config(cfg, explicit_keys(overrides))
     validate(cfg)  # before any heavy import: a bad value answers in well under a second
+    from ntp_nemo.resilience.fault_config import validate_fault_config
+
+    validate_fault_config(cfg)  # the `fault` group too (no torch, no Lightning)
     check_environment(cfg)
     checks.check_batch_split(cfg)
     checks.warn_no_ops(cfg)
@@ -102,9 +105,7 @@ def train(cfg: DictConfig) -> dict:
     ckpt_path = resolve_resume(cfg, run_dir)
     if ckpt_path is not None:
         checks.check_resume_model(cfg, ckpt_path)
-    from ntp_nemo.resilience.supervisor import Supervisor, validate_fault_config  # imports Lightning
-
-    validate_fault_config(cfg)
+    from ntp_nemo.resilience.supervisor import Supervisor  # imports Lightning
     layout = resolve_layout(cfg)  # once, before launch: the strategy and runtime take this value
     layer_tp = list(layout.layer_tp)
     run_dir.mkdir(parents=True, exist_ok=True)

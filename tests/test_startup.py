@@ -68,6 +68,9 @@ def test_misspelt_key_answers_before_hydra(tmp_path):
         (["model.init_from=/nonexistent/model"], "model.init_from"),
         (["quant=fp8", "quant.start_step=500", "trainer.max_steps=10"], "quant.start_step"),
         (["model=gpt_tinyy"], "model/gpt_tinyy"),
+        (["fault.recovery=sideways"], "fault.recovery"),
+        (["fault=kill_rank", "fault.phase=during"], "fault.phase"),
+        (["fault.heartbeat_timeout_s=700"], "fault.heartbeat_timeout_s"),
     ],
 )
 def test_bad_value_answers_before_torch(tmp_path, args, says):

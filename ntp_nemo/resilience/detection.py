@@ -27,32 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
-from ntp_nemo.errors import ConfigError
+from ntp_nemo.resilience.fault_config import Timeouts
 from ntp_nemo.resilience.heartbeat import Beat, read_beats, suspects
-
-
-@dataclass(frozen=True)
-class Timeouts:
-    heartbeat_s: float
-    collective_s: float
-    step_s: float
-
-    @classmethod
-    def from_config(cls, fault: DictConfig) -> Timeouts:
-        t = cls(
-            float(fault.heartbeat_timeout_s), float(fault.collective_timeout_s), float(fault.step_timeout_s)
-        )
-        if not 0 < t.heartbeat_s < t.collective_s < t.step_s:
-            raise ConfigError(
-                "fault.heartbeat_timeout_s",
-                f"the timeouts must grow heartbeat < collective < "
-                f"whole step, got fault.heartbeat_timeout_s={t.heartbeat_s}, "
-                f"fault.collective_timeout_s={t.collective_s}, fault.step_timeout_s={t.step_s}; "
-                "a hang must be seen by heartbeats before collectives give up (see docs/failover.md).",
-            )
-        return t
 
 
 @dataclass(frozen=True)

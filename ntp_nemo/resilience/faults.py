@@ -24,94 +24,18 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
-from omegaconf import DictConfig
 
-from ntp_nemo.errors import ConfigError
+from ntp_nemo.resilience.fault_config import FAULT_KINDS, KILL_PHASES, Fault, resolve_faults
 
-FAULT_KINDS = ("kill_rank", "hang", "slow", "kill_during_save", "corrupt_checkpoint")
-KILL_PHASES = ("step_start", "backward", "optimizer")
+__all__ = ["FAULT_KINDS", "KILL_EXIT_CODE", "KILL_PHASES", "Fault", "FaultInjector", "resolve_faults"]
 KILL_EXIT_CODE = 137  # 128 + SIGKILL: what a shell reports for a process killed hard
-
-
-@dataclass(frozen=True)
-class Fault:
-    index: int
-    kind: str
-    rank: int
-    step: int
-    seconds: float = 0.0
-    steps: int | None = None
-    phase: str = "step_start"
-
-    @property
-    def once(self) -> bool:
-        return self.kind != "slow"
-
-
-def _spec_list(f: DictConfig) -> list[tuple[str, Any]]:
-    specs: list[tuple[str, Any]] = []
-    if str(f.kind) != "none":
-        specs.append(("fault", f))
-    for i, extra in enumerate(f.get("more") or []):
-        specs.append((f"fault.more[{i}]", extra))
-    return specs
-
-
-def resolve_faults(cfg: DictConfig, world_size: int) -> list[Fault]:
-    """The faults of this run with every unset step/rank drawn from `seed`; ConfigError on bad values."""
-    max_steps = int(cfg.trainer.max_steps)
-    rng = random.Random(int(cfg.seed) * 7919 + 17)
-    out: list[Fault] = []
-    for key, spec in _spec_list(cfg.fault):
-        kind = str(spec.kind)
-        if kind not in FAULT_KINDS:
-            raise ConfigError(
-                f"{key}.kind",
-                f"unknown fault kind {kind!r}; use none or one of "
-                f"{', '.join(FAULT_KINDS)} (e.g. fault=kill_rank fault.rank=1 fault.step=5).",
-            )
-        step = spec.step if spec.step is not None else rng.randint(min(2, max_steps), max(1, max_steps - 1))
-        rank = spec.rank if spec.rank is not None else rng.randrange(world_size)
-        if kind == "corrupt_checkpoint":
-            rank = 0
-        if not 1 <= int(step) <= max_steps:
-            raise ConfigError(
-                f"{key}.step",
-                f"step {step} is outside 1..trainer.max_steps={max_steps}; choose a step the run reaches.",
-            )
-        if not 0 <= int(rank) < world_size:
-            raise ConfigError(
-                f"{key}.rank",
-                f"rank {rank} is not a global rank of the starting layout "
-                f"(0..{world_size - 1}); choose a rank that exists.",
-            )
-        seconds = float(spec.get("seconds", 0.0) or 0.0)
-        steps = spec.get("steps")
-        if kind == "slow" and seconds <= 0:
-            raise ConfigError(
-                f"{key}.seconds", f"a slow rank needs seconds > 0 of delay per step, got {seconds}."
-            )
-        phase = str(spec.get("phase", "step_start") or "step_start")
-        if phase not in KILL_PHASES or (phase != "step_start" and kind != "kill_rank"):
-            raise ConfigError(
-                f"{key}.phase",
-                f"phase {phase!r} is not one of {', '.join(KILL_PHASES)}"
-                if phase not in KILL_PHASES
-                else f"phase {phase!r} applies to kill_rank only, not {kind}; drop {key}.phase.",
-            )
-        out.append(
-            Fault(len(out), kind, int(rank), int(step), seconds, None if steps is None else int(steps), phase)
-        )
-    return out
-
 
 def marker_path(fault_dir: Path, fault: Fault) -> Path:
     return fault_dir / f"fired_{fault.index}.json"

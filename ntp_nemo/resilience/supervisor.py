@@ -32,6 +32,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from ntp_nemo.errors import ConfigError
 from ntp_nemo.resilience.detection import LostRanks, Timeouts, WorkerMonitor, classify, kill_worker
+from ntp_nemo.resilience.fault_config import (  # noqa: F401 - re-exported: the run-time side uses them here
+    RECOVERY_MODES,
+    layout_of,
+    recovery_mode,
+    validate_fault_config,
+)
 from ntp_nemo.resilience.faults import FaultInjector, resolve_faults
 from ntp_nemo.resilience.heartbeat import Heartbeat, read_beats, suspects
 from ntp_nemo.resilience.policies import Layout, Replan, make_policy, replan
@@ -47,80 +53,6 @@ BuildFn = Callable[[DictConfig, list[Any], list[int] | None], tuple[Any, Any, An
 
 class FailoverError(RuntimeError):
     """Training could not be recovered (restarts exhausted, no replica left, invalid re-planned layout)."""
-
-
-def layout_of(cfg: DictConfig) -> Layout:
-    from ntp_nemo.config.validate import resolved_replica_tp
-
-    return Layout(int(cfg.mesh.tp), tuple(resolved_replica_tp(cfg)), int(cfg.mesh.pp))
-
-
-def validate_fault_config(cfg: DictConfig) -> None:
-    """Checks of the `fault` group run with the rest of validation (before anything starts)."""
-    f = cfg.fault
-    make_policy(str(f.policy), int(cfg.ntp.min_replica_tp))
-    Timeouts.from_config(f)
-    _validate_recovery(cfg)
-    if int(f.max_restarts) < 0:
-        raise ConfigError("fault.max_restarts", f"must be >= 0, got {f.max_restarts}.")
-    if f.repair_after_steps is not None:
-        if int(f.repair_after_steps) < 1:
-            raise ConfigError(
-                "fault.repair_after_steps",
-                f"must be >= 1 (steps on the degraded layout before the "
-                f"repaired GPU rejoins), got {f.repair_after_steps}.",
-            )
-        saves = cfg.checkpoint.every_n_steps or cfg.checkpoint.save_on_end
-        if recovery_mode(cfg)[0] == "restart" and not saves:
-            raise ConfigError(
-                "fault.repair_after_steps",
-                "returning to the repaired layout needs checkpoints; "
-                "set checkpoint.every_n_steps>0 or checkpoint.save_on_end=true.",
-            )
-    resolve_faults(cfg, layout_of(cfg).world_size)
-
-
-RECOVERY_MODES = ("auto", "live", "restart")
-
-
-def _live_blocker(cfg: DictConfig) -> tuple[str, str] | None:
-    """(key, why) when the live path cannot serve this run, else None."""
-    if bool(cfg.optim.get("distributed", False)):
-        return ("optim.distributed", "live recovery needs every AdamW moment held by every replica, but "
-                "optim.distributed=true keeps each on one rank only")
-    if str(cfg.fault.policy) == "restart":
-        return ("fault.policy", "fault.policy=restart replaces the lost GPU with a spare, which only a "
-                "relaunch can do")
-    if str(cfg.trainer.accelerator) in ("gpu", "cuda"):
-        return ("trainer.accelerator", "the live path stops a broken generation by severing gloo's sockets, "
-                "which does not unblock NCCL collectives: it runs on CPU (gloo) only")
-    if int(cfg.mesh.dp) < 2:
-        return ("mesh.dp", "with one replica no survivor holds a lost rank's shards")
-    return None
-
-
-def recovery_mode(cfg: DictConfig) -> tuple[str, str]:
-    """(`live` or `restart`, why) for `fault.recovery` (`auto`: live wherever it can work)."""
-    asked = str(cfg.fault.get("recovery", "auto"))
-    blocker = _live_blocker(cfg)
-    if asked == "restart":
-        return "restart", "fault.recovery=restart"
-    if blocker is None or asked == "live":  # validation refused the other blockers; one replica falls back
-        return "live", f"fault.recovery={asked}"
-    return "restart", f"fault.recovery=auto: {blocker[1]}"
-
-
-def _validate_recovery(cfg: DictConfig) -> None:
-    recovery = str(cfg.fault.get("recovery", "auto"))
-    if recovery not in RECOVERY_MODES:
-        raise ConfigError("fault.recovery", f"unknown recovery {recovery!r}; use auto (live where it can "
-                          "work, else restart), live (the survivors reshard in memory) or restart (relaunch "
-                          "from the last checkpoint).")
-    blocker = _live_blocker(cfg)
-    if recovery == "live" and blocker is not None and blocker[0] != "mesh.dp":
-        key, why = blocker
-        raise ConfigError("fault.recovery", f"{why}; change {key} or use fault.recovery=restart (or auto, "
-                          "which picks restart here).")
 
 
 def with_layout(
