@@ -128,3 +128,25 @@ def test_fused_scalars_match_the_separate_reductions_and_flags_reach_every_rank(
         assert v["nonfinite"] == 0 and v["stop"] == 1  # rank 1 asked to stop: everyone sees it
         assert r["flagged"]["nonfinite"] == 1 and r["flagged"]["stop"] == 0
     assert len({r["values"]["loss_sum"] for r in results}) == 1
+
+
+def test_lightning_per_step_sigterm_broadcast_is_switched_off(monkeypatch):
+    # Lightning (>= 2.5) broadcasts a SIGTERM flag from rank 0 and reads it on the host before every
+    # training step; NTPStrategy.setup switches that off (the stop flag rides in the fused all-reduce).
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+
+    from ntp_nemo.lightning.strategy import quiet_sigterm_broadcast
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    loop = trainer.fit_loop.epoch_loop
+    if not hasattr(loop, "_broadcast_sigterm_tensor"):
+        pytest.skip("this Lightning has no per-step SIGTERM broadcast")
+    calls = []
+    monkeypatch.setattr(dist, "broadcast", lambda *args, **kwargs: calls.append(args))
+    loop._broadcast_sigterm_tensor()
+    assert len(calls) == 1  # Lightning's own: one broadcast per step
+    quiet_sigterm_broadcast(trainer)
+    loop._broadcast_sigterm_tensor()
+    assert len(calls) == 1

@@ -85,6 +85,16 @@ class _ForkLauncher(_MultiProcessingLauncher):
         return _WorkerOutput(None, None, trainer.state, results, self.get_extra_results(trainer))
 
 
+def quiet_sigterm_broadcast(trainer: pl.Trainer) -> None:
+    """Stop Lightning's per-step SIGTERM broadcast (Lightning >= 2.5 broadcasts a flag from rank 0 and
+    reads it on the host before every training step: a collective and a host sync outside the step's
+    one fused all-reduce).  Here a stop request (SIGTERM, SIGUSR1, Ctrl-C) already rides in that fused
+    all-reduce (`PreemptionCheckpoint`), so the broadcast only costs a sync per step."""
+    loop = trainer.fit_loop.epoch_loop
+    if hasattr(loop, "_broadcast_sigterm_tensor"):
+        loop._broadcast_sigterm_tensor = lambda: None
+
+
 def default_backend(device: torch.device) -> str:
     """NCCL for CUDA tensors with gloo beside it for CPU-side collectives (all_gather_object, a CPU
     flag); gloo alone on CPU."""
@@ -179,6 +189,7 @@ class NTPStrategy(ParallelStrategy):
 
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
+        quiet_sigterm_broadcast(trainer)
         self.accelerator.setup(trainer)
         self.model_to_device()
         self.setup_optimizers(trainer)

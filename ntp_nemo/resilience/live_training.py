@@ -528,15 +528,6 @@ def _rejoin_main(launcher: LiveLauncher, idx: int, joining: Rejoining, trainer: 
     for cb in trainer.callbacks:  # its start-up gather has no partner: the survivors started long ago
         if isinstance(cb, MemoryReport):
             cb.on_train_start = lambda *a, **k: None
-    # Lightning broadcasts a SIGTERM flag from rank 0 before each step; the survivors broadcast the first
-    # step's on the old generation, before the rejoin: this process skips that one.
-    loop = trainer.fit_loop.epoch_loop
-    flag = getattr(loop, "_broadcast_sigterm_tensor", None)
-    if flag is not None:
-        def skip_once() -> None:
-            loop._broadcast_sigterm_tensor = flag
-
-        loop._broadcast_sigterm_tensor = skip_once
     args = list(args)
     names = list(inspect.signature(function).parameters)
     if "ckpt_path" in names:
