@@ -184,6 +184,27 @@ def test_repaired_rank_rejoins_live(tmp_path, reference):
     assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
 
 
+@pytest.mark.slow
+def test_process_0_lost_then_repaired(tmp_path, reference):
+    # Rank 0 dies: process 1 becomes rank 0 of (1,2) and takes over metrics, goodput and the console;
+    # the repaired process 0 rejoins later and is rank 0 again.  One attempt, no checkpoint.
+    run, proc = _run(tmp_path, "rank0", "fault=kill_rank", "fault.rank=0", "fault.step=2",
+                     "fault.repair_after_steps=1")
+    assert "process(es) [0] lost" in proc.stdout and "rejoined: layout (1,2) -> (2,2)" in proc.stdout
+    metrics = read_metrics(run)
+    assert [m["step"] for m in metrics] == STEPS
+    layouts = [m["layout"] for m in metrics]
+    assert layouts[0] == "(2,2)" and "(1,2)" in layouts and layouts[-1] == "(2,2)"
+    _on_reference_curve(run, reference)
+    events = _events(run)
+    done = [e for e in events if e["event"] == "recovery_done"]
+    assert [(e["mode"], e["layout"]) for e in done] == [("live", "(1,2)"), ("live", "(2,2)")]
+    writers = [e["pid"] for e in events if e["event"] == "step_end"]
+    assert len(set(writers)) == 3  # process 0, then process 1 as rank 0, then the repaired process 0
+    assert [e["status"] for e in events if e["event"] == "job_end"] == ["ok"]
+    assert (run / "failover" / "attempts.jsonl").read_text().count("\n") == 1
+
+
 def test_unknown_recovery_is_a_config_error(tmp_path):
     proc = run_cli([*BASE, "fault.recovery=sideways", f"hydra.run.dir={tmp_path / 'r'}"], cwd=tmp_path)
     assert proc.returncode == 2

@@ -48,8 +48,8 @@ class MetricsJSONL(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not trainer.is_global_zero:
-            return
+        # Every rank keeps the history (the step's figures are the same on all after the fused
+        # all-reduce), so a rank that becomes rank 0 in a live recovery has it; rank 0 writes the file.
         dt = time.perf_counter() - self._t0
         rec = dict(pl_module.last_step)
         info = getattr(trainer.strategy, "layout_info", {}) or {}
@@ -61,8 +61,9 @@ class MetricsJSONL(Callback):
             time=time.time(),
         )
         self.history.append(rec)
-        with self.path.open("a") as f:
-            f.write(json.dumps(rec) + "\n")
+        if trainer.is_global_zero:
+            with self.path.open("a") as f:
+                f.write(json.dumps(rec) + "\n")
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -50,6 +50,10 @@ class GoodputCallback(Callback):
             self._recorder = GoodputRecorder(self.run_dir, fsync=self.fsync)
         return self._recorder if self._is_zero else None
 
+    def set_global_zero(self, is_zero: bool) -> None:
+        """This process became (or stopped being) global rank 0 during the run (live recovery)."""
+        self._is_zero = is_zero
+
     def record(self, event: str, **fields: Any) -> None:
         """Record an event on global rank 0 (no-op elsewhere); for the strategy and other components."""
         if event in (ev.CKPT_SAVE_START, ev.CKPT_SAVE_END):

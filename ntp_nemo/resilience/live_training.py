@@ -1,25 +1,28 @@
 """Live recovery inside `ntp-train` (`fault.recovery=live`): the Lightning side of `recovery.py`.
 
-Three pieces, used by the supervisor when `fault.recovery=live`:
+The pieces, used by the supervisor when `fault.recovery` resolves to live:
 
 - `LiveLauncher` forks the workers like NTPStrategy's launcher, but makes them rendezvous on a store the
   launching process hosts (`TORCHELASTIC_USE_AGENT_STORE`: every rank is a client of `MASTER_PORT`), so
-  the store outlives any worker, and waits for them without stopping the others when one exits;
+  the store outlives any worker, and waits for them without stopping the others when one exits; it
+  also starts repaired processes in place of lost ones (`respawn`);
 - `LiveMonitor` (in the launching process, in place of the restart path's `WorkerMonitor`) publishes a
-  lost worker on the store (`failed/gen{g}`, the survivors' cue) instead of killing the attempt; when
-  the survivors give up (they exit with `FALLBACK_EXIT`) or process 0 is lost, it stops every worker
-  and the supervisor takes the restart path;
+  lost worker on the store (`failed/gen{g}`, the survivors' cue) instead of killing the attempt, and
+  with `fault.repair_after_steps` starts the repaired processes and announces their rejoin; when the
+  survivors give up (they exit with `FALLBACK_EXIT`) it stops every worker and the supervisor takes the
+  restart path;
 - `LiveRecovery`, a worker callback, owns the strategy's recovery hook (`NTPStrategy.recovery`): it runs
-  each training step; when a collective fails it runs the recovery protocol, swaps the strategy's
-  runtime, the module's model and the rank numbering, keeps the optimizer object (pointed at the new
-  parameters, so the LR scheduler goes on), re-splits the data over the new replicas and redoes the
-  step with the same global batch.  Goodput: `failure_detected` at detection, `recovery_done` with
-  `mode: live`, `moved_bytes`, `minimum_bytes` and `recovery_s` (detection to resharded state).
+  each training step (and the strategy's collectives between steps); when a collective fails it runs
+  the recovery protocol, swaps the strategy's runtime, the module's model and the rank numbering (rank
+  0's duties move with rank 0), keeps the optimizer object (pointed at the new parameters, so the LR
+  scheduler goes on), re-splits the data over the new replicas and redoes the step with the same global
+  batch; at an announced rejoin it runs the survivors' side (`recovery.grow`).  Goodput:
+  `failure_detected` at detection, `recovery_done` with `mode: live`, `moved_bytes`, `minimum_bytes`
+  and `recovery_s` (detection to resharded state; `rejoin: true` for a rejoin);
+- `Rejoining`, the repaired process's side, set as `NTPStrategy.joining` in the process `respawn` forks.
 
 A hung rank (heartbeat older than `fault.heartbeat_timeout_s`, behind the others) is killed by the monitor
-and then handled as a lost one.  Limits: process 0 must survive and stay rank 0 (Lightning's results and
-the rank-0 callbacks live there), else the restart path runs; CPU/gloo only (sockets are severed to stop
-a broken generation).
+and then handled as a lost one.  Limit: CPU/gloo only (sockets are severed to stop a broken generation).
 """
 
 from __future__ import annotations
@@ -74,11 +77,12 @@ class LiveLauncher(_ForkLauncher):
         self.lost: set[int] = set()  # process indices the monitor handed to the survivors
         self._spawn: tuple | None = None  # what the workers were started with (for repaired processes)
 
-    def respawn(self, idx: int, generation: int, layout: Layout, timeout_s: float = 60.0) -> None:
+    def respawn(self, idx: int, generation: int, layout: Layout, source: int,
+                timeout_s: float = 60.0) -> None:
         """Start a repaired process in place of process `idx`: it joins `generation` (a rejoin)."""
         assert self._spawn is not None
         port, trainer, function, args, kwargs, return_queue = self._spawn
-        joining = Rejoining(port, generation, layout, idx, timeout_s)
+        joining = Rejoining(port, generation, layout, idx, source, timeout_s)
         proc = mp.get_context("fork").Process(
             target=_rejoin_main, args=(self, idx, joining, trainer, function, args, kwargs, return_queue),
             name=f"ntp-rejoin-{idx}")
@@ -104,10 +108,11 @@ class LiveLauncher(_ForkLauncher):
             self.procs = process_context.processes
             self._spawn = (port, trainer, function, args, kwargs, return_queue)
             self.store = host_store(port)  # after the fork: no server thread is copied into a worker
-            for p in self.procs:
-                # The monitor thread polls the same children: a join that loses the race to reap one
-                # returns before its exit status is recorded; wait until it is.
-                while p.exitcode is None:
+            # Until every process has exited, including repaired ones started meanwhile in place of a
+            # lost one.  (The monitor thread polls the same children: a join that loses the race to reap
+            # one returns before its exit status is recorded, so the status is what is waited for.)
+            while any(p.exitcode is None for p in list(self.procs)):
+                for p in list(self.procs):
                     p.join(0.05)
         finally:
             for k, v in saved.items():
@@ -123,10 +128,10 @@ class LiveLauncher(_ForkLauncher):
             print(f"failover | live: process {i} raised:\n{trace}", file=sys.stderr, flush=True)
             raise mp.ProcessRaisedException(f"\n\n-- Process {i} terminated with this error:\n{trace}",
                                             error_index=i, error_pid=p.pid)
-        if bad or 0 in self.lost:
+        if bad:
             codes = ", ".join(f"{i}: {p.exitcode}" for i, p in enumerate(self.procs))
             print(f"failover | live: workers ended with exit status {codes}", file=sys.stderr, flush=True)
-            i, p = bad[0] if bad else (0, self.procs[0])
+            i, p = bad[0]
             raise mp.ProcessExitedException(f"process {i} terminated with exit code {p.exitcode}",
                                             error_index=i, error_pid=p.pid, exit_code=p.exitcode)
         if return_queue.empty():
@@ -201,7 +206,7 @@ class LiveMonitor(threading.Thread):
                     if is_lost_status(procs[i].exitcode) and procs[i].exitcode != FALLBACK_EXIT]
             fallback = [i for i in exited if procs[i].exitcode == FALLBACK_EXIT]
             errors = [i for i in exited if procs[i].exitcode == 1]
-            if lost and 0 not in lost and not fallback and not errors:
+            if lost and not fallback and not errors:
                 self.launcher.lost.update(lost)
                 publish_failed(self.launcher.store, self.generation, lost)
                 self.generation += 1
@@ -210,9 +215,9 @@ class LiveMonitor(threading.Thread):
                       f"{', '.join(str(procs[i].exitcode) for i in lost)}); the survivors reshard in place",
                       flush=True)
                 continue
-            if fallback or 0 in lost:
+            if fallback:
                 self.killed.update(fallback)
-                why = ("the survivors could not recover live" if fallback else "process 0 was lost")
+                why = "the survivors could not recover live"
                 print(f"failover | live: {why}; falling back to the restart path", flush=True)
                 self._stop_all(procs, why, tuple(sorted(self.launcher.lost | set(lost))))
                 return
@@ -243,10 +248,11 @@ class LiveMonitor(threading.Thread):
         if self.end_step is not None and join_at > self.end_step:
             self._degraded_at = None  # too close to the end: the run finishes on the degraded layout
             return
+        source = min(i for i in range(len(procs)) if i not in gone)
         for i in gone:
-            self.launcher.respawn(i, self.generation + 1, self.layout)
+            self.launcher.respawn(i, self.generation + 1, self.layout, source)
             seen.discard(i)
-        publish_rejoin(self.launcher.store, self.generation, join_at, range(self.layout.world_size))
+        publish_rejoin(self.launcher.store, self.generation, join_at, range(self.layout.world_size), source)
         self.generation += 1
         self._degraded_at = None
         print(f"failover | live: repaired process(es) {gone} start and rejoin before step {join_at}",
@@ -263,7 +269,7 @@ class LiveMonitor(threading.Thread):
             return
         pids = {beats[r].pid for r in suspects(beats, world)}
         for i, p in enumerate(procs):
-            if p.pid in pids and p.exitcode is None and i != 0 and i not in self._hung:
+            if p.pid in pids and p.exitcode is None and i not in self._hung:
                 self._hung.add(i)
                 print(f"failover | live: process {i} hung (no heartbeat for {self.heartbeat_s:.0f} s); "
                       "killing it to recover without it", flush=True)
@@ -368,8 +374,6 @@ class LiveRecovery(Callback):
         try:
             rec = recover(self.store, self.generation, self.pid, trainer.global_step, (module.model, opt),
                           self._builder(strategy), self.policy, timeout_s=self.timeout_s)
-            if rec is not None and rec.generation.members[0] != 0:
-                raise RuntimeError("process 0 is not rank 0 of the new layout")
         except Exception as err:  # noqa: BLE001 - any failure of the live path means the restart path
             _give_up(self.pid, err)
         if rec is None:  # left idle by the new layout
@@ -402,6 +406,18 @@ class LiveRecovery(Callback):
         strategy.cluster_environment.set_global_rank(rec.rank)
         strategy.cluster_environment.set_world_size(world)
         os.environ["LOCAL_RANK"] = str(rec.rank)
+        # Rank 0's duties (metrics.jsonl, goodput.jsonl, the console, Lightning's loggers) move to
+        # whichever process is rank 0 now (a logger that starts here writes a new version directory).
+        from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+        from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+        from ntp_nemo.lightning.goodput_callback import GoodputCallback
+
+        rank_zero_only.rank = fabric_rank_zero_only.rank = rec.rank
+
+        goodput = GoodputCallback.of(module.trainer)
+        if goodput is not None:
+            goodput.set_global_zero(rec.rank == 0)
         module.model = rec.model
         if getattr(module, "grad_path", None) is not None:  # the step's sync path, bound to the old groups
             from ntp_nemo.parallel.step_path import GradientPath
@@ -430,9 +446,11 @@ class LiveRecovery(Callback):
         if trainer.global_step + 1 > announced["step"]:
             _give_up(self.pid, RuntimeError(f"the rejoin before step {announced['step']} was announced after "
                                             f"this process started step {trainer.global_step + 1}"))
-        self._grow(trainer.strategy)
+        self._grow(trainer.strategy, int(announced["source"]))
 
-    def _grow(self, strategy: Any) -> None:
+    def _grow(self, strategy: Any, source: int) -> None:
+        """Rejoin at this step boundary; process `source` (a survivor, rank `source` of the original
+        layout) sends the repaired processes what a checkpoint would hold besides the tensors."""
         from ntp_nemo.checkpoint.rng import rng_state
         from ntp_nemo.lightning.goodput_callback import GoodputCallback
 
@@ -442,7 +460,7 @@ class LiveRecovery(Callback):
         if strategy._saver is not None:  # its collectives run on the generation about to be dropped
             strategy._saver.wait()
         payload = None
-        if trainer.global_rank == 0:  # what a checkpoint would hand Lightning, for the repaired ranks
+        if self.pid == source:  # what a checkpoint would hand Lightning, for the repaired ranks
             state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
             state.pop("state_dict", None)
             state.pop("optimizer_states", None)
@@ -453,23 +471,24 @@ class LiveRecovery(Callback):
                        (module.model, strategy._optimizer()), self._builder(strategy),
                        timeout_s=self.timeout_s)
             box = [payload]
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=source)
         except Exception as err:  # noqa: BLE001 - the restart path takes over
             _give_up(self.pid, err)
-        self._install(strategy, rec, step)
-        # The validation loader was checked (a collective) before the repaired ranks existed: every rank
-        # sets it up again at the next validation.
-        trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
+        # Said by the degraded layout's rank 0, before the ranks change (a repaired process 0 takes rank 0).
         goodput = GoodputCallback.of(trainer)
         if goodput is not None:
             goodput.record("recovery_done", layout=self.nominal.describe(), step=step + 1, mode="live",
                            rejoin=True, moved_bytes=rec.reshard.moved_bytes,
                            minimum_bytes=rec.reshard.needed_bytes, recovery_s=rec.seconds,
                            generation=rec.generation.index)
-        if rec.rank == 0:
+        if trainer.is_global_zero:
             print(f"failover | live: repaired process(es) rejoined: layout {old_layout.describe()} -> "
                   f"{self.nominal.describe()} before step {step + 1}; moved {rec.reshard.moved_bytes} bytes "
                   f"(minimum {rec.reshard.needed_bytes}) in {rec.seconds:.2f} s", flush=True)
+        self._install(strategy, rec, step)
+        # The validation loader was checked (a collective) before the repaired ranks existed: every rank
+        # sets it up again at the next validation.
+        trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
 
 
 class Rejoining:
@@ -481,8 +500,10 @@ class Rejoining:
 
     CKPT_PATH = "<live rejoin>"  # what Lightning is given as the checkpoint to resume from
 
-    def __init__(self, port: int, index: int, layout: Layout, pid: int, timeout_s: float = 60.0) -> None:
+    def __init__(self, port: int, index: int, layout: Layout, pid: int, source: int,
+                 timeout_s: float = 60.0) -> None:
         self.port, self.index, self.layout, self.pid, self.timeout_s = port, index, layout, pid, timeout_s
+        self.source = source  # the survivor that sends Lightning's state
         self.active = True
 
     def init_process_group(self, strategy: Any) -> None:
@@ -492,7 +513,8 @@ class Rejoining:
              timeout_s=self.timeout_s)
 
     def receive(self, strategy: Any) -> dict:
-        """In place of a checkpoint load: the shards from the survivors, Lightning's state from rank 0."""
+        """In place of a checkpoint load: the shards from the survivors, Lightning's state and the RNG
+        states from the survivor `source`."""
         from ntp_nemo.checkpoint.rng import set_rng_state
         from ntp_nemo.resilience.recovery import arrive
 
@@ -500,7 +522,7 @@ class Rejoining:
         replica = strategy.topology.coord(strategy.global_rank).replica
         arrive(module.model, strategy._optimizer(), replica)
         box: list = [None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=self.source)
         set_rng_state(box[0]["rng"])  # every rank draws the same dropout masks as its replica peers
         recovery = strategy.recovery
         if recovery is not None:

@@ -134,9 +134,12 @@ def rejoin_key(generation: int) -> str:
     return f"rejoin/gen{generation}"
 
 
-def publish_rejoin(store: dist.Store, generation: int, step: int, members: Sequence[int]) -> None:
-    """Announce a rejoin: before (1-based) step `step`, generation `generation + 1` has `members`."""
-    store.set(rejoin_key(generation), json.dumps({"step": int(step), "members": [int(m) for m in members]}))
+def publish_rejoin(store: dist.Store, generation: int, step: int, members: Sequence[int],
+                   source: int) -> None:
+    """Announce a rejoin: before (1-based) step `step`, generation `generation + 1` has `members`;
+    `source` (a survivor's process id) hands the repaired processes the state a checkpoint would."""
+    store.set(rejoin_key(generation), json.dumps({"step": int(step), "members": [int(m) for m in members],
+                                                  "source": int(source)}))
 
 
 def read_rejoin(store: dist.Store, generation: int) -> dict | None:
