@@ -223,7 +223,10 @@ class NTPStrategy(ParallelStrategy):
             dist.broadcast_object_list(box, src)
             return box[0]
 
-        return self._between_steps(once)
+        # Interrupted by a lost peer (live recovery), it is not redone (a peer may have passed it
+        # already): this rank keeps its own value, as every rank holds the same one here.
+        out = self._between_steps(once)
+        return obj if out is None else out
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         if isinstance(tensor, torch.Tensor) and not self._local():
@@ -285,7 +288,10 @@ class NTPStrategy(ParallelStrategy):
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any = None
     ) -> None:
         """Collective; a peer lost during it (live recovery) leaves this save uncommitted."""
-        self._between_steps(self._save_checkpoint, checkpoint, filepath, redo=False)
+        step = int(checkpoint.get("global_step", 0))
+        self._between_steps(self._save_checkpoint, checkpoint, filepath,
+                            what=f"the checkpoint of step {step} (it never commits; the next save writes "
+                                 "one)")
 
     def _save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path) -> None:
         """Collective: every rank writes the chunks it owns; Lightning's own state rides along as `extra`.
@@ -401,12 +407,13 @@ class NTPStrategy(ParallelStrategy):
             return super().training_step(*args, **kwargs)
         return self.recovery.run_step(self, super().training_step, *args, **kwargs)
 
-    def _between_steps(self, fn: Any, *args: Any, redo: bool = True) -> Any:
+    def _between_steps(self, fn: Any, *args: Any, what: str | None = None) -> Any:
         """A collective outside the training step (barrier, broadcast, checkpoint save): with `recovery`
-        set, a lost peer is recovered from before the next step, then `fn` is redone (`redo`) or skipped."""
+        set, a lost peer is recovered from before the next step and `fn` is not redone (None): a peer
+        may have passed the collective before the loss and be recovering inside the next training step."""
         if self.recovery is None:
             return fn(*args)
-        return self.recovery.run_between_steps(self, fn, *args, redo=redo)
+        return self.recovery.run_between_steps(self, fn, *args, what=what)
 
     # ---- reporting ------------------------------------------------------------------------------
     @property

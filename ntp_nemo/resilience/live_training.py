@@ -317,24 +317,22 @@ class LiveRecovery(Callback):
                     raise
                 self._recover(strategy, int(args[0]["step"]))
 
-    def run_between_steps(self, strategy: Any, fn: Callable, *args: Any, redo: bool = True) -> Any:
+    def run_between_steps(self, strategy: Any, fn: Callable, *args: Any, what: str | None = None) -> Any:
         """Run a collective outside the training step (a barrier, a broadcast, a checkpoint save); on a
-        lost peer recover before the next step, then redo it (`redo`) or skip it (a checkpoint save
-        interrupted by the loss stays uncommitted; the previous checkpoint stays the latest valid one)."""
-        while True:
-            try:
-                return fn(*args)
-            except Exception as err:
-                if self.store is None or not is_collective_failure(err):
-                    raise
-                trainer = strategy.lightning_module.trainer
-                self._recover(strategy, trainer.global_step)  # the next step's batch index
-                if not redo:
-                    if trainer.global_rank == 0:
-                        print(f"failover | live: the checkpoint of step {trainer.global_step} was not "
-                              "committed (a rank was lost while it was written); the next save writes one",
-                              flush=True)
-                    return None
+        lost peer recover before the next step and return None without redoing it: a peer may have
+        passed it before the loss and be recovering inside the next training step.  `what` names an
+        interrupted action worth a line on the console (a checkpoint save, which then never commits:
+        the previous checkpoint stays the latest valid one)."""
+        try:
+            return fn(*args)
+        except Exception as err:
+            if self.store is None or not is_collective_failure(err):
+                raise
+            trainer = strategy.lightning_module.trainer
+            self._recover(strategy, trainer.global_step)  # the next step's batch index
+            if what is not None and trainer.is_global_zero:
+                print(f"failover | live: {what} was interrupted by the loss and is not redone", flush=True)
+            return None
 
     def _rebatch(self, strategy: Any, batch: dict) -> dict:
         module = strategy.lightning_module
