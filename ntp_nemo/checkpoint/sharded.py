@@ -336,19 +336,29 @@ class Loaded:
     stats: ReadStats
 
 
+def read_threads(local_ranks: int) -> int:
+    """Reader threads per rank: up to THREADS, and no more than this rank's share of the CPUs it may
+    run on (`local_ranks` processes share them): on a small host, more readers than CPUs only queue."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(THREADS, cpus // max(1, local_ranks)))
+
+
 def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-         group=None, key: str = "resume", threads: int = THREADS) -> Loaded:
+         group=None, key: str = "resume", threads: int | None = None) -> Loaded:
     """Collective: load checkpoint `path` into this rank's slices of `model` (and `optimizer`).
 
     Works on any layout: each rank reads the byte ranges of the stored records that intersect its
     slices.  The optimizer's state is replaced by the saved one (resharded like the parameters) and
     its groups take the saved hyperparameters.  A missing, partial or foreign checkpoint raises
     `ConfigError(key, …)` on every rank; a corrupt or truncated data file raises
-    `CorruptCheckpointError` on every rank, before the optimizer is touched.
+    `CorruptCheckpointError` on every rank, before the optimizer is touched.  `threads`: reader
+    threads per rank (default: `read_threads` of the ranks on this host).
     """
     path = Path(path)
     wait_for_staging()  # a background save may still be copying the tensors this load overwrites
-    rank, _ = _rank_world(group)
+    rank, world = _rank_world(group)
+    if threads is None:
+        threads = read_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     head = None
     if rank == 0:  # the metadata is read (and its digests checked) once, then broadcast
         problem = checkpoint_problem(path)
@@ -386,14 +396,14 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
 
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    *, group=None, key: str = "resume", threads: int = THREADS) -> dict[str, Any]:
+                    *, group=None, key: str = "resume", threads: int | None = None) -> dict[str, Any]:
     """`load` returning only the `extra` dict given to `save_checkpoint`."""
     return load(path, model, optimizer, group=group, key=key, threads=threads).extra
 
 
 def load_with_fallback(path: str | os.PathLike, model: nn.Module,
                        optimizer: torch.optim.Optimizer | None = None, *, fallback: bool, group=None,
-                       key: str = "resume", threads: int = THREADS) -> Loaded:
+                       key: str = "resume", threads: int | None = None) -> Loaded:
     """Collective `load`; when a data file of `path` turns out corrupt, rank 0 marks the checkpoint
     corrupt (`corrupt.json`) and, with `fallback`, the previous valid checkpoint of the same
     directory is loaded instead (a `CheckpointSkippedWarning` names the file and the one used);
