@@ -203,8 +203,9 @@ def train(cfg: DictConfig) -> dict:
     tmp.write_text(json.dumps(summary, indent=2) + "\n")
     os.replace(tmp, summary_path)
     if result.failures or recoveries:
-        summary["failover"] = {**result.summary(), "failures": max(result.failures, len(recoveries)),
-                               "layouts": _layout_sequence(run_dir) or result.summary()["layouts"],
+        attempts = result.summary()
+        summary["failover"] = {**attempts, "failures": max(result.failures, len(recoveries)),
+                               "layouts": summary.get("layouts") or attempts["layouts"],
                                "recoveries": recoveries}
     print_summary(summary, run_dir)
     return summary
@@ -244,8 +245,13 @@ def invocation_stats(run_dir: Path, since: float) -> dict:
         return {}
     steady = recs[1:] or recs  # the first step carries one-time warm-up work
     secs = sum(r["step_time_s"] for r in steady)
+    layouts: list[str] = []  # the layouts trained on, in order (consecutive repeats merged)
+    for r in recs:
+        if r.get("layout") and (not layouts or layouts[-1] != r["layout"]):
+            layouts.append(r["layout"])
     return {
         "steps_this_run": len(recs),
+        "layouts": layouts,
         "first_step_start": recs[0]["time"] - recs[0]["step_time_s"],
         "first_loss": recs[0]["loss"],
         "final_loss": recs[-1]["loss"],
@@ -274,20 +280,6 @@ def module_counts(strategy, cfg: DictConfig) -> list[int]:
 
     n = int(cfg.data.global_batch_size) // int(cfg.data.micro_batch_size)
     return assign_microbatches(n, strategy.layout.capacities())
-
-
-def _layout_sequence(run_dir: Path) -> list[str]:
-    """The layouts the run trained on, in order (from metrics.jsonl; consecutive repeats merged)."""
-    out: list[str] = []
-    path = run_dir / "metrics.jsonl"
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            layout = json.loads(line).get("layout")
-        except json.JSONDecodeError:
-            continue
-        if layout and (not out or out[-1] != layout):
-            out.append(layout)
-    return out
 
 
 def _percent(x: float | None) -> float | None:
