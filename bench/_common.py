@@ -66,7 +66,7 @@ def compose(overrides: Sequence[str]):
 def model_config(cfg):
     from omegaconf import OmegaConf
 
-    from ntp_nemo.config.schema import ModelConfig
+    from ntp_nemo.models.config import ModelConfig
 
     fields = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "_target_"}
     return ModelConfig(**fields)

@@ -312,7 +312,7 @@ def _is_full(desc: tuple) -> bool:
 # ---- the worker ------------------------------------------------------------------------------------
 def worker(rank: int, world: int, layout: Layout, cfg, batch: tuple[int, int, int]) -> dict:
     from ntp_nemo.parallel.grad_sync import param_descriptors
-    from ntp_nemo.parallel.runtime import NTPRuntime
+    from ntp_nemo.runtime.runtime import NTPRuntime
     from ntp_nemo.topology import Topology
 
     mbs, seq, global_batch = batch

@@ -23,9 +23,9 @@ import time
 import torch
 
 from ntp_nemo.models.config import ModelConfig
-from ntp_nemo.parallel.dry_run import StepShape, dry_run, fake_world
 from ntp_nemo.parallel.grad_sync import build_sync_plan, build_sync_plans, param_descriptors
-from ntp_nemo.parallel.runtime import NTPRuntime
+from ntp_nemo.runtime.dry_run import StepShape, dry_run, fake_world
+from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout
 
 LLAMA3_8B = ModelConfig(arch="llama", name="llama3_8b", vocab_size=128256, hidden_size=4096, num_layers=32,

@@ -181,10 +181,10 @@ def _harness_worker(pid, world, store, mode, model_cfg, layout, first_step, step
 
     from ntp_nemo.checkpoint import load_checkpoint, save_checkpoint
     from ntp_nemo.checkpoint.state import sharded_state
-    from ntp_nemo.parallel.runtime import NTPRuntime
     from ntp_nemo.resilience.policies import make_policy
     from ntp_nemo.resilience.recovery import Generation, recover
     from ntp_nemo.resilience.rendezvous import join
+    from ntp_nemo.runtime.runtime import NTPRuntime
     from ntp_nemo.topology import Topology
 
     layer_tp = [layout.tp] * (model_cfg.num_layers + 2)

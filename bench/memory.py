@@ -28,9 +28,9 @@ import torch
 from ntp_nemo.models import build_model
 from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.parallel.launch import run_workers
-from ntp_nemo.parallel.runtime import NTPRuntime
 from ntp_nemo.parallel.step_path import GradientPath, build_optimizer
 from ntp_nemo.pipeline.engine import ActivationMeter
+from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import Topology
 
 MiB = float(1 << 20)

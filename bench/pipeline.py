@@ -26,12 +26,12 @@ import statistics
 
 import torch
 
-from ntp_nemo.config.schema import ModelConfig
 from ntp_nemo.models import DecoderLM, initialize_
+from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.parallel.launch import run_workers
-from ntp_nemo.parallel.runtime import NTPRuntime
 from ntp_nemo.pipeline.interleaved import InterleavedPipelineEngine, stage_layers
 from ntp_nemo.pipeline.schedule import INTERLEAVED, analytical_bubble, simulate
+from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import Topology
 
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ntp_nemo.config.schema import ModelConfig
+from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.parallel.launch import run_workers
-from ntp_nemo.parallel.runtime import NTPRuntime
 from ntp_nemo.planner.cost import item_cost, item_kinds
 from ntp_nemo.planner.shapes import DeviceModel, LinkModel, ModelShape
+from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import Topology, effective_degree
 
 MB, SEQ = 2, 32

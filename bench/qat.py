@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from ntp_nemo.config.schema import ModelConfig, OptimConfig
 from ntp_nemo.data.module import build_data
 from ntp_nemo.lightning.data import StepBatches, ValBatches
 from ntp_nemo.models import build_model
+from ntp_nemo.models.config import ModelConfig, OptimConfig
 
 
 def _optimizer(model: torch.nn.Module, o: OptimConfig, max_steps: int):

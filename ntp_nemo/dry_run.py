@@ -2,7 +2,7 @@
 
 No GPU, no peers, no data: every rank's model slice is built on the meta device, the process groups
 live on torch's fake backend, and one step's shapes run through the real runtime
-(`ntp_nemo.parallel.dry_run`).  Writes `dry_run.json` in the run directory (per global rank: replica,
+(`ntp_nemo.runtime.dry_run`).  Writes `dry_run.json` in the run directory (per global rank: replica,
 stage, TP degree, parameters held and their bytes, gradient, optimizer and activation bytes, bytes per
 group kind per step; plus the unsharded model's parameter count) and prints the largest and smallest
 rank and the totals.  The data and tokenizer files are never opened: the step needs only
@@ -146,7 +146,7 @@ def run_dry(cfg: DictConfig, run_dir: Path, say=print) -> dict[str, Any]:
     layout = resolve_layout(checked)
     import torch
 
-    from ntp_nemo.parallel.dry_run import StepShape, dry_run
+    from ntp_nemo.runtime.dry_run import StepShape, dry_run
 
     precision = str(checked.trainer.precision)
     param_dtype, compute_dtype = (getattr(torch, n) for n in PRECISION_DTYPES[precision])
@@ -183,7 +183,7 @@ def run_dry(cfg: DictConfig, run_dir: Path, say=print) -> dict[str, Any]:
         "ranks": rows,
         "totals": totals(rows),
         # Memory each optional saving would bring (activation recomputation, distributed optimizer, ...):
-        # one entry per option, filled by `ntp_nemo.parallel.dry_run.option_savings`.
+        # one entry per option, filled by `ntp_nemo.runtime.dry_run.option_savings`.
         "options": result.options,
         "timings_s": {**result.timings, "wall_s": time.perf_counter() - t0,
                       "cpu_s": time.process_time() - cpu0},

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ntp_nemo.config.schema import ModelConfig
 from ntp_nemo.models import build_model
-from ntp_nemo.parallel.runtime import NTPRuntime
+from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import Topology
 
 GPT = ModelConfig(

@@ -12,8 +12,8 @@ import dataclasses
 
 import torch
 
-from ntp_nemo.parallel.runtime import NTPRuntime
 from ntp_nemo.parallel.step_path import GradientPath, build_optimizer
+from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.schedules import warmup_cosine
 from ntp_nemo.topology import Topology
 from tests.ntp_cases import GLOBAL_BATCH, SEED, SEQ

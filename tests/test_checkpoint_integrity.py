@@ -29,7 +29,7 @@ from ntp_nemo.checkpoint import (
 )
 from ntp_nemo.checkpoint.storage import Index
 from ntp_nemo.parallel.launch import run_workers
-from ntp_nemo.parallel.runtime import NTPRuntime
+from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import Topology
 from tests.ntp_cases import GPT, SEED
 

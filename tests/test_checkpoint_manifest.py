@@ -24,10 +24,10 @@ from ntp_nemo.checkpoint import (
     require_valid_checkpoint,
     save_checkpoint,
 )
-from ntp_nemo.config.schema import ModelConfig
 from ntp_nemo.errors import ConfigError
+from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.parallel.launch import run_workers
-from ntp_nemo.parallel.runtime import NTPRuntime
+from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import Topology
 from tests.ntp_cases import GPT, SEED
 

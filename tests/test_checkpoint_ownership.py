@@ -8,7 +8,7 @@ import random
 import pytest
 
 from ntp_nemo.checkpoint.ownership import assign_pieces, write_pieces
-from ntp_nemo.parallel.shard import ShardSpec, unit_interval
+from ntp_nemo.topology.shard import ShardSpec, unit_interval
 
 SHAPE = (12, 5)
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.parallel.grad_sync import param_descriptors
 from ntp_nemo.parallel.launch import run_workers
-from ntp_nemo.parallel.runtime import NTPRuntime
+from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout
 
 CFG = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -14,7 +14,7 @@ import torch
 
 from ntp_nemo.checkpoint import load, save_checkpoint
 from ntp_nemo.parallel.launch import run_workers
-from ntp_nemo.parallel.runtime import NTPRuntime
+from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import Topology
 from tests.ntp_cases import LLAMA
 from tests.option_cases import CLIP, STEPS, VARIANTS, options_worker, run_steps, setup

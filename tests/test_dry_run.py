@@ -12,14 +12,14 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from ntp_nemo.models.config import ModelConfig
-from ntp_nemo.parallel.dry_run import (
+from ntp_nemo.parallel.grad_sync import build_sync_plan, build_sync_plans, param_descriptors
+from ntp_nemo.runtime.dry_run import (
     CommMeter,
     StepShape,
     dry_run,
     fake_world,
 )
-from ntp_nemo.parallel.grad_sync import build_sync_plan, build_sync_plans, param_descriptors
-from ntp_nemo.parallel.runtime import NTPRuntime
+from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout
 from tests.conftest import compose, run_cli
 

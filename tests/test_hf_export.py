@@ -19,7 +19,7 @@ from ntp_nemo.hf.export import export_checkpoint, export_model, main, parse_size
 from ntp_nemo.hf.files import HFWeightsReader
 from ntp_nemo.models import build_model
 from ntp_nemo.parallel.launch import run_workers
-from ntp_nemo.parallel.runtime import NTPRuntime
+from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import Topology
 from tests.test_hf_import import HF_VOCAB, PADDED_VOCAB, TOL, _rel, hf_logits, make_hf_dir, resolved, tokens
 

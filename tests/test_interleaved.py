@@ -13,9 +13,9 @@ import torch
 
 from ntp_nemo.models import DecoderLM, initialize_
 from ntp_nemo.parallel.launch import run_workers
-from ntp_nemo.parallel.runtime import NTPRuntime
 from ntp_nemo.pipeline.interleaved import InterleavedPipelineEngine, chunk_layers, stage_layers
 from ntp_nemo.pipeline.schedule import BACKWARD, FORWARD, analytical_bubble, schedule_order, simulate
+from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import Topology
 from tests.ntp_cases import GPT, LLAMA, SEED, step_against_reference
 

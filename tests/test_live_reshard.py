@@ -17,13 +17,13 @@ import torch
 
 from ntp_nemo.checkpoint import load_checkpoint, save_checkpoint
 from ntp_nemo.models import build_model
-from ntp_nemo.parallel.runtime import NTPRuntime
-from ntp_nemo.parallel.shard import ShardSpec
 from ntp_nemo.resilience.live import Holding, NoLiveCopy, live_reshard, plan_reshard, rebind_optimizer
 from ntp_nemo.resilience.policies import Layout, make_policy, replan
 from ntp_nemo.resilience.recovery import Generation, recover
 from ntp_nemo.resilience.rendezvous import join, leave, run_elastic
+from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import Topology
+from ntp_nemo.topology.shard import ShardSpec
 from tests.ntp_cases import GPT, LLAMA
 
 SEED, SEQ, GLOBAL_BATCH, LR, STEPS = 7, 8, 6, 1e-2, 2

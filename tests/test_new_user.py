@@ -88,7 +88,7 @@ def test_ctrl_c_checkpoints_then_resume_has_no_duplicate_steps(tmp_path):
     assert json.loads((run / "summary.json").read_text())["goodput"] == goodput
     assert f" goodput       {100 * goodput:.1f}%" in res.stdout
     # ntp-plan takes the run's own model, mesh and data shape.
-    plan = run_cli([f"run={run}", "hardware=h100"], tmp_path, module="ntp_nemo.planner.cli")
+    plan = run_cli([f"run={run}", "hardware=h100"], tmp_path, module="ntp_nemo.cli.plan")
     assert plan.returncode == 0, plan.stderr
     assert plan.stdout.startswith("gpt_tiny: 2 layers, hidden 64, seq 32, micro-batch 2;"), plan.stdout
     assert "replica_tp=[1]" in plan.stdout and "\"layout.layer_tp='1,1*2,1'\"" in plan.stdout

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from ntp_nemo.parallel.launch import run_workers
-from ntp_nemo.parallel.runtime import NTPRuntime
 from ntp_nemo.pipeline.memory import estimate_memory
+from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import Topology
 from tests.ntp_cases import GLOBAL_BATCH, GPT, LLAMA, SEED, reference, step_against_reference, tokens
 

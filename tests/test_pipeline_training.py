@@ -9,7 +9,7 @@ import torch
 
 from ntp_nemo.models import build_model
 from ntp_nemo.parallel.launch import run_workers
-from ntp_nemo.parallel.runtime import NTPRuntime
+from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import Topology
 from tests.ntp_cases import GPT
 

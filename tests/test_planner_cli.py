@@ -17,7 +17,7 @@ LLAMA = ["model=llama3_8b", "hardware=h100", "mesh.tp=8", "mesh.pp=1", "ntp.repl
 
 def _plan(args: list[str], cwd) -> subprocess.CompletedProcess:
     exe = shutil.which("ntp-plan")
-    cmd = [exe] if exe else [sys.executable, "-m", "ntp_nemo.planner.cli"]
+    cmd = [exe] if exe else [sys.executable, "-m", "ntp_nemo.cli.plan"]
     return subprocess.run([*cmd, *args], cwd=cwd, capture_output=True, text=True, timeout=120)
 
 

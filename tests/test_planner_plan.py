@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from ntp_nemo.cli.plan import run
 from ntp_nemo.errors import ConfigError
 from ntp_nemo.planner import (
     DeviceModel,
@@ -19,7 +20,6 @@ from ntp_nemo.planner import (
     plan_layout,
     validate_layer_tp,
 )
-from ntp_nemo.planner.cli import run
 
 SLOW_LINKS = LinkModel(
     scale_up_gbps=1.0, scale_up_latency_us=700.0, scale_out_gbps=1.0, scale_out_latency_us=700.0
@@ -125,7 +125,7 @@ def test_ntp_plan_cli(capsys):
     data = json.loads(capsys.readouterr().out)
     assert len(data["layer_tp"]) == 34 and len(data["batch_shares"]) == 2
     exe = shutil.which("ntp-plan")
-    cmd = [exe] if exe else [sys.executable, "-m", "ntp_nemo.planner.cli"]
+    cmd = [exe] if exe else [sys.executable, "-m", "ntp_nemo.cli.plan"]
     proc = subprocess.run(cmd + ["mesh.tp=0"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "mesh.tp" in proc.stderr and "Traceback" not in proc.stderr
 

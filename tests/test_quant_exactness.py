@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ntp_nemo.parallel.launch import run_workers
-from ntp_nemo.parallel.runtime import NTPRuntime
+from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import Topology
 from tests.ntp_cases import GLOBAL_BATCH, GPT, LLAMA, SEED, tokens
 

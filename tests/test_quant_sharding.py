@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from ntp_nemo.config.schema import ModelConfig
 from ntp_nemo.errors import ConfigError
-from ntp_nemo.parallel.shard import ShardSpec
-from ntp_nemo.parallel.tp_context import TPContext
+from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.quant.sharding import TensorSharding, amax_spec, split_block
+from ntp_nemo.topology.shard import ShardSpec
+from ntp_nemo.topology.tp_context import TPContext
 
 
 def test_amax_spec_follows_channel_sharding():

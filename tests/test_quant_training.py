@@ -17,7 +17,7 @@ def _fit(tmp_path, name: str, layout: list[str], fmt: str) -> list[float]:
     from ntp_nemo.config.validate import resolve_layer_tp, validate
     from ntp_nemo.data.module import build_data
     from ntp_nemo.lightning.factory import build_trainer
-    from ntp_nemo.quant.callback import QuantizationCallback
+    from ntp_nemo.lightning.qat import QuantizationCallback
 
     cfg = compose([*TINY, *layout, f"trainer.max_steps={STEPS}", "checkpoint.save_on_end=false"])
     validate(cfg)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from ntp_nemo.parallel.shard import ShardSpec
+from ntp_nemo.topology.shard import ShardSpec
 
 SPLIT_ELEMENTS = 1 << 16
 

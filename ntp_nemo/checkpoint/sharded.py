@@ -74,9 +74,9 @@ from ntp_nemo.checkpoint.storage import (
     write_records,
 )
 from ntp_nemo.errors import ConfigError
-from ntp_nemo.parallel.shard import ShardSpec
 from ntp_nemo.quant.sharding import is_quantized
 from ntp_nemo.quant.state import restore_quant_state
+from ntp_nemo.topology.shard import ShardSpec
 
 META_FILE = "meta.pt"
 SMALL_FILES = (INDEX_FILE, META_FILE)  # digested whole in the manifest

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ntp_nemo.parallel.shard import ShardSpec
 from ntp_nemo.quant.sharding import quantizer_buffers
+from ntp_nemo.topology.shard import ShardSpec
 
 MODEL_PREFIX = "model/"
 OPTIM_PREFIX = "optim/"

@@ -78,8 +78,8 @@ def resolve_init_from(cfg: DictConfig) -> None:
 
     from omegaconf import OmegaConf, open_dict
 
-    from ntp_nemo.config.schema import ModelConfig
     from ntp_nemo.hf import resolve_model_config
+    from ntp_nemo.models.config import ModelConfig
 
     fields = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "_target_"}
     resolved = resolve_model_config(ModelConfig(**fields))

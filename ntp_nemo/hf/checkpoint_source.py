@@ -25,9 +25,9 @@ from ntp_nemo.checkpoint.manifest import (
 )
 from ntp_nemo.checkpoint.state import MODEL_PREFIX
 from ntp_nemo.checkpoint.storage import Chunk, read_chunks, stored_tensors
-from ntp_nemo.config.schema import ModelConfig
 from ntp_nemo.errors import ConfigError
 from ntp_nemo.hf.config_map import resolve_model_config
+from ntp_nemo.models.config import ModelConfig
 
 ARG = "RUN_DIR_OR_CHECKPOINT"
 

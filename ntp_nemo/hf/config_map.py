@@ -17,8 +17,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ntp_nemo.config.schema import ModelConfig
 from ntp_nemo.errors import ConfigError
+from ntp_nemo.models.config import ModelConfig
 
 KEY = "model.init_from"
 SUPPORTED = {"gpt2": "gpt2", "llama": "llama"}  # HF model_type -> model.arch

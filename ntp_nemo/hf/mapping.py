@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ntp_nemo.config.schema import ModelConfig
 from ntp_nemo.errors import ConfigError
+from ntp_nemo.models.config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,6 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from ntp_nemo.config.layout import resolve_layout
-from ntp_nemo.config.schema import ModelConfig
 from ntp_nemo.data.module import DataBundle
 from ntp_nemo.lightning.callbacks import (
     MemoryReport,
@@ -27,6 +26,7 @@ from ntp_nemo.lightning.cluster import cluster_environment, launcher_layout
 from ntp_nemo.lightning.goodput_callback import GoodputCallback
 from ntp_nemo.lightning.module import NTPLanguageModule
 from ntp_nemo.lightning.strategy import NTPStrategy
+from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.topology.layout import ResolvedLayout
 
 
@@ -105,7 +105,7 @@ def build_trainer(
         callbacks.append(StepProgress())  # steps of max_steps, loss, tokens/s, ETA; plain lines off a TTY
     callbacks += [instantiate(c) for c in (cfg.callbacks or {}).values() if c is not None]
     if cfg.quant.format != "none":
-        callbacks.append(instantiate(cfg.quant))  # ntp_nemo.quant.callback.QuantizationCallback
+        callbacks.append(instantiate(cfg.quant))  # ntp_nemo.lightning.qat.QuantizationCallback
     callbacks += list(extra_callbacks)  # failure injection and heartbeats (ntp_nemo.resilience)
     loggers = [instantiate(lg) for lg in (cfg.logger or {}).values() if lg is not None]
     trainer = pl.Trainer(

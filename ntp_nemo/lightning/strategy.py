@@ -31,8 +31,8 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from ntp_nemo.parallel.runtime import NTPRuntime
 from ntp_nemo.quant.state import quant_state
+from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from ntp_nemo.parallel.tp_context import SINGLE, TPContext
+from ntp_nemo.topology.tp_context import SINGLE, TPContext
 
 
 class TPPlan(Protocol):

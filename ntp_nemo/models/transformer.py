@@ -26,8 +26,8 @@ from ntp_nemo.parallel.layers import (
     replicated_param,
     vocab_parallel_cross_entropy,
 )
-from ntp_nemo.parallel.shard import unit_interval
-from ntp_nemo.parallel.tp_context import TPContext
+from ntp_nemo.topology.shard import unit_interval
+from ntp_nemo.topology.tp_context import TPContext
 
 
 class Norm(nn.Module):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ntp_nemo.parallel.tp_context import TPContext
+from ntp_nemo.topology.tp_context import TPContext
 
 
 class _CopyToTP(torch.autograd.Function):

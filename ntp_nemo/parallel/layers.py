@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ntp_nemo.parallel.comm import copy_to_tp, reduce_from_tp
-from ntp_nemo.parallel.shard import ShardSpec, unit_interval
-from ntp_nemo.parallel.tp_context import TPContext
+from ntp_nemo.topology.shard import ShardSpec, unit_interval
+from ntp_nemo.topology.tp_context import TPContext
 
 
 def annotate(param: nn.Parameter, spec: ShardSpec, copies: int, init: tuple) -> nn.Parameter:

@@ -22,7 +22,7 @@ CUDA_ONLY = ("nvfp4",)
 class QuantConfig:
     """Quantisation-aware training settings (`quant=int8`, `quant.calib_batches=8`, ...)."""
 
-    _target_: str = "ntp_nemo.quant.callback.QuantizationCallback"
+    _target_: str = "ntp_nemo.lightning.qat.QuantizationCallback"
     format: str = "none"  # none | int8 | fp8 | nvfp4
     calib_batches: int = 4  # global batches of the training stream used for max calibration
     start_step: int = 0  # step at which calibration runs and QAT begins (earlier steps: full precision)

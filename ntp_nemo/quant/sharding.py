@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ntp_nemo.parallel.shard import ShardSpec
+from ntp_nemo.topology.shard import ShardSpec
 
 QUANTIZER_ROLES = ("input_quantizer", "weight_quantizer", "output_quantizer")
 

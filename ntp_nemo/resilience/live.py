@@ -38,7 +38,7 @@ from ntp_nemo.checkpoint.state import (
     load_targets,
     sharded_state,
 )
-from ntp_nemo.parallel.shard import ShardSpec
+from ntp_nemo.topology.shard import ShardSpec
 
 LOCAL, OWN_REPLICA, OTHER_REPLICA = 0, 1, 2
 

@@ -343,7 +343,7 @@ class LiveRecovery(Callback):
     def _builder(self, strategy: Any) -> Callable:
         """build(layout, rank) -> (runtime, model, optimizer) on the current default group; the optimizer
         object is kept, pointed at the new parameters (the LR scheduler and Lightning hold it)."""
-        from ntp_nemo.parallel.runtime import NTPRuntime
+        from ntp_nemo.runtime.runtime import NTPRuntime
         from ntp_nemo.topology import ResolvedLayout, Topology
 
         module = strategy.lightning_module

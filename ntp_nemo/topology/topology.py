@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ntp_nemo.parallel.tp_context import TPContext
+from ntp_nemo.topology.tp_context import TPContext
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,7 @@ class Topology:
 
     # ---- reporting ---------------------------------------------------------------------------
     def units_held(self, rank: int, slot: int, units: int) -> tuple[int, int]:
-        from ntp_nemo.parallel.shard import unit_interval
+        from ntp_nemo.topology.shard import unit_interval
 
         g = self.layer_group_ranks(rank, slot)
         return unit_interval(g.index(rank), len(g), units)

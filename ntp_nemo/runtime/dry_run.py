@@ -64,7 +64,7 @@ from ntp_nemo.parallel.grad_sync import (
     build_sync_plans,
     param_descriptors,
 )
-from ntp_nemo.parallel.runtime import NTPRuntime
+from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout, Topology
 
 COMM_KINDS = ("tp", "pp", "dp", "world")
