@@ -55,13 +55,13 @@ from ntp_nemo.checkpoint.storage import Chunk
 from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.runtime.runtime import NTPRuntime
-from ntp_nemo.topology import Topology
+from ntp_nemo.topology import ResolvedLayout, Topology
 
 MB = 1e6
 
 
 def _model_and_optimizer(rank: int, layout: tuple, cfg: ModelConfig):
-    model = NTPRuntime(Topology(*layout), rank).build_model(cfg, seed=0)
+    model = NTPRuntime(ResolvedLayout.of_topology(Topology(*layout)), rank).build_model(cfg, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for p in model.parameters():  # one step so the optimizer holds its moments
         p.grad = torch.randn_like(p)
@@ -185,7 +185,7 @@ def _training_loop(cfg, layout, root, repeat, window, batch, seq):
     save window, wait for the commit (untimed).  Returns the first step's and the whole window's
     wall time of the save-free windows, and per saver and save window: the save() call (wall, CPU),
     the guard's wait in the next optimizer step, the first step's and the window's wall time."""
-    rt = NTPRuntime(Topology(*layout), 0)
+    rt = NTPRuntime(ResolvedLayout.of_topology(Topology(*layout)), 0)
     model = rt.build_model(cfg, seed=0)
     rt.attach(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -313,11 +313,11 @@ def _is_full(desc: tuple) -> bool:
 def worker(rank: int, world: int, layout: Layout, cfg, batch: tuple[int, int, int]) -> dict:
     from ntp_nemo.parallel.grad_sync import param_descriptors
     from ntp_nemo.runtime.runtime import NTPRuntime
-    from ntp_nemo.topology import Topology
+    from ntp_nemo.topology import ResolvedLayout, Topology
 
     mbs, seq, global_batch = batch
     topo = Topology(layout.tp, layout.replica_tp, layout.degrees(cfg.num_layers))
-    rt = NTPRuntime(topo, rank)
+    rt = NTPRuntime(ResolvedLayout.of_topology(topo), rank)
     model = rt.build_model(cfg, SEED)
     sync = rt.attach(model)
     everyone: list = [None] * world

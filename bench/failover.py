@@ -185,12 +185,9 @@ def _harness_worker(pid, world, store, mode, model_cfg, layout, first_step, step
     from ntp_nemo.resilience.recovery import Generation, recover
     from ntp_nemo.resilience.rendezvous import join
     from ntp_nemo.runtime.runtime import NTPRuntime
-    from ntp_nemo.topology import Topology
-
-    layer_tp = [layout.tp] * (model_cfg.num_layers + 2)
 
     def build(lay, rank, init=True):
-        rt = NTPRuntime(Topology(lay.tp, lay.replica_tp, layer_tp, lay.pp), rank)
+        rt = NTPRuntime(lay, rank)
         if init:
             model = rt.build_model(model_cfg, 1234, dtype=torch.float32)
         else:  # every value comes from the survivors: runtime.build_model without the initialisation
@@ -249,10 +246,11 @@ def _harness_worker(pid, world, store, mode, model_cfg, layout, first_step, step
 
 
 def _harness(mode, model_cfg, args, out_dir: Path) -> dict:
-    from ntp_nemo.resilience.policies import Layout, make_policy, replan
+    from ntp_nemo.resilience.policies import make_policy, replan
     from ntp_nemo.resilience.rendezvous import run_elastic
+    from ntp_nemo.topology import ResolvedLayout
 
-    layout = Layout(2, (2, 2))
+    layout = ResolvedLayout.make(2, (2, 2), [2] * (model_cfg.num_layers + 2))
     common = (args.steps, args.fail_step, args.every, args.seq_len, args.batch, args.lr, str(out_dir))
     t_start = time.time()
     results, _ = run_elastic(_harness_worker, layout.world_size, mode, model_cfg, layout, 0, *common, None)

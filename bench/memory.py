@@ -31,7 +31,7 @@ from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.parallel.step_path import GradientPath, build_optimizer
 from ntp_nemo.pipeline.engine import ActivationMeter
 from ntp_nemo.runtime.runtime import NTPRuntime
-from ntp_nemo.topology import Topology
+from ntp_nemo.topology import ResolvedLayout, Topology
 
 MiB = float(1 << 20)
 OPTIM = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -79,7 +79,7 @@ def activation_table(base: ModelConfig, mbs: int, seq: int) -> list[dict]:
 
 def optimizer_worker(rank: int, world: int, cfg: ModelConfig, replica_tp: list[int]) -> dict:
     tp = max(replica_tp)
-    rt = NTPRuntime(Topology(tp, replica_tp, [tp] * (cfg.num_layers + 2)), rank)
+    rt = NTPRuntime(ResolvedLayout.of_topology(Topology(tp, replica_tp, [tp] * (cfg.num_layers + 2))), rank)
     gen = torch.Generator().manual_seed(0)
     toks = torch.randint(0, cfg.vocab_size, (2 * len(replica_tp), 33), generator=gen)
     out = {}

@@ -17,7 +17,7 @@ from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.planner.cost import item_cost, item_kinds
 from ntp_nemo.planner.shapes import DeviceModel, LinkModel, ModelShape
 from ntp_nemo.runtime.runtime import NTPRuntime
-from ntp_nemo.topology import Topology, effective_degree
+from ntp_nemo.topology import ResolvedLayout, Topology, effective_degree
 
 MB, SEQ = 2, 32
 
@@ -38,7 +38,8 @@ def model_config(arch: str) -> ModelConfig:
 
 def worker(rank: int, world: int, arch: str, layer_tp: list[int], replica_tp: list[int]) -> dict:
     torch.set_num_threads(1)
-    rt = NTPRuntime(Topology(tp=max(replica_tp), replica_tp=replica_tp, layer_tp=layer_tp), rank)
+    topo = Topology(tp=max(replica_tp), replica_tp=replica_tp, layer_tp=layer_tp)
+    rt = NTPRuntime(ResolvedLayout.of_topology(topo), rank)
     model = rt.build_model(model_config(arch), seed=0)
     counts = {"bytes": 0, "calls": 0}
     original = dist.all_reduce

@@ -53,9 +53,6 @@ def _checked_config(cfg: DictConfig) -> DictConfig:
             if key in checked.data:
                 checked.data[key] = None
     validate(checked)
-    from ntp_nemo.config.checks import check_batch_split
-
-    check_batch_split(checked)  # every replica gets a micro-batch, as the run requires
     if checked.model.vocab_size is None:
         raise ConfigError("model.vocab_size", "the dry run reads no tokenizer: give model.vocab_size=N.")
     return checked
@@ -144,6 +141,9 @@ def run_dry(cfg: DictConfig, run_dir: Path, say=print) -> dict[str, Any]:
     from ntp_nemo.config.layout import resolve_layout
 
     layout = resolve_layout(checked)
+    from ntp_nemo.config.checks import check_batch_split
+
+    check_batch_split(layout, int(checked.data.micro_batch_size))  # every replica gets a micro-batch
     import torch
 
     from ntp_nemo.runtime.dry_run import StepShape, dry_run

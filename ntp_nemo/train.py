@@ -98,16 +98,15 @@ def train(cfg: DictConfig) -> dict:
 
     validate_fault_config(cfg)  # the `fault` group too (no torch, no Lightning)
     check_environment(cfg)
-    checks.check_batch_split(cfg)
-    checks.warn_no_ops(cfg)
+    layout = resolve_layout(cfg)  # once: the supervisor, the strategy and every rank take this value
+    checks.check_batch_split(layout, int(cfg.data.micro_batch_size))
+    checks.warn_no_ops(cfg, layout)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     checks.check_outputs(cfg, run_dir)
     ckpt_path = resolve_resume(cfg, run_dir)
     if ckpt_path is not None:
         checks.check_resume_model(cfg, ckpt_path)
     from ntp_nemo.resilience.supervisor import Supervisor  # imports Lightning
-    layout = resolve_layout(cfg)  # once, before launch: the strategy and runtime take this value
-    layer_tp = list(layout.layer_tp)
     run_dir.mkdir(parents=True, exist_ok=True)
     if launcher_rank() == 0:
         from ntp_nemo.config.run_dir import save_record
@@ -139,13 +138,11 @@ def train(cfg: DictConfig) -> dict:
     mcfg = model_config(cfg)
     supervisor = Supervisor(
         cfg,
+        layout,
         run_dir,
-        lambda c, extra, devices: build_trainer(
-            c, run_dir, data, layout if c is cfg else resolve_layout(c), extra, devices
-        ),
+        lambda lay, extra, devices, stop_at: build_trainer(cfg, run_dir, data, lay, extra, devices, stop_at),
     )
     trainer, module, strategy = supervisor.build_first()
-    topo = strategy.topology
     say(
         f"ntp_nemo | recipe {cfg.recipe} | model {mcfg.name} ({mcfg.arch}) "
         f"{param_count(mcfg) / 1e6:.2f}M params, "
@@ -155,10 +152,10 @@ def train(cfg: DictConfig) -> dict:
         f"({len(data.train)} train / {len(data.val)} val samples)",
         flush=True,
     )
-    say(topo.table(mcfg.num_heads, mcfg.ffn_hidden_size, mcfg.vocab_size), flush=True)
+    say(layout.table(mcfg.num_heads, mcfg.ffn_hidden_size, mcfg.vocab_size), flush=True)
     say(
-        f"layer degrees (embedding, layers..., head): {layer_tp}; micro-batches per replica per step: "
-        f"{module_counts(strategy, cfg)}",
+        f"layer degrees (embedding, layers..., head): {list(layout.layer_tp)}; micro-batches per replica per "
+        f"step: {list(layout.microbatches)}",
         flush=True,
     )
     from ntp_nemo.goodput import GoodputRecorder
@@ -175,7 +172,7 @@ def train(cfg: DictConfig) -> dict:
     if ckpt_path is not None:
         say(f"resuming from {ckpt_path} (resume={cfg.resume})", flush=True)
     if launcher_rank() == 0:
-        GoodputRecorder(run_dir).record("job_start", layout=topo.describe())
+        GoodputRecorder(run_dir).record("job_start", layout=layout.describe())
     t0 = time.time()
     supervisor.initial_resume = ckpt_path
     try:
@@ -273,13 +270,6 @@ def _checkpoint_step(path: Path) -> int:
     from ntp_nemo.checkpoint.manifest import read_manifest
 
     return int(read_manifest(path).get("step", -1))
-
-
-def module_counts(strategy, cfg: DictConfig) -> list[int]:
-    from ntp_nemo.data.rebalance import assign_microbatches
-
-    n = int(cfg.data.global_batch_size) // int(cfg.data.micro_batch_size)
-    return assign_microbatches(n, strategy.layout.capacities())
 
 
 def _percent(x: float | None) -> float | None:

@@ -30,7 +30,7 @@ from ntp_nemo.checkpoint import (
 from ntp_nemo.checkpoint.storage import Index
 from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.runtime.runtime import NTPRuntime
-from ntp_nemo.topology import Topology
+from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.ntp_cases import GPT, SEED
 
 REPLICAS = (1, [1, 1], [1] * 4)  # two replicas of TP 1: both hold everything
@@ -39,7 +39,7 @@ TP3 = (3, [3], [3] * 4)
 
 
 def _model_opt(rank: int, layout, seed: int = SEED):
-    model = NTPRuntime(Topology(*layout), rank).build_model(GPT, seed)
+    model = NTPRuntime(ResolvedLayout.of_topology(Topology(*layout)), rank).build_model(GPT, seed)
     return model, torch.optim.AdamW(model.parameters())
 
 

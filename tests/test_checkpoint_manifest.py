@@ -28,14 +28,14 @@ from ntp_nemo.errors import ConfigError
 from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.runtime.runtime import NTPRuntime
-from ntp_nemo.topology import Topology
+from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.ntp_cases import GPT, SEED
 
 LAYOUT = (2, [2], [2] * 4)
 
 
 def _model(rank: int, cfg: ModelConfig = GPT, layout=LAYOUT):
-    return NTPRuntime(Topology(*layout), rank).build_model(cfg, SEED)
+    return NTPRuntime(ResolvedLayout.of_topology(Topology(*layout)), rank).build_model(cfg, SEED)
 
 
 def _save_two(rank, world, directory):

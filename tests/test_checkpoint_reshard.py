@@ -18,7 +18,7 @@ from ntp_nemo.checkpoint import load_checkpoint, save_checkpoint, stored_chunks
 from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.runtime.runtime import NTPRuntime
-from ntp_nemo.topology import Topology
+from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.ntp_cases import GPT, LLAMA
 
 SEED, SEQ, GLOBAL_BATCH, LR = 7, 8, 6, 1e-2
@@ -32,7 +32,7 @@ def _batch(cfg: ModelConfig, step: int) -> torch.Tensor:
 
 
 def _setup(rank: int, layout: tuple, cfg: ModelConfig, seed: int, dtype: torch.dtype, lr: float = LR):
-    rt = NTPRuntime(Topology(*layout), rank)
+    rt = NTPRuntime(ResolvedLayout.of_topology(Topology(*layout)), rank)
     model = rt.build_model(cfg, seed, dtype=dtype)
     rt.attach(model)
     return rt, model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)

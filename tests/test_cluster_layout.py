@@ -17,8 +17,9 @@ from ntp_nemo.lightning.cluster import (
     launcher_layout,
     parse_tasks_per_node,
 )
-from ntp_nemo.resilience.policies import Layout, make_policy, replan
+from ntp_nemo.resilience.policies import make_policy, replan
 from ntp_nemo.resilience.replan import relaunch_devices
+from ntp_nemo.topology import ResolvedLayout
 from tests.conftest import TINY, compose
 
 
@@ -170,7 +171,7 @@ def test_validation_of_a_gpu_recipe_does_not_touch_cuda(monkeypatch):
 @pytest.mark.parametrize("failed", [[0], [1], [2], [3], [1, 3]])
 def test_relaunch_never_binds_a_lost_device(failed):
     old = list(range(4))  # layout (2,2) on cuda:0..3
-    plan = replan(Layout(2, (2, 2)), failed, make_policy("ntp"))
+    plan = replan(ResolvedLayout.make(2, (2, 2), [2] * 4), failed, make_policy("ntp"))
     devices, notes = relaunch_devices(plan, old, set(failed), visible=4)
     assert len(devices) == plan.new.world_size and len(set(devices)) == len(devices)
     assert not set(devices) & set(failed)
@@ -179,7 +180,7 @@ def test_relaunch_never_binds_a_lost_device(failed):
 
 
 def test_restart_policy_takes_a_spare_and_says_when_there_is_none():
-    plan = replan(Layout(2, (2, 2)), [1], make_policy("restart"))
+    plan = replan(ResolvedLayout.make(2, (2, 2), [2] * 4), [1], make_policy("restart"))
     devices, notes = relaunch_devices(plan, [0, 1, 2, 3], {1}, visible=5)
     assert devices == [0, 4, 2, 3] and "spare cuda:4" in notes[0]
     devices, notes = relaunch_devices(plan, [0, 1, 2, 3], {1}, visible=4)
@@ -215,6 +216,7 @@ class _Trainer:
 def test_supervisor_relaunches_on_the_survivors_devices(tmp_path: Path, monkeypatch, capsys):
     """Two losses on a GPU (2,2) layout: each relaunch binds the surviving ranks' GPUs, never a lost one
     (the devices come from the real re-plan and reach the build function and attempts.jsonl)."""
+    from ntp_nemo.config.layout import resolve_layout
     from ntp_nemo.parallel import devices as devices_mod
     from ntp_nemo.resilience.supervisor import ATTEMPTS_FILE, FAILOVER_DIR, Supervisor
 
@@ -225,12 +227,11 @@ def test_supervisor_relaunches_on_the_survivors_devices(tmp_path: Path, monkeypa
     losses = [[1], [0]]  # attempt 0 loses rank 1 (cuda:1); attempt 1 (ranks on 0,2,3) loses rank 0 (cuda:0)
     built: list[tuple[str, list[int] | None]] = []
 
-    def build(c, extra, cuda_devices):
-        world = sum(c.ntp.replica_tp)
-        built.append((str(list(c.ntp.replica_tp)), cuda_devices))
-        return _Trainer(world, losses.pop(0) if losses else []), None, None
+    def build(layout, extra, cuda_devices, stop_at):
+        built.append((str(list(layout.replica_tp)), cuda_devices))
+        return _Trainer(layout.world_size, losses.pop(0) if losses else []), None, None
 
-    sup = Supervisor(cfg, tmp_path, build)
+    sup = Supervisor(cfg, resolve_layout(cfg), tmp_path, build)
     first = sup.build_first()
     sup.run(first, None)
     assert built == [("[2, 2]", None), ("[1, 2]", [0, 2, 3]), ("[2]", [2, 3])]
@@ -245,3 +246,50 @@ def test_process_group_backend_fits_the_device():
 
     assert default_backend(torch.device("cuda", 1)) == "cpu:gloo,cuda:nccl"
     assert default_backend(torch.device("cpu")) == "gloo"
+
+
+def _trained_view(layout) -> dict:
+    """What the ranks of `layout` train with: batch split, schedule, stages and every replica's degrees."""
+    topo = layout.topology()
+    return {
+        "microbatches": list(layout.microbatches),
+        "schedule": (layout.schedule, layout.virtual_stages, list(layout.stage_layers)),
+        "degrees": [[topo.degree(r, s) for s in range(len(layout.layer_tp))] for r in range(layout.dp)],
+        "layer_tp": list(layout.layer_tp),
+    }
+
+
+def test_live_recovery_keeps_every_layout_option_of_the_restart_path(tmp_path: Path):
+    """(2,2) under NTP-PW (power boost 1.3), an interleaved schedule with virtual stages and per-layer
+    degrees loses rank 1: the layout the supervisor relaunches on (restart) and the one the survivors'
+    next generation trains (live) are the same value, with the boosted split [6, 10] of 16 micro-batches
+    (before, the live path rebuilt the layout without the boost and trained [5, 11])."""
+    from ntp_nemo.config.layout import resolve_layout
+    from ntp_nemo.config.validate import validate
+    from ntp_nemo.resilience.recovery import Generation
+    from ntp_nemo.resilience.supervisor import Supervisor
+
+    cfg = compose([*TINY, "mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,2]", "ntp.power_boost=1.3",
+                   "mesh.pp=2", "model.num_layers=4", "layout.schedule=interleaved_1f1b",
+                   "layout.virtual_stages=2", "layout.layer_tp=[2,1,2,1,2,2]", "data.global_batch_size=32",
+                   "trainer.max_steps=12", "checkpoint.every_n_steps=3", "fault.recovery=restart"])
+    validate(cfg)
+    layout = resolve_layout(cfg)
+    built = []
+
+    def build(lay, extra, cuda_devices, stop_at):
+        built.append(lay)
+        return _Trainer(lay.world_size, [1] if len(built) == 1 else []), None, None
+
+    sup = Supervisor(cfg, layout, tmp_path, build)
+    sup.run(sup.build_first(), None)
+    restart = built[1]
+    live = Generation.first(layout).next([1], sup.policy)[0].layout  # what LiveRecovery builds its ranks on
+    assert restart.replica_tp == (1, 2)
+    assert _trained_view(live) == _trained_view(restart) == {
+        "microbatches": [6, 10],
+        "schedule": ("interleaved_1f1b", 2, list(layout.stage_layers)),
+        "degrees": [[1, 1, 1, 1, 1, 1], [2, 1, 2, 1, 2, 2]],
+        "layer_tp": [2, 1, 2, 1, 2, 2],
+    }
+    assert live == restart

@@ -12,10 +12,11 @@ import pytest
 from ntp_nemo.errors import ConfigError
 from ntp_nemo.resilience.detection import LostRanks, Timeouts, Verdict, classify, is_lost_status
 from ntp_nemo.resilience.heartbeat import Beat, suspects
-from ntp_nemo.resilience.policies import DropBelow, Layout, Policy, ShrinkToSurvivors, make_policy, replan
+from ntp_nemo.resilience.policies import DropBelow, Policy, ShrinkToSurvivors, make_policy, replan
+from ntp_nemo.topology import ResolvedLayout
 from tests.conftest import ROOT, compose
 
-L44 = Layout(tp=4, replica_tp=(4, 4))
+L44 = ResolvedLayout.make(tp=4, replica_tp=(4, 4), layer_tp=[4] * 4)
 
 
 @pytest.mark.parametrize(
@@ -54,7 +55,8 @@ def test_replan_assignment_and_overrides():
 
 
 def test_pipeline_replica_runs_at_the_degree_of_its_worst_stage():
-    layout = Layout(tp=2, replica_tp=(2, 2), pp=2)  # replica 0: stage 0 ranks 0,1; stage 1 ranks 2,3
+    # replica 0: stage 0 ranks 0,1; stage 1 ranks 2,3
+    layout = ResolvedLayout.make(tp=2, replica_tp=(2, 2), layer_tp=[2] * 4, pp=2)
     assert layout.lost_per_replica([3]) == [1, 0]
     plan = replan(layout, [3], make_policy("ntp"))
     assert plan.new.replica_tp == (1, 2)

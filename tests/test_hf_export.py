@@ -20,7 +20,7 @@ from ntp_nemo.hf.files import HFWeightsReader
 from ntp_nemo.models import build_model
 from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.runtime.runtime import NTPRuntime
-from ntp_nemo.topology import Topology
+from ntp_nemo.topology import ResolvedLayout
 from tests.test_hf_import import HF_VOCAB, PADDED_VOCAB, TOL, _rel, hf_logits, make_hf_dir, resolved, tokens
 
 transformers = pytest.importorskip("transformers")
@@ -80,11 +80,12 @@ def test_padded_vocabulary_exports_back_to_the_hf_size(hf_dirs, tmp_path):
 
 def train_worker(rank: int, world: int, cfg, path: str, root: str, ids: torch.Tensor) -> dict:
     """Import on layout (2,1), checkpoint it, train 3 AdamW steps, checkpoint again, return logits."""
-    topo = Topology(2, [2, 1], [2] * (cfg.num_layers + 2))
-    rt = NTPRuntime(topo, rank)
+    layout = ResolvedLayout.make(2, [2, 1], [2] * (cfg.num_layers + 2))
+    rt = NTPRuntime(layout, rank)
+    topo = rt.topology
     model = rt.build_model(cfg, seed=0, dtype=torch.float32)
     load_hf_into(model, path)
-    save_checkpoint(f"{root}/imported/checkpoints/step_000000", model, step=0, layout=topo.describe())
+    save_checkpoint(f"{root}/imported/checkpoints/step_000000", model, step=0, layout=layout.to_dict())
     rt.attach(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(3)
@@ -97,7 +98,7 @@ def train_worker(rank: int, world: int, cfg, path: str, root: str, ids: torch.Te
         opt.zero_grad(set_to_none=True)
     extra = {"model_config": dataclasses.asdict(cfg)}
     save_checkpoint(f"{root}/trained/checkpoints/step_000003", model, opt, extra, step=3,
-                    layout=topo.describe())
+                    layout=layout.to_dict())
     with torch.no_grad():
         return {"logits": model(ids), "vocab_start": model.vocab_start, "replica": topo.coord(rank).replica}
 

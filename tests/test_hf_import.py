@@ -23,7 +23,7 @@ from ntp_nemo.models import build_model
 from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.runtime.runtime import NTPRuntime
-from ntp_nemo.topology import Topology
+from ntp_nemo.topology import ResolvedLayout, Topology
 
 transformers = pytest.importorskip("transformers")
 
@@ -102,7 +102,8 @@ def import_worker(rank: int, world: int, tp: int, replica_tp: list[int], cases: 
     out = []
     for cfg, path, ids, ref in cases:
         topo = Topology(tp, replica_tp, [tp] * (cfg.num_layers + 2))
-        model = NTPRuntime(topo, rank).build_model(cfg, seed=0, dtype=torch.float32)
+        rt = NTPRuntime(ResolvedLayout.of_topology(topo), rank)
+        model = rt.build_model(cfg, seed=0, dtype=torch.float32)
         report = load_hf_into(model, path)
         with torch.no_grad():
             logits = model(ids)

@@ -210,3 +210,16 @@ def test_unknown_recovery_is_a_config_error(tmp_path):
     assert proc.returncode == 2
     assert "fault.recovery" in proc.stderr and "live" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_live_recovery_keeps_the_power_boost(tmp_path):
+    # NTP-PW: (2,2) loses rank 1 and continues as (1,2) whose degraded replica is boosted by 1.3, so its
+    # share of the 16 micro-batches is 0.65 against 1.0: [6, 10], the split the restart path trains
+    # this layout with (tests/test_cluster_layout.py), not the unboosted [5, 11].
+    run, proc = _run(tmp_path, "boost", "ntp.power_boost=1.3", "data.global_batch_size=32",
+                     "fault=kill_rank", "fault.rank=1", "fault.step=3")
+    assert "the survivors reshard in place" in proc.stdout
+    splits = {m["step"]: (m["layout"], m["microbatches"]) for m in read_metrics(run)}
+    assert sorted(splits) == STEPS
+    assert splits[1] == ("(2,2)", [8, 8]) and splits[8] == ("(1,2)", [6, 10])

@@ -18,11 +18,11 @@ import torch
 from ntp_nemo.checkpoint import load_checkpoint, save_checkpoint
 from ntp_nemo.models import build_model
 from ntp_nemo.resilience.live import Holding, NoLiveCopy, live_reshard, plan_reshard, rebind_optimizer
-from ntp_nemo.resilience.policies import Layout, make_policy, replan
+from ntp_nemo.resilience.policies import make_policy, replan
 from ntp_nemo.resilience.recovery import Generation, recover
 from ntp_nemo.resilience.rendezvous import join, leave, run_elastic
 from ntp_nemo.runtime.runtime import NTPRuntime
-from ntp_nemo.topology import Topology
+from ntp_nemo.topology import ResolvedLayout
 from ntp_nemo.topology.shard import ShardSpec
 from tests.ntp_cases import GPT, LLAMA
 
@@ -34,8 +34,8 @@ def _batch(cfg, step: int) -> torch.Tensor:
     return torch.randint(0, cfg.vocab_size, (GLOBAL_BATCH, SEQ + 1), generator=gen)
 
 
-def _setup(topo: Topology, rank: int, cfg, seed: int, lr: float):
-    rt = NTPRuntime(topo, rank)
+def _setup(layout: ResolvedLayout, rank: int, cfg, seed: int, lr: float):
+    rt = NTPRuntime(layout, rank)
     model = rt.build_model(cfg, seed, dtype=torch.float32)
     rt.attach(model)
     return rt, model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
@@ -71,22 +71,21 @@ def _differences(a_model, a_opt, b_model, b_opt) -> list[str]:
 
 def reshard_worker(rank, world, store, cfg, tp, replica_tp, pp, failed, path):
     layer_tp = [tp] * (cfg.num_layers + 2)
-    old_topo = Topology(tp, replica_tp, layer_tp, pp)
+    old = ResolvedLayout.make(tp, replica_tp, layer_tp, pp)
     join(store, 0, rank, world)
-    rt, model, opt = _setup(old_topo, rank, cfg, SEED, LR)
+    rt, model, opt = _setup(old, rank, cfg, SEED, LR)
     for step in range(STEPS):
         _train_step(rt, model, opt, cfg, step)
     save_checkpoint(path, model, opt, {"step": STEPS}, step=STEPS)
-    plan = replan(Layout(tp, tuple(replica_tp), pp), failed, make_policy("ntp"))
+    plan = replan(old, failed, make_policy("ntp"))
     leave()
     if rank not in plan.assignment:  # the lost rank, or a survivor the new layout leaves idle
         return None
     new_rank = plan.assignment.index(rank)
     join(store, 1, new_rank, len(plan.assignment))
-    new_topo = Topology(tp, plan.new.replica_tp, layer_tp, pp)
-    rt2, live_model, live_opt = _setup(new_topo, new_rank, cfg, SEED + 1, lr=0.5)  # every value must move
-    result = live_reshard(model, opt, live_model, live_opt, old_topo.coord(rank).replica)
-    _, ref_model, ref_opt = _setup(new_topo, new_rank, cfg, SEED + 2, lr=0.5)
+    rt2, live_model, live_opt = _setup(plan.new, new_rank, cfg, SEED + 1, lr=0.5)  # every value must move
+    result = live_reshard(model, opt, live_model, live_opt, old.replica_of(rank))
+    _, ref_model, ref_opt = _setup(plan.new, new_rank, cfg, SEED + 2, lr=0.5)
     load_checkpoint(path, ref_model, ref_opt)
     return {
         "new_rank": new_rank,
@@ -176,11 +175,11 @@ def _loss_step(rt, model, opt, sched, cfg, step: int, die: bool, phase: str) -> 
 
 def training_worker(pid, world, store, cfg, tp, replica_tp, kills):
     layer_tp = [tp] * (cfg.num_layers + 2)
-    gen = Generation.first(Layout(tp, tuple(replica_tp)))
+    gen = Generation.first(ResolvedLayout.make(tp, replica_tp, layer_tp))
     join(store, 0, pid, world)
 
     def build(layout, rank):
-        return _setup(Topology(layout.tp, layout.replica_tp, layer_tp, layout.pp), rank, cfg, SEED, LR)
+        return _setup(layout, rank, cfg, SEED, LR)
 
     def rebuild(layout, rank):  # the same optimizer object, on the new parameters: the scheduler goes on
         rt, new_model, _ = build(layout, rank)

@@ -153,6 +153,7 @@ def test_config_mistakes_exit_2_with_the_fix_and_leave_nothing_behind(tmp_path):
 def test_recipe_checks_through_the_public_api(capsys):
     """Warnings that keep a short smoke run going (composed configs, the same checks ntp-train runs)."""
     from ntp_nemo.config import checks
+    from ntp_nemo.config.layout import resolve_layout
     from tests.conftest import compose
 
     cfg = compose(["trainer.max_steps=4", "optim.warmup_steps=10"])
@@ -163,10 +164,10 @@ def test_recipe_checks_through_the_public_api(capsys):
         "warning: optim.warmup_steps=10 is longer than the run (trainer.max_steps=4); using warmup_steps=4."
     ]
     cfg = compose(["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=null", "ntp.power_boost=1.3"])
-    checks.warn_no_ops(cfg)
+    checks.warn_no_ops(cfg, resolve_layout(cfg))
     assert "ntp.power_boost=1.3 has no effect" in capsys.readouterr().err
     cfg = compose(["ntp.power_boost=1.3"])  # the default recipe has a degraded replica: it counts
-    checks.warn_no_ops(cfg)
+    checks.warn_no_ops(cfg, resolve_layout(cfg))
     assert capsys.readouterr().err == ""
     assert ROOT.is_dir()
 

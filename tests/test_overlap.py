@@ -14,7 +14,7 @@ import torch
 from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.parallel.overlap import OverlappedGradSync
 from ntp_nemo.runtime.runtime import NTPRuntime
-from ntp_nemo.topology import Topology
+from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.ntp_cases import GLOBAL_BATCH, GPT, SEED, tokens
 
 
@@ -23,7 +23,7 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 
 def overlap_worker(rank: int, world: int) -> dict:
-    rt = NTPRuntime(Topology(2, [2, 1], [2] * (GPT.num_layers + 2)), rank)
+    rt = NTPRuntime(ResolvedLayout.of_topology(Topology(2, [2, 1], [2] * (GPT.num_layers + 2))), rank)
     model = rt.build_model(GPT, SEED, dtype=torch.float64)
     sync = rt.attach(model, bucket_mb=0.002)
     ov = OverlappedGradSync(model, sync.plan, sync.group_of, sync.bucket_bytes)

@@ -10,7 +10,7 @@ import torch
 from ntp_nemo.models import build_model
 from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.runtime.runtime import NTPRuntime
-from ntp_nemo.topology import Topology
+from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.ntp_cases import GPT
 
 STEPS, MICRO, NUM_MICRO, SEQ, SEED, LR, CLIP = 20, 2, 6, 8, 11, 1e-2, 1.0
@@ -50,7 +50,7 @@ def reference_curve(cfg) -> list[float]:
 
 def training_worker(rank: int, world: int, cfg, tp, replica_tp, pp, schedule) -> dict:
     topo = Topology(tp, replica_tp, [tp] * (cfg.num_layers + 2), pp=pp)
-    rt = NTPRuntime(topo, rank, schedule=schedule)
+    rt = NTPRuntime(ResolvedLayout.of_topology(topo, schedule), rank)
     model = rt.build_model(cfg, SEED)
     rt.attach(model)
     opt = adamw(model.parameters())

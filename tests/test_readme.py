@@ -171,7 +171,8 @@ def check_config(args: list[str]) -> None:
     """What ntp-train checks before it launches anything, in process."""
     from ntp_nemo.config import checks
     from ntp_nemo.config.keys import check_override_keys
-    from ntp_nemo.config.validate import resolve_layer_tp, validate
+    from ntp_nemo.config.layout import resolve_layout
+    from ntp_nemo.config.validate import validate
 
     args = [a for a in args if a != "-m" and not a.startswith("hydra.")]
     check_override_keys(args)
@@ -182,8 +183,7 @@ def check_config(args: list[str]) -> None:
         cfg.model.init_from = None  # the recipe's Hugging Face directory is the user's
     checks.adjust(cfg)
     validate(cfg)
-    checks.check_batch_split(cfg)
-    resolve_layer_tp(cfg)
+    checks.check_batch_split(resolve_layout(cfg), int(cfg.data.micro_batch_size))
 
 
 def test_documents_have_commands():

@@ -13,6 +13,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from ntp_nemo.errors import ConfigError
+from ntp_nemo.topology.layout import ResolvedLayout, replica_capacities
 
 # ModelConfig fields that fix the parameters' shapes: a checkpoint is only loadable into the same ones.
 SHAPE_FIELDS = (
@@ -57,55 +58,40 @@ def adjust(cfg: DictConfig) -> None:
         cfg.optim.warmup_steps = max_steps
 
 
-def _capacities(cfg: DictConfig, power_boost: object) -> list[float]:
-    from ntp_nemo.config.validate import resolved_replica_tp
-    from ntp_nemo.topology import Topology
-
-    tp = int(cfg.mesh.tp)
-    replica_tp = resolved_replica_tp(cfg)
-    topo = Topology(tp, replica_tp, [tp] * (int(cfg.model.num_layers) + 2), pp=int(cfg.mesh.pp))
-    return topo.capacities(power_boost)
-
-
-def _power_boost(cfg: DictConfig) -> object:
-    pb = cfg.ntp.power_boost
-    return OmegaConf.to_container(pb) if OmegaConf.is_list(pb) else pb
-
-
-def check_batch_split(cfg: DictConfig) -> list[int]:
-    """Every replica needs at least one micro-batch of the global batch; returns the split."""
+def check_batch_split(layout: ResolvedLayout, micro_batch_size: int) -> list[int]:
+    """Every replica needs at least one micro-batch of the global batch; returns the split
+    (`layout.microbatches`)."""
     from ntp_nemo.data.rebalance import assign_microbatches
 
-    mbs, gbs = int(cfg.data.micro_batch_size), int(cfg.data.global_batch_size)
-    caps = _capacities(cfg, _power_boost(cfg))
-    counts = assign_microbatches(gbs // mbs, caps)
+    counts = list(layout.microbatches)
     if min(counts) > 0:
         return counts
-    n = gbs // mbs
+    mbs, m = micro_batch_size, layout.num_microbatches
+    caps = layout.capacities()
+    n = m
     while min(assign_microbatches(n, caps)) == 0:
         n += 1
     raise ConfigError(
         "data.global_batch_size",
-        f"data.global_batch_size={gbs} is {gbs // mbs} micro-batches of {mbs}, split over the replicas "
+        f"data.global_batch_size={m * mbs} is {m} micro-batches of {mbs}, split over the replicas "
         f"in proportion to their capacities {[round(c, 3) for c in caps]} as {counts}: a replica would get "
         f"none. The smallest global batch that gives every replica one is {n * mbs} "
         f"(data.global_batch_size={n * mbs}), or lower data.micro_batch_size.",
     )
 
 
-def warn_no_ops(cfg: DictConfig) -> None:
+def warn_no_ops(cfg: DictConfig, layout: ResolvedLayout) -> None:
     """Settings accepted by validation that would do nothing in this run."""
-    pb = _power_boost(cfg)
+    pb = layout.power_boost
     if pb is not None:
-        from ntp_nemo.config.validate import resolved_replica_tp
-
-        if all(n == int(cfg.mesh.tp) for n in resolved_replica_tp(cfg)):
+        shown = cfg.ntp.power_boost
+        if all(n == layout.tp for n in layout.replica_tp):
             warn(
-                f"ntp.power_boost={pb} has no effect: it raises the share of degraded replicas and every "
-                f"replica runs at the full TP degree (ntp.replica_tp={resolved_replica_tp(cfg)})."
+                f"ntp.power_boost={shown} has no effect: it raises the share of degraded replicas and every "
+                f"replica runs at the full TP degree (ntp.replica_tp={list(layout.replica_tp)})."
             )
-        elif _capacities(cfg, pb) == _capacities(cfg, None):
-            warn(f"ntp.power_boost={pb} has no effect on this layout's batch split.")
+        elif layout.capacities() == replica_capacities(layout.tp, layout.replica_tp, None):
+            warn(f"ntp.power_boost={shown} has no effect on this layout's batch split.")
     if cfg.quant.format != "none":
         start, end = int(cfg.quant.start_step), int(cfg.trainer.max_steps)
         if start >= end:

@@ -54,10 +54,12 @@ def build_trainer(
     layout: ResolvedLayout | Sequence[int],
     extra_callbacks: Sequence[Any] = (),
     cuda_devices: Sequence[int] | None = None,
+    stop_at_step: int | None = None,
 ) -> tuple[pl.Trainer, NTPLanguageModule, NTPStrategy]:
     """`layout`: the run's ResolvedLayout (`ntp_nemo.config.layout.resolve_layout`; a list is taken as
-    the resolved per-slot degrees). `cuda_devices`: the CUDA ordinal each local rank binds (the
-    supervisor's relaunch after a lost GPU); default ranks 0..n-1 on ordinals 0..n-1."""
+    the resolved per-slot degrees), or a re-planned one. `cuda_devices`: the CUDA ordinal each local
+    rank binds (the supervisor's relaunch after a lost GPU); default ranks 0..n-1 on ordinals 0..n-1.
+    `stop_at_step`: where this attempt stops (default `trainer.stop_at_step`)."""
     t = cfg.trainer
     if not isinstance(layout, ResolvedLayout):
         layout = resolve_layout(cfg, layer_tp=layout)
@@ -97,8 +99,9 @@ def build_trainer(
         )
     )
     callbacks.append(PreemptionCheckpoint())
-    if t.stop_at_step:
-        callbacks.append(StopAtStep(int(t.stop_at_step)))
+    stop_at_step = stop_at_step if stop_at_step is not None else t.stop_at_step
+    if stop_at_step:
+        callbacks.append(StopAtStep(int(stop_at_step)))
     if t.progress_bar:
         from ntp_nemo.lightning.callbacks import StepProgress
 

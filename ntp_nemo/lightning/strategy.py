@@ -122,10 +122,7 @@ class NTPStrategy(ParallelStrategy):
             raise TypeError(f"NTPStrategy takes a ResolvedLayout, got {type(layout).__name__}")
         self.layout = layout
         self.topology = layout.topology()
-        self.schedule = layout.schedule
-        self.power_boost = layout.power_boost
         self.bucket_mb = bucket_mb
-        self.nominal_replicas = layout.nominal_replicas
         self._start_method = start_method
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -307,12 +304,7 @@ class NTPStrategy(ParallelStrategy):
         step = int(checkpoint.get("global_step", 0))
         extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         extra["quant"] = quant_state(self.lightning_module.model)  # None unless the model is quantised
-        layout = {
-            "replica_tp": self.topology.replica_tp,
-            "tp": self.topology.tp,
-            "layer_tp": self.topology.layer_tp,
-            "pp": self.topology.pp,
-        }
+        layout = self.layout.to_dict()
         t0 = time.perf_counter()
         self._goodput("ckpt_save_start", step=step)
         if self.async_save and self._saver is None:
@@ -338,7 +330,6 @@ class NTPStrategy(ParallelStrategy):
         On the layout it was saved from, every rank's RNG states are put back just before the next
         training step (after Lightning has built its data iterators), so randomness continues exactly.
         """
-        import json
         import sys
         import warnings
 
@@ -366,11 +357,8 @@ class NTPStrategy(ParallelStrategy):
                 print(f"warning: {w.message}", file=sys.stderr, flush=True)
         if self.is_global_zero and loaded.path != path:
             print(f"resuming from {loaded.path} instead: {path} is corrupted", flush=True)
-        here = {"replica_tp": self.topology.replica_tp, "tp": self.topology.tp,
-                "layer_tp": self.topology.layer_tp, "pp": self.topology.pp}
-        if json.dumps(loaded.layout, sort_keys=True) == json.dumps(here, sort_keys=True) and len(
-            loaded.rng
-        ) == self.world_size:
+        saved = ResolvedLayout.from_checkpoint(loaded.layout)
+        if saved is not None and saved.same_ranks(self.layout) and len(loaded.rng) == self.world_size:
             state = loaded.rng[self.global_rank]
 
             class _RestoreRNG(pl.Callback):  # once, at the first training step after this load
@@ -418,7 +406,4 @@ class NTPStrategy(ParallelStrategy):
     # ---- reporting ------------------------------------------------------------------------------
     @property
     def layout_info(self) -> dict[str, Any]:
-        topo = self.topology
-        return {"layout": topo.describe(), "capacity": topo.capacity_fraction(self.nominal_replicas)}
-
-    nominal_replicas: int | None = None
+        return {"layout": self.layout.describe(), "capacity": self.layout.capacity_fraction()}

@@ -14,7 +14,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from ntp_nemo.errors import ConfigError
-from ntp_nemo.resilience.policies import Layout, make_policy
+from ntp_nemo.resilience.policies import make_policy
 
 FAULT_KINDS = ("kill_rank", "hang", "slow", "kill_during_save", "corrupt_checkpoint")
 KILL_PHASES = ("step_start", "backward", "optimizer")
@@ -116,12 +116,6 @@ class Timeouts:
 
 
 
-def layout_of(cfg: DictConfig) -> Layout:
-    from ntp_nemo.config.validate import resolved_replica_tp
-
-    return Layout(int(cfg.mesh.tp), tuple(resolved_replica_tp(cfg)), int(cfg.mesh.pp))
-
-
 def validate_fault_config(cfg: DictConfig) -> None:
     """Checks of the `fault` group run with the rest of validation (before anything starts)."""
     f = cfg.fault
@@ -144,7 +138,9 @@ def validate_fault_config(cfg: DictConfig) -> None:
                 "returning to the repaired layout needs checkpoints; "
                 "set checkpoint.every_n_steps>0 or checkpoint.save_on_end=true.",
             )
-    resolve_faults(cfg, layout_of(cfg).world_size)
+    from ntp_nemo.config.validate import resolved_replica_tp
+
+    resolve_faults(cfg, int(cfg.mesh.pp) * sum(resolved_replica_tp(cfg)))
 
 
 RECOVERY_MODES = ("auto", "live", "restart")

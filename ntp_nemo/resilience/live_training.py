@@ -43,7 +43,7 @@ from ntp_nemo.lightning.strategy import _ForkLauncher
 from ntp_nemo.resilience.detection import Verdict, is_lost_status, kill_worker
 from ntp_nemo.resilience.heartbeat import read_beats, suspects
 from ntp_nemo.resilience.live import rebind_optimizer
-from ntp_nemo.resilience.policies import Layout, make_policy
+from ntp_nemo.resilience.policies import make_policy
 from ntp_nemo.resilience.recovery import Generation, grow, recover
 from ntp_nemo.resilience.rendezvous import (
     connect,
@@ -53,6 +53,7 @@ from ntp_nemo.resilience.rendezvous import (
     publish_rejoin,
     read_rejoin,
 )
+from ntp_nemo.topology.layout import ResolvedLayout
 
 FALLBACK_EXIT = 75  # a survivor that could not recover live: the supervisor takes the restart path
 _COLLECTIVE_ERRORS = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout")
@@ -77,7 +78,7 @@ class LiveLauncher(_ForkLauncher):
         self.lost: set[int] = set()  # process indices the monitor handed to the survivors
         self._spawn: tuple | None = None  # what the workers were started with (for repaired processes)
 
-    def respawn(self, idx: int, generation: int, layout: Layout, source: int,
+    def respawn(self, idx: int, generation: int, layout: ResolvedLayout, source: int,
                 timeout_s: float = 60.0) -> None:
         """Start a repaired process in place of process `idx`: it joins `generation` (a rejoin)."""
         assert self._spawn is not None
@@ -149,7 +150,7 @@ class LiveMonitor(threading.Thread):
 
     def __init__(self, launcher: LiveLauncher, world_size: int, heartbeat_dir: Path | None = None,
                  heartbeat_s: float | None = None, poll_s: float = 0.05, grace_s: float = 0.1,
-                 repair_after_steps: int | None = None, layout: Layout | None = None,
+                 repair_after_steps: int | None = None, layout: ResolvedLayout | None = None,
                  end_step: int | None = None) -> None:
         super().__init__(name="ntp-live-monitor", daemon=True)
         self.launcher = launcher
@@ -286,7 +287,7 @@ class LiveRecovery(Callback):
         self.timeout_s = timeout_s
         self.repair = repair  # repaired processes may rejoin (fault.repair_after_steps)
         self.generation: Generation | None = None
-        self.nominal: Layout | None = None
+        self.nominal: ResolvedLayout | None = None
         self.devices: list[Any] = []
         self.pid = 0
         self.store = None
@@ -295,8 +296,7 @@ class LiveRecovery(Callback):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit" or trainer.strategy.launcher is None or "MASTER_PORT" not in os.environ:
             return
-        topo = trainer.strategy.topology
-        self.nominal = Layout(topo.tp, tuple(topo.replica_tp), topo.pp)
+        self.nominal = trainer.strategy.layout
         self.generation = Generation.first(self.nominal)
         self.devices = list(trainer.strategy.parallel_devices)
         self.pid = trainer.global_rank
@@ -344,16 +344,12 @@ class LiveRecovery(Callback):
         """build(layout, rank) -> (runtime, model, optimizer) on the current default group; the optimizer
         object is kept, pointed at the new parameters (the LR scheduler and Lightning hold it)."""
         from ntp_nemo.runtime.runtime import NTPRuntime
-        from ntp_nemo.topology import ResolvedLayout, Topology
 
         module = strategy.lightning_module
         opt = strategy._optimizer()
-        old_topo = strategy.topology
 
-        def build(layout: Layout, rank: int):
-            topo = Topology(layout.tp, layout.replica_tp, old_topo.layer_tp, layout.pp, old_topo.stage_layers)
-            runtime = NTPRuntime(ResolvedLayout.of_topology(topo, strategy.schedule, None), rank,
-                                 device=strategy.root_device)
+        def build(layout: ResolvedLayout, rank: int):  # the re-planned layout, as it is
+            runtime = NTPRuntime(layout, rank, device=strategy.root_device)
             model = runtime.build_model(module.model_cfg, module.seed)
             runtime.attach(model, strategy.bucket_mb)
             rebind_optimizer(opt, module.model, model)
@@ -498,7 +494,7 @@ class Rejoining:
 
     CKPT_PATH = "<live rejoin>"  # what Lightning is given as the checkpoint to resume from
 
-    def __init__(self, port: int, index: int, layout: Layout, pid: int, source: int,
+    def __init__(self, port: int, index: int, layout: ResolvedLayout, pid: int, source: int,
                  timeout_s: float = 60.0) -> None:
         self.port, self.index, self.layout, self.pid, self.timeout_s = port, index, layout, pid, timeout_s
         self.source = source  # the survivor that sends Lightning's state

@@ -9,7 +9,7 @@ assignment:
 - `dp_drop`: DropDamaged: any replica that lost a rank leaves the job (plain DP's answer).
 - `restart`: ReplaceLost: a spare takes the lost GPU's place; the layout is unchanged.
 
-`replan` applies a policy to a layout and the failed global ranks and returns the new layout with
+`replan` applies a policy to a `ResolvedLayout` and the failed global ranks and returns the new one with
 the assignment of surviving ranks to new ranks, which drives both the local supervisor and a
 torchrun/SLURM relaunch (`python -m ntp_nemo.resilience.replan`).
 """
@@ -21,40 +21,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ntp_nemo.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The parallel layout re-planning works on: nominal TP, active ranks per replica, pipeline stages.
-
-    Global ranks are replica-major, then stage, then TP slot (as in `Topology`)."""
-
-    tp: int
-    replica_tp: tuple[int, ...]
-    pp: int = 1
-
-    @property
-    def world_size(self) -> int:
-        return self.pp * sum(self.replica_tp)
-
-    def describe(self) -> str:
-        return (
-            "(" + ",".join(str(n) for n in self.replica_tp) + ")" + (f"xPP{self.pp}" if self.pp > 1 else "")
-        )
-
-    def ranks_of(self, replica: int) -> list[list[int]]:
-        """Global ranks of `replica`, one list per pipeline stage."""
-        base = self.pp * sum(self.replica_tp[:replica])
-        n = self.replica_tp[replica]
-        return [list(range(base + s * n, base + (s + 1) * n)) for s in range(self.pp)]
-
-    def lost_per_replica(self, failed: Sequence[int]) -> list[int]:
-        """TP ranks each replica loses: the most any of its stages lost (all stages run at one degree)."""
-        bad = set(failed)
-        return [
-            max(sum(r in bad for r in stage) for stage in self.ranks_of(i))
-            for i in range(len(self.replica_tp))
-        ]
+from ntp_nemo.topology.layout import ResolvedLayout
 
 
 class Rule(Protocol):
@@ -100,7 +67,7 @@ class Policy:
     name: str
     rules: tuple[Rule, ...]
 
-    def sizes(self, layout: Layout, failed: Sequence[int]) -> list[int]:
+    def sizes(self, layout: ResolvedLayout, failed: Sequence[int]) -> list[int]:
         lost = layout.lost_per_replica(failed)
         sizes = list(layout.replica_tp)
         for rule in self.rules:
@@ -134,8 +101,8 @@ class Replan:
     listed in `replaced`)."""
 
     policy: str
-    old: Layout
-    new: Layout
+    old: ResolvedLayout
+    new: ResolvedLayout
     failed: tuple[int, ...]
     kept: tuple[int, ...]
     assignment: tuple[int, ...]
@@ -156,8 +123,9 @@ class Replan:
         return f"policy {self.policy}: layout {self.old.describe()} -> {self.new.describe()}"
 
 
-def replan(layout: Layout, failed: Sequence[int], policy: Policy) -> Replan:
-    """New layout after losing the global ranks `failed`; raises RuntimeError when no replica survives."""
+def replan(layout: ResolvedLayout, failed: Sequence[int], policy: Policy) -> Replan:
+    """New layout after losing the global ranks `failed` (`ResolvedLayout.shrunk`: every option of the
+    old one carries over); raises RuntimeError when no replica survives."""
     bad = sorted(set(int(r) for r in failed))
     for r in bad:
         if not 0 <= r < layout.world_size:
@@ -182,5 +150,5 @@ def replan(layout: Layout, failed: Sequence[int], policy: Policy) -> Replan:
                 replaced += [r for r in stage if r in bad]
             else:
                 assignment += [r for r in stage if r not in bad][:n]
-    new = Layout(layout.tp, tuple(sizes[i] for i in kept), layout.pp)
+    new = layout.shrunk(sizes)
     return Replan(policy.name, layout, new, tuple(bad), kept, tuple(assignment), tuple(replaced))

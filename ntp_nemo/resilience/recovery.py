@@ -41,27 +41,28 @@ from typing import Any
 import torch.distributed as dist
 
 from ntp_nemo.resilience.live import ReshardResult, capture, reshard_snapshot
-from ntp_nemo.resilience.policies import Layout, Policy, Replan, replan
+from ntp_nemo.resilience.policies import Policy, Replan, replan
 from ntp_nemo.resilience.rendezvous import join, leave, store_barrier, wait_failed
+from ntp_nemo.topology.layout import ResolvedLayout
 
 # build(layout, rank) -> (runtime, model, optimizer), called on the new generation's default group
-BuildFn = Callable[[Layout, int], tuple[Any, Any, Any]]
+BuildFn = Callable[[ResolvedLayout, int], tuple[Any, Any, Any]]
 
 
 @dataclass(frozen=True)
 class Generation:
     index: int
-    layout: Layout
+    layout: ResolvedLayout
     members: tuple[int, ...]  # process id of each rank
 
     @classmethod
-    def first(cls, layout: Layout) -> Generation:
+    def first(cls, layout: ResolvedLayout) -> Generation:
         return cls(0, layout, tuple(range(layout.world_size)))
 
     def rank_of(self, pid: int) -> int | None:
         return self.members.index(pid) if pid in self.members else None
 
-    def grown(self, layout: Layout) -> Generation:
+    def grown(self, layout: ResolvedLayout) -> Generation:
         """The generation after a rejoin: `layout` (the original one) with every process in its place."""
         return Generation(self.index + 1, layout, tuple(range(layout.world_size)))
 
@@ -120,7 +121,7 @@ def recover(
     dist.all_gather_object(steps, int(completed_steps))
     step = max(steps)
     marks.append(time.time())
-    old_replica = _replica_of(generation.layout, generation.rank_of(pid))
+    old_replica = generation.layout.replica_of(generation.rank_of(pid))
     snapshot = capture(*old)  # references, no copy; `build` may rebind the old optimizer
     runtime, model, optimizer = build(new_gen.layout, rank)
     marks.append(time.time())
@@ -132,14 +133,7 @@ def recover(
                     marks[-1] - detect_t, phases)
 
 
-def _replica_of(layout: Layout, rank: int) -> int:
-    for i in range(len(layout.replica_tp)):
-        if any(rank in stage for stage in layout.ranks_of(i)):
-            return i
-    raise ValueError(f"rank {rank} is not in layout {layout.describe()}")
-
-
-def grow(store: dist.Store, generation: Generation, layout: Layout, pid: int, completed_steps: int,
+def grow(store: dist.Store, generation: Generation, layout: ResolvedLayout, pid: int, completed_steps: int,
          old: tuple[Any, Any], build: BuildFn, *, backend: str = "gloo", timeout_s: float = 60.0) -> Recovery:
     """A survivor's side of a rejoin (see the module docstring); collective with `arrive`."""
     start = time.time()
@@ -150,7 +144,7 @@ def grow(store: dist.Store, generation: Generation, layout: Layout, pid: int, co
     rank = new_gen.rank_of(pid)
     join(store, new_gen.index, rank, layout.world_size, backend=backend, timeout_s=timeout_s)
     marks.append(time.time())
-    old_replica = _replica_of(generation.layout, generation.rank_of(pid))
+    old_replica = generation.layout.replica_of(generation.rank_of(pid))
     snapshot = capture(*old)
     runtime, model, optimizer = build(layout, rank)
     marks.append(time.time())

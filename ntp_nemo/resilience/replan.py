@@ -21,7 +21,8 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 from ntp_nemo.errors import EXIT_RUNTIME, ConfigError, cli_main
-from ntp_nemo.resilience.policies import POLICY_NAMES, Layout, Replan, make_policy, replan
+from ntp_nemo.resilience.policies import POLICY_NAMES, Replan, make_policy, replan
+from ntp_nemo.topology.layout import ResolvedLayout
 
 
 def _ints(text: str, key: str) -> list[int]:
@@ -80,11 +81,16 @@ def placement(plan: Replan, nodes: list[str], per_node_procs: list[int]) -> dict
 
 
 def build_plan(args: argparse.Namespace) -> dict[str, Any]:
-    layout = Layout(args.tp, tuple(_ints(args.replica_tp, "--replica-tp")), args.pp)
-    if any(not 1 <= n <= args.tp for n in layout.replica_tp):
+    replica_tp = _ints(args.replica_tp, "--replica-tp")
+    if not replica_tp or any(not 1 <= n <= args.tp for n in replica_tp):
         raise ConfigError(
             "--replica-tp", f"every replica needs 1..{args.tp} active ranks, got {args.replica_tp}."
         )
+    if args.pp < 1:
+        raise ConfigError("--pp", f"must be >= 1, got {args.pp}.")
+    # The plan depends on the replica sizes alone: one layer per stage at the nominal degree stands in
+    # for the model.
+    layout = ResolvedLayout.make(args.tp, replica_tp, [args.tp] * (args.pp + 2), args.pp)
     plan = replan(layout, _ints(args.failed, "--failed"), make_policy(args.policy, args.min_replica_tp))
     per_node_procs = _procs_per_node(args.gpus_per_node or str(args.tp), layout.world_size)
     n_nodes = len(per_node_procs)

@@ -16,7 +16,6 @@ heartbeats and the collective timeout, and the cluster's restart uses `ntp_nemo.
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import os
@@ -28,55 +27,31 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from ntp_nemo.errors import ConfigError
 from ntp_nemo.resilience.detection import LostRanks, Timeouts, WorkerMonitor, classify, kill_worker
 from ntp_nemo.resilience.fault_config import (  # noqa: F401 - re-exported: the run-time side uses them here
     RECOVERY_MODES,
-    layout_of,
     recovery_mode,
     validate_fault_config,
 )
 from ntp_nemo.resilience.faults import FaultInjector, resolve_faults
 from ntp_nemo.resilience.heartbeat import Heartbeat, read_beats, suspects
-from ntp_nemo.resilience.policies import Layout, Replan, make_policy, replan
+from ntp_nemo.resilience.policies import Replan, make_policy, replan
 from ntp_nemo.resilience.worker import SupervisedWorker
+from ntp_nemo.topology.layout import ResolvedLayout
 
 FAILOVER_DIR = "failover"
 ATTEMPTS_FILE = "attempts.jsonl"
 
-# build(cfg, extra_callbacks, cuda_devices) -> (trainer, module, strategy); cuda_devices: the CUDA
-# ordinal of each rank (None: ranks 0..n-1 on ordinals 0..n-1, and always on CPU)
-BuildFn = Callable[[DictConfig, list[Any], list[int] | None], tuple[Any, Any, Any]]
+# build(layout, extra_callbacks, cuda_devices, stop_at_step) -> (trainer, module, strategy); cuda_devices:
+# the CUDA ordinal of each rank (None: ranks 0..n-1 on ordinals 0..n-1, and always on CPU); stop_at_step:
+# the step an attempt on a degraded layout stops at (None: the run's trainer.stop_at_step)
+BuildFn = Callable[[ResolvedLayout, list[Any], list[int] | None, int | None], tuple[Any, Any, Any]]
 
 
 class FailoverError(RuntimeError):
     """Training could not be recovered (restarts exhausted, no replica left, invalid re-planned layout)."""
-
-
-def with_layout(
-    cfg: DictConfig, layout: Layout, kept: tuple[int, ...] | None, stop_at: int | None
-) -> DictConfig:
-    """A copy of `cfg` on `layout` (per-replica power boosts follow their replicas), validated like
-    any config."""
-    from ntp_nemo.config.validate import resolve_layer_tp, validate
-
-    new = copy.deepcopy(cfg)
-    new.mesh.dp = len(layout.replica_tp)
-    new.ntp.nominal_replicas = cfg.ntp.nominal_replicas or cfg.mesh.dp
-    new.ntp.replica_tp = list(layout.replica_tp)
-    pb = cfg.ntp.power_boost
-    if kept is not None and OmegaConf.is_list(pb):
-        new.ntp.power_boost = [pb[i] for i in kept]
-    if stop_at is not None:
-        new.trainer.stop_at_step = stop_at
-    try:
-        validate(new)
-        resolve_layer_tp(new)
-    except ConfigError as err:
-        raise FailoverError(f"the re-planned layout {layout.describe()} is not valid: {err}") from None
-    return new
 
 
 @dataclass
@@ -112,8 +87,11 @@ class SupervisorResult:
 
 class Supervisor:
     def __init__(
-        self, cfg: DictConfig, run_dir: Path, build: BuildFn, initial_resume: Path | None = None
+        self, cfg: DictConfig, layout: ResolvedLayout, run_dir: Path, build: BuildFn,
+        initial_resume: Path | None = None,
     ) -> None:
+        """`layout`: the run's layout (resolved once at the entry point); re-planning derives every
+        attempt's layout from it."""
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.build = build
@@ -122,7 +100,7 @@ class Supervisor:
         self.heartbeat_dir = self.dir / "heartbeats"
         self.fault_dir = self.dir / "faults"
         self.ckpt_dir = self.run_dir / cfg.checkpoint.dir
-        self.nominal = layout_of(cfg)
+        self.nominal = layout
         self.policy = make_policy(str(cfg.fault.policy), int(cfg.ntp.min_replica_tp))
         self.recovery, self.recovery_why = recovery_mode(cfg)
         self.live = self.recovery == "live"  # resilience/live_training.py
@@ -156,7 +134,7 @@ class Supervisor:
     def build_first(self) -> tuple[Any, Any, Any]:
         """Trainer, module and strategy of the first attempt (the run's own config and layout)."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        built = self.build(self.cfg, self.callbacks(), None)
+        built = self.build(self.nominal, self.callbacks(), None, None)
         if built[0].strategy.launcher is None:  # torchrun/SLURM created the processes: they are not ours
             built[0].callbacks[:] = [cb for cb in built[0].callbacks if not isinstance(cb, SupervisedWorker)]
         if self.faults:
@@ -200,7 +178,7 @@ class Supervisor:
 
         return int(read_manifest(ckpt).get("step", 0))
 
-    def _repair_stop(self, layout: Layout, resume_step: int) -> int | None:
+    def _repair_stop(self, layout: ResolvedLayout, resume_step: int) -> int | None:
         n = self.cfg.fault.repair_after_steps
         if n is None or layout == self.nominal:
             return None
@@ -236,7 +214,7 @@ class Supervisor:
                 self._log(rec)
                 if rec.outcome == "ok":
                     return self.result
-                plan_layout, kept, reason = self.nominal, None, "repair"
+                plan_layout, reason = self.nominal, "repair"
                 self.lost_devices.clear()  # the lost GPUs are back: the original placement again
                 new_devices = None
                 print(
@@ -276,17 +254,16 @@ class Supervisor:
                         f" last: rank(s) {ranks} lost ({lost.reason}). Raise fault.max_restarts or "
                         "check the machine."
                     )
-                plan_layout, kept, reason = plan.new, plan.kept, "failover"
+                plan_layout, reason = plan.new, "failover"
                 new_devices = self.relaunch_devices(layout, plan, lost.ranks)
             resume = self._latest_checkpoint()
             stop_at = self._repair_stop(plan_layout, self._step_of(resume))
-            cfg = with_layout(self.cfg, plan_layout, kept, stop_at)
-            layout = plan_layout
+            layout = plan_layout  # as re-planned: every option of the run's layout carries over
             self.devices = new_devices
             if not self._port_was_set:
                 os.environ.pop("MASTER_PORT", None)  # a fresh rendezvous port for the new workers
             trainer, module, _ = self.build(
-                cfg, self.callbacks(len(self.result.attempts), reason == "failover"), new_devices
+                layout, self.callbacks(len(self.result.attempts), reason == "failover"), new_devices, stop_at
             )
             print(
                 f"failover | attempt {len(self.result.attempts)} on layout {layout.describe()}"
@@ -298,7 +275,9 @@ class Supervisor:
                 "job_start", layout=layout.describe(), attempt=len(self.result.attempts), reason=reason
             )
 
-    def relaunch_devices(self, layout: Layout, plan: Replan, lost_ranks: Sequence[int]) -> list[int] | None:
+    def relaunch_devices(
+        self, layout: ResolvedLayout, plan: Replan, lost_ranks: Sequence[int]
+    ) -> list[int] | None:
         """CUDA ordinal of each rank of the next attempt (None on CPU): the survivors keep their GPUs
         (`plan.assignment`), the lost ranks' GPUs join `lost_devices` and are not handed out again
         until a repair."""
@@ -317,7 +296,7 @@ class Supervisor:
             print(f"failover | {note}", flush=True)
         return devices
 
-    def _replan(self, layout: Layout, lost: LostRanks) -> Replan:
+    def _replan(self, layout: ResolvedLayout, lost: LostRanks) -> Replan:
         policy = self.policy
         if not lost.ranks and policy.name != "restart":
             print("failover | the lost rank cannot be told; relaunching on the same layout", flush=True)
@@ -326,8 +305,12 @@ class Supervisor:
             return replan(layout, lost.ranks, policy)
         except RuntimeError as err:
             raise FailoverError(str(err)) from None
+        except ValueError as err:
+            raise FailoverError(f"the re-planned layout is not valid: {err}") from None
 
-    def _execute(self, trainer: Any, module: Any, layout: Layout, resume: Path | None) -> LostRanks | None:
+    def _execute(
+        self, trainer: Any, module: Any, layout: ResolvedLayout, resume: Path | None
+    ) -> LostRanks | None:
         """One attempt: None when it ended normally, LostRanks for a recoverable failure; other errors
         propagate."""
         from torch.multiprocessing import ProcessExitedException, ProcessRaisedException

@@ -9,7 +9,6 @@ squared gradient norm, non-finite flag, stop request) travel in one fused all-re
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,7 +22,7 @@ from ntp_nemo.parallel.grad_sync import (
     build_sync_plan,
     param_descriptors,
 )
-from ntp_nemo.topology import ResolvedLayout, Topology
+from ntp_nemo.topology import ResolvedLayout
 
 STEP_SCALARS = ("loss_sum", "grad_norm_sq", "nonfinite", "stop")
 
@@ -31,31 +30,19 @@ STEP_SCALARS = ("loss_sum", "grad_norm_sq", "nonfinite", "stop")
 class NTPRuntime:
     """`NTPRuntime(layout, rank, device=...)`.
 
-    `layout` is the run's `ResolvedLayout` (or, for tests and benchmarks, a `Topology`, whose
-    schedule and power boost then come from the keyword arguments).  `device` defaults to the layout's
-    device of this rank, else CPU; `torch.device("meta")` builds shapes only (dry run).
+    `layout` is the run's `ResolvedLayout`, the only description of who runs what.  `device` defaults
+    to the layout's device of this rank, else CPU; `torch.device("meta")` builds shapes only (dry run).
     """
 
     def __init__(
-        self,
-        layout: ResolvedLayout | Topology,
-        rank: int,
-        power_boost: Any = None,
-        schedule: str | None = None,
-        *,
-        device: torch.device | str | None = None,
+        self, layout: ResolvedLayout, rank: int, *, device: torch.device | str | None = None
     ) -> None:
-        if isinstance(layout, Topology):
-            self.topology = layout
-            layout = ResolvedLayout.of_topology(layout, schedule or "1f1b", power_boost)
-        else:
-            if power_boost is not None or schedule is not None:
-                raise TypeError("power_boost and schedule come from the ResolvedLayout")
-            self.topology = layout.topology()
+        if not isinstance(layout, ResolvedLayout):
+            raise TypeError(f"NTPRuntime takes a ResolvedLayout, got {type(layout).__name__}")
+        self.topology = layout.topology()
         self.layout = layout
         self.rank = rank
         self.coord = self.topology.coord(rank)
-        self.power_boost = layout.power_boost
         self.schedule = layout.schedule  # pipeline schedule (gpipe | 1f1b), used when pp > 1
         self.device = torch.device(device or layout.device_of(rank) or "cpu")
         self.acc_dtype = accumulator_dtype(self.device)

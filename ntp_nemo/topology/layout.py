@@ -11,13 +11,23 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from functools import cached_property
 from typing import Any
 
 from ntp_nemo.data.rebalance import assign_microbatches
 from ntp_nemo.topology.topology import Topology
 
 PowerBoost = float | tuple[float, ...] | None
+
+
+def replica_capacities(tp: int, replica_tp: Sequence[int], power_boost: PowerBoost) -> list[float]:
+    """Per-replica share of work: active ranks / nominal TP, times the power boost of degraded ones."""
+    caps = []
+    for r, n in enumerate(replica_tp):
+        boost = 1.0
+        if power_boost is not None and n < tp:
+            boost = power_boost[r] if isinstance(power_boost, Sequence) else float(power_boost)
+        caps.append(min(1.0, n / tp * boost))
+    return caps
 
 
 def _boost(value: Any) -> PowerBoost:
@@ -87,7 +97,7 @@ class ResolvedLayout:
             power_boost=boost,
             nominal_replicas=None if nominal_replicas is None else int(nominal_replicas),
             num_microbatches=m,
-            microbatches=tuple(assign_microbatches(m, topo.capacities(boost))),
+            microbatches=tuple(assign_microbatches(m, replica_capacities(int(tp), replica_tp, boost))),
             devices=None if devices is None else tuple(str(d) for d in devices),
         )
         if layout.devices is not None and len(layout.devices) != layout.world_size:
@@ -100,14 +110,13 @@ class ResolvedLayout:
         topology: Topology,
         schedule: str = "1f1b",
         power_boost: Any = None,
-        nominal_replicas: int | None = None,
         num_microbatches: int | None = None,
-        virtual_stages: int = 1,
     ) -> ResolvedLayout:
-        """The layout of an existing Topology (tests and benchmarks that build one directly)."""
+        """The layout of a Topology built by hand (tests and benchmarks only; a run resolves its layout
+        from the config with `ntp_nemo.config.layout.resolve_layout`)."""
         t = topology
         return cls.make(t.tp, t.replica_tp, t.layer_tp, t.pp, t.stage_layers, schedule, power_boost,
-                        nominal_replicas, num_microbatches, virtual_stages=virtual_stages)
+                        num_microbatches=num_microbatches)
 
     # ---- derived --------------------------------------------------------------------------------
     @property
@@ -126,13 +135,9 @@ class ResolvedLayout:
         """A fresh Topology (it owns process groups, so each runtime builds its own)."""
         return Topology(self.tp, self.replica_tp, self.layer_tp, self.pp, self.stage_layers)
 
-    @cached_property
-    def _capacities(self) -> tuple[float, ...]:
-        return tuple(self.topology().capacities(self.power_boost))
-
     def capacities(self) -> list[float]:
         """Per-replica share of work (active ranks / nominal TP, times the power boost of degraded ones)."""
-        return list(self._capacities)
+        return replica_capacities(self.tp, self.replica_tp, self.power_boost)
 
     def microbatch_counts(self, num_microbatches: int | None = None) -> list[int]:
         """Per-replica share of `num_microbatches` (default: the global batch's)."""
@@ -149,6 +154,53 @@ class ResolvedLayout:
     def describe(self) -> str:
         return "(" + ",".join(map(str, self.replica_tp)) + ")" + (f"xPP{self.pp}" if self.pp > 1 else "")
 
+    def ranks_of(self, replica: int) -> list[list[int]]:
+        """Global ranks of `replica`, one list per pipeline stage (ranks are replica-major, then stage,
+        then TP slot, as in `Topology`)."""
+        base = self.pp * sum(self.replica_tp[:replica])
+        n = self.replica_tp[replica]
+        return [list(range(base + s * n, base + (s + 1) * n)) for s in range(self.pp)]
+
+    def replica_of(self, rank: int) -> int:
+        for i in range(self.dp):
+            if any(rank in stage for stage in self.ranks_of(i)):
+                return i
+        raise ValueError(f"rank {rank} is not in layout {self.describe()}")
+
+    def lost_per_replica(self, failed: Sequence[int]) -> list[int]:
+        """TP ranks each replica loses: the most any of its stages lost (all stages run at one degree)."""
+        bad = set(failed)
+        return [max(sum(r in bad for r in stage) for stage in self.ranks_of(i)) for i in range(self.dp)]
+
+    def same_ranks(self, other: ResolvedLayout) -> bool:
+        """Every global rank holds the same shards in both layouts (saved RNG states carry over)."""
+        return (self.tp, self.replica_tp, self.layer_tp, self.pp) == (
+            other.tp, other.replica_tp, other.layer_tp, other.pp)
+
+    def table(self, num_heads: int, ffn_hidden: int, vocab: int) -> str:
+        """Readable layout: rank -> replica, stage, slot, and the units held per layer kind."""
+        from rich.console import Console
+        from rich.table import Table
+
+        topo = self.topology()
+        tbl = Table(title=f"NTP layout {self.describe()} (nominal TP {self.tp}, world {self.world_size})")
+        for col in ("rank", "replica", "stage", "slot", "replica TP", "vocab rows", "heads (1st layer)",
+                    "ffn cols (1st layer)", "layer degrees"):
+            tbl.add_column(col)
+        for c in topo.coords:
+            degs = sorted({topo.degree(c.replica, s) for s in range(len(self.layer_tp))})
+            v = topo.units_held(c.rank, 0, vocab)
+            first = topo.stage_layer_range(c.stage).start + 1  # first transformer layer of this rank's stage
+            h = topo.units_held(c.rank, first, num_heads)
+            f = topo.units_held(c.rank, first, ffn_hidden)
+            tbl.add_row(str(c.rank), str(c.replica), str(c.stage), str(c.slot),
+                        str(self.replica_tp[c.replica]), f"[{v[0]},{v[1]})", f"[{h[0]},{h[1]})",
+                        f"[{f[0]},{f[1]})", ",".join(map(str, degs)))
+        console = Console(width=140, record=True, force_terminal=False)
+        with console.capture() as cap:
+            console.print(tbl)
+        return cap.get()
+
     # ---- changes and serialisation -----------------------------------------------------------------
     def with_changes(self, **changes: Any) -> ResolvedLayout:
         """A new layout with some inputs changed and the derived fields recomputed (re-planning)."""
@@ -160,14 +212,39 @@ class ResolvedLayout:
         base.update(changes)
         return ResolvedLayout.make(**base)
 
+    def shrunk(self, sizes: Sequence[int]) -> ResolvedLayout:
+        """Re-planning's result: replica `i` keeps `sizes[i]` active ranks (0: dropped).  Every other
+        option carries over (per-layer degrees, schedule, virtual stages, stage split); per-replica power
+        boosts follow their replicas; capacity is still counted against the replicas the job was planned
+        with.  Unchanged sizes give this very layout."""
+        if len(sizes) != self.dp:
+            raise ValueError(f"{len(sizes)} replica sizes for a layout of {self.dp} replicas")
+        if tuple(sizes) == self.replica_tp:
+            return self
+        kept = [i for i, n in enumerate(sizes) if n > 0]
+        pb = self.power_boost
+        return self.with_changes(
+            replica_tp=tuple(int(sizes[i]) for i in kept),
+            power_boost=tuple(pb[i] for i in kept) if isinstance(pb, tuple) else pb,
+            nominal_replicas=self.nominal_replicas or self.dp,
+        )
+
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ResolvedLayout:
+        """The inverse of `to_dict`; also reads the four keys (tp, replica_tp, layer_tp, pp) that
+        checkpoints written before `to_dict` was stored hold."""
         fields = {k: v for k, v in data.items() if k != "microbatches"}
         return cls.make(**fields)
 
+    @classmethod
+    def from_checkpoint(cls, recorded: Any) -> ResolvedLayout | None:
+        """The layout a checkpoint recorded (its `to_dict`), or None where it recorded none (a
+        checkpoint written outside a run, e.g. by a Hugging Face import)."""
+        return cls.from_dict(recorded) if isinstance(recorded, Mapping) and "replica_tp" in recorded else None
 
-__all__ = ["PowerBoost", "ResolvedLayout"]
+
+__all__ = ["PowerBoost", "ResolvedLayout", "replica_capacities"]

@@ -106,25 +106,6 @@ class Topology:
         k = c.slot // t
         return tuple(ranks[k * t : (k + 1) * t])
 
-    def capacities(self, power_boost: float | Sequence[float] | None = None) -> list[float]:
-        """Per-replica share of work: active ranks / nominal TP, times the power boost of degraded ones."""
-        caps = []
-        for r, n in enumerate(self.replica_tp):
-            boost = 1.0
-            if power_boost is not None and n < self.tp:
-                boost = power_boost[r] if isinstance(power_boost, Sequence) else float(power_boost)
-            caps.append(min(1.0, n / self.tp * boost))
-        return caps
-
-    def capacity_fraction(self, nominal_replicas: int | None = None) -> float:
-        """Active ranks over the nominal ones (`nominal_replicas` x TP, dropped replicas included)."""
-        return sum(self.replica_tp) / (self.tp * max(self.dp, nominal_replicas or 0))
-
-    def describe(self) -> str:
-        return (
-            "(" + ",".join(str(n) for n in self.replica_tp) + ")" + (f"xPP{self.pp}" if self.pp > 1 else "")
-        )
-
     # ---- process groups ----------------------------------------------------------------------
     def tp_group_tuples(self) -> list[tuple[int, ...]]:
         """Every per-layer TP subgroup of size > 1, deterministic order (all ranks create them alike)."""
@@ -168,46 +149,6 @@ class Topology:
 
         g = self.layer_group_ranks(rank, slot)
         return unit_interval(g.index(rank), len(g), units)
-
-    def table(self, num_heads: int, ffn_hidden: int, vocab: int) -> str:
-        """Readable layout: rank -> replica, stage, slot, and the units held per layer kind."""
-        from rich.console import Console
-        from rich.table import Table
-
-        tbl = Table(title=f"NTP layout {self.describe()} (nominal TP {self.tp}, world {self.world_size})")
-        for col in (
-            "rank",
-            "replica",
-            "stage",
-            "slot",
-            "replica TP",
-            "vocab rows",
-            "heads (1st layer)",
-            "ffn cols (1st layer)",
-            "layer degrees",
-        ):
-            tbl.add_column(col)
-        for c in self.coords:
-            degs = sorted({self.degree(c.replica, s) for s in range(len(self.layer_tp))})
-            v = self.units_held(c.rank, 0, vocab)
-            first = self.stage_layer_range(c.stage).start + 1  # first transformer layer of this rank's stage
-            h = self.units_held(c.rank, first, num_heads)
-            f = self.units_held(c.rank, first, ffn_hidden)
-            tbl.add_row(
-                str(c.rank),
-                str(c.replica),
-                str(c.stage),
-                str(c.slot),
-                str(self.replica_tp[c.replica]),
-                f"[{v[0]},{v[1]})",
-                f"[{h[0]},{h[1]})",
-                f"[{f[0]},{f[1]})",
-                ",".join(map(str, degs)),
-            )
-        console = Console(width=140, record=True, force_terminal=False)
-        with console.capture() as cap:
-            console.print(tbl)
-        return cap.get()
 
 
 class RankPlan:
