@@ -64,12 +64,9 @@ def compose(overrides: Sequence[str]):
 
 
 def model_config(cfg):
-    from omegaconf import OmegaConf
+    from ntp_nemo.config.model import model_config as of_group
 
-    from ntp_nemo.models.config import ModelConfig
-
-    fields = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "_target_"}
-    return ModelConfig(**fields)
+    return of_group(cfg.model)
 
 
 def build_data_for(cfg):

@@ -61,7 +61,7 @@ MB = 1e6
 
 
 def _model_and_optimizer(rank: int, layout: tuple, cfg: ModelConfig):
-    model = NTPRuntime(ResolvedLayout.of_topology(Topology(*layout)), rank).build_model(cfg, seed=0)
+    model = NTPRuntime(ResolvedLayout.make(Topology(*layout)), rank).build_model(cfg, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for p in model.parameters():  # one step so the optimizer holds its moments
         p.grad = torch.randn_like(p)
@@ -185,7 +185,7 @@ def _training_loop(cfg, layout, root, repeat, window, batch, seq):
     save window, wait for the commit (untimed).  Returns the first step's and the whole window's
     wall time of the save-free windows, and per saver and save window: the save() call (wall, CPU),
     the guard's wait in the next optimizer step, the first step's and the window's wall time."""
-    rt = NTPRuntime(ResolvedLayout.of_topology(Topology(*layout)), 0)
+    rt = NTPRuntime(ResolvedLayout.make(Topology(*layout)), 0)
     model = rt.build_model(cfg, seed=0)
     rt.attach(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

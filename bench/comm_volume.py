@@ -317,7 +317,7 @@ def worker(rank: int, world: int, layout: Layout, cfg, batch: tuple[int, int, in
 
     mbs, seq, global_batch = batch
     topo = Topology(layout.tp, layout.replica_tp, layout.degrees(cfg.num_layers))
-    rt = NTPRuntime(ResolvedLayout.of_topology(topo), rank)
+    rt = NTPRuntime(ResolvedLayout.make(topo), rank)
     model = rt.build_model(cfg, SEED)
     sync = rt.attach(model)
     everyone: list = [None] * world

@@ -26,7 +26,7 @@ from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.parallel.grad_sync import build_sync_plan, build_sync_plans, param_descriptors
 from ntp_nemo.runtime.dry_run import StepShape, dry_run, fake_world
 from ntp_nemo.runtime.runtime import NTPRuntime
-from ntp_nemo.topology import ResolvedLayout
+from ntp_nemo.topology import ResolvedLayout, Topology
 
 LLAMA3_8B = ModelConfig(arch="llama", name="llama3_8b", vocab_size=128256, hidden_size=4096, num_layers=32,
                         num_heads=32, num_kv_heads=8, ffn_hidden_size=14336, max_seq_len=8192,
@@ -49,8 +49,8 @@ def main() -> None:
     print(f"load average at start: {os.getloadavg()[0]:.1f}")
 
     replica_tp = [int(x) for x in args.replica_tp.split(",")]
-    layout = ResolvedLayout.make(max(replica_tp), replica_tp, [max(replica_tp)] * 34, pp=args.pp,
-                                 num_microbatches=8 * len(replica_tp))
+    topology = Topology(max(replica_tp), replica_tp, [max(replica_tp)] * 34, pp=args.pp)
+    layout = ResolvedLayout.make(topology, num_microbatches=8 * len(replica_tp))
     grouped, gw, gc = timed(lambda: dry_run(layout, LLAMA3_8B, SHAPE, measure_options=False))
     single, sw, sc = timed(lambda: dry_run(layout, LLAMA3_8B, SHAPE, measure_options=False,
                                            group_ranks=False))
@@ -64,7 +64,8 @@ def main() -> None:
 
     if args.plans_world:
         dp = (args.plans_world // 2 + 7) // 8
-        big = ResolvedLayout.make(8, [8] * (dp - 1) + [args.plans_world // 2 - 8 * (dp - 1)], [8] * 34, pp=2)
+        sizes = [8] * (dp - 1) + [args.plans_world // 2 - 8 * (dp - 1)]
+        big = ResolvedLayout.make(Topology(8, sizes, [8] * 34, pp=2))
         topo = big.topology()
         desc: dict = {}
         for r in range(big.world_size):  # one slice per signature, as the dry run builds them

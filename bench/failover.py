@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from _common import ROOT, load_average, thread_env
 
@@ -197,11 +198,13 @@ def _harness_worker(pid, world, store, mode, model_cfg, layout, first_step, step
             model = DecoderLM(model_cfg, rt.plan, layers=rt.topology.stage_layer_range(stage),
                               has_embedding=stage == 0, has_head=stage == rt.topology.pp - 1)
         rt.attach(model)
-        return rt, model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+        return SimpleNamespace(runtime=rt, model=model,
+                               optimizer=torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1))
 
     gen = Generation.first(layout)
     join(store, 0, pid, world)
-    rt, model, opt = build(layout, pid)
+    first = build(layout, pid)
+    rt, model, opt = first.runtime, first.model, first.optimizer
     if resume:
         load_checkpoint(resume, model, opt)
     records, recoveries, step = [], [], first_step
@@ -248,9 +251,9 @@ def _harness_worker(pid, world, store, mode, model_cfg, layout, first_step, step
 def _harness(mode, model_cfg, args, out_dir: Path) -> dict:
     from ntp_nemo.resilience.policies import make_policy, replan
     from ntp_nemo.resilience.rendezvous import run_elastic
-    from ntp_nemo.topology import ResolvedLayout
+    from ntp_nemo.topology import ResolvedLayout, Topology
 
-    layout = ResolvedLayout.make(2, (2, 2), [2] * (model_cfg.num_layers + 2))
+    layout = ResolvedLayout.make(Topology(2, (2, 2), [2] * (model_cfg.num_layers + 2)))
     common = (args.steps, args.fail_step, args.every, args.seq_len, args.batch, args.lr, str(out_dir))
     t_start = time.time()
     results, _ = run_elastic(_harness_worker, layout.world_size, mode, model_cfg, layout, 0, *common, None)

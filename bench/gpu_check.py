@@ -202,7 +202,8 @@ def worker_ntp(run_dir: Path, layout: str, precision: str, steps: int) -> None:
 
     from ntp_nemo.config.paths import conf_dir
     from ntp_nemo.config.register import register_configs
-    from ntp_nemo.config.validate import resolve_layer_tp, validate
+    from ntp_nemo.config.resolve import resolve
+    from ntp_nemo.config.validate import validate
     from ntp_nemo.data.module import build_data
     from ntp_nemo.lightning.factory import build_trainer
 
@@ -222,7 +223,7 @@ def worker_ntp(run_dir: Path, layout: str, precision: str, steps: int) -> None:
     data = build_data(d.path, d.tokenizer, int(d.seq_len), int(d.global_batch_size), int(cfg.seed),
                       float(d.val_fraction), int(cfg.model.vocab_size))
     world = sum(sizes)
-    trainer, module, _ = build_trainer(cfg, run_dir, data, resolve_layer_tp(cfg), [], [0] * world)
+    trainer, module, _ = build_trainer(resolve(cfg), run_dir, data, None, [], [0] * world)
     trainer.fit(module)
 
 

@@ -79,7 +79,7 @@ def activation_table(base: ModelConfig, mbs: int, seq: int) -> list[dict]:
 
 def optimizer_worker(rank: int, world: int, cfg: ModelConfig, replica_tp: list[int]) -> dict:
     tp = max(replica_tp)
-    rt = NTPRuntime(ResolvedLayout.of_topology(Topology(tp, replica_tp, [tp] * (cfg.num_layers + 2))), rank)
+    rt = NTPRuntime(ResolvedLayout.make(Topology(tp, replica_tp, [tp] * (cfg.num_layers + 2))), rank)
     gen = torch.Generator().manual_seed(0)
     toks = torch.randint(0, cfg.vocab_size, (2 * len(replica_tp), 33), generator=gen)
     out = {}

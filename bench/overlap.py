@@ -40,7 +40,7 @@ from ntp_nemo.topology import ResolvedLayout, Topology
 def overlap_worker(rank: int, world: int, cfg: ModelConfig, replica_tp: list[int], m: int, mbs: int, seq: int,
                    bucket_mb: float, steps: int) -> dict:
     tp = max(replica_tp)
-    rt = NTPRuntime(ResolvedLayout.of_topology(Topology(tp, replica_tp, [tp] * (cfg.num_layers + 2))), rank)
+    rt = NTPRuntime(ResolvedLayout.make(Topology(tp, replica_tp, [tp] * (cfg.num_layers + 2))), rank)
     model = rt.build_model(cfg, 0)
     sync = rt.attach(model, bucket_mb)
     ov = OverlappedGradSync(model, sync.plan, sync.group_of, sync.bucket_bytes)

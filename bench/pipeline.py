@@ -39,7 +39,7 @@ def bench_worker(rank: int, world: int, cfg: ModelConfig, schedule: str, m: int,
                  steps: int, v: int = 1) -> dict:
     topo = Topology(1, [1], [1] * (cfg.num_layers + 2), pp=world)
     if schedule == INTERLEAVED:
-        rt = NTPRuntime(ResolvedLayout.of_topology(topo), rank)
+        rt = NTPRuntime(ResolvedLayout.make(topo), rank)
         stage = rt.coord.stage
         model = DecoderLM(cfg, rt.plan, layers=stage_layers(cfg.num_layers, world, v, stage),
                           has_embedding=stage == 0, has_head=stage == world - 1)
@@ -47,7 +47,7 @@ def bench_worker(rank: int, world: int, cfg: ModelConfig, schedule: str, m: int,
         rt.attach(model)
         rt.pipeline = InterleavedPipelineEngine(model, topo, rank, v)
     else:
-        rt = NTPRuntime(ResolvedLayout.of_topology(topo, schedule), rank)
+        rt = NTPRuntime(ResolvedLayout.make(topo, schedule), rank)
         model = rt.build_model(cfg, seed=0)
         rt.attach(model)
     gen = torch.Generator().manual_seed(0)

@@ -39,7 +39,7 @@ def model_config(arch: str) -> ModelConfig:
 def worker(rank: int, world: int, arch: str, layer_tp: list[int], replica_tp: list[int]) -> dict:
     torch.set_num_threads(1)
     topo = Topology(tp=max(replica_tp), replica_tp=replica_tp, layer_tp=layer_tp)
-    rt = NTPRuntime(ResolvedLayout.of_topology(topo), rank)
+    rt = NTPRuntime(ResolvedLayout.make(topo), rank)
     model = rt.build_model(model_config(arch), seed=0)
     counts = {"bytes": 0, "calls": 0}
     original = dist.all_reduce

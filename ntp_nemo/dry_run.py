@@ -58,15 +58,6 @@ def _checked_config(cfg: DictConfig) -> DictConfig:
     return checked
 
 
-def _model_config(cfg: DictConfig):
-    from ntp_nemo.models.config import ModelConfig
-
-    names = {f.name for f in dataclasses.fields(ModelConfig)}
-    fields = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items()
-              if k != "_target_" and k in names}
-    return ModelConfig(**fields)
-
-
 def rank_rows(result) -> list[dict[str, Any]]:
     out = []
     for r in result.ranks:
@@ -150,7 +141,9 @@ def run_dry(cfg: DictConfig, run_dir: Path, say=print) -> dict[str, Any]:
 
     precision = str(checked.trainer.precision)
     param_dtype, compute_dtype = (getattr(torch, n) for n in PRECISION_DTYPES[precision])
-    mcfg = _model_config(checked)
+    from ntp_nemo.config.model import model_config
+
+    mcfg = model_config(checked.model)
     shape = StepShape(
         seq_len=int(checked.data.seq_len),
         micro_batch_size=int(checked.data.micro_batch_size),

@@ -7,164 +7,66 @@ one-paragraph message before any worker starts; runtime failures exit 1.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ntp_nemo.cli.console import (
+    invocation_stats,
+    launcher_rank,
+    print_summary,
+    process_start_time,
+    quiet_libraries,
+    say,
+)
 from ntp_nemo.errors import EXIT_CONFIG, EXIT_RUNTIME, ConfigError, report_config_error
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
+    from ntp_nemo.config.resolve import RunSpec
+
 # Module level imports stay light: `--help` and a misspelt key answer before Hydra is imported, a bad
 # value before torch; Lightning is imported once the config is valid, before the workers are forked
 # (they inherit it).
 
-_job_started = False
-_IMPORTED = time.time()  # when /proc does not say when this process started
-
-
-def launcher_rank() -> int:
-    """Global rank given by an external launcher (torchrun: RANK, srun: SLURM_PROCID); 0 when we launch."""
-    for var in ("RANK", "SLURM_PROCID"):
-        if var in os.environ:
-            return int(os.environ[var])
-    return 0
-
-
-def process_start_time() -> float:
-    """Wall-clock time this process started (from /proc on Linux: interpreter start-up and imports
-    included); elsewhere when this module was imported."""
-    try:
-        stat = Path("/proc/self/stat").read_text()
-        ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks since boot
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        started = time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        return _IMPORTED
-    return started if _IMPORTED - 600 < started <= _IMPORTED else _IMPORTED
-
-
-def say(*args, **kwargs) -> None:
-    """Print once per job: under torchrun/SLURM every rank runs this entry point."""
-    if launcher_rank() == 0:
-        print(*args, **kwargs)
-
-
-def _quiet_libraries() -> None:
-    """Lightning logs through its own handler; stop Hydra's root handler from printing it twice."""
-    for name in ("lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).propagate = False
-    # "Terminating process N via signal SIGTERM": torch stopping the other workers after one failed;
-    # the supervisor reports the failure and what it does about it.
-    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-    # modelopt checks the installed transformers version on import; ntp_nemo uses none of its HF paths.
-    warnings.filterwarnings("ignore", message=r"transformers .* is not tested with current version of model")
-    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
-    warnings.filterwarnings("ignore", message=".*sync_dist=True.*")
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    warnings.filterwarnings("ignore", message=".*exists and is not empty.*")
-    # Batches are a function of (seed, step): the step restored from the checkpoint resumes the data exactly.
-    warnings.filterwarnings("ignore", message=".*dataloader is not resumable.*")
-    warnings.filterwarnings("ignore", message=".*no pre-optimization state was saved.*")
-
 
 def train(cfg: DictConfig) -> dict:
-    """Validate, prepare data, launch the workers and train; returns the run summary."""
+    """resolve -> data -> supervisor (or this worker, under torchrun/SLURM) -> report; returns the run
+    summary."""
     from hydra.core.hydra_config import HydraConfig
 
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
     if cfg.trainer.get("dry_run"):  # validates by itself, reads no data, starts no worker
         from ntp_nemo.dry_run import run_dry
 
         # Under torchrun/SLURM every process gets here: global rank 0 alone runs it and writes the file.
-        return run_dry(cfg, Path(HydraConfig.get().runtime.output_dir), say) if launcher_rank() == 0 else {}
-    from ntp_nemo.config import checks
-    from ntp_nemo.config.layout import resolve_layout
-    from ntp_nemo.config.validate import check_environment, validate
-
-    checks.require_mandatory(cfg)
-    checks.adjust(cfg)
-    from ntp_nemo.data.validate import explicit_keys, resolve_data_config
-
-    # The tokenizer sizes model.vocab_size (unless it is given on the command line).
-    overrides = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
-    resolve_data_config(cfg, explicit_keys(overrides))
-    validate(cfg)  # before any heavy import: a bad value answers in well under a second
-    from ntp_nemo.resilience.fault_config import validate_fault_config
-
-    validate_fault_config(cfg)  # the `fault` group too (no torch, no Lightning)
-    check_environment(cfg)
-    layout = resolve_layout(cfg)  # once: the supervisor, the strategy and every rank take this value
-    checks.check_batch_split(layout, int(cfg.data.micro_batch_size))
-    checks.warn_no_ops(cfg, layout)
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
-    checks.check_outputs(cfg, run_dir)
-    ckpt_path = resolve_resume(cfg, run_dir)
-    if ckpt_path is not None:
-        checks.check_resume_model(cfg, ckpt_path)
+        return run_dry(cfg, run_dir, say) if launcher_rank() == 0 else {}
+    spec, ckpt_path = _resolve(cfg, run_dir)  # every check before anything starts: exit 2 on bad input
+    if spec.model.init_from:
+        say(f"model weights: initialised from {spec.model.init_from} (model.init_from)", flush=True)
+    quiet_libraries()
+    data = _data(spec)
+    from ntp_nemo.lightning.factory import build_trainer
     from ntp_nemo.resilience.supervisor import Supervisor  # imports Lightning
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if launcher_rank() == 0:
-        from ntp_nemo.config.run_dir import save_record
 
-        save_record(cfg, run_dir)  # only now: a command that fails validation keeps the old record
-    if cfg.model.get("init_from"):
-        say(f"model weights: initialised from {cfg.model.init_from} (model.init_from)", flush=True)
-    _quiet_libraries()
-    from ntp_nemo.data.module import build_data
-
-    data = build_data(
-        cfg.data.path,
-        cfg.data.tokenizer,
-        int(cfg.data.seq_len),
-        int(cfg.data.global_batch_size),
-        int(cfg.seed),
-        float(cfg.data.val_fraction),
-        int(cfg.model.vocab_size),
-        blend=cfg.data.blend,
-        val_path=cfg.data.val_path,
-    )
-    if cfg.quant.format != "none":
-        from ntp_nemo.quant.modules import register_tp_layers
-
-        register_tp_layers()  # import modelopt once, before the workers are forked
-    from ntp_nemo.lightning.factory import build_trainer, model_config
-    from ntp_nemo.models import flops_per_token, param_count
-
-    mcfg = model_config(cfg)
     supervisor = Supervisor(
-        cfg,
-        layout,
+        spec.failover,
+        spec.layout,
         run_dir,
-        lambda lay, extra, devices, stop_at: build_trainer(cfg, run_dir, data, lay, extra, devices, stop_at),
+        lambda lay, extra, devices, stop_at: build_trainer(spec, run_dir, data, lay, extra, devices, stop_at),
     )
-    trainer, module, strategy = supervisor.build_first()
-    say(
-        f"ntp_nemo | recipe {cfg.recipe} | model {mcfg.name} ({mcfg.arch}) "
-        f"{param_count(mcfg) / 1e6:.2f}M params, "
-        f"{flops_per_token(mcfg, int(cfg.data.seq_len)) / 1e6:.1f} MFLOP/token | data "
-        f"{cfg.data.path or 'embedded corpus (Python standard library)'} "
-        f"[tokenizer {data.tokenizer_name}, {data.vocab_size} ids -> {mcfg.vocab_size} vocabulary rows] "
-        f"({len(data.train)} train / {len(data.val)} val samples)",
-        flush=True,
-    )
-    say(layout.table(mcfg.num_heads, mcfg.ffn_hidden_size, mcfg.vocab_size), flush=True)
-    say(
-        f"layer degrees (embedding, layers..., head): {list(layout.layer_tp)}; micro-batches per replica per "
-        f"step: {list(layout.microbatches)}",
-        flush=True,
-    )
-    from ntp_nemo.goodput import GoodputRecorder
-
+    first = supervisor.build_first()
+    _describe(spec, data)
     done_step = _checkpoint_step(ckpt_path) if ckpt_path is not None else -1
-    if done_step >= int(cfg.trainer.max_steps):
+    if done_step >= spec.trainer.max_steps:
         say(
             f"run in {run_dir} is already complete: checkpoint {ckpt_path.name} is at step "
-            f"{done_step} >= trainer.max_steps={cfg.trainer.max_steps}; nothing to do. "
+            f"{done_step} >= trainer.max_steps={spec.trainer.max_steps}; nothing to do. "
             "Raise trainer.max_steps to continue, or pass resume=never / a new hydra.run.dir to start "
             "over."
         )
@@ -172,16 +74,97 @@ def train(cfg: DictConfig) -> dict:
     if ckpt_path is not None:
         say(f"resuming from {ckpt_path} (resume={cfg.resume})", flush=True)
     if launcher_rank() == 0:
-        GoodputRecorder(run_dir).record("job_start", layout=layout.describe())
+        from ntp_nemo.goodput import GoodputRecorder
+
+        GoodputRecorder(run_dir).record("job_start", layout=spec.layout.describe())
     t0 = time.time()
     supervisor.initial_resume = ckpt_path
     try:
-        result = supervisor.run((trainer, module, strategy), ckpt_path)
+        result = supervisor.run(first, ckpt_path)
     except Exception:
         _raise_if_found_corrupt(ckpt_path)
         raise
     if launcher_rank() != 0:
         return {}  # summary.json has one writer, global rank 0, which also reads and prints it
+    return _report(run_dir, t0, result)
+
+
+def _resolve(cfg: DictConfig, run_dir: Path) -> tuple[RunSpec, Path | None]:
+    """Check the config, resolve it into the run's RunSpec (once) and find the checkpoint to resume
+    from; records the config in the run directory once it is valid."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from ntp_nemo.config import checks
+    from ntp_nemo.config.data import explicit_keys, resolve_data_config
+    from ntp_nemo.config.failover import failover_spec
+    from ntp_nemo.config.layout import resolve_layout
+    from ntp_nemo.config.resolve import resolve
+    from ntp_nemo.config.validate import check_environment, validate
+    from ntp_nemo.resilience.fault_config import validate_fault_config
+
+    checks.require_mandatory(cfg)
+    checks.adjust(cfg)
+    # The tokenizer sizes model.vocab_size (unless it is given on the command line).
+    overrides = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
+    resolve_data_config(cfg, explicit_keys(overrides))
+    validate(cfg)  # before any heavy import: a bad value answers in well under a second
+    failover = failover_spec(cfg)  # what failover reads
+    validate_fault_config(failover)  # the `fault` group too (no torch, no Lightning)
+    check_environment(cfg)
+    layout = resolve_layout(cfg)  # once: the supervisor, the strategy and every rank take this value
+    checks.check_batch_split(layout, int(cfg.data.micro_batch_size))
+    checks.warn_no_ops(cfg, layout)
+    checks.check_outputs(cfg, run_dir)
+    ckpt_path = resolve_resume(cfg, run_dir)
+    if ckpt_path is not None:
+        checks.check_resume_model(cfg, ckpt_path)
+    spec = resolve(cfg, layout, failover)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if launcher_rank() == 0:
+        from ntp_nemo.config.run_dir import save_record
+
+        save_record(cfg, run_dir)  # only now: a command that fails validation keeps the old record
+    return spec, ckpt_path
+
+
+def _data(spec: RunSpec):
+    """The run's data (tokenised once, in the launching process; the workers inherit it)."""
+    from ntp_nemo.data.module import build_data
+
+    d = spec.data
+    data = build_data(d.path, d.tokenizer, d.seq_len, d.global_batch_size, spec.seed, d.val_fraction,
+                      spec.model.vocab_size, blend=d.blend, val_path=d.val_path)
+    if spec.quant.format != "none":
+        from ntp_nemo.quant.modules import register_tp_layers
+
+        register_tp_layers()  # import modelopt once, before the workers are forked
+    return data
+
+
+def _describe(spec: RunSpec, data) -> None:
+    """The run's opening lines: model, data, the rank table and the batch split."""
+    from ntp_nemo.models import flops_per_token, param_count
+
+    m, layout = spec.model, spec.layout
+    say(
+        f"ntp_nemo | recipe {spec.recipe} | model {m.name} ({m.arch}) "
+        f"{param_count(m) / 1e6:.2f}M params, "
+        f"{flops_per_token(m, spec.data.seq_len) / 1e6:.1f} MFLOP/token | data "
+        f"{spec.data.path or 'embedded corpus (Python standard library)'} "
+        f"[tokenizer {data.tokenizer_name}, {data.vocab_size} ids -> {m.vocab_size} vocabulary rows] "
+        f"({len(data.train)} train / {len(data.val)} val samples)",
+        flush=True,
+    )
+    say(layout.table(m.num_heads, m.ffn_hidden_size, m.vocab_size), flush=True)
+    say(
+        f"layer degrees (embedding, layers..., head): {list(layout.layer_tp)}; micro-batches per replica per "
+        f"step: {list(layout.microbatches)}",
+        flush=True,
+    )
+
+
+def _report(run_dir: Path, t0: float, result) -> dict:
+    """summary.json completed with this command's numbers (every attempt), printed as the summary."""
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     summary["wall_s"] = time.time() - t0
@@ -226,36 +209,6 @@ def resolve_resume(cfg: DictConfig, run_dir: Path) -> Path | None:
     return require_valid_checkpoint(Path(mode).expanduser(), key="resume")
 
 
-def invocation_stats(run_dir: Path, since: float) -> dict:
-    """Steps, losses and tokens/s of this command's steps in metrics.jsonl (all its attempts)."""
-    path = run_dir / "metrics.jsonl"
-    recs = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if rec.get("time", 0) >= since:
-                recs.append(rec)
-    if not recs:
-        return {}
-    steady = recs[1:] or recs  # the first step carries one-time warm-up work
-    secs = sum(r["step_time_s"] for r in steady)
-    layouts: list[str] = []  # the layouts trained on, in order (consecutive repeats merged)
-    for r in recs:
-        if r.get("layout") and (not layouts or layouts[-1] != r["layout"]):
-            layouts.append(r["layout"])
-    return {
-        "steps_this_run": len(recs),
-        "layouts": layouts,
-        "first_step_start": recs[0]["time"] - recs[0]["step_time_s"],
-        "first_loss": recs[0]["loss"],
-        "final_loss": recs[-1]["loss"],
-        "tokens_per_s": sum(r["tokens"] for r in steady) / secs if secs > 0 else None,
-    }
-
-
 def _raise_if_found_corrupt(ckpt_path: Path | None) -> None:
     """The workers verify the data while loading (the check before launch reads only metadata); when
     they found a bad file in the checkpoint to resume from and had nothing to fall back to, they marked
@@ -272,73 +225,16 @@ def _checkpoint_step(path: Path) -> int:
     return int(read_manifest(path).get("step", -1))
 
 
-def _percent(x: float | None) -> float | None:
-    return None if x is None else 100 * x
+@dataclass
+class _Job:
+    """Whether Hydra started the job: an exit 1 before it is a composition error (exit 2)."""
+
+    started: bool = False
 
 
-def print_summary(summary: dict, run_dir: Path) -> None:
-    def fmt(v, spec=".4f"):
-        return "n/a" if v is None else format(v, spec)
-
-    lines = [
-        "",
-        "──────────────── ntp_nemo run summary ────────────────",
-        f" layout        {summary.get('layout')}",
-        f" steps         {summary.get('steps')} ({summary.get('steps_this_run')} in this run)",
-        f" loss          first {fmt(summary.get('first_loss'))} → final {fmt(summary.get('final_loss'))}",
-        f" val loss      {fmt(summary.get('val_loss'))}",
-        f" tokens/s      {fmt(summary.get('tokens_per_s'), '.0f')}",
-        f" goodput       {fmt(_percent(summary.get('goodput')), '.1f')}%",
-        f" wall time     {fmt(summary.get('wall_s'), '.1f')} s",
-        *(
-            [f" startup       {summary['startup_s']:.1f} s from the command to the first step"]
-            if summary.get("startup_s") is not None
-            else []
-        ),
-        *(
-            [
-                f" failover      {summary['failover']['failures']} failure(s)"
-                + "".join(f"; recovered {r['mode']} in {r['recovery_s']:.1f} s"
-                          for r in summary["failover"].get("recoveries", []))
-                + "; layouts " + " -> ".join(summary["failover"]["layouts"])
-            ]
-            if summary.get("failover")
-            else []
-        ),
-        *(
-            [
-                f" stopped early at step {summary.get('steps')} of {summary.get('max_steps')} "
-                f"({'Ctrl-C' if summary['stopped_early'] == 'SIGINT' else summary['stopped_early']}); "
-                "checkpoint saved",
-                f" to resume     {resume_command(run_dir)}",
-            ]
-            if summary.get("stopped_early")
-            else []
-        ),
-        f" outputs       {run_dir} (metrics.jsonl, goodput.jsonl, checkpoints/, logs/)",
-        "──────────────────────────────────────────────────────",
-    ]
-    say("\n".join(lines), flush=True)
-
-
-def resume_command(run_dir: Path) -> str:
-    """The command that continues this run: its own overrides, in its run directory (resume=auto)."""
-    import shlex
-
-    from hydra.core.hydra_config import HydraConfig
-
-    try:
-        overrides = list(HydraConfig.get().overrides.task)
-    except ValueError:  # no Hydra job (called from Python)
-        overrides = []
-    keep = [o for o in overrides if not o.startswith(("hydra.run.dir=", "resume=", "trainer.stop_at_step="))]
-    return " ".join(["ntp-train", *map(shlex.quote, keep), shlex.quote(f"hydra.run.dir={run_dir}")])
-
-
-def _hydra_entry(cfg: DictConfig) -> float | None:
+def _hydra_entry(cfg: DictConfig, job: _Job) -> float | None:
     """The Hydra job (`main` wraps it in `hydra.main`)."""
-    global _job_started
-    _job_started = True
+    job.started = True
     from hydra.core.hydra_config import HydraConfig
 
     from ntp_nemo.config.run_dir import ConsoleLog, log_path
@@ -392,11 +288,16 @@ def main() -> None:
     if launcher_rank() != 0:
         # Only global rank 0 keeps the run's .hydra/ record and log file.
         sys.argv += ["hydra/job_logging=disabled"]
+    job = _Job()
+
+    def run_job(cfg: DictConfig) -> float | None:
+        return _hydra_entry(cfg, job)
+
     try:
-        hydra.main(version_base=None, config_path=str(conf_dir()), config_name="config")(_hydra_entry)()
+        hydra.main(version_base=None, config_path=str(conf_dir()), config_name="config")(run_job)()
     except SystemExit as exc:
         # Hydra exits 1 on composition errors (unknown key, bad override) before the job starts.
-        if exc.code == 1 and not _job_started:
+        if exc.code == 1 and not job.started:
             sys.exit(EXIT_CONFIG)
         raise
     except Exception as exc:  # noqa: BLE001 - last resort: a runtime failure

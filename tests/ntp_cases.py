@@ -69,7 +69,7 @@ def step_against_reference(rt: NTPRuntime, model, cfg: ModelConfig) -> tuple[ran
 def exactness_worker(
     rank: int, world: int, cfg: ModelConfig, tp: int, replica_tp: list[int], layer_tp: list[int]
 ) -> dict:
-    rt = NTPRuntime(ResolvedLayout.of_topology(Topology(tp, replica_tp, layer_tp)), rank)
+    rt = NTPRuntime(ResolvedLayout.make(Topology(tp, replica_tp, layer_tp)), rank)
     model = rt.build_model(cfg, SEED, dtype=torch.float64)
     rt.attach(model)
     mine, worst = step_against_reference(rt, model, cfg)

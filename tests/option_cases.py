@@ -79,7 +79,7 @@ def options_worker(rank: int, world: int, cfg, tp: int, replica_tp: list[int], p
     """Per variant: worst relative loss difference and worst absolute parameter difference against the
     first variant (the baseline), plus the baseline's grad norms (to see that clipping was active)."""
     topo = Topology(tp, replica_tp, [tp] * (cfg.num_layers + 2), pp=pp, stage_layers=stage_layers)
-    rt = NTPRuntime(ResolvedLayout.of_topology(topo), rank)
+    rt = NTPRuntime(ResolvedLayout.make(topo), rank)
     base = None
     out: dict = {}
     for name in variants:

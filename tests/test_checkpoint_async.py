@@ -217,7 +217,7 @@ def test_load_waits_for_the_staging_of_a_save_in_flight(tmp_path, monkeypatch):
     at_save = _flat(model, opt)
     finished = _slow_staging(monkeypatch)
     saver.save(tmp_path / checkpoint_name(2), model, opt, {"step": 2}, step=2)
-    load_checkpoint(tmp_path / checkpoint_name(1), model, opt)  # back to step 1, in place
+    load_checkpoint(tmp_path / checkpoint_name(1), model, opt, saver=saver)  # back to step 1, in place
     assert finished
     saver.close()
     _, fresh, fresh_opt = _setup(0, (1, [1], [1] * 4), LLAMA, 8, torch.float32)

@@ -39,7 +39,7 @@ TP3 = (3, [3], [3] * 4)
 
 
 def _model_opt(rank: int, layout, seed: int = SEED):
-    model = NTPRuntime(ResolvedLayout.of_topology(Topology(*layout)), rank).build_model(GPT, seed)
+    model = NTPRuntime(ResolvedLayout.make(Topology(*layout)), rank).build_model(GPT, seed)
     return model, torch.optim.AdamW(model.parameters())
 
 

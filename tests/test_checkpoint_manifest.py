@@ -35,7 +35,7 @@ LAYOUT = (2, [2], [2] * 4)
 
 
 def _model(rank: int, cfg: ModelConfig = GPT, layout=LAYOUT):
-    return NTPRuntime(ResolvedLayout.of_topology(Topology(*layout)), rank).build_model(cfg, SEED)
+    return NTPRuntime(ResolvedLayout.make(Topology(*layout)), rank).build_model(cfg, SEED)
 
 
 def _save_two(rank, world, directory):

@@ -32,7 +32,7 @@ def _batch(cfg: ModelConfig, step: int) -> torch.Tensor:
 
 
 def _setup(rank: int, layout: tuple, cfg: ModelConfig, seed: int, dtype: torch.dtype, lr: float = LR):
-    rt = NTPRuntime(ResolvedLayout.of_topology(Topology(*layout)), rank)
+    rt = NTPRuntime(ResolvedLayout.make(Topology(*layout)), rank)
     model = rt.build_model(cfg, seed, dtype=dtype)
     rt.attach(model)
     return rt, model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)

@@ -19,7 +19,7 @@ from ntp_nemo.lightning.cluster import (
 )
 from ntp_nemo.resilience.policies import make_policy, replan
 from ntp_nemo.resilience.replan import relaunch_devices
-from ntp_nemo.topology import ResolvedLayout
+from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.conftest import TINY, compose
 
 
@@ -110,7 +110,7 @@ def test_trainer_on_the_one_process_node_keeps_the_launchers_rank(monkeypatch, t
     from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
     from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-    from ntp_nemo.config.validate import resolve_layer_tp
+    from ntp_nemo.config.resolve import resolve
     from ntp_nemo.data.module import build_data
     from ntp_nemo.lightning.factory import build_trainer
 
@@ -123,7 +123,7 @@ def test_trainer_on_the_one_process_node_keeps_the_launchers_rank(monkeypatch, t
     d = cfg.data
     data = build_data(d.path, d.tokenizer, int(d.seq_len), int(d.global_batch_size), int(cfg.seed),
                       float(d.val_fraction), int(cfg.model.vocab_size))
-    trainer, _, strategy = build_trainer(cfg, tmp_path, data, resolve_layer_tp(cfg))
+    trainer, _, strategy = build_trainer(resolve(cfg), tmp_path, data)
     assert isinstance(strategy.cluster_environment, NTPTorchElasticEnvironment)
     placed = (strategy.num_nodes, strategy.num_processes, strategy.node_rank, strategy.local_rank)
     assert placed == (2, 1, 1, 0)
@@ -171,7 +171,7 @@ def test_validation_of_a_gpu_recipe_does_not_touch_cuda(monkeypatch):
 @pytest.mark.parametrize("failed", [[0], [1], [2], [3], [1, 3]])
 def test_relaunch_never_binds_a_lost_device(failed):
     old = list(range(4))  # layout (2,2) on cuda:0..3
-    plan = replan(ResolvedLayout.make(2, (2, 2), [2] * 4), failed, make_policy("ntp"))
+    plan = replan(ResolvedLayout.make(Topology(2, (2, 2), [2] * 4)), failed, make_policy("ntp"))
     devices, notes = relaunch_devices(plan, old, set(failed), visible=4)
     assert len(devices) == plan.new.world_size and len(set(devices)) == len(devices)
     assert not set(devices) & set(failed)
@@ -180,7 +180,7 @@ def test_relaunch_never_binds_a_lost_device(failed):
 
 
 def test_restart_policy_takes_a_spare_and_says_when_there_is_none():
-    plan = replan(ResolvedLayout.make(2, (2, 2), [2] * 4), [1], make_policy("restart"))
+    plan = replan(ResolvedLayout.make(Topology(2, (2, 2), [2] * 4)), [1], make_policy("restart"))
     devices, notes = relaunch_devices(plan, [0, 1, 2, 3], {1}, visible=5)
     assert devices == [0, 4, 2, 3] and "spare cuda:4" in notes[0]
     devices, notes = relaunch_devices(plan, [0, 1, 2, 3], {1}, visible=4)
@@ -216,6 +216,7 @@ class _Trainer:
 def test_supervisor_relaunches_on_the_survivors_devices(tmp_path: Path, monkeypatch, capsys):
     """Two losses on a GPU (2,2) layout: each relaunch binds the surviving ranks' GPUs, never a lost one
     (the devices come from the real re-plan and reach the build function and attempts.jsonl)."""
+    from ntp_nemo.config.failover import failover_spec
     from ntp_nemo.config.layout import resolve_layout
     from ntp_nemo.parallel import devices as devices_mod
     from ntp_nemo.resilience.supervisor import ATTEMPTS_FILE, FAILOVER_DIR, Supervisor
@@ -231,7 +232,7 @@ def test_supervisor_relaunches_on_the_survivors_devices(tmp_path: Path, monkeypa
         built.append((str(list(layout.replica_tp)), cuda_devices))
         return _Trainer(layout.world_size, losses.pop(0) if losses else []), None, None
 
-    sup = Supervisor(cfg, resolve_layout(cfg), tmp_path, build)
+    sup = Supervisor(failover_spec(cfg), resolve_layout(cfg), tmp_path, build)
     first = sup.build_first()
     sup.run(first, None)
     assert built == [("[2, 2]", None), ("[1, 2]", [0, 2, 3]), ("[2]", [2, 3])]
@@ -264,6 +265,7 @@ def test_live_recovery_keeps_every_layout_option_of_the_restart_path(tmp_path: P
     degrees loses rank 1: the layout the supervisor relaunches on (restart) and the one the survivors'
     next generation trains (live) are the same value, with the boosted split [6, 10] of 16 micro-batches
     (before, the live path rebuilt the layout without the boost and trained [5, 11])."""
+    from ntp_nemo.config.failover import failover_spec
     from ntp_nemo.config.layout import resolve_layout
     from ntp_nemo.config.validate import validate
     from ntp_nemo.resilience.recovery import Generation
@@ -281,7 +283,7 @@ def test_live_recovery_keeps_every_layout_option_of_the_restart_path(tmp_path: P
         built.append(lay)
         return _Trainer(lay.world_size, [1] if len(built) == 1 else []), None, None
 
-    sup = Supervisor(cfg, layout, tmp_path, build)
+    sup = Supervisor(failover_spec(cfg), layout, tmp_path, build)
     sup.run(sup.build_first(), None)
     restart = built[1]
     live = Generation.first(layout).next([1], sup.policy)[0].layout  # what LiveRecovery builds its ranks on

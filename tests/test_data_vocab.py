@@ -6,8 +6,9 @@ import json
 
 import pytest
 
+from ntp_nemo.config.data import explicit_keys, resolve_data_config
 from ntp_nemo.data.tokenizer import build_tokenizer
-from ntp_nemo.data.validate import explicit_keys, padded_vocab, resolve_data_config
+from ntp_nemo.data.validate import padded_vocab
 from ntp_nemo.errors import ConfigError
 from tests.conftest import compose
 from tests.data_helpers import make_tokenizer_json, run_preprocess, write_jsonl

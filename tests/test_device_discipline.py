@@ -19,11 +19,11 @@ from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.parallel.grad_sync import param_descriptors
 from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.runtime.runtime import NTPRuntime
-from ntp_nemo.topology import ResolvedLayout
+from ntp_nemo.topology import ResolvedLayout, Topology
 
 CFG = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                   ffn_hidden_size=64, max_seq_len=16)
-LAYOUT = ResolvedLayout.make(tp=2, replica_tp=[2, 1], layer_tp=[2] * 4, num_microbatches=3)
+LAYOUT = ResolvedLayout.make(Topology(tp=2, replica_tp=[2, 1], layer_tp=[2] * 4), num_microbatches=3)
 META = torch.device("meta")
 
 
@@ -96,7 +96,7 @@ def _fused_worker(rank: int, world: int) -> dict:
     """gloo, CPU: the fused scalars equal the separate reductions; one rank's flags reach every rank."""
     from tests.ntp_cases import GPT, tokens
 
-    lay = ResolvedLayout.make(tp=2, replica_tp=[2, 1], layer_tp=[2] * 4, num_microbatches=4)
+    lay = ResolvedLayout.make(Topology(tp=2, replica_tp=[2, 1], layer_tp=[2] * 4), num_microbatches=4)
     rt = NTPRuntime(lay, rank)
     model = rt.build_model(GPT, seed=3, dtype=torch.float64)
     rt.attach(model)

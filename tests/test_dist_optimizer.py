@@ -54,7 +54,7 @@ def resume_worker(rank: int, world: int, replica_tp: list[int], distributed: boo
                   save_to: str | None, start: int, stop: int) -> dict:
     """Train steps start..stop-1, resuming from `load_from` (if given), saving to `save_to` at step
     `SAVE_AT`; with `load_from`, also continue a second copy resumed without the optimizer state."""
-    rt = NTPRuntime(ResolvedLayout.of_topology(_topology(replica_tp)), rank)
+    rt = NTPRuntime(ResolvedLayout.make(_topology(replica_tp)), rank)
     out = {}
     for key, with_optimizer in (("losses", True), ("without_state", False)):
         if key == "without_state" and load_from is None:
@@ -110,7 +110,7 @@ def test_planner_counts_the_sharded_optimizer_state():
 
 
 def low_precision_worker(rank: int, world: int) -> dict:
-    rt = NTPRuntime(ResolvedLayout.of_topology(_topology([2, 1])), rank)
+    rt = NTPRuntime(ResolvedLayout.make(_topology([2, 1])), rank)
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
         run = setup(rt, LLAMA, distributed=True, dtype=dtype)

@@ -20,7 +20,7 @@ from ntp_nemo.runtime.dry_run import (
     fake_world,
 )
 from ntp_nemo.runtime.runtime import NTPRuntime
-from ntp_nemo.topology import ResolvedLayout
+from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.conftest import compose, run_cli
 
 LLAMA3_8B_PARAMS = 8_030_261_248  # published parameter count of Meta-Llama-3-8B
@@ -85,7 +85,7 @@ def test_llama3_8b_63_ranks_through_the_cli(tmp_path):
 
 def test_pp2_ntp_layout_against_independent_counts():
     """A PP2 layout with a degraded replica: stage split, pipeline messages, activations in flight."""
-    layout = ResolvedLayout.make(2, [2, 1], [2] * 6, pp=2, num_microbatches=6)
+    layout = ResolvedLayout.make(Topology(2, [2, 1], [2] * 6, pp=2), num_microbatches=6)
     shape = StepShape(seq_len=32, micro_batch_size=2)
     result = dry_run(layout, TINY_LLAMA, shape)
     ranks = result.ranks
@@ -140,7 +140,7 @@ def _descriptors(layout: ResolvedLayout, cfg: ModelConfig) -> list[dict]:
     ([2, 1], [2] * 6, 2),  # pipeline stages
 ])
 def test_all_ranks_sync_plans_equal_the_per_rank_plans(replica_tp, layer_tp, pp):
-    layout = ResolvedLayout.make(max(replica_tp), replica_tp, layer_tp, pp=pp)
+    layout = ResolvedLayout.make(Topology(max(replica_tp), replica_tp, layer_tp, pp=pp))
     desc = _descriptors(layout, TINY_LLAMA)
     replica_of = [c.replica for c in layout.topology().coords]
     plans = build_sync_plans(desc, replica_of)
@@ -165,6 +165,6 @@ def test_a_host_tensor_at_a_collective_fails_the_dry_run(monkeypatch):
         return total
 
     monkeypatch.setattr(NTPRuntime, "train_microbatches", host_accumulator)
-    layout = ResolvedLayout.make(2, [2, 1], [2] * 6, num_microbatches=3)
+    layout = ResolvedLayout.make(Topology(2, [2, 1], [2] * 6), num_microbatches=3)
     with pytest.raises(RuntimeError, match="runtime's device is meta"):
         dry_run(layout, TINY_LLAMA, StepShape(seq_len=32, micro_batch_size=1))

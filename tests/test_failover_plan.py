@@ -13,10 +13,10 @@ from ntp_nemo.errors import ConfigError
 from ntp_nemo.resilience.detection import LostRanks, Timeouts, Verdict, classify, is_lost_status
 from ntp_nemo.resilience.heartbeat import Beat, suspects
 from ntp_nemo.resilience.policies import DropBelow, Policy, ShrinkToSurvivors, make_policy, replan
-from ntp_nemo.topology import ResolvedLayout
+from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.conftest import ROOT, compose
 
-L44 = ResolvedLayout.make(tp=4, replica_tp=(4, 4), layer_tp=[4] * 4)
+L44 = ResolvedLayout.make(Topology(tp=4, replica_tp=(4, 4), layer_tp=[4] * 4))
 
 
 @pytest.mark.parametrize(
@@ -56,7 +56,7 @@ def test_replan_assignment_and_overrides():
 
 def test_pipeline_replica_runs_at_the_degree_of_its_worst_stage():
     # replica 0: stage 0 ranks 0,1; stage 1 ranks 2,3
-    layout = ResolvedLayout.make(tp=2, replica_tp=(2, 2), layer_tp=[2] * 4, pp=2)
+    layout = ResolvedLayout.make(Topology(tp=2, replica_tp=(2, 2), layer_tp=[2] * 4, pp=2))
     assert layout.lost_per_replica([3]) == [1, 0]
     plan = replan(layout, [3], make_policy("ntp"))
     assert plan.new.replica_tp == (1, 2)
@@ -111,13 +111,19 @@ def _cfg(*overrides):
     return compose(["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]", "trainer.max_steps=10", *overrides])
 
 
+def _spec(*overrides):
+    from ntp_nemo.config.failover import failover_spec
+
+    return failover_spec(_cfg(*overrides))
+
+
 def test_timeout_hierarchy_is_validated():
     from ntp_nemo.resilience.supervisor import validate_fault_config
 
-    t = Timeouts.from_config(_cfg().fault)
+    t = Timeouts.from_config(_spec().fault)
     assert t.heartbeat_s < t.collective_s < t.step_s
     with pytest.raises(ConfigError, match="heartbeat < collective < whole step"):
-        validate_fault_config(_cfg("fault.heartbeat_timeout_s=700"))
+        validate_fault_config(_spec("fault.heartbeat_timeout_s=700"))
 
 
 @pytest.mark.parametrize(
@@ -141,7 +147,7 @@ def test_bad_fault_config(overrides, key):
     from ntp_nemo.resilience.supervisor import validate_fault_config
 
     with pytest.raises(ConfigError) as err:
-        validate_fault_config(_cfg(*overrides))
+        validate_fault_config(_spec(*overrides))
     assert err.value.key == key
 
 
@@ -162,17 +168,17 @@ def test_recovery_mode_auto_picks_live_where_it_can_work(overrides, mode, why):
     # With one replica an explicit `live` is kept: the survivors find no live copy and fall back, saying so.
     from ntp_nemo.resilience.supervisor import recovery_mode
 
-    got, reason = recovery_mode(_cfg("mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,2]", *overrides))
+    got, reason = recovery_mode(_spec("mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,2]", *overrides))
     assert got == mode and why in reason, reason
 
 
 def test_unset_step_and_rank_are_drawn_from_the_seed():
     from ntp_nemo.resilience.faults import resolve_faults
 
-    a = resolve_faults(_cfg("fault=kill_rank"), 3)
-    assert a == resolve_faults(_cfg("fault=kill_rank"), 3)
+    a = resolve_faults(_spec("fault=kill_rank"), 3)
+    assert a == resolve_faults(_spec("fault=kill_rank"), 3)
     assert 0 <= a[0].rank < 3 and 1 <= a[0].step <= 10
-    two = resolve_faults(_cfg("fault=two_failures"), 3)
+    two = resolve_faults(_spec("fault=two_failures"), 3)
     assert [(f.kind, f.rank, f.step) for f in two] == [("kill_rank", 1, 4), ("kill_rank", 0, 8)]
 
 

@@ -20,7 +20,7 @@ from ntp_nemo.hf.files import HFWeightsReader
 from ntp_nemo.models import build_model
 from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.runtime.runtime import NTPRuntime
-from ntp_nemo.topology import ResolvedLayout
+from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.test_hf_import import HF_VOCAB, PADDED_VOCAB, TOL, _rel, hf_logits, make_hf_dir, resolved, tokens
 
 transformers = pytest.importorskip("transformers")
@@ -80,7 +80,7 @@ def test_padded_vocabulary_exports_back_to_the_hf_size(hf_dirs, tmp_path):
 
 def train_worker(rank: int, world: int, cfg, path: str, root: str, ids: torch.Tensor) -> dict:
     """Import on layout (2,1), checkpoint it, train 3 AdamW steps, checkpoint again, return logits."""
-    layout = ResolvedLayout.make(2, [2, 1], [2] * (cfg.num_layers + 2))
+    layout = ResolvedLayout.make(Topology(2, [2, 1], [2] * (cfg.num_layers + 2)))
     rt = NTPRuntime(layout, rank)
     topo = rt.topology
     model = rt.build_model(cfg, seed=0, dtype=torch.float32)

@@ -102,7 +102,7 @@ def import_worker(rank: int, world: int, tp: int, replica_tp: list[int], cases: 
     out = []
     for cfg, path, ids, ref in cases:
         topo = Topology(tp, replica_tp, [tp] * (cfg.num_layers + 2))
-        rt = NTPRuntime(ResolvedLayout.of_topology(topo), rank)
+        rt = NTPRuntime(ResolvedLayout.make(topo), rank)
         model = rt.build_model(cfg, seed=0, dtype=torch.float32)
         report = load_hf_into(model, path)
         with torch.no_grad():

@@ -45,7 +45,7 @@ def test_chunks_split_the_layers():
 
 def interleaved_worker(rank: int, world: int, cfg, tp: int, replica_tp: list[int], pp: int, v: int) -> dict:
     topo = Topology(tp, replica_tp, [tp] * (cfg.num_layers + 2), pp=pp)
-    rt = NTPRuntime(ResolvedLayout.of_topology(topo), rank)
+    rt = NTPRuntime(ResolvedLayout.make(topo), rank)
     stage = rt.coord.stage
     model = DecoderLM(cfg, rt.plan, layers=stage_layers(cfg.num_layers, pp, v, stage),
                       has_embedding=stage == 0, has_head=stage == pp - 1).to(torch.float64)

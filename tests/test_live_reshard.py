@@ -11,18 +11,20 @@ the optimizer hyperparameters must be identical.
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from ntp_nemo.checkpoint import load_checkpoint, save_checkpoint
 from ntp_nemo.models import build_model
-from ntp_nemo.resilience.live import Holding, NoLiveCopy, live_reshard, plan_reshard, rebind_optimizer
+from ntp_nemo.resilience.live import Holding, NoLiveCopy, live_reshard, plan_reshard
 from ntp_nemo.resilience.policies import make_policy, replan
 from ntp_nemo.resilience.recovery import Generation, recover
 from ntp_nemo.resilience.rendezvous import join, leave, run_elastic
+from ntp_nemo.runtime.assemble import rebind_optimizer
 from ntp_nemo.runtime.runtime import NTPRuntime
-from ntp_nemo.topology import ResolvedLayout
+from ntp_nemo.topology import ResolvedLayout, Topology
 from ntp_nemo.topology.shard import ShardSpec
 from tests.ntp_cases import GPT, LLAMA
 
@@ -71,7 +73,7 @@ def _differences(a_model, a_opt, b_model, b_opt) -> list[str]:
 
 def reshard_worker(rank, world, store, cfg, tp, replica_tp, pp, failed, path):
     layer_tp = [tp] * (cfg.num_layers + 2)
-    old = ResolvedLayout.make(tp, replica_tp, layer_tp, pp)
+    old = ResolvedLayout.make(Topology(tp, replica_tp, layer_tp, pp))
     join(store, 0, rank, world)
     rt, model, opt = _setup(old, rank, cfg, SEED, LR)
     for step in range(STEPS):
@@ -175,7 +177,7 @@ def _loss_step(rt, model, opt, sched, cfg, step: int, die: bool, phase: str) -> 
 
 def training_worker(pid, world, store, cfg, tp, replica_tp, kills):
     layer_tp = [tp] * (cfg.num_layers + 2)
-    gen = Generation.first(ResolvedLayout.make(tp, replica_tp, layer_tp))
+    gen = Generation.first(ResolvedLayout.make(Topology(tp, replica_tp, layer_tp)))
     join(store, 0, pid, world)
 
     def build(layout, rank):
@@ -184,7 +186,7 @@ def training_worker(pid, world, store, cfg, tp, replica_tp, kills):
     def rebuild(layout, rank):  # the same optimizer object, on the new parameters: the scheduler goes on
         rt, new_model, _ = build(layout, rank)
         rebind_optimizer(opt, model, new_model)
-        return rt, new_model, opt
+        return SimpleNamespace(runtime=rt, model=new_model, optimizer=opt)
 
     rt, model, opt = build(gen.layout, pid)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup)

@@ -23,7 +23,7 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 
 def overlap_worker(rank: int, world: int) -> dict:
-    rt = NTPRuntime(ResolvedLayout.of_topology(Topology(2, [2, 1], [2] * (GPT.num_layers + 2))), rank)
+    rt = NTPRuntime(ResolvedLayout.make(Topology(2, [2, 1], [2] * (GPT.num_layers + 2))), rank)
     model = rt.build_model(GPT, SEED, dtype=torch.float64)
     sync = rt.attach(model, bucket_mb=0.002)
     ov = OverlappedGradSync(model, sync.plan, sync.group_of, sync.bucket_bytes)

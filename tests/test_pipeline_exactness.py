@@ -35,7 +35,7 @@ LAYOUTS = {
 def pipeline_worker(rank: int, world: int, cfg, tp, replica_tp, pp, stage_layers, schedule, layer_tp) -> dict:
     layer_tp = layer_tp or [tp] * (cfg.num_layers + 2)
     topo = Topology(tp, replica_tp, layer_tp, pp=pp, stage_layers=stage_layers)
-    rt = NTPRuntime(ResolvedLayout.of_topology(topo, schedule), rank)
+    rt = NTPRuntime(ResolvedLayout.make(topo, schedule), rank)
     model = rt.build_model(cfg, SEED, dtype=torch.float64)
     rt.attach(model)
     mine, errors = step_against_reference(rt, model, cfg)

@@ -50,7 +50,7 @@ def reference_curve(cfg) -> list[float]:
 
 def training_worker(rank: int, world: int, cfg, tp, replica_tp, pp, schedule) -> dict:
     topo = Topology(tp, replica_tp, [tp] * (cfg.num_layers + 2), pp=pp)
-    rt = NTPRuntime(ResolvedLayout.of_topology(topo, schedule), rank)
+    rt = NTPRuntime(ResolvedLayout.make(topo, schedule), rank)
     model = rt.build_model(cfg, SEED)
     rt.attach(model)
     opt = adamw(model.parameters())

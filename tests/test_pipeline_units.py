@@ -8,12 +8,13 @@ import random
 import pytest
 from omegaconf import OmegaConf
 
+from ntp_nemo.config.layout import resolve_stage_layers
+from ntp_nemo.config.pipeline_keys import validate_pipeline
 from ntp_nemo.errors import ConfigError
 from ntp_nemo.pipeline.memory import in_flight
 from ntp_nemo.pipeline.p2p import link_pairs
-from ntp_nemo.pipeline.partition import balanced_partition, resolve_stage_layers
+from ntp_nemo.pipeline.partition import balanced_partition
 from ntp_nemo.pipeline.schedule import BACKWARD, FORWARD, analytical_bubble, schedule_order, simulate
-from ntp_nemo.pipeline.validate import validate_pipeline
 from ntp_nemo.topology import Topology
 
 CASES = [(p, m) for p in (1, 2, 3, 4) for m in (1, 2, 3, 5, 8)]

@@ -61,6 +61,7 @@ def test_custom_model_target_is_refused():
 def test_trainer_deterministic_reaches_torch(tmp_path, deterministic):
     import torch
 
+    from ntp_nemo.config.resolve import resolve
     from ntp_nemo.config.validate import validate
     from ntp_nemo.lightning.factory import build_trainer
 
@@ -69,7 +70,7 @@ def test_trainer_deterministic_reaches_torch(tmp_path, deterministic):
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(not deterministic)
     try:
-        build_trainer(cfg, tmp_path, None, [1, 1, 1, 1])  # the Trainer sets the flag the workers inherit
+        build_trainer(resolve(cfg), tmp_path, None)  # the Trainer sets the flag the workers inherit
         assert torch.are_deterministic_algorithms_enabled() is deterministic
     finally:
         torch.use_deterministic_algorithms(before)

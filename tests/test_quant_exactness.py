@@ -86,7 +86,7 @@ def _compare(rt: NTPRuntime, model, cfg, ref: dict) -> dict:
 
 def _runtime(tp: int, replica_tp: list[int], layer_tp: list[int] | None, rank: int, cfg, dtype: torch.dtype):
     topo = Topology(tp, replica_tp, layer_tp or [tp] * (cfg.num_layers + 2))
-    rt = NTPRuntime(ResolvedLayout.of_topology(topo), rank)
+    rt = NTPRuntime(ResolvedLayout.make(topo), rank)
     model = rt.build_model(cfg, SEED, dtype=dtype)
     rt.attach(model)
     return rt, model

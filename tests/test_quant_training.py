@@ -14,7 +14,8 @@ STEPS, START = 6, 3
 
 
 def _fit(tmp_path, name: str, layout: list[str], fmt: str) -> list[float]:
-    from ntp_nemo.config.validate import resolve_layer_tp, validate
+    from ntp_nemo.config.resolve import resolve
+    from ntp_nemo.config.validate import validate
     from ntp_nemo.data.module import build_data
     from ntp_nemo.lightning.factory import build_trainer
     from ntp_nemo.lightning.qat import QuantizationCallback
@@ -27,7 +28,7 @@ def _fit(tmp_path, name: str, layout: list[str], fmt: str) -> list[float]:
     data = build_data(d.path, d.tokenizer, int(d.seq_len), int(d.global_batch_size), int(cfg.seed),
                       float(d.val_fraction), int(cfg.model.vocab_size))
     callback = QuantizationCallback(fmt, calib_batches=2, start_step=START, exclude=["head"])
-    trainer, module, _ = build_trainer(cfg, run_dir, data, resolve_layer_tp(cfg), [callback])
+    trainer, module, _ = build_trainer(resolve(cfg), run_dir, data, None, [callback])
     trainer.fit(module)
     return [m["loss"] for m in read_metrics(run_dir)]
 

@@ -48,8 +48,6 @@ from ntp_nemo.checkpoint.sharded import (
     Staging,
     WritePlan,
     stage_live,
-    staging_finished,
-    staging_started,
     take_snapshot,
     write_snapshot,
 )
@@ -149,7 +147,6 @@ class AsyncCheckpointSaver:
         staged = None
         if snap.live:
             self._staged.clear()
-            staging_started()
             try:
                 staged = self._stager.submit(self._stage, snap)
             except BaseException:
@@ -161,7 +158,6 @@ class AsyncCheckpointSaver:
 
     def _staging_done(self) -> None:
         self._staged.set()
-        staging_finished()
 
     def _stage(self, snap: Snapshot) -> None:
         try:

@@ -26,7 +26,6 @@ import io
 import json
 import os
 import shutil
-import threading
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -171,31 +170,6 @@ class Staging:
             self._buffers[key] = buf
         buf.copy_(t, non_blocking=t.device.type == "cuda")
         return buf
-
-
-# Deferred stagings still reading live tensors, in this process: a load waits for them before it
-# overwrites parameters and optimizer state in place.
-_staging_cv = threading.Condition()
-_staging_count = 0
-
-
-def staging_started() -> None:
-    global _staging_count
-    with _staging_cv:
-        _staging_count += 1
-
-
-def staging_finished() -> None:
-    global _staging_count
-    with _staging_cv:
-        _staging_count -= 1
-        _staging_cv.notify_all()
-
-
-def wait_for_staging() -> None:
-    """Block until no background save of this process still copies live tensors."""
-    with _staging_cv:
-        _staging_cv.wait_for(lambda: _staging_count == 0)
 
 
 def take_snapshot(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, group=None,
@@ -344,7 +318,7 @@ def read_threads(local_ranks: int) -> int:
 
 
 def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-         group=None, key: str = "resume", threads: int | None = None) -> Loaded:
+         group=None, key: str = "resume", threads: int | None = None, saver: Any = None) -> Loaded:
     """Collective: load checkpoint `path` into this rank's slices of `model` (and `optimizer`).
 
     Works on any layout: each rank reads the byte ranges of the stored records that intersect its
@@ -352,10 +326,12 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     its groups take the saved hyperparameters.  A missing, partial or foreign checkpoint raises
     `ConfigError(key, …)` on every rank; a corrupt or truncated data file raises
     `CorruptCheckpointError` on every rank, before the optimizer is touched.  `threads`: reader
-    threads per rank (default: `read_threads` of the ranks on this host).
+    threads per rank (default: `read_threads` of the ranks on this host).  `saver`: this process's
+    `AsyncCheckpointSaver`, whose background copy may still read the tensors this load overwrites.
     """
     path = Path(path)
-    wait_for_staging()  # a background save may still be copying the tensors this load overwrites
+    if saver is not None:
+        saver.staged()  # the save in flight has copied what it writes
     rank, world = _rank_world(group)
     if threads is None:
         threads = read_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
@@ -396,14 +372,15 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
 
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    *, group=None, key: str = "resume", threads: int | None = None) -> dict[str, Any]:
+                    *, group=None, key: str = "resume", threads: int | None = None,
+                    saver: Any = None) -> dict[str, Any]:
     """`load` returning only the `extra` dict given to `save_checkpoint`."""
-    return load(path, model, optimizer, group=group, key=key, threads=threads).extra
+    return load(path, model, optimizer, group=group, key=key, threads=threads, saver=saver).extra
 
 
 def load_with_fallback(path: str | os.PathLike, model: nn.Module,
                        optimizer: torch.optim.Optimizer | None = None, *, fallback: bool, group=None,
-                       key: str = "resume", threads: int | None = None) -> Loaded:
+                       key: str = "resume", threads: int | None = None, saver: Any = None) -> Loaded:
     """Collective `load`; when a data file of `path` turns out corrupt, rank 0 marks the checkpoint
     corrupt (`corrupt.json`) and, with `fallback`, the previous valid checkpoint of the same
     directory is loaded instead (a `CheckpointSkippedWarning` names the file and the one used);
@@ -412,7 +389,7 @@ def load_with_fallback(path: str | os.PathLike, model: nn.Module,
     rank, _ = _rank_world(group)
     while True:
         try:
-            return load(path, model, optimizer, group=group, key=key, threads=threads)
+            return load(path, model, optimizer, group=group, key=key, threads=threads, saver=saver)
         except CorruptCheckpointError as err:
             if rank == 0:
                 mark_corrupt(path, err.problem)

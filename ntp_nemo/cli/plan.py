@@ -161,10 +161,9 @@ def _model_of(train: DictConfig) -> DictConfig:
     defaults = {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
     merged = OmegaConf.merge(OmegaConf.create(defaults), model)
     if merged.get("init_from"):
-        from ntp_nemo.hf.config_map import resolve_model_config
+        from ntp_nemo.config.model import model_config
 
-        raw = {k: v for k, v in OmegaConf.to_container(merged, resolve=True).items() if k != "_target_"}
-        merged = OmegaConf.structured(resolve_model_config(ModelConfig(**raw)))
+        merged = OmegaConf.structured(model_config(merged))
     return merged
 
 

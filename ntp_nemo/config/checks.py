@@ -13,19 +13,11 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from ntp_nemo.errors import ConfigError
+from ntp_nemo.planner.shapes import SIZE_FIELDS
 from ntp_nemo.topology.layout import ResolvedLayout, replica_capacities
 
 # ModelConfig fields that fix the parameters' shapes: a checkpoint is only loadable into the same ones.
-SHAPE_FIELDS = (
-    "arch",
-    "vocab_size",
-    "hidden_size",
-    "num_layers",
-    "num_heads",
-    "num_kv_heads",
-    "ffn_hidden_size",
-    "tie_embeddings",
-)
+SHAPE_FIELDS = ("arch", *SIZE_FIELDS, "tie_embeddings")
 
 
 def warn(message: str) -> None:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from ntp_nemo.topology.layout import ResolvedLayout
+from ntp_nemo.topology.topology import Topology
 
 
 def resolve_layout(cfg: DictConfig, layer_tp: Sequence[int] | None = None) -> ResolvedLayout:
@@ -15,7 +16,6 @@ def resolve_layout(cfg: DictConfig, layer_tp: Sequence[int] | None = None) -> Re
 
     `layer_tp`, when given, is taken as already resolved (skips the planner)."""
     from ntp_nemo.config.validate import resolve_layer_tp, resolved_replica_tp
-    from ntp_nemo.pipeline.partition import resolve_stage_layers
     from ntp_nemo.pipeline.schedule import INTERLEAVED, interleaved_layers
 
     v = int(cfg.layout.get("virtual_stages", 1))
@@ -24,17 +24,39 @@ def resolve_layout(cfg: DictConfig, layer_tp: Sequence[int] | None = None) -> Re
         layer_tp = resolve_layer_tp(cfg)
     pb = cfg.ntp.power_boost
     power_boost = OmegaConf.to_container(pb) if OmegaConf.is_list(pb) else pb
+    pp = int(cfg.mesh.pp)
+    if str(cfg.layout.schedule) != INTERLEAVED:
+        stage_layers = resolve_stage_layers(cfg, layer_tp)
+    else:
+        n = int(cfg.model.num_layers)
+        stage_layers = [sum(map(len, interleaved_layers(n, pp, v, s))) for s in range(pp)]
+    topology = Topology(int(cfg.mesh.tp), resolved_replica_tp(cfg), layer_tp, pp, stage_layers)
     return ResolvedLayout.make(
-        tp=int(cfg.mesh.tp),
-        replica_tp=resolved_replica_tp(cfg),
-        layer_tp=layer_tp,
-        pp=int(cfg.mesh.pp),
-        stage_layers=resolve_stage_layers(cfg, layer_tp) if str(cfg.layout.schedule) != INTERLEAVED else [
-            sum(map(len, interleaved_layers(int(cfg.model.num_layers), int(cfg.mesh.pp), v, s)))
-            for s in range(int(cfg.mesh.pp))],
+        topology,
         schedule=str(cfg.layout.schedule),
         virtual_stages=v,
         power_boost=power_boost,
         nominal_replicas=cfg.ntp.nominal_replicas,
         num_microbatches=int(cfg.data.global_batch_size) // int(cfg.data.micro_batch_size),
     )
+
+
+def resolve_stage_layers(cfg: DictConfig, layer_tp: Sequence[int] | None = None) -> list[int]:
+    """Layers per stage for a run: `layout.stage_layers` when given, else the cost-balanced split.
+
+    Call after `validate_pipeline(cfg)`; the balanced split needs the resolved per-slot degrees
+    `layer_tp` (`resolve_layout` passes them)."""
+    from ntp_nemo.pipeline.partition import balanced_partition, item_costs
+    from ntp_nemo.planner.shapes import ModelShape
+
+    pp, num_layers = int(cfg.mesh.pp), int(cfg.model.num_layers)
+    explicit = cfg.layout.get("stage_layers")
+    if explicit is not None:
+        return [int(x) for x in explicit]
+    if pp == 1:
+        return [num_layers]
+    if layer_tp is None:
+        raise ValueError("the cost-balanced pipeline split needs the resolved per-slot degrees (layer_tp)")
+    costs = item_costs(ModelShape.of_model_config(cfg.model), layer_tp, int(cfg.data.seq_len),
+                       int(cfg.data.micro_batch_size))
+    return balanced_partition(costs, pp)

@@ -8,8 +8,6 @@ from omegaconf import OmegaConf
 from ntp_nemo.config.paths import recipes_dir
 from ntp_nemo.config.schema import RootConfig
 
-_registered = False
-
 
 def available_recipes() -> list[str]:
     return sorted(p.stem for p in recipes_dir().glob("*.yaml"))
@@ -42,11 +40,9 @@ def register_configs() -> None:
     Recipes live in the top-level `recipes/` folder rather than inside `conf/`, so they are stored
     in the ConfigStore as `_global_` packages, exactly as a `# @package _global_` file would be.
     """
-    global _registered
-    if _registered:
-        return
     cs = ConfigStore.instance()
-    cs.store(name="base_config", node=RootConfig)
+    if "base_config.yaml" in cs.list(""):  # the store (one per process) holds them already
+        return
     for path in sorted(recipes_dir().glob("*.yaml")):
         cs.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")
-    _registered = True
+    cs.store(name="base_config", node=RootConfig)  # last: its presence says the registration is complete

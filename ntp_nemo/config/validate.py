@@ -10,9 +10,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from ntp_nemo.config.memory_keys import validate_memory_options
+from ntp_nemo.config.quant_keys import validate_quant
 from ntp_nemo.errors import ConfigError
-from ntp_nemo.parallel.options import validate_memory_options
-from ntp_nemo.quant.config import validate_quant
 
 PRECISIONS = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true")  # 16-mixed: refused below
 DEFAULT_MODEL_TARGET = "ntp_nemo.models.build_model"
@@ -76,13 +76,11 @@ def resolve_init_from(cfg: DictConfig) -> None:
         return
     import dataclasses
 
-    from omegaconf import OmegaConf, open_dict
+    from omegaconf import open_dict
 
-    from ntp_nemo.hf import resolve_model_config
-    from ntp_nemo.models.config import ModelConfig
+    from ntp_nemo.config.model import model_config
 
-    fields = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "_target_"}
-    resolved = resolve_model_config(ModelConfig(**fields))
+    resolved = model_config(cfg.model)
     with open_dict(cfg):
         for k, v in dataclasses.asdict(resolved).items():
             if k != "_target_":
@@ -247,7 +245,7 @@ def _validate_mesh(cfg: DictConfig) -> None:
                     f"{v} is not a valid boost factor; use a value in [1.0, 2.0] "
                     "(1.3 = +30% per surviving GPU).",
                 )
-    from ntp_nemo.pipeline.validate import validate_pipeline
+    from ntp_nemo.config.pipeline_keys import validate_pipeline
 
     validate_pipeline(cfg)
     resolve_layer_tp(cfg)  # raises on an impossible per-layer layout

@@ -1,7 +1,8 @@
-"""Build the Lightning Trainer, NTPStrategy and LightningModule from a validated config."""
+"""Build the Lightning Trainer, NTPStrategy and LightningModule of one attempt from the run's `RunSpec`."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -10,9 +11,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
 
-from ntp_nemo.config.layout import resolve_layout
+from ntp_nemo.config.resolve import RunSpec
 from ntp_nemo.data.module import DataBundle
 from ntp_nemo.lightning.callbacks import (
     MemoryReport,
@@ -26,7 +26,6 @@ from ntp_nemo.lightning.cluster import cluster_environment, launcher_layout
 from ntp_nemo.lightning.goodput_callback import GoodputCallback
 from ntp_nemo.lightning.module import NTPLanguageModule
 from ntp_nemo.lightning.strategy import NTPStrategy
-from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.topology.layout import ResolvedLayout
 
 
@@ -40,35 +39,26 @@ def process_layout(world_size: int) -> tuple[int, int]:
     return layout.local_world_size, layout.num_nodes
 
 
-def model_config(cfg: DictConfig) -> ModelConfig:
-    fields = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "_target_"}
-    from ntp_nemo.hf import resolve_model_config
-
-    return resolve_model_config(ModelConfig(**fields))
-
-
 def build_trainer(
-    cfg: DictConfig,
+    spec: RunSpec,
     run_dir: Path,
     data: DataBundle,
-    layout: ResolvedLayout | Sequence[int],
+    layout: ResolvedLayout | None = None,
     extra_callbacks: Sequence[Any] = (),
     cuda_devices: Sequence[int] | None = None,
     stop_at_step: int | None = None,
 ) -> tuple[pl.Trainer, NTPLanguageModule, NTPStrategy]:
-    """`layout`: the run's ResolvedLayout (`ntp_nemo.config.layout.resolve_layout`; a list is taken as
-    the resolved per-slot degrees), or a re-planned one. `cuda_devices`: the CUDA ordinal each local
-    rank binds (the supervisor's relaunch after a lost GPU); default ranks 0..n-1 on ordinals 0..n-1.
-    `stop_at_step`: where this attempt stops (default `trainer.stop_at_step`)."""
-    t = cfg.trainer
-    if not isinstance(layout, ResolvedLayout):
-        layout = resolve_layout(cfg, layer_tp=layout)
+    """`layout`: the attempt's layout (default the run's, `spec.layout`; the supervisor passes a
+    re-planned one). `cuda_devices`: the CUDA ordinal each local rank binds (the supervisor's relaunch
+    after a lost GPU); default ranks 0..n-1 on ordinals 0..n-1.  `stop_at_step`: where this attempt
+    stops (default `trainer.stop_at_step`)."""
+    t, ckpt = spec.trainer, spec.checkpoint
     strategy = NTPStrategy(
-        layout,
-        bucket_mb=float(cfg.ntp.grad_bucket_mb),
+        layout if layout is not None else spec.layout,
+        bucket_mb=float(spec.ntp.grad_bucket_mb),
         start_method=t.start_method,
         process_group_backend=t.process_group_backend,
-        timeout=timedelta(seconds=float(cfg.fault.collective_timeout_s)),
+        timeout=timedelta(seconds=float(spec.failover.fault.collective_timeout_s)),
     )
     devices, nodes = process_layout(strategy.topology.world_size)
     gpu = t.accelerator in ("gpu", "cuda")
@@ -80,24 +70,12 @@ def build_trainer(
         devices = sorted(set(int(i) for i in cuda_devices))  # the GPUs Lightning checks exist
     env = cluster_environment(launcher_layout())
     metrics = MetricsJSONL(run_dir)
-    strategy.keep_last = int(cfg.checkpoint.keep_last)
-    strategy.async_save = bool(cfg.checkpoint.async_save)
+    strategy.keep_last = int(ckpt.keep_last)
+    strategy.async_save = bool(ckpt.async_save)
     callbacks: list[Any] = [metrics, GoodputCallback(str(run_dir)), RunSummary(run_dir, metrics)]
-    if cfg.checkpoint.every_n_steps or cfg.checkpoint.save_on_end:
-        callbacks.append(
-            StepCheckpoint(
-                run_dir / cfg.checkpoint.dir,
-                int(cfg.checkpoint.every_n_steps),
-                bool(cfg.checkpoint.save_on_end),
-            )
-        )
-    callbacks.append(
-        MemoryReport(
-            int(cfg.data.micro_batch_size),
-            int(cfg.data.seq_len),
-            int(cfg.data.global_batch_size) // int(cfg.data.micro_batch_size),
-        )
-    )
+    if ckpt.every_n_steps or ckpt.save_on_end:
+        callbacks.append(StepCheckpoint(run_dir / ckpt.dir, int(ckpt.every_n_steps), bool(ckpt.save_on_end)))
+    callbacks.append(MemoryReport(spec.data.micro_batch_size, spec.data.seq_len, spec.num_microbatches))
     callbacks.append(PreemptionCheckpoint())
     stop_at_step = stop_at_step if stop_at_step is not None else t.stop_at_step
     if stop_at_step:
@@ -106,11 +84,11 @@ def build_trainer(
         from ntp_nemo.lightning.callbacks import StepProgress
 
         callbacks.append(StepProgress())  # steps of max_steps, loss, tokens/s, ETA; plain lines off a TTY
-    callbacks += [instantiate(c) for c in (cfg.callbacks or {}).values() if c is not None]
-    if cfg.quant.format != "none":
-        callbacks.append(instantiate(cfg.quant))  # ntp_nemo.lightning.qat.QuantizationCallback
+    callbacks += [instantiate(c) for c in spec.callbacks]
+    if spec.quant.format != "none":  # ntp_nemo.lightning.qat.QuantizationCallback
+        callbacks.append(instantiate(dataclasses.asdict(spec.quant)))
     callbacks += list(extra_callbacks)  # failure injection and heartbeats (ntp_nemo.resilience)
-    loggers = [instantiate(lg) for lg in (cfg.logger or {}).values() if lg is not None]
+    loggers = [instantiate(lg) for lg in spec.loggers]
     trainer = pl.Trainer(
         accelerator="gpu" if gpu else t.accelerator,
         devices=devices,
@@ -126,7 +104,7 @@ def build_trainer(
         num_sanity_val_steps=0,
         log_every_n_steps=int(t.log_every_n_steps),
         enable_progress_bar=bool(t.progress_bar),
-        enable_checkpointing=bool(cfg.checkpoint.every_n_steps or cfg.checkpoint.save_on_end),
+        enable_checkpointing=bool(ckpt.every_n_steps or ckpt.save_on_end),
         callbacks=callbacks,
         logger=loggers or False,
         use_distributed_sampler=False,
@@ -134,13 +112,13 @@ def build_trainer(
         enable_model_summary=False,
     )
     module = NTPLanguageModule(
-        model_config(cfg),
-        OmegaConf.to_container(cfg.optim, resolve=True),
+        spec.model,
+        spec.optim_options(),
         data,
-        seed=int(cfg.seed),
-        micro_batch_size=int(cfg.data.micro_batch_size),
-        val_batches=int(cfg.data.val_batches),
+        seed=spec.seed,
+        micro_batch_size=int(spec.data.micro_batch_size),
+        val_batches=int(spec.data.val_batches),
         max_steps=int(t.max_steps),
-        overlap_grad_sync=bool(cfg.ntp.get("overlap_grad_sync", False)),
+        overlap_grad_sync=bool(spec.ntp.overlap_grad_sync),
     )
     return trainer, module, strategy

@@ -44,37 +44,44 @@ class NTPLanguageModule(pl.LightningModule):
             val_batches,
             max_steps,
         )
-        self.model: torch.nn.Module | None = None
+        self.model: torch.nn.Module | None = None  # set by NTPStrategy.adopt only (Lightning's child module)
         self._train_set: StepBatches | None = None
         self.last_step: dict[str, Any] = {}
         self.stop_agreed = False  # some rank asked to stop (from the last step's fused all-reduce)
         self.overlap_grad_sync = overlap_grad_sync
-        self.grad_path = None  # GradientPath: DP sync (blocking or overlapped) and clipping, per the options
 
     @property
     def runtime(self):
+        """The strategy's current runtime (a live recovery replaces it)."""
         return self.trainer.strategy.runtime
+
+    @property
+    def grad_path(self):
+        """The strategy's current gradient path: DP sync (blocking or overlapped) and clipping."""
+        return self.trainer.strategy.state.grad_path
+
+    def my_microbatches(self, num_microbatches: int) -> range:
+        """This replica's share of the micro-batches on the strategy's current layout (the datasets ask
+        at every batch, so a live recovery's new split applies from the next one)."""
+        return self.trainer.strategy.runtime.my_microbatches(num_microbatches)
 
     # ---- model and optimizer --------------------------------------------------------------------
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        self.model = self.runtime.build_model(self.model_cfg, self.seed)
-        self.runtime.attach(self.model, self.trainer.strategy.bucket_mb)
+        from ntp_nemo.runtime.assemble import assemble
+
+        strategy = self.trainer.strategy
+        strategy.adopt(assemble(strategy.layout, strategy.global_rank, self.model_cfg, self.optim_cfg,
+                                strategy.root_device, seed=self.seed, bucket_mb=strategy.bucket_mb,
+                                overlap_grad_sync=self.overlap_grad_sync))
         # Dropout draws from the global generator: seed it from the run's seed, the same on every rank
         # (the TP ranks of a replica must draw the same masks); a resume restores the saved states.
         torch.manual_seed(self.seed)
 
     def configure_optimizers(self):
-        from ntp_nemo.parallel.step_path import GradientPath, build_optimizer
-
         o = self.optim_cfg
-        opt = build_optimizer(self.model, self.runtime.sync, lr=o["lr"], betas=(o["beta1"], o["beta2"]),
-                              eps=o["eps"], weight_decay=o["weight_decay"],
-                              distributed=bool(o.get("distributed", False)))
-        if self.grad_path is not None:
-            self.grad_path.remove()
-        self.grad_path = GradientPath(self.model, self.runtime.sync, opt, overlap=self.overlap_grad_sync)
+        opt = self.trainer.strategy.state.optimizer  # built with the model by `assemble`
         recompute = getattr(self.model_cfg, "recompute", "none")
         if self.trainer.is_global_zero and (recompute != "none" or self.grad_path.distributed
                                             or self.overlap_grad_sync):
@@ -93,13 +100,13 @@ class NTPLanguageModule(pl.LightningModule):
             self.data.sampler,
             self.micro_batch_size,
             self.max_steps,
-            self.runtime.my_microbatches,
+            self.my_microbatches,
         )
         self._train_set.start_step = self.trainer.global_step
         return DataLoader(self._train_set, batch_size=None, shuffle=False, num_workers=0)
 
     def val_dataloader(self) -> DataLoader:
-        ds = ValBatches(self.data.val, self.val_batches, self.micro_batch_size, self.runtime.my_microbatches)
+        ds = ValBatches(self.data.val, self.val_batches, self.micro_batch_size, self.my_microbatches)
         return DataLoader(ds, batch_size=None, num_workers=0)
 
     def on_train_start(self) -> None:

@@ -32,6 +32,7 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcess
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from ntp_nemo.quant.state import quant_state
+from ntp_nemo.runtime.assemble import RankState
 from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout
 
@@ -126,7 +127,9 @@ class NTPStrategy(ParallelStrategy):
         self._start_method = start_method
         self._process_group_backend = process_group_backend
         self._timeout = timeout
-        self.runtime: NTPRuntime | None = None
+        self.runtime: NTPRuntime | None = None  # the current state's (kept as an attribute: read per step)
+        self.state: RankState | None = None
+        self._launch_devices: list[torch.device] | None = None  # every process's device, as launched
         self.num_nodes = 1
 
     # ---- processes ----------------------------------------------------------------------------
@@ -171,8 +174,39 @@ class NTPStrategy(ParallelStrategy):
                 self.joining.init_process_group(self)
             else:
                 _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        self.runtime = NTPRuntime(self.layout, self.global_rank, device=self.root_device)
-        self.topology = self.runtime.topology  # the one whose process groups the run uses
+        # The rank's runtime, model and optimizer come with its RankState (the module's configure_model
+        # assembles it; `adopt` installs it).
+
+    def adopt(self, state: RankState) -> None:
+        """Make `state` this rank's: the only place a rank's layout, runtime, model, optimizer and gradient
+        path change (start-up, live recovery, rejoin).  A state on another layout or rank (live) also
+        moves the rank numbering, the devices, the cluster environment and rank 0's duties (metrics,
+        goodput, the console, Lightning's loggers) to whichever process is rank 0 now."""
+        old = self.state
+        if old is not None and old.grad_path is not state.grad_path:
+            old.grad_path.remove()  # its hooks and buckets belong to the old model and groups
+        self.state, self.runtime, self.layout = state, state.runtime, state.layout
+        self.topology = state.runtime.topology  # the one whose process groups the run uses
+        module = self.lightning_module
+        module.model = state.model  # Lightning's child module (precision, device moves, checkpoints)
+        if old is None:
+            self._launch_devices = list(self.parallel_devices or [])
+            return
+        world = state.layout.world_size
+        self.parallel_devices = self._launch_devices[:world]
+        self.cluster_environment.set_global_rank(state.rank)
+        self.cluster_environment.set_world_size(world)
+        os.environ["LOCAL_RANK"] = str(state.rank)
+        rank_zero_only.rank = fabric_rank_zero_only.rank = state.rank
+        from ntp_nemo.lightning.goodput_callback import GoodputCallback
+
+        goodput = GoodputCallback.of(module.trainer)
+        if goodput is not None:
+            goodput.set_global_zero(state.rank == 0)
+        # The asynchronous saver's process group and write plan belong to the old generation: the next
+        # save builds new ones.  (A save still in flight when a rank was lost never commits; the one
+        # before it stays the latest checkpoint.)
+        self._saver = None
 
     def set_world_ranks(self) -> None:
         """Ranks we launched: local rank = global rank (one node).  Under torchrun/SLURM the launcher's
@@ -348,7 +382,7 @@ class NTPStrategy(ParallelStrategy):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", CheckpointSkippedWarning)
             loaded = load_with_fallback(
-                path, self.lightning_module.model, self._optimizer(), fallback=fallback
+                path, self.lightning_module.model, self._optimizer(), fallback=fallback, saver=self._saver
             )
         for w in caught:
             if not issubclass(w.category, CheckpointSkippedWarning):

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ntp_nemo.pipeline.p2p import StageLinks
-from ntp_nemo.pipeline.schedule import FORWARD, schedule_order
+from ntp_nemo.pipeline.schedule import FORWARD, Action, schedule_order
 from ntp_nemo.topology import Topology
 
 Backward = Callable[..., None]  # backward(tensor) for a loss, backward(tensor, grad) for a stage output
@@ -107,9 +107,12 @@ class PipelineEngine:
         self.stage, self.pp = c.stage, topology.pp
         self.first, self.last = c.stage == 0, c.stage == topology.pp - 1
         self.hidden = model.cfg.hidden_size
-        self.links = StageLinks(topology, rank, new_group)
+        self.links = self._make_links(topology, rank, new_group)
         self.meter = ActivationMeter()
         self.trace = StepTrace()
+
+    def _make_links(self, topology: Topology, rank: int, new_group: Callable | None) -> StageLinks:
+        return StageLinks(topology, rank, new_group)
 
     @property
     def _param(self) -> torch.Tensor:
@@ -118,18 +121,29 @@ class PipelineEngine:
     def _shape(self, tokens: torch.Tensor) -> tuple[int, int, int]:
         return (tokens.shape[0], tokens.shape[1] - 1, self.hidden)
 
-    def _stage_forward(self, tokens: torch.Tensor, x: torch.Tensor | None) -> torch.Tensor:
-        h = self.model.embed_tokens(tokens[:, :-1]) if self.first else x
-        h = self.model.run_blocks(h)
-        if self.last:
-            return self.model.token_losses(h, tokens[:, 1:]).sum()
-        return h
+    # ---- what an engine defines: its action order and its model chunks (one here) ------------------
+    def _order(self, m: int) -> list[Action]:
+        return schedule_order(self.schedule, self.stage, self.pp, m)
 
+    def _ends(self, chunk: int) -> tuple[bool, bool]:
+        """(chunk starts the model: embedding, chunk ends it: head)."""
+        return self.first, self.last
+
+    def _chunk_forward(self, chunk: int, tokens: torch.Tensor, x: torch.Tensor | None) -> torch.Tensor:
+        starts, ends = self._ends(chunk)
+        h = self.model.embed_tokens(tokens[:, :-1]) if starts else x
+        h = self.model.run_blocks(h, self._chunk_layers(chunk))
+        return self.model.token_losses(h, tokens[:, 1:]).sum() if ends else h
+
+    def _chunk_layers(self, chunk: int) -> Sequence[int] | None:
+        return None  # every layer this stage holds
+
+    # ---- the schedule loop, shared by every engine ------------------------------------------------
     def train(self, microbatches: Sequence[torch.Tensor], global_tokens: int,
               backward: Backward | None = None) -> torch.Tensor:
-        """Forward and backward of this replica's micro-batches; gradients of the loss summed over
-        tokens and divided by `global_tokens`.  Returns the summed token loss on the last stage, 0
-        elsewhere."""
+        """Forward and backward of this replica's micro-batches in the engine's order; gradients of the
+        loss summed over tokens and divided by `global_tokens`.  Returns the summed token loss on the
+        last stage, 0 elsewhere."""
         backward = backward or _default_backward
         p = self._param
         wire, device = p.dtype, p.device
@@ -140,36 +154,38 @@ class PipelineEngine:
         self.trace = StepTrace()
         t0 = time.perf_counter()
         total = torch.zeros((), dtype=self.acc_dtype, device=device)
-        inputs: dict[int, torch.Tensor | None] = {}
-        outputs: dict[int, torch.Tensor] = {}
-        for a in schedule_order(self.schedule, self.stage, self.pp, len(microbatches)):
+        inputs: dict[tuple[int, int], torch.Tensor | None] = {}
+        outputs: dict[tuple[int, int], torch.Tensor] = {}
+        for a in self._order(len(microbatches)):
             tokens = microbatches[a.microbatch]
+            key = (a.chunk, a.microbatch)
+            starts, ends = self._ends(a.chunk)
             if a.kind == FORWARD:
                 x = None
-                if not self.first:
+                if not starts:
                     x = self.links.recv_activation(self._shape(tokens), wire, device).requires_grad_()
                 start = time.perf_counter()
-                with self.meter.recording(a.microbatch):
-                    out = self._stage_forward(tokens, x)
-                if self.last:
+                with self.meter.recording(key):
+                    out = self._chunk_forward(a.chunk, tokens, x)
+                if ends:
                     total += out.detach().to(self.acc_dtype)
                 else:
-                    self.meter.add(a.microbatch, out)
+                    self.meter.add(key, out)
                     self.links.send_activation(out.detach().to(wire))
-                inputs[a.microbatch], outputs[a.microbatch] = x, out
+                inputs[key], outputs[key] = x, out
             else:
-                out = outputs.pop(a.microbatch)
-                if self.last:
+                out = outputs.pop(key)
+                if ends:
                     start = time.perf_counter()
                     backward(out / global_tokens)
                 else:
                     grad = self.links.recv_gradient(tuple(out.shape), wire, device)
                     start = time.perf_counter()
                     backward(out, grad.to(out.dtype))
-                x = inputs.pop(a.microbatch)
+                x = inputs.pop(key)
                 if x is not None:
                     self.links.send_gradient(x.grad)
-                self.meter.release(a.microbatch)
+                self.meter.release(key)
             self.trace.actions.append((a.kind, a.microbatch, start - t0, time.perf_counter() - t0))
         self.links.flush()
         self.trace.step_s = time.perf_counter() - t0
@@ -177,13 +193,18 @@ class PipelineEngine:
 
     @torch.no_grad()
     def evaluate(self, microbatches: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Forward-only pass (validation): summed token loss on the last stage, 0 elsewhere."""
+        """Forward-only pass (validation) in the order's forwards: summed token loss on the last stage,
+        0 elsewhere."""
         p = self._param
         total = torch.zeros((), dtype=self.acc_dtype, device=p.device)
-        for tokens in microbatches:
-            x = None if self.first else self.links.recv_activation(self._shape(tokens), p.dtype, p.device)
-            out = self._stage_forward(tokens, x)
-            if self.last:
+        for a in self._order(len(microbatches)):
+            if a.kind != FORWARD:
+                continue
+            tokens = microbatches[a.microbatch]
+            starts, ends = self._ends(a.chunk)
+            x = None if starts else self.links.recv_activation(self._shape(tokens), p.dtype, p.device)
+            out = self._chunk_forward(a.chunk, tokens, x)
+            if ends:
                 total += out.to(self.acc_dtype)
             else:
                 self.links.send_activation(out.to(p.dtype))

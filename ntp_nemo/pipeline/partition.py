@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from omegaconf import DictConfig
-
 from ntp_nemo.planner.cost import EMBEDDING, HEAD, LAYER, item_cost
 from ntp_nemo.planner.shapes import DeviceModel, LinkModel, ModelShape
 
@@ -62,22 +60,3 @@ def balanced_partition(costs: Sequence[float], pp: int) -> list[int]:
     bounds.append(0)
     bounds.reverse()
     return [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=False)]
-
-
-def resolve_stage_layers(cfg: DictConfig, layer_tp: Sequence[int] | None = None) -> list[int]:
-    """Layers per stage for a run: `layout.stage_layers` when given, else the cost-balanced split.
-
-    Call after `validate_pipeline(cfg)`; the balanced split needs the resolved per-slot degrees
-    `layer_tp` (the config layer resolves them: `ntp_nemo.config.layout.resolve_layout`).
-    """
-    pp, num_layers = int(cfg.mesh.pp), int(cfg.model.num_layers)
-    explicit = cfg.layout.get("stage_layers")
-    if explicit is not None:
-        return [int(x) for x in explicit]
-    if pp == 1:
-        return [num_layers]
-    if layer_tp is None:
-        raise ValueError("the cost-balanced pipeline split needs the resolved per-slot degrees (layer_tp)")
-    costs = item_costs(ModelShape.of_model_config(cfg.model), layer_tp, int(cfg.data.seq_len),
-                       int(cfg.data.micro_batch_size))
-    return balanced_partition(costs, pp)

@@ -31,6 +31,10 @@ def _positive(key: str, value: Any, kind: type = int) -> None:
         raise ConfigError(key, f"must be a positive {kind.__name__}, got {value!r}.")
 
 
+# The integer sizes of a model (each a positive `model.*` key).
+SIZE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size")
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """Shape of a GPT-style decoder: everything the FLOP, byte and memory counts depend on.
@@ -55,14 +59,7 @@ class ModelShape:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         if self.ffn_hidden_size is None:
             object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
-        for field in (
-            "vocab_size",
-            "hidden_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "ffn_hidden_size",
-        ):
+        for field in SIZE_FIELDS:
             _positive(f"model.{field}", getattr(self, field))
         if self.seq_len is not None:
             _positive("model.seq_len", self.seq_len)

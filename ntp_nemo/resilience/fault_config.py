@@ -1,5 +1,6 @@
 """The `fault` config group, checked before anything starts: the faults to inject, the timeout
 hierarchy, the recovery mode (`fault.recovery=auto` picks live wherever it can work) and the policy.
+Everything here reads the `FailoverSpec` the entry point built (`ntp_nemo.config.failover`).
 
 Nothing here imports torch or Lightning, so a mistake in the group answers (exit 2) in well under a
 second; `faults.FaultInjector`, `detection` and `supervisor` use these values at run time.
@@ -11,8 +12,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from omegaconf import DictConfig
-
+from ntp_nemo.config.failover import FailoverSpec
+from ntp_nemo.config.schema import FaultConfig
 from ntp_nemo.errors import ConfigError
 from ntp_nemo.resilience.policies import make_policy
 
@@ -35,21 +36,23 @@ class Fault:
         return self.kind != "slow"
 
 
-def _spec_list(f: DictConfig) -> list[tuple[str, Any]]:
+def _spec_list(f: FaultConfig) -> list[tuple[str, Any]]:
     specs: list[tuple[str, Any]] = []
     if str(f.kind) != "none":
         specs.append(("fault", f))
-    for i, extra in enumerate(f.get("more") or []):
+    for i, extra in enumerate(f.more or []):
         specs.append((f"fault.more[{i}]", extra))
     return specs
 
 
-def resolve_faults(cfg: DictConfig, world_size: int) -> list[Fault]:
-    """The faults of this run with every unset step/rank drawn from `seed`; ConfigError on bad values."""
-    max_steps = int(cfg.trainer.max_steps)
-    rng = random.Random(int(cfg.seed) * 7919 + 17)
+def resolve_faults(failover: FailoverSpec, world_size: int | None = None) -> list[Fault]:
+    """The faults of this run with every unset step/rank drawn from `seed`; ConfigError on bad values.
+    `world_size`: ranks of the starting layout (default the spec's)."""
+    world_size = failover.world_size if world_size is None else world_size
+    max_steps = failover.max_steps
+    rng = random.Random(failover.seed * 7919 + 17)
     out: list[Fault] = []
-    for key, spec in _spec_list(cfg.fault):
+    for key, spec in _spec_list(failover.fault):
         kind = str(spec.kind)
         if kind not in FAULT_KINDS:
             raise ConfigError(
@@ -72,13 +75,13 @@ def resolve_faults(cfg: DictConfig, world_size: int) -> list[Fault]:
                 f"rank {rank} is not a global rank of the starting layout "
                 f"(0..{world_size - 1}); choose a rank that exists.",
             )
-        seconds = float(spec.get("seconds", 0.0) or 0.0)
-        steps = spec.get("steps")
+        seconds = float(getattr(spec, "seconds", 0.0) or 0.0)
+        steps = getattr(spec, "steps", None)
         if kind == "slow" and seconds <= 0:
             raise ConfigError(
                 f"{key}.seconds", f"a slow rank needs seconds > 0 of delay per step, got {seconds}."
             )
-        phase = str(spec.get("phase", "step_start") or "step_start")
+        phase = str(getattr(spec, "phase", "step_start") or "step_start")
         if phase not in KILL_PHASES or (phase != "step_start" and kind != "kill_rank"):
             raise ConfigError(
                 f"{key}.phase",
@@ -100,7 +103,7 @@ class Timeouts:
     step_s: float
 
     @classmethod
-    def from_config(cls, fault: DictConfig) -> Timeouts:
+    def from_config(cls, fault: FaultConfig) -> Timeouts:
         t = cls(
             float(fault.heartbeat_timeout_s), float(fault.collective_timeout_s), float(fault.step_timeout_s)
         )
@@ -116,12 +119,12 @@ class Timeouts:
 
 
 
-def validate_fault_config(cfg: DictConfig) -> None:
+def validate_fault_config(spec: FailoverSpec) -> None:
     """Checks of the `fault` group run with the rest of validation (before anything starts)."""
-    f = cfg.fault
-    make_policy(str(f.policy), int(cfg.ntp.min_replica_tp))
+    f = spec.fault
+    make_policy(str(f.policy), spec.min_replica_tp)
     Timeouts.from_config(f)
-    _validate_recovery(cfg)
+    _validate_recovery(spec)
     if int(f.max_restarts) < 0:
         raise ConfigError("fault.max_restarts", f"must be >= 0, got {f.max_restarts}.")
     if f.repair_after_steps is not None:
@@ -131,41 +134,38 @@ def validate_fault_config(cfg: DictConfig) -> None:
                 f"must be >= 1 (steps on the degraded layout before the "
                 f"repaired GPU rejoins), got {f.repair_after_steps}.",
             )
-        saves = cfg.checkpoint.every_n_steps or cfg.checkpoint.save_on_end
-        if recovery_mode(cfg)[0] == "restart" and not saves:
+        if recovery_mode(spec)[0] == "restart" and not spec.saves_checkpoints:
             raise ConfigError(
                 "fault.repair_after_steps",
                 "returning to the repaired layout needs checkpoints; "
                 "set checkpoint.every_n_steps>0 or checkpoint.save_on_end=true.",
             )
-    from ntp_nemo.config.validate import resolved_replica_tp
-
-    resolve_faults(cfg, int(cfg.mesh.pp) * sum(resolved_replica_tp(cfg)))
+    resolve_faults(spec)
 
 
 RECOVERY_MODES = ("auto", "live", "restart")
 
 
-def _live_blocker(cfg: DictConfig) -> tuple[str, str] | None:
+def _live_blocker(spec: FailoverSpec) -> tuple[str, str] | None:
     """(key, why) when the live path cannot serve this run, else None."""
-    if bool(cfg.optim.get("distributed", False)):
+    if spec.distributed_optimizer:
         return ("optim.distributed", "live recovery needs every AdamW moment held by every replica, but "
                 "optim.distributed=true keeps each on one rank only")
-    if str(cfg.fault.policy) == "restart":
+    if str(spec.fault.policy) == "restart":
         return ("fault.policy", "fault.policy=restart replaces the lost GPU with a spare, which only a "
                 "relaunch can do")
-    if str(cfg.trainer.accelerator) in ("gpu", "cuda"):
+    if spec.accelerator in ("gpu", "cuda"):
         return ("trainer.accelerator", "the live path stops a broken generation by severing gloo's sockets, "
                 "which does not unblock NCCL collectives: it runs on CPU (gloo) only")
-    if int(cfg.mesh.dp) < 2:
+    if spec.dp < 2:
         return ("mesh.dp", "with one replica no survivor holds a lost rank's shards")
     return None
 
 
-def recovery_mode(cfg: DictConfig) -> tuple[str, str]:
+def recovery_mode(spec: FailoverSpec) -> tuple[str, str]:
     """(`live` or `restart`, why) for `fault.recovery` (`auto`: live wherever it can work)."""
-    asked = str(cfg.fault.get("recovery", "auto"))
-    blocker = _live_blocker(cfg)
+    asked = str(spec.fault.recovery or "auto")
+    blocker = _live_blocker(spec)
     if asked == "restart":
         return "restart", "fault.recovery=restart"
     if blocker is None or asked == "live":  # validation refused the other blockers; one replica falls back
@@ -173,16 +173,14 @@ def recovery_mode(cfg: DictConfig) -> tuple[str, str]:
     return "restart", f"fault.recovery=auto: {blocker[1]}"
 
 
-def _validate_recovery(cfg: DictConfig) -> None:
-    recovery = str(cfg.fault.get("recovery", "auto"))
+def _validate_recovery(spec: FailoverSpec) -> None:
+    recovery = str(spec.fault.recovery or "auto")
     if recovery not in RECOVERY_MODES:
         raise ConfigError("fault.recovery", f"unknown recovery {recovery!r}; use auto (live where it can "
                           "work, else restart), live (the survivors reshard in memory) or restart (relaunch "
                           "from the last checkpoint).")
-    blocker = _live_blocker(cfg)
+    blocker = _live_blocker(spec)
     if recovery == "live" and blocker is not None and blocker[0] != "mesh.dp":
         key, why = blocker
         raise ConfigError("fault.recovery", f"{why}; change {key} or use fault.recovery=restart (or auto, "
                           "which picks restart here).")
-
-

@@ -343,14 +343,3 @@ def reshard_snapshot(
     if new_model is not None and new_optimizer is not None:
         install_optimizer_state(new_model, new_optimizer, targets, old.options or None)
     return result
-
-
-def rebind_optimizer(optimizer: torch.optim.Optimizer, old_model: nn.Module, new_model: nn.Module) -> None:
-    """Point `optimizer`'s groups at `new_model`'s parameters of the same names and drop its state, so
-    that whatever references the optimizer (an LR scheduler, the trainer) goes on with the new layout;
-    the reshard then installs the state.  Capture the old state (`capture`) first."""
-    names = {id(p): name for name, p in old_model.named_parameters()}
-    params = dict(new_model.named_parameters())
-    for group in optimizer.param_groups:
-        group["params"] = [params[names[id(p)]] for p in group["params"]]
-    optimizer.state.clear()

@@ -13,12 +13,13 @@ The pieces, used by the supervisor when `fault.recovery` resolves to live:
   restart path;
 - `LiveRecovery`, a worker callback, owns the strategy's recovery hook (`NTPStrategy.recovery`): it runs
   each training step (and the strategy's collectives between steps); when a collective fails it runs
-  the recovery protocol, swaps the strategy's runtime, the module's model and the rank numbering (rank
-  0's duties move with rank 0), keeps the optimizer object (pointed at the new parameters, so the LR
-  scheduler goes on), re-splits the data over the new replicas and redoes the step with the same global
-  batch; at an announced rejoin it runs the survivors' side (`recovery.grow`).  Goodput:
-  `failure_detected` at detection, `recovery_done` with `mode: live`, `moved_bytes`, `minimum_bytes`
-  and `recovery_s` (detection to resharded state; `rejoin: true` for a rejoin);
+  the recovery protocol, builds the rank's state on the re-planned layout with `runtime.assemble` (as
+  at start-up; the optimizer object is kept, pointed at the new parameters, so the LR scheduler goes on)
+  and hands it to `NTPStrategy.adopt` (the rank numbering and rank 0's duties move with it; the datasets
+  read the new split from the strategy), then redoes the step with the same global batch; at an
+  announced rejoin it runs the survivors' side (`recovery.grow`).  Goodput: `failure_detected` at
+  detection, `recovery_done` with `mode: live`, `moved_bytes`, `minimum_bytes` and `recovery_s`
+  (detection to resharded state; `rejoin: true` for a rejoin);
 - `Rejoining`, the repaired process's side, set as `NTPStrategy.joining` in the process `respawn` forks.
 
 A hung rank (heartbeat older than `fault.heartbeat_timeout_s`, behind the others) is killed by the monitor
@@ -42,7 +43,6 @@ from lightning.pytorch import Callback
 from ntp_nemo.lightning.strategy import _ForkLauncher
 from ntp_nemo.resilience.detection import Verdict, is_lost_status, kill_worker
 from ntp_nemo.resilience.heartbeat import read_beats, suspects
-from ntp_nemo.resilience.live import rebind_optimizer
 from ntp_nemo.resilience.policies import make_policy
 from ntp_nemo.resilience.recovery import Generation, grow, recover
 from ntp_nemo.resilience.rendezvous import (
@@ -288,7 +288,6 @@ class LiveRecovery(Callback):
         self.repair = repair  # repaired processes may rejoin (fault.repair_after_steps)
         self.generation: Generation | None = None
         self.nominal: ResolvedLayout | None = None
-        self.devices: list[Any] = []
         self.pid = 0
         self.store = None
         self.rebuild_through = -1  # batches of steps up to this one were split for an older layout
@@ -298,7 +297,6 @@ class LiveRecovery(Callback):
             return
         self.nominal = trainer.strategy.layout
         self.generation = Generation.first(self.nominal)
-        self.devices = list(trainer.strategy.parallel_devices)
         self.pid = trainer.global_rank
         self.store = connect(int(os.environ["MASTER_PORT"]), self.timeout_s)
         trainer.strategy.recovery = self
@@ -341,19 +339,18 @@ class LiveRecovery(Callback):
         return module.transfer_batch_to_device(fresh, strategy.root_device, 0)
 
     def _builder(self, strategy: Any) -> Callable:
-        """build(layout, rank) -> (runtime, model, optimizer) on the current default group; the optimizer
-        object is kept, pointed at the new parameters (the LR scheduler and Lightning hold it)."""
-        from ntp_nemo.runtime.runtime import NTPRuntime
+        """build(layout, rank) -> RankState (`runtime.assemble`, as at start-up) on the current default
+        group; the optimizer object is kept, pointed at the new parameters (the LR scheduler and
+        Lightning hold it)."""
+        from ntp_nemo.runtime.assemble import assemble
 
         module = strategy.lightning_module
-        opt = strategy._optimizer()
+        keep = (strategy._optimizer(), module.model)
 
         def build(layout: ResolvedLayout, rank: int):  # the re-planned layout, as it is
-            runtime = NTPRuntime(layout, rank, device=strategy.root_device)
-            model = runtime.build_model(module.model_cfg, module.seed)
-            runtime.attach(model, strategy.bucket_mb)
-            rebind_optimizer(opt, module.model, model)
-            return runtime, model, opt
+            return assemble(layout, rank, module.model_cfg, module.optim_cfg, strategy.root_device,
+                            seed=module.seed, bucket_mb=strategy.bucket_mb,
+                            overlap_grad_sync=module.overlap_grad_sync, keep=keep)
 
         return build
 
@@ -387,47 +384,10 @@ class LiveRecovery(Callback):
                   f"bytes (minimum {minimum}) in {rec.seconds:.2f} s", flush=True)
 
     def _install(self, strategy: Any, rec: Any, step: int) -> None:
-        """Make `rec` (a recovery or a rejoin) the strategy's and the module's runtime, model and ranks;
-        the batches of step index `step` and the one fetched ahead are rebuilt for the new split."""
-        module = strategy.lightning_module
-        opt = strategy._optimizer()
+        """Make `rec`'s state (a recovery's or a rejoin's) the strategy's (`NTPStrategy.adopt`); the
+        batches of step index `step` and the one fetched ahead are rebuilt for the new split."""
         self.generation = rec.generation
-        world = rec.generation.layout.world_size
-        strategy.runtime = rec.runtime
-        strategy.topology = rec.runtime.topology
-        strategy.layout = rec.runtime.layout
-        strategy.parallel_devices = self.devices[:world]
-        strategy.cluster_environment.set_global_rank(rec.rank)
-        strategy.cluster_environment.set_world_size(world)
-        os.environ["LOCAL_RANK"] = str(rec.rank)
-        # Rank 0's duties (metrics.jsonl, goodput.jsonl, the console, Lightning's loggers) move to
-        # whichever process is rank 0 now (a logger that starts here writes a new version directory).
-        from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
-        from lightning.pytorch.utilities.rank_zero import rank_zero_only
-
-        from ntp_nemo.lightning.goodput_callback import GoodputCallback
-
-        rank_zero_only.rank = fabric_rank_zero_only.rank = rec.rank
-
-        goodput = GoodputCallback.of(module.trainer)
-        if goodput is not None:
-            goodput.set_global_zero(rec.rank == 0)
-        module.model = rec.model
-        if getattr(module, "grad_path", None) is not None:  # the step's sync path, bound to the old groups
-            from ntp_nemo.parallel.step_path import GradientPath
-
-            module.grad_path.remove()
-            module.grad_path = GradientPath(rec.model, rec.runtime.sync, opt,
-                                            overlap=bool(getattr(module, "overlap_grad_sync", False)))
-        # The asynchronous saver's process group and write plan belong to the old generation: the next
-        # save builds new ones.  (A save still in flight when the rank was lost never commits; the one
-        # before it stays the latest checkpoint.)
-        strategy._saver = None
-        if module._train_set is not None:
-            module._train_set.my_range = rec.runtime.my_microbatches
-        for loader in _loaders(module.trainer.val_dataloaders):
-            if hasattr(loader.dataset, "my_range"):
-                loader.dataset.my_range = rec.runtime.my_microbatches
+        strategy.adopt(rec.state)
         self.rebuild_through = step + 2  # the redone step and what the loader fetched ahead
 
     # -- rejoin (fault.repair_after_steps): the survivors' side ----------------------------------------
@@ -568,9 +528,3 @@ def _traceback(path: str | None) -> str:
             return str(pickle.load(fh))
     except (OSError, TypeError, pickle.UnpicklingError, EOFError):
         return "(no traceback recorded)"
-
-
-def _loaders(value: Any) -> list[Any]:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, list | tuple) else [value]

@@ -13,10 +13,11 @@ gloo reports the closed connection at once; a hang surfaces as the collective ti
 5. agrees with the others on the last completed step: a rank that died inside a collective may have
    let some survivors finish the step and not others; those behind hold stale state and serve as no
    source, so the state comes from the ranks that finished (when they do not cover it: `NoLiveCopy`);
-6. builds the new layout's runtime, model and optimizer (the caller's `build`; it may keep the old
-   optimizer object, pointed at the new parameters with `live.rebind_optimizer`, so that an LR scheduler
-   holding it goes on) and fills them from the survivors' memory (`live.reshard_snapshot`); the caller
-   then redoes the interrupted step with the same global batch, split over the new layout's replicas.
+6. builds the new layout's runtime, model and optimizer (the caller's `build`, e.g. `runtime.assemble`;
+   it may keep the old optimizer object, pointed at the new parameters with `rebind_optimizer`, so that
+   an LR scheduler holding it goes on) and fills them from the survivors' memory
+   (`live.reshard_snapshot`); the caller then redoes the interrupted step with the same global batch,
+   split over the new layout's replicas.
 
 `NoLiveCopy` (DP=1, or every holder of some fragment lost) and any error of the protocol itself are for
 the caller to turn into the restart path.
@@ -45,8 +46,9 @@ from ntp_nemo.resilience.policies import Policy, Replan, replan
 from ntp_nemo.resilience.rendezvous import join, leave, store_barrier, wait_failed
 from ntp_nemo.topology.layout import ResolvedLayout
 
-# build(layout, rank) -> (runtime, model, optimizer), called on the new generation's default group
-BuildFn = Callable[[ResolvedLayout, int], tuple[Any, Any, Any]]
+# build(layout, rank) -> the rank's state on `layout` (a `runtime.assemble.RankState`, or any object with
+# its `runtime`, `model` and `optimizer`), called on the new generation's default group
+BuildFn = Callable[[ResolvedLayout, int], Any]
 
 
 @dataclass(frozen=True)
@@ -79,9 +81,7 @@ class Recovery:
 
     generation: Generation
     rank: int
-    runtime: Any
-    model: Any
-    optimizer: Any
+    state: Any  # what `build` returned: the rank's runtime, model and optimizer on the new layout
     step: int  # the step to run next (the interrupted one)
     reshard: ReshardResult
     failed: tuple[int, ...]  # process ids lost
@@ -89,6 +89,18 @@ class Recovery:
     detect_t: float
     seconds: float  # detection -> state resharded
     phases: dict[str, float]  # seconds: word (the launcher's), join, build, reshard
+
+    @property
+    def runtime(self) -> Any:
+        return self.state.runtime
+
+    @property
+    def model(self) -> Any:
+        return self.state.model
+
+    @property
+    def optimizer(self) -> Any:
+        return self.state.optimizer
 
 
 def recover(
@@ -123,13 +135,14 @@ def recover(
     marks.append(time.time())
     old_replica = generation.layout.replica_of(generation.rank_of(pid))
     snapshot = capture(*old)  # references, no copy; `build` may rebind the old optimizer
-    runtime, model, optimizer = build(new_gen.layout, rank)
+    state = build(new_gen.layout, rank)
     marks.append(time.time())
-    result = reshard_snapshot(snapshot, model, optimizer, old_replica, stale=completed_steps < step)
+    result = reshard_snapshot(snapshot, state.model, state.optimizer, old_replica,
+                              stale=completed_steps < step)
     marks.append(time.time())
     phases = {k: b - a for k, a, b in zip(("word", "join", "build", "reshard"), marks[:-1], marks[1:],
                                           strict=True)}
-    return Recovery(new_gen, rank, runtime, model, optimizer, step, result, tuple(failed), plan, detect_t,
+    return Recovery(new_gen, rank, state, step, result, tuple(failed), plan, detect_t,
                     marks[-1] - detect_t, phases)
 
 
@@ -146,14 +159,15 @@ def grow(store: dist.Store, generation: Generation, layout: ResolvedLayout, pid:
     marks.append(time.time())
     old_replica = generation.layout.replica_of(generation.rank_of(pid))
     snapshot = capture(*old)
-    runtime, model, optimizer = build(layout, rank)
+    state = build(layout, rank)
     marks.append(time.time())
     steps: list = [None] * layout.world_size
     dist.all_gather_object(steps, int(completed_steps))
-    result = reshard_snapshot(snapshot, model, optimizer, old_replica, stale=completed_steps < max(steps))
+    result = reshard_snapshot(snapshot, state.model, state.optimizer, old_replica,
+                              stale=completed_steps < max(steps))
     marks.append(time.time())
     phases = {k: b - a for k, a, b in zip(("join", "build", "reshard"), marks[:-1], marks[1:], strict=True)}
-    return Recovery(new_gen, rank, runtime, model, optimizer, max(steps), result, (), None, start,
+    return Recovery(new_gen, rank, state, max(steps), result, (), None, start,
                     marks[-1] - start, phases)
 
 

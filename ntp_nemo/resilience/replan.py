@@ -22,7 +22,7 @@ from typing import Any
 
 from ntp_nemo.errors import EXIT_RUNTIME, ConfigError, cli_main
 from ntp_nemo.resilience.policies import POLICY_NAMES, Replan, make_policy, replan
-from ntp_nemo.topology.layout import ResolvedLayout
+from ntp_nemo.topology import ResolvedLayout, Topology
 
 
 def _ints(text: str, key: str) -> list[int]:
@@ -90,7 +90,7 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError("--pp", f"must be >= 1, got {args.pp}.")
     # The plan depends on the replica sizes alone: one layer per stage at the nominal degree stands in
     # for the model.
-    layout = ResolvedLayout.make(args.tp, replica_tp, [args.tp] * (args.pp + 2), args.pp)
+    layout = ResolvedLayout.make(Topology(args.tp, replica_tp, [args.tp] * (args.pp + 2), args.pp))
     plan = replan(layout, _ints(args.failed, "--failed"), make_policy(args.policy, args.min_replica_tp))
     per_node_procs = _procs_per_node(args.gpus_per_node or str(args.tp), layout.world_size)
     n_nodes = len(per_node_procs)

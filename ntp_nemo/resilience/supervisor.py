@@ -27,8 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
+from ntp_nemo.config.failover import FailoverSpec
 from ntp_nemo.resilience.detection import LostRanks, Timeouts, WorkerMonitor, classify, kill_worker
 from ntp_nemo.resilience.fault_config import (  # noqa: F401 - re-exported: the run-time side uses them here
     RECOVERY_MODES,
@@ -87,31 +86,29 @@ class SupervisorResult:
 
 class Supervisor:
     def __init__(
-        self, cfg: DictConfig, layout: ResolvedLayout, run_dir: Path, build: BuildFn,
+        self, spec: FailoverSpec, layout: ResolvedLayout, run_dir: Path, build: BuildFn,
         initial_resume: Path | None = None,
     ) -> None:
-        """`layout`: the run's layout (resolved once at the entry point); re-planning derives every
-        attempt's layout from it."""
-        self.cfg = cfg
+        """`spec` and `layout`: what the entry point read from the config and the run's layout (both
+        built once); re-planning derives every attempt's layout from `layout`."""
+        self.spec = spec
         self.run_dir = Path(run_dir)
         self.build = build
         self.initial_resume = initial_resume
         self.dir = self.run_dir / FAILOVER_DIR
         self.heartbeat_dir = self.dir / "heartbeats"
         self.fault_dir = self.dir / "faults"
-        self.ckpt_dir = self.run_dir / cfg.checkpoint.dir
+        self.ckpt_dir = self.run_dir / spec.checkpoint_dir
         self.nominal = layout
-        self.policy = make_policy(str(cfg.fault.policy), int(cfg.ntp.min_replica_tp))
-        self.recovery, self.recovery_why = recovery_mode(cfg)
+        self.policy = make_policy(str(spec.fault.policy), spec.min_replica_tp)
+        self.recovery, self.recovery_why = recovery_mode(spec)
         self.live = self.recovery == "live"  # resilience/live_training.py
-        self.timeouts = Timeouts.from_config(cfg.fault)
-        self.faults = resolve_faults(cfg, self.nominal.world_size)
-        self.end_step = min(
-            int(cfg.trainer.max_steps), int(cfg.trainer.stop_at_step or cfg.trainer.max_steps)
-        )
+        self.timeouts = Timeouts.from_config(spec.fault)
+        self.faults = resolve_faults(spec, self.nominal.world_size)
+        self.end_step = spec.end_step
         self.result = SupervisorResult()
         self._port_was_set = "MASTER_PORT" in os.environ
-        self.gpu = str(cfg.trainer.accelerator) in ("gpu", "cuda")
+        self.gpu = spec.accelerator in ("gpu", "cuda")
         self.devices: list[int] | None = None  # CUDA ordinal per rank of the running attempt
         self.lost_devices: set[int] = set()  # GPUs lost since the last repair: never handed out again
 
@@ -127,8 +124,8 @@ class Supervisor:
         if self.live:
             from ntp_nemo.resilience.live_training import LiveRecovery
 
-            out.append(LiveRecovery(self.policy.name, int(self.cfg.ntp.min_replica_tp),
-                                    repair=self.cfg.fault.repair_after_steps is not None))
+            out.append(LiveRecovery(self.policy.name, self.spec.min_replica_tp,
+                                    repair=self.spec.fault.repair_after_steps is not None))
         return out
 
     def build_first(self) -> tuple[Any, Any, Any]:
@@ -179,10 +176,10 @@ class Supervisor:
         return int(read_manifest(ckpt).get("step", 0))
 
     def _repair_stop(self, layout: ResolvedLayout, resume_step: int) -> int | None:
-        n = self.cfg.fault.repair_after_steps
+        n = self.spec.fault.repair_after_steps
         if n is None or layout == self.nominal:
             return None
-        every = int(self.cfg.checkpoint.every_n_steps)
+        every = self.spec.checkpoint_every
         target = resume_step + int(n)
         if every > 0:
             target = math.ceil(target / every) * every
@@ -248,9 +245,9 @@ class Supervisor:
                     f"{plan.describe()}",
                     flush=True,
                 )
-                if restarts > int(self.cfg.fault.max_restarts):
+                if restarts > int(self.spec.fault.max_restarts):
                     raise FailoverError(
-                        f"{restarts} failures exceed fault.max_restarts={self.cfg.fault.max_restarts};"
+                        f"{restarts} failures exceed fault.max_restarts={self.spec.fault.max_restarts};"
                         f" last: rank(s) {ranks} lost ({lost.reason}). Raise fault.max_restarts or "
                         "check the machine."
                     )
@@ -321,7 +318,7 @@ class Supervisor:
             from ntp_nemo.resilience.live_training import LiveLauncher, LiveMonitor
 
             trainer.strategy._launcher = LiveLauncher(trainer.strategy)
-            repair = self.cfg.fault.repair_after_steps
+            repair = self.spec.fault.repair_after_steps
             monitor = LiveMonitor(trainer.strategy.launcher, layout.world_size, self.heartbeat_dir,
                                   self.timeouts.heartbeat_s, layout=layout,
                                   repair_after_steps=None if repair is None else int(repair),

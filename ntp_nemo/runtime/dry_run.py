@@ -58,12 +58,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.parallel.grad_sync import (
-    GradientSynchronizer,
     SyncPlan,
     build_sync_plan,
     build_sync_plans,
     param_descriptors,
 )
+from ntp_nemo.runtime.assemble import RankState, assemble
 from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout, Topology
 
@@ -281,15 +281,16 @@ class _EngineMeter:
         pass
 
 
-def _attach(runtime: NTPRuntime, model: nn.Module, plan: SyncPlan, bucket_mb: float) -> GradientSynchronizer:
-    """`NTPRuntime.attach` with a sync plan computed up front (`build_sync_plans`)."""
-    topo = runtime.topology
-    if topo.world_size > 1:
-        topo.build_groups(extra=plan.all_holder_sets)
-    runtime.sync = GradientSynchronizer(
-        model, plan, topo.group, int(bucket_mb * (1 << 20)), runtime.world_group, runtime.device
-    )
-    return runtime.sync
+# The optimizer's hyperparameters change no memory: the dry run assembles its ranks with these.
+_DRY_OPTIM = {"lr": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0}
+
+
+def _assemble(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: StepShape, plan: SyncPlan,
+              distributed: bool = False) -> RankState:
+    """The rank's state as a run assembles it (`runtime.assemble`), on meta, with its sync plan computed
+    up front (`build_sync_plans`)."""
+    return assemble(layout, rank, cfg, {**_DRY_OPTIM, "distributed": distributed}, META, seed=shape.seed,
+                    bucket_mb=shape.bucket_mb, param_dtype=shape.param_dtype, sync_plan=plan)
 
 
 def plan_traffic(plan: SyncPlan, descriptors: dict[str, tuple], element_size: int,
@@ -364,8 +365,8 @@ def _class_step(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: Step
     `NTPRuntime.train_microbatches` (the pipeline engine when pp > 1) with its saved tensors and
     communication counted, the gradient sync of the rank's own plan, the fused step scalars, the
     clipping and an AdamW step."""
-    runtime = NTPRuntime(layout, rank, device=META)
-    model = runtime.build_model(cfg, shape.seed, shape.param_dtype)
+    state = _assemble(layout, rank, cfg, shape, plan)
+    runtime, model, sync = state.runtime, state.model, state.grad_path.sync
     if param_descriptors(model) != descriptors:
         raise RuntimeError(f"rank {rank}: its model slice differs between two builds")
     # Autocast has no meta backend: under mixed precision the forward and backward run on a copy of
@@ -390,7 +391,6 @@ def _class_step(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: Step
         if mixed:
             for p in model.parameters():  # autocast's gradients: in the parameters' dtype
                 p.grad = torch.zeros_like(p)
-        sync = _attach(runtime, model, plan, shape.bucket_mb)
         with comm.labelled("dp"):
             sync.sync()
         sq = sync.grad_norm_sq_local()
@@ -402,7 +402,7 @@ def _class_step(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: Step
     if expected != (comm.bytes["dp"], comm.calls["dp"]):
         raise RuntimeError(f"rank {rank}: gradient sync sent {comm.bytes['dp']} bytes in {comm.calls['dp']} "
                            f"calls, its plan gives {expected}")
-    opt = torch.optim.AdamW(model.parameters())
+    opt = state.optimizer
     opt.step()
     return _ClassStep(
         grad_bytes=sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()),
@@ -459,13 +459,8 @@ def option_savings(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: S
             out["recompute"] = {"rank": rank, "activation_bytes": measured,
                                 "saved_bytes": {m: measured["none"] - b for m, b in measured.items()
                                                 if m != "none"}}
-        from ntp_nemo.parallel.step_path import build_optimizer
-
-        model = runtime.build_model(cfg, shape.seed, shape.param_dtype)
-        sync = _attach(runtime, model, plan, shape.bucket_mb)
         with CommMeter(META):
-            opt = build_optimizer(model, sync, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
-                                  distributed=True)
+            opt = _assemble(layout, rank, cfg, shape, plan, distributed=True).optimizer
         distributed = opt.state_bytes()
         out["distributed_optimizer"] = {
             "rank": rank,

@@ -18,6 +18,7 @@ from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.parallel.comm import all_reduce_on, check_device
 from ntp_nemo.parallel.grad_sync import (
     GradientSynchronizer,
+    SyncPlan,
     accumulator_dtype,
     build_sync_plan,
     param_descriptors,
@@ -98,21 +99,24 @@ class NTPRuntime:
         return model.to(self.device)
 
     def attach(
-        self, model: nn.Module, bucket_mb: float = 25.0, descriptors: Sequence[dict] | None = None
+        self, model: nn.Module, bucket_mb: float = 25.0, descriptors: Sequence[dict] | None = None,
+        plan: SyncPlan | None = None,
     ) -> GradientSynchronizer:
         """Build the fragment sync plan and its process groups.
 
         `descriptors` (every rank's `param_descriptors`, index = global rank) skips the exchange (one
-        `all_gather_object`); the dry run passes them since a fake process group moves no data."""
-        if descriptors is not None:
-            everyone = list(descriptors)
-        elif self.topology.world_size > 1:
-            everyone = [None] * self.topology.world_size
-            dist.all_gather_object(everyone, param_descriptors(model))
-        else:
-            everyone = [param_descriptors(model)]
-        replica_of = [c.replica for c in self.topology.coords]
-        plan = build_sync_plan(self.rank, everyone, replica_of)
+        `all_gather_object`), and `plan` (this rank's, computed up front) the planning too; the dry run
+        passes them since a fake process group moves no data."""
+        if plan is None:
+            if descriptors is not None:
+                everyone = list(descriptors)
+            elif self.topology.world_size > 1:
+                everyone = [None] * self.topology.world_size
+                dist.all_gather_object(everyone, param_descriptors(model))
+            else:
+                everyone = [param_descriptors(model)]
+            replica_of = [c.replica for c in self.topology.coords]
+            plan = build_sync_plan(self.rank, everyone, replica_of)
         if self.topology.world_size > 1:
             self.topology.build_groups(extra=plan.all_holder_sets)
         self.sync = GradientSynchronizer(

@@ -17,6 +17,7 @@ from ntp_nemo.data.rebalance import assign_microbatches
 from ntp_nemo.topology.topology import Topology
 
 PowerBoost = float | tuple[float, ...] | None
+_TOPOLOGY_FIELDS = ("tp", "replica_tp", "layer_tp", "pp", "stage_layers")  # Topology's own arguments
 
 
 def replica_capacities(tp: int, replica_tp: Sequence[int], power_boost: PowerBoost) -> list[float]:
@@ -67,11 +68,7 @@ class ResolvedLayout:
     @classmethod
     def make(
         cls,
-        tp: int,
-        replica_tp: Sequence[int],
-        layer_tp: Sequence[int],
-        pp: int = 1,
-        stage_layers: Sequence[int] | None = None,
+        topology: Topology,
         schedule: str = "1f1b",
         power_boost: Any = None,
         nominal_replicas: int | None = None,
@@ -79,44 +76,30 @@ class ResolvedLayout:
         devices: Sequence[str] | None = None,
         virtual_stages: int = 1,
     ) -> ResolvedLayout:
-        """Normalise the inputs and fill the derived fields (stage split, batch shares); checks that
-        the parts agree (a ValueError names the mismatch)."""
-        layer_tp = tuple(int(x) for x in layer_tp)
-        replica_tp = tuple(int(x) for x in replica_tp)
-        topo = Topology(int(tp), replica_tp, layer_tp, int(pp), list(stage_layers) if stage_layers else None)
+        """The layout of `topology` (nominal TP, replicas, per-slot degrees, stage split: the Topology
+        checks that they agree) with the run's options; fills the batch shares.  A ValueError names a
+        mismatch."""
+        t = topology
+        replica_tp = tuple(int(x) for x in t.replica_tp)
         boost = _boost(power_boost)
         m = len(replica_tp) if num_microbatches is None else int(num_microbatches)
         layout = cls(
-            tp=int(tp),
+            tp=int(t.tp),
             replica_tp=replica_tp,
-            layer_tp=layer_tp,
-            pp=int(pp),
-            stage_layers=tuple(topo.stage_layers),
+            layer_tp=tuple(int(x) for x in t.layer_tp),
+            pp=int(t.pp),
+            stage_layers=tuple(int(x) for x in t.stage_layers),
             schedule=str(schedule),
             virtual_stages=int(virtual_stages),
             power_boost=boost,
             nominal_replicas=None if nominal_replicas is None else int(nominal_replicas),
             num_microbatches=m,
-            microbatches=tuple(assign_microbatches(m, replica_capacities(int(tp), replica_tp, boost))),
+            microbatches=tuple(assign_microbatches(m, replica_capacities(int(t.tp), replica_tp, boost))),
             devices=None if devices is None else tuple(str(d) for d in devices),
         )
         if layout.devices is not None and len(layout.devices) != layout.world_size:
             raise ValueError(f"{len(layout.devices)} devices for a layout of {layout.world_size} ranks")
         return layout
-
-    @classmethod
-    def of_topology(
-        cls,
-        topology: Topology,
-        schedule: str = "1f1b",
-        power_boost: Any = None,
-        num_microbatches: int | None = None,
-    ) -> ResolvedLayout:
-        """The layout of a Topology built by hand (tests and benchmarks only; a run resolves its layout
-        from the config with `ntp_nemo.config.layout.resolve_layout`)."""
-        t = topology
-        return cls.make(t.tp, t.replica_tp, t.layer_tp, t.pp, t.stage_layers, schedule, power_boost,
-                        num_microbatches=num_microbatches)
 
     # ---- derived --------------------------------------------------------------------------------
     @property
@@ -210,7 +193,7 @@ class ResolvedLayout:
         if "pp" in changes and "stage_layers" not in changes:
             base["stage_layers"] = None
         base.update(changes)
-        return ResolvedLayout.make(**base)
+        return ResolvedLayout.from_dict(base)
 
     def shrunk(self, sizes: Sequence[int]) -> ResolvedLayout:
         """Re-planning's result: replica `i` keeps `sizes[i]` active ranks (0: dropped).  Every other
@@ -238,7 +221,8 @@ class ResolvedLayout:
         """The inverse of `to_dict`; also reads the four keys (tp, replica_tp, layer_tp, pp) that
         checkpoints written before `to_dict` was stored hold."""
         fields = {k: v for k, v in data.items() if k != "microbatches"}
-        return cls.make(**fields)
+        placement = {k: fields.pop(k) for k in _TOPOLOGY_FIELDS if k in fields}
+        return cls.make(Topology(**placement), **fields)
 
     @classmethod
     def from_checkpoint(cls, recorded: Any) -> ResolvedLayout | None:

@@ -1,5 +1,6 @@
 """Checks of the memory and overlap options (`model.recompute`, `model.recompute_every`,
-`optim.distributed`, `ntp.overlap_grad_sync`) before anything is launched.  Imports nothing heavy."""
+`optim.distributed`, `ntp.overlap_grad_sync`) before anything is launched: the config layer's, so
+that `parallel/` never reads a config.  Imports nothing heavy."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Checks of the pipeline keys (`mesh.pp`, `layout.stage_layers`, `layout.schedule`) before launch.
+"""Checks of the pipeline keys (`mesh.pp`, `layout.stage_layers`, `layout.schedule`,
+`layout.virtual_stages`) before launch: the config layer's, so that `pipeline/` never reads a config.
 
 Both schedules run any micro-batch count, including fewer micro-batches than stages (1F1B then
 cuts its warm-up short and the bubble grows, see `schedule.py`) and a replica that gets none in a

@@ -1,0 +1,151 @@
+"""What `ntp-train` prints and reports around a run: the once-per-job console, the end-of-run summary
+and the command that resumes a run (kept apart from the entry point's control flow in `train.py`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import warnings
+from pathlib import Path
+
+_IMPORTED = time.time()  # when /proc does not say when this process started
+
+
+def launcher_rank() -> int:
+    """Global rank given by an external launcher (torchrun: RANK, srun: SLURM_PROCID); 0 when we launch."""
+    for var in ("RANK", "SLURM_PROCID"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
+
+
+def process_start_time() -> float:
+    """Wall-clock time this process started (from /proc on Linux: interpreter start-up and imports
+    included); elsewhere when this module was imported."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks since boot
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        started = time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return _IMPORTED
+    return started if _IMPORTED - 600 < started <= _IMPORTED else _IMPORTED
+
+
+def say(*args, **kwargs) -> None:
+    """Print once per job: under torchrun/SLURM every rank runs this entry point."""
+    if launcher_rank() == 0:
+        print(*args, **kwargs)
+
+
+def quiet_libraries() -> None:
+    """Lightning logs through its own handler; stop Hydra's root handler from printing it twice."""
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).propagate = False
+    # "Terminating process N via signal SIGTERM": torch stopping the other workers after one failed;
+    # the supervisor reports the failure and what it does about it.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    # modelopt checks the installed transformers version on import; ntp_nemo uses none of its HF paths.
+    warnings.filterwarnings("ignore", message=r"transformers .* is not tested with current version of model")
+    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+    warnings.filterwarnings("ignore", message=".*sync_dist=True.*")
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=".*exists and is not empty.*")
+    # Batches are a function of (seed, step): the step restored from the checkpoint resumes the data exactly.
+    warnings.filterwarnings("ignore", message=".*dataloader is not resumable.*")
+    warnings.filterwarnings("ignore", message=".*no pre-optimization state was saved.*")
+
+
+def invocation_stats(run_dir: Path, since: float) -> dict:
+    """Steps, losses and tokens/s of this command's steps in metrics.jsonl (all its attempts)."""
+    path = run_dir / "metrics.jsonl"
+    recs = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("time", 0) >= since:
+                recs.append(rec)
+    if not recs:
+        return {}
+    steady = recs[1:] or recs  # the first step carries one-time warm-up work
+    secs = sum(r["step_time_s"] for r in steady)
+    layouts: list[str] = []  # the layouts trained on, in order (consecutive repeats merged)
+    for r in recs:
+        if r.get("layout") and (not layouts or layouts[-1] != r["layout"]):
+            layouts.append(r["layout"])
+    return {
+        "steps_this_run": len(recs),
+        "layouts": layouts,
+        "first_step_start": recs[0]["time"] - recs[0]["step_time_s"],
+        "first_loss": recs[0]["loss"],
+        "final_loss": recs[-1]["loss"],
+        "tokens_per_s": sum(r["tokens"] for r in steady) / secs if secs > 0 else None,
+    }
+
+
+def _percent(x: float | None) -> float | None:
+    return None if x is None else 100 * x
+
+
+def print_summary(summary: dict, run_dir: Path) -> None:
+    def fmt(v, spec=".4f"):
+        return "n/a" if v is None else format(v, spec)
+
+    lines = [
+        "",
+        "──────────────── ntp_nemo run summary ────────────────",
+        f" layout        {summary.get('layout')}",
+        f" steps         {summary.get('steps')} ({summary.get('steps_this_run')} in this run)",
+        f" loss          first {fmt(summary.get('first_loss'))} → final {fmt(summary.get('final_loss'))}",
+        f" val loss      {fmt(summary.get('val_loss'))}",
+        f" tokens/s      {fmt(summary.get('tokens_per_s'), '.0f')}",
+        f" goodput       {fmt(_percent(summary.get('goodput')), '.1f')}%",
+        f" wall time     {fmt(summary.get('wall_s'), '.1f')} s",
+        *(
+            [f" startup       {summary['startup_s']:.1f} s from the command to the first step"]
+            if summary.get("startup_s") is not None
+            else []
+        ),
+        *(
+            [
+                f" failover      {summary['failover']['failures']} failure(s)"
+                + "".join(f"; recovered {r['mode']} in {r['recovery_s']:.1f} s"
+                          for r in summary["failover"].get("recoveries", []))
+                + "; layouts " + " -> ".join(summary["failover"]["layouts"])
+            ]
+            if summary.get("failover")
+            else []
+        ),
+        *(
+            [
+                f" stopped early at step {summary.get('steps')} of {summary.get('max_steps')} "
+                f"({'Ctrl-C' if summary['stopped_early'] == 'SIGINT' else summary['stopped_early']}); "
+                "checkpoint saved",
+                f" to resume     {resume_command(run_dir)}",
+            ]
+            if summary.get("stopped_early")
+            else []
+        ),
+        f" outputs       {run_dir} (metrics.jsonl, goodput.jsonl, checkpoints/, logs/)",
+        "──────────────────────────────────────────────────────",
+    ]
+    say("\n".join(lines), flush=True)
+
+
+def resume_command(run_dir: Path) -> str:
+    """The command that continues this run: its own overrides, in its run directory (resume=auto)."""
+    import shlex
+
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        overrides = list(HydraConfig.get().overrides.task)
+    except ValueError:  # no Hydra job (called from Python)
+        overrides = []
+    keep = [o for o in overrides if not o.startswith(("hydra.run.dir=", "resume=", "trainer.stop_at_step="))]
+    return " ".join(["ntp-train", *map(shlex.quote, keep), shlex.quote(f"hydra.run.dir={run_dir}")])

@@ -1,0 +1,93 @@
+"""`assemble`: the one place that builds what a rank trains with on a layout.
+
+Start-up (the Lightning module), live recovery and the rejoin all call it, so a change to how a rank is
+built (the model slice, the gradient sync, the optimizer, the batch share) is made once.  The strategy
+swaps the result in with `NTPStrategy.adopt`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.parallel.grad_sync import SyncPlan
+from ntp_nemo.parallel.step_path import GradientPath, build_optimizer
+from ntp_nemo.runtime.runtime import NTPRuntime
+from ntp_nemo.topology.layout import ResolvedLayout
+
+
+@dataclass
+class RankState:
+    """Everything one rank trains with on one layout: its runtime (place, process groups, device), its
+    model slice, the optimizer and the step's gradient path (sync, clipping)."""
+
+    layout: ResolvedLayout
+    rank: int
+    runtime: NTPRuntime
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    grad_path: GradientPath
+
+    def my_microbatches(self, num_microbatches: int) -> range:
+        """This rank's replica's share of the global batch's micro-batches."""
+        return self.runtime.my_microbatches(num_microbatches)
+
+
+def rebind_optimizer(optimizer: torch.optim.Optimizer, old_model: nn.Module, new_model: nn.Module) -> None:
+    """Point `optimizer`'s groups at `new_model`'s parameters of the same names and drop its state, so
+    that whatever references the optimizer (an LR scheduler, the trainer) goes on with the new layout;
+    the caller then installs the state (a live reshard)."""
+    names = {id(p): name for name, p in old_model.named_parameters()}
+    params = dict(new_model.named_parameters())
+    for group in optimizer.param_groups:
+        group["params"] = [params[names[id(p)]] for p in group["params"]]
+    optimizer.state.clear()
+
+
+def assemble(
+    layout: ResolvedLayout,
+    rank: int,
+    model_cfg: ModelConfig,
+    optim_cfg: Mapping[str, Any],
+    device: torch.device | str | None,
+    *,
+    seed: int,
+    bucket_mb: float = 25.0,
+    overlap_grad_sync: bool = False,
+    keep: tuple[torch.optim.Optimizer, nn.Module] | None = None,
+    make_model: Callable[[NTPRuntime], nn.Module] | None = None,
+    param_dtype: torch.dtype | None = None,
+    sync_plan: SyncPlan | None = None,
+) -> RankState:
+    """Build rank `rank`'s state on `layout` (collective over the layout's ranks: process groups and the
+    sync plan).  `optim_cfg` holds the `optim` keys (lr, beta1, beta2, eps, weight_decay, distributed).
+
+    `keep=(optimizer, old_model)` re-points an existing optimizer at the new parameters instead of
+    building one (live recovery: the LR scheduler and Lightning hold that object); `make_model` builds
+    the model slice in place of `runtime.build_model(model_cfg, seed)` (a model whose every value comes
+    from elsewhere need not be initialised); `param_dtype` casts the parameters; `sync_plan` is this
+    rank's gradient-sync plan computed up front (the dry run's fake process group moves no data)."""
+    runtime = NTPRuntime(layout, rank, device=device)
+    if make_model is not None:
+        model = make_model(runtime)
+    else:
+        model = runtime.build_model(model_cfg, seed, param_dtype)
+    sync = runtime.attach(model, bucket_mb, plan=sync_plan)
+    if keep is not None:
+        optimizer, old_model = keep
+        rebind_optimizer(optimizer, old_model, model)
+    else:
+        o = optim_cfg
+        optimizer = build_optimizer(model, sync, lr=o["lr"], betas=(o["beta1"], o["beta2"]), eps=o["eps"],
+                                    weight_decay=o["weight_decay"],
+                                    distributed=bool(o.get("distributed", False)))
+    grad_path = GradientPath(model, sync, optimizer, overlap=overlap_grad_sync)
+    return RankState(layout, rank, runtime, model, optimizer, grad_path)
+
+
+__all__ = ["RankState", "assemble", "rebind_optimizer"]
