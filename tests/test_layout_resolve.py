@@ -82,6 +82,32 @@ def test_resolve_layout_balanced_split_and_serialisation():
         lay.with_changes(devices=["cpu"] * 3)
 
 
+def test_checkpoints_read_back_the_layout_they_recorded():
+    lay = _layout("mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]", "ntp.power_boost=1.3",
+                  "model.num_layers=4", "mesh.pp=2", "layout.schedule=interleaved_1f1b",
+                  "layout.virtual_stages=2")
+    assert ResolvedLayout.from_checkpoint(lay.to_dict()) == lay  # every option, the boost included
+    # The four keys checkpoints held before the whole layout was stored: the same ranks hold the same
+    # shards, so the saved RNG states carry over.
+    old = ResolvedLayout.from_checkpoint({"tp": 2, "replica_tp": [2, 1], "layer_tp": [2] * 6, "pp": 2})
+    assert old is not None and old.same_ranks(lay) and not old.same_ranks(lay.shrunk([1, 1]))
+    # Nothing recorded, or a layout written by something else: nothing to compare with.
+    assert ResolvedLayout.from_checkpoint("(2,1)") is None
+    assert ResolvedLayout.from_checkpoint({"replica_tp": [2, 1], "colour": "red"}) is None
+
+
+def test_shrinking_keeps_every_option_and_follows_per_replica_boosts():
+    lay = _layout("mesh.dp=3", "mesh.tp=2", "ntp.replica_tp=[2,1,2]", "ntp.power_boost=[1.0,1.3,1.2]",
+                  "model.num_layers=4", "layout.layer_tp=[2,1,2,1,2,2]", "data.global_batch_size=40",
+                  "data.micro_batch_size=2")
+    assert lay.shrunk([2, 1, 2]) is lay  # nothing lost (the restart policy): the same layout
+    new = lay.shrunk([0, 1, 1])  # replica 0 dropped, replica 2 lost a rank
+    assert new.replica_tp == (1, 1) and new.power_boost == (1.3, 1.2) and new.nominal_replicas == 3
+    assert new.layer_tp == lay.layer_tp and new.num_microbatches == 20
+    # capacities 0.5 * 1.3 = 0.65 and 0.5 * 1.2 = 0.6 of 20 micro-batches: 10.4 and 9.6 -> 10 and 10
+    assert new.microbatches == (10, 10) and new.capacity_fraction() == 2 / 6
+
+
 def test_strategy_takes_the_resolved_layout():
     from ntp_nemo.lightning.strategy import NTPStrategy
 

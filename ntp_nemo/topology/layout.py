@@ -226,9 +226,14 @@ class ResolvedLayout:
 
     @classmethod
     def from_checkpoint(cls, recorded: Any) -> ResolvedLayout | None:
-        """The layout a checkpoint recorded (its `to_dict`), or None where it recorded none (a
-        checkpoint written outside a run, e.g. by a Hugging Face import)."""
-        return cls.from_dict(recorded) if isinstance(recorded, Mapping) and "replica_tp" in recorded else None
+        """The layout a checkpoint recorded (its `to_dict`), or None where it recorded none or one this
+        version cannot read (a checkpoint written outside a run, e.g. by a Hugging Face import)."""
+        if not isinstance(recorded, Mapping) or "replica_tp" not in recorded:
+            return None
+        try:
+            return cls.from_dict(recorded)
+        except (TypeError, ValueError):
+            return None
 
 
 __all__ = ["PowerBoost", "ResolvedLayout", "replica_capacities"]
