@@ -128,6 +128,7 @@ def train(cfg: DictConfig) -> dict:
         int(cfg.model.vocab_size),
         blend=cfg.data.blend,
         val_path=cfg.data.val_path,
+        eos_token=cfg.data.get("eos_token"),
     )
     if cfg.quant.format != "none":
         from ntp_nemo.quant.modules import register_tp_layers
