@@ -150,6 +150,9 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         return self._backend.decode([int(i) for i in np.asarray(ids).reshape(-1)])
 
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._backend.id_to_token(int(token_id))
+
 
 BPETokenizer = HFTokenizer  # the locally trained BPE is a tokenizer.json like any other
 
