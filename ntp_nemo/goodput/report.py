@@ -63,7 +63,10 @@ def legend_labels(tl: Timeline) -> list[str]:
 
 def plot_timeline(tl: Timeline, report: GoodputReport, out: Path) -> Path:
     """Draw the run's timeline with matplotlib's Agg backend (no display needed)."""
-    import matplotlib
+    from ntp_nemo.errors import require_extra
+
+    matplotlib = require_extra("matplotlib", "plots", "--no-plot", "the timeline plot",
+                               "pass --no-plot for the numbers alone")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
