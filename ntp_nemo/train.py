@@ -112,7 +112,9 @@ def train(cfg: DictConfig) -> dict:
     if launcher_rank() == 0:
         from ntp_nemo.config.run_dir import save_record
 
-        save_record(cfg, run_dir)  # only now: a command that fails validation keeps the old record
+        note = save_record(cfg, run_dir)  # only now: a command that fails validation keeps the old record
+        if note:
+            say(note, flush=True)
     if cfg.model.get("init_from"):
         say(f"model weights: initialised from {cfg.model.init_from} (model.init_from)", flush=True)
     _quiet_libraries()
@@ -208,7 +210,7 @@ def train(cfg: DictConfig) -> dict:
         summary["failover"] = {**attempts, "failures": max(result.failures, len(recoveries)),
                                "layouts": summary.get("layouts") or attempts["layouts"],
                                "recoveries": recoveries}
-    print_summary(summary, run_dir)
+    print_summary(summary, run_dir, logger_dirs(cfg))
     return summary
 
 
@@ -287,7 +289,14 @@ def _percent(x: float | None) -> float | None:
     return None if x is None else 100 * x
 
 
-def print_summary(summary: dict, run_dir: Path) -> None:
+def logger_dirs(cfg: DictConfig) -> list[str]:
+    """The run-directory folders the configured loggers write (`logs/` for CSV, `tb/` for TensorBoard)."""
+    return [f"{lg.name}/" for lg in (cfg.get("logger") or {}).values() if lg is not None and lg.get("name")]
+
+
+def print_summary(summary: dict, run_dir: Path, log_dirs: list[str] | None = None) -> None:
+    outputs = ", ".join(["metrics.jsonl", "goodput.jsonl", "checkpoints/", *(log_dirs or [])])
+
     def fmt(v, spec=".4f"):
         return "n/a" if v is None else format(v, spec)
 
@@ -326,7 +335,7 @@ def print_summary(summary: dict, run_dir: Path) -> None:
             if summary.get("stopped_early")
             else []
         ),
-        f" outputs       {run_dir} (metrics.jsonl, goodput.jsonl, checkpoints/, logs/)",
+        f" outputs       {run_dir} ({outputs})",
         "──────────────────────────────────────────────────────",
     ]
     say("\n".join(lines), flush=True)
@@ -385,9 +394,11 @@ def main() -> None:
         print(help_text())
         return
     from ntp_nemo.config.keys import check_override_keys
+    from ntp_nemo.config.run_dir import check_run_dir_overrides
 
     try:
         check_override_keys(sys.argv[1:])  # a misspelt or `+`-added typed key: "did you mean"
+        check_run_dir_overrides(sys.argv[1:])  # e.g. a read-only place: said here, not in Hydra's traceback
     except ConfigError as err:
         report_config_error(err)
         sys.exit(EXIT_CONFIG)

@@ -60,12 +60,46 @@ def require_writable(path: Path, key: str) -> None:
         )
 
 
-def save_record(cfg: DictConfig, run_dir: Path) -> None:
-    """Write `.hydra/{config,hydra,overrides}.yaml` as Hydra does (called once the config is valid)."""
+def check_run_dir_overrides(argv: list[str]) -> None:
+    """Create the directory `hydra.run.dir=` / `hydra.sweep.dir=` names (as Hydra would next) so that one
+    that cannot be created is a clear error instead of Hydra's traceback."""
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if key not in ("hydra.run.dir", "hydra.sweep.dir") or not sep or not value or "${" in value:
+            continue
+        path = Path(value.strip("'\"")).expanduser()
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ConfigError(key, f"{value!r} cannot be created ({err.strerror or err}). Name a directory "
+                                   "you can write, e.g. hydra.run.dir=runs/my_run.") from None
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ConfigError(key, f"{value!r} is not writable. Name a directory you can write, e.g. "
+                                   "hydra.run.dir=runs/my_run.")
+
+
+def save_record(cfg: DictConfig, run_dir: Path) -> str | None:
+    """Write `.hydra/{config,hydra,overrides}.yaml` as Hydra does (called once the config is valid).
+
+    A record of another config already there (the run directory continued with other settings, e.g.
+    a new layout) is kept as `.hydra/previous/N/`; returns a sentence saying so, else None."""
     from hydra.core.hydra_config import HydraConfig
 
     out = Path(run_dir) / RECORD_DIR
     out.mkdir(parents=True, exist_ok=True)
+    note = None
+    old = out / "config.yaml"
+    if old.is_file() and old.read_text() != OmegaConf.to_yaml(cfg):
+        n = 1
+        while (out / "previous" / str(n)).exists():
+            n += 1
+        keep = out / "previous" / str(n)
+        keep.mkdir(parents=True)
+        for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
+            if (out / name).is_file():
+                shutil.copy2(out / name, keep / name)
+        note = (f"this run directory was started with another config; its record is kept in "
+                f"{keep.relative_to(run_dir)}/ and .hydra/config.yaml now holds this command's")
     hydra_cfg = HydraConfig.get()
     files = {
         "config.yaml": cfg,
@@ -76,6 +110,7 @@ def save_record(cfg: DictConfig, run_dir: Path) -> None:
         tmp = out / f".{name}.tmp"
         tmp.write_text(OmegaConf.to_yaml(node))
         os.replace(tmp, out / name)
+    return note
 
 
 def remove_if_empty(run_dir: Path) -> bool:
