@@ -102,7 +102,8 @@ class JobStore:
 
     def wait_for(self, key: str, timeout_s: float) -> str:
         """Block until `key` holds a payload signed with the job's secret (an unsigned or forged value is
-        waited past: the job's own writer overwrites it); TimeoutError after `timeout_s`."""
+        waited past: the job's own writer overwrites it).  After `timeout_s`: TimeoutError, or the store's
+        own timeout error while the key does not exist at all."""
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
