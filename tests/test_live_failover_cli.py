@@ -8,6 +8,9 @@ live copy of the lost rank's shards: the run falls back to the restart path and 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -203,6 +206,58 @@ def test_process_0_lost_then_repaired(tmp_path, reference):
     assert len(set(writers)) == 3  # process 0, then process 1 as rank 0, then the repaired process 0
     assert [e["status"] for e in events if e["event"] == "job_end"] == ["ok"]
     assert (run / "failover" / "attempts.jsonl").read_text().count("\n") == 1
+
+
+# An outsider: finds the store the run's launching process hosts (its one listening socket), connects
+# without the job's secret and says that processes 0 and 1 died, raw and under a guessed secret's prefix.
+OUTSIDER = """
+import json, sys, time
+from datetime import timedelta
+import psutil
+import torch.distributed as dist
+from ntp_nemo.resilience.store_auth import JobStore
+pid, port = int(sys.argv[1]), None
+while port is None:
+    ports = [c.laddr.port for c in psutil.Process(pid).net_connections(kind="tcp")
+             if c.status == psutil.CONN_LISTEN]
+    port = ports[0] if ports else None
+    time.sleep(0.02)
+store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+store.set("failed/gen0", json.dumps([0, 1]))
+JobStore(store, b"a guess at the job's secret").put("failed/gen0", json.dumps([0, 1]))
+print("forged failure notices on port", port, flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_forged_failure_notice_is_ignored(tmp_path, reference):
+    # The run's secret comes from the environment; the outsider's process does not have it.  Its notice
+    # (processes 0 and 1 died) is on the store before rank 3 really dies at step 4: what the survivors
+    # act on is the launcher's signed word, so the run recovers from the real loss, on the reference curve.
+    secret = "a-secret-only-this-job-holds-7f3a9c"
+    run = tmp_path / "forged"
+    job = subprocess.Popen([sys.executable, "-m", "ntp_nemo.train", *BASE, "fault=kill_rank", "fault.rank=3",
+                            "fault.step=4", f"hydra.run.dir={run}"], cwd=tmp_path,
+                           env=dict(os.environ, PYTHONUNBUFFERED="1", NTP_JOB_SECRET=secret),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = {k: v for k, v in os.environ.items() if k != "NTP_JOB_SECRET"}
+    try:
+        outsider = subprocess.run([sys.executable, "-c", OUTSIDER, str(job.pid)], env=env, cwd=tmp_path,
+                                  capture_output=True, text=True, timeout=240)
+        out, err = job.communicate(timeout=300)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert "forged failure notices on port" in outsider.stdout, outsider.stderr[-2000:]
+    assert job.returncode == 0, out[-2000:] + err[-3000:]
+    assert "process(es) [3] lost" in out and "falling back" not in out + err
+    assert [m["layout"] for m in read_metrics(run)] == ["(2,2)"] * 3 + ["(2,1)"] * 5
+    _on_reference_curve(run, reference)
+    detected = [e for e in _events(run) if e["event"] == "failure_detected"]
+    assert [e["ranks"] for e in detected] == [[3]]
+    assert (run / "failover" / "attempts.jsonl").read_text().count("\n") == 1
+    leaked = [p for p in run.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    assert secret not in out + err and not leaked  # never logged, never written to the run directory
 
 
 def test_unknown_recovery_is_a_config_error(tmp_path):

@@ -127,12 +127,10 @@ def check_outputs(cfg: DictConfig, run_dir: Path) -> None:
 
 def check_resume_model(cfg: DictConfig, ckpt: Path) -> None:
     """The checkpoint's model must have the configured parameter shapes (any layout is fine)."""
-    import torch
-
-    from ntp_nemo.checkpoint.sharded import META_FILE
+    from ntp_nemo.checkpoint.sharded import read_meta
 
     try:
-        meta = torch.load(Path(ckpt) / META_FILE, map_location="cpu", weights_only=False)
+        meta = read_meta(ckpt)  # weights_only: a file carrying a pickled object is a ConfigError
     except (OSError, RuntimeError, EOFError):
         return  # validity was checked from the manifest already; nothing more to compare
     saved = (meta.get("extra") or {}).get("model_config") or {}

@@ -31,6 +31,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
+from ntp_nemo.parallel.loopback import host_loopback_store, loopback_children_env
 from ntp_nemo.quant.state import quant_state
 from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout
@@ -41,8 +42,9 @@ class _ForkLauncher(_MultiProcessingLauncher):
     (the model is sharded; checkpoints and run-directory files carry the results)."""
 
     def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
-        """Forward SIGTERM/SIGUSR1 sent to the parent to every worker (they checkpoint and stop together)."""
-        with self.forwarding_signals():
+        """Forward SIGTERM/SIGUSR1 sent to the parent to every worker (they checkpoint and stop together);
+        the workers rendezvous and listen on loopback only."""
+        with self.forwarding_signals(), loopback_children_env():
             return super().launch(function, *args, trainer=trainer, **kwargs)
 
     @contextmanager
@@ -131,6 +133,7 @@ class NTPStrategy(ParallelStrategy):
         self._timeout = timeout
         self.runtime: NTPRuntime | None = None
         self.num_nodes = 1
+        self._rendezvous_server: dist.TCPStore | None = None  # rank 0 of a local launch (loopback only)
 
     # ---- processes ----------------------------------------------------------------------------
     @property
@@ -173,9 +176,21 @@ class NTPStrategy(ParallelStrategy):
             if self.joining is not None:  # a repaired process: it joins the running job's generation
                 self.joining.init_process_group(self)
             else:
+                self._rendezvous_server = self._loopback_rendezvous_store()
                 _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         self.runtime = NTPRuntime(self.layout, self.global_rank, device=self.root_device)
         self.topology = self.runtime.topology  # the one whose process groups the run uses
+
+    def _loopback_rendezvous_store(self) -> dist.TCPStore | None:
+        """In rank 0 of workers we forked (their store not hosted by the launching process): the env://
+        rendezvous store's server, bound to loopback; torch's rendezvous, asking for a multi-tenant
+        server on the same port, serves from it instead of binding every interface."""
+        # Not `creates_processes_externally`: Lightning sets LOCAL_RANK in the workers it forks too.
+        if (self._launcher is None or self.global_rank != 0
+                or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
+            return None
+        return host_loopback_store(self.cluster_environment.main_port, multi_tenant=True,
+                                   timeout_s=self._timeout.total_seconds())
 
     def set_world_ranks(self) -> None:
         """Ranks we launched: local rank = global rank (one node).  Under torchrun/SLURM the launcher's
