@@ -148,18 +148,6 @@ class StepCheckpoint(ModelCheckpoint):
             self._last_global_step_saved = trainer.global_step
 
 
-class FinalValidation(Callback):
-    """Validate after the last step even when `trainer.max_steps` is not a multiple of
-    `trainer.val_every_n_steps`: asking the trainer to stop there is what makes Lightning's loop
-    validate once more (it validates on a requested stop), and the run ends at that step anyway."""
-
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps:
-            trainer.should_stop = True
-
-
 class StopAtStep(Callback):
     """Ends the invocation after `step` optimizer steps (a planned stop: the end checkpoint is written),
     while the LR schedule and data order still follow `trainer.max_steps`."""

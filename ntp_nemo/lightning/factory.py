@@ -15,7 +15,6 @@ from omegaconf import DictConfig, OmegaConf
 from ntp_nemo.config.layout import resolve_layout
 from ntp_nemo.data.module import DataBundle
 from ntp_nemo.lightning.callbacks import (
-    FinalValidation,
     MemoryReport,
     MetricsJSONL,
     PreemptionCheckpoint,
@@ -100,7 +99,6 @@ def build_trainer(
     callbacks.append(PreemptionCheckpoint())
     if t.stop_at_step:
         callbacks.append(StopAtStep(int(t.stop_at_step)))
-    callbacks.append(FinalValidation())
     if t.progress_bar:
         from ntp_nemo.lightning.callbacks import StepProgress
 
