@@ -141,7 +141,8 @@ def train(cfg: DictConfig) -> dict:
         cfg,
         run_dir,
         lambda c, extra, devices: build_trainer(
-            c, run_dir, data, layout if c is cfg else resolve_layout(c), extra, devices
+            c, run_dir, data, layout if c is cfg else resolve_layout(c), extra, devices,
+            job_started=launcher_rank() == 0,  # recorded below, before supervisor.run
         ),
     )
     trainer, module, strategy = supervisor.build_first()
@@ -308,7 +309,7 @@ def print_summary(summary: dict, run_dir: Path) -> None:
         *(
             [
                 f" failover      {summary['failover']['failures']} failure(s)"
-                + "".join(f"; recovered {r['mode']} in {r['recovery_s']:.1f} s"
+                + "".join(f"; recovered {r['mode']} in {r['recovery_s']:.2f} s"
                           for r in summary["failover"].get("recoveries", []))
                 + "; layouts " + " -> ".join(summary["failover"]["layouts"])
             ]

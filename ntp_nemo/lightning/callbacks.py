@@ -273,7 +273,8 @@ class StepProgress(ProgressBar):
     """Training progress in optimizer steps: `step N/total`, loss, tokens/s and ETA (no epochs).
 
     On a terminal a rich progress bar; otherwise (a pipe, a log file, a batch job) one plain line
-    every `every` steps and at the last step. Only global rank 0 shows it."""
+    every `every` steps and at the last step. Only global rank 0 shows it: whichever process that is
+    at the step (after a live recovery, a survivor)."""
 
     def __init__(self, every: int = 10, tty: bool | None = None) -> None:
         super().__init__()
@@ -296,14 +297,19 @@ class StepProgress(ProgressBar):
     def is_enabled(self) -> bool:
         return self._enabled
 
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Lightning's ProgressBar disables itself on every rank but 0 here; a live recovery can make any
+        # process rank 0 later, so every rank keeps counting and whichever is rank 0 prints.
+        self._trainer = trainer
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._first = int(trainer.global_step)
+        self._t0, self._tokens = time.perf_counter(), 0
         if not trainer.is_global_zero or not self._enabled:
             return
         import os
         import sys
 
-        self._first = int(trainer.global_step)
-        self._t0, self._tokens = time.perf_counter(), 0
         if self.tty if self.tty is not None else os.isatty(sys.stdout.fileno()):
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -321,7 +327,6 @@ class StepProgress(ProgressBar):
     def _stats(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[str, float | None]:
         step, total = int(trainer.global_step), int(trainer.max_steps)
         rec = getattr(pl_module, "last_step", {}) or {}
-        self._tokens += int(rec.get("tokens", 0))
         elapsed = time.perf_counter() - self._t0
         done = step - self._first
         tps = self._tokens / elapsed if elapsed > 0 else 0.0
@@ -333,7 +338,10 @@ class StepProgress(ProgressBar):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not trainer.is_global_zero or not self._enabled:
+        if not self._enabled:
+            return
+        self._tokens += int((getattr(pl_module, "last_step", {}) or {}).get("tokens", 0))
+        if not trainer.is_global_zero:
             return
         stats, eta = self._stats(trainer, pl_module)
         step, total = int(trainer.global_step), int(trainer.max_steps)

@@ -315,15 +315,23 @@ class NTPStrategy(ParallelStrategy):
         }
         t0 = time.perf_counter()
         self._goodput("ckpt_save_start", step=step)
-        if self.async_save and self._saver is None:
-            self._saver = AsyncCheckpointSaver()
-        save = self._saver.save if self.async_save else save_checkpoint
-        save(path, self.lightning_module.model, self._optimizer(), extra, step=step, layout=layout,
-             keep_last=self.keep_last)
+        try:
+            if self.async_save and self._saver is None:
+                self._saver = AsyncCheckpointSaver()
+            save = self._saver.save if self.async_save else save_checkpoint
+            done = save(path, self.lightning_module.model, self._optimizer(), extra, step=step, layout=layout,
+                        keep_last=self.keep_last)
+        except BaseException as err:  # a lost peer, a full disk, Ctrl-C: the save has an end either way
+            self._goodput("ckpt_save_abort", step=step, reason=f"{type(err).__name__}: {err}"[:300])
+            raise
         self._goodput("ckpt_save_end", step=step, blocking_s=time.perf_counter() - t0)
+        if self.async_save:  # the background commit is its own event
+            done.add_done_callback(
+                lambda f: self._goodput("ckpt_commit", step=step, ok=f.exception() is None))
 
     async_save: bool = False
     _saver: Any = None
+    records_checkpoint_events = True  # GoodputCallback leaves save start/end to `_save_checkpoint`
 
     keep_last: int | None = None
 

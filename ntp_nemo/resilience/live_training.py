@@ -380,7 +380,9 @@ class LiveRecovery(Callback):
         self._install(strategy, rec, step)
         if goodput is not None:
             goodput.record("failure_detected", t=rec.detect_t, rank=lost_ranks[0] if lost_ranks else None,
-                           ranks=lost_ranks, reason="collective error", step=step + 1, detail="live recovery")
+                           ranks=lost_ranks, process=rec.failed[0] if rec.failed else None,
+                           processes=list(rec.failed), reason="collective error", step=step + 1,
+                           detail="live recovery")
             goodput.record("recovery_done", layout=rec.generation.layout.describe(), step=step + 1,
                            mode="live", moved_bytes=rec.reshard.moved_bytes,
                            minimum_bytes=rec.reshard.needed_bytes, recovery_s=rec.seconds,
