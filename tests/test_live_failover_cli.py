@@ -201,8 +201,42 @@ def test_process_0_lost_then_repaired(tmp_path, reference):
     assert [(e["mode"], e["layout"]) for e in done] == [("live", "(1,2)"), ("live", "(2,2)")]
     writers = [e["pid"] for e in events if e["event"] == "step_end"]
     assert len(set(writers)) == 3  # process 0, then process 1 as rank 0, then the repaired process 0
+    # No checkpoint is written: the rejoin's hand-over of Lightning's state is no save, and no save
+    # is left without its end.
+    assert not any(e["event"].startswith("ckpt_save") for e in events)
+    assert compute_goodput(events).badput_s["checkpoint_save"] == 0.0
     assert [e["status"] for e in events if e["event"] == "job_end"] == ["ok"]
     assert (run / "failover" / "attempts.jsonl").read_text().count("\n") == 1
+
+
+def _saves_closed(events) -> bool:
+    starts = sum(e["event"] == "ckpt_save_start" for e in events)
+    return starts == sum(e["event"] in ("ckpt_save_end", "ckpt_save_abort") for e in events)
+
+
+@pytest.mark.slow
+def test_losing_process_0_keeps_the_console_and_the_goodput(tmp_path):
+    """Process 0 lost at step 3 (it does not come back): process 1 is rank 0 from then on and prints the
+    progress lines; goodput is within a few points of losing rank 3 at the same step, saves (every 3
+    steps) all end, and the failure names the process and rank lost."""
+    runs = {}
+    for rank in (0, 3):
+        run, proc = _run(tmp_path, f"lost{rank}", "fault=kill_rank", f"fault.rank={rank}", "fault.step=3",
+                         "checkpoint.every_n_steps=3", "checkpoint.save_on_end=true",
+                         "trainer.progress_bar=true")
+        assert "step 8/8 | loss" in proc.stdout, proc.stdout[-2000:]
+        assert [m["step"] for m in read_metrics(run)] == STEPS
+        events = _events(run)
+        assert _saves_closed(events) and sum(e["event"] == "ckpt_save_start" for e in events) >= 2
+        failure = next(e for e in events if e["event"] == "failure_detected")
+        assert (failure["rank"], failure["process"]) == (rank, rank)
+        runs[rank] = compute_goodput(events)
+    assert runs[0].failure_recoveries[0]["process"] == 0
+    # Start-up (fork, imports, rendezvous) varies most between two runs on a loaded machine: compare the
+    # goodput of the time after it.
+    trained = {r: g.productive_s / (g.total_s - g.badput_s["initialization"]) for r, g in runs.items()}
+    assert abs(trained[0] - trained[3]) < 0.1, trained
+    assert runs[0].badput_s["checkpoint_save"] < 2 * runs[3].badput_s["checkpoint_save"] + 0.5
 
 
 def test_unknown_recovery_is_a_config_error(tmp_path):
