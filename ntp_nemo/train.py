@@ -103,6 +103,12 @@ def train(cfg: DictConfig) -> dict:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     checks.check_outputs(cfg, run_dir)
     ckpt_path = resolve_resume(cfg, run_dir)
+    if ckpt_path is None and str(cfg.resume) == "auto":
+        from ntp_nemo.config.run_dir import nothing_saved_note
+
+        note = nothing_saved_note(run_dir, run_dir / str(cfg.checkpoint.dir))
+        if note:
+            say(note, flush=True)
     if ckpt_path is not None:
         checks.check_resume_model(cfg, ckpt_path)
     from ntp_nemo.resilience.supervisor import Supervisor  # imports Lightning
@@ -174,7 +180,7 @@ def train(cfg: DictConfig) -> dict:
         )
         return {"already_complete": True, "checkpoint": str(ckpt_path)}
     if ckpt_path is not None:
-        say(f"resuming from {ckpt_path} (resume={cfg.resume})", flush=True)
+        say(f"resuming from {ckpt_path} (step {done_step}; resume={cfg.resume})", flush=True)
     if launcher_rank() == 0:
         GoodputRecorder(run_dir).record("job_start", layout=topo.describe())
     t0 = time.time()
@@ -379,6 +385,15 @@ def _drop_empty_run_dir() -> None:
 
 
 def main() -> None:
+    try:
+        _main()
+    except KeyboardInterrupt:  # Ctrl-C in this process before the workers run (imports, data, checks)
+        print("interrupted (Ctrl-C) before training started: nothing to save; stopped", file=sys.stderr,
+              flush=True)
+        sys.exit(0)
+
+
+def _main() -> None:
     if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
         from ntp_nemo.config.help import help_text
 

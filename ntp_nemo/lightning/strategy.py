@@ -40,6 +40,22 @@ class _ForkLauncher(_MultiProcessingLauncher):
     """Lightning's multiprocessing launcher without shipping rank 0's weights back to the parent
     (the model is sharded; checkpoints and run-directory files carry the results)."""
 
+    _procs: Any = None
+    _pending_signal: int | None = None
+
+    @property
+    def procs(self) -> Any:
+        return self._procs
+
+    @procs.setter
+    def procs(self, value: Any) -> None:
+        """The workers, once forked; a stop signal that reached the parent while it forked them follows."""
+        self._procs = value
+        pending, self._pending_signal = self._pending_signal, None
+        for proc in (value or []) if pending is not None else []:
+            if proc.is_alive():
+                os.kill(proc.pid, pending)
+
     def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         """Forward SIGTERM/SIGUSR1 sent to the parent to every worker (they checkpoint and stop together)."""
         with self.forwarding_signals():
@@ -51,21 +67,25 @@ class _ForkLauncher(_MultiProcessingLauncher):
         them checkpoint and stop (as SIGTERM does), a second one kills them."""
         import signal
 
+        interrupts, parent = [], os.getpid()
+
         def forward(signum, frame):  # noqa: ANN001 - signal handler signature
-            for proc in getattr(self, "procs", None) or []:
+            if os.getpid() != parent:
+                return
+            if not self.procs:  # still forking: the workers get it as soon as they exist
+                self._pending_signal = signum
+            for proc in self.procs or []:
                 if proc.is_alive():
                     os.kill(proc.pid, signum)
 
-        interrupts, parent = [], os.getpid()
-
         def interrupt(signum, frame):  # noqa: ANN001 - Ctrl-C: the workers checkpoint; a second one kills
-            if os.getpid() != parent:  # a worker before its own handler is installed
-                raise KeyboardInterrupt
+            if os.getpid() != parent:  # a worker between the fork and `hold_stop_signals`: held there
+                return
             interrupts.append(signum)
             if len(interrupts) == 1:
                 forward(signal.SIGTERM, frame)  # a terminal's Ctrl-C reaches them too: the stop is the same
                 return
-            for proc in getattr(self, "procs", None) or []:
+            for proc in self.procs or []:
                 if proc.is_alive():
                     os.kill(proc.pid, signal.SIGKILL)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -78,6 +98,13 @@ class _ForkLauncher(_MultiProcessingLauncher):
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
+        """A worker's first code: hold stop signals until training starts (see `hold_stop_signals`)."""
+        from ntp_nemo.lightning.callbacks import hold_stop_signals
+
+        hold_stop_signals()
+        super()._wrapping_function(process_idx, *args, **kwargs)
 
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
         if self._strategy.local_rank != 0:
