@@ -201,7 +201,8 @@ def nothing_saved_note(run_dir: Path, ckpt_dir: Path) -> str | None:
     except (OSError, ValueError):
         summary = None
     if summary is None:
-        why = "it ended without a summary (killed) before its first checkpoint"
+        why = ("it ended without a summary, stopped abruptly (its launching process or the machine was "
+               "killed) before any checkpoint")
     elif summary.get("stopped_early") == "launcher lost":
         why = "its launching process was killed; the workers stopped without a checkpoint"
     elif summary.get("stopped_early"):
