@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -44,6 +45,20 @@ def _interrupt(args: list[str], cwd, marker: str | None, delay_s: float = 0.0, s
 
     if marker is None:
         threading.Timer(delay_s, send).start()
+    elif marker.startswith("save:"):  # while rank 0's heartbeat says it is saving a checkpoint
+        beat = Path(marker[5:]) / "failover" / "heartbeats" / "rank_00000.json"
+
+        def watch_save() -> None:
+            while proc.poll() is None and not sent:
+                try:
+                    doc = json.loads(beat.read_text())
+                except (OSError, ValueError):
+                    doc = {}
+                if doc.get("phase") == "save" and doc.get("step", 0) >= 2:
+                    send()
+                time.sleep(0.01)
+
+        threading.Thread(target=watch_save, daemon=True).start()
     elif marker.startswith("fork:"):  # as soon as the launcher has forked that many workers
         def watch(n: int = int(marker[5:])) -> None:
             while proc.poll() is None and not sent:
@@ -56,7 +71,7 @@ def _interrupt(args: list[str], cwd, marker: str | None, delay_s: float = 0.0, s
     deadline = time.time() + 400
     for line in proc.stdout:
         out.append(line)
-        if marker is not None and marker in line and not sent:
+        if marker is not None and not marker.startswith(("fork:", "save:")) and marker in line and not sent:
             time.sleep(delay_s)
             send()
         assert time.time() < deadline, "".join(out[-40:])
@@ -118,6 +133,21 @@ def test_ctrl_c_at_every_moment(tmp_path):
     assert (run / "checkpoints" / "step_000004" / "manifest.json").is_file()
     assert _steps(run) == [1, 2, 3, 4]  # each step once over the four commands
 
+
+    # During a checkpoint save (every step saves; rank 0's heartbeat says `save`), and during a live
+    # recovery (the launcher has just seen rank 1 die): both stop after the step with a checkpoint.
+    for name, extra, marker in (
+        ("save", ["checkpoint.every_n_steps=1", "trainer.max_steps=40"], "save:"),
+        ("live", ["fault=kill_rank", "fault.rank=1", "fault.step=2", "trainer.max_steps=40"], "] lost ("),
+    ):
+        other = tmp_path / name
+        rc, out, took = _interrupt([*TINY, *TWO, *extra, f"hydra.run.dir={other}"], tmp_path,
+                                   marker + (str(other) if marker == "save:" else ""))
+        assert rc == 0 and took < BOUND_S, out[-3000:]
+        assert "Traceback" not in out and "checkpointing at step" in out, out[-3000:]
+        step = json.loads((other / "summary.json").read_text())["steps"]
+        assert step < 40 and (other / "checkpoints" / f"step_{step:06d}" / "manifest.json").is_file()
+        assert _steps(other) == list(range(1, step + 1))
 
 
 @pytest.mark.slow

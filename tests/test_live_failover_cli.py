@@ -159,6 +159,10 @@ def test_killed_during_an_asynchronous_checkpoint_save(tmp_path, reference):
     done = [e for e in _events(run) if e["event"] == "recovery_done"]
     assert [e["mode"] for e in done] == ["live"]
     assert not any(e["event"] == "ckpt_restore_start" for e in _events(run))  # nothing read from disk
+    # Each save's blocking part ends; the background commit is its own event, for the saves that commit.
+    events = _events(run)
+    assert _saves_closed(events)
+    assert sorted(e["step"] for e in events if e["event"] == "ckpt_commit" and e["ok"]) == [2, 6, 8]
 
 
 @pytest.mark.slow
