@@ -384,10 +384,28 @@ def _drop_empty_run_dir() -> None:
         remove_if_empty(Path(HydraConfig.get().runtime.output_dir))
 
 
+def _interrupted(signum, frame) -> None:  # noqa: ANN001 - signal handler signature
+    """Ctrl-C in this process while no worker trains (imports, composition, data, checks, the summary):
+    nothing to save, so stop at once. Exiting from the handler (rather than raising KeyboardInterrupt
+    inside Hydra's or OmegaConf's code, which turns it into a bogus config error) keeps it clean."""
+    print("interrupted (Ctrl-C) while no training step runs: nothing to save; stopped", file=sys.stderr,
+          flush=True)
+    try:
+        _drop_empty_run_dir()
+    except Exception:  # noqa: BLE001 - no Hydra job yet: no run directory to tidy
+        pass
+    os._exit(0)
+
+
 def main() -> None:
+    import signal
+
+    # The launcher replaces this handler while workers run (they checkpoint); forked workers hold the
+    # signal until training starts (`hold_stop_signals`).
+    signal.signal(signal.SIGINT, _interrupted)
     try:
         _main()
-    except KeyboardInterrupt:  # Ctrl-C in this process before the workers run (imports, data, checks)
+    except KeyboardInterrupt:  # a Ctrl-C that reached Python code before the handler above
         print("interrupted (Ctrl-C) before training started: nothing to save; stopped", file=sys.stderr,
               flush=True)
         sys.exit(0)
