@@ -239,6 +239,24 @@ def test_supervisor_relaunches_on_the_survivors_devices(tmp_path: Path, monkeypa
     assert len(recs) == 3 and '"devices": [2, 3]' in recs[2]
 
 
+def test_heartbeats_only_where_a_monitor_reads_them(tmp_path: Path):
+    """Forked workers (the supervisor's monitor reads their heartbeat files) write them; processes
+    torchrun/SLURM created (no launcher of ours, nothing reads the files) do not."""
+    from types import SimpleNamespace
+
+    from ntp_nemo.resilience.heartbeat import Heartbeat
+    from ntp_nemo.resilience.supervisor import Supervisor
+
+    cfg = compose([*TINY])
+    for launcher, expected in ((None, 0), (object(), 1)):
+        def build(c, extra, cuda_devices, launcher=launcher):
+            trainer = SimpleNamespace(strategy=SimpleNamespace(launcher=launcher), callbacks=list(extra))
+            return trainer, None, None
+
+        trainer = Supervisor(cfg, tmp_path, build).build_first()[0]
+        assert sum(isinstance(cb, Heartbeat) for cb in trainer.callbacks) == expected
+
+
 def test_process_group_backend_fits_the_device():
     """CUDA workers: NCCL for the training tensors and gloo beside it for CPU-side objects."""
     from ntp_nemo.lightning.strategy import default_backend

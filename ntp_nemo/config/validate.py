@@ -265,7 +265,12 @@ def resolve_layer_tp(cfg: DictConfig) -> list[int]:
     if spec == "auto":
         from ntp_nemo.planner import plan_layout
 
-        plan = plan_layout(shape, tp, resolved_replica_tp(cfg), cfg.data.seq_len, cfg.data.micro_batch_size)
+        pb = cfg.ntp.power_boost
+        plan = plan_layout(
+            shape, tp, resolved_replica_tp(cfg), cfg.data.seq_len, cfg.data.micro_batch_size,
+            num_microbatches=int(cfg.data.global_batch_size) // int(cfg.data.micro_batch_size),
+            power_boost=OmegaConf.to_container(pb) if OmegaConf.is_list(pb) else pb,
+        )
         layer_tp = list(plan.layer_tp)
     else:
         layer_tp = parse_layer_tp(

@@ -54,10 +54,12 @@ def build_trainer(
     layout: ResolvedLayout | Sequence[int],
     extra_callbacks: Sequence[Any] = (),
     cuda_devices: Sequence[int] | None = None,
+    job_started: bool = False,
 ) -> tuple[pl.Trainer, NTPLanguageModule, NTPStrategy]:
     """`layout`: the run's ResolvedLayout (`ntp_nemo.config.layout.resolve_layout`; a list is taken as
     the resolved per-slot degrees). `cuda_devices`: the CUDA ordinal each local rank binds (the
-    supervisor's relaunch after a lost GPU); default ranks 0..n-1 on ordinals 0..n-1."""
+    supervisor's relaunch after a lost GPU); default ranks 0..n-1 on ordinals 0..n-1. `job_started`:
+    the caller records the lifetime's `job_start` in goodput.jsonl (else the goodput callback does)."""
     t = cfg.trainer
     if not isinstance(layout, ResolvedLayout):
         layout = resolve_layout(cfg, layer_tp=layout)
@@ -80,7 +82,8 @@ def build_trainer(
     metrics = MetricsJSONL(run_dir)
     strategy.keep_last = int(cfg.checkpoint.keep_last)
     strategy.async_save = bool(cfg.checkpoint.async_save)
-    callbacks: list[Any] = [metrics, GoodputCallback(str(run_dir)), RunSummary(run_dir, metrics)]
+    goodput = GoodputCallback(str(run_dir), job_started=job_started)
+    callbacks: list[Any] = [metrics, goodput, RunSummary(run_dir, metrics)]
     if cfg.checkpoint.every_n_steps or cfg.checkpoint.save_on_end:
         callbacks.append(
             StepCheckpoint(
