@@ -135,7 +135,8 @@ def flash_attention_on_meta():
     original = F.scaled_dot_product_attention
 
     def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
-        if q.device.type == "meta" and attn_mask is None and not kwargs:
+        if q.device.type == "meta" and attn_mask is None and set(kwargs) <= {"enable_gqa"}:
+            # The fused kernel reads grouped K/V heads as they are (what `enable_gqa` asks for).
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q, k, v, dropout_p, is_causal, scale=scale
             )[0]
