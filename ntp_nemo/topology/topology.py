@@ -139,12 +139,13 @@ class Topology:
     def build_groups(self, extra: Sequence[tuple[int, ...]] = (), new_group: Callable | None = None) -> None:
         """Create every process group this topology and `extra` (e.g. DP fragment holder sets) need.
 
-        Collective: all ranks call it with the same arguments, in the same order.
+        Collective: all ranks call it with the same arguments, in the same order.  They carry tensors
+        only: no gloo side on a GPU world (`ntp_nemo.topology.groups`).
         """
         if new_group is None:
-            import torch.distributed as dist
+            from ntp_nemo.topology.groups import new_subgroup
 
-            new_group = dist.new_group
+            new_group = new_subgroup
         for ranks in sorted(set(self.tp_group_tuples()) | {tuple(e) for e in extra if len(e) > 1}):
             if ranks not in self._groups:
                 self._groups[ranks] = new_group(list(ranks))
