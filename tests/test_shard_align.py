@@ -51,3 +51,20 @@ def test_impossible_alignment_exits_2_before_launch(tmp_path, overrides, needle)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "ntp.shard_align" in proc.stderr and needle in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_the_layout_carries_the_alignment_to_every_rank():
+    from ntp_nemo.config.layout import resolve_layout
+    from ntp_nemo.config.validate import validate
+    from ntp_nemo.topology import ResolvedLayout
+    from tests.conftest import compose
+
+    assert compose(["recipe=llama3_8b"]).ntp.shard_align == 128  # GPU recipes align for tensor cores
+    assert compose(["recipe=gpt2_124m"]).ntp.shard_align == 128
+    cfg = compose(["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]", "ntp.shard_align=16"])
+    validate(cfg)
+    layout = resolve_layout(cfg)
+    assert layout.shard_align == 16
+    assert ResolvedLayout.from_dict(layout.to_dict()).shard_align == 16  # checkpoint manifests, live launch
+    assert layout.with_changes(replica_tp=(2, 2)).shard_align == 16  # failover re-planning
+    assert layout.topology().shard_align == 16
