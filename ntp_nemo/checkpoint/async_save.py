@@ -93,6 +93,8 @@ class AsyncCheckpointSaver:
     def _checkpoint_group(self) -> Any:
         if not self._group_ready:  # collective, on the caller's thread, at the first save of every rank
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                # gloo on purpose: the background save's records (objects) travel here, beside the
+                # training thread's collectives (`ntp_nemo.topology.groups` lists every gloo group).
                 self._group = dist.new_group(backend="gloo")
             self._group_ready = True
         return self._group

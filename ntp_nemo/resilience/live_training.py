@@ -359,7 +359,8 @@ class LiveRecovery(Callback):
         old_topo = strategy.topology
 
         def build(layout: Layout, rank: int):
-            topo = Topology(layout.tp, layout.replica_tp, old_topo.layer_tp, layout.pp, old_topo.stage_layers)
+            topo = Topology(layout.tp, layout.replica_tp, old_topo.layer_tp, layout.pp, old_topo.stage_layers,
+                            old_topo.shard_align)
             runtime = NTPRuntime(ResolvedLayout.of_topology(topo, strategy.schedule, None), rank,
                                  device=strategy.root_device)
             model = runtime.build_model(module.model_cfg, module.seed)
