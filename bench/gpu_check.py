@@ -15,7 +15,7 @@
    layers, 32 heads / 8 KV heads, FFN 8192, vocabulary 128256, tied embeddings) on ntp_nemo's model
    code, bf16 weights with fused AdamW (`bf16-true`) and fp32 weights under bf16 autocast
    (`bf16-mixed`): tokens/s and MFU = tokens/s x training FLOPs per token / the device's dense bf16
-   peak (H100/H200 SXM 989 TFLOPS, A100 312; `--peak-tflops` for others).
+   peak (H100/H200 SXM 989 TFLOPS, H100/H200 NVL 835, A100 312; `--peak-tflops` for others).
 
 The launching process never initialises CUDA (devices are counted through NVML): every part runs in
 child processes, which bind their own device.  Without a CUDA device it says so and exits 0.
@@ -39,7 +39,12 @@ ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("default", "ntp", "ckpt", "llama")
 
 # Dense (no sparsity) bf16 tensor-core peaks, TFLOPS, by device-name fragment (first match wins).
+# NVIDIA's datasheets give the peaks with 2:4 sparsity; dense is half: H200/H100 SXM 1,979 -> 989.5,
+# H200 NVL and H100 NVL 1,671 -> 835.5, H100 PCIe 1,513 -> 756.5.  The NVL (PCIe) cards run at a
+# lower power and clock than SXM: their names are matched before the bare "H200"/"H100".
 BF16_PEAK_TFLOPS = (
+    ("H200 NVL", 835.0),
+    ("H100 NVL", 835.0),
     ("H200", 989.0),
     ("H100 PCIE", 756.0),
     ("H100", 989.0),
