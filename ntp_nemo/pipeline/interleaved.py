@@ -37,10 +37,10 @@ class InterleavedLinks(StageLinks):
     """`StageLinks` plus the wrap links between a replica's last and first stage (collective)."""
 
     def __init__(self, topology: Topology, rank: int, new_group: Callable | None = None) -> None:
-        import torch.distributed as dist
+        from ntp_nemo.topology import groups
 
         super().__init__(topology, rank, new_group)
-        new_group = new_group or dist.new_group
+        new_group = new_group or groups.new_group  # the run's collective timeout
         c = topology.coord(rank)
         self.first, self.last = c.stage == 0, c.stage == topology.pp - 1
         self._wrap_fwd: dict[tuple[int, int], object] = {}

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ntp_nemo.topology import Topology
+from ntp_nemo.topology import Topology, groups
 
 
 def link_pairs(topology: Topology) -> list[tuple[int, int]]:
@@ -37,7 +37,7 @@ class StageLinks:
 
     def __init__(self, topology: Topology, rank: int,
                  new_group: Callable[[list[int]], Any] | None = None) -> None:
-        new_group = new_group or dist.new_group
+        new_group = new_group or groups.new_group  # the run's collective timeout
         self.rank = rank
         self.prev = topology.pipeline_peer(rank, -1)
         self.next = topology.pipeline_peer(rank, +1)

@@ -142,9 +142,7 @@ class Topology:
         Collective: all ranks call it with the same arguments, in the same order.
         """
         if new_group is None:
-            import torch.distributed as dist
-
-            new_group = dist.new_group
+            from ntp_nemo.topology.groups import new_group  # the world group's timeout on each
         for ranks in sorted(set(self.tp_group_tuples()) | {tuple(e) for e in extra if len(e) > 1}):
             if ranks not in self._groups:
                 self._groups[ranks] = new_group(list(ranks))
