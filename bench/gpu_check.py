@@ -26,8 +26,9 @@ gloo.  Without a CUDA device it says so and exits 0.
 
 `--rehearse` runs every part's children with the same configurations, launcher environment and device
 mapping (checked against `--visible-gpus`, default 1) on CPU: `trainer.accelerator=cpu`, gloo, float32
-or bf16 on the CPU.  The llama part keeps its code path and dtypes on a model cut to one layer and a
-1024-token vocabulary (1.2B parameters do not train on a CPU in minutes).  Its last line is
+or bf16 on the CPU, 4 steps of a smaller model (`REHEARSAL_SIZES`: hidden 64, 2 layers, 12 x 32
+tokens).  The llama part keeps its code path and dtypes on a model cut to one layer and a 1024-token
+vocabulary (1.2B parameters do not train on a CPU in minutes).  Its last line is
 `gpu_check rehearsal: N/N parts ok`.
 """
 
@@ -79,6 +80,13 @@ QUIET = [
     "resume=never",
 ]
 SINGLE = ["mesh.dp=1", "mesh.tp=1", "mesh.pp=1", "ntp.replica_tp=null"]
+# The rehearsal's sizes: a CPU shared with other work runs the default recipe at minutes per step, so
+# the rehearsed children train a smaller model on shorter steps; layouts, precisions, launcher
+# environment and device mapping stay those of the GPU run.
+REHEARSAL_SIZES = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=4",
+                   "model.ffn_hidden_size=128", "model.max_seq_len=64", "data.seq_len=32",
+                   "data.global_batch_size=12", "data.micro_batch_size=2", "optim.warmup_steps=1",
+                   "optim.lr=3e-3"]
 LLAMA_1B = {
     "arch": "llama",
     "name": "llama_1b",
@@ -212,9 +220,13 @@ class Plan:
         """The child's overrides: as given on a GPU; on the CPU in a rehearsal (same layout and precision)."""
         return [*overrides, "trainer.accelerator=cpu"] if self.rehearse else overrides
 
+    def sizes(self, overrides: list[str]) -> list[str]:
+        """Every `ntp-train` child's overrides: the rehearsal's smaller model and steps appended."""
+        return [*overrides, *REHEARSAL_SIZES] if self.rehearse else overrides
+
 
 # ---- running pieces in child processes --------------------------------------------------------------
-def run(cmd: list[str], log: Path, timeout: int = 240, env: dict | None = None) -> int:
+def run(cmd: list[str], log: Path, timeout: int = 600, env: dict | None = None) -> int:
     t0 = time.perf_counter()
     with log.open("w") as f:
         try:
@@ -236,7 +248,7 @@ def gpu_cli(plan: Plan, name: str, overrides: list[str], run_dir: Path, log: Pat
     """A GPU run of `ntp-train` (every rank on its own GPU, Lightning's mapping), checked first."""
     if not plan.check(name, layout_world(overrides), None, None):
         return 3
-    return cli(plan.accel(overrides), run_dir, log)
+    return cli(plan.accel(plan.sizes(overrides)), run_dir, log)
 
 
 def worker_backend(out: Path, rehearse: bool = False) -> None:
@@ -272,7 +284,7 @@ def part_default(tmp: Path, steps: int, plan: Plan) -> dict:
     gpu, cpu = tmp / "default_gpu", tmp / "default_cpu"
     single = [*tiny_overrides(steps), *SINGLE]  # world 1: the one GPU
     rc_gpu = gpu_cli(plan, "default gpu", [*single, "trainer=gpu"], gpu, tmp / "default_gpu.log")
-    rc_cpu = cli(single, cpu, tmp / "default_cpu.log")
+    rc_cpu = cli(plan.sizes(single), cpu, tmp / "default_cpu.log")
     got, ref = read_losses(gpu), read_losses(cpu)
     cmp = compare_curves(got, ref, BF16_RTOL)
     pg = tmp / "backend.json"
@@ -317,7 +329,7 @@ def worker_ntp(run_dir: Path, layout: str, precision: str, steps: int, rehearse:
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
         cfg = compose(config_name="config", overrides=[
             *tiny_overrides(steps), *mesh, f"trainer.accelerator={'cpu' if rehearse else 'gpu'}",
-            f"trainer.precision={precision}",
+            f"trainer.precision={precision}", *(REHEARSAL_SIZES if rehearse else []),
             "trainer.process_group_backend=gloo",
         ])
     validate(cfg)
@@ -370,7 +382,7 @@ def part_ckpt(tmp: Path, steps: int, plan: Plan) -> dict:
         if accel == "gpu":
             rc = gpu_cli(plan, "ckpt resume gpu", overrides, run_dir, tmp / f"ckpt_resume_{name}.log")
         else:
-            rc = cli(overrides, run_dir, tmp / f"ckpt_resume_{name}.log")
+            rc = cli(plan.sizes(overrides), run_dir, tmp / f"ckpt_resume_{name}.log")
         logf = tmp / f"ckpt_resume_{name}.log"
         log = logf.read_text() if logf.exists() else ""
         results[name] = {"rc": rc, "resumed": "resuming from" in log, "losses": read_losses(run_dir)[first:]}
@@ -465,7 +477,7 @@ def part_llama(tmp: Path, peak: float | None, micro_batch: int, seq: int, plan: 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=20, help="training steps of the curve comparisons")
+    ap.add_argument("--steps", type=int, help="training steps of the curve comparisons (20; 4 rehearsed)")
     ap.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts of {PARTS}")
     ap.add_argument("--json", help="also write the results to this file")
     ap.add_argument("--peak-tflops", type=float, help="dense bf16 peak of the device (default: by its name)")
@@ -494,6 +506,7 @@ def main() -> int:
     sys.path.insert(0, str(ROOT))
     from ntp_nemo.parallel.devices import cuda_device_count  # NVML: no CUDA context in this process
 
+    args.steps = args.steps or (4 if args.rehearse else 20)
     parts = [p for p in args.only.split(",") if p]
     bad = [p for p in parts if p not in PARTS]
     if bad:

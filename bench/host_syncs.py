@@ -8,7 +8,7 @@ norm, non-finite and stop flags).  CPU tensors hide the difference, so the step 
 device tensor on the `meta` device (torch's fake process group takes the collectives, as in the dry
 run): a tensor that would live on the GPU is a meta tensor, a host tensor is a CPU tensor (Adam's
 `step` counters, the host values logged).  A dispatch mode counts each read of a meta tensor (and
-answers it with zeros) and each host value copied onto the device (`torch.tensor(x, device=...)`).
+answers it: zeros, 1 for a scalar) and each host value copied onto the device (`torch.tensor(x, device=...)`).
 
 What runs is `NTPLanguageModule.training_step` itself, on the rank's slice built by `NTPRuntime` with
 the real gradient path and optimizer; Lightning's trainer is replaced by the few objects the step asks
@@ -84,7 +84,7 @@ class HostReads(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta":
             self.reads["item"] += 1
-            return False if args[0].dtype == torch.bool else 0
+            return False if args[0].dtype == torch.bool else 1  # 1: a step counter, a count
         if func is torch.ops.aten._to_copy.default:
             src, dst = args[0].device.type, (kwargs.get("device") or args[0].device).type
             if src == "meta" and dst == "cpu":
@@ -105,17 +105,21 @@ class HostReads(TorchDispatchMode):
 
 
 class HostReadMethods(TorchFunctionMode):
-    """`.tolist()` / `.numpy()` read a tensor without an aten op: counted here (meta tensors only)."""
+    """What no aten op shows: `.tolist()` / `.numpy()` of a meta tensor (a read), and `torch.tensor(x,
+    device=...)` / `torch.as_tensor` of host data onto the meta device (an upload)."""
 
-    def __init__(self, reads: Counter) -> None:
+    def __init__(self, counts: HostReads) -> None:
         super().__init__()
-        self.reads = reads
+        self.counts = counts
 
     def __torch_function__(self, func, types_, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in (torch.Tensor.tolist, torch.Tensor.numpy) and args and args[0].device.type == "meta":
-            self.reads[func.__name__] += 1
+            self.counts.reads[func.__name__] += 1
             return torch.zeros(args[0].shape, dtype=args[0].dtype).tolist()
+        if func in (torch.tensor, torch.as_tensor) and kwargs.get("device") is not None:
+            if torch.device(kwargs["device"]).type == "meta" and not isinstance(args[0], torch.Tensor):
+                self.counts.uploads += 1
         return func(*args, **kwargs)
 
 
@@ -208,7 +212,7 @@ def run_rank(cfg: Config, rank: int, steps: int) -> dict:
             batch = {"micro": torch.zeros(n_micro, MICRO, SEQ + 1, dtype=torch.long, device="meta"),
                      "global_tokens": GLOBAL_BATCH * SEQ, "step": step}
             mode = HostReads()
-            with mode, HostReadMethods(mode.reads), autocast:
+            with mode, HostReadMethods(mode), autocast:
                 module.training_step(batch, step)
             result = {"reads": sum(mode.reads.values()), "kinds": dict(mode.reads), "uploads": mode.uploads}
     return result
@@ -233,7 +237,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default=",".join(CONFIGS), help=f"comma-separated of {', '.join(CONFIGS)}")
     ap.add_argument("--steps", type=int, default=2, help="steps per rank; the last one is counted")
+    ap.add_argument("--device-step-counter", action="store_true",
+                    help="baseline: a resume puts Adam's 0-dim step on the parameter's device (as before)")
     args = ap.parse_args()
+    if args.device_step_counter:
+        from ntp_nemo.checkpoint import state
+
+        state.state_device = lambda optimizer, p, shape: p.device
     names = [n for n in args.only.split(",") if n]
     bad = [n for n in names if n not in CONFIGS]
     if bad:

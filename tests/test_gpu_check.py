@@ -103,10 +103,11 @@ def test_every_part_composes_children_that_fit_one_gpu_and_no_cluster_launch(mon
     for gpu_cmd, cpu_cmd in zip(commands[False], commands[True], strict=True):  # same children, on CPU
         if "ntp_nemo.train" not in gpu_cmd:
             assert cpu_cmd[:3] == gpu_cmd[:3] and cpu_cmd[-1] == "--rehearse"
-        elif "trainer=gpu" in gpu_cmd or "trainer.accelerator=gpu" in gpu_cmd:
-            assert cpu_cmd == [*gpu_cmd[:-1], "trainer.accelerator=cpu", gpu_cmd[-1]]
+        elif "trainer=gpu" in gpu_cmd or "trainer.accelerator=gpu" in gpu_cmd:  # smaller, on the CPU
+            sizes = gpu_check.REHEARSAL_SIZES
+            assert cpu_cmd == [*gpu_cmd[:-1], *sizes, "trainer.accelerator=cpu", gpu_cmd[-1]]
         else:
-            assert cpu_cmd == gpu_cmd
+            assert cpu_cmd == [*gpu_cmd[:-1], *gpu_check.REHEARSAL_SIZES, gpu_cmd[-1]]
 
 
 def test_a_layout_that_does_not_fit_the_visible_gpus_is_refused_before_it_starts():
