@@ -98,6 +98,11 @@ def train(cfg: DictConfig) -> dict:
 
     validate_fault_config(cfg)  # the `fault` group too (no torch, no Lightning)
     check_environment(cfg)
+    from ntp_nemo.parallel.cluster import slurm_batch_without_srun
+
+    if slurm_batch_without_srun():
+        say(f"note: a SLURM batch script without srun (SLURM_NTASKS={os.environ['SLURM_NTASKS']} is the "
+            "allocation's, not a launch): ntp-train launches the layout's ranks on this node", flush=True)
     checks.check_batch_split(cfg)
     checks.warn_no_ops(cfg)
     run_dir = Path(HydraConfig.get().runtime.output_dir)

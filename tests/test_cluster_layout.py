@@ -94,7 +94,7 @@ def test_environments_accept_unequal_nodes_where_lightnings_refuse(monkeypatch):
     with pytest.raises(ValueError):
         NTPTorchElasticEnvironment().validate_settings(num_devices=1, num_nodes=3)
     env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0", "SLURM_NODEID": "1",
-           "SLURM_NNODES": "2", "SLURM_TASKS_PER_NODE": "3,1"}
+           "SLURM_NNODES": "2", "SLURM_TASKS_PER_NODE": "3,1", "SLURM_STEP_ID": "0"}  # a task of an srun step
     for k in list(torchrun_env([1], 0)):
         monkeypatch.delenv(k)
     for k, v in env.items():

@@ -95,7 +95,9 @@ class AsyncCheckpointSaver:
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
                 # gloo on purpose: the background save's records (objects) travel here, beside the
                 # training thread's collectives (`ntp_nemo.topology.groups` lists every gloo group).
-                self._group = dist.new_group(backend="gloo")
+                from ntp_nemo.topology.groups import group_timeout
+
+                self._group = dist.new_group(backend="gloo", timeout=group_timeout())
             self._group_ready = True
         return self._group
 

@@ -72,7 +72,13 @@ def build_trainer(
     )
     devices, nodes = process_layout(strategy.topology.world_size)
     gpu = t.accelerator in ("gpu", "cuda")
-    if gpu and cuda_devices is not None:
+    if gpu and cuda_devices is None and launcher_layout() is not None:
+        from ntp_nemo.parallel.devices import local_cuda_ordinals
+
+        ordinals = local_cuda_ordinals(devices)  # one GPU per task: every rank binds cuda:0
+        strategy.parallel_devices = [torch.device("cuda", i) for i in ordinals]
+        devices = sorted(set(ordinals))  # the GPUs Lightning checks exist
+    elif gpu and cuda_devices is not None:
         if len(cuda_devices) != devices or nodes != 1:
             raise ValueError(f"{len(cuda_devices)} CUDA devices for {devices} processes on {nodes} nodes")
         # Local rank i binds cuda:cuda_devices[i] (ranks may share a GPU: gloo only, NCCL refuses that).

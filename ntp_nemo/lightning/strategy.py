@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.utilities.distributed import (
+    _destroy_dist_connection,
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
@@ -102,11 +103,15 @@ class _ForkLauncher(_MultiProcessingLauncher):
                 signal.signal(sig, handler)
 
     def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
-        """A worker's first code: hold stop signals until training starts (see `hold_stop_signals`)."""
+        """A worker's first code: hold stop signals until training starts (see `hold_stop_signals`).
+        A forked worker exits through `os._exit` (no atexit handlers): it destroys its process groups
+        here once its work is done (a worker that failed leaves them to the process's end, as a peer
+        may be gone)."""
         from ntp_nemo.lightning.callbacks import hold_stop_signals
 
         hold_stop_signals()
         super()._wrapping_function(process_idx, *args, **kwargs)
+        _destroy_dist_connection()
 
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
         if self._strategy.local_rank != 0:
@@ -122,6 +127,18 @@ def quiet_sigterm_broadcast(trainer: pl.Trainer) -> None:
     loop = trainer.fit_loop.epoch_loop
     if hasattr(loop, "_broadcast_sigterm_tensor"):
         loop._broadcast_sigterm_tensor = lambda: None
+
+
+def destroy_groups_at_exit(backend: str) -> bool:
+    """Destroy the process groups when the process exits, whatever the backend string: Lightning
+    registers it only for exactly "nccl", so `cpu:gloo,cuda:nccl` (the GPU default) and gloo runs
+    under torchrun or srun would exit with live communicators.  Returns whether it registered here."""
+    if backend == "nccl":
+        return False  # Lightning's `_init_dist_connection` did
+    import atexit
+
+    atexit.register(_destroy_dist_connection)
+    return True
 
 
 def default_backend(device: torch.device) -> str:
@@ -205,6 +222,7 @@ class NTPStrategy(ParallelStrategy):
             else:
                 self._rendezvous_server = self._loopback_rendezvous_store()
                 _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+            destroy_groups_at_exit(self._process_group_backend)
         self.runtime = NTPRuntime(self.layout, self.global_rank, device=self.root_device)
         self.topology = self.runtime.topology  # the one whose process groups the run uses
 
