@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from ntp_nemo.cli.console import (
     invocation_stats,
     launcher_rank,
+    logger_dirs,
     print_summary,
     process_start_time,
     quiet_libraries,
@@ -58,7 +59,10 @@ def train(cfg: DictConfig) -> dict:
         spec.failover,
         spec.layout,
         run_dir,
-        lambda lay, extra, devices, stop_at: build_trainer(spec, run_dir, data, lay, extra, devices, stop_at),
+        lambda lay, extra, devices, stop_at: build_trainer(
+            spec, run_dir, data, lay, extra, devices, stop_at,
+            job_started=launcher_rank() == 0,  # recorded below, before supervisor.run
+        ),
     )
     first = supervisor.build_first()
     _describe(spec, data)
@@ -72,7 +76,7 @@ def train(cfg: DictConfig) -> dict:
         )
         return {"already_complete": True, "checkpoint": str(ckpt_path)}
     if ckpt_path is not None:
-        say(f"resuming from {ckpt_path} (resume={cfg.resume})", flush=True)
+        say(f"resuming from {ckpt_path} (step {done_step}; resume={cfg.resume})", flush=True)
     if launcher_rank() == 0:
         from ntp_nemo.goodput import GoodputRecorder
 
@@ -86,7 +90,7 @@ def train(cfg: DictConfig) -> dict:
         raise
     if launcher_rank() != 0:
         return {}  # summary.json has one writer, global rank 0, which also reads and prints it
-    return _report(run_dir, t0, result)
+    return _report(spec, run_dir, t0, result)
 
 
 def _resolve(cfg: DictConfig, run_dir: Path) -> tuple[RunSpec, Path | None]:
@@ -111,11 +115,22 @@ def _resolve(cfg: DictConfig, run_dir: Path) -> tuple[RunSpec, Path | None]:
     failover = failover_spec(cfg)  # what failover reads
     validate_fault_config(failover)  # the `fault` group too (no torch, no Lightning)
     check_environment(cfg)
+    from ntp_nemo.parallel.cluster import slurm_batch_without_srun
+
+    if slurm_batch_without_srun():
+        say(f"note: a SLURM batch script without srun (SLURM_NTASKS={os.environ['SLURM_NTASKS']} is the "
+            "allocation's, not a launch): ntp-train launches the layout's ranks on this node", flush=True)
     layout = resolve_layout(cfg)  # once: the supervisor, the strategy and every rank take this value
     checks.check_batch_split(layout, int(cfg.data.micro_batch_size))
     checks.warn_no_ops(cfg, layout)
     checks.check_outputs(cfg, run_dir)
     ckpt_path = resolve_resume(cfg, run_dir)
+    if ckpt_path is None and str(cfg.resume) == "auto":
+        from ntp_nemo.config.run_dir import nothing_saved_note
+
+        note = nothing_saved_note(run_dir, run_dir / str(cfg.checkpoint.dir))
+        if note:
+            say(note, flush=True)
     if ckpt_path is not None:
         checks.check_resume_model(cfg, ckpt_path)
     spec = resolve(cfg, layout, failover)
@@ -123,7 +138,9 @@ def _resolve(cfg: DictConfig, run_dir: Path) -> tuple[RunSpec, Path | None]:
     if launcher_rank() == 0:
         from ntp_nemo.config.run_dir import save_record
 
-        save_record(cfg, run_dir)  # only now: a command that fails validation keeps the old record
+        note = save_record(cfg, run_dir)  # only now: a command that fails validation keeps the old record
+        if note:
+            say(note, flush=True)
     return spec, ckpt_path
 
 
@@ -133,7 +150,7 @@ def _data(spec: RunSpec):
 
     d = spec.data
     data = build_data(d.path, d.tokenizer, d.seq_len, d.global_batch_size, spec.seed, d.val_fraction,
-                      spec.model.vocab_size, blend=d.blend, val_path=d.val_path)
+                      spec.model.vocab_size, blend=d.blend, val_path=d.val_path, eos_token=d.eos_token)
     if spec.quant.format != "none":
         from ntp_nemo.quant.modules import register_tp_layers
 
@@ -163,7 +180,7 @@ def _describe(spec: RunSpec, data) -> None:
     )
 
 
-def _report(run_dir: Path, t0: float, result) -> dict:
+def _report(spec: RunSpec, run_dir: Path, t0: float, result) -> dict:
     """summary.json completed with this command's numbers (every attempt), printed as the summary."""
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
@@ -187,7 +204,7 @@ def _report(run_dir: Path, t0: float, result) -> dict:
         summary["failover"] = {**attempts, "failures": max(result.failures, len(recoveries)),
                                "layouts": summary.get("layouts") or attempts["layouts"],
                                "recoveries": recoveries}
-    print_summary(summary, run_dir)
+    print_summary(summary, run_dir, logger_dirs(spec.loggers))
     return summary
 
 
@@ -263,16 +280,45 @@ def _drop_empty_run_dir() -> None:
         remove_if_empty(Path(HydraConfig.get().runtime.output_dir))
 
 
+def _interrupted(signum, frame) -> None:  # noqa: ANN001 - signal handler signature
+    """Ctrl-C in this process while no worker trains (imports, composition, data, checks, the summary):
+    nothing to save, so stop at once. Exiting from the handler (rather than raising KeyboardInterrupt
+    inside Hydra's or OmegaConf's code, which turns it into a bogus config error) keeps it clean."""
+    print("interrupted (Ctrl-C) while no training step runs: nothing to save; stopped", file=sys.stderr,
+          flush=True)
+    try:
+        _drop_empty_run_dir()
+    except Exception:  # noqa: BLE001 - no Hydra job yet: no run directory to tidy
+        pass
+    os._exit(0)
+
+
 def main() -> None:
+    import signal
+
+    # The launcher replaces this handler while workers run (they checkpoint); forked workers hold the
+    # signal until training starts (`hold_stop_signals`).
+    signal.signal(signal.SIGINT, _interrupted)
+    try:
+        _main()
+    except KeyboardInterrupt:  # a Ctrl-C that reached Python code before the handler above
+        print("interrupted (Ctrl-C) before training started: nothing to save; stopped", file=sys.stderr,
+              flush=True)
+        sys.exit(0)
+
+
+def _main() -> None:
     if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
         from ntp_nemo.config.help import help_text
 
         print(help_text())
         return
     from ntp_nemo.config.keys import check_override_keys
+    from ntp_nemo.config.run_dir import check_run_dir_overrides
 
     try:
         check_override_keys(sys.argv[1:])  # a misspelt or `+`-added typed key: "did you mean"
+        check_run_dir_overrides(sys.argv[1:])  # e.g. a read-only place: said here, not in Hydra's traceback
     except ConfigError as err:
         report_config_error(err)
         sys.exit(EXIT_CONFIG)

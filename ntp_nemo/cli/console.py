@@ -8,7 +8,9 @@ import logging
 import os
 import time
 import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 _IMPORTED = time.time()  # when /proc does not say when this process started
 
@@ -92,7 +94,15 @@ def _percent(x: float | None) -> float | None:
     return None if x is None else 100 * x
 
 
-def print_summary(summary: dict, run_dir: Path) -> None:
+def logger_dirs(loggers: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The run-directory folders the configured loggers write (`logs/` for CSV, `tb/` for TensorBoard);
+    `loggers`: the run's logger specs (`RunSpec.loggers`)."""
+    return [f"{lg['name']}/" for lg in loggers if lg is not None and lg.get("name")]
+
+
+def print_summary(summary: dict, run_dir: Path, log_dirs: list[str] | None = None) -> None:
+    outputs = ", ".join(["metrics.jsonl", "goodput.jsonl", "checkpoints/", *(log_dirs or [])])
+
     def fmt(v, spec=".4f"):
         return "n/a" if v is None else format(v, spec)
 
@@ -114,7 +124,7 @@ def print_summary(summary: dict, run_dir: Path) -> None:
         *(
             [
                 f" failover      {summary['failover']['failures']} failure(s)"
-                + "".join(f"; recovered {r['mode']} in {r['recovery_s']:.1f} s"
+                + "".join(f"; recovered {r['mode']} in {r['recovery_s']:.2f} s"
                           for r in summary["failover"].get("recoveries", []))
                 + "; layouts " + " -> ".join(summary["failover"]["layouts"])
             ]
@@ -131,7 +141,7 @@ def print_summary(summary: dict, run_dir: Path) -> None:
             if summary.get("stopped_early")
             else []
         ),
-        f" outputs       {run_dir} (metrics.jsonl, goodput.jsonl, checkpoints/, logs/)",
+        f" outputs       {run_dir} ({outputs})",
         "──────────────────────────────────────────────────────",
     ]
     say("\n".join(lines), flush=True)

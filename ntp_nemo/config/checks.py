@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ntp_nemo.errors import ConfigError
 from ntp_nemo.planner.shapes import SIZE_FIELDS
-from ntp_nemo.topology.layout import ResolvedLayout, replica_capacities
+from ntp_nemo.topology.layout import ResolvedLayout
 
 # ModelConfig fields that fix the parameters' shapes: a checkpoint is only loadable into the same ones.
 SHAPE_FIELDS = ("arch", *SIZE_FIELDS, "tie_embeddings")
@@ -50,23 +50,43 @@ def adjust(cfg: DictConfig) -> None:
         cfg.optim.warmup_steps = max_steps
 
 
+def _follows(counts: list[int], caps: list[float]) -> bool:
+    """No replica gets as many micro-batches as one of larger capacity (or more than one of smaller)."""
+    pairs = [(c, n) for c, n in zip(caps, counts, strict=True)]
+    return all(n_a < n_b for c_a, n_a in pairs for c_b, n_b in pairs if c_a < c_b)
+
+
 def check_batch_split(layout: ResolvedLayout, micro_batch_size: int) -> list[int]:
     """Every replica needs at least one micro-batch of the global batch; returns the split
-    (`layout.microbatches`)."""
+    (`layout.microbatches`, the trainer's).
+
+    A split too coarse to follow the capacities (2 micro-batches over capacities [1, 0.5] give
+    [1, 1]) runs, with a warning naming the global batch that would follow them."""
     from ntp_nemo.data.rebalance import assign_microbatches
 
     counts = list(layout.microbatches)
-    if min(counts) > 0:
-        return counts
-    mbs, m = micro_batch_size, layout.num_microbatches
+    mbs, m = int(micro_batch_size), layout.num_microbatches
     caps = layout.capacities()
+    shown = [round(c, 3) for c in caps]
+    if min(counts) > 0:
+        if not _follows(counts, caps):
+            n = m + 1
+            while not _follows(assign_microbatches(n, caps), caps):
+                n += 1
+            warn(
+                f"data.global_batch_size={m * mbs} is {m} micro-batches of {mbs}: too few to follow the "
+                f"replicas' capacities {shown}: the split is {counts}. "
+                f"data.global_batch_size={n * mbs} (or a lower data.micro_batch_size) gives a split that "
+                f"follows the capacities ({assign_microbatches(n, caps)})."
+            )
+        return counts
     n = m
     while min(assign_microbatches(n, caps)) == 0:
         n += 1
     raise ConfigError(
         "data.global_batch_size",
         f"data.global_batch_size={m * mbs} is {m} micro-batches of {mbs}, split over the replicas "
-        f"in proportion to their capacities {[round(c, 3) for c in caps]} as {counts}: a replica would get "
+        f"in proportion to their capacities {shown} as {counts}: a replica would get "
         f"none. The smallest global batch that gives every replica one is {n * mbs} "
         f"(data.global_batch_size={n * mbs}), or lower data.micro_batch_size.",
     )
@@ -82,8 +102,16 @@ def warn_no_ops(cfg: DictConfig, layout: ResolvedLayout) -> None:
                 f"ntp.power_boost={shown} has no effect: it raises the share of degraded replicas and every "
                 f"replica runs at the full TP degree (ntp.replica_tp={list(layout.replica_tp)})."
             )
-        elif layout.capacities() == replica_capacities(layout.tp, layout.replica_tp, None):
-            warn(f"ntp.power_boost={shown} has no effect on this layout's batch split.")
+        else:
+            boosted = list(layout.microbatches)  # the split that runs, compared with the unboosted one
+            if boosted == list(layout.with_changes(power_boost=None).microbatches):
+                warn(
+                    f"ntp.power_boost={shown} has no effect: the global batch's "
+                    f"{layout.num_microbatches} micro-batches "
+                    f"split as {boosted} with or without it. Raise data.global_batch_size (or lower "
+                    "data.micro_batch_size) so the boosted share rounds to more micro-batches, or raise the "
+                    "boost."
+                )
     if cfg.quant.format != "none":
         start, end = int(cfg.quant.start_step), int(cfg.trainer.max_steps)
         if start >= end:
@@ -105,12 +133,10 @@ def check_outputs(cfg: DictConfig, run_dir: Path) -> None:
 
 def check_resume_model(cfg: DictConfig, ckpt: Path) -> None:
     """The checkpoint's model must have the configured parameter shapes (any layout is fine)."""
-    import torch
-
-    from ntp_nemo.checkpoint.sharded import META_FILE
+    from ntp_nemo.checkpoint.sharded import read_meta
 
     try:
-        meta = torch.load(Path(ckpt) / META_FILE, map_location="cpu", weights_only=False)
+        meta = read_meta(ckpt)  # weights_only: a file carrying a pickled object is a ConfigError
     except (OSError, RuntimeError, EOFError):
         return  # validity was checked from the manifest already; nothing more to compare
     saved = (meta.get("extra") or {}).get("model_config") or {}

@@ -50,7 +50,8 @@ def resolve_data_config(cfg: DictConfig, explicit: set[str] | None = None) -> di
     check_paths(blend, val_path)
     sources = blend or ([str(d.path)] if d.get("path") not in (None, "") else [])
     multiple = int(d.get("vocab_multiple") or 1)
-    choice = choose_vocabulary(d.get("tokenizer"), sources, _init_from(cfg), multiple, int(cfg.mesh.tp))
+    choice = choose_vocabulary(d.get("tokenizer"), sources, _init_from(cfg), multiple, int(cfg.mesh.tp),
+                               d.get("eos_token"))
     with open_dict(cfg):
         cfg.data.tokenizer = choice.tokenizer
         if "model.vocab_size" in explicit:

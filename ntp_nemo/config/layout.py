@@ -30,7 +30,8 @@ def resolve_layout(cfg: DictConfig, layer_tp: Sequence[int] | None = None) -> Re
     else:
         n = int(cfg.model.num_layers)
         stage_layers = [sum(map(len, interleaved_layers(n, pp, v, s))) for s in range(pp)]
-    topology = Topology(int(cfg.mesh.tp), resolved_replica_tp(cfg), layer_tp, pp, stage_layers)
+    topology = Topology(int(cfg.mesh.tp), resolved_replica_tp(cfg), layer_tp, pp, stage_layers,
+                        shard_align=int(cfg.ntp.get("shard_align", 1)))
     return ResolvedLayout.make(
         topology,
         schedule=str(cfg.layout.schedule),

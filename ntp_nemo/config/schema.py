@@ -33,6 +33,8 @@ class NTPConfig:
     grad_bucket_mb: float = 25.0
     # Launch each gradient bucket's DP sync from the backward as soon as its gradients are final.
     overlap_grad_sync: bool = False
+    # Elements per block of MLP-column and vocabulary-row splits: shard boundaries on its multiples.
+    shard_align: int = 1
 
 
 @dataclass
@@ -48,6 +50,7 @@ class DataConfig:
     path: str | None = None  # None = embedded corpus; text file/dir or pre-tokenised .bin
     # byte | bpe | tokenizer.json | HF dir; None = init_from's tokenizer.json, else the token file's own
     tokenizer: str | None = None
+    eos_token: str | None = None  # a token of the tokenizer ending each document; None = the tokenizer's own
     blend: Any = None  # [[weight, path], ...] instead of path
     val_path: str | None = None  # held-out token file (instead of data.val_fraction of the documents)
     vocab_multiple: int = 1  # model vocabulary = tokenizer's rounded up to a multiple of this

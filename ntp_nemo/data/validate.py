@@ -78,15 +78,16 @@ class Vocabulary:
 
 
 def choose_vocabulary(tokenizer: str | None, sources: Sequence[str], init_from: str | None,
-                      multiple: int, max_tp: int) -> Vocabulary:
+                      multiple: int, max_tp: int, eos_token: str | None = None) -> Vocabulary:
     """The tokenizer (`tokenizer`, else `init_from`'s, else the token files' own) and the rows of the
-    model's vocabulary (see the module doc).  `sources`: the training token files."""
+    model's vocabulary (see the module doc).  `sources`: the training token files; `eos_token`: the
+    end-of-document token (`data.eos_token`, part of the tokenizer's identity)."""
     if multiple < 1:
         raise ConfigError("data.vocab_multiple", f"must be >= 1, got {multiple}. Use 1 (no padding) or 128.")
     spec, origin = tokenizer, "data.tokenizer"
     if spec in (None, "") and init_from is not None and tokenizer_json_of(init_from) is not None:
         spec, origin = str(Path(init_from).expanduser().resolve()), "model.init_from"
-    ident = tokenizer_identity(spec)
+    ident = tokenizer_identity(spec, eos_token)
     vocab = None if ident is None else ident.get("vocab_size")
     if vocab is None:  # the token files' own tokenizer (or the byte tokenizer for text)
         metas = [read_sidecar(Path(p).expanduser()) for p in sources]

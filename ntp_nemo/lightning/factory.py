@@ -47,11 +47,13 @@ def build_trainer(
     extra_callbacks: Sequence[Any] = (),
     cuda_devices: Sequence[int] | None = None,
     stop_at_step: int | None = None,
+    job_started: bool = False,
 ) -> tuple[pl.Trainer, NTPLanguageModule, NTPStrategy]:
     """`layout`: the attempt's layout (default the run's, `spec.layout`; the supervisor passes a
     re-planned one). `cuda_devices`: the CUDA ordinal each local rank binds (the supervisor's relaunch
     after a lost GPU); default ranks 0..n-1 on ordinals 0..n-1.  `stop_at_step`: where this attempt
-    stops (default `trainer.stop_at_step`)."""
+    stops (default `trainer.stop_at_step`). `job_started`: the caller records the lifetime's
+    `job_start` in goodput.jsonl (else the goodput callback does)."""
     t, ckpt = spec.trainer, spec.checkpoint
     strategy = NTPStrategy(
         layout if layout is not None else spec.layout,
@@ -62,7 +64,13 @@ def build_trainer(
     )
     devices, nodes = process_layout(strategy.topology.world_size)
     gpu = t.accelerator in ("gpu", "cuda")
-    if gpu and cuda_devices is not None:
+    if gpu and cuda_devices is None and launcher_layout() is not None:
+        from ntp_nemo.parallel.devices import local_cuda_ordinals
+
+        ordinals = local_cuda_ordinals(devices)  # one GPU per task: every rank binds cuda:0
+        strategy.parallel_devices = [torch.device("cuda", i) for i in ordinals]
+        devices = sorted(set(ordinals))  # the GPUs Lightning checks exist
+    elif gpu and cuda_devices is not None:
         if len(cuda_devices) != devices or nodes != 1:
             raise ValueError(f"{len(cuda_devices)} CUDA devices for {devices} processes on {nodes} nodes")
         # Local rank i binds cuda:cuda_devices[i] (ranks may share a GPU: gloo only, NCCL refuses that).
@@ -72,7 +80,8 @@ def build_trainer(
     metrics = MetricsJSONL(run_dir)
     strategy.keep_last = int(ckpt.keep_last)
     strategy.async_save = bool(ckpt.async_save)
-    callbacks: list[Any] = [metrics, GoodputCallback(str(run_dir)), RunSummary(run_dir, metrics)]
+    goodput = GoodputCallback(str(run_dir), job_started=job_started)
+    callbacks: list[Any] = [metrics, goodput, RunSummary(run_dir, metrics)]
     if ckpt.every_n_steps or ckpt.save_on_end:
         callbacks.append(StepCheckpoint(run_dir / ckpt.dir, int(ckpt.every_n_steps), bool(ckpt.save_on_end)))
     callbacks.append(MemoryReport(spec.data.micro_batch_size, spec.data.seq_len, spec.num_microbatches))

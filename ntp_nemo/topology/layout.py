@@ -17,7 +17,8 @@ from ntp_nemo.data.rebalance import assign_microbatches
 from ntp_nemo.topology.topology import Topology
 
 PowerBoost = float | tuple[float, ...] | None
-_TOPOLOGY_FIELDS = ("tp", "replica_tp", "layer_tp", "pp", "stage_layers")  # Topology's own arguments
+# Topology's own arguments
+_TOPOLOGY_FIELDS = ("tp", "replica_tp", "layer_tp", "pp", "stage_layers", "shard_align")
 
 
 def replica_capacities(tp: int, replica_tp: Sequence[int], power_boost: PowerBoost) -> list[float]:
@@ -50,6 +51,7 @@ class ResolvedLayout:
     - `nominal_replicas`: replicas the job was planned with (capacity is counted against them).
     - `num_microbatches`: micro-batches per global batch; `microbatches`: per-replica share of them.
     - `devices`: device string per global rank ("cuda:3", "cpu"), or None: each worker's default.
+    - `shard_align`: elements per block of MLP-column and vocabulary-row splits (`ntp.shard_align`).
     """
 
     tp: int
@@ -64,6 +66,7 @@ class ResolvedLayout:
     num_microbatches: int = 0
     microbatches: tuple[int, ...] = ()
     devices: tuple[str, ...] | None = field(default=None)
+    shard_align: int = 1
 
     @classmethod
     def make(
@@ -76,9 +79,9 @@ class ResolvedLayout:
         devices: Sequence[str] | None = None,
         virtual_stages: int = 1,
     ) -> ResolvedLayout:
-        """The layout of `topology` (nominal TP, replicas, per-slot degrees, stage split: the Topology
-        checks that they agree) with the run's options; fills the batch shares.  A ValueError names a
-        mismatch."""
+        """The layout of `topology` (nominal TP, replicas, per-slot degrees, stage split, shard alignment:
+        the Topology checks that they agree) with the run's options; fills the batch shares.  A
+        ValueError names a mismatch."""
         t = topology
         replica_tp = tuple(int(x) for x in t.replica_tp)
         boost = _boost(power_boost)
@@ -96,6 +99,7 @@ class ResolvedLayout:
             num_microbatches=m,
             microbatches=tuple(assign_microbatches(m, replica_capacities(int(t.tp), replica_tp, boost))),
             devices=None if devices is None else tuple(str(d) for d in devices),
+            shard_align=int(t.shard_align),
         )
         if layout.devices is not None and len(layout.devices) != layout.world_size:
             raise ValueError(f"{len(layout.devices)} devices for a layout of {layout.world_size} ranks")
@@ -116,7 +120,7 @@ class ResolvedLayout:
 
     def topology(self) -> Topology:
         """A fresh Topology (it owns process groups, so each runtime builds its own)."""
-        return Topology(self.tp, self.replica_tp, self.layer_tp, self.pp, self.stage_layers)
+        return Topology(self.tp, self.replica_tp, self.layer_tp, self.pp, self.stage_layers, self.shard_align)
 
     def capacities(self) -> list[float]:
         """Per-replica share of work (active ranks / nominal TP, times the power boost of degraded ones)."""
@@ -172,10 +176,10 @@ class ResolvedLayout:
             tbl.add_column(col)
         for c in topo.coords:
             degs = sorted({topo.degree(c.replica, s) for s in range(len(self.layer_tp))})
-            v = topo.units_held(c.rank, 0, vocab)
+            v = topo.units_held(c.rank, 0, vocab, self.shard_align)
             first = topo.stage_layer_range(c.stage).start + 1  # first transformer layer of this rank's stage
             h = topo.units_held(c.rank, first, num_heads)
-            f = topo.units_held(c.rank, first, ffn_hidden)
+            f = topo.units_held(c.rank, first, ffn_hidden, self.shard_align)
             tbl.add_row(str(c.rank), str(c.replica), str(c.stage), str(c.slot),
                         str(self.replica_tp[c.replica]), f"[{v[0]},{v[1]})", f"[{h[0]},{h[1]})",
                         f"[{f[0]},{f[1]})", ",".join(map(str, degs)))
