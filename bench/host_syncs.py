@@ -203,8 +203,9 @@ def run_rank(cfg: Config, rank: int, steps: int) -> dict:
                                    seed=0, micro_batch_size=MICRO, val_batches=1, max_steps=10,
                                    overlap_grad_sync=cfg.overlap)
         module.model = model
-        module.grad_path = GradientPath(model, rt.sync, opt, overlap=cfg.overlap)
-        module._trainer = types.SimpleNamespace(strategy=types.SimpleNamespace(runtime=rt), callbacks=[])
+        state = types.SimpleNamespace(grad_path=GradientPath(model, rt.sync, opt, overlap=cfg.overlap))
+        module._trainer = types.SimpleNamespace(strategy=types.SimpleNamespace(runtime=rt, state=state),
+                                                callbacks=[])
         module._device = torch.device("meta")
         wrapped = _Optimizer(opt)
         module.optimizers = lambda: wrapped

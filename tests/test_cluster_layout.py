@@ -246,16 +246,18 @@ def test_heartbeats_only_where_a_monitor_reads_them(tmp_path: Path):
     torchrun/SLURM created (no launcher of ours, nothing reads the files) do not."""
     from types import SimpleNamespace
 
+    from ntp_nemo.config.failover import failover_spec
+    from ntp_nemo.config.layout import resolve_layout
     from ntp_nemo.resilience.heartbeat import Heartbeat
     from ntp_nemo.resilience.supervisor import Supervisor
 
     cfg = compose([*TINY])
     for launcher, expected in ((None, 0), (object(), 1)):
-        def build(c, extra, cuda_devices, launcher=launcher):
+        def build(layout, extra, cuda_devices, stop_at, launcher=launcher):
             trainer = SimpleNamespace(strategy=SimpleNamespace(launcher=launcher), callbacks=list(extra))
             return trainer, None, None
 
-        trainer = Supervisor(cfg, tmp_path, build).build_first()[0]
+        trainer = Supervisor(failover_spec(cfg), resolve_layout(cfg), tmp_path, build).build_first()[0]
         assert sum(isinstance(cb, Heartbeat) for cb in trainer.callbacks) == expected
 
 

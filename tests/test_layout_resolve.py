@@ -85,7 +85,7 @@ def test_resolve_layout_balanced_split_and_serialisation():
 def test_checkpoints_read_back_the_layout_they_recorded():
     lay = _layout("mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]", "ntp.power_boost=1.3",
                   "model.num_layers=4", "mesh.pp=2", "layout.schedule=interleaved_1f1b",
-                  "layout.virtual_stages=2")
+                  "layout.virtual_stages=2", "ntp.shard_align=4")
     assert ResolvedLayout.from_checkpoint(lay.to_dict()) == lay  # every option, the boost included
     # The four keys checkpoints held before the whole layout was stored: the same ranks hold the same
     # shards, so the saved RNG states carry over.
@@ -99,11 +99,12 @@ def test_checkpoints_read_back_the_layout_they_recorded():
 def test_shrinking_keeps_every_option_and_follows_per_replica_boosts():
     lay = _layout("mesh.dp=3", "mesh.tp=2", "ntp.replica_tp=[2,1,2]", "ntp.power_boost=[1.0,1.3,1.2]",
                   "model.num_layers=4", "layout.layer_tp=[2,1,2,1,2,2]", "data.global_batch_size=40",
-                  "data.micro_batch_size=2")
+                  "data.micro_batch_size=2", "ntp.shard_align=4")
     assert lay.shrunk([2, 1, 2]) is lay  # nothing lost (the restart policy): the same layout
     new = lay.shrunk([0, 1, 1])  # replica 0 dropped, replica 2 lost a rank
     assert new.replica_tp == (1, 1) and new.power_boost == (1.3, 1.2) and new.nominal_replicas == 3
     assert new.layer_tp == lay.layer_tp and new.num_microbatches == 20
+    assert new.shard_align == 4 and new.topology().shard_align == 4
     # capacities 0.5 * 1.3 = 0.65 and 0.5 * 1.2 = 0.6 of 20 micro-batches: 10.4 and 9.6 -> 10 and 10
     assert new.microbatches == (10, 10) and new.capacity_fraction() == 2 / 6
 
