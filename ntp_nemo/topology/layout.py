@@ -39,6 +39,7 @@ class ResolvedLayout:
     - `nominal_replicas`: replicas the job was planned with (capacity is counted against them).
     - `num_microbatches`: micro-batches per global batch; `microbatches`: per-replica share of them.
     - `devices`: device string per global rank ("cuda:3", "cpu"), or None: each worker's default.
+    - `sequence_parallel`: the TP-replicated regions hold each rank's slice of the sequence.
     """
 
     tp: int
@@ -53,6 +54,7 @@ class ResolvedLayout:
     num_microbatches: int = 0
     microbatches: tuple[int, ...] = ()
     devices: tuple[str, ...] | None = field(default=None)
+    sequence_parallel: bool = False
 
     @classmethod
     def make(
@@ -68,6 +70,7 @@ class ResolvedLayout:
         num_microbatches: int | None = None,
         devices: Sequence[str] | None = None,
         virtual_stages: int = 1,
+        sequence_parallel: bool = False,
     ) -> ResolvedLayout:
         """Normalise the inputs and fill the derived fields (stage split, batch shares); checks that
         the parts agree (a ValueError names the mismatch)."""
@@ -89,6 +92,7 @@ class ResolvedLayout:
             num_microbatches=m,
             microbatches=tuple(assign_microbatches(m, topo.capacities(boost))),
             devices=None if devices is None else tuple(str(d) for d in devices),
+            sequence_parallel=bool(sequence_parallel),
         )
         if layout.devices is not None and len(layout.devices) != layout.world_size:
             raise ValueError(f"{len(layout.devices)} devices for a layout of {layout.world_size} ranks")
@@ -103,11 +107,13 @@ class ResolvedLayout:
         nominal_replicas: int | None = None,
         num_microbatches: int | None = None,
         virtual_stages: int = 1,
+        sequence_parallel: bool = False,
     ) -> ResolvedLayout:
         """The layout of an existing Topology (tests and benchmarks that build one directly)."""
         t = topology
         return cls.make(t.tp, t.replica_tp, t.layer_tp, t.pp, t.stage_layers, schedule, power_boost,
-                        nominal_replicas, num_microbatches, virtual_stages=virtual_stages)
+                        nominal_replicas, num_microbatches, virtual_stages=virtual_stages,
+                        sequence_parallel=sequence_parallel)
 
     # ---- derived --------------------------------------------------------------------------------
     @property

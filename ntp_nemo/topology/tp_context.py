@@ -14,12 +14,15 @@ class TPContext:
     process group for its collectives (None when `size == 1`).  `copies` counts identical
     replicas of the layer inside this rank's DP replica (a layer of degree `t` in a replica of
     `n` ranks is replicated `n / t` times); gradient sync weighs contributions by `1 / copies`.
+    `sequence_parallel`: the replicated regions hold this rank's slice of the sequence
+    (`ntp_nemo.parallel.sequence`).
     """
 
     size: int = 1
     rank: int = 0
     group: Any = None
     copies: int = 1
+    sequence_parallel: bool = False
 
     @property
     def sharded(self) -> bool:

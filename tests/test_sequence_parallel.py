@@ -1,0 +1,100 @@
+"""Sequence parallelism on uneven TP degrees: the split, its collectives, and exactness against the
+unsharded model (float64, gloo) with sequence lengths the degrees do not divide."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from ntp_nemo.parallel.launch import run_workers
+from ntp_nemo.parallel.sequence import seq_interval, seq_lengths
+from ntp_nemo.runtime.runtime import NTPRuntime
+from ntp_nemo.topology import Topology
+from ntp_nemo.topology.tp_context import TPContext
+from tests.ntp_cases import GPT, LLAMA, SEED, reference, step_against_reference, tokens
+
+SEQ_LEN = 100  # 3 does not divide it: slices of 33, 33 and 34 tokens
+GPT_SP = dataclasses.replace(GPT, max_seq_len=128)
+LLAMA_SP = dataclasses.replace(LLAMA, max_seq_len=128)
+
+
+def test_slices_are_balanced_intervals_uneven_by_one():
+    assert seq_lengths(7, 8192) == [1170, 1170, 1170, 1171, 1170, 1170, 1171]
+    sp3 = [TPContext(3, i, None, 1, True) for i in range(3)]
+    assert [seq_interval(ctx, 100) for ctx in sp3] == [(0, 33), (33, 66), (66, 100)]
+    # Without SP (or at degree 1) every rank holds the whole sequence.
+    assert seq_interval(TPContext(3, 2, None, 1, False), 100) == (0, 100)
+
+
+# name: (tp, replica_tp, layer_tp, seq_len, tokens each rank's embedding output holds); worlds <= 5 ranks.
+LAYOUTS = {
+    "replicas-3-2": (3, [3, 2], [3, 3, 3, 3], SEQ_LEN, [33, 33, 34, 50, 50]),
+    # Degree 1 between degree-3 (degree-2 in the second replica) slots: the sequence is re-split twice.
+    "per-layer-3-1-3": (3, [3, 2], [3, 1, 3, 3], SEQ_LEN, [33, 33, 34, 50, 50]),
+    # 99 divides by neither 2 nor 4; a degree change at every slot (embedding at degree 2: two copies).
+    "per-layer-2-4-2-4": (4, [4], [2, 4, 2, 4], 99, [49, 50, 49, 50]),
+}
+
+
+def sp_worker(rank: int, world: int, cfg, tp: int, replica_tp: list[int], layer_tp: list[int], seq: int):
+    torch.set_num_threads(1)
+    rt = NTPRuntime(Topology(tp, replica_tp, layer_tp), rank, sequence_parallel=True)
+    model = rt.build_model(cfg, SEED, dtype=torch.float64)
+    rt.attach(model)
+    _, worst = step_against_reference(rt, model, cfg, seq)
+    with torch.no_grad():
+        held = model.embed_tokens(tokens(cfg, seq)[:1, :-1]).shape[1]
+    return worst, held
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", [GPT_SP, LLAMA_SP], ids=["gpt", "llama"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_sequence_parallel_matches_unsharded(cfg, layout):
+    tp, replica_tp, layer_tp, seq, held = LAYOUTS[layout]
+    results = run_workers(sp_worker, sum(replica_tp), cfg, tp, replica_tp, layer_tp, seq)
+    assert [h for _, h in results] == held  # the replicated regions hold only the rank's slice
+    for rank, (worst, _) in enumerate(results):
+        for key, err in worst.items():
+            assert err < 1e-10, f"{layout} rank {rank}: {key} rel error {err:.2e}"
+
+
+def test_logits_of_the_whole_sequence_match_unsharded():
+    """The vocabulary-parallel head sees the whole sequence (gathered), so logits match (one process,
+    float64: degree 1 makes SP a no-op, which the model must accept)."""
+    cfg = LLAMA_SP
+    rt = NTPRuntime(Topology(1, [1], [1] * 4), 0, sequence_parallel=True)
+    model = rt.build_model(cfg, SEED, dtype=torch.float64)
+    toks = tokens(cfg, SEQ_LEN)
+    assert torch.allclose(model(toks[:, :-1]), reference(cfg, SEQ_LEN)[2], rtol=0, atol=1e-12)
+
+
+def dropout_worker(rank: int, world: int, cfg, tp: int, replica_tp: list[int], seq: int) -> dict:
+    """The same step with SP off and on: dropout draws the same masks, so loss and gradients agree."""
+    torch.set_num_threads(1)
+    out = {}
+    for sp in (False, True):
+        rt = NTPRuntime(Topology(tp, replica_tp, [tp] * (cfg.num_layers + 2)), rank, sequence_parallel=sp)
+        model = rt.build_model(cfg, SEED, dtype=torch.float64)
+        rt.attach(model)
+        toks = tokens(cfg, seq)
+        torch.manual_seed(5)
+        total = rt.train_microbatches(model, [toks[i : i + 1] for i in rt.my_microbatches(len(toks))],
+                                      toks[:, 1:].numel())
+        rt.sync.sync()
+        out[sp] = (float(rt.global_sum(total)), {n: p.grad.clone() for n, p in model.named_parameters()})
+    (loss_off, grads_off), (loss_on, grads_on) = out[False], out[True]
+    return {"loss_off": loss_off, "loss_on": loss_on,
+            "grad": max(float((grads_on[n] - g).abs().max() / g.abs().max().clamp_min(1e-6))
+                        for n, g in grads_off.items())}
+
+
+@pytest.mark.slow
+def test_dropout_masks_do_not_depend_on_sequence_parallelism():
+    cfg = dataclasses.replace(LLAMA_SP, dropout=0.3)
+    results = run_workers(dropout_worker, 3, cfg, 3, [3], SEQ_LEN)
+    for res in results:
+        assert abs(res["loss_on"] - res["loss_off"]) < 1e-10 * abs(res["loss_off"])
+        assert res["grad"] < 1e-10
