@@ -11,7 +11,7 @@ import torch
 from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.parallel.sequence import seq_interval, seq_lengths
 from ntp_nemo.runtime.runtime import NTPRuntime
-from ntp_nemo.topology import Topology
+from ntp_nemo.topology import ResolvedLayout, Topology
 from ntp_nemo.topology.tp_context import TPContext
 from tests.ntp_cases import GPT, LLAMA, SEED, reference, step_against_reference, tokens
 
@@ -98,3 +98,43 @@ def test_dropout_masks_do_not_depend_on_sequence_parallelism():
     for res in results:
         assert abs(res["loss_on"] - res["loss_off"]) < 1e-10 * abs(res["loss_off"])
         assert res["grad"] < 1e-10
+
+
+GPT4_SP = dataclasses.replace(GPT_SP, num_layers=4)
+LLAMA4_SP = dataclasses.replace(LLAMA_SP, num_layers=4)
+
+# name: (replica_tp, layer_tp, schedule, virtual_stages); PP2, nominal TP 2, sequence of 99 tokens.
+PP_LAYOUTS = {
+    "pp2-replicas-2-1-1f1b": ([2, 1], [2] * 6, "1f1b", 1),
+    # Layer 1 (last of stage 0) at degree 2 sends a 49/50-token slice; layer 2 at degree 1 re-gathers it.
+    "pp2-per-layer-boundary-gpipe": ([2, 1], [2, 2, 2, 1, 2, 2], "gpipe", 1),
+    "pp2-interleaved-v2": ([2, 1], [2] * 6, "interleaved_1f1b", 2),
+}
+
+
+def pp_worker(rank: int, world: int, cfg, replica_tp: list[int], layer_tp: list[int], schedule: str, v: int):
+    torch.set_num_threads(1)
+    layout = ResolvedLayout.make(2, replica_tp, layer_tp, pp=2, schedule=schedule, virtual_stages=v,
+                                 sequence_parallel=True)
+    rt = NTPRuntime(layout, rank)
+    model = rt.build_model(cfg, SEED, dtype=torch.float64)
+    rt.attach(model)
+    _, worst = step_against_reference(rt, model, cfg, 99)
+    first = min(int(k) for k in model.blocks.keys())
+    lo, hi = model.hidden_interval(first, 99)
+    return worst, hi - lo
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", [GPT4_SP, LLAMA4_SP], ids=["gpt", "llama"])
+@pytest.mark.parametrize("layout", list(PP_LAYOUTS))
+def test_sequence_parallel_pipeline_matches_unsharded(cfg, layout):
+    replica_tp, layer_tp, schedule, v = PP_LAYOUTS[layout]
+    results = run_workers(pp_worker, 6, cfg, replica_tp, layer_tp, schedule, v)
+    # Ranks 2, 3 (replica 0, stage 1) receive a 49- and a 50-token slice; replica 1 (one rank at degree 1)
+    # holds all 99 tokens.
+    received = [h for _, h in results]
+    assert received[2:4] == [49, 50] and received[5] == 99
+    for rank, (worst, _) in enumerate(results):
+        for key, err in worst.items():
+            assert err < 1e-10, f"{layout} rank {rank}: {key} rel error {err:.2e}"
