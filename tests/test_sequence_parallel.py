@@ -14,6 +14,7 @@ from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout, Topology
 from ntp_nemo.topology.tp_context import TPContext
 from tests.ntp_cases import GPT, LLAMA, SEED, reference, step_against_reference, tokens
+from tests.option_cases import STEPS, VARIANTS, run_steps, setup
 
 SEQ_LEN = 100  # 3 does not divide it: slices of 33, 33 and 34 tokens
 GPT_SP = dataclasses.replace(GPT, max_seq_len=128)
@@ -138,3 +139,33 @@ def test_sequence_parallel_pipeline_matches_unsharded(cfg, layout):
     for rank, (worst, _) in enumerate(results):
         for key, err in worst.items():
             assert err < 1e-10, f"{layout} rank {rank}: {key} rel error {err:.2e}"
+
+
+def options_worker(rank: int, world: int, variants: list[str]) -> dict:
+    """Five AdamW steps (clipping, warmup-cosine) on (3,2) with 8-token sequences (slices of 2, 3, 3):
+    the plain run without SP against each memory/overlap option with SP (float64)."""
+    torch.set_num_threads(1)
+    topo = Topology(3, [3, 2], [3] * (LLAMA.num_layers + 2))
+    out: dict = {}
+
+    def train(rt: NTPRuntime, name: str) -> tuple[list[float], dict]:
+        run = setup(rt, LLAMA, *VARIANTS[name], dtype=torch.float64)
+        losses, _ = run_steps(rt, run, LLAMA, 0, STEPS)
+        run.path.remove()
+        return losses, {n: p.detach().clone() for n, p in run.model.named_parameters()}
+
+    base_losses, base_params = train(NTPRuntime(topo, rank), "baseline")
+    sp = NTPRuntime(topo, rank, sequence_parallel=True)
+    for name in variants:
+        losses, params = train(sp, name)
+        out[name] = {"loss": max(abs(a - b) / abs(b) for a, b in zip(losses, base_losses, strict=True)),
+                     "param": max(float((params[n] - base_params[n]).abs().max()) for n in params)}
+    return out
+
+
+@pytest.mark.slow
+def test_sequence_parallel_with_recompute_distributed_optimizer_and_overlap():
+    variants = ["baseline", "selective", "full", "distributed", "overlap", "all"]
+    for rank, res in enumerate(run_workers(options_worker, 5, variants)):
+        for name in variants:
+            assert res[name]["loss"] < 1e-10 and res[name]["param"] < 1e-10, (rank, name, res[name])
