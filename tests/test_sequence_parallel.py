@@ -13,6 +13,7 @@ from ntp_nemo.parallel.sequence import seq_interval, seq_lengths
 from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout, Topology
 from ntp_nemo.topology.tp_context import TPContext
+from tests.conftest import TINY, run_cli
 from tests.ntp_cases import GPT, LLAMA, SEED, reference, step_against_reference, tokens
 from tests.option_cases import STEPS, VARIANTS, run_steps, setup
 
@@ -169,3 +170,11 @@ def test_sequence_parallel_with_recompute_distributed_optimizer_and_overlap():
     for rank, res in enumerate(run_workers(options_worker, 5, variants)):
         for name in variants:
             assert res[name]["loss"] < 1e-10 and res[name]["param"] < 1e-10, (rank, name, res[name])
+
+
+def test_sequence_parallel_with_qat_exits_2_before_launch(tmp_path):
+    proc = run_cli([*TINY, "mesh.dp=1", "mesh.tp=2", "ntp.sequence_parallel=true", "quant=int8",
+                    f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "ntp.sequence_parallel" in proc.stderr and "quant=none" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()
