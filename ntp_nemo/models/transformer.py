@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.models.plan import SingleDevicePlan, TPPlan
+from ntp_nemo.parallel.comm import copy_to_tp
 from ntp_nemo.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -29,7 +30,7 @@ from ntp_nemo.parallel.layers import (
     vocab_parallel_cross_entropy,
 )
 from ntp_nemo.parallel.sequence import (
-    enter_tp_region,
+    gather_and_project,
     replicated_grad_sum,
     resplit_sequence,
     seq_interval,
@@ -120,12 +121,12 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, seq_len: int
     ) -> torch.Tensor:
-        x = enter_tp_region(x, self.tp, seq_len)  # one TP region entry for q, k and v: the whole sequence
-        b, s, _ = x.shape
-        d = self.head_dim
-        q = self.q_proj(x).view(b, s, -1, d).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, -1, d).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, -1, d).transpose(1, 2)
+        # One TP region entry for q, k and v (under SP: one all-gather to the whole sequence).
+        q, k, v = gather_and_project(x, self.tp, seq_len, (self.q_proj, self.k_proj, self.v_proj))
+        b, s, d = x.shape[0], seq_len, self.head_dim
+        q = q.view(b, s, -1, d).transpose(1, 2)
+        k = k.view(b, s, -1, d).transpose(1, 2)
+        v = v.view(b, s, -1, d).transpose(1, 2)
         cos_sin = (rope[0][:s], rope[1][:s]) if rope is not None else ()
         if self.recompute_core and torch.is_grad_enabled():
             y = checkpoint(self.core, q, k, v, *cos_sin, use_reentrant=False)
@@ -161,10 +162,12 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(f, h, tp, bias=bias, std=out_std)
 
     def forward(self, x: torch.Tensor, seq_len: int) -> torch.Tensor:
-        x = enter_tp_region(x, self.tp, seq_len)  # one TP region entry for the MLP input
+        # One TP region entry for the MLP input.
         if self.gated:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
+            gate, up = gather_and_project(x, self.tp, seq_len, (self.gate_proj, self.up_proj))
+            return self.down_proj(F.silu(gate) * up)
+        (up,) = gather_and_project(x, self.tp, seq_len, (self.up_proj,))
+        return self.down_proj(F.gelu(up, approximate="tanh"))
 
 
 class Block(nn.Module):
@@ -317,9 +320,11 @@ class DecoderLM(nn.Module):
             seq_len = x.shape[1]
         x = resplit_sequence(x, self.contexts[self.cfg.num_layers], self.head_tp, seq_len)
         x = self.final_norm(x)
+        if seq_split(self.head_tp) > 1:  # gathered once, only the slice saved for the backward
+            return gather_and_project(x, self.head_tp, seq_len, (self.embed if self.tied else self.head,))[0]
         if self.tied:
-            return F.linear(enter_tp_region(x, self.head_tp, seq_len), self.embed.weight)
-        return self.head(x, seq_len)
+            return F.linear(copy_to_tp(x, self.head_tp), self.embed.weight)
+        return self.head(x)
 
     @property
     def vocab_start(self) -> int:

@@ -9,7 +9,7 @@ the all-reduce they replace.
 
 Why uneven slices and padded collectives: the local tensors hold exactly their tokens (no compute or
 activation memory on padding), while the wire uses equal pieces of `ceil(S/n)` tokens because gloo
-(and `all_gather_into_tensor`/`reduce_scatter_tensor` everywhere) needs equal sizes; gloo's
+(and `all_gather_single`/`reduce_scatter_single` everywhere) needs equal sizes; gloo's
 `all_gather` rejects uneven lists.  The padding costs `n*ceil(S/n) - S` tokens on the wire: 5 of 8192
 at degree 7 (0.06%), none where the degree divides.
 """
@@ -49,7 +49,7 @@ def _all_gather_seq(x: torch.Tensor, tp: TPContext, seq_len: int) -> torch.Tenso
     piece = x.new_zeros((m, x.shape[0], *x.shape[2:]))
     piece[: x.shape[1]] = x.transpose(0, 1)
     out = x.new_empty((n * m, x.shape[0], *x.shape[2:]))
-    dist.all_gather_into_tensor(out, piece, group=tp.group)
+    dist.all_gather_single(out, piece, group=tp.group)
     parts = [out[i * m : i * m + lengths[i]] for i in range(n)]
     return torch.cat(parts, dim=0).transpose(0, 1).contiguous()
 
@@ -63,7 +63,7 @@ def _reduce_scatter_seq(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
         lo, hi = unit_interval(i, n, seq_len)
         buf[i * m : i * m + hi - lo] = x[:, lo:hi].transpose(0, 1)
     out = x.new_empty((m, x.shape[0], *x.shape[2:]))
-    dist.reduce_scatter_tensor(out, buf, group=tp.group)
+    dist.reduce_scatter_single(out, buf, group=tp.group)
     lo, hi = unit_interval(tp.rank, n, seq_len)
     return out[: hi - lo].transpose(0, 1).contiguous()
 
@@ -162,3 +162,43 @@ class SequenceParallelPlan:
     def context(self, slot: int) -> TPContext:
         ctx = self.plan.context(slot)
         return dataclasses.replace(ctx, sequence_parallel=True) if ctx.sharded else ctx
+
+
+class _GatherProject(torch.autograd.Function):
+    """All-gather of the sequence slices followed by several column-parallel projections of the gathered
+    input, keeping only the slice for the backward (which gathers it again, once for all projections):
+    the gathered input is the size of the whole sequence, so saving it would undo SP's memory saving."""
+
+    @staticmethod
+    def forward(ctx, x, tp, seq_len, *weights_and_biases):  # type: ignore[override]
+        full = _all_gather_seq(x, tp, seq_len)
+        pairs = list(zip(weights_and_biases[::2], weights_and_biases[1::2], strict=True))
+        ctx.tp, ctx.seq_len, ctx.has_bias = tp, seq_len, [b is not None for _, b in pairs]
+        ctx.save_for_backward(x, *(w for w, _ in pairs))
+        return tuple(torch.nn.functional.linear(full, w, b) for w, b in pairs)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        x, *weights = ctx.saved_tensors
+        full = _all_gather_seq(x, ctx.tp, ctx.seq_len).flatten(0, -2)
+        grad_full = None
+        out: list[torch.Tensor | None] = []
+        for g, w, has_bias in zip(grads, weights, ctx.has_bias, strict=True):
+            g2 = g.flatten(0, -2)
+            part = g2 @ w
+            grad_full = part if grad_full is None else grad_full + part
+            out += [g2.t() @ full, g2.sum(0) if has_bias else None]
+        grad_x = _reduce_scatter_seq(grad_full.view(*grads[0].shape[:-1], -1), ctx.tp)
+        return (grad_x, None, None, *out)
+
+
+def gather_and_project(x: torch.Tensor, tp: TPContext, seq_len: int, layers) -> list[torch.Tensor]:
+    """Column-parallel projections (`layers`: modules with a `weight`, an optional `bias`, and no region
+    entry of their own) of one input entering the TP region.  Under SP: one all-gather forward, one
+    all-gather and one reduce-scatter backward, only the slice saved; without SP the usual region entry
+    (the gradient all-reduced once for all of them) and each module called."""
+    if seq_split(tp) > 1:
+        args = [t for layer in layers for t in (layer.weight, getattr(layer, "bias", None))]
+        return list(_GatherProject.apply(x, tp, seq_len, *args))
+    x = copy_to_tp(x, tp)
+    return [layer(x) for layer in layers]
