@@ -15,6 +15,11 @@
    DP 4 (TP 1) and on the degraded layout replicas (2, 1): plain = the tensors in the AdamW state after
    one step; distributed = the moments of the chunks the rank owns.  float32 parameters, so the
    parameters themselves are the master weights in both cases (no extra master copy).
+3. Saved activation bytes per rank per micro-batch with `ntp.sequence_parallel` off and on, on the
+   layouts (3, 2) and (2, 1) (gloo workers, Llama-style, a sequence the degree 3 does not divide), the
+   same pack-hook count; "hidden-sized" is the part held in tensors of b x s x hidden (the replicated
+   regions: norm inputs, the inputs of the column-parallel projections), which SP divides by the degree.
+   `--sections 3` runs only this one.
 """
 
 from __future__ import annotations
@@ -101,6 +106,59 @@ def optimizer_worker(rank: int, world: int, cfg: ModelConfig, replica_tp: list[i
     return out
 
 
+class _HiddenMeter(ActivationMeter):
+    """ActivationMeter that also sums the storages of tensors of rows of `hidden` elements (b x s x h
+    or its (b*s) x h view: the replicated regions and the column-parallel inputs)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.hidden_size, self.hidden_bytes = hidden, 0
+
+    def add(self, mb: int, t: torch.Tensor) -> None:
+        before = self.live.get(mb, 0)
+        super().add(mb, t)
+        if self.live.get(mb, 0) > before and t.dim() >= 2 and t.shape[-1] == self.hidden_size:
+            self.hidden_bytes += self.live[mb] - before
+
+
+def sp_worker(rank: int, world: int, cfg: ModelConfig, replica_tp: list[int], mbs: int, seq: int) -> dict:
+    torch.set_num_threads(1)
+    tp = max(replica_tp)
+    topo = Topology(tp, replica_tp, [tp] * (cfg.num_layers + 2))
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (mbs, seq + 1), generator=gen)
+    out = {"degree": replica_tp[topo.coord(rank).replica]}
+    for sp in (False, True):
+        rt = NTPRuntime(topo, rank, sequence_parallel=sp)
+        model = rt.build_model(cfg, 0)
+        model._rope(torch.empty(0))
+        meter = _HiddenMeter(cfg.hidden_size)
+        meter.exclude(list(model.parameters()) + list(model.buffers())
+                      + [t for pair in model._rope_cache.values() for t in pair])
+        with meter.recording(0):
+            loss = model.loss_sum(tokens)
+        loss.backward()
+        out["on" if sp else "off"] = {"saved": meter.live[0], "hidden": meter.hidden_bytes,
+                                      "loss": loss.item()}
+    return out
+
+
+def sp_table(cfg: ModelConfig, mbs: int, seq: int) -> list[dict]:
+    rows = []
+    for name, replica_tp in (("(3,2)", [3, 2]), ("(2,1)", [2, 1])):
+        for rank, r in enumerate(run_workers(sp_worker, sum(replica_tp), cfg, replica_tp, mbs, seq)):
+            off, on = r["off"], r["on"]
+            rows.append({"layout": name, "rank": rank, "degree": r["degree"], "saved_off": off["saved"],
+                         "saved_on": on["saved"], "hidden_off": off["hidden"], "hidden_on": on["hidden"],
+                         "same_loss": off["loss"] == on["loss"]})
+            print(f"{name:<7} {rank:>4} {r['degree']:>6} {off['saved'] / MiB:>10.2f} "
+                  f"{on['saved'] / MiB:>10.2f} {on['saved'] / off['saved']:>8.3f} "
+                  f"{off['hidden'] / MiB:>11.2f} {on['hidden'] / MiB:>10.2f} "
+                  f"{on['hidden'] / max(off['hidden'], 1):>8.3f} {1 / r['degree']:>6.3f} "
+                  f"{abs(on['loss'] - off['loss']) / abs(off['loss']):>9.1e}", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=4)
@@ -109,25 +167,41 @@ def main() -> None:
     ap.add_argument("--micro-batch-size", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=257)
     ap.add_argument("--json", default=None, help="also write the rows to this file")
+    ap.add_argument("--sections", default="1,2,3", help="which of the three tables to print, e.g. 3")
+    ap.add_argument("--sp-seq-len", type=int, default=250, help="sequence of table 3 (250 = 83+83+84)")
     args = ap.parse_args()
+    sections = {int(x) for x in args.sections.split(",")}
     torch.set_num_threads(2)
     cfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
                       num_heads=max(2, args.hidden // 64), ffn_hidden_size=4 * args.hidden,
                       max_seq_len=args.seq_len, tie_embeddings=True)
-    print(f"1. saved activations per micro-batch: {args.layers} layers, hidden {args.hidden}, "
-          f"seq {args.seq_len}, micro-batch {args.micro_batch_size}, vocab {args.vocab}, float32, TP 1")
-    print(f"{'arch':<6} {'SDPA':<8} {'recompute':<10} {'saved MiB':>10} {'none / this':>12} "
-          f"{'grads identical':>16}")
-    act = activation_table(cfg, args.micro_batch_size, args.seq_len)
+    act, opt_rows, sp_rows = [], [], []
+    if 3 in sections:
+        llama = dataclasses.replace(cfg, arch="llama", num_kv_heads=cfg.num_heads // 2,
+                                    max_seq_len=max(cfg.max_seq_len, args.sp_seq_len))
+        print(f"3. saved activations per rank per micro-batch, ntp.sequence_parallel off / on: Llama-style, "
+              f"{args.layers} layers, hidden {args.hidden}, seq {args.sp_seq_len}, micro-batch "
+              f"{args.micro_batch_size}, float32")
+        print(f"{'layout':<7} {'rank':>4} {'degree':>6} {'off MiB':>10} {'on MiB':>10} {'on/off':>8} "
+              f"{'hidden off':>11} {'hidden on':>10} {'on/off':>8} {'1/deg':>6} {'loss diff':>9}")
+        sp_rows = sp_table(llama, args.micro_batch_size, args.sp_seq_len)
+    if 1 in sections:
+        print(f"1. saved activations per micro-batch: {args.layers} layers, hidden {args.hidden}, "
+              f"seq {args.seq_len}, micro-batch {args.micro_batch_size}, vocab {args.vocab}, float32, TP 1")
+        print(f"{'arch':<6} {'SDPA':<8} {'recompute':<10} {'saved MiB':>10} {'none / this':>12} "
+              f"{'grads identical':>16}")
+        act = activation_table(cfg, args.micro_batch_size, args.seq_len)
     for r in act:
         print(f"{r['arch']:<6} {r['sdpa']:<8} {r['recompute']:<10} {r['saved_bytes'] / MiB:>10.2f} "
               f"{r['ratio_vs_none']:>12.2f} {r['grads_identical']!s:>16}", flush=True)
-    print(f"\n2. optimizer state per rank (AdamW moments), same model ({args.layers} layers, hidden "
-          f"{args.hidden}), float32")
-    print(f"{'layout':<14} {'rank':>4} {'params MiB':>10} {'plain MiB':>10} {'distributed MiB':>16} "
-          f"{'dist / plain':>12} {'1/holders':>10}")
-    opt_rows = []
+    if 2 in sections:
+        print(f"\n2. optimizer state per rank (AdamW moments), same model ({args.layers} layers, hidden "
+              f"{args.hidden}), float32")
+        print(f"{'layout':<14} {'rank':>4} {'params MiB':>10} {'plain MiB':>10} {'distributed MiB':>16} "
+              f"{'dist / plain':>12} {'1/holders':>10}")
     for name, replica_tp in (("DP2 x TP1", [1, 1]), ("DP4 x TP1", [1, 1, 1, 1]), ("replicas (2,1)", [2, 1])):
+        if 2 not in sections:
+            break
         res = run_workers(optimizer_worker, sum(replica_tp), cfg, replica_tp)
         for rank, r in enumerate(res):
             ratio = r["distributed"] / r["plain"]
@@ -137,7 +211,7 @@ def main() -> None:
                   f"{r['distributed'] / MiB:>16.2f} {ratio:>12.3f} {ideal:>10.3f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"activations": act, "optimizer": opt_rows}, f, indent=1)
+            json.dump({"activations": act, "optimizer": opt_rows, "sequence_parallel": sp_rows}, f, indent=1)
 
 
 if __name__ == "__main__":
