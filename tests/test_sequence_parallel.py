@@ -4,6 +4,7 @@ unsharded model (float64, gloo) with sequence lengths the degrees do not divide.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -178,3 +179,38 @@ def test_sequence_parallel_with_qat_exits_2_before_launch(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "ntp.sequence_parallel" in proc.stderr and "quant=none" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_planner_cost_model_counts_sp_activations_and_the_backward_regather():
+    from ntp_nemo.planner.cost import LAYER, item_cost
+    from ntp_nemo.planner.shapes import DeviceModel, LinkModel, ModelShape
+
+    shape = ModelShape(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                       ffn_hidden_size=14336, seq_len=8192)
+    dev, links = DeviceModel(), LinkModel()
+    off = item_cost(shape, LAYER, 7, 8192, 1, dev, links)
+    on = item_cost(shape, LAYER, 7, 8192, 1, dev, links, sequence_parallel=True)
+    state = off.params * dev.state_bytes_per_param
+    # Korthikanti et al. (bf16, flash attention): s*b*h*(10 + 24/t) bytes per layer, s*b*h*34/t with SP.
+    assert off.memory_bytes - state == pytest.approx(8192 * 4096 * (10 + 24 / 7) * dev.act_bytes / 2)
+    assert on.memory_bytes - state == pytest.approx(8192 * 4096 * 34 / 7 * dev.act_bytes / 2)
+    # Same bytes for the replaced all-reduces, plus two half all-reduces (the backward re-gathers).
+    assert on.comm_bytes == pytest.approx(off.comm_bytes * 5 / 4) and on.comm_s > off.comm_s
+    assert item_cost(shape, LAYER, 1, 8192, 1, dev, links, sequence_parallel=True) == item_cost(
+        shape, LAYER, 1, 8192, 1, dev, links)
+
+
+def test_ntp_plan_with_sequence_parallelism_fits_in_less_memory(capsys):
+    from ntp_nemo.cli.plan import run
+
+    base = ["model=llama3_8b", "hardware=h100", "mesh.tp=8", "mesh.pp=1", "ntp.replica_tp=[8,8,7]",
+            "recompute=false"]
+    peaks = {}
+    for sp in ("false", "true"):
+        assert run([*base, f"sequence_parallel={sp}", "format=json"]) == 0
+        peaks[sp] = max(json.loads(capsys.readouterr().out)["memory_gb"])
+    # The TP-7 replica's 32 layers keep 10/7 instead of 10 bytes per s*h of replicated activations:
+    # 32 * 8192 * 4096 * (10 - 10/7) bytes = 9.2e9 less (the parameters and optimizer state are the same).
+    assert peaks["false"] - peaks["true"] > 8.0
+    assert run([*base, "sequence_parallel=true"]) == 0
+    assert "ntp.sequence_parallel=true" in capsys.readouterr().out

@@ -265,7 +265,8 @@ def resolve_layer_tp(cfg: DictConfig) -> list[int]:
     if spec == "auto":
         from ntp_nemo.planner import plan_layout
 
-        plan = plan_layout(shape, tp, resolved_replica_tp(cfg), cfg.data.seq_len, cfg.data.micro_batch_size)
+        plan = plan_layout(shape, tp, resolved_replica_tp(cfg), cfg.data.seq_len, cfg.data.micro_batch_size,
+                           sequence_parallel=bool(cfg.ntp.get("sequence_parallel", False)))
         layer_tp = list(plan.layer_tp)
     else:
         layer_tp = parse_layer_tp(

@@ -189,17 +189,19 @@ def plan_layout(
     device: DeviceModel | None = None,
     recompute: bool = False,
     distributed_optimizer: bool = False,
+    sequence_parallel: bool = False,
 ) -> Plan:
     """Choose per-item degrees (layout.layer_tp) and batch shares minimising modelled step time.
 
     Keyword-only extras: `pp` pipeline stages (memory and period per stage), `device` compute
     speed and bytes per parameter (default: H100-class), `recompute` full activation recomputation,
     `distributed_optimizer` the fp32 master and Adam moments (12 of the per-parameter state bytes)
-    split over the replicas holding each fragment (`optim.distributed=true`).
+    split over the replicas holding each fragment (`optim.distributed=true`), `sequence_parallel`
+    the replicated regions' activations split over each item's degree (`ntp.sequence_parallel=true`).
     """
     return rank_layouts(
         model, tp, replica_tp, seq_len, micro_batch_size, links, memory_limit_gb, pp=pp, device=device,
-        recompute=recompute, distributed_optimizer=distributed_optimizer,
+        recompute=recompute, distributed_optimizer=distributed_optimizer, sequence_parallel=sequence_parallel,
     ).plans[0]
 
 
@@ -216,6 +218,7 @@ def rank_layouts(
     device: DeviceModel | None = None,
     recompute: bool = False,
     distributed_optimizer: bool = False,
+    sequence_parallel: bool = False,
 ) -> Ranking:
     """The planner's candidates, ranked: every layout with one degree for the embedding, one for all
     layers and one for the head (tied embeddings: one for both), and the coordinate descent's
@@ -235,7 +238,7 @@ def rank_layouts(
     def cost(kind: str, degree: int) -> ItemCost:
         if (kind, degree) not in cache:
             cache[(kind, degree)] = item_cost(
-                model, kind, degree, seq_len, micro_batch_size, device, links, recompute
+                model, kind, degree, seq_len, micro_batch_size, device, links, recompute, sequence_parallel
             )
         return cache[(kind, degree)]
 
@@ -259,7 +262,8 @@ def rank_layouts(
         mem=mem,
         stage_onehot=onehot,
         counts=np.array([replica_tp.count(n) for n in sizes], dtype=float),
-        send_s=2 * links.send_time(act_bytes) if pp > 1 else 0.0,
+        # Under SP a send carries a rank's slice (at the nominal degree; a degraded replica's is larger).
+        send_s=2 * links.send_time(act_bytes / (tp if sequence_parallel else 1)) if pp > 1 else 0.0,
     )
     limit = np.inf if memory_limit_gb is None else memory_limit_gb * GB
     highest = np.array([len(c) - 1 for c in cands])  # highest degrees: the least memory any layout uses
