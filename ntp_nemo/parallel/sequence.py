@@ -17,6 +17,8 @@ at degree 7 (0.06%), none where the degree divides.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -156,7 +158,7 @@ class SequenceParallelPlan:
     """A TP plan (`context(slot) -> TPContext`) whose sharded contexts split the sequence; SP holds no
     state, so wrapping the plan of any layout (after a reshard too) is all it takes."""
 
-    def __init__(self, plan) -> None:
+    def __init__(self, plan: Any) -> None:
         self.plan = plan
 
     def context(self, slot: int) -> TPContext:
@@ -192,7 +194,8 @@ class _GatherProject(torch.autograd.Function):
         return (grad_x, None, None, *out)
 
 
-def gather_and_project(x: torch.Tensor, tp: TPContext, seq_len: int, layers) -> list[torch.Tensor]:
+def gather_and_project(x: torch.Tensor, tp: TPContext, seq_len: int,
+                       layers: Sequence[torch.nn.Module]) -> list[torch.Tensor]:
     """Column-parallel projections (`layers`: modules with a `weight`, an optional `bias`, and no region
     entry of their own) of one input entering the TP region.  Under SP: one all-gather forward, one
     all-gather and one reduce-scatter backward, only the slice saved; without SP the usual region entry
