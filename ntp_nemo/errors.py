@@ -21,6 +21,19 @@ class ConfigError(ValueError):
         super().__init__(f"{key}: {message}")
 
 
+def require_extra(module: str, extra: str, key: str, purpose: str, instead: str) -> Any:
+    """Import `module`, which only some commands need and the `extra` of the package installs; when it is
+    missing, a ConfigError naming `key`, the extra to install and what to do `instead`."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise ConfigError(key, f"{purpose} needs `{module}`, which is not installed (the default install "
+                               f"leaves it out). Install it with `pip install 'ntp_nemo[{extra}]'`, or "
+                               f"{instead}.") from err
+
+
 EXIT_OK = 0
 EXIT_RUNTIME = 1
 EXIT_CONFIG = 2

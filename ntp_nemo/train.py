@@ -98,11 +98,22 @@ def train(cfg: DictConfig) -> dict:
 
     validate_fault_config(cfg)  # the `fault` group too (no torch, no Lightning)
     check_environment(cfg)
+    from ntp_nemo.parallel.cluster import slurm_batch_without_srun
+
+    if slurm_batch_without_srun():
+        say(f"note: a SLURM batch script without srun (SLURM_NTASKS={os.environ['SLURM_NTASKS']} is the "
+            "allocation's, not a launch): ntp-train launches the layout's ranks on this node", flush=True)
     checks.check_batch_split(cfg)
     checks.warn_no_ops(cfg)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     checks.check_outputs(cfg, run_dir)
     ckpt_path = resolve_resume(cfg, run_dir)
+    if ckpt_path is None and str(cfg.resume) == "auto":
+        from ntp_nemo.config.run_dir import nothing_saved_note
+
+        note = nothing_saved_note(run_dir, run_dir / str(cfg.checkpoint.dir))
+        if note:
+            say(note, flush=True)
     if ckpt_path is not None:
         checks.check_resume_model(cfg, ckpt_path)
     from ntp_nemo.resilience.supervisor import Supervisor  # imports Lightning
@@ -112,7 +123,9 @@ def train(cfg: DictConfig) -> dict:
     if launcher_rank() == 0:
         from ntp_nemo.config.run_dir import save_record
 
-        save_record(cfg, run_dir)  # only now: a command that fails validation keeps the old record
+        note = save_record(cfg, run_dir)  # only now: a command that fails validation keeps the old record
+        if note:
+            say(note, flush=True)
     if cfg.model.get("init_from"):
         say(f"model weights: initialised from {cfg.model.init_from} (model.init_from)", flush=True)
     _quiet_libraries()
@@ -128,6 +141,7 @@ def train(cfg: DictConfig) -> dict:
         int(cfg.model.vocab_size),
         blend=cfg.data.blend,
         val_path=cfg.data.val_path,
+        eos_token=cfg.data.get("eos_token"),
     )
     if cfg.quant.format != "none":
         from ntp_nemo.quant.modules import register_tp_layers
@@ -141,7 +155,8 @@ def train(cfg: DictConfig) -> dict:
         cfg,
         run_dir,
         lambda c, extra, devices: build_trainer(
-            c, run_dir, data, layout if c is cfg else resolve_layout(c), extra, devices
+            c, run_dir, data, layout if c is cfg else resolve_layout(c), extra, devices,
+            job_started=launcher_rank() == 0,  # recorded below, before supervisor.run
         ),
     )
     trainer, module, strategy = supervisor.build_first()
@@ -173,7 +188,7 @@ def train(cfg: DictConfig) -> dict:
         )
         return {"already_complete": True, "checkpoint": str(ckpt_path)}
     if ckpt_path is not None:
-        say(f"resuming from {ckpt_path} (resume={cfg.resume})", flush=True)
+        say(f"resuming from {ckpt_path} (step {done_step}; resume={cfg.resume})", flush=True)
     if launcher_rank() == 0:
         GoodputRecorder(run_dir).record("job_start", layout=topo.describe())
     t0 = time.time()
@@ -207,7 +222,7 @@ def train(cfg: DictConfig) -> dict:
         summary["failover"] = {**attempts, "failures": max(result.failures, len(recoveries)),
                                "layouts": summary.get("layouts") or attempts["layouts"],
                                "recoveries": recoveries}
-    print_summary(summary, run_dir)
+    print_summary(summary, run_dir, logger_dirs(cfg))
     return summary
 
 
@@ -286,7 +301,14 @@ def _percent(x: float | None) -> float | None:
     return None if x is None else 100 * x
 
 
-def print_summary(summary: dict, run_dir: Path) -> None:
+def logger_dirs(cfg: DictConfig) -> list[str]:
+    """The run-directory folders the configured loggers write (`logs/` for CSV, `tb/` for TensorBoard)."""
+    return [f"{lg.name}/" for lg in (cfg.get("logger") or {}).values() if lg is not None and lg.get("name")]
+
+
+def print_summary(summary: dict, run_dir: Path, log_dirs: list[str] | None = None) -> None:
+    outputs = ", ".join(["metrics.jsonl", "goodput.jsonl", "checkpoints/", *(log_dirs or [])])
+
     def fmt(v, spec=".4f"):
         return "n/a" if v is None else format(v, spec)
 
@@ -308,7 +330,7 @@ def print_summary(summary: dict, run_dir: Path) -> None:
         *(
             [
                 f" failover      {summary['failover']['failures']} failure(s)"
-                + "".join(f"; recovered {r['mode']} in {r['recovery_s']:.1f} s"
+                + "".join(f"; recovered {r['mode']} in {r['recovery_s']:.2f} s"
                           for r in summary["failover"].get("recoveries", []))
                 + "; layouts " + " -> ".join(summary["failover"]["layouts"])
             ]
@@ -325,7 +347,7 @@ def print_summary(summary: dict, run_dir: Path) -> None:
             if summary.get("stopped_early")
             else []
         ),
-        f" outputs       {run_dir} (metrics.jsonl, goodput.jsonl, checkpoints/, logs/)",
+        f" outputs       {run_dir} ({outputs})",
         "──────────────────────────────────────────────────────",
     ]
     say("\n".join(lines), flush=True)
@@ -377,16 +399,45 @@ def _drop_empty_run_dir() -> None:
         remove_if_empty(Path(HydraConfig.get().runtime.output_dir))
 
 
+def _interrupted(signum, frame) -> None:  # noqa: ANN001 - signal handler signature
+    """Ctrl-C in this process while no worker trains (imports, composition, data, checks, the summary):
+    nothing to save, so stop at once. Exiting from the handler (rather than raising KeyboardInterrupt
+    inside Hydra's or OmegaConf's code, which turns it into a bogus config error) keeps it clean."""
+    print("interrupted (Ctrl-C) while no training step runs: nothing to save; stopped", file=sys.stderr,
+          flush=True)
+    try:
+        _drop_empty_run_dir()
+    except Exception:  # noqa: BLE001 - no Hydra job yet: no run directory to tidy
+        pass
+    os._exit(0)
+
+
 def main() -> None:
+    import signal
+
+    # The launcher replaces this handler while workers run (they checkpoint); forked workers hold the
+    # signal until training starts (`hold_stop_signals`).
+    signal.signal(signal.SIGINT, _interrupted)
+    try:
+        _main()
+    except KeyboardInterrupt:  # a Ctrl-C that reached Python code before the handler above
+        print("interrupted (Ctrl-C) before training started: nothing to save; stopped", file=sys.stderr,
+              flush=True)
+        sys.exit(0)
+
+
+def _main() -> None:
     if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
         from ntp_nemo.config.help import help_text
 
         print(help_text())
         return
     from ntp_nemo.config.keys import check_override_keys
+    from ntp_nemo.config.run_dir import check_run_dir_overrides
 
     try:
         check_override_keys(sys.argv[1:])  # a misspelt or `+`-added typed key: "did you mean"
+        check_run_dir_overrides(sys.argv[1:])  # e.g. a read-only place: said here, not in Hydra's traceback
     except ConfigError as err:
         report_config_error(err)
         sys.exit(EXIT_CONFIG)

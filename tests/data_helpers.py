@@ -52,3 +52,21 @@ def run_preprocess(*args: str, cwd: Path, timeout: int = 120) -> subprocess.Comp
     env.setdefault("NTP_NEMO_CACHE", str(cwd / "cache"))
     return subprocess.run([sys.executable, "-m", "ntp_nemo.data.preprocess", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def make_unigram_json(directory: Path, prepend_scheme: str = "always",
+                      special: tuple[str, ...] = ("<unk>", "</s>", "<eod>")) -> Path:
+    """A SentencePiece-style tokenizer (Unigram model, Metaspace pre-tokenizer, no normalizer) trained
+    on the corpus, saved as `directory/tokenizer.json`; its end of document is `</s>`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.Unigram())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=prepend_scheme)
+    tok.decoder = decoders.Metaspace(prepend_scheme=prepend_scheme)
+    trainer = trainers.UnigramTrainer(vocab_size=300, special_tokens=list(special), unk_token="<unk>",
+                                      show_progress=False)
+    tok.train_from_iterator(corpus_documents(60_000), trainer)
+    path = directory / "tokenizer.json"
+    tok.save(str(path))
+    return path

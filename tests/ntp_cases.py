@@ -68,9 +68,10 @@ def step_against_reference(rt: NTPRuntime, model, cfg: ModelConfig, seq: int = S
 
 def exactness_worker(
     rank: int, world: int, cfg: ModelConfig, tp: int, replica_tp: list[int], layer_tp: list[int],
-    seq: int = SEQ, sequence_parallel: bool = False,
+    shard_align: int = 1, seq: int = SEQ, sequence_parallel: bool = False,
 ) -> dict:
-    rt = NTPRuntime(Topology(tp, replica_tp, layer_tp), rank, sequence_parallel=sequence_parallel)
+    rt = NTPRuntime(Topology(tp, replica_tp, layer_tp, shard_align=shard_align), rank,
+                    sequence_parallel=sequence_parallel)
     model = rt.build_model(cfg, SEED, dtype=torch.float64)
     rt.attach(model)
     mine, worst = step_against_reference(rt, model, cfg, seq)

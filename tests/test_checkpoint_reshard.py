@@ -93,10 +93,12 @@ def _one_process(fn, *args):
 
 
 def _run(layout, fn, *args):
-    """Layouts tagged "nodist" run as one plain process; the others as gloo workers."""
+    """Layouts tagged "nodist" run as one plain process; the others as gloo workers (a number as tag:
+    their `shard_align`)."""
     if layout[3:] == ("nodist",):
         return _one_process(fn, layout[:3], *args)
-    return run_workers(fn, sum(layout[1]), layout[:3], *args)
+    align = layout[3] if len(layout) > 3 else 1
+    return run_workers(fn, sum(layout[1]), (*layout[:3], 1, None, align), *args)
 
 
 def _logical(saved: list[dict]) -> dict[str, list[torch.Tensor]]:
@@ -132,6 +134,9 @@ PAIRS = {
     "dp2-to-dp3": (GPT, torch.float32, (1, [1, 1], [1] * 4), (1, [1, 1, 1], [1] * 4)),
     "one-process-to-2.1": (LLAMA, torch.float32, (1, [1], [1] * 4, "nodist"), (2, [2, 1], [2] * 4)),
     "2.1-to-one-process": (GPT, torch.float64, (2, [2, 1], [2] * 4), (1, [1], [1] * 4, "nodist")),
+    # ntp.shard_align: saved on aligned shards, loaded on another alignment and layout, and back.
+    "3-aligned-8-to-2.1": (GPT, torch.float64, (3, [3], [3] * 4, 8), (2, [2, 1], [2] * 4)),
+    "2.1-to-3-aligned-16": (LLAMA, torch.float32, (2, [2, 1], [2] * 4), (3, [3], [3] * 4, 16)),
 }
 
 

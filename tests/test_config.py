@@ -39,6 +39,12 @@ def test_every_recipe_composes_and_validates(recipe):
             assert err.value.key == "trainer.accelerator"
 
 
+def test_qat_recipe_trains_at_the_default_recipes_learning_rate():
+    """gpt_tiny's lr (1e-3): the optim group's 3e-3 spikes the full-precision phase of gpt_tiny_qat."""
+    default, qat = compose(["recipe=gpt_tiny"]), compose(["recipe=gpt_tiny_qat"])
+    assert qat.optim.lr == default.optim.lr == 1e-3 != compose(["recipe=llama_tiny"]).optim.lr
+
+
 def test_recipe_selects_its_model_and_overrides_apply():
     cfg = compose(["recipe=llama_tiny", "model.num_layers=3", "mesh.tp=1", "ntp.replica_tp=[1,1]"])
     assert cfg.model.arch == "llama" and cfg.model.num_kv_heads == 2

@@ -44,7 +44,7 @@ def test_lower_packages_import_nothing_from_config_lightning_or_resilience(tmp_p
     # The scan sees imports inside functions too: a planted upward import is reported.
     planted = tmp_path / "ntp_nemo" / "parallel"
     planted.mkdir(parents=True)
-    (planted / "bad.py").write_text("def f():\n    from ntp_nemo.models.config import ModelConfig\n")
+    (planted / "bad.py").write_text("def f():\n    from ntp_nemo.config.schema import ModelConfig\n")
     assert [(2, "ntp_nemo.config.schema")] == _imports(planted / "bad.py")
 
 

@@ -102,7 +102,10 @@ def save_dcp(directory: Path, chunks: list[Chunk], group=None, thread_count: int
 
 
 def load_dcp(directory: Path, targets: list[Chunk], group=None, thread_count: int = 1) -> None:
-    """Collective over `group`: fill each target tensor (in place) with its box of the stored tensor."""
+    """Collective over `group`: fill each target tensor (in place) with its box of the stored tensor.
+
+    For directories this process's job wrote (the benchmark): DCP unpickles `.metadata` without
+    `weights_only`, so a DCP directory from elsewhere is trusted code; ntp_nemo never resumes from one."""
     reader = dcp.FileSystemReader(str(directory))
     dcp.load({}, storage_reader=reader, planner=_SliceLoadPlanner(targets), process_group=group,
              no_dist=not _distributed(group))

@@ -25,6 +25,8 @@ import copy
 import io
 import json
 import os
+import pickle
+import re
 import shutil
 import threading
 import warnings
@@ -226,6 +228,8 @@ def take_snapshot(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
                 else:
                     view = staging.stage(f"{key}#{i}", view)
             chunks.append(Chunk(key, piece.global_shape, piece.offsets, view))
+    if hasattr(optimizer, "gather_state"):
+        optimizer.state.clear()  # the chunks hold the gathered state; the optimizer keeps only its shards
     if staging is not None and any(c.tensor.is_pinned() for c in chunks):
         torch.cuda.current_stream().synchronize()  # the non-blocking copies have landed
     tensors = {k: (tuple(v.spec.global_shape), v.tensor.dtype) for k, v in state.items()}
@@ -253,6 +257,24 @@ def _check_extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:
         raise TypeError(f"checkpoint `extra` must hold only plain containers, numbers, strings and tensors "
                         f"(it is loaded with weights_only=True): {err}") from err
     return extra
+
+
+def pickled_object_problem(err: pickle.UnpicklingError) -> str:
+    """Why a `META_FILE` refused by `torch.load(weights_only=True)` is not loaded (names what it held)."""
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(err))
+    what = f" ({found.group(1)})" if found else ""
+    return (f"{META_FILE} carries a pickled object{what} besides plain data; it is never loaded, since "
+            "unpickling it could run code of the file's choosing, and ntp_nemo writes only containers, "
+            "numbers, strings and tensors there (was the file replaced?)")
+
+
+def read_meta(path: str | os.PathLike, key: str = "resume") -> dict[str, Any]:
+    """A checkpoint's `META_FILE`, loaded with `weights_only=True`; one carrying a pickled object is a
+    `ConfigError(key, ...)`."""
+    try:
+        return torch.load(Path(path) / META_FILE, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise invalid_checkpoint_error(path, pickled_object_problem(err), key) from None
 
 
 def _save_torch(obj: Any, path: Path) -> None:
@@ -365,7 +387,11 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         head = (problem, None, None)
         if problem is None:
             with open(path / INDEX_FILE) as f:
-                head = (None, json.load(f), torch.load(path / META_FILE, weights_only=True))
+                doc = json.load(f)
+            try:
+                head = (None, doc, torch.load(path / META_FILE, weights_only=True))
+            except pickle.UnpicklingError as err:
+                head = (pickled_object_problem(err), None, None)
     problem, doc, meta = _broadcast(head, group)
     if problem is not None and problem.startswith("file "):  # a committed checkpoint with a bad file
         raise CorruptCheckpointError(key, path, problem)

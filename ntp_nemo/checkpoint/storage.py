@@ -134,7 +134,7 @@ def _write_all(fd: int, mv: memoryview) -> None:
 
 def _write_file(path: Path, chunks: Sequence[Chunk], sync: bool) -> list[Record]:
     records = []
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # the umask decides, as for open()
     try:
         pos = 0
         for c in chunks:

@@ -38,4 +38,5 @@ def resolve_layout(cfg: DictConfig, layer_tp: Sequence[int] | None = None) -> Re
         nominal_replicas=cfg.ntp.nominal_replicas,
         num_microbatches=int(cfg.data.global_batch_size) // int(cfg.data.micro_batch_size),
         sequence_parallel=bool(cfg.ntp.get("sequence_parallel", False)),
+        shard_align=int(cfg.ntp.get("shard_align", 1)),
     )

@@ -60,12 +60,46 @@ def require_writable(path: Path, key: str) -> None:
         )
 
 
-def save_record(cfg: DictConfig, run_dir: Path) -> None:
-    """Write `.hydra/{config,hydra,overrides}.yaml` as Hydra does (called once the config is valid)."""
+def check_run_dir_overrides(argv: list[str]) -> None:
+    """Create the directory `hydra.run.dir=` / `hydra.sweep.dir=` names (as Hydra would next) so that one
+    that cannot be created is a clear error instead of Hydra's traceback."""
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if key not in ("hydra.run.dir", "hydra.sweep.dir") or not sep or not value or "${" in value:
+            continue
+        path = Path(value.strip("'\"")).expanduser()
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ConfigError(key, f"{value!r} cannot be created ({err.strerror or err}). Name a directory "
+                                   "you can write, e.g. hydra.run.dir=runs/my_run.") from None
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ConfigError(key, f"{value!r} is not writable. Name a directory you can write, e.g. "
+                                   "hydra.run.dir=runs/my_run.")
+
+
+def save_record(cfg: DictConfig, run_dir: Path) -> str | None:
+    """Write `.hydra/{config,hydra,overrides}.yaml` as Hydra does (called once the config is valid).
+
+    A record of another config already there (the run directory continued with other settings, e.g.
+    a new layout) is kept as `.hydra/previous/N/`; returns a sentence saying so, else None."""
     from hydra.core.hydra_config import HydraConfig
 
     out = Path(run_dir) / RECORD_DIR
     out.mkdir(parents=True, exist_ok=True)
+    note = None
+    old = out / "config.yaml"
+    if old.is_file() and old.read_text() != OmegaConf.to_yaml(cfg):
+        n = 1
+        while (out / "previous" / str(n)).exists():
+            n += 1
+        keep = out / "previous" / str(n)
+        keep.mkdir(parents=True)
+        for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
+            if (out / name).is_file():
+                shutil.copy2(out / name, keep / name)
+        note = (f"this run directory was started with another config; its record is kept in "
+                f"{keep.relative_to(run_dir)}/ and .hydra/config.yaml now holds this command's")
     hydra_cfg = HydraConfig.get()
     files = {
         "config.yaml": cfg,
@@ -76,6 +110,7 @@ def save_record(cfg: DictConfig, run_dir: Path) -> None:
         tmp = out / f".{name}.tmp"
         tmp.write_text(OmegaConf.to_yaml(node))
         os.replace(tmp, out / name)
+    return note
 
 
 def remove_if_empty(run_dir: Path) -> bool:
@@ -176,3 +211,38 @@ def log_path(run_dir: Path) -> Path:
         if isinstance(handler, logging.FileHandler):
             return Path(handler.baseFilename)
     return Path(run_dir) / "train.log"
+
+
+def nothing_saved_note(run_dir: Path, ckpt_dir: Path) -> str | None:
+    """What `resume=auto` says when it finds no checkpoint in a directory where a run already trained:
+    that it starts from step 1, how far the previous run got and why it left nothing to resume from.
+    None for a fresh directory."""
+    import json
+
+    steps = 0
+    try:
+        with (run_dir / "metrics.jsonl").open() as f:
+            for line in f:
+                try:
+                    steps = max(steps, int(json.loads(line).get("step", 0)))
+                except (ValueError, AttributeError):
+                    continue
+    except OSError:
+        return None
+    if steps == 0:
+        return None
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        summary = None
+    if summary is None:
+        why = ("it ended without a summary, stopped abruptly (its launching process or the machine was "
+               "killed) before any checkpoint")
+    elif summary.get("stopped_early") == "launcher lost":
+        why = "its launching process was killed; the workers stopped without a checkpoint"
+    elif summary.get("stopped_early"):
+        why = f"it stopped early ({summary['stopped_early']}) with checkpointing off"
+    else:
+        why = "it wrote no checkpoint (checkpoint.every_n_steps and checkpoint.save_on_end)"
+    return (f"no checkpoint in {ckpt_dir}: starting from step 1. The previous run in this directory reached "
+            f"step {steps} and saved none: {why}.")

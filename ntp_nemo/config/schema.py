@@ -36,6 +36,8 @@ class NTPConfig:
     # Sequence parallelism: the TP-replicated regions (norms, dropout, residual adds) hold each TP rank's
     # slice of the sequence (uneven by one token where the degree does not divide data.seq_len).
     sequence_parallel: bool = False
+    # Elements per block of MLP-column and vocabulary-row splits: shard boundaries on its multiples.
+    shard_align: int = 1
 
 
 @dataclass
@@ -51,6 +53,7 @@ class DataConfig:
     path: str | None = None  # None = embedded corpus; text file/dir or pre-tokenised .bin
     # byte | bpe | tokenizer.json | HF dir; None = init_from's tokenizer.json, else the token file's own
     tokenizer: str | None = None
+    eos_token: str | None = None  # a token of the tokenizer ending each document; None = the tokenizer's own
     blend: Any = None  # [[weight, path], ...] instead of path
     val_path: str | None = None  # held-out token file (instead of data.val_fraction of the documents)
     vocab_multiple: int = 1  # model vocabulary = tokenizer's rounded up to a multiple of this

@@ -18,9 +18,11 @@ from ntp_nemo.errors import ConfigError
 MIN_CORPUS_BYTES = 64 * 1024
 
 
-def default_corpus_tokens(tokenizer_name: str = "byte", max_bytes: int = DEFAULT_MAX_BYTES) -> Path:
+def default_corpus_tokens(
+    tokenizer_name: str = "byte", max_bytes: int = DEFAULT_MAX_BYTES, eos_token: str | None = None
+) -> Path:
     """Path of the built-in corpus' token file for a tokenizer spec, building it on first use."""
-    tokenizer = build_tokenizer(tokenizer_name)
+    tokenizer = build_tokenizer(tokenizer_name, eos_token=eos_token)
     identity = corpus_identity(max_bytes)
     key = fingerprint({"corpus": identity, "tokenizer": tokenizer.identity, "v": 2})
     out = cache_dir("corpus") / f"stdlib-py{identity['python']}-{tokenizer.name}-{key}.bin"

@@ -58,7 +58,12 @@ def is_token_file(path: str | os.PathLike | None) -> bool:
         Path(path).expanduser()).is_file()
 
 
-def resolve_token_file(path: str | os.PathLike | None, tokenizer: str | None, key: str = "data.path") -> Path:
+def resolve_token_file(
+    path: str | os.PathLike | None,
+    tokenizer: str | None,
+    key: str = "data.path",
+    eos_token: str | None = None,
+) -> Path:
     """The token file behind `data.path` (building and caching it for text input).
 
     A token file keeps whatever tokenizer its sidecar records; `tokenizer` must name one this
@@ -66,7 +71,7 @@ def resolve_token_file(path: str | os.PathLike | None, tokenizer: str | None, ke
     """
     spec = tokenizer or "byte"
     if path is None or str(path).strip() == "":
-        return default_corpus_tokens(spec)
+        return default_corpus_tokens(spec, eos_token=eos_token)
     p = Path(path).expanduser()
     if is_token_file(p):
         return p
@@ -80,15 +85,26 @@ def resolve_token_file(path: str | os.PathLike | None, tokenizer: str | None, ke
     if not p.exists():
         raise ConfigError(key, f"{str(path)!r} does not exist. Point {key} at a token file written by "
                                "ntp-preprocess, a text/.jsonl file or a directory of them.")
-    return cached_text_tokens(p, spec)
+    return cached_text_tokens(p, spec, eos_token)
 
 
 def check_tokenizer(tf: TokenFile, want: dict | None, key: str = "data.tokenizer") -> None:
-    """Raise unless token file `tf` was written with the tokenizer `want` (by hash when both know it)."""
+    """Raise unless token file `tf` was written with the tokenizer `want` (by hash when both know it)
+    and the same end-of-document id (when both record one)."""
     if want is None:
         return
     same = (tf.tokenizer_hash == want["hash"]) if (tf.tokenizer_hash and want.get("hash")) else (
         tf.tokenizer == want["name"])
+    file_eos = (tf.meta or {}).get("eos_id")
+    want_eos = want.get("eos_id")
+    if same and file_eos is not None and want_eos is not None and int(file_eos) != int(want_eos):
+        raise ConfigError(
+            "data.eos_token",
+            f"the token file {str(tf.path)!r} ends its documents with id {file_eos}, but the run's tokenizer "
+            f"{want['name']!r} ends them with id {want['eos_id']} (data.eos_token, or the tokenizer's own). "
+            "Set data.eos_token to the token the file was written with (ntp-preprocess --eos-token), or "
+            "re-tokenize the text with the end-of-document token you want.",
+        )
     if not same:
         spec = (tf.meta or {}).get("tokenizer_identity", {}).get("source") or tf.tokenizer
         raise ConfigError(
@@ -150,22 +166,28 @@ def build_data(
     *,
     blend: Sequence | None = None,
     val_path: str | None = None,
+    eos_token: str | None = None,
 ) -> DataBundle:
     """Build the train/validation datasets and the global sampler from the `data.*` config."""
     if seq_len < 1:
         raise ConfigError("data.seq_len", f"must be >= 1, got {seq_len}. Use e.g. data.seq_len=128.")
-    want = tokenizer_identity(tokenizer)
+    want = tokenizer_identity(tokenizer, eos_token)
     entries = _blend_entries(blend) if blend else [(1.0, path)]
     if blend and path not in (None, ""):
         raise ConfigError("data.blend", f"is set together with data.path={path!r}; use one of them "
                                         "(a blend names all its files).")
     key = "data.blend" if blend else "data.path"
-    files = [open_token_file(resolve_token_file(p, tokenizer, key)) for _, p in entries]
+    files = [open_token_file(resolve_token_file(p, tokenizer, key, eos_token)) for _, p in entries]
     if val_path not in (None, ""):
-        val_tf = open_token_file(resolve_token_file(val_path, tokenizer, "data.val_path"))
+        val_tf = open_token_file(resolve_token_file(val_path, tokenizer, "data.val_path", eos_token))
     else:
         val_tf = None
     every = files + ([val_tf] if val_tf is not None else [])
+    if want is None and eos_token:
+        raise ConfigError("data.eos_token", f"is {eos_token!r}, but data.tokenizer is not set, so there is "
+                                            "no tokenizer to look the token up in. Set data.tokenizer to the "
+                                            "tokenizer the token file was written with, or leave "
+                                            "data.eos_token out to keep the file's own.")
     if want is None:  # the files' own tokenizer: they must agree with each other
         first = files[0]
         want = {"name": first.tokenizer, "hash": first.tokenizer_hash,

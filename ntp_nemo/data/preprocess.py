@@ -4,7 +4,11 @@
 
 Inputs: files, directories and glob patterns; `.txt` (and any other text file: one document per
 file), `.jsonl` / `.jsonl.gz` / `.jsonl.zst` (one document per line, its `--field`, default `text`)
-and `.parquet` (one per row). Each document is followed by the tokenizer's end-of-document id.
+and `.parquet` (one per row). Each document is followed by the tokenizer's end-of-document id (or
+the one `--eos-token` names, which then is part of the token file's tokenizer identity). Documents
+whose bytes were replaced (not UTF-8, under a tokenizer.json), empty documents and a tokenizer that
+makes implausibly few tokens per byte are counted, reported and recorded in the sidecar's
+`quality`; `--strict` makes any of them an error (exit 2, nothing written).
 Writes `OUT` (uint16 or uint32 ids), `OUT.idx` (document index) and `OUT.json` (the sidecar: the
 tokenizer's identity and hash, counts, the inputs), each under a temporary name renamed into place,
 the sidecar last: an interrupted run leaves nothing that loads. Running again on the same inputs
@@ -34,6 +38,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default="byte",
                    help="byte, bpe, a Hugging Face tokenizer.json or a model directory holding one "
                         "(default: byte)")
+    p.add_argument("--eos-token", default=None, metavar="TOKEN",
+                   help="token ending each document, e.g. '</s>' (default: the tokenizer's own)")
+    p.add_argument("--strict", action="store_true",
+                   help="exit 2 (writing nothing) on replaced bytes, empty documents or implausibly "
+                        "few tokens")
     p.add_argument("--field", default="text", help="JSON / Parquet field holding the text (default: text)")
     p.add_argument("--workers", type=int, default=1, help="tokenizing processes (default: 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (the summary line stays)")
@@ -50,7 +59,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out).expanduser().absolute()
     if out.is_dir():
         raise ConfigError("--out", f"{args.out!r} is a directory; name a file, e.g. {out / 'tokens.bin'}.")
-    build_tokenizer(args.tokenizer, key="--tokenizer")  # a bad tokenizer answers before reading anything
+    # A bad tokenizer or end-of-document token answers before reading anything.
+    tok = build_tokenizer(args.tokenizer, key="--tokenizer", eos_token=args.eos_token)
     files, skipped = collect_inputs(args.inputs, key="INPUT")
     if not files or all(f.size == 0 for f in files):
         raise ConfigError("INPUT", f"the inputs {' '.join(args.inputs)!r} hold no data: "
@@ -59,11 +69,16 @@ def run(argv: Sequence[str] | None = None) -> int:
                                    "Give non-empty text, .jsonl(.gz/.zst) or .parquet files.")
     try:
         s = tokenize_to_file(files, args.tokenizer, out, args.field, args.workers,
-                             progress=not args.no_progress and sys.stderr.isatty())
+                             progress=not args.no_progress and sys.stderr.isatty(),
+                             eos_token=args.eos_token, strict=args.strict)
     except InputError as err:
         raise err.config_error() from err
     meta = read_sidecar(out) or {}
     names = f"{out} (+ {index_path(out).name}, {sidecar_path(out).name})"
+    problems = s.quality.problems(tok.name) if s.quality is not None else []
+    for problem in problems:
+        print(f"warning: {problem} (recorded in {sidecar_path(out).name}; --strict refuses this)",
+              file=sys.stderr)
     if s.up_to_date:
         print(f"up to date: {names} already holds {s.num_tokens} tokens in {s.num_documents} documents from "
               f"these {s.num_files} files with this tokenizer; nothing to do")

@@ -1,6 +1,7 @@
 """Reading documents from user files: plain text, JSON lines (plain, gzip, zstd) and Parquet.
 
-- a text file is one document (read in pieces ending at a line break, as bytes);
+- a text file is one document, as bytes: in pieces of about `CHUNK_BYTES` cut where the tokenizer
+  encodes the pieces exactly like the whole (`text_pieces`), or whole when it has no such place;
 - each line of a `.jsonl`, `.jsonl.gz` or `.jsonl.zst` file is a JSON object whose `field` is a
   document; each row of a `.parquet` file is one (its `field` column).
 
@@ -25,6 +26,9 @@ from pathlib import Path
 from ntp_nemo.errors import ConfigError
 
 CHUNK_BYTES = 1 << 22  # pieces of a text file
+# A text file a tokenizer cannot take in pieces is encoded whole; the `tokenizers` library holds about
+# 200 bytes per input byte while doing so, so larger ones are refused (split them into documents).
+MAX_WHOLE_TEXT_BYTES = 16 << 20
 UNIT_BYTES = 8 << 20  # byte ranges of a plain .jsonl file
 _SNIFF_BYTES = 8192
 _KINDS = ((".jsonl.gz", "jsonl.gz"), (".jsonl.zst", "jsonl.zst"), (".jsonl.zstd", "jsonl.zst"),
@@ -163,29 +167,53 @@ def _parquet_row_groups(f: InputFile) -> int:
 _SPACE = frozenset(b" \t\r\n\x0b\x0c")
 
 
-def _cut(data: bytes) -> int:
-    """Where to end a piece of a long text: just after a line break with a non-space on both sides
-    (splitting there gives the same pre-tokens as the whole text for GPT-2-style tokenizers); 0: none."""
-    pos = data.rfind(b"\n", 0, len(data) - 1)
+def _cut(data: bytes, cut: str) -> int:
+    """Where to end a piece of a long text, 0: nowhere. "line": just after a line break with a
+    non-space on both sides; "space": just before a single space with a non-space on both sides (see
+    `tokenizer.text_cut_of` for why each is exact)."""
+    sep, after = (b"\n", 1) if cut == "line" else (b" ", 0)
+    pos = data.rfind(sep, 1, len(data) - 1)
     while pos > 0 and (data[pos - 1] in _SPACE or data[pos + 1] in _SPACE):
-        pos = data.rfind(b"\n", 0, pos)
-    return pos + 1 if pos > 0 else 0
+        pos = data.rfind(sep, 1, pos)
+    return pos + after if pos > 0 else 0
 
 
-def _text_pieces(path: Path, chunk: int = CHUNK_BYTES) -> Iterator[bytes]:
-    """A file's bytes in pieces of about `chunk` bytes (one piece when it is smaller)."""
+def text_pieces(path: Path, cut: str | None, chunk: int | None = None) -> Iterator[bytes]:
+    """A file's bytes in pieces of about `chunk` bytes cut the `cut` way (whole when None or when the
+    file is smaller); the pieces concatenate to the file."""
+    chunk = chunk or CHUNK_BYTES
     with open(path, "rb") as fh:
+        if cut is None:
+            yield fh.read()
+            return
         data = fh.read(chunk)
         while data:
             more = fh.read(chunk)
             if not more:
                 yield data
                 return
-            cut = _cut(data)
-            if cut:
-                yield data[:cut]
-                data = data[cut:]
+            at = _cut(data, cut)
+            if at:
+                yield data[:at]
+                data = data[at:]
             data += more
+
+
+def check_whole_texts(files: Sequence[InputFile], cut: str | None, tokenizer: str, key: str) -> None:
+    """Refuse, before tokenizing, a text file that would have to be encoded whole and is too large."""
+    if cut is not None:
+        return
+    big = [f for f in files if f.kind == "text" and f.size > MAX_WHOLE_TEXT_BYTES]
+    if big:
+        f = big[0]
+        gib = f.size * 200 / 2**30
+        raise ConfigError(key, f"{str(f.path)!r} is one document of {f.size / 2**20:.1f} MiB, and the "
+                               f"tokenizer {tokenizer!r} cannot encode it in pieces exactly (it has a "
+                               "normalizer, or a pre-tokenizer other than GPT-2 byte-level or Metaspace), "
+                               f"so it would be encoded whole, which needs about {gib:.1f} GiB of memory; "
+                               f"the limit is {MAX_WHOLE_TEXT_BYTES >> 20} MiB. Split it into several "
+                               "documents (files, or a .jsonl file with one document per line), or use a "
+                               "tokenizer that can be cut.")
 
 
 def _json_lines(unit: Unit) -> Iterator[tuple[int, bytes]]:
@@ -230,11 +258,14 @@ def _field(value: object, field: str, f: InputFile, where: str) -> str:
     return text
 
 
-def documents(unit: Unit, field: str = "text") -> Iterator[str | bytes | list[bytes]]:
-    """The documents of a unit: a text file as a list of byte pieces, JSON/Parquet documents as str."""
+def documents(
+    unit: Unit, field: str = "text", text_cut: str | None = "line"
+) -> Iterator[str | bytes | Iterator[bytes]]:
+    """The documents of a unit: a text file as an iterator of byte pieces (cut the `text_cut` way;
+    consume it before the next document), JSON/Parquet documents as str."""
     f = unit.file
     if f.kind == "text":
-        yield list(_text_pieces(f.path))
+        yield text_pieces(f.path, text_cut)
         return
     if f.kind == "parquet":
         pq = _import_optional("pyarrow.parquet", "pyarrow", f"{str(f.path)!r} (Parquet)")

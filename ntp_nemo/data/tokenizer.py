@@ -8,13 +8,19 @@ All follow one small protocol (`name`, `vocab_size`, `eos_id`, `identity`, `enco
 - `bpe`: trained once on the built-in corpus with the `tokenizers` package and cached; training is
   deterministic, so every process of a run gets the same vocabulary.
 - a path to a `tokenizer.json`, or a directory holding one (a Hugging Face model directory): loaded
-  with the `tokenizers` package. The end-of-document id comes from the directory's
-  `tokenizer_config.json` / `config.json` / `generation_config.json` when present, else from the
-  usual end-of-text special tokens. A beginning-of-sequence token the tokenizer itself adds on
-  encoding (Llama's) starts every document.
+  with the `tokenizers` package. The end-of-document id is the token named by `eos_token`
+  (`--eos-token`, `data.eos_token`) when given, else the directory's `tokenizer_config.json` /
+  `config.json` / `generation_config.json` when present, else the usual end-of-text special tokens. A
+  beginning-of-sequence token the tokenizer itself adds on encoding (Llama's) starts every document.
 
-A tokenizer's `identity` (name, kind, SHA-256 of its definition) is written into token files, so a
-run can tell whether a token file was made with its tokenizer.
+A tokenizer's `identity` (name, kind, SHA-256 of its definition, end-of-document id) is written into
+token files, so a run can tell whether a token file was made with its tokenizer.
+
+`text_cut` says where a long text may be cut into pieces that encode, one after the other, to exactly
+the ids of the whole text (`readers.text_pieces`): "line" (after a line break between non-spaces: raw
+bytes, and GPT-2-style byte-level BPE without a normalizer), "space" (before a single space between
+non-spaces: a Metaspace pre-tokenizer without a normalizer, as SentencePiece-style Unigram/BPE
+tokenizer.json files) or None (the text is encoded whole: anything else, e.g. a normalizer).
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ class Tokenizer(Protocol):
     name: str
     vocab_size: int
     eos_id: int
+    text_cut: str | None
+    lossless: bool
 
     @property
     def identity(self) -> dict: ...
@@ -60,6 +68,8 @@ class ByteTokenizer:
     name = "byte"
     vocab_size = 257
     eos_id = 256
+    text_cut = "line"
+    lossless = True  # bytes that are not UTF-8 are kept, never replaced
 
     @property
     def identity(self) -> dict:
@@ -85,11 +95,15 @@ class ByteTokenizer:
 class HFTokenizer:
     """A `tokenizers.Tokenizer` (a `tokenizer.json`): the BPE trained here or a Hugging Face model's."""
 
-    def __init__(self, backend, name: str, digest: str, source: str, eos_id: int | None = None) -> None:
+    lossless = False  # text that is not UTF-8 is decoded with U+FFFD replacing the bad bytes
+
+    def __init__(self, backend, name: str, digest: str, source: str, eos_id: int | None = None,
+                 text_cut: str | None = None) -> None:
         self._backend = backend
         self.name = name
         self.vocab_size = int(backend.get_vocab_size(with_added_tokens=True))
         self.eos_id = int(eos_id) if eos_id is not None else _eos_from_vocab(backend, source)
+        self.text_cut = text_cut
         self._hash = digest
         self._source = source
         with_special = backend.encode("a").ids
@@ -101,7 +115,8 @@ class HFTokenizer:
 
     @property
     def identity(self) -> dict:
-        return {"name": self.name, "kind": "tokenizers", "hash": self._hash, "source": self._source}
+        return {"name": self.name, "kind": "tokenizers", "hash": self._hash, "source": self._source,
+                "eos_id": self.eos_id}
 
     @staticmethod
     def _text(text: str | bytes) -> str:
@@ -134,6 +149,9 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         return self._backend.decode([int(i) for i in np.asarray(ids).reshape(-1)])
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._backend.id_to_token(int(token_id))
 
 
 BPETokenizer = HFTokenizer  # the locally trained BPE is a tokenizer.json like any other
@@ -201,14 +219,54 @@ def looks_like_path(spec: str) -> bool:
     return "/" in spec or spec.endswith(".json") or spec.startswith((".", "~"))
 
 
+def text_cut_of(definition: dict) -> str | None:
+    """Where a `tokenizer.json` lets a long text be cut exactly (see the module doc), else None.
+
+    Only structures whose pieces provably encode like the whole qualify: no normalizer (it may look
+    across the cut), no added token that holds whitespace or strips it (it could span or eat the
+    cut), and a pre-tokenizer that always splits at the cut without marking the piece's start:
+    byte-level with GPT-2's regex and no added prefix space, or Metaspace splitting on spaces (a
+    piece that starts with a space gets no second prefix).
+    """
+    if definition.get("normalizer") is not None:
+        return None
+    for added in definition.get("added_tokens") or []:
+        if added.get("lstrip") or added.get("rstrip") or any(c.isspace() for c in added.get("content", "")):
+            return None
+    pre = definition.get("pre_tokenizer") or {}
+    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space"):
+        return "line"
+    if pre.get("type") == "Metaspace" and pre.get("split", True) and pre.get("replacement", "▁") != " ":
+        return "space"
+    return None
+
+
+def _eos_from_token(backend, token: str, path: str, key: str) -> int:
+    tid = backend.token_to_id(token)
+    if tid is not None:
+        return int(tid)
+    try:
+        specials = [t.content for t in backend.get_added_tokens_decoder().values() if t.special]
+    except AttributeError:  # older `tokenizers`
+        specials = []
+    hint = f" Its special tokens: {', '.join(specials[:8])}." if specials else ""
+    raise ConfigError(key, f"{token!r} is not a token of the tokenizer {path!r}.{hint} Name a token its "
+                           "vocabulary holds (e.g. the one that ends a document in its model's training "
+                           "data), or leave the end-of-document token out to use the tokenizer's own.")
+
+
 @functools.lru_cache(maxsize=8)
-def load_tokenizer_json(path: str) -> HFTokenizer:
-    """A tokenizer from a `tokenizer.json` (cached per process: workers reuse it)."""
+def load_tokenizer_json(path: str, eos_token: str | None = None,
+                        eos_key: str = "data.eos_token") -> HFTokenizer:
+    """A tokenizer from a `tokenizer.json` (cached per process: workers reuse it); `eos_token` names
+    the end-of-document token instead of the one the directory declares."""
     tk = _import_tokenizers(f"the tokenizer {path!r}")
     p = Path(path)
     blob = p.read_bytes()
     try:
-        backend = tk.Tokenizer.from_str(blob.decode("utf-8"))
+        text = blob.decode("utf-8")
+        backend = tk.Tokenizer.from_str(text)
+        definition = json.loads(text)
     except Exception as err:  # noqa: BLE001 - the library raises a bare Exception on bad files
         raise ConfigError(
             "data.tokenizer",
@@ -216,8 +274,12 @@ def load_tokenizer_json(path: str) -> HFTokenizer:
             "ntp-preprocess --tokenizer) at a tokenizer.json or at a model directory holding one.",
         ) from err
     name = p.parent.name if p.name == "tokenizer.json" and p.parent.name else p.stem
-    eos = _eos_from_dir(backend, p.parent)
-    return HFTokenizer(backend, f"hf:{name}", hashlib.sha256(blob).hexdigest()[:16], str(p), eos)
+    if eos_token:
+        eos = _eos_from_token(backend, eos_token, path, eos_key)
+    else:
+        eos = _eos_from_dir(backend, p.parent)
+    return HFTokenizer(backend, f"hf:{name}", hashlib.sha256(blob).hexdigest()[:16], str(p), eos,
+                       text_cut_of(definition if isinstance(definition, dict) else {}))
 
 
 def bpe_tokenizer_path(vocab_size: int = BPE_VOCAB_SIZE) -> Path:
@@ -244,7 +306,8 @@ def train_bpe(documents, vocab_size: int = BPE_VOCAB_SIZE, eos: str = BPE_EOS):
 
 
 @functools.lru_cache(maxsize=2)
-def load_bpe(vocab_size: int = BPE_VOCAB_SIZE) -> HFTokenizer:
+def load_bpe(vocab_size: int = BPE_VOCAB_SIZE, eos_token: str | None = None,
+             eos_key: str = "data.eos_token") -> HFTokenizer:
     """The BPE tokenizer trained on the built-in corpus, training and caching it on first use."""
     path = bpe_tokenizer_path(vocab_size)
     if not path.exists():
@@ -252,23 +315,39 @@ def load_bpe(vocab_size: int = BPE_VOCAB_SIZE) -> HFTokenizer:
 
         backend = train_bpe(stdlib_documents(DEFAULT_MAX_BYTES), vocab_size)
         atomic_write_text(path, backend.to_str())
-    tok = load_tokenizer_json(str(path))
+    tok = load_tokenizer_json(str(path), eos_token, eos_key)
     tok.name = "bpe"
     return tok
 
 
-def build_tokenizer(spec: str, key: str = "data.tokenizer") -> ByteTokenizer | HFTokenizer:
-    """Tokenizer by config value: `byte`, `bpe`, a `tokenizer.json` or a directory holding one."""
+def eos_key_for(key: str) -> str:
+    """The option naming the end-of-document token beside the tokenizer option `key`."""
+    return "--eos-token" if key.startswith("--") else "data.eos_token"
+
+
+def build_tokenizer(
+    spec: str, key: str = "data.tokenizer", eos_token: str | None = None
+) -> ByteTokenizer | HFTokenizer:
+    """Tokenizer by config value: `byte`, `bpe`, a `tokenizer.json` or a directory holding one;
+    `eos_token` (a token of its vocabulary) ends each document instead of the tokenizer's own."""
     spec = str(spec).strip()
+    eos_token = eos_token or None
+    eos_key = eos_key_for(key)
     if spec == "byte":
+        if eos_token is not None:
+            raise ConfigError(eos_key, f"is {eos_token!r}, but the byte tokenizer has no tokens to name: its "
+                                       "end of document is id 256. Leave the end-of-document token out, or "
+                                       "use a tokenizer.json tokenizer.")
         return ByteTokenizer()
     if spec == "bpe":
-        return load_bpe()
+        return load_bpe(BPE_VOCAB_SIZE, eos_token, eos_key)
     found = tokenizer_json_of(spec)
     if found is not None:
         try:
-            return load_tokenizer_json(str(found))
+            return load_tokenizer_json(str(found), eos_token, eos_key)
         except ConfigError as err:
+            if err.key == eos_key:
+                raise
             raise ConfigError(key, str(err).split(": ", 1)[1]) from err
     where = Path(spec).expanduser()
     hint = (f"{str(where)!r} is a directory without a tokenizer.json" if where.is_dir()
@@ -280,13 +359,13 @@ def build_tokenizer(spec: str, key: str = "data.tokenizer") -> ByteTokenizer | H
     )
 
 
-def tokenizer_identity(spec: str | None) -> dict | None:
+def tokenizer_identity(spec: str | None, eos_token: str | None = None) -> dict | None:
     """Identity (name, hash, vocab_size, eos_id) of a tokenizer spec without tokenizing anything;
     None for an empty spec; for a bare name (not byte/bpe/a path) just the name."""
     if spec in (None, ""):
         return None
     spec = str(spec)
     if spec in TOKENIZER_NAMES or tokenizer_json_of(spec) is not None or looks_like_path(spec):
-        tok = build_tokenizer(spec)
+        tok = build_tokenizer(spec, eos_token=eos_token)
         return dict(tok.identity, vocab_size=tok.vocab_size, eos_id=tok.eos_id)
     return {"name": spec, "hash": None}

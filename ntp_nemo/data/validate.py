@@ -91,7 +91,7 @@ def resolve_data_config(cfg: DictConfig, explicit: set[str] | None = None) -> di
     origin = "data.tokenizer"
     if spec in (None, "") and init_from is not None and tokenizer_json_of(init_from) is not None:
         spec, origin = str(Path(init_from).expanduser().resolve()), "model.init_from"
-    ident = tokenizer_identity(spec)
+    ident = tokenizer_identity(spec, d.get("eos_token"))
     vocab = None if ident is None else ident.get("vocab_size")
     if vocab is None:  # the token files' own tokenizer (or the byte tokenizer for text)
         metas = [read_sidecar(Path(p).expanduser()) for p in _sources(d)]

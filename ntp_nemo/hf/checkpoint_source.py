@@ -23,6 +23,7 @@ from ntp_nemo.checkpoint.manifest import (
     invalid_checkpoint_error,
     latest_valid_checkpoint,
 )
+from ntp_nemo.checkpoint.sharded import META_FILE, read_meta
 from ntp_nemo.checkpoint.state import MODEL_PREFIX
 from ntp_nemo.checkpoint.storage import Chunk, read_chunks, stored_tensors
 from ntp_nemo.errors import ConfigError
@@ -65,9 +66,8 @@ def _model_config_from(fields: dict) -> ModelConfig:
 
 def checkpoint_model_config(ckpt: Path) -> ModelConfig:
     """The (resolved) model config a checkpoint was trained with."""
-    meta_file = ckpt / "meta.pt"
-    if meta_file.is_file():
-        extra = torch.load(meta_file, weights_only=True).get("extra") or {}
+    if (ckpt / META_FILE).is_file():
+        extra = read_meta(ckpt, key=ARG).get("extra") or {}  # weights_only; a pickled object: exit 2
         if isinstance(extra.get("model_config"), dict):
             return _model_config_from(extra["model_config"])
     run_dir = _run_dir_of(ckpt)

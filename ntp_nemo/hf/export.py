@@ -7,8 +7,12 @@ Reads a sharded checkpoint of any layout one logical tensor at a time (GPT-2's f
 its three parts), converts it to HF's layout and hands it to a writer that flushes a shard
 whenever it reaches `--max-shard-size`; so at most one output shard is ever held in memory, never
 the model twice.  Writes `config.json`, `generation_config.json` and `model.safetensors` (or
-shards with `model.safetensors.index.json`); tokenizer files of the `model.init_from` directory
-the run started from are copied along when that directory still exists.
+shards with `model.safetensors.index.json`), and the tokenizer the run trained with: its
+`tokenizer.json` with the files beside it (`tokenizer_config.json`, ...), and a `tokenizer_config.json`
+naming the end-of-document token when there is none (or `data.eos_token` chose another), so that
+`AutoTokenizer.from_pretrained(OUT_DIR)` encodes as the run did. A run on the byte tokenizer has no
+tokenizer files to write (said on the console); a run whose tokenizer file is gone is refused unless
+`--no-tokenizer`. Files get the user's umask.
 """
 
 from __future__ import annotations
@@ -43,6 +47,84 @@ class ExportReport:
     files: list[str]
     tensors: int
     bytes_written: int
+    note: str = ""  # what was not exported and why
+
+
+@dataclass(frozen=True)
+class RunTokenizer:
+    """The tokenizer a run trained with, as its record names it."""
+
+    spec: str | None  # byte | bpe | a tokenizer.json / directory; None: unknown (no record)
+    eos_token: str | None = None  # data.eos_token
+    eos_id: int | None = None  # recorded by the token file
+
+
+def run_tokenizer(ckpt: Path) -> RunTokenizer:
+    """From the run's Hydra record: `data.tokenizer` (filled in at start-up), else the token file's own."""
+    from ntp_nemo.hf.checkpoint_source import _run_dir_of
+
+    run_dir = _run_dir_of(ckpt)
+    if run_dir is None:
+        return RunTokenizer(None)
+    from omegaconf import OmegaConf
+
+    data = OmegaConf.load(run_dir / ".hydra" / "config.yaml").get("data", {})
+    eos_token = data.get("eos_token") or None
+    if data.get("tokenizer"):
+        return RunTokenizer(str(data.get("tokenizer")), eos_token)
+    path = data.get("path") or (data.get("blend") or [[None, None]])[0][1]
+    if not path:
+        return RunTokenizer("byte")  # the built-in corpus' default tokenizer
+    from ntp_nemo.data.tokens import read_sidecar
+
+    meta = read_sidecar(Path(str(path)).expanduser()) or {}
+    source = (meta.get("tokenizer_identity") or {}).get("source") or meta.get("tokenizer")
+    return RunTokenizer(None if source is None else str(source), eos_token, meta.get("eos_id"))
+
+
+def _tokenizer_json(spec: str) -> Path | None:
+    from ntp_nemo.data.tokenizer import bpe_tokenizer_path, tokenizer_json_of
+
+    if spec == "bpe":
+        return bpe_tokenizer_path()
+    return tokenizer_json_of(spec)
+
+
+def write_tokenizer_files(run_tok: RunTokenizer, out: Path) -> tuple[list[str], str]:
+    """Write the run's tokenizer files into `out`: (the file names, a note on what was not written)."""
+    if run_tok.spec == "byte":
+        return [], ("no tokenizer files: the run trained on the byte tokenizer (ids 0..255 are UTF-8 bytes, "
+                    "256 ends a document), which has no Hugging Face tokenizer")
+    found = _tokenizer_json(run_tok.spec) if run_tok.spec else None
+    if found is None or not found.is_file():
+        raise ConfigError("RUN_DIR_OR_CHECKPOINT", f"the run trained with the tokenizer {run_tok.spec!r}, "
+                                                   "which no longer exists, so the export would have no "
+                                                   "tokenizer. Put the tokenizer back where it was, or pass "
+                                                   "--no-tokenizer to export the weights alone.")
+    from ntp_nemo.data.tokenizer import build_tokenizer
+
+    tok = build_tokenizer(str(found), eos_token=run_tok.eos_token)
+    names = []
+    siblings = TOKENIZER_FILES if found.name == "tokenizer.json" and run_tok.spec != "bpe" else ()
+    for name in siblings:
+        if name != "tokenizer.json" and (found.parent / name).is_file():
+            shutil.copyfile(found.parent / name, out / name)
+            names.append(name)
+    shutil.copyfile(found, out / "tokenizer.json")
+    names.insert(0, "tokenizer.json")
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {
+        "tokenizer_class": "PreTrainedTokenizerFast"}
+    eos = tok.id_to_token(tok.eos_id)
+    if "tokenizer_config.json" not in names or run_tok.eos_token:
+        config["eos_token"] = eos
+        prefix = [int(i) for i in tok.prefix]
+        if prefix and "bos_token" not in config:
+            config["bos_token"] = tok.id_to_token(prefix[0])
+        config_path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        if "tokenizer_config.json" not in names:
+            names.append("tokenizer_config.json")
+    return names, ""
 
 
 def hf_tensors(cfg: ModelConfig, fetch: Fetch, vocab_size: int | None = None,
@@ -74,8 +156,10 @@ def _prepare_out_dir(out_dir: Path, force: bool) -> None:
 def write_hf_dir(cfg: ModelConfig, fetch: Fetch, out_dir: str | os.PathLike, *, vocab_size: int | None = None,
                  dtype: torch.dtype | None = None, bos_token_id: int | None = None,
                  eos_token_id: int | None = None, max_shard_bytes: int = 5 * 10**9,
-                 tokenizer_from: str | os.PathLike | None = None, force: bool = False) -> ExportReport:
-    """Write `cfg`'s weights (read through `fetch`) as a HF model directory."""
+                 tokenizer_from: str | os.PathLike | None = None, force: bool = False,
+                 run_tok: RunTokenizer | None = None) -> ExportReport:
+    """Write `cfg`'s weights (read through `fetch`) as a HF model directory, with the tokenizer files of
+    `run_tok` (the run's tokenizer), else those of the directory `tokenizer_from`."""
     if vocab_size is not None and not 0 < vocab_size <= cfg.vocab_size:
         raise ConfigError("--vocab-size", f"must lie in [1, {cfg.vocab_size}] (the model's vocabulary), got "
                                           f"{vocab_size}; it drops padded vocabulary rows.")
@@ -95,13 +179,17 @@ def write_hf_dir(cfg: ModelConfig, fetch: Fetch, out_dir: str | os.PathLike, *, 
     (out / "generation_config.json").write_text(json.dumps(generation_config(bos_token_id, eos_token_id),
                                                            indent=2) + "\n")
     files += ["config.json", "generation_config.json"]
-    if tokenizer_from is not None:
+    note = ""
+    if run_tok is not None and run_tok.spec is not None:
+        names, note = write_tokenizer_files(run_tok, out)
+        files += names
+    elif tokenizer_from is not None:
         for name in TOKENIZER_FILES:
             src = Path(tokenizer_from) / name
             if src.is_file():
                 shutil.copyfile(src, out / name)
                 files.append(name)
-    return ExportReport(out, files, count, writer.total_bytes)
+    return ExportReport(out, files, count, writer.total_bytes, note)
 
 
 def export_model(model: nn.Module, out_dir: str | os.PathLike, **options) -> ExportReport:
@@ -114,21 +202,11 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, **options) -> Exp
     return write_hf_dir(model.cfg, lambda names: [params[n].detach() for n in names], out_dir, **options)
 
 
-def _token_ids(cfg: ModelConfig, ckpt: Path) -> tuple[int | None, int | None]:
+def _token_ids(cfg: ModelConfig, run_tok: RunTokenizer) -> tuple[int | None, int | None]:
     """(bos, eos) for the exported config: those of the tokenizer the run trained with (its Hydra
-    record's `data.tokenizer`; the byte tokenizer's end-of-document id for the built-in corpus), else
-    the Hugging Face directory's own when the run started from one, else unknown."""
-    from ntp_nemo.hf.checkpoint_source import _run_dir_of
-
-    run_dir = _run_dir_of(ckpt)
-    tokenizer = None
-    if run_dir is not None:
-        from omegaconf import OmegaConf
-
-        data = OmegaConf.load(run_dir / ".hydra" / "config.yaml").get("data", {})
-        tokenizer = data.get("tokenizer")
-        if tokenizer is None and not data.get("path") and not data.get("blend"):
-            tokenizer = "byte"  # the built-in corpus' default tokenizer
+    record's `data.tokenizer` and `data.eos_token`; the byte tokenizer's end-of-document id for the
+    built-in corpus), else the Hugging Face directory's own when the run started from one, else unknown."""
+    tokenizer = run_tok.spec
     if tokenizer == "byte":
         return (BYTE_EOS_ID, BYTE_EOS_ID) if cfg.vocab_size > BYTE_EOS_ID else (None, None)
     if tokenizer is not None:
@@ -136,7 +214,7 @@ def _token_ids(cfg: ModelConfig, ckpt: Path) -> tuple[int | None, int | None]:
         from ntp_nemo.errors import ConfigError
 
         try:
-            tok = build_tokenizer(str(tokenizer))
+            tok = build_tokenizer(str(tokenizer), eos_token=run_tok.eos_token)
         except (ConfigError, OSError):
             tok = None
         if tok is not None:
@@ -151,7 +229,8 @@ def _token_ids(cfg: ModelConfig, ckpt: Path) -> tuple[int | None, int | None]:
 def export_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike, *, cfg: ModelConfig | None = None,
                       vocab_size: int | None = None, dtype: torch.dtype | None = None,
                       bos_token_id: int | None = None, eos_token_id: int | None = None,
-                      max_shard_bytes: int = 5 * 10**9, force: bool = False) -> ExportReport:
+                      max_shard_bytes: int = 5 * 10**9, force: bool = False,
+                      tokenizer: bool = True) -> ExportReport:
     """Export a run directory's latest valid checkpoint, or the checkpoint directory `path`.
 
     A run that started from a HF directory (`model.init_from`, still present) exports with that
@@ -165,14 +244,16 @@ def export_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike, *, cf
     cfg = cfg or checkpoint_model_config(ckpt)
     source = CheckpointTensors(ckpt)
     source.check_model(cfg)
-    bos, eos = _token_ids(cfg, ckpt)
+    run_tok = run_tokenizer(ckpt)
+    bos, eos = _token_ids(cfg, run_tok)
     tokenizer_from = cfg.init_from if cfg.init_from and Path(cfg.init_from).expanduser().is_dir() else None
     if vocab_size is None and tokenizer_from is not None:  # drop the padding the import added
         vocab_size = int(read_hf_config(tokenizer_from)["vocab_size"])
     return write_hf_dir(cfg, source, out_dir, vocab_size=vocab_size, dtype=dtype,
                         bos_token_id=bos if bos_token_id is None else bos_token_id,
                         eos_token_id=eos if eos_token_id is None else eos_token_id,
-                        max_shard_bytes=max_shard_bytes, tokenizer_from=tokenizer_from, force=force)
+                        max_shard_bytes=max_shard_bytes, tokenizer_from=tokenizer_from if tokenizer else None,
+                        force=force, run_tok=run_tok if tokenizer else None)
 
 
 def parse_size(text: str) -> int:
@@ -205,6 +286,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--eos-id", type=int, help="eos_token_id of the exported config")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     p.add_argument("--force", action="store_true", help="replace a model already in OUT_DIR")
+    p.add_argument("--no-tokenizer", action="store_true", help="write no tokenizer files")
     return p
 
 
@@ -213,9 +295,11 @@ def run(argv: Sequence[str] | None = None) -> int:
     report = export_checkpoint(args.source, args.out_dir, vocab_size=args.vocab_size,
                                dtype=DTYPES[args.dtype] if args.dtype else None, bos_token_id=args.bos_id,
                                eos_token_id=args.eos_id, max_shard_bytes=parse_size(args.max_shard_size),
-                               force=args.force)
+                               force=args.force, tokenizer=not args.no_tokenizer)
     print(f"wrote {report.tensors} tensors ({report.bytes_written / 1e6:.1f} MB) to {report.out_dir}: "
           f"{', '.join(report.files)}")
+    if report.note:
+        print(f"note: {report.note}")
     return 0
 
 

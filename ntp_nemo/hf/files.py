@@ -85,6 +85,13 @@ class HFWeightsReader:
         return out
 
 
+def user_file_mode() -> int:
+    """The mode a new file gets under the process umask (safetensors writes its files 0600)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def shard_file_name(i: int, n: int) -> str:
     return SINGLE_FILE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
 
@@ -120,8 +127,10 @@ class HFWeightsWriter:
             self._flush()
         n = len(self._written)
         names, weight_map = [], {}
+        mode = user_file_mode()
         for i, (part, tensors) in enumerate(self._written):
             final = shard_file_name(i, n)
+            os.chmod(part, mode)
             os.replace(part, self.out_dir / final)
             names.append(final)
             weight_map.update({t: final for t in tensors})

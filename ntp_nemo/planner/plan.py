@@ -1,10 +1,12 @@
 """The planner: per-item TP degrees and per-replica batch shares that minimise modelled step time.
 
 Objective. Replica r (n_r active ranks) processes one micro-batch per pipeline period
-a_r = max over stages of the summed item times at the items' effective degrees. Giving each
-replica a batch share proportional to 1/a_r makes all replicas finish together, so the time per
-micro-batch of the global batch is J = 1 / sum_r (1/a_r); the planner minimises J (ties broken
-by the summed stage times) subject to every (replica, stage) fitting the memory limit.
+a_r = max over stages of the summed item times at the items' effective degrees. The trainer splits
+the global batch's M micro-batches by capacity (`ResolvedLayout.microbatches`: active ranks over
+the nominal degree, NTP-PW boost, largest-remainder rounding), m_r each, so a step takes
+max_r m_r * a_r and the time per micro-batch of the global batch is J = max_r (m_r / M) * a_r; the
+planner minimises J (ties broken by the summed stage times) subject to every (replica, stage)
+fitting the memory limit.
 
 Search. Start from every item at its highest valid degree (the least memory any layout can
 use, so if it does not fit nothing does), then coordinate descent: move one item at a time to
@@ -24,6 +26,7 @@ from ntp_nemo.errors import ConfigError
 from ntp_nemo.planner.cost import ItemCost, item_cost, item_kinds, item_names, stage_of_items, units_of
 from ntp_nemo.planner.layout import divisors, effective_degree, validate_layer_tp
 from ntp_nemo.planner.shapes import DeviceModel, LinkModel, ModelShape
+from ntp_nemo.topology.layout import ResolvedLayout
 
 GB = 1e9
 
@@ -43,7 +46,11 @@ class PlanRow:
 
 @dataclass(frozen=True)
 class Plan:
-    """A validated layout: per-item degrees, per-replica batch shares and the costing behind them."""
+    """A validated layout: per-item degrees, per-replica batch shares and the costing behind them.
+
+    `batch_shares` are the trainer's: each replica's micro-batches (`microbatches`, the split
+    `ResolvedLayout` gives the layout) over the global batch's; without a global batch, the capacity
+    quotas that split rounds."""
 
     layer_tp: list[int]
     batch_shares: list[float]
@@ -53,6 +60,7 @@ class Plan:
     microbatch_time_s: list[float] = field(default_factory=list)
     memory_gb: list[float] = field(default_factory=list)
     time_per_microbatch_s: float = 0.0
+    microbatches: list[int] = field(default_factory=list)
 
     def overrides(self) -> list[str]:
         """Hydra overrides that apply this plan to a training run."""
@@ -129,7 +137,7 @@ class _CostTables:
     time: np.ndarray
     mem: np.ndarray
     stage_onehot: np.ndarray  # (items, stages)
-    counts: np.ndarray  # replicas of each size
+    shares: np.ndarray  # the largest batch share of a replica of each size
     send_s: float  # per-micro-batch pipeline send + receive of a stage
 
     def evaluate(self, choice: np.ndarray) -> tuple[float, float, np.ndarray, np.ndarray]:
@@ -138,7 +146,7 @@ class _CostTables:
         m_items = np.take_along_axis(self.mem, choice[None, :, None], axis=2)[..., 0]
         stage_t = t_items @ self.stage_onehot + self.send_s
         period = stage_t.max(axis=1)
-        j = 1.0 / float(np.sum(self.counts / period))
+        j = float(np.max(self.shares * period))
         return j, float(stage_t.sum()), period, (m_items @ self.stage_onehot).max(axis=1)
 
 
@@ -190,6 +198,8 @@ def plan_layout(
     recompute: bool = False,
     distributed_optimizer: bool = False,
     sequence_parallel: bool = False,
+    num_microbatches: int | None = None,
+    power_boost: float | Sequence[float] | None = None,
 ) -> Plan:
     """Choose per-item degrees (layout.layer_tp) and batch shares minimising modelled step time.
 
@@ -197,11 +207,14 @@ def plan_layout(
     speed and bytes per parameter (default: H100-class), `recompute` full activation recomputation,
     `distributed_optimizer` the fp32 master and Adam moments (12 of the per-parameter state bytes)
     split over the replicas holding each fragment (`optim.distributed=true`), `sequence_parallel`
-    the replicated regions' activations split over each item's degree (`ntp.sequence_parallel=true`).
+    the replicated regions' activations split over each item's degree (`ntp.sequence_parallel=true`),
+    `num_microbatches` (the global batch over the micro-batch size; default one per replica) and
+    `power_boost` (NTP-PW) fix the batch split exactly as the trainer does.
     """
     return rank_layouts(
         model, tp, replica_tp, seq_len, micro_batch_size, links, memory_limit_gb, pp=pp, device=device,
         recompute=recompute, distributed_optimizer=distributed_optimizer, sequence_parallel=sequence_parallel,
+        num_microbatches=num_microbatches, power_boost=power_boost,
     ).plans[0]
 
 
@@ -219,6 +232,8 @@ def rank_layouts(
     recompute: bool = False,
     distributed_optimizer: bool = False,
     sequence_parallel: bool = False,
+    num_microbatches: int | None = None,
+    power_boost: float | Sequence[float] | None = None,
 ) -> Ranking:
     """The planner's candidates, ranked: every layout with one degree for the embedding, one for all
     layers and one for the head (tied embeddings: one for both), and the coordinate descent's
@@ -232,6 +247,13 @@ def rank_layouts(
     kinds, names = item_kinds(model), item_names(model)
     stages = np.array(stage_of_items(model.num_layers, pp))
     sizes = sorted(set(replica_tp))
+    # The trainer's split (it does not depend on the per-layer degrees); without a global batch, the
+    # capacity quotas it rounds.
+    base = ResolvedLayout.make(tp, replica_tp, [1] * (model.num_layers + 2), pp, power_boost=power_boost,
+                               num_microbatches=num_microbatches)
+    split = list(base.microbatches) if num_microbatches is not None else None
+    caps = base.capacities()
+    shares = [m / sum(split) for m in split] if split is not None else [c / sum(caps) for c in caps]
     cands = [[d for d in divisors(tp) if d <= units_of(model, k)] for k in kinds]
     cache: dict[tuple[str, int], ItemCost] = {}
 
@@ -261,7 +283,7 @@ def rank_layouts(
         time=time,
         mem=mem,
         stage_onehot=onehot,
-        counts=np.array([replica_tp.count(n) for n in sizes], dtype=float),
+        shares=np.array([max(w for w, r in zip(shares, replica_tp, strict=True) if r == n) for n in sizes]),
         # Under SP a send carries a rank's slice (at the nominal degree; a degraded replica's is larger).
         send_s=2 * links.send_time(act_bytes / (tp if sequence_parallel else 1)) if pp > 1 else 0.0,
     )
@@ -306,8 +328,6 @@ def rank_layouts(
         j, _, period, mem_u = tables.evaluate(np.array(choice))
         layer_tp = [cands[i][c] for i, c in enumerate(choice)]
         validate_layer_tp(model, tp, replica_tp, layer_tp)
-        rate = {n: 1.0 / p for n, p in zip(sizes, period, strict=True)}
-        total_rate = sum(rate[n] for n in replica_tp)
         table = []
         for name, kind, t in zip(names, kinds, layer_tp, strict=True):
             eff = effective_degree(t, sizes[0])
@@ -315,13 +335,14 @@ def rank_layouts(
             table.append(PlanRow(name, t, eff, ic.flops, ic.comm_bytes, ic.time_s, ic.memory_bytes / GB))
         return Plan(
             layer_tp=layer_tp,
-            batch_shares=[rate[n] / total_rate for n in replica_tp],
+            batch_shares=list(shares),
             table=table,
             tp=tp,
             replica_tp=replica_tp,
             microbatch_time_s=[float(period[sizes.index(n)]) for n in replica_tp],
             memory_gb=[float(mem_u[sizes.index(n)]) / GB for n in replica_tp],
             time_per_microbatch_s=j,
+            microbatches=list(split or []),
         )
 
     return Ranking([make_plan(k) for _, k in order], considered)

@@ -6,7 +6,8 @@
 - `detection`: the timeout hierarchy, the worker monitor and the failure classification;
 - `supervisor`: the `ntp-train` parent running attempts until `trainer.max_steps`;
 - `worker`: what a supervised worker does differently;
-- `replan`: `python -m ntp_nemo.resilience.replan`, the plan for a torchrun/SLURM restart.
+- `replan`: `python -m ntp_nemo.resilience.replan`, the plan for a torchrun/SLURM restart;
+- `store_auth`: the job's secret, key prefix and signed notices on a store others can reach.
 """
 
 from ntp_nemo.resilience.policies import (

@@ -93,7 +93,7 @@ class FaultInjector(Callback):
             return False
         self.fault_dir.mkdir(parents=True, exist_ok=True)
         doc = {**asdict(fault), "t": time.time(), "at_step": step, "pid": os.getpid()}
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask decides
         try:
             os.write(fd, json.dumps(doc).encode())
             os.fsync(fd)

@@ -40,6 +40,7 @@ import torch.multiprocessing as mp
 from lightning.pytorch import Callback
 
 from ntp_nemo.lightning.strategy import _ForkLauncher
+from ntp_nemo.parallel.loopback import loopback_children_env
 from ntp_nemo.resilience.detection import Verdict, is_lost_status, kill_worker
 from ntp_nemo.resilience.heartbeat import read_beats, suspects
 from ntp_nemo.resilience.live import rebind_optimizer
@@ -49,10 +50,12 @@ from ntp_nemo.resilience.rendezvous import (
     connect,
     free_port,
     host_store,
+    local_secret,
     publish_failed,
     publish_rejoin,
     read_rejoin,
 )
+from ntp_nemo.resilience.store_auth import JobStore
 
 FALLBACK_EXIT = 75  # a survivor that could not recover live: the supervisor takes the restart path
 _COLLECTIVE_ERRORS = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout")
@@ -73,7 +76,8 @@ class LiveLauncher(_ForkLauncher):
 
     def __init__(self, strategy: Any) -> None:
         super().__init__(strategy, start_method="fork")
-        self.store = None
+        self.store: JobStore | None = None
+        self.secret: bytes | None = None  # the job's store secret, drawn before the fork (workers inherit it)
         self.lost: set[int] = set()  # process indices the monitor handed to the survivors
         self._spawn: tuple | None = None  # what the workers were started with (for repaired processes)
 
@@ -82,7 +86,7 @@ class LiveLauncher(_ForkLauncher):
         """Start a repaired process in place of process `idx`: it joins `generation` (a rejoin)."""
         assert self._spawn is not None
         port, trainer, function, args, kwargs, return_queue = self._spawn
-        joining = Rejoining(port, generation, layout, idx, source, timeout_s)
+        joining = Rejoining(port, self.secret, generation, layout, idx, source, timeout_s)
         proc = mp.get_context("fork").Process(
             target=_rejoin_main, args=(self, idx, joining, trainer, function, args, kwargs, return_queue),
             name=f"ntp-rejoin-{idx}")
@@ -91,11 +95,12 @@ class LiveLauncher(_ForkLauncher):
         self.lost.discard(idx)
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        with self.forwarding_signals():  # SIGTERM/Ctrl-C: the workers checkpoint and stop, as without live
+        # SIGTERM/Ctrl-C: the workers checkpoint and stop, as without live; they listen on loopback only
+        with self.forwarding_signals(), loopback_children_env():
             return self._launch(function, *args, trainer=trainer, **kwargs)
 
     def _launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        port = free_port()
+        port, self.secret = free_port(), local_secret()
         saved = {k: os.environ.get(k) for k in ("MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")}
         os.environ["MASTER_PORT"] = str(port)
         os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # every rank a client of the store below
@@ -107,7 +112,8 @@ class LiveLauncher(_ForkLauncher):
                 nprocs=self._strategy.num_processes, start_method="fork", join=False)
             self.procs = process_context.processes
             self._spawn = (port, trainer, function, args, kwargs, return_queue)
-            self.store = host_store(port)  # after the fork: no server thread is copied into a worker
+            # after the fork: no server thread is copied into a worker
+            self.store = JobStore(host_store(port), self.secret)
             # Until every process has exited, including repaired ones started meanwhile in place of a
             # lost one.  (The monitor thread polls the same children: a join that loses the race to reap
             # one returns before its exit status is recorded, so the status is what is waited for.)
@@ -291,6 +297,7 @@ class LiveRecovery(Callback):
         self.pid = 0
         self.store = None
         self.rebuild_through = -1  # batches of steps up to this one were split for an older layout
+        self.launcher_pid = os.getpid()  # built in the launching process, which hosts the store
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit" or trainer.strategy.launcher is None or "MASTER_PORT" not in os.environ:
@@ -300,7 +307,8 @@ class LiveRecovery(Callback):
         self.generation = Generation.first(self.nominal)
         self.devices = list(trainer.strategy.parallel_devices)
         self.pid = trainer.global_rank
-        self.store = connect(int(os.environ["MASTER_PORT"]), self.timeout_s)
+        self.store = JobStore(connect(int(os.environ["MASTER_PORT"]), self.timeout_s),
+                              trainer.strategy.launcher.secret)
         trainer.strategy.recovery = self
 
     # -- the strategy's hook ------------------------------------------------------------------------
@@ -351,7 +359,8 @@ class LiveRecovery(Callback):
         old_topo = strategy.topology
 
         def build(layout: Layout, rank: int):
-            topo = Topology(layout.tp, layout.replica_tp, old_topo.layer_tp, layout.pp, old_topo.stage_layers)
+            topo = Topology(layout.tp, layout.replica_tp, old_topo.layer_tp, layout.pp, old_topo.stage_layers,
+                            old_topo.shard_align)
             # SP holds no state: the new layout's sequence split follows its degrees.
             layout = ResolvedLayout.of_topology(topo, strategy.schedule, None,
                                                 sequence_parallel=strategy.layout.sequence_parallel)
@@ -375,14 +384,16 @@ class LiveRecovery(Callback):
             rec = recover(self.store, self.generation, self.pid, trainer.global_step, (module.model, opt),
                           self._builder(strategy), self.policy, timeout_s=self.timeout_s)
         except Exception as err:  # noqa: BLE001 - any failure of the live path means the restart path
-            _give_up(self.pid, err)
+            _give_up(self.pid, err, self.launcher_pid)
         if rec is None:  # left idle by the new layout
             os._exit(0)
         lost_ranks = [self.generation.members.index(p) for p in rec.failed if p in self.generation.members]
         self._install(strategy, rec, step)
         if goodput is not None:
             goodput.record("failure_detected", t=rec.detect_t, rank=lost_ranks[0] if lost_ranks else None,
-                           ranks=lost_ranks, reason="collective error", step=step + 1, detail="live recovery")
+                           ranks=lost_ranks, process=rec.failed[0] if rec.failed else None,
+                           processes=list(rec.failed), reason="collective error", step=step + 1,
+                           detail="live recovery")
             goodput.record("recovery_done", layout=rec.generation.layout.describe(), step=step + 1,
                            mode="live", moved_bytes=rec.reshard.moved_bytes,
                            minimum_bytes=rec.reshard.needed_bytes, recovery_s=rec.seconds,
@@ -473,7 +484,7 @@ class LiveRecovery(Callback):
             box = [payload]
             dist.broadcast_object_list(box, src=source)
         except Exception as err:  # noqa: BLE001 - the restart path takes over
-            _give_up(self.pid, err)
+            _give_up(self.pid, err, self.launcher_pid)
         # Said by the degraded layout's rank 0, before the ranks change (a repaired process 0 takes rank 0).
         goodput = GoodputCallback.of(trainer)
         if goodput is not None:
@@ -500,17 +511,18 @@ class Rejoining:
 
     CKPT_PATH = "<live rejoin>"  # what Lightning is given as the checkpoint to resume from
 
-    def __init__(self, port: int, index: int, layout: Layout, pid: int, source: int,
+    def __init__(self, port: int, secret: bytes, index: int, layout: Layout, pid: int, source: int,
                  timeout_s: float = 60.0) -> None:
         self.port, self.index, self.layout, self.pid, self.timeout_s = port, index, layout, pid, timeout_s
+        self._secret = secret
         self.source = source  # the survivor that sends Lightning's state
         self.active = True
 
     def init_process_group(self, strategy: Any) -> None:
         from ntp_nemo.resilience.rendezvous import join
 
-        join(connect(self.port, self.timeout_s), self.index, self.pid, self.layout.world_size,
-             timeout_s=self.timeout_s)
+        join(JobStore(connect(self.port, self.timeout_s), self._secret), self.index, self.pid,
+             self.layout.world_size, timeout_s=self.timeout_s)
 
     def receive(self, strategy: Any) -> dict:
         """In place of a checkpoint load: the shards from the survivors, Lightning's state and the RNG
@@ -559,7 +571,14 @@ def _rejoin_main(launcher: LiveLauncher, idx: int, joining: Rejoining, trainer: 
     launcher._wrapping_function(idx, trainer, function, args, kwargs, return_queue)
 
 
-def _give_up(pid: int, err: BaseException) -> None:
+def _give_up(pid: int, err: BaseException, launcher_pid: int | None = None) -> None:
+    if launcher_pid is not None and os.getpid() != launcher_pid and os.getppid() != launcher_pid:
+        # The launching process (and the store it hosts) died: no restart path exists any more.
+        if pid == 0:
+            print(f"the launching process (pid {launcher_pid}) is gone: the workers stop without a "
+                  "checkpoint (they cannot finish a save without it); a rerun resumes from the latest "
+                  "checkpoint written before", flush=True)
+        os._exit(0)
     print(f"failover | live recovery failed on process {pid} ({type(err).__name__}: {err}); "
           "falling back to the restart path", file=sys.stderr, flush=True)
     sys.stderr.flush()

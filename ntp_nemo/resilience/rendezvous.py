@@ -1,10 +1,12 @@
 """Generations of process groups on one long-lived store, and forked workers that share it.
 
-The launching process hosts a `TCPStore`; every worker connects to it once and keeps the connection for
-the whole run.  Generation `g` of the job's process groups is initialised on `PrefixStore(f"gen{g}",
-store)`, so after a failure the survivors drop the broken groups and join generation `g + 1` with their
-new ranks, on the same store, without any key of the old generation getting in the way.  The store also
-carries the launcher's word to the workers (`failed_key`: the ranks the launcher saw die).
+The launching process hosts a `TCPStore` on loopback; every worker connects to it once and keeps the
+connection for the whole run.  Everything the job reads or writes there goes through a `JobStore` (keys
+under the job's prefix, notices signed with the job's secret: `store_auth`).  Generation `g` of the job's
+process groups is initialised on `PrefixStore(f"gen{g}", job.store)`, so after a failure the survivors
+drop the broken groups and join generation `g + 1` with their new ranks, on the same store, without any
+key of the old generation getting in the way.  The store also carries the launcher's signed word to the
+workers (`failed_key`: the ranks the launcher saw die; `rejoin_key`: repaired processes joining).
 """
 
 from __future__ import annotations
@@ -21,13 +23,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-STORE_HOST = "127.0.0.1"
+from ntp_nemo.parallel.loopback import LOOPBACK, host_loopback_store
+from ntp_nemo.resilience.store_auth import JobStore, job_secret, new_secret
+
+STORE_HOST = LOOPBACK
 
 
 def host_store(port: int = 0, timeout_s: float = 300.0) -> dist.TCPStore:
-    """The launcher's store (server side), on `port` (0: a free one)."""
-    return dist.TCPStore(STORE_HOST, port, is_master=True, wait_for_workers=False,
-                         timeout=timedelta(seconds=timeout_s))
+    """The launcher's store (server side, reachable from this machine only), on `port` (0: a free one)."""
+    return host_loopback_store(port, timeout_s=timeout_s)
 
 
 def free_port() -> int:
@@ -43,14 +47,20 @@ def connect(port: int, timeout_s: float = 300.0) -> dist.TCPStore:
     return dist.TCPStore(STORE_HOST, port, is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
-def join(store: dist.Store, generation: int, rank: int, world_size: int, *, backend: str = "gloo",
+def local_secret() -> bytes:
+    """The secret of a job launched on one machine: `NTP_JOB_SECRET` if set, else a fresh one (the
+    launching process draws it before forking; the workers inherit it in memory)."""
+    return job_secret() or new_secret()
+
+
+def join(store: JobStore, generation: int, rank: int, world_size: int, *, backend: str = "gloo",
          timeout_s: float = 60.0) -> None:
     """Initialise the default process group of `generation` (collective over its `world_size` ranks)."""
-    dist.init_process_group(backend, store=dist.PrefixStore(f"gen{generation}", store), rank=rank,
+    dist.init_process_group(backend, store=dist.PrefixStore(f"gen{generation}", store.store), rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=timeout_s))
 
 
-def sever(store: dist.Store | None) -> int:
+def sever(store: JobStore | None) -> int:
     """Shut down this process's connected TCP sockets other than its store connection; returns how many.
 
     Aborting a gloo process group neither unblocks a collective in flight nor closes its connections
@@ -86,7 +96,8 @@ def sever(store: dist.Store | None) -> int:
     return count
 
 
-def _store_address(store: dist.Store | None) -> tuple[str, int] | None:
+def _store_address(job: JobStore | None) -> tuple[str, int] | None:
+    store = job.store if job is not None else None
     while isinstance(store, dist.PrefixStore):
         store = store.underlying_store
     if isinstance(store, dist.TCPStore):
@@ -98,7 +109,7 @@ def _same_host(a: str, b: str) -> bool:
     return a == b or (a.startswith("127.") and b.startswith("127.")) or a in ("::1", "::ffff:" + b)
 
 
-def leave(store: dist.Store | None = None) -> None:
+def leave(store: JobStore | None = None) -> None:
     """Drop every process group of the current generation, broken or not (no collective: a peer is gone).
 
     With `store` (the job's store) the generation's connections are severed first (see `sever`)."""
@@ -119,14 +130,14 @@ def failed_key(generation: int) -> str:
     return f"failed/gen{generation}"
 
 
-def publish_failed(store: dist.Store, generation: int, ranks: Sequence[int]) -> None:
-    store.set(failed_key(generation), json.dumps(sorted(int(r) for r in ranks)))
+def publish_failed(store: JobStore, generation: int, ranks: Sequence[int]) -> None:
+    store.put(failed_key(generation), json.dumps(sorted(int(r) for r in ranks)))
 
 
-def wait_failed(store: dist.Store, generation: int, timeout_s: float = 60.0) -> list[int]:
-    """The ranks of `generation` the launcher saw die (blocks until it says so)."""
-    store.wait([failed_key(generation)], timedelta(seconds=timeout_s))
-    return json.loads(store.get(failed_key(generation)))
+def wait_failed(store: JobStore, generation: int, timeout_s: float = 60.0) -> list[int]:
+    """The ranks of `generation` the launcher saw die (blocks until it says so; a notice not signed with
+    the job's secret is not its word)."""
+    return json.loads(store.wait_for(failed_key(generation), timeout_s))
 
 
 def rejoin_key(generation: int) -> str:
@@ -134,35 +145,34 @@ def rejoin_key(generation: int) -> str:
     return f"rejoin/gen{generation}"
 
 
-def publish_rejoin(store: dist.Store, generation: int, step: int, members: Sequence[int],
+def publish_rejoin(store: JobStore, generation: int, step: int, members: Sequence[int],
                    source: int) -> None:
     """Announce a rejoin: before (1-based) step `step`, generation `generation + 1` has `members`;
     `source` (a survivor's process id) hands the repaired processes the state a checkpoint would."""
-    store.set(rejoin_key(generation), json.dumps({"step": int(step), "members": [int(m) for m in members],
+    store.put(rejoin_key(generation), json.dumps({"step": int(step), "members": [int(m) for m in members],
                                                   "source": int(source)}))
 
 
-def read_rejoin(store: dist.Store, generation: int) -> dict | None:
-    """The rejoin announced for `generation`, or None (one store round trip)."""
-    if not store.check([rejoin_key(generation)]):
-        return None
-    return json.loads(store.get(rejoin_key(generation)))
+def read_rejoin(store: JobStore, generation: int) -> dict | None:
+    """The rejoin announced for `generation`, or None (one store round trip when none is)."""
+    payload = store.read(rejoin_key(generation))
+    return None if payload is None else json.loads(payload)
 
 
-def store_barrier(store: dist.Store, key: str, count: int, timeout_s: float = 60.0) -> None:
+def store_barrier(store: JobStore, key: str, count: int, timeout_s: float = 60.0) -> None:
     """Block until `count` processes have reached `key` (no process group needed)."""
     store.add(key, 1)
     deadline = time.monotonic() + timeout_s
-    while int(store.add(key, 0)) < count:
+    while store.add(key, 0) < count:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{key}: fewer than {count} processes arrived in {timeout_s:.0f} s")
         time.sleep(0.002)
 
 
 # ---- forked workers sharing one store (tests, benchmarks) --------------------------------------------
-def _worker(rank: int, fn: Callable, world_size: int, port: int, queue, args: tuple) -> None:
+def _worker(rank: int, fn: Callable, world_size: int, port: int, secret: bytes, queue, args: tuple) -> None:
     torch.set_num_threads(1)
-    store = connect(port)
+    store = JobStore(connect(port), secret)
     try:
         result = fn(rank, world_size, store, *args)
         queue.put((rank, "ok", result))
@@ -189,12 +199,12 @@ def run_elastic(fn: Callable[..., Any], world_size: int, *args: Any, watch: bool
 
     ctx = mp.get_context("fork")
     queue = ctx.SimpleQueue()
-    port, store = free_port(), None
-    procs = [ctx.Process(target=_worker, args=(r, fn, world_size, port, queue, args))
+    port, store, secret = free_port(), None, local_secret()
+    procs = [ctx.Process(target=_worker, args=(r, fn, world_size, port, secret, queue, args))
              for r in range(world_size)]
     for p in procs:
         p.start()
-    store = host_store(port, timeout_s)  # the workers' connections wait for it
+    store = JobStore(host_store(port, timeout_s), secret)  # the workers' connections wait for it
     results: dict[int, Any] = {}
     errors: list[str] = []
     finished: set[int] = set()

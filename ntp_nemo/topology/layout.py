@@ -40,6 +40,7 @@ class ResolvedLayout:
     - `num_microbatches`: micro-batches per global batch; `microbatches`: per-replica share of them.
     - `devices`: device string per global rank ("cuda:3", "cpu"), or None: each worker's default.
     - `sequence_parallel`: the TP-replicated regions hold each rank's slice of the sequence.
+    - `shard_align`: elements per block of MLP-column and vocabulary-row splits (`ntp.shard_align`).
     """
 
     tp: int
@@ -55,6 +56,7 @@ class ResolvedLayout:
     microbatches: tuple[int, ...] = ()
     devices: tuple[str, ...] | None = field(default=None)
     sequence_parallel: bool = False
+    shard_align: int = 1
 
     @classmethod
     def make(
@@ -71,6 +73,7 @@ class ResolvedLayout:
         devices: Sequence[str] | None = None,
         virtual_stages: int = 1,
         sequence_parallel: bool = False,
+        shard_align: int = 1,
     ) -> ResolvedLayout:
         """Normalise the inputs and fill the derived fields (stage split, batch shares); checks that
         the parts agree (a ValueError names the mismatch)."""
@@ -93,6 +96,7 @@ class ResolvedLayout:
             microbatches=tuple(assign_microbatches(m, topo.capacities(boost))),
             devices=None if devices is None else tuple(str(d) for d in devices),
             sequence_parallel=bool(sequence_parallel),
+            shard_align=int(shard_align),
         )
         if layout.devices is not None and len(layout.devices) != layout.world_size:
             raise ValueError(f"{len(layout.devices)} devices for a layout of {layout.world_size} ranks")
@@ -113,7 +117,7 @@ class ResolvedLayout:
         t = topology
         return cls.make(t.tp, t.replica_tp, t.layer_tp, t.pp, t.stage_layers, schedule, power_boost,
                         nominal_replicas, num_microbatches, virtual_stages=virtual_stages,
-                        sequence_parallel=sequence_parallel)
+                        sequence_parallel=sequence_parallel, shard_align=t.shard_align)
 
     # ---- derived --------------------------------------------------------------------------------
     @property
@@ -130,7 +134,7 @@ class ResolvedLayout:
 
     def topology(self) -> Topology:
         """A fresh Topology (it owns process groups, so each runtime builds its own)."""
-        return Topology(self.tp, self.replica_tp, self.layer_tp, self.pp, self.stage_layers)
+        return Topology(self.tp, self.replica_tp, self.layer_tp, self.pp, self.stage_layers, self.shard_align)
 
     @cached_property
     def _capacities(self) -> tuple[float, ...]:

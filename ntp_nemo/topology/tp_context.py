@@ -16,6 +16,8 @@ class TPContext:
     `n` ranks is replicated `n / t` times); gradient sync weighs contributions by `1 / copies`.
     `sequence_parallel`: the replicated regions hold this rank's slice of the sequence
     (`ntp_nemo.parallel.sequence`).
+    `align`: elements per block of a split into one-element units (MLP columns, vocabulary rows;
+    `ntp.shard_align`), so shard boundaries fall on its multiples.
     """
 
     size: int = 1
@@ -23,6 +25,7 @@ class TPContext:
     group: Any = None
     copies: int = 1
     sequence_parallel: bool = False
+    align: int = 1
 
     @property
     def sharded(self) -> bool:

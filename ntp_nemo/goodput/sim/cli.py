@@ -27,6 +27,11 @@ CONFIG_DIR = conf_dir() / "sim"
 
 def simulate(settings: SimSettings, out_dir: Path, echo: bool = True) -> SimResults:
     """Run the studies and write every output into `out_dir`."""
+    if settings.plots:
+        from ntp_nemo.errors import require_extra
+
+        require_extra("matplotlib", "plots", "plots", "ntp-sim's PNG plots", "set plots=false for tables, "
+                      "results.json and results.csv alone")
     start = time.perf_counter()
     results = run_all(settings)
     elapsed = time.perf_counter() - start

@@ -1,0 +1,137 @@
+"""The job's view of a store others can reach: keys under a prefix derived from the job's secret, and
+every notice of the recovery protocol signed with it.
+
+A `TCPStore` authenticates nobody: any process that reaches its port can list, read and write every key
+(`list_keys` included).  A prefix derived from the secret keeps the keys of jobs sharing one store (a
+cluster coordinator) apart, but it can be listed; what makes a forged notice harmless is the signature.
+Each value written with `JobStore.put` (failure notices, rejoin announcements) carries an HMAC-SHA256 of
+its key and payload under the job's secret, and `read`/`wait_for` treat a value without a valid one as
+absent, so a process without the secret cannot make the job act on a notice it wrote.
+
+The secret comes from `NTP_JOB_SECRET` (exported by the batch script or the coordinator: never a command
+line argument, never logged or written to the run directory); a run launched on one machine without it
+uses one generated in memory by the launching process, which its forked workers inherit.
+
+Not covered: counters (`add`, the store barriers) and the keys torch's own rendezvous writes for a
+generation's process groups are not signed, and gloo/NCCL traffic is not authenticated.  A process that
+reaches the store can still stall a run or make a rendezvous fail; keep jobs on a trusted network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ntp_nemo.errors import ConfigError
+
+SECRET_ENV = "NTP_JOB_SECRET"
+MIN_SECRET_CHARS = 16
+_SEP = b":"
+
+
+def job_secret(required_by: str | None = None) -> bytes | None:
+    """The job's secret from `NTP_JOB_SECRET`; None when unset, unless `required_by` (what needs it) is
+    given: then a missing or short secret is a ConfigError (exit 2).  The value is never echoed."""
+    value = os.environ.get(SECRET_ENV, "")
+    if not value:
+        if required_by is None:
+            return None
+        raise ConfigError(
+            SECRET_ENV,
+            f"{required_by} can be reached from other machines and admits only processes holding the "
+            f"job's secret, but {SECRET_ENV} is not set. Export the same random value to every process of "
+            f"the job before it starts, e.g. `export {SECRET_ENV}=$(openssl rand -hex 32)` in the batch "
+            "script (not as a command-line argument: command lines are visible to every user of a node "
+            "and recorded in the run directory).",
+        )
+    if len(value) < MIN_SECRET_CHARS:
+        raise ConfigError(
+            SECRET_ENV,
+            f"the job's secret is {len(value)} characters long; use at least {MIN_SECRET_CHARS} random "
+            f"ones, e.g. `export {SECRET_ENV}=$(openssl rand -hex 32)`.",
+        )
+    return value.encode()
+
+
+def new_secret() -> bytes:
+    """A fresh random secret (for a job launched on one machine: held in memory, inherited by forks)."""
+    return secrets.token_hex(32).encode()
+
+
+def key_prefix(secret: bytes) -> str:
+    """The key prefix of the job holding `secret` (reveals nothing of the secret)."""
+    return "job-" + hmac.new(secret, b"ntp_nemo store prefix", hashlib.sha256).hexdigest()[:32]
+
+
+class JobStore:
+    """A job's keys on a shared store: `store` (a `PrefixStore` under `key_prefix(secret)`) is what torch
+    gets for the job's rendezvous; `put`/`read`/`wait_for` carry signed notices."""
+
+    def __init__(self, store: dist.Store, secret: bytes) -> None:
+        self.store = dist.PrefixStore(key_prefix(secret), store)
+        self._secret = secret
+
+    def __repr__(self) -> str:
+        return "JobStore(<secret hidden>)"
+
+    def _tag(self, key: str, payload: bytes) -> bytes:
+        return hmac.new(self._secret, key.encode() + b"\0" + payload, hashlib.sha256).hexdigest().encode()
+
+    def _verified(self, key: str, raw: bytes) -> str | None:
+        tag, sep, payload = bytes(raw).partition(_SEP)
+        if not sep or not hmac.compare_digest(tag, self._tag(key, payload)):
+            return None
+        return payload.decode()
+
+    def put(self, key: str, payload: str) -> None:
+        """Write `payload` under `key`, signed."""
+        data = payload.encode()
+        self.store.set(key, self._tag(key, data) + _SEP + data)
+
+    def read(self, key: str) -> str | None:
+        """The signed payload under `key`, or None (absent, or not signed with the job's secret)."""
+        if not self.store.check([key]):
+            return None
+        return self._verified(key, self.store.get(key))
+
+    def wait_for(self, key: str, timeout_s: float) -> str:
+        """Block until `key` holds a payload signed with the job's secret (an unsigned or forged value is
+        waited past: the job's own writer overwrites it).  After `timeout_s`: TimeoutError, or the store's
+        own timeout error while the key does not exist at all."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no notice signed with the job's secret under {key!r} "
+                                   f"in {timeout_s:.0f} s")
+            self.store.wait([key], timedelta(seconds=left))
+            payload = self._verified(key, self.store.get(key))
+            if payload is not None:
+                return payload
+            time.sleep(0.01)
+
+    def add(self, key: str, amount: int) -> int:
+        """A counter under the job's prefix (not signed: see the module docstring)."""
+        return int(self.store.add(key, amount))
+
+
+def host_cluster_store(port: int, *, required_by: str, timeout_s: float = 300.0) -> JobStore:
+    """Server side of a store other nodes reach (a cluster coordinator's): it listens on every interface,
+    so the job's secret is required (`required_by` names the store in the error)."""
+    secret = job_secret(required_by)
+    server = dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=timeout_s))
+    return JobStore(server, secret)
+
+
+def connect_cluster_store(host: str, port: int, *, required_by: str, timeout_s: float = 300.0) -> JobStore:
+    """A job process's connection to a store on another node (the job's secret is required)."""
+    secret = job_secret(required_by)
+    client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    return JobStore(client, secret)

@@ -1,0 +1,32 @@
+"""Commands whose packages are extras (not in the default install) refuse clearly without them: exit 2, the
+extra to install and the way around it named, no traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.test_goodput_report import run_dir  # noqa: F401  (fixture)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _without_matplotlib(code: str) -> subprocess.CompletedProcess[str]:
+    """Run `code` in a fresh interpreter where `import matplotlib` fails, as in the default install."""
+    prelude = "import sys; sys.modules['matplotlib'] = None\n"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+def test_goodput_timeline_without_matplotlib_names_the_extra(run_dir: Path) -> None:  # noqa: F811
+    call = "from ntp_nemo.goodput.report import main; sys.argv = ['ntp-goodput', sys.argv[1]]; main()"
+    proc = _without_matplotlib(call.replace("sys.argv[1]", repr(str(run_dir))))
+    assert proc.returncode == 2, proc.stderr
+    assert "--no-plot:" in proc.stderr and "pip install 'ntp_nemo[plots]'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    call = call.replace("sys.argv[1]]", f"{str(run_dir)!r}, '--no-plot']")
+    proc = _without_matplotlib(call)
+    assert proc.returncode == 0 and "goodput" in proc.stdout, proc.stderr
