@@ -172,6 +172,17 @@ def option_lines(options: dict[str, Any]) -> list[str]:
         saved = ", ".join(f"{m} {b / GiB:.2f}" for m, b in rc["saved_bytes"].items())
         lines.append(f"model.recompute on rank {rc['rank']}: activations per micro-batch "
                      f"{rc['activation_bytes']['none'] / GiB:.2f} GiB without; saves (GiB) {saved}")
+    sp = options.get("sequence_parallel")
+    if sp:
+        off, on = sp["activation_bytes"]["off"], sp["activation_bytes"]["on"]
+
+        def wire(ops: dict) -> str:
+            return ", ".join(f"{op} {v['ring_bytes'] / GiB:.3f}" for op, v in ops.items())
+
+        ops = sp["tp_collectives"]
+        lines.append(f"ntp.sequence_parallel on rank {sp['rank']}: activations per micro-batch "
+                     f"{off / GiB:.2f} -> {on / GiB:.2f} GiB ({(off - on) / max(off, 1):.0%} less); TP link "
+                     f"GiB per micro-batch off: {wire(ops['off'])}; on: {wire(ops['on'])}")
     do = options.get("distributed_optimizer")
     if do:
         before, after = do["optimizer_bytes"]["adamw"], do["optimizer_bytes"]["distributed"]

@@ -182,3 +182,32 @@ def test_a_host_tensor_at_a_collective_fails_the_dry_run(monkeypatch):
     layout = ResolvedLayout.make(2, [2, 1], [2] * 6, num_microbatches=3)
     with pytest.raises(RuntimeError, match="runtime's device is meta"):
         dry_run(layout, TINY_LLAMA, StepShape(seq_len=32, micro_batch_size=1))
+
+
+def test_sequence_parallel_dry_run_sends_slices_and_counts_its_collectives():
+    """PP2 x (2,1) with SP: stage messages of the TP-2 replica carry half the sequence; on a stage-0 rank of
+    it the reduce-scatters and all-gathers put the bytes of the all-reduces they replace on the link, plus
+    the backward's re-gathers of the column-parallel inputs, and fewer activations are saved."""
+    from ntp_nemo.runtime.dry_run import option_savings
+
+    off_layout = ResolvedLayout.make(2, [2, 1], [2] * 6, pp=2, num_microbatches=6)
+    layout = dataclasses.replace(off_layout, sequence_parallel=True)
+    shape = StepShape(seq_len=32, micro_batch_size=2)
+    ranks = dry_run(layout, TINY_LLAMA, shape, measure_options=False).ranks
+    act = shape.micro_batch_size * shape.seq_len * TINY_LLAMA.hidden_size * 4  # whole-sequence message
+    for r, m in zip(ranks, (4, 4, 4, 4, 2, 2), strict=True):
+        assert r.comm_bytes["pp"] == 2 * m * (act // 2 if r.tp_degree == 2 else act)
+    desc = _descriptors(layout, TINY_LLAMA)
+    plans = build_sync_plans(desc, [c.replica for c in layout.topology().coords])
+    sp = option_savings(layout, 0, TINY_LLAMA, shape, plans[0], 6 * 2 * 32, ranks[0].optimizer_bytes,
+                        ranks[0].activation_bytes)["sequence_parallel"]
+    off, on = sp["tp_collectives"]["off"], sp["tp_collectives"]["on"]
+    # Stage 0 (embedding, 2 layers) in a TP-2 group: 9 all-reduces of `act` (ring: 2(n-1)/n = 1 x act).
+    assert off == {"all_reduce": {"calls": 9, "bytes": 9 * act, "ring_bytes": 9 * act}}
+    # 9 reduce-scatters of `act` (ring: half of it) and 9 all-gathers of a half piece (ring: the piece),
+    # plus 4 re-gathers (the 2 column-parallel entries of 2 layers) and 4 norm-weight gradient sums.
+    assert on["reduce_scatter"] == {"calls": 9, "bytes": 9 * act, "ring_bytes": 9 * act // 2}
+    assert on["all_gather"] == {"calls": 13, "bytes": 13 * act // 2, "ring_bytes": 13 * act // 2}
+    assert on["reduce_scatter"]["ring_bytes"] + 9 * act // 2 == off["all_reduce"]["ring_bytes"]
+    assert on["all_reduce"]["calls"] == 4
+    assert ranks[0].activation_bytes == sp["activation_bytes"]["on"] < sp["activation_bytes"]["off"]

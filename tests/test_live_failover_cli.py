@@ -307,3 +307,13 @@ def test_unknown_recovery_is_a_config_error(tmp_path):
     assert proc.returncode == 2
     assert "fault.recovery" in proc.stderr and "live" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_live_reshard_with_sequence_parallelism(tmp_path, reference):
+    """SP holds no state: after the live reshard to (2,1) the split follows the new degrees, and the run
+    stays on the failure-free curve of the run without SP (32 tokens over 2 ranks, then over 1)."""
+    run, proc = _run(tmp_path, "live-sp", "ntp.sequence_parallel=true", "fault=kill_rank", "fault.rank=1")
+    assert "the survivors reshard in place" in proc.stdout
+    assert [m["layout"] for m in read_metrics(run)][-1] == "(1,2)"
+    _on_reference_curve(run, reference)

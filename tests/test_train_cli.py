@@ -55,6 +55,10 @@ LAYOUTS = {
     "ntp-2-1": ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]"],
     "ntp-3-2": ["mesh.dp=2", "mesh.tp=3", "ntp.replica_tp=[3,2]"],
     "pp2-ntp-2-1": ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]", "mesh.pp=2", "layout.schedule=1f1b"],
+    # Sequence parallelism: data.seq_len=32 splits 10, 11, 11 over degree 3 (and 16, 16 over 2).
+    "ntp-3-2-sp": ["mesh.dp=2", "mesh.tp=3", "ntp.replica_tp=[3,2]", "ntp.sequence_parallel=true"],
+    "pp2-ntp-2-1-sp": ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]", "mesh.pp=2", "layout.schedule=1f1b",
+                       "ntp.sequence_parallel=true"],
     # Shards of whole 32-element blocks (128 MLP columns over 3 ranks: 32, 32, 64) on (3, 2), with
     # per-layer degrees (the embedding and the last layer at TP 3, or 2 on the degraded replica; the first
     # layer at TP 1).

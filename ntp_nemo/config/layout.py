@@ -37,5 +37,6 @@ def resolve_layout(cfg: DictConfig, layer_tp: Sequence[int] | None = None) -> Re
         power_boost=power_boost,
         nominal_replicas=cfg.ntp.nominal_replicas,
         num_microbatches=int(cfg.data.global_batch_size) // int(cfg.data.micro_batch_size),
+        sequence_parallel=bool(cfg.ntp.get("sequence_parallel", False)),
         shard_align=int(cfg.ntp.get("shard_align", 1)),
     )

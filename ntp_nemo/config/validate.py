@@ -298,6 +298,7 @@ def resolve_layer_tp(cfg: DictConfig) -> list[int]:
             shape, tp, resolved_replica_tp(cfg), cfg.data.seq_len, cfg.data.micro_batch_size,
             num_microbatches=int(cfg.data.global_batch_size) // int(cfg.data.micro_batch_size),
             power_boost=OmegaConf.to_container(pb) if OmegaConf.is_list(pb) else pb,
+            sequence_parallel=bool(cfg.ntp.get("sequence_parallel", False)),
         )
         layer_tp = list(plan.layer_tp)
     else:

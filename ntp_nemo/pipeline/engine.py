@@ -115,12 +115,17 @@ class PipelineEngine:
     def _param(self) -> torch.Tensor:
         return next(self.model.parameters())
 
-    def _shape(self, tokens: torch.Tensor) -> tuple[int, int, int]:
-        return (tokens.shape[0], tokens.shape[1] - 1, self.hidden)
+    def _shape(self, tokens: torch.Tensor, first_layer: int | None = None) -> tuple[int, int, int]:
+        """Shape of the activation entering global layer `first_layer` (default: this stage's first):
+        under sequence parallelism the send carries only this rank's slice of the sequence."""
+        if first_layer is None:
+            first_layer = min((int(k) for k in self.model.blocks.keys()), default=self.model.cfg.num_layers)
+        lo, hi = self.model.hidden_interval(first_layer, tokens.shape[1] - 1)
+        return (tokens.shape[0], hi - lo, self.hidden)
 
     def _stage_forward(self, tokens: torch.Tensor, x: torch.Tensor | None) -> torch.Tensor:
         h = self.model.embed_tokens(tokens[:, :-1]) if self.first else x
-        h = self.model.run_blocks(h)
+        h = self.model.run_blocks(h, seq_len=tokens.shape[1] - 1)
         if self.last:
             return self.model.token_losses(h, tokens[:, 1:]).sum()
         return h

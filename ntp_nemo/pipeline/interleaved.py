@@ -110,7 +110,7 @@ class InterleavedPipelineEngine(PipelineEngine):
     def _chunk_forward(self, chunk: int, tokens: torch.Tensor, x: torch.Tensor | None) -> torch.Tensor:
         starts, ends = self._ends(chunk)
         h = self.model.embed_tokens(tokens[:, :-1]) if starts else x
-        h = self.model.run_blocks(h, self.chunks[chunk])
+        h = self.model.run_blocks(h, self.chunks[chunk], seq_len=tokens.shape[1] - 1)
         return self.model.token_losses(h, tokens[:, 1:]).sum() if ends else h
 
     def train(self, microbatches: Sequence[torch.Tensor], global_tokens: int,
@@ -137,8 +137,8 @@ class InterleavedPipelineEngine(PipelineEngine):
             if a.kind == FORWARD:
                 x = None
                 if not starts:
-                    x = self.links.recv_activation_from(self._shape(tokens), wire, device,
-                                                        wrap=self.first).requires_grad_()
+                    shape = self._shape(tokens, self.chunks[a.chunk][0])
+                    x = self.links.recv_activation_from(shape, wire, device, wrap=self.first).requires_grad_()
                 start = time.perf_counter()
                 with self.meter.recording(key):
                     out = self._chunk_forward(a.chunk, tokens, x)
@@ -176,8 +176,8 @@ class InterleavedPipelineEngine(PipelineEngine):
                 continue
             tokens = microbatches[a.microbatch]
             starts, ends = self._ends(a.chunk)
-            x = None if starts else self.links.recv_activation_from(self._shape(tokens), p.dtype, p.device,
-                                                                    wrap=self.first)
+            shape = self._shape(tokens, self.chunks[a.chunk][0])
+            x = None if starts else self.links.recv_activation_from(shape, p.dtype, p.device, wrap=self.first)
             out = self._chunk_forward(a.chunk, tokens, x)
             if ends:
                 total += out.to(self.acc_dtype)

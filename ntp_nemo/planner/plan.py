@@ -197,6 +197,7 @@ def plan_layout(
     device: DeviceModel | None = None,
     recompute: bool = False,
     distributed_optimizer: bool = False,
+    sequence_parallel: bool = False,
     num_microbatches: int | None = None,
     power_boost: float | Sequence[float] | None = None,
 ) -> Plan:
@@ -205,13 +206,14 @@ def plan_layout(
     Keyword-only extras: `pp` pipeline stages (memory and period per stage), `device` compute
     speed and bytes per parameter (default: H100-class), `recompute` full activation recomputation,
     `distributed_optimizer` the fp32 master and Adam moments (12 of the per-parameter state bytes)
-    split over the replicas holding each fragment (`optim.distributed=true`), `num_microbatches`
-    (the global batch over the micro-batch size; default one per replica) and `power_boost` (NTP-PW)
-    fix the batch split exactly as the trainer does.
+    split over the replicas holding each fragment (`optim.distributed=true`), `sequence_parallel`
+    the replicated regions' activations split over each item's degree (`ntp.sequence_parallel=true`),
+    `num_microbatches` (the global batch over the micro-batch size; default one per replica) and
+    `power_boost` (NTP-PW) fix the batch split exactly as the trainer does.
     """
     return rank_layouts(
         model, tp, replica_tp, seq_len, micro_batch_size, links, memory_limit_gb, pp=pp, device=device,
-        recompute=recompute, distributed_optimizer=distributed_optimizer,
+        recompute=recompute, distributed_optimizer=distributed_optimizer, sequence_parallel=sequence_parallel,
         num_microbatches=num_microbatches, power_boost=power_boost,
     ).plans[0]
 
@@ -229,6 +231,7 @@ def rank_layouts(
     device: DeviceModel | None = None,
     recompute: bool = False,
     distributed_optimizer: bool = False,
+    sequence_parallel: bool = False,
     num_microbatches: int | None = None,
     power_boost: float | Sequence[float] | None = None,
 ) -> Ranking:
@@ -257,7 +260,7 @@ def rank_layouts(
     def cost(kind: str, degree: int) -> ItemCost:
         if (kind, degree) not in cache:
             cache[(kind, degree)] = item_cost(
-                model, kind, degree, seq_len, micro_batch_size, device, links, recompute
+                model, kind, degree, seq_len, micro_batch_size, device, links, recompute, sequence_parallel
             )
         return cache[(kind, degree)]
 
@@ -281,7 +284,8 @@ def rank_layouts(
         mem=mem,
         stage_onehot=onehot,
         shares=np.array([max(w for w, r in zip(shares, replica_tp, strict=True) if r == n) for n in sizes]),
-        send_s=2 * links.send_time(act_bytes) if pp > 1 else 0.0,
+        # Under SP a send carries a rank's slice (at the nominal degree; a degraded replica's is larger).
+        send_s=2 * links.send_time(act_bytes / (tp if sequence_parallel else 1)) if pp > 1 else 0.0,
     )
     limit = np.inf if memory_limit_gb is None else memory_limit_gb * GB
     highest = np.array([len(c) - 1 for c in cands])  # highest degrees: the least memory any layout uses

@@ -361,8 +361,10 @@ class LiveRecovery(Callback):
         def build(layout: Layout, rank: int):
             topo = Topology(layout.tp, layout.replica_tp, old_topo.layer_tp, layout.pp, old_topo.stage_layers,
                             old_topo.shard_align)
-            runtime = NTPRuntime(ResolvedLayout.of_topology(topo, strategy.schedule, None), rank,
-                                 device=strategy.root_device)
+            # SP holds no state: the new layout's sequence split follows its degrees.
+            layout = ResolvedLayout.of_topology(topo, strategy.schedule, None,
+                                                sequence_parallel=strategy.layout.sequence_parallel)
+            runtime = NTPRuntime(layout, rank, device=strategy.root_device)
             model = runtime.build_model(module.model_cfg, module.seed)
             runtime.attach(model, strategy.bucket_mb)
             rebind_optimizer(opt, module.model, model)

@@ -44,13 +44,15 @@ class NTPRuntime:
         schedule: str | None = None,
         *,
         device: torch.device | str | None = None,
+        sequence_parallel: bool | None = None,
     ) -> None:
         if isinstance(layout, Topology):
             self.topology = layout
-            layout = ResolvedLayout.of_topology(layout, schedule or "1f1b", power_boost)
+            layout = ResolvedLayout.of_topology(layout, schedule or "1f1b", power_boost,
+                                                sequence_parallel=bool(sequence_parallel))
         else:
-            if power_boost is not None or schedule is not None:
-                raise TypeError("power_boost and schedule come from the ResolvedLayout")
+            if power_boost is not None or schedule is not None or sequence_parallel is not None:
+                raise TypeError("power_boost, schedule and sequence_parallel come from the ResolvedLayout")
             self.topology = layout.topology()
         self.layout = layout
         self.rank = rank
@@ -65,6 +67,10 @@ class NTPRuntime:
         if self.topology.world_size > 1:
             self.topology.build_groups()
         self.plan = self.topology.plan_for(rank)
+        if layout.sequence_parallel:
+            from ntp_nemo.parallel.sequence import SequenceParallelPlan
+
+            self.plan = SequenceParallelPlan(self.plan)
 
     @property
     def is_meta(self) -> bool:

@@ -39,6 +39,7 @@ class ResolvedLayout:
     - `nominal_replicas`: replicas the job was planned with (capacity is counted against them).
     - `num_microbatches`: micro-batches per global batch; `microbatches`: per-replica share of them.
     - `devices`: device string per global rank ("cuda:3", "cpu"), or None: each worker's default.
+    - `sequence_parallel`: the TP-replicated regions hold each rank's slice of the sequence.
     - `shard_align`: elements per block of MLP-column and vocabulary-row splits (`ntp.shard_align`).
     """
 
@@ -54,6 +55,7 @@ class ResolvedLayout:
     num_microbatches: int = 0
     microbatches: tuple[int, ...] = ()
     devices: tuple[str, ...] | None = field(default=None)
+    sequence_parallel: bool = False
     shard_align: int = 1
 
     @classmethod
@@ -70,6 +72,7 @@ class ResolvedLayout:
         num_microbatches: int | None = None,
         devices: Sequence[str] | None = None,
         virtual_stages: int = 1,
+        sequence_parallel: bool = False,
         shard_align: int = 1,
     ) -> ResolvedLayout:
         """Normalise the inputs and fill the derived fields (stage split, batch shares); checks that
@@ -92,6 +95,7 @@ class ResolvedLayout:
             num_microbatches=m,
             microbatches=tuple(assign_microbatches(m, topo.capacities(boost))),
             devices=None if devices is None else tuple(str(d) for d in devices),
+            sequence_parallel=bool(sequence_parallel),
             shard_align=int(shard_align),
         )
         if layout.devices is not None and len(layout.devices) != layout.world_size:
@@ -107,12 +111,13 @@ class ResolvedLayout:
         nominal_replicas: int | None = None,
         num_microbatches: int | None = None,
         virtual_stages: int = 1,
+        sequence_parallel: bool = False,
     ) -> ResolvedLayout:
         """The layout of an existing Topology (tests and benchmarks that build one directly)."""
         t = topology
         return cls.make(t.tp, t.replica_tp, t.layer_tp, t.pp, t.stage_layers, schedule, power_boost,
                         nominal_replicas, num_microbatches, virtual_stages=virtual_stages,
-                        shard_align=t.shard_align)
+                        sequence_parallel=sequence_parallel, shard_align=t.shard_align)
 
     # ---- derived --------------------------------------------------------------------------------
     @property
