@@ -121,6 +121,21 @@ def print_table(report: dict[str, Any]) -> str:
     return cap.get()
 
 
+def replica_work_lines(report: dict[str, Any], capacities: list[float]) -> list[str]:
+    """Per replica: its slowest rank's modelled work over a healthy rank's, and the split it leads to."""
+    rows = report["ranks"]
+    if not rows or rows[0].get("modelled_work") is None:
+        return []
+    lines = []
+    for replica, cap in enumerate(capacities):
+        mine = [r for r in rows if r["replica"] == replica]
+        slow = max(mine, key=lambda r: r["modelled_work"])
+        lines.append(f"replica {replica} (TP {slow['tp_degree']}): slowest rank {slow['rank']} models "
+                     f"{slow['modelled_work']:.3f}x a healthy rank's work -> capacity {cap:.3f}, "
+                     f"{slow['microbatches']} micro-batches per step")
+    return lines
+
+
 def option_lines(options: dict[str, Any]) -> list[str]:
     """One line per memory-saving option measured on the largest rank."""
     lines = []
@@ -194,6 +209,8 @@ def run_dry(cfg: DictConfig, run_dir: Path, say=print) -> dict[str, Any]:
     tmp.write_text(json.dumps(report, indent=1))
     tmp.replace(path)
     say(print_table(report), flush=True)
+    for line in replica_work_lines(report, layout.capacities()):
+        say(line, flush=True)
     for line in option_lines(report["options"]):
         say(line, flush=True)
     say(f"dry run finished in {report['timings_s']['wall_s']:.1f} s "

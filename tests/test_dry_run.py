@@ -64,14 +64,25 @@ def test_llama3_8b_63_ranks_through_the_cli(tmp_path):
     share = Fraction(sum(r["sharded_params"] for r in degraded), 7) / healthy[0]["sharded_params"]
     assert share == Fraction(8, 7)
     # Per rank: everything but attention is 8/7 of a healthy rank's (up to one vocabulary row of 128256/7);
-    # attention moves in whole KV groups (a KV head with its query heads): 8 groups over 7 ranks.
+    # attention splits the 32 query heads 4/5/4/5/4/5/5, each rank with the KV heads they read (a KV head
+    # whose 4 query heads span two ranks is held by both).
     h, d, L = cfg.hidden_size, cfg.hidden_size // cfg.num_heads, cfg.num_layers
-    per_group = L * (2 * (cfg.num_heads // cfg.num_kv_heads) * d * h + 2 * d * h)
-    healthy_rest = healthy[0]["sharded_params"] - per_group  # TP 8 = one KV group per rank
+    group = cfg.num_heads // cfg.num_kv_heads
+    healthy_attn = L * (2 * group * d * h + 2 * d * h)  # TP 8: 4 query heads and 1 KV head per rank
+    healthy_rest = healthy[0]["sharded_params"] - healthy_attn
     for j, r in enumerate(degraded):
-        groups = (j + 1) * 8 // 7 - j * 8 // 7
-        ratio = (r["sharded_params"] - groups * per_group) / healthy_rest
+        qlo, qhi = j * 32 // 7, (j + 1) * 32 // 7
+        kv = (qhi - 1) // group + 1 - qlo // group
+        attn = L * (2 * (qhi - qlo) * d * h + 2 * kv * d * h)
+        ratio = (r["sharded_params"] - attn) / healthy_rest
         assert ratio == pytest.approx(8 / 7, abs=2 * h / healthy_rest), (j, ratio)
+    # No rank of the TP-7 replica holds more than 1.20x a healthy rank's parameters (whole KV groups: 1.29x),
+    # and its modelled work is at most 1.25x; healthy ranks model exactly 1.
+    assert max(r["params"] for r in degraded) <= 1.20 * healthy[0]["params"]
+    assert {r["modelled_work"] for r in ranks if r["replica"] < 7} == {1.0}
+    slowest = max(r["modelled_work"] for r in degraded)
+    assert 1.0 < slowest <= 1.25
+    assert "replica 7 (TP 7): slowest rank " in res.stdout and f"models {slowest:.3f}x" in res.stdout
     # Precision bf16-mixed: fp32 parameters (the master weights), fp32 gradients, two fp32 AdamW moments.
     for r in ranks:
         assert r["param_bytes"] == r["grad_bytes"] == 4 * r["params"]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.models.transformer import attention_head_intervals
+from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.topology.tp_context import TPContext
 from tests.ntp_cases import GPT, LLAMA, LLAMA_KV4, exactness_worker
 
@@ -61,7 +61,8 @@ def test_query_heads_split_evenly_with_shared_kv_heads():
 @pytest.mark.parametrize("layout", ["tp3-uneven", "replicas-3-2", "per-layer-degraded"])
 def test_uneven_query_heads_with_shared_kv_heads_match_unsharded(layout):
     tp, replica_tp, layer_tp = LAYOUTS[layout]
-    results = run_workers(exactness_worker, sum(replica_tp), LLAMA_KV4, tp, replica_tp, _layer_tp(tp, layer_tp))
+    layers = _layer_tp(tp, layer_tp)
+    results = run_workers(exactness_worker, sum(replica_tp), LLAMA_KV4, tp, replica_tp, layers)
     for rank, worst in enumerate(results):
         for key, err in worst.items():
             assert err < 1e-10, f"{layout} rank {rank}: {key} rel error {err:.2e}"

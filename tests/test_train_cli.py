@@ -105,7 +105,9 @@ def single_process_llama_curve(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LLAMA_LAYOUTS))
-def test_llama_tiny_with_shared_kv_heads_follows_single_process_curve(tmp_path, single_process_llama_curve, layout):
+def test_llama_tiny_with_shared_kv_heads_follows_single_process_curve(
+    tmp_path, single_process_llama_curve, layout
+):
     run = tmp_path / "run"
     proc = run_cli([*LLAMA_TINY, *LLAMA_LAYOUTS[layout], f"hydra.run.dir={run}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ntp_nemo.planner.shapes import DeviceModel, LinkModel, ModelShape
+from ntp_nemo.topology.work import attention_heads
 
 EMBEDDING, LAYER, HEAD = "embedding", "layer", "head"
 CE_STAT_BYTES = 4  # cross-entropy statistics are reduced in fp32 (or wider, for fp64 runs)
@@ -53,12 +54,11 @@ def shard_fraction(units: int, degree: int) -> float:
 
 
 def attention_fractions(model: ModelShape, degree: int) -> tuple[float, float]:
-    """(query heads, KV heads) on the busiest rank as fractions of all, at TP `degree`."""
+    """(query heads, KV heads) on the busiest rank as fractions of all, at TP `degree` (the per-rank
+    work model's head split, `ntp_nemo.topology.work.attention_heads`)."""
     nh, kv = model.num_heads, model.num_kv_heads
-    group = nh // kv
-    bounds = [r * nh // degree for r in range(degree + 1)]
-    touched = max((hi - 1) // group - lo // group + 1 for lo, hi in zip(bounds[:-1], bounds[1:], strict=True))
-    return -(-nh // degree) / nh, touched / kv
+    held = [attention_heads(p, degree, nh, kv) for p in range(degree)]
+    return max(q for q, _ in held) / nh, max(k for _, k in held) / kv
 
 
 def units_of(model: ModelShape, kind: str) -> int:

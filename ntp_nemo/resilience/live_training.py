@@ -359,7 +359,8 @@ class LiveRecovery(Callback):
 
         def build(layout: Layout, rank: int):
             topo = Topology(layout.tp, layout.replica_tp, old_topo.layer_tp, layout.pp, old_topo.stage_layers)
-            runtime = NTPRuntime(ResolvedLayout.of_topology(topo, strategy.schedule, None), rank,
+            runtime = NTPRuntime(ResolvedLayout.of_topology(topo, strategy.schedule, None,
+                                                            work=strategy.layout.work), rank,
                                  device=strategy.root_device)
             model = runtime.build_model(module.model_cfg, module.seed)
             runtime.attach(model, strategy.bucket_mb)

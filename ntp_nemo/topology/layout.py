@@ -16,6 +16,7 @@ from typing import Any
 
 from ntp_nemo.data.rebalance import assign_microbatches
 from ntp_nemo.topology.topology import Topology
+from ntp_nemo.topology.work import WorkShape, modelled_capacities
 
 PowerBoost = float | tuple[float, ...] | None
 
@@ -39,6 +40,9 @@ class ResolvedLayout:
     - `nominal_replicas`: replicas the job was planned with (capacity is counted against them).
     - `num_microbatches`: micro-batches per global batch; `microbatches`: per-replica share of them.
     - `devices`: device string per global rank ("cuda:3", "cpu"), or None: each worker's default.
+    - `work`: the model and sequence shape the per-rank work model reads (`ntp_nemo.topology.work`):
+      with it a replica's capacity is a healthy replica's slowest-rank time over its own; without it
+      (layouts built without a model) active ranks over nominal.
     """
 
     tp: int
@@ -53,6 +57,7 @@ class ResolvedLayout:
     num_microbatches: int = 0
     microbatches: tuple[int, ...] = ()
     devices: tuple[str, ...] | None = field(default=None)
+    work: WorkShape | None = None
 
     @classmethod
     def make(
@@ -68,6 +73,7 @@ class ResolvedLayout:
         num_microbatches: int | None = None,
         devices: Sequence[str] | None = None,
         virtual_stages: int = 1,
+        work: WorkShape | Mapping | None = None,
     ) -> ResolvedLayout:
         """Normalise the inputs and fill the derived fields (stage split, batch shares); checks that
         the parts agree (a ValueError names the mismatch)."""
@@ -76,6 +82,8 @@ class ResolvedLayout:
         topo = Topology(int(tp), replica_tp, layer_tp, int(pp), list(stage_layers) if stage_layers else None)
         boost = _boost(power_boost)
         m = len(replica_tp) if num_microbatches is None else int(num_microbatches)
+        work = WorkShape.of(work)
+        caps = modelled_capacities(work, topo, boost) if work is not None else topo.capacities(boost)
         layout = cls(
             tp=int(tp),
             replica_tp=replica_tp,
@@ -87,8 +95,9 @@ class ResolvedLayout:
             power_boost=boost,
             nominal_replicas=None if nominal_replicas is None else int(nominal_replicas),
             num_microbatches=m,
-            microbatches=tuple(assign_microbatches(m, topo.capacities(boost))),
+            microbatches=tuple(assign_microbatches(m, caps)),
             devices=None if devices is None else tuple(str(d) for d in devices),
+            work=work,
         )
         if layout.devices is not None and len(layout.devices) != layout.world_size:
             raise ValueError(f"{len(layout.devices)} devices for a layout of {layout.world_size} ranks")
@@ -103,11 +112,13 @@ class ResolvedLayout:
         nominal_replicas: int | None = None,
         num_microbatches: int | None = None,
         virtual_stages: int = 1,
+        work: WorkShape | None = None,
     ) -> ResolvedLayout:
-        """The layout of an existing Topology (tests and benchmarks that build one directly)."""
+        """The layout of an existing Topology (tests and benchmarks that build one directly; live recovery
+        passes the run's `work` so the batch split stays the one every rank computes)."""
         t = topology
         return cls.make(t.tp, t.replica_tp, t.layer_tp, t.pp, t.stage_layers, schedule, power_boost,
-                        nominal_replicas, num_microbatches, virtual_stages=virtual_stages)
+                        nominal_replicas, num_microbatches, virtual_stages=virtual_stages, work=work)
 
     # ---- derived --------------------------------------------------------------------------------
     @property
@@ -128,10 +139,13 @@ class ResolvedLayout:
 
     @cached_property
     def _capacities(self) -> tuple[float, ...]:
+        if self.work is not None:
+            return tuple(modelled_capacities(self.work, self.topology(), self.power_boost))
         return tuple(self.topology().capacities(self.power_boost))
 
     def capacities(self) -> list[float]:
-        """Per-replica share of work (active ranks / nominal TP, times the power boost of degraded ones)."""
+        """Per-replica share of work: a healthy replica's modelled slowest-rank time over this one's with
+        `work` (else active ranks / nominal TP), times the power boost of degraded ones."""
         return list(self._capacities)
 
     def microbatch_counts(self, num_microbatches: int | None = None) -> list[int]:
