@@ -1,6 +1,7 @@
 """GPU checks of the CUDA path, in one command that fits in about 5 minutes on one GPU:
 
     python bench/gpu_check.py [--steps 20] [--only default,ntp,ckpt,llama] [--json gpu_check.json]
+    python bench/gpu_check.py --rehearse [--visible-gpus 1]     # the same children, on CPU, here
 
 1. `default`: the default recipe (gpt_tiny) through the real `ntp-train` CLI on cuda:0 (world 1,
    `trainer=gpu`: bf16-mixed), against the same run on CPU in float32 (bf16 tolerance); and the GPU
@@ -9,16 +10,26 @@
 2. `ntp`: an NTP layout (2,1) of three processes sharing cuda:0 over gloo with CUDA tensors, against
    the single-process curve on cuda:0, in float32 and in bf16-mixed.  (NCCL refuses two ranks on one
    GPU, so the collectives run over gloo here; on several GPUs the default is `cpu:gloo,cuda:nccl`.)
-3. `ckpt`: a checkpoint saved by a float32 run on cuda:0, resumed on CPU and on the GPU: the next
-   steps' losses agree.
+3. `ckpt`: a checkpoint saved by a float32 run on cuda:0 (world 1), resumed on CPU and on the GPU
+   (world 1 each): the next steps' losses agree.
 4. `llama`: training throughput of a ~1.2B-parameter Llama (Llama-3.2-1B shapes: hidden 2048, 16
    layers, 32 heads / 8 KV heads, FFN 8192, vocabulary 128256, tied embeddings) on ntp_nemo's model
    code, bf16 weights with fused AdamW (`bf16-true`) and fp32 weights under bf16 autocast
    (`bf16-mixed`): tokens/s and MFU = tokens/s x training FLOPs per token / the device's dense bf16
-   peak (H100/H200 SXM 989 TFLOPS, A100 312; `--peak-tflops` for others).
+   peak (H100/H200 SXM 989 TFLOPS, H100/H200 NVL 835, A100 312; `--peak-tflops` for others).
 
 The launching process never initialises CUDA (devices are counted through NVML): every part runs in
-child processes, which bind their own device.  Without a CUDA device it says so and exits 0.
+child processes, which bind their own device; they inherit no SLURM_* or torchrun variables (inside an
+allocation those would make a child wait for a cluster launch).  Before a child starts, its layout is
+checked against the visible GPUs: ranks on distinct GPUs need as many, ranks sharing cuda:0 go over
+gloo.  Without a CUDA device it says so and exits 0.
+
+`--rehearse` runs every part's children with the same configurations, launcher environment and device
+mapping (checked against `--visible-gpus`, default 1) on CPU: `trainer.accelerator=cpu`, gloo, float32
+or bf16 on the CPU, 4 steps of a smaller model (`REHEARSAL_SIZES`: hidden 64, 2 layers, 12 x 32
+tokens).  The llama part keeps its code path and dtypes on a model cut to one layer and a 1024-token
+vocabulary (1.2B parameters do not train on a CPU in minutes).  Its last line is
+`gpu_check rehearsal: N/N parts ok`.
 """
 
 from __future__ import annotations
@@ -39,7 +50,12 @@ ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("default", "ntp", "ckpt", "llama")
 
 # Dense (no sparsity) bf16 tensor-core peaks, TFLOPS, by device-name fragment (first match wins).
+# NVIDIA's datasheets give the peaks with 2:4 sparsity; dense is half: H200/H100 SXM 1,979 -> 989.5,
+# H200 NVL and H100 NVL 1,671 -> 835.5, H100 PCIe 1,513 -> 756.5.  The NVL (PCIe) cards run at a
+# lower power and clock than SXM: their names are matched before the bare "H200"/"H100".
 BF16_PEAK_TFLOPS = (
+    ("H200 NVL", 835.0),
+    ("H100 NVL", 835.0),
     ("H200", 989.0),
     ("H100 PCIE", 756.0),
     ("H100", 989.0),
@@ -64,6 +80,13 @@ QUIET = [
     "resume=never",
 ]
 SINGLE = ["mesh.dp=1", "mesh.tp=1", "mesh.pp=1", "ntp.replica_tp=null"]
+# The rehearsal's sizes: a CPU shared with other work runs the default recipe at minutes per step, so
+# the rehearsed children train a smaller model on shorter steps; layouts, precisions, launcher
+# environment and device mapping stay those of the GPU run.
+REHEARSAL_SIZES = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=4",
+                   "model.ffn_hidden_size=128", "model.max_seq_len=64", "data.seq_len=32",
+                   "data.global_batch_size=12", "data.micro_batch_size=2", "optim.warmup_steps=1",
+                   "optim.lr=3e-3"]
 LLAMA_1B = {
     "arch": "llama",
     "name": "llama_1b",
@@ -130,14 +153,86 @@ def tiny_overrides(steps: int) -> list[str]:
             "checkpoint.save_on_end=false"]
 
 
+# Variables of an external launcher: a child that inherits them takes itself for one rank of a job
+# started by srun or torchrun and waits for peers nobody starts.
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                 "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+def child_env(extra: dict | None = None, base: dict | None = None) -> dict:
+    """The environment of a child: this one without SLURM_*/torchrun variables, unbuffered output."""
+    base = dict(os.environ if base is None else base)
+    env = {k: v for k, v in base.items() if not k.startswith("SLURM_") and k not in LAUNCHER_VARS}
+    return {**env, "PYTHONUNBUFFERED": "1", **(extra or {})}
+
+
+def layout_world(overrides: list[str]) -> int:
+    """Ranks of the layout a `ntp-train` command with `overrides` runs (pp x sum of replica degrees)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from ntp_nemo.config.paths import conf_dir
+    from ntp_nemo.config.register import register_configs
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+        cfg = compose(config_name="config", overrides=[o for o in overrides if not o.startswith("hydra.")])
+    replicas = cfg.ntp.replica_tp or [cfg.mesh.tp] * int(cfg.mesh.dp)
+    return int(cfg.mesh.pp) * sum(int(n) for n in replicas)
+
+
+def mapping_problem(world: int, cuda_ordinals: list[int] | None, backend: str | None,
+                    visible: int) -> str | None:
+    """Why `world` ranks cannot run on `visible` GPUs with this mapping (None: they can).
+
+    `cuda_ordinals`: the device each rank binds (None: rank i on cuda:i, Lightning's default); ranks
+    sharing a GPU must use gloo (NCCL refuses two ranks on one device)."""
+    ordinals = list(range(world)) if cuda_ordinals is None else list(cuda_ordinals)
+    if len(ordinals) != world:
+        return f"{len(ordinals)} device ordinals for {world} ranks"
+    missing = sorted({o for o in ordinals if o >= visible})
+    if missing:
+        return (f"{world} rank(s) bind cuda:{','.join(map(str, missing))} but {visible} GPU(s) are visible: "
+                "run world 1 or share cuda:0 over gloo")
+    if len(set(ordinals)) < world and "nccl" in (backend or "cpu:gloo,cuda:nccl"):
+        return (f"{world} ranks share {len(set(ordinals))} GPU(s) over NCCL, which refuses two ranks on "
+                "one GPU")
+    return None
+
+
+class Plan:
+    """One part's children and the device mappings they need, composed once for the GPU run and the
+    CPU rehearsal alike."""
+
+    def __init__(self, rehearse: bool, visible: int) -> None:
+        self.rehearse, self.visible = rehearse, visible
+        self.problems: list[str] = []
+
+    def check(self, name: str, world: int, ordinals: list[int] | None, backend: str | None) -> bool:
+        problem = mapping_problem(world, ordinals, backend, self.visible)
+        if problem:
+            self.problems.append(f"{name}: {problem}")
+            print(f"  {name}: not started: {problem}", flush=True)
+        return problem is None
+
+    def accel(self, overrides: list[str]) -> list[str]:
+        """The child's overrides: as given on a GPU; on the CPU in a rehearsal (same layout and precision)."""
+        return [*overrides, "trainer.accelerator=cpu"] if self.rehearse else overrides
+
+    def sizes(self, overrides: list[str]) -> list[str]:
+        """Every `ntp-train` child's overrides: the rehearsal's smaller model and steps appended."""
+        return [*overrides, *REHEARSAL_SIZES] if self.rehearse else overrides
+
+
 # ---- running pieces in child processes --------------------------------------------------------------
-def run(cmd: list[str], log: Path, timeout: int = 240, env: dict | None = None) -> int:
+def run(cmd: list[str], log: Path, timeout: int = 600, env: dict | None = None) -> int:
     t0 = time.perf_counter()
     with log.open("w") as f:
         try:
             rc = subprocess.run(
                 cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
-                env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
+                env=child_env(env),
             ).returncode
         except subprocess.TimeoutExpired:
             rc = 124
@@ -149,9 +244,17 @@ def cli(overrides: list[str], run_dir: Path, log: Path, env: dict | None = None)
     return run([sys.executable, "-m", "ntp_nemo.train", *overrides, f"hydra.run.dir={run_dir}"], log, env=env)
 
 
-def worker_backend(out: Path) -> None:
+def gpu_cli(plan: Plan, name: str, overrides: list[str], run_dir: Path, log: Path) -> int:
+    """A GPU run of `ntp-train` (every rank on its own GPU, Lightning's mapping), checked first."""
+    if not plan.check(name, layout_world(overrides), None, None):
+        return 3
+    return cli(plan.accel(plan.sizes(overrides)), run_dir, log)
+
+
+def worker_backend(out: Path, rehearse: bool = False) -> None:
     """In a child process: the GPU runs' process-group backend, `cpu:gloo,cuda:nccl` (world 1, the one
-    GPU): an all-reduce of a CUDA tensor (NCCL) and an object all-gather (gloo)."""
+    GPU): an all-reduce of a CUDA tensor (NCCL) and an object all-gather (gloo).  Rehearsed on CPU:
+    the same calls over gloo with a CPU tensor (NCCL needs a GPU)."""
     import tempfile as tf
 
     import torch
@@ -159,29 +262,36 @@ def worker_backend(out: Path) -> None:
 
     from ntp_nemo.lightning.strategy import default_backend
 
-    torch.cuda.set_device(0)
-    device = torch.device("cuda", 0)
-    backend = default_backend(device)
+    device = torch.device("cpu") if rehearse else torch.device("cuda", 0)
+    if not rehearse:
+        torch.cuda.set_device(0)
+    backend = default_backend(torch.device("cuda", 0))
     with tf.TemporaryDirectory() as d:
-        dist.init_process_group(backend, store=dist.FileStore(f"{d}/store", 1), rank=0, world_size=1,
-                                device_id=device)
+        extra = {} if rehearse else {"device_id": device}
+        dist.init_process_group("gloo" if rehearse else backend, store=dist.FileStore(f"{d}/store", 1),
+                                rank=0, world_size=1, **extra)
         t = torch.full((4,), 2.0, device=device)
         dist.all_reduce(t)
         objs = [None]
         dist.all_gather_object(objs, {"rank": 0})
-        out.write_text(json.dumps({"backend": backend, "all_reduce_ok": bool((t == 2.0).all().item()),
+        out.write_text(json.dumps({"backend": backend, "ran_on": "cpu:gloo" if rehearse else backend,
+                                   "all_reduce_ok": bool((t == 2.0).all().item()),
                                    "all_gather_object": objs}))
         dist.destroy_process_group()
 
 
-def part_default(tmp: Path, steps: int) -> dict:
+def part_default(tmp: Path, steps: int, plan: Plan) -> dict:
     gpu, cpu = tmp / "default_gpu", tmp / "default_cpu"
-    rc_gpu = cli([*tiny_overrides(steps), "trainer=gpu"], gpu, tmp / "default_gpu.log")
-    rc_cpu = cli([*tiny_overrides(steps)], cpu, tmp / "default_cpu.log")
+    single = [*tiny_overrides(steps), *SINGLE]  # world 1: the one GPU
+    rc_gpu = gpu_cli(plan, "default gpu", [*single, "trainer=gpu"], gpu, tmp / "default_gpu.log")
+    rc_cpu = cli(plan.sizes(single), cpu, tmp / "default_cpu.log")
     got, ref = read_losses(gpu), read_losses(cpu)
     cmp = compare_curves(got, ref, BF16_RTOL)
     pg = tmp / "backend.json"
-    rc_pg = run([sys.executable, __file__, "--worker-backend", str(pg)], tmp / "backend.log")
+    rc_pg = 3
+    if plan.check("default backend", 1, [0], "cpu:gloo,cuda:nccl"):
+        rc_pg = run([sys.executable, __file__, "--worker-backend", str(pg), *(["--rehearse"] if plan.rehearse
+                                                                               else [])], tmp / "backend.log")
     backend = json.loads(pg.read_text()) if rc_pg == 0 and pg.exists() else {"rc": rc_pg}
     return {
         "ok": rc_gpu == 0 and rc_cpu == 0 and cmp["ok"] and len(got) == steps and got[-1] < got[0]
@@ -196,8 +306,15 @@ def part_default(tmp: Path, steps: int) -> dict:
     }
 
 
-def worker_ntp(run_dir: Path, layout: str, precision: str, steps: int) -> None:
-    """In a child process: train the default recipe on `layout` with every rank on cuda:0 (gloo)."""
+def ntp_mesh(layout: str) -> list[str]:
+    sizes = [int(x) for x in layout.split(",")]
+    return SINGLE if sizes == [1] else [f"mesh.dp={len(sizes)}", f"mesh.tp={max(sizes)}",
+                                        "ntp.replica_tp=[" + layout + "]"]
+
+
+def worker_ntp(run_dir: Path, layout: str, precision: str, steps: int, rehearse: bool = False) -> None:
+    """In a child process: train the default recipe on `layout` with every rank on cuda:0 (gloo); on
+    the CPU in a rehearsal."""
     from hydra import compose, initialize_config_dir
 
     from ntp_nemo.config.paths import conf_dir
@@ -207,13 +324,12 @@ def worker_ntp(run_dir: Path, layout: str, precision: str, steps: int) -> None:
     from ntp_nemo.lightning.factory import build_trainer
 
     sizes = [int(x) for x in layout.split(",")]
-    mesh = SINGLE if sizes == [1] else [
-        f"mesh.dp={len(sizes)}", f"mesh.tp={max(sizes)}", "ntp.replica_tp=[" + layout + "]"
-    ]
+    mesh = ntp_mesh(layout)
     register_configs()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
         cfg = compose(config_name="config", overrides=[
-            *tiny_overrides(steps), *mesh, "trainer.accelerator=gpu", f"trainer.precision={precision}",
+            *tiny_overrides(steps), *mesh, f"trainer.accelerator={'cpu' if rehearse else 'gpu'}",
+            f"trainer.precision={precision}", *(REHEARSAL_SIZES if rehearse else []),
             "trainer.process_group_backend=gloo",
         ])
     validate(cfg)
@@ -222,19 +338,24 @@ def worker_ntp(run_dir: Path, layout: str, precision: str, steps: int) -> None:
     data = build_data(d.path, d.tokenizer, int(d.seq_len), int(d.global_batch_size), int(cfg.seed),
                       float(d.val_fraction), int(cfg.model.vocab_size))
     world = sum(sizes)
-    trainer, module, _ = build_trainer(cfg, run_dir, data, resolve_layer_tp(cfg), [], [0] * world)
+    trainer, module, _ = build_trainer(cfg, run_dir, data, resolve_layer_tp(cfg), [],
+                                       None if rehearse else [0] * world)
     trainer.fit(module)
 
 
-def part_ntp(tmp: Path, steps: int) -> dict:
+def part_ntp(tmp: Path, steps: int, plan: Plan) -> dict:
     out: dict = {}
     ok = True
     for precision, rtol in (("32-true", FP32_RTOL), ("bf16-mixed", BF16_RTOL)):
         curves = {}
         for layout in ("1", "2,1"):
             run_dir = tmp / f"ntp_{layout.replace(',', '-')}_{precision}"
-            rc = run([sys.executable, __file__, "--worker-ntp", str(run_dir), layout, precision, str(steps)],
-                     tmp / f"{run_dir.name}.log")
+            world = sum(int(x) for x in layout.split(","))
+            rc = 3
+            if plan.check(f"ntp ({layout}) {precision}", world, [0] * world, "gloo"):  # all on cuda:0
+                flags = ["--rehearse"] if plan.rehearse else []
+                rc = run([sys.executable, __file__, "--worker-ntp", str(run_dir), layout, precision,
+                          str(steps), *flags], tmp / f"{run_dir.name}.log")
             curves[layout] = read_losses(run_dir)
             ok &= rc == 0
         cmp = compare_curves(curves["2,1"], curves["1"], rtol)
@@ -244,19 +365,26 @@ def part_ntp(tmp: Path, steps: int) -> dict:
     return out
 
 
-def part_ckpt(tmp: Path, steps: int) -> dict:
+def part_ckpt(tmp: Path, steps: int, plan: Plan) -> dict:
     saved = tmp / "ckpt_gpu"
     first = max(2, steps // 3)
-    base = [*QUIET, "checkpoint.every_n_steps=0", "checkpoint.save_on_end=true", "trainer.precision=32-true"]
-    rc0 = cli([*base, f"trainer.max_steps={first}", "trainer.accelerator=gpu"], saved, tmp / "ckpt_gpu.log")
+    base = [*QUIET, *SINGLE, "checkpoint.every_n_steps=0", "checkpoint.save_on_end=true",
+            "trainer.precision=32-true"]  # world 1: the one GPU
+    rc0 = gpu_cli(plan, "ckpt save gpu", [*base, f"trainer.max_steps={first}", "trainer.accelerator=gpu"],
+                  saved, tmp / "ckpt_gpu.log")
     more = [s for s in base if s != "resume=never"] + ["resume=auto", f"trainer.max_steps={first + 5}"]
     results = {}
     for name, accel in (("cpu", "cpu"), ("gpu", "gpu")):
         run_dir = tmp / f"ckpt_resume_{name}"
         if saved.exists():
             shutil.copytree(saved, run_dir)
-        rc = cli([*more, f"trainer.accelerator={accel}"], run_dir, tmp / f"ckpt_resume_{name}.log")
-        log = (tmp / f"ckpt_resume_{name}.log").read_text()
+        overrides = [*more, f"trainer.accelerator={accel}"]
+        if accel == "gpu":
+            rc = gpu_cli(plan, "ckpt resume gpu", overrides, run_dir, tmp / f"ckpt_resume_{name}.log")
+        else:
+            rc = cli(plan.sizes(overrides), run_dir, tmp / f"ckpt_resume_{name}.log")
+        logf = tmp / f"ckpt_resume_{name}.log"
+        log = logf.read_text() if logf.exists() else ""
         results[name] = {"rc": rc, "resumed": "resuming from" in log, "losses": read_losses(run_dir)[first:]}
     cmp = compare_curves(results["cpu"]["losses"], results["gpu"]["losses"], FP32_RTOL)
     return {
@@ -267,42 +395,50 @@ def part_ckpt(tmp: Path, steps: int) -> dict:
     }
 
 
+LLAMA_REHEARSAL = {"num_layers": 1, "vocab_size": 1024}  # the 1B's code path and dtypes, at CPU size
+
+
 def worker_llama(
-    out: Path, precision: str, micro_batch: int, seq: int, steps: int, peak: float | None
+    out: Path, precision: str, micro_batch: int, seq: int, steps: int, peak: float | None,
+    rehearse: bool = False,
 ) -> None:
-    """In a child process: time training steps of the ~1.2B Llama on cuda:0."""
+    """In a child process: time training steps of the ~1.2B Llama on cuda:0 (a one-layer cut of it on
+    the CPU in a rehearsal)."""
     import torch
 
     from ntp_nemo.models import ModelConfig, build_model, flops_per_token, param_count
 
-    torch.cuda.set_device(0)
-    cfg = ModelConfig(**{**LLAMA_1B, "max_seq_len": seq})
+    dev = "cpu" if rehearse else "cuda"
+    if not rehearse:
+        torch.cuda.set_device(0)
+    cfg = ModelConfig(**{**LLAMA_1B, "max_seq_len": seq, **(LLAMA_REHEARSAL if rehearse else {})})
     model = build_model(cfg, seed=0)
-    dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
-    model = model.to(device="cuda", dtype=dtype)
+    dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32  # bf16-true: no float32 masters
+    model = model.to(device=dev, dtype=dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    tokens = torch.randint(0, cfg.vocab_size, (micro_batch, seq + 1), device="cuda", generator=gen)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (micro_batch, seq + 1), device=dev, generator=gen)
     n_tok = micro_batch * seq
 
     def step() -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
             loss = model.loss_sum(tokens) / n_tok
         loss.backward()
         opt.step()
         return loss.detach()
 
-    for _ in range(3):  # warm-up: allocator, kernels
+    sync = (lambda: None) if rehearse else torch.cuda.synchronize
+    for _ in range(1 if rehearse else 3):  # warm-up: allocator, kernels
         step()
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     for _ in range(steps):
         loss = step()
-    torch.cuda.synchronize()
+    sync()
     secs = (time.perf_counter() - t0) / steps
-    name = torch.cuda.get_device_name(0)
-    peak = peak or bf16_peak_tflops(name)
+    name = "cpu (rehearsal)" if rehearse else torch.cuda.get_device_name(0)
+    peak = None if rehearse else peak or bf16_peak_tflops(name)
     fpt = flops_per_token(cfg, seq)
     tps = n_tok / secs
     out.write_text(json.dumps({
@@ -316,18 +452,23 @@ def worker_llama(
         "tflops": tps * fpt / 1e12,
         "peak_tflops": peak,
         "mfu": mfu(tps, fpt, peak) if peak else None,
-        "max_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "max_memory_gib": None if rehearse else torch.cuda.max_memory_allocated() / 2**30,
         "final_loss": float(loss),
     }))
 
 
-def part_llama(tmp: Path, peak: float | None, micro_batch: int, seq: int) -> dict:
+def part_llama(tmp: Path, peak: float | None, micro_batch: int, seq: int, plan: Plan) -> dict:
     out: dict = {"ok": True}
+    if plan.rehearse:
+        micro_batch, seq = 1, 32
     for precision in ("bf16-true", "bf16-mixed"):
         path = tmp / f"llama_{precision}.json"
-        cmd = [sys.executable, __file__, "--worker-llama", str(path), precision, str(micro_batch), str(seq),
-               "10", str(peak or 0)]
-        rc = run(cmd, tmp / f"llama_{precision}.log", timeout=300)
+        rc = 3
+        if plan.check(f"llama {precision}", 1, [0], None):
+            cmd = [sys.executable, __file__, "--worker-llama", str(path), precision, str(micro_batch),
+                   str(seq), "2" if plan.rehearse else "10", str(peak or 0),
+                   *(["--rehearse"] if plan.rehearse else [])]
+            rc = run(cmd, tmp / f"llama_{precision}.log", timeout=300)
         res = json.loads(path.read_text()) if rc == 0 and path.exists() else {"rc": rc}
         out[precision] = res
         out["ok"] &= rc == 0
@@ -336,56 +477,65 @@ def part_llama(tmp: Path, peak: float | None, micro_batch: int, seq: int) -> dic
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=20, help="training steps of the curve comparisons")
+    ap.add_argument("--steps", type=int, help="training steps of the curve comparisons (20; 4 rehearsed)")
     ap.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts of {PARTS}")
     ap.add_argument("--json", help="also write the results to this file")
     ap.add_argument("--peak-tflops", type=float, help="dense bf16 peak of the device (default: by its name)")
     ap.add_argument("--llama-micro-batch", type=int, default=8)
     ap.add_argument("--llama-seq", type=int, default=2048)
     ap.add_argument("--keep", help="keep run directories and logs here (default: a temporary directory)")
+    ap.add_argument("--rehearse", action="store_true",
+                    help="run every part's children on CPU (same configurations and device mapping)")
+    ap.add_argument("--visible-gpus", type=int, default=1, help="GPUs the rehearsal maps the ranks onto")
     ap.add_argument("--worker-ntp", nargs=4, help=argparse.SUPPRESS)
     ap.add_argument("--worker-llama", nargs=6, help=argparse.SUPPRESS)
     ap.add_argument("--worker-backend", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker_ntp:
         d, layout, precision, steps = args.worker_ntp
-        worker_ntp(Path(d), layout, precision, int(steps))
+        worker_ntp(Path(d), layout, precision, int(steps), args.rehearse)
         return 0
     if args.worker_backend:
-        worker_backend(Path(args.worker_backend))
+        worker_backend(Path(args.worker_backend), args.rehearse)
         return 0
     if args.worker_llama:
         p, precision, mb, seq, steps, peak = args.worker_llama
-        worker_llama(Path(p), precision, int(mb), int(seq), int(steps), float(peak) or None)
+        worker_llama(Path(p), precision, int(mb), int(seq), int(steps), float(peak) or None, args.rehearse)
         return 0
 
     sys.path.insert(0, str(ROOT))
     from ntp_nemo.parallel.devices import cuda_device_count  # NVML: no CUDA context in this process
 
+    args.steps = args.steps or (4 if args.rehearse else 20)
     parts = [p for p in args.only.split(",") if p]
     bad = [p for p in parts if p not in PARTS]
     if bad:
         print(f"error: unknown part(s) {bad}; choose from {', '.join(PARTS)}", file=sys.stderr)
         return 2
-    n = cuda_device_count()
+    n = args.visible_gpus if args.rehearse else cuda_device_count()
     if n == 0:
-        print("gpu_check: no CUDA device visible; nothing was run (this check needs one GPU).")
+        print("gpu_check: no CUDA device visible; nothing was run (this check needs one GPU; "
+              "`--rehearse` runs its children on CPU).")
         return 0
     tmp = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="gpu_check_"))
     tmp.mkdir(parents=True, exist_ok=True)
-    print(f"gpu_check: {n} CUDA device(s) visible; using cuda:0; logs in {tmp}", flush=True)
+    what = f"rehearsal on CPU of {n} simulated GPU(s)" if args.rehearse else f"{n} CUDA device(s) visible"
+    print(f"gpu_check: {what}; using cuda:0; logs in {tmp}", flush=True)
     results: dict = {}
     t0 = time.perf_counter()
     for part in parts:
         print(f"[{part}]", flush=True)
+        plan = Plan(args.rehearse, n)
         if part == "default":
-            results[part] = part_default(tmp, args.steps)
+            results[part] = part_default(tmp, args.steps, plan)
         elif part == "ntp":
-            results[part] = part_ntp(tmp, args.steps)
+            results[part] = part_ntp(tmp, args.steps, plan)
         elif part == "ckpt":
-            results[part] = part_ckpt(tmp, args.steps)
+            results[part] = part_ckpt(tmp, args.steps, plan)
         else:
-            results[part] = part_llama(tmp, args.peak_tflops, args.llama_micro_batch, args.llama_seq)
+            results[part] = part_llama(tmp, args.peak_tflops, args.llama_micro_batch, args.llama_seq, plan)
+        if plan.problems:
+            results[part].update(ok=False, mapping_problems=plan.problems)
         print(json.dumps(results[part], indent=2), flush=True)
     results["wall_s"] = time.perf_counter() - t0
     print(f"\ngpu_check: {time.perf_counter() - t0:.0f}s")
@@ -399,7 +549,10 @@ def main() -> int:
                   f"{r['tflops']:.0f} TFLOPS, MFU {mfu_text} on {r['device']}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
-    return 0 if all(results[p]["ok"] for p in parts) else 1
+    passed = sum(bool(results[p]["ok"]) for p in parts)
+    if args.rehearse:
+        print(f"gpu_check rehearsal: {passed}/{len(parts)} parts ok")
+    return 0 if passed == len(parts) else 1
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Memory saved by activation recomputation and by the distributed optimizer, measured.
 
-    python bench/memory.py [--layers 4] [--hidden 256] [--seq-len 256] [--micro-batch-size 4]
+    python bench/memory.py [--layers 4] [--hidden 256] [--seq-len 256] [--micro-batch-size 4] [--bucket-mb 1]
 
 1. Saved activation bytes per micro-batch for `model.recompute=none|selective|full` (and full every
    2nd layer), GPT-2- and Llama-style: every tensor autograd saves for the backward during one
@@ -15,6 +15,18 @@
    DP 4 (TP 1) and on the degraded layout replicas (2, 1): plain = the tensors in the AdamW state after
    one step; distributed = the moments of the chunks the rank owns.  float32 parameters, so the
    parameters themselves are the master weights in both cases (no extra master copy).
+3. Device memory of a checkpoint save, plain AdamW against `DistributedAdamW` side by side, per rank of
+   the same layouts after one step: `state` = the optimizer state the device keeps between steps; `save
+   extra` = the peak of tensor bytes the save allocates on the device while it takes its snapshot (the
+   distributed optimizer gathers the unsharded moments of its buckets; the plain one only hands out
+   views of its state); `peak` = state + save extra; `held after` = bytes the save allocated that are
+   still alive once the snapshot is written.  Counted by a `TorchDispatchMode` that follows every fresh
+   output of an operator until it is freed.  This machine's device is the CPU, which is also where the
+   distributed optimizer stages the full moments for the writer (host memory on a GPU): to count the
+   device's side alone, the run points that staging at the meta device (shapes only) and measures the
+   snapshot, which is all of the save that touches device memory (the writer reads the snapshot).  The
+   distributed optimizer gathers one gradient bucket at a time, so its extra is the largest bucket
+   (`--bucket-mb`; 25 MiB by default in training, against GiBs of moments on a real model).
 """
 
 from __future__ import annotations
@@ -22,9 +34,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import weakref
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from ntp_nemo.checkpoint.sharded import take_snapshot
 from ntp_nemo.models import build_model
 from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.parallel.launch import run_workers
@@ -101,6 +116,86 @@ def optimizer_worker(rank: int, world: int, cfg: ModelConfig, replica_tp: list[i
     return out
 
 
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the tensors on `device` that operators allocate while active and that are still alive;
+    `peak` is the most at any moment.  A fresh output is one whose storage no input shares (views and
+    in-place results are not allocations); it is counted until the tensor is freed."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+        self.live = self.peak = 0
+
+    def _free(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in _flat_tensors((args, kwargs))
+                  if t.device == self.device}
+        for t in _flat_tensors(out):
+            if t.device == self.device and t.untyped_storage().data_ptr() not in inputs:
+                nbytes = t.untyped_storage().nbytes()
+                inputs.add(t.untyped_storage().data_ptr())
+                self.live += nbytes
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(t, self._free, nbytes)
+        return out
+
+
+def _flat_tensors(obj) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for x in obj for t in _flat_tensors(x)]
+    if isinstance(obj, dict):
+        return [t for x in obj.values() for t in _flat_tensors(x)]
+    return []
+
+
+def save_memory_worker(rank: int, world: int, cfg: ModelConfig, replica_tp: list[int],
+                       bucket_mb: float = 25.0) -> dict:
+    """Per optimizer kind: (device state bytes, extra bytes the snapshot allocates at its peak on the
+    device, bytes of those still alive after it)."""
+    tp = max(replica_tp)
+    rt = NTPRuntime(Topology(tp, replica_tp, [tp] * (cfg.num_layers + 2)), rank)
+    gen = torch.Generator().manual_seed(0)
+    seq = min(32, cfg.max_seq_len)
+    toks = torch.randint(0, cfg.vocab_size, (2 * len(replica_tp), seq + 1), generator=gen)
+    out = {}
+    for distributed in (False, True):
+        model = rt.build_model(cfg, 0)
+        sync = rt.attach(model, bucket_mb=bucket_mb)
+        opt = build_optimizer(model, sync, distributed=distributed, **OPTIM)
+        path = GradientPath(model, sync, opt)
+        rt.train_microbatches(model, [toks[i : i + 1] for i in rt.my_microbatches(toks.shape[0])],
+                              toks[:, 1:].numel())
+        path.sync_and_clip(1.0)
+        opt.step()
+        if distributed:
+            state = opt.state_bytes()
+            opt.host = torch.device("meta")  # count the device's side only (see the module doc)
+        else:
+            state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+                        if t.dim() > 0)
+        meter = LiveBytes(torch.device("cpu"))
+        with meter:
+            snap = take_snapshot(model, opt)
+            del snap
+        out["distributed" if distributed else "plain"] = {"state": state, "save_extra": meter.peak,
+                                                          "held_after": meter.live}
+    return out
+
+
+def save_table(cfg: ModelConfig, bucket_mb: float) -> list[dict]:
+    rows = []
+    for name, replica_tp in (("DP2 x TP1", [1, 1]), ("DP4 x TP1", [1, 1, 1, 1]), ("replicas (2,1)", [2, 1])):
+        results = run_workers(save_memory_worker, sum(replica_tp), cfg, replica_tp, bucket_mb)
+        for rank, r in enumerate(results):
+            rows.append({"layout": name, "rank": rank, **r})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=4)
@@ -108,6 +203,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--micro-batch-size", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=257)
+    ap.add_argument("--bucket-mb", type=float, default=1.0, help="gradient bucket size (part 3)")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -135,9 +231,21 @@ def main() -> None:
             opt_rows.append({"layout": name, "rank": rank, **r, "ratio": ratio, "ideal": ideal})
             print(f"{name:<14} {rank:>4} {r['param_bytes'] / MiB:>10.2f} {r['plain'] / MiB:>10.2f} "
                   f"{r['distributed'] / MiB:>16.2f} {ratio:>12.3f} {ideal:>10.3f}", flush=True)
+    print(f"\n3. device memory of a checkpoint save (optimizer state + what the save allocates), same model, "
+          f"float32, gradient buckets of {args.bucket_mb} MiB, MiB")
+    print(f"{'layout':<14} {'rank':>4} | {'plain: state':>12} {'save extra':>10} {'peak':>7} | "
+          f"{'distributed: state':>18} {'save extra':>10} {'peak':>7} {'held after':>10} | "
+          f"{'peak dist/plain':>15}")
+    save_rows = save_table(cfg, args.bucket_mb)
+    for r in save_rows:
+        p, d = r["plain"], r["distributed"]
+        pp, dp = p["state"] + p["save_extra"], d["state"] + d["save_extra"]
+        print(f"{r['layout']:<14} {r['rank']:>4} | {p['state'] / MiB:>12.2f} {p['save_extra'] / MiB:>10.2f} "
+              f"{pp / MiB:>7.2f} | {d['state'] / MiB:>18.2f} {d['save_extra'] / MiB:>10.2f} {dp / MiB:>7.2f} "
+              f"{d['held_after'] / MiB:>10.2f} | {dp / pp:>15.3f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"activations": act, "optimizer": opt_rows}, f, indent=1)
+            json.dump({"activations": act, "optimizer": opt_rows, "save": save_rows}, f, indent=1)
 
 
 if __name__ == "__main__":

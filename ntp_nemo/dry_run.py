@@ -87,6 +87,49 @@ def totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def shard_sizes(layout, mcfg) -> dict[str, dict[str, list[int]]]:
+    """Per TP degree in use: the MLP-column and vocabulary-row shard sizes, rank by rank of the group."""
+    from ntp_nemo.topology.shard import aligned_sizes
+
+    topo = layout.topology()
+    degrees = sorted({topo.degree(r, s) for r in range(topo.dp) for s in range(len(topo.layer_tp))})
+    return {str(d): {"mlp_columns": aligned_sizes(d, int(mcfg.ffn_hidden_size), layout.shard_align),
+                     "vocab_rows": aligned_sizes(d, int(mcfg.vocab_size), layout.shard_align)}
+            for d in degrees}
+
+
+def _runs(sizes: list[int]) -> str:
+    """1792 x 8 ... in order of first appearance."""
+    counts: dict[int, int] = {}
+    for s in sizes:
+        counts[s] = counts.get(s, 0) + 1
+    return ", ".join(f"{s} x{n}" for s, n in counts.items())
+
+
+def shard_lines(report: dict[str, Any]) -> list[str]:
+    out = [f"shard sizes (ntp.shard_align={report['shard_align']}):"]
+    for d, s in report["shard_sizes"].items():
+        out.append(f"  TP {d}: MLP columns {_runs(s['mlp_columns'])}; "
+                   f"vocabulary rows {_runs(s['vocab_rows'])}")
+    return out
+
+
+def sockets_per_rank(rows: list[dict[str, Any]], world_size: int, async_save: bool) -> dict[str, int]:
+    """The most TCP sockets gloo opens on a rank: on GPUs (gloo beside NCCL, only the world group and
+    the checkpoint writer's group are gloo) and on CPU (every group is gloo)."""
+    from ntp_nemo.topology.groups import gloo_sockets
+
+    most = max(r["subgroup_peers"] for r in rows)
+    return {"gpu": gloo_sockets(world_size, most, gloo_subgroups=False, checkpoint_group=async_save),
+            "cpu": gloo_sockets(world_size, most, gloo_subgroups=True, checkpoint_group=async_save)}
+
+
+def sockets_line(report: dict[str, Any]) -> str:
+    s = report["gloo_sockets_per_rank"]
+    return (f"gloo sockets per rank (most): {s['gpu']} on GPUs (gloo only for the world group and the "
+            f"checkpoint writer's; subgroups NCCL-only), {s['cpu']} on CPU (every group gloo)")
+
+
 def print_table(report: dict[str, Any]) -> str:
     from rich.console import Console
     from rich.table import Table
@@ -121,8 +164,9 @@ def print_table(report: dict[str, Any]) -> str:
     return cap.get()
 
 
-def replica_work_lines(report: dict[str, Any], capacities: list[float]) -> list[str]:
-    """Per replica: its slowest rank's modelled work over a healthy rank's, and the split it leads to."""
+def replica_work_lines(report: dict[str, Any], capacities: list[float], rule: str = "work") -> list[str]:
+    """Per replica: its slowest rank's modelled work over a healthy rank's, and the split the layout's
+    capacity rule (`ntp.capacity`) gives it."""
     rows = report["ranks"]
     if not rows or rows[0].get("modelled_work") is None:
         return []
@@ -131,7 +175,7 @@ def replica_work_lines(report: dict[str, Any], capacities: list[float]) -> list[
         mine = [r for r in rows if r["replica"] == replica]
         slow = max(mine, key=lambda r: r["modelled_work"])
         lines.append(f"replica {replica} (TP {slow['tp_degree']}): slowest rank {slow['rank']} models "
-                     f"{slow['modelled_work']:.3f}x a healthy rank's work -> capacity {cap:.3f}, "
+                     f"{slow['modelled_work']:.3f}x a healthy rank's work; capacity ({rule}) {cap:.3f}, "
                      f"{slow['microbatches']} micro-batches per step")
     return lines
 
@@ -200,6 +244,10 @@ def run_dry(cfg: DictConfig, run_dir: Path, say=print) -> dict[str, Any]:
         # Memory each optional saving would bring (activation recomputation, distributed optimizer, ...):
         # one entry per option, filled by `ntp_nemo.runtime.dry_run.option_savings`.
         "options": result.options,
+        "shard_align": layout.shard_align,
+        "shard_sizes": shard_sizes(layout, mcfg),
+        "gloo_sockets_per_rank": sockets_per_rank(rows, layout.world_size,
+                                                  bool(checked.checkpoint.get("async_save", False))),
         "timings_s": {**result.timings, "wall_s": time.perf_counter() - t0,
                       "cpu_s": time.process_time() - cpu0},
     }
@@ -209,8 +257,11 @@ def run_dry(cfg: DictConfig, run_dir: Path, say=print) -> dict[str, Any]:
     tmp.write_text(json.dumps(report, indent=1))
     tmp.replace(path)
     say(print_table(report), flush=True)
-    for line in replica_work_lines(report, layout.capacities()):
+    for line in replica_work_lines(report, layout.capacities(), layout.capacity):
         say(line, flush=True)
+    for line in shard_lines(report):
+        say(line, flush=True)
+    say(sockets_line(report), flush=True)
     for line in option_lines(report["options"]):
         say(line, flush=True)
     say(f"dry run finished in {report['timings_s']['wall_s']:.1f} s "

@@ -98,11 +98,22 @@ def train(cfg: DictConfig) -> dict:
 
     validate_fault_config(cfg)  # the `fault` group too (no torch, no Lightning)
     check_environment(cfg)
+    from ntp_nemo.parallel.cluster import slurm_batch_without_srun
+
+    if slurm_batch_without_srun():
+        say(f"note: a SLURM batch script without srun (SLURM_NTASKS={os.environ['SLURM_NTASKS']} is the "
+            "allocation's, not a launch): ntp-train launches the layout's ranks on this node", flush=True)
     checks.check_batch_split(cfg)
     checks.warn_no_ops(cfg)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     checks.check_outputs(cfg, run_dir)
     ckpt_path = resolve_resume(cfg, run_dir)
+    if ckpt_path is None and str(cfg.resume) == "auto":
+        from ntp_nemo.config.run_dir import nothing_saved_note
+
+        note = nothing_saved_note(run_dir, run_dir / str(cfg.checkpoint.dir))
+        if note:
+            say(note, flush=True)
     if ckpt_path is not None:
         checks.check_resume_model(cfg, ckpt_path)
     from ntp_nemo.resilience.supervisor import Supervisor  # imports Lightning
@@ -144,7 +155,8 @@ def train(cfg: DictConfig) -> dict:
         cfg,
         run_dir,
         lambda c, extra, devices: build_trainer(
-            c, run_dir, data, layout if c is cfg else resolve_layout(c), extra, devices
+            c, run_dir, data, layout if c is cfg else resolve_layout(c), extra, devices,
+            job_started=launcher_rank() == 0,  # recorded below, before supervisor.run
         ),
     )
     trainer, module, strategy = supervisor.build_first()
@@ -176,7 +188,7 @@ def train(cfg: DictConfig) -> dict:
         )
         return {"already_complete": True, "checkpoint": str(ckpt_path)}
     if ckpt_path is not None:
-        say(f"resuming from {ckpt_path} (resume={cfg.resume})", flush=True)
+        say(f"resuming from {ckpt_path} (step {done_step}; resume={cfg.resume})", flush=True)
     if launcher_rank() == 0:
         GoodputRecorder(run_dir).record("job_start", layout=topo.describe())
     t0 = time.time()
@@ -318,7 +330,7 @@ def print_summary(summary: dict, run_dir: Path, log_dirs: list[str] | None = Non
         *(
             [
                 f" failover      {summary['failover']['failures']} failure(s)"
-                + "".join(f"; recovered {r['mode']} in {r['recovery_s']:.1f} s"
+                + "".join(f"; recovered {r['mode']} in {r['recovery_s']:.2f} s"
                           for r in summary["failover"].get("recoveries", []))
                 + "; layouts " + " -> ".join(summary["failover"]["layouts"])
             ]
@@ -387,7 +399,34 @@ def _drop_empty_run_dir() -> None:
         remove_if_empty(Path(HydraConfig.get().runtime.output_dir))
 
 
+def _interrupted(signum, frame) -> None:  # noqa: ANN001 - signal handler signature
+    """Ctrl-C in this process while no worker trains (imports, composition, data, checks, the summary):
+    nothing to save, so stop at once. Exiting from the handler (rather than raising KeyboardInterrupt
+    inside Hydra's or OmegaConf's code, which turns it into a bogus config error) keeps it clean."""
+    print("interrupted (Ctrl-C) while no training step runs: nothing to save; stopped", file=sys.stderr,
+          flush=True)
+    try:
+        _drop_empty_run_dir()
+    except Exception:  # noqa: BLE001 - no Hydra job yet: no run directory to tidy
+        pass
+    os._exit(0)
+
+
 def main() -> None:
+    import signal
+
+    # The launcher replaces this handler while workers run (they checkpoint); forked workers hold the
+    # signal until training starts (`hold_stop_signals`).
+    signal.signal(signal.SIGINT, _interrupted)
+    try:
+        _main()
+    except KeyboardInterrupt:  # a Ctrl-C that reached Python code before the handler above
+        print("interrupted (Ctrl-C) before training started: nothing to save; stopped", file=sys.stderr,
+              flush=True)
+        sys.exit(0)
+
+
+def _main() -> None:
     if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
         from ntp_nemo.config.help import help_text
 

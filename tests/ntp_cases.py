@@ -80,9 +80,10 @@ def step_against_reference(rt: NTPRuntime, model, cfg: ModelConfig) -> tuple[ran
 
 
 def exactness_worker(
-    rank: int, world: int, cfg: ModelConfig, tp: int, replica_tp: list[int], layer_tp: list[int]
+    rank: int, world: int, cfg: ModelConfig, tp: int, replica_tp: list[int], layer_tp: list[int],
+    shard_align: int = 1,
 ) -> dict:
-    rt = NTPRuntime(Topology(tp, replica_tp, layer_tp), rank)
+    rt = NTPRuntime(Topology(tp, replica_tp, layer_tp, shard_align=shard_align), rank)
     model = rt.build_model(cfg, SEED, dtype=torch.float64)
     rt.attach(model)
     mine, worst = step_against_reference(rt, model, cfg)

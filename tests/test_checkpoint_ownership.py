@@ -79,13 +79,25 @@ def test_random_layouts_cover_each_unit_exactly_once_and_balance():
             lo = rng.randint(0, 12)
             hi = rng.randint(lo, 12)
             holdings.append({"w": _spec(lo, hi)} if rng.random() < 0.9 else {})
-        assigned = assign_pieces(holdings, split_elements=1)
-        assert [write_pieces(r, holdings) for r in range(world)] == assign_pieces(holdings)
-        _check_once(holdings, assigned)
+        _check_once(holdings, assign_pieces(holdings, split_elements=1))
     # Full replicas of a big tensor: each of k holders writes 1/k.
     for k in (2, 3, 4):
         holdings = [{"w": _spec(0, 12)} for _ in range(k)]
         assert _check_once(holdings, assign_pieces(holdings, split_elements=1)) == [12 // k] * k
+
+
+def test_write_pieces_of_a_tp2_and_a_tp3_replica_by_hand():
+    # Replica 0 at TP 2 holds units [0,6) and [6,12); replica 1 at TP 3 [0,4), [4,8), [8,12).  Runs
+    # (5 elements a unit, all under SPLIT_ELEMENTS: whole to one holder): [0,4) by ranks 0 and 2, 20
+    # elements; [8,12) by 1 and 4, 20; [4,6) by 0 and 3, 10; [6,8) by 1 and 3, 10.  Largest first to
+    # the least-loaded holder (lower rank on ties): [0,4) -> 0, [8,12) -> 1, [4,6) -> 3 (0 has 20),
+    # [6,8) -> 3 (1 has 20, 3 has 10), merged with [4,6) into one chunk.
+    holdings = [{"w": _spec(0, 6)}, {"w": _spec(6, 12)}, {"w": _spec(0, 4)}, {"w": _spec(4, 8)},
+                {"w": _spec(8, 12)}]
+    expected = [[(0, 4)], [(8, 12)], [], [(4, 8)], []]
+    assert [_units(write_pieces(r, holdings)) for r in range(5)] == expected
+    pieces = [p for r in range(5) for p in write_pieces(r, holdings)["w"]]
+    assert all(p.global_shape == SHAPE and p.dim == 0 for p in pieces)
 
 
 def test_inconsistent_sharding_is_an_error():

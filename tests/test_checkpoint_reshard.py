@@ -93,10 +93,12 @@ def _one_process(fn, *args):
 
 
 def _run(layout, fn, *args):
-    """Layouts tagged "nodist" run as one plain process; the others as gloo workers."""
+    """Layouts tagged "nodist" run as one plain process; the others as gloo workers (a number as tag:
+    their `shard_align`)."""
     if layout[3:] == ("nodist",):
         return _one_process(fn, layout[:3], *args)
-    return run_workers(fn, sum(layout[1]), layout[:3], *args)
+    align = layout[3] if len(layout) > 3 else 1
+    return run_workers(fn, sum(layout[1]), (*layout[:3], 1, None, align), *args)
 
 
 def _logical(saved: list[dict]) -> dict[str, list[torch.Tensor]]:
@@ -135,6 +137,9 @@ PAIRS = {
     # 8 query heads over 4 KV heads: on 3 ranks KV heads 1 and 2 are held by two ranks each (one writer)
     "shared-kv-tp3-to-tp4": (LLAMA_KV4, torch.float64, (3, [3], [3] * 4), (4, [4], L4)),
     "shared-kv-2.1-to-tp3": (LLAMA_KV4, torch.float32, (2, [2, 1], [2] * 4), (3, [3], [3] * 4)),
+    # ntp.shard_align: saved on aligned shards, loaded on another alignment and layout, and back.
+    "3-aligned-8-to-2.1": (GPT, torch.float64, (3, [3], [3] * 4, 8), (2, [2, 1], [2] * 4)),
+    "2.1-to-3-aligned-16": (LLAMA, torch.float32, (2, [2, 1], [2] * 4), (3, [3], [3] * 4, 16)),
 }
 
 

@@ -94,7 +94,7 @@ def test_environments_accept_unequal_nodes_where_lightnings_refuse(monkeypatch):
     with pytest.raises(ValueError):
         NTPTorchElasticEnvironment().validate_settings(num_devices=1, num_nodes=3)
     env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0", "SLURM_NODEID": "1",
-           "SLURM_NNODES": "2", "SLURM_TASKS_PER_NODE": "3,1"}
+           "SLURM_NNODES": "2", "SLURM_TASKS_PER_NODE": "3,1", "SLURM_STEP_ID": "0"}  # a task of an srun step
     for k in list(torchrun_env([1], 0)):
         monkeypatch.delenv(k)
     for k, v in env.items():
@@ -237,6 +237,24 @@ def test_supervisor_relaunches_on_the_survivors_devices(tmp_path: Path, monkeypa
     assert sup.lost_devices == {0, 1}
     recs = (tmp_path / FAILOVER_DIR / ATTEMPTS_FILE).read_text().splitlines()
     assert len(recs) == 3 and '"devices": [2, 3]' in recs[2]
+
+
+def test_heartbeats_only_where_a_monitor_reads_them(tmp_path: Path):
+    """Forked workers (the supervisor's monitor reads their heartbeat files) write them; processes
+    torchrun/SLURM created (no launcher of ours, nothing reads the files) do not."""
+    from types import SimpleNamespace
+
+    from ntp_nemo.resilience.heartbeat import Heartbeat
+    from ntp_nemo.resilience.supervisor import Supervisor
+
+    cfg = compose([*TINY])
+    for launcher, expected in ((None, 0), (object(), 1)):
+        def build(c, extra, cuda_devices, launcher=launcher):
+            trainer = SimpleNamespace(strategy=SimpleNamespace(launcher=launcher), callbacks=list(extra))
+            return trainer, None, None
+
+        trainer = Supervisor(cfg, tmp_path, build).build_first()[0]
+        assert sum(isinstance(cb, Heartbeat) for cb in trainer.callbacks) == expected
 
 
 def test_process_group_backend_fits_the_device():

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from ntp_nemo.checkpoint import load, save_checkpoint
+from ntp_nemo.models import build_model
 from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import Topology
@@ -125,3 +126,25 @@ def test_bfloat16_parameters_update_through_float32_master_shards():
         assert res["torch.float32 masters"] == [] and res["torch.bfloat16 masters"] == ["torch.float32"]
         for got, want in zip(res["torch.bfloat16"], res["torch.float32"], strict=True):
             assert abs(got - want) <= 1e-3 * abs(want), res
+
+
+@pytest.mark.slow
+def test_save_adds_one_bucket_of_device_memory_not_the_unsharded_moments():
+    """bench/memory.py's save measurement on DP 2: the distributed optimizer's snapshot allocates at most
+    a small part of the unsharded moments on the device (it stages bucket by bucket into host memory)
+    and keeps nothing after the save; the plain optimizer's snapshot allocates almost nothing."""
+    import importlib.util
+
+    from tests.conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("bench_memory", ROOT / "bench" / "memory.py")
+    memory = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(memory)
+    param_bytes = sum(p.numel() * 4 for p in build_model(LLAMA, seed=0).parameters())
+    moments = 2 * param_bytes  # the unsharded exp_avg and exp_avg_sq of a TP-1 rank
+    for res in run_workers(memory.save_memory_worker, 2, LLAMA, [1, 1], 0.004):
+        plain, dist = res["plain"], res["distributed"]
+        assert plain["state"] == moments and dist["state"] == moments // 2, res
+        assert dist["save_extra"] <= moments // 8, (moments, res)  # buckets of 4 KiB (plus padding)
+        assert dist["held_after"] == 0 and plain["held_after"] == 0, res
+        assert plain["save_extra"] <= moments // 8, res

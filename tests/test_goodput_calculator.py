@@ -147,7 +147,8 @@ def test_step_recovered_live_inside_its_own_execution() -> None:
     assert r.badput_s[ev.RECOVERY_DOWNTIME] == pytest.approx(1.0)  # detection -> recovery_done
     assert r.productive_s == pytest.approx(8.0 + 1.0 + 2.0)  # the redone step counts from recovery_done
     assert (r.steps_completed, r.steps_redone, r.failures) == (7, 0, 1)
-    assert r.failure_recoveries == [{"mode": "live", "recovery_s": pytest.approx(2.0)}]
+    assert r.failure_recoveries == [{"mode": "live", "recovery_s": pytest.approx(2.0), "rank": 3,
+                                     "process": None}]
 
 
 def test_checkpoint_blocking_part_and_save_inside_step() -> None:
@@ -176,6 +177,32 @@ def test_save_interrupted_by_crash_counts_until_the_crash() -> None:
     s.add(t, ev.CKPT_SAVE_START, step=2).add(t + 0.4, ev.STEP_START, step=3)  # no save end: killed
     tl = build_timeline(s.events)
     assert [(x.start, x.end) for x in tl.saves] == [(2.0, 2.4)]
+
+
+def test_save_of_a_lost_rank_0_ends_at_the_failure_and_aborts_close_saves() -> None:
+    # Process 0 (rank 0, the goodput writer) starts a save and is killed in it; process 1 becomes rank 0,
+    # records the failure (live) and goes on writing steps: the save is charged up to the failure only.
+    s = Stream().add(0.0, ev.JOB_START).add(1.0, ev.INIT_DONE)
+    t = s.steps(1, start=1.0, duration=1.0, count=5)  # -> 6
+    s.add(t, ev.CKPT_SAVE_START, step=5)
+    s.events[-1]["pid"] = 100
+    s.add(6.3, ev.FAILURE_DETECTED, rank=0, process=0, reason="collective error")
+    s.add(7.0, ev.RECOVERY_DONE, layout="(1,2)", mode="live")
+    t = s.steps(6, start=7.0, duration=1.0, count=10, layout="(1,2)", capacity=0.75)  # -> 17
+    # A later save the new rank 0 aborts (a full disk), an asynchronous one that commits in the background.
+    s.add(t, ev.CKPT_SAVE_START, step=15).add(t + 0.2, ev.CKPT_SAVE_ABORT, step=15, reason="OSError")
+    s.add(t + 0.2, ev.CKPT_SAVE_START, step=15).add(t + 0.3, ev.CKPT_SAVE_END, step=15, blocking_s=0.1)
+    s.add(t + 0.3, ev.STEP_START, step=16)
+    s.add(t + 2.0, ev.CKPT_COMMIT, step=15, ok=True)
+    s.add(t + 1.3, ev.STEP_END, step=16, layout="(1,2)", capacity=0.75, tokens=64)
+    s.add(t + 2.0, ev.JOB_END, status="ok")
+
+    r = compute_goodput(s.events)
+    assert_partition(r)
+    assert r.badput_s[ev.CHECKPOINT_SAVE] == pytest.approx(0.3 + 0.2 + 0.1)
+    assert r.productive_s == pytest.approx(5.0 + 10.0 + 1.0)
+    assert r.failure_recoveries == [{"mode": "live", "recovery_s": pytest.approx(8.0 - 6.3), "rank": 0,
+                                     "process": 0}]
 
 
 def test_clean_end_then_rerun_excludes_idle_gap() -> None:

@@ -43,15 +43,16 @@ class Tiny(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def fit(run_dir: Path, max_steps: int, fail_at_step: int | None = None) -> Trainer:
+def fit(run_dir: Path, max_steps: int, fail_at_step: int | None = None, job_started: bool = False,
+        strategy: SingleDeviceStrategy | None = None) -> Trainer:
     torch.manual_seed(0)
     data = DataLoader(TensorDataset(torch.randn(64, 4), torch.randn(64, 1)), batch_size=8)
     trainer = Trainer(
         max_steps=max_steps,
         accelerator="cpu",
-        strategy=LayoutStrategy(device=torch.device("cpu")),
+        strategy=strategy or LayoutStrategy(device=torch.device("cpu")),
         callbacks=[
-            GoodputCallback(str(run_dir)),
+            GoodputCallback(str(run_dir), job_started=job_started),
             ModelCheckpoint(dirpath=run_dir / "checkpoints", every_n_train_steps=2, save_top_k=-1),
         ],
         logger=False,
@@ -113,3 +114,35 @@ def test_external_save_events_are_not_duplicated(tmp_path: Path) -> None:
     cb.record(ev.CKPT_SAVE_END, step=4, blocking_s=0.01)
     events = [e["event"] for e in load_events(tmp_path)]
     assert events == [ev.CKPT_SAVE_START, ev.STEP_START, ev.CKPT_SAVE_END]
+
+
+class SelfRecordingStrategy(LayoutStrategy):
+    """Stands in for NTPStrategy's own save events (it records start and end around each save)."""
+
+    records_checkpoint_events = True
+
+
+def test_job_start_comes_from_whoever_opened_the_lifetime(tmp_path: Path) -> None:
+    """An entry point that recorded job_start hands the callback `job_started=True`: one job_start per
+    lifetime either way."""
+    fit(tmp_path / "own", 2)
+    assert [e["event"] for e in load_events(tmp_path / "own")].count(ev.JOB_START) == 1
+    (tmp_path / "entry").mkdir()
+    from ntp_nemo.goodput import GoodputRecorder
+
+    GoodputRecorder(tmp_path / "entry").record(ev.JOB_START, layout="single")  # as ntp-train's parent does
+    fit(tmp_path / "entry", 2, job_started=True)
+    names = [e["event"] for e in load_events(tmp_path / "entry")]
+    assert names.count(ev.JOB_START) == 1 and names[-1] == ev.JOB_END
+
+
+def test_a_state_dict_dump_opens_no_save(tmp_path: Path) -> None:
+    """Lightning calls on_save_checkpoint when it only builds the state (a live rejoin hands it to the
+    repaired process): with a strategy that records its own saves, no save is left without an end."""
+    trainer = fit(tmp_path, 2, strategy=SelfRecordingStrategy(device=torch.device("cpu")))
+    trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+    names = [e["event"] for e in load_events(tmp_path)]
+    starts = names.count(ev.CKPT_SAVE_START)
+    assert starts == names.count(ev.CKPT_SAVE_END) + names.count(ev.CKPT_SAVE_ABORT)
+    report = compute_goodput(load_events(tmp_path))
+    assert report.badput_s[ev.CHECKPOINT_SAVE] == 0.0

@@ -62,14 +62,35 @@ def test_restarted_processes_append_to_one_file(tmp_path: Path) -> None:
     assert (report.lifetimes, report.steps_completed, report.steps_redone, report.failures) == (2, 4, 2, 1)
 
 
-def test_job_open_is_shared_between_recorders_of_a_process(tmp_path: Path) -> None:
-    a, b = GoodputRecorder(tmp_path), GoodputRecorder(tmp_path / GOODPUT_FILENAME)
-    assert not b.job_open()
-    a.record(ev.JOB_START)
-    assert b.job_open()
-    assert not GoodputRecorder(tmp_path / "other").job_open()
-    b.record(ev.JOB_END, status="ok")
-    assert not a.job_open()
+def test_fsync_only_at_events_that_must_survive_a_crash(tmp_path: Path, monkeypatch) -> None:
+    """Per-step events cost a write, not an fsync; job start/end, failures, recoveries and the ends of
+    saves and restores are synced at once; with a bound of 0 s every event is synced."""
+    synced: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd)))
+    rec = GoodputRecorder(tmp_path, sync_every_s=3600.0)
+    rec.record(ev.JOB_START)
+    assert len(synced) == 1
+    for s in range(1, 51):
+        rec.record(ev.STEP_START, step=s)
+        rec.record(ev.STEP_END, step=s, layout="(2,1)", capacity=0.75, tokens=64)
+    rec.record(ev.CKPT_SAVE_START, step=50)
+    assert len(synced) == 1  # 101 events, no fsync
+    for name, fields in ((ev.CKPT_SAVE_END, {"step": 50}), (ev.CKPT_COMMIT, {"step": 50, "ok": True}),
+                         (ev.FAILURE_DETECTED, {"rank": 1}), (ev.RECOVERY_DONE, {"layout": "(1,1)"}),
+                         (ev.JOB_END, {"status": "ok"})):
+        rec.record(name, **fields)
+    assert len(synced) == 6
+    rec.close()
+    assert len(load_events(tmp_path)) == 107  # every line is in the file, synced or not
+
+    every = GoodputRecorder(tmp_path / "b", sync_every_s=0.0)
+    every.record(ev.STEP_START, step=1)
+    every.record(ev.STEP_END, step=1, layout="(2,1)", capacity=0.75)
+    assert len(synced) == 8
+    never = GoodputRecorder(tmp_path / "c", fsync=False)
+    never.record(ev.JOB_START)
+    assert len(synced) == 8
 
 
 def test_load_events_errors_name_the_file(tmp_path: Path) -> None:

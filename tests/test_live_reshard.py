@@ -69,9 +69,9 @@ def _differences(a_model, a_opt, b_model, b_opt) -> list[str]:
     return out
 
 
-def reshard_worker(rank, world, store, cfg, tp, replica_tp, pp, failed, path):
+def reshard_worker(rank, world, store, cfg, tp, replica_tp, pp, failed, path, align=1):
     layer_tp = [tp] * (cfg.num_layers + 2)
-    old_topo = Topology(tp, replica_tp, layer_tp, pp)
+    old_topo = Topology(tp, replica_tp, layer_tp, pp, shard_align=align)
     join(store, 0, rank, world)
     rt, model, opt = _setup(old_topo, rank, cfg, SEED, LR)
     for step in range(STEPS):
@@ -83,7 +83,7 @@ def reshard_worker(rank, world, store, cfg, tp, replica_tp, pp, failed, path):
         return None
     new_rank = plan.assignment.index(rank)
     join(store, 1, new_rank, len(plan.assignment))
-    new_topo = Topology(tp, plan.new.replica_tp, layer_tp, pp)
+    new_topo = Topology(tp, plan.new.replica_tp, layer_tp, pp, shard_align=align)
     rt2, live_model, live_opt = _setup(new_topo, new_rank, cfg, SEED + 1, lr=0.5)  # every value must move
     result = live_reshard(model, opt, live_model, live_opt, old_topo.coord(rank).replica)
     _, ref_model, ref_opt = _setup(new_topo, new_rank, cfg, SEED + 2, lr=0.5)
@@ -103,15 +103,16 @@ CASES = {
     "2.2-to-2.1": (LLAMA, 2, [2, 2], 1, [3], 3),
     "3.3-to-3.2": (LLAMA, 3, [3, 3], 1, [4], 5),
     "pp2-2.1-to-1.1": (GPT, 2, [2, 1], 2, [1], 4),  # rank 3 (replica 0, stage 1) is left idle
+    "3.3-to-3.2-aligned-16": (LLAMA, 3, [3, 3], 1, [4], 5, 16),  # ntp.shard_align=16
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_live_reshard_equals_checkpoint_load(case, tmp_path):
-    cfg, tp, replica_tp, pp, failed, new_world = CASES[case]
+    cfg, tp, replica_tp, pp, failed, new_world, *align = CASES[case]
     world = pp * sum(replica_tp)
     results, codes = run_elastic(reshard_worker, world, cfg, tp, replica_tp, pp, failed,
-                                 str(tmp_path / "step_000002"), watch=False)
+                                 str(tmp_path / "step_000002"), *align, watch=False)
     assert codes == [0] * world
     live = [r for r in results.values() if r is not None]
     assert sorted(r["new_rank"] for r in live) == list(range(new_world))

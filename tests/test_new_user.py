@@ -165,10 +165,52 @@ def test_recipe_checks_through_the_public_api(capsys):
     cfg = compose(["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=null", "ntp.power_boost=1.3"])
     checks.warn_no_ops(cfg)
     assert "ntp.power_boost=1.3 has no effect" in capsys.readouterr().err
-    cfg = compose(["ntp.power_boost=1.3"])  # the default recipe has a degraded replica: it counts
+    assert ROOT.is_dir()
+
+
+def test_power_boost_warning_compares_the_split_that_runs(capsys):
+    """The default recipe's 6 micro-batches split [4, 2] with or without a 1.3 boost: the warning says
+    so; at 12 micro-batches the boost moves one ([8, 4] -> [7, 5]) and nothing is said."""
+    from ntp_nemo.config import checks
+    from ntp_nemo.config.layout import resolve_layout
+    from tests.conftest import compose
+
+    cfg = compose(["ntp.power_boost=1.3"])
+    checks.warn_no_ops(cfg)
+    err = capsys.readouterr().err
+    assert "ntp.power_boost=1.3 has no effect" in err and "[4, 2] with or without it" in err
+    assert resolve_layout(cfg).microbatches == resolve_layout(compose([])).microbatches == (4, 2)
+    cfg = compose(["ntp.power_boost=1.3", "data.global_batch_size=24"])
     checks.warn_no_ops(cfg)
     assert capsys.readouterr().err == ""
-    assert ROOT.is_dir()
+    assert resolve_layout(cfg).microbatches == (7, 5)
+    assert resolve_layout(compose(["data.global_batch_size=24"])).microbatches == (8, 4)
+
+
+def test_readme_power_boost_example_changes_the_split():
+    """The README's NTP-PW command runs another split than the same command without the boost."""
+    from ntp_nemo.config.layout import resolve_layout
+    from tests.conftest import compose
+
+    line = next(x for x in (ROOT / "README.md").read_text().splitlines() if "ntp-train ntp.power_boost" in x)
+    args = line.split("#")[0].split()[1:]
+    plain = [a for a in args if not a.startswith("ntp.power_boost=")]
+    assert resolve_layout(compose(args)).microbatches != resolve_layout(compose(plain)).microbatches
+
+
+def test_coarse_batch_split_is_reported(capsys):
+    """2 micro-batches over capacities [1, 0.5] run as [1, 1]: a warning names the split and a global
+    batch that follows the capacities; a split that follows them says nothing."""
+    from ntp_nemo.config import checks
+    from tests.conftest import compose
+
+    assert checks.check_batch_split(compose(["data.global_batch_size=4"])) == [1, 1]
+    err = capsys.readouterr().err
+    assert "data.global_batch_size=4 is 2 micro-batches of 2" in err and "the split is [1, 1]" in err
+    assert "data.global_batch_size=6" in err and "([2, 1])" in err
+    assert checks.check_batch_split(compose(["data.global_batch_size=6"])) == [2, 1]
+    assert checks.check_batch_split(compose([])) == [4, 2]
+    assert capsys.readouterr().err == ""
 
 
 def test_help_lists_recipes_groups_and_examples(tmp_path):

@@ -66,3 +66,22 @@ def test_uneven_query_heads_with_shared_kv_heads_match_unsharded(layout):
     for rank, worst in enumerate(results):
         for key, err in worst.items():
             assert err < 1e-10, f"{layout} rank {rank}: {key} rel error {err:.2e}"
+
+
+# ntp.shard_align=8 on GPT's 84 MLP columns and 67 vocabulary rows: shards of whole 8-element blocks
+# (tests/test_shard_align.py pins the sizes), the last one short.
+ALIGNED = {
+    "replicas-3-2": (3, [3, 2], None),
+    "per-layer-degraded": (4, [4, 3], [4, 2, 4, 4]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", [GPT, LLAMA], ids=["gpt", "llama"])
+@pytest.mark.parametrize("layout", list(ALIGNED))
+def test_aligned_shards_match_unsharded(cfg, layout):
+    tp, replica_tp, layer_tp = ALIGNED[layout]
+    results = run_workers(exactness_worker, sum(replica_tp), cfg, tp, replica_tp, _layer_tp(tp, layer_tp), 8)
+    for rank, worst in enumerate(results):
+        for key, err in worst.items():
+            assert err < 1e-10, f"{layout} aligned rank {rank}: {key} rel error {err:.2e}"

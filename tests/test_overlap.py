@@ -6,6 +6,7 @@ runs no micro-batch (its buckets are launched by `finish()`).
 
 from __future__ import annotations
 
+import random
 import time
 
 import pytest
@@ -67,3 +68,84 @@ def test_overlapped_sync_launches_in_backward_and_matches_blocking_sync():
         else:
             assert one["launched_in_backward"] == res["buckets"], res
     assert sorted(r["one-microbatch"]["microbatches"] for r in results) == [0, 1, 1]
+
+
+class _Slices(torch.nn.Module):
+    """One rank's slices of a few tensors (rows [lo, hi) of 6-row matrices per layer, replicated vectors),
+    named as the model's, with the `ntp_spec`/`ntp_copies` the sync plan reads."""
+
+    def __init__(self, lo: int, hi: int) -> None:
+        super().__init__()
+        from ntp_nemo.topology.shard import ShardSpec
+
+        def param(shape, spec):
+            p = torch.nn.Parameter(torch.zeros(spec.local_shape))
+            p.ntp_spec, p.ntp_copies = spec, 1
+            return p
+
+        self.embed = param((6, 4), ShardSpec.split((6, 4), 0, 1, lo, hi))
+        self.blocks = torch.nn.ModuleList()
+        for _ in range(3):
+            block = torch.nn.Module()
+            block.w = param((6, 4), ShardSpec.split((6, 4), 0, 1, lo, hi))
+            block.norm = param((4,), ShardSpec.full((4,)))
+            self.blocks.append(block)
+        self.head = param((6, 4), ShardSpec.split((6, 4), 0, 1, lo, hi))
+
+
+def test_hooks_in_any_order_launch_the_same_collectives_per_communicator(monkeypatch):
+    """Replicas TP 3 (ranks 0-2) and TP 2 (ranks 3, 4): several holder sets per rank, and ranks that share
+    more than one communicator (1 and 3 share (1, 3) and the replicated vectors' (0, ..., 4)).  Each rank's
+    hooks fire in its own shuffled order; every rank must still issue, per communicator, the same
+    collectives in the same order, and the same interleaving on the communicators it shares with another."""
+    from ntp_nemo.parallel import overlap
+    from ntp_nemo.parallel.grad_sync import build_sync_plans, param_descriptors
+
+    intervals = [(0, 2), (2, 4), (4, 6), (0, 3), (3, 6)]
+    models = [_Slices(lo, hi) for lo, hi in intervals]
+    plans = build_sync_plans([param_descriptors(m) for m in models], replica_of=[0, 0, 0, 1, 1])
+    issued: dict[int, list[tuple[tuple[int, ...], int]]] = {}
+    current: list[int] = [0]
+
+    class Done:
+        def wait(self) -> None:
+            pass
+
+    def all_reduce(tensor, group=None, async_op=False):
+        issued[current[0]].append((group, tensor.numel()))
+        return Done()
+
+    monkeypatch.setattr(overlap.dist, "all_reduce", all_reduce)
+    waited = 0
+    for rank, (model, plan) in enumerate(zip(models, plans, strict=True)):
+        current[0] = rank
+        issued[rank] = []
+        ov = overlap.OverlappedGradSync(model, plan, group_of=lambda holders: holders, bucket_bytes=1)
+        assert len({b.holders for b in ov.buckets}) >= 2, rank  # two communicators or more
+        names = [n for n, _ in model.named_parameters()] * 2  # two backward passes (micro-batches)
+        random.Random(rank).shuffle(names)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        ov.begin_step(2)
+        for name in names:
+            ov.grad_accumulated(name)
+            waited += any(ov._ready[i] for i in ov.order[ov._next:])  # ready, held back by the order
+        assert ov.launched_in_backward == len(ov.buckets), rank  # all launched from the hooks
+        ov.finish()
+        ov.remove()
+    assert waited > 0  # the shuffles did make buckets ready out of order
+    members: dict[tuple[int, ...], list[int]] = {}
+    for rank, calls in issued.items():
+        for group, _ in calls:
+            members.setdefault(group, [])
+            if rank not in members[group]:
+                members[group].append(rank)
+    for group, ranks in members.items():
+        assert sorted(ranks) == list(group), group  # only the holders issue on a holder set's group
+        seqs = {r: [n for g, n in issued[r] if g == group] for r in ranks}
+        assert len({tuple(s) for s in seqs.values()}) == 1, (group, seqs)
+    for a in issued:
+        for b in issued:
+            shared = {g for g in members if a in g and b in g}
+            on_shared = [[c for c in issued[r] if c[0] in shared] for r in (a, b)]
+            assert on_shared[0] == on_shared[1], (a, b)

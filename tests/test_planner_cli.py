@@ -110,3 +110,22 @@ def test_unknown_model_or_recipe_exits_2_naming_the_choices(tmp_path):
     recipe = _plan(["recipe=nope"], tmp_path)
     assert recipe.returncode == 2 and "recipe: unknown recipe 'nope'" in recipe.stderr
     assert "Traceback" not in recipe.stderr
+
+
+def test_printed_shares_are_the_split_of_the_printed_command(tmp_path):
+    """The shares `ntp-plan` prints are the micro-batch split the `ntp-train` command it prints runs:
+    the default recipe's 6 micro-batches over replicas (2, 1) are 4 and 2; with a 1.3 boost and 12
+    micro-batches, 7 and 5."""
+    from ntp_nemo.config.layout import resolve_layout
+    from tests.conftest import compose
+
+    for args, split in ((["model=gpt_tiny"], [4, 2]),
+                        (["model=gpt_tiny", "ntp.power_boost=1.3", "data.global_batch_size=24"], [7, 5])):
+        proc = _plan(args, tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        shares = _rows(proc.stdout)[0][7:]
+        assert shares == ["/".join(f"{m / sum(split):.3f}" for m in split), f"({'/'.join(map(str, split))})"]
+        cmd = _command(proc.stdout)
+        assert resolve_layout(compose(cmd[1:])).microbatches == tuple(split)
+        data = json.loads(_plan([*args, "format=json"], tmp_path).stdout)
+        assert data["microbatches"] == split and data["batch_shares"] == [m / sum(split) for m in split]

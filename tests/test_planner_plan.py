@@ -62,8 +62,8 @@ def test_planner_never_returns_an_invalid_layout():
         assert sum(plan.batch_shares) == pytest.approx(1.0)
         if limit is not None:
             assert max(plan.memory_gb) <= limit * (1 + 1e-9)
-        fastest = min(range(len(replica_tp)), key=lambda r: plan.microbatch_time_s[r])
-        assert plan.batch_shares[fastest] == pytest.approx(max(plan.batch_shares))
+        # The trainer's shares: active ranks over the nominal degree, whatever the per-layer degrees.
+        assert plan.batch_shares == pytest.approx([n / sum(replica_tp) for n in replica_tp])
     assert checked >= 30
 
 

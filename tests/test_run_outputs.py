@@ -1,10 +1,8 @@
-"""What a run leaves and says: a final validation whatever `max_steps` is, the logger's own folder in
-the summary, the previous record kept when a run directory is continued with another config, and an
-unwritable `hydra.run.dir` refused before anything starts."""
+"""What a run leaves and says: the logger's own folder in the summary, the previous record kept when
+a run directory is continued with another config, and an unwritable
+`hydra.run.dir` refused before anything starts."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 
@@ -14,13 +12,11 @@ BASE = [a for a in TINY if a != "logger=none"]
 
 
 @pytest.mark.slow
-def test_final_validation_logger_folder_and_previous_record(tmp_path):
+def test_logger_folder_and_previous_record(tmp_path):
     run = tmp_path / "run"
     res = run_cli([*BASE, *SINGLE, "logger=tensorboard", "trainer.max_steps=3", f"hydra.run.dir={run}"],
                   cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["val_loss"] is not None  # 3 steps, validation every 1000: validated at the end
     outputs = next(line for line in res.stdout.splitlines() if line.startswith(" outputs"))
     assert "tb/" in outputs and "logs/" not in outputs and (run / "tb").is_dir()
     assert "another config" not in res.stdout

@@ -55,6 +55,11 @@ LAYOUTS = {
     "ntp-2-1": ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]"],
     "ntp-3-2": ["mesh.dp=2", "mesh.tp=3", "ntp.replica_tp=[3,2]"],
     "pp2-ntp-2-1": ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]", "mesh.pp=2", "layout.schedule=1f1b"],
+    # Shards of whole 32-element blocks (128 MLP columns over 3 ranks: 32, 32, 64) on (3, 2), with
+    # per-layer degrees (the embedding and the last layer at TP 3, or 2 on the degraded replica; the first
+    # layer at TP 1).
+    "ntp-3-2-aligned-per-layer": ["mesh.dp=2", "mesh.tp=3", "ntp.replica_tp=[3,2]", "ntp.shard_align=32",
+                                  "layout.layer_tp=[3,1,3,3]"],
 }
 
 

@@ -46,16 +46,20 @@ def test_reduced_replica_capacity_follows_its_slowest_rank():
 
 
 def test_batch_split_and_serialised_layout_carry_the_work_model():
-    layout = ResolvedLayout.make(8, [8, 7], [8] * (L + 2), num_microbatches=512, work=LLAMA3_8B)
+    layout = ResolvedLayout.make(8, [8, 7], [8] * (L + 2), num_microbatches=512, work=LLAMA3_8B,
+                                 capacity="work")
     cap = _by_hand(4, 1, F // 8, V // 8, 8) / _by_hand(5, 2, F // 7, V - 6 * V // 7, 7)
     assert list(layout.microbatches) == assign_microbatches(512, [1.0, cap]) == [275, 237]
     # The straggler (5 query heads) gives the TP-7 replica less than 7/8 (active ranks: [273, 239]).
     by_ranks = ResolvedLayout.make(8, [8, 7], [8] * (L + 2), num_microbatches=512)
     assert list(by_ranks.microbatches) == [273, 239]
+    # The rule is the layout's choice (ntp.capacity): the work shape alone keeps the rank-count rule.
+    assert list(ResolvedLayout.make(8, [8, 7], [8] * (L + 2), num_microbatches=512,
+                                    work=LLAMA3_8B).microbatches) == [273, 239]
     again = ResolvedLayout.from_dict(layout.to_dict())
-    assert again == layout and again.work == LLAMA3_8B
+    assert again == layout and again.work == LLAMA3_8B and again.capacity == "work"
     shrunk = layout.with_changes(replica_tp=(8, 6))
-    assert shrunk.work == LLAMA3_8B and shrunk.microbatches[1] < 237
+    assert shrunk.work == LLAMA3_8B and shrunk.capacity == "work" and shrunk.microbatches[1] < 237
 
 
 def test_planner_costs_the_balanced_head_split():

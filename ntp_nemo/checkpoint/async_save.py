@@ -93,7 +93,11 @@ class AsyncCheckpointSaver:
     def _checkpoint_group(self) -> Any:
         if not self._group_ready:  # collective, on the caller's thread, at the first save of every rank
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-                self._group = dist.new_group(backend="gloo")
+                # gloo on purpose: the background save's records (objects) travel here, beside the
+                # training thread's collectives (`ntp_nemo.topology.groups` lists every gloo group).
+                from ntp_nemo.topology.groups import group_timeout
+
+                self._group = dist.new_group(backend="gloo", timeout=group_timeout())
             self._group_ready = True
         return self._group
 

@@ -1,11 +1,11 @@
 """Every random number generator a rank draws from, as checkpointable state.
 
-Dropout (and anything else random in the step) draws from the global torch generator (and CUDA's
-on GPU); data code may use numpy's and Python's.  `rng_state` captures all four on one rank in a
-form `torch.load(weights_only=True)` accepts; `set_rng_state` puts them back.  The checkpoint
-stores one entry per rank, so a run resumed on the same layout continues bit-exactly.  The data
-order needs no generator state: the sampler is a pure function of (seed, step), and the step is
-in the checkpoint.
+Dropout (and anything else random in the step) draws from the global torch generator (and the
+generator of the rank's CUDA device on GPU); data code may use numpy's and Python's.  `rng_state`
+captures all four on one rank in a form `torch.load(weights_only=True)` accepts; `set_rng_state`
+puts them back.  The checkpoint stores one entry per rank, so a run resumed on the same layout
+continues bit-exactly.  The data order needs no generator state: the sampler is a pure function of
+(seed, step), and the step is in the checkpoint.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def rng_state() -> dict[str, Any]:
         "python": random.getstate(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()  # this rank's device: the generator its step draws from
     return state
 
 
@@ -49,4 +49,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
     py = state["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        _set_cuda_rng_state(state["cuda"])
+
+
+def _set_cuda_rng_state(saved: torch.Tensor | list[torch.Tensor]) -> None:
+    """The saved generator goes to this rank's current device, whatever the number of visible GPUs
+    now (`--gpus-per-task=1` on the resume, all of the node's at the save, or the reverse).  A list
+    is an older checkpoint's every visible device: restored only when that count is unchanged (which
+    entry was this rank's is unknown otherwise)."""
+    if isinstance(saved, torch.Tensor):
+        torch.cuda.set_rng_state(saved)
+    elif len(saved) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(saved)

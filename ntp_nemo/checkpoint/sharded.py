@@ -228,6 +228,8 @@ def take_snapshot(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
                 else:
                     view = staging.stage(f"{key}#{i}", view)
             chunks.append(Chunk(key, piece.global_shape, piece.offsets, view))
+    if hasattr(optimizer, "gather_state"):
+        optimizer.state.clear()  # the chunks hold the gathered state; the optimizer keeps only its shards
     if staging is not None and any(c.tensor.is_pinned() for c in chunks):
         torch.cuda.current_stream().synchronize()  # the non-blocking copies have landed
     tensors = {k: (tuple(v.spec.global_shape), v.tensor.dtype) for k, v in state.items()}

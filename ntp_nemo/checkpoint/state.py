@@ -124,12 +124,24 @@ def load_targets(
         for state_key in sorted(optim_keys.get(name, ())):
             shape, dtype = stored[optim_key(name, state_key)]
             st_spec = spec if tuple(shape) == tuple(spec.global_shape) else ShardSpec.full(tuple(shape))
+            device = state_device(optimizer, p, st_spec.local_shape)
             buf = optimizer.state.get(p, {}).get(state_key)  # refilled in place when it fits
             if not (isinstance(buf, torch.Tensor) and tuple(buf.shape) == tuple(st_spec.local_shape)
-                    and buf.dtype == dtype and buf.device == p.device):
-                buf = torch.zeros(st_spec.local_shape, dtype=dtype, device=p.device)
+                    and buf.dtype == dtype and buf.device == device):
+                buf = torch.zeros(st_spec.local_shape, dtype=dtype, device=device)
             targets[optim_key(name, state_key)] = NamedSlice(st_spec, buf)
     return targets, problems
+
+
+def state_device(optimizer: torch.optim.Optimizer, p: torch.Tensor, shape: tuple[int, ...]) -> torch.device:
+    """Where the optimizer keeps a state tensor of `p`, as torch's own `load_state_dict` places it: a
+    0-dim one (Adam's `step`) on the CPU unless the parameter's group is `fused` or `capturable`, every
+    other on the parameter's device.  A `step` on the device would make the (non-capturable) foreach
+    AdamW read it back to the host once per parameter, every step."""
+    if len(shape) > 0:
+        return p.device
+    group = next((g for g in optimizer.param_groups if any(q is p for q in g["params"])), {})
+    return p.device if group.get("fused") or group.get("capturable") else torch.device("cpu")
 
 
 def install_optimizer_state(

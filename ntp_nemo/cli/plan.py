@@ -43,7 +43,9 @@ CONFIG_DIR = conf_dir() / "sim"
 USAGE = __doc__
 DEFAULT_TOP = 5
 # Keys of the plan config that a training config also has: a run's or recipe's values are defaults.
-LAYOUT_KEYS = ("mesh.tp", "mesh.pp", "mesh.dp", "ntp.replica_tp", "data.seq_len", "data.micro_batch_size")
+LAYOUT_KEYS = ("mesh.tp", "mesh.pp", "mesh.dp", "ntp.replica_tp", "ntp.power_boost", "ntp.capacity",
+               "ntp.shard_align", "data.seq_len",
+               "data.micro_batch_size", "data.global_batch_size")
 
 
 def load_config(overrides: Sequence[str]) -> DictConfig:
@@ -87,6 +89,7 @@ def _compose_training(overrides: list[str]) -> DictConfig:
 def _training_defaults(cfg: DictConfig) -> list[str]:
     """Plan overrides taking a training config's mesh, replicas, data shape and memory options."""
     rtp = cfg.ntp.get("replica_tp")
+    pb = cfg.ntp.get("power_boost")
     model = cfg.model
     return [
         f"mesh.tp={cfg.mesh.tp}",
@@ -95,6 +98,10 @@ def _training_defaults(cfg: DictConfig) -> list[str]:
         f"ntp.replica_tp={list(rtp) if rtp is not None else 'null'}",
         f"data.seq_len={cfg.data.seq_len}",
         f"data.micro_batch_size={cfg.data.micro_batch_size}",
+        f"data.global_batch_size={cfg.data.global_batch_size}",
+        f"ntp.power_boost={list(pb) if OmegaConf.is_list(pb) else ('null' if pb is None else pb)}",
+        f"ntp.capacity={cfg.ntp.get('capacity', 'ranks')}",
+        f"ntp.shard_align={cfg.ntp.get('shard_align', 1)}",
         f"recompute={str(model.get('recompute', 'none')) == 'full'}".lower(),
         f"distributed_optimizer={bool(cfg.get('optim', {}).get('distributed', False))}".lower(),
     ]
@@ -196,6 +203,9 @@ def rank_from_config(cfg: DictConfig, train_model: DictConfig | None = None) -> 
         raise ConfigError(
             "ntp.replica_tp", f"must be a list of active ranks per replica, got {replica_tp!r}."
         )
+    gbs, mbs = data.get("global_batch_size"), data["micro_batch_size"]
+    if isinstance(gbs, bool) or not isinstance(gbs, int) or gbs < 1:
+        raise ConfigError("data.global_batch_size", f"must be a positive number of sequences, got {gbs!r}.")
     return rank_layouts(
         model,
         mesh["tp"],
@@ -208,7 +218,19 @@ def rank_from_config(cfg: DictConfig, train_model: DictConfig | None = None) -> 
         device=device,
         recompute=bool(raw.get("recompute", False)),
         distributed_optimizer=bool(raw.get("distributed_optimizer", False)),
+        num_microbatches=max(1, gbs // mbs) if isinstance(mbs, int) and mbs > 0 else None,
+        power_boost=raw["ntp"].get("power_boost"),
+        capacity=_capacity(raw["ntp"].get("capacity", "ranks")),
+        shard_align=int(raw["ntp"].get("shard_align", 1)),
     )
+
+
+def _capacity(value: object) -> str:
+    from ntp_nemo.topology.layout import CAPACITY_RULES
+
+    if value not in CAPACITY_RULES:
+        raise ConfigError("ntp.capacity", f"{value!r} is not a capacity rule; use ranks or work.")
+    return str(value)
 
 
 def plan_from_config(cfg: DictConfig, train_model: DictConfig | None = None) -> Plan:
@@ -219,6 +241,7 @@ def plan_from_config(cfg: DictConfig, train_model: DictConfig | None = None) -> 
 def train_overrides(cfg: DictConfig, plan: Plan, select: str | None) -> str:
     """The `ntp-train` arguments that run `plan` (shell-quoted where Hydra needs it)."""
     rtp = ",".join(str(n) for n in plan.replica_tp)
+    pb = cfg.ntp.get("power_boost")
     args = [
         *([select] if select else []),
         f"mesh.tp={plan.tp}",
@@ -226,6 +249,10 @@ def train_overrides(cfg: DictConfig, plan: Plan, select: str | None) -> str:
         f"mesh.dp={len(plan.replica_tp)}",
         f"ntp.replica_tp=[{rtp}]",
         f"\"layout.layer_tp='{plan.layer_tp_pattern()}'\"",
+        f"data.global_batch_size={cfg.data.global_batch_size}",
+        f"data.micro_batch_size={cfg.data.micro_batch_size}",
+        *([f"ntp.power_boost={list(pb) if OmegaConf.is_list(pb) else pb}"] if pb is not None else []),
+        *([f"ntp.capacity={cap}"] if (cap := cfg.ntp.get("capacity", "ranks")) != "ranks" else []),
     ]
     return " ".join(args)
 
@@ -241,7 +268,7 @@ def _row(rank: int, plan: Plan, best: Plan) -> list[str]:
         f"{plan.time_per_microbatch_s * 1e3:.3f}",
         "best" if rank == 1 else f"+{100 * slower:.1f}%",
         f"{max(plan.memory_gb):.2f}",
-        "/".join(f"{w:.3f}" for w in plan.batch_shares),
+        "/".join(f"{w:.3f}" for w in plan.batch_shares) + " (" + "/".join(map(str, plan.microbatches)) + ")",
     ]
 
 
@@ -293,6 +320,7 @@ def run(argv: Sequence[str]) -> int:
                 {
                     "layer_tp": plan.layer_tp,
                     "batch_shares": plan.batch_shares,
+                    "microbatches": plan.microbatches,
                     "overrides": plan.overrides(),
                     "microbatch_time_s": plan.microbatch_time_s,
                     "memory_gb": plan.memory_gb,
@@ -323,7 +351,8 @@ def run(argv: Sequence[str]) -> int:
         print(f"the {len(shown)} fastest of {fits} layouts within the memory limit{beyond}")
     print(
         "(TP degree of the embedding, the layers as DEGREE*COUNT, and the head; modelled time per\n"
-        "micro-batch of the global batch; the busiest GPU's memory; each replica's share of the batch)\n"
+        "micro-batch of the global batch; the busiest GPU's memory; each replica's share of the batch\n"
+        "and, in brackets, its micro-batches: the split the command below runs)\n"
     )
     print(format_ranking(shown))
     if len(shown) < fits:

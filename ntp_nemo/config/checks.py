@@ -72,14 +72,41 @@ def _power_boost(cfg: DictConfig) -> object:
     return OmegaConf.to_container(pb) if OmegaConf.is_list(pb) else pb
 
 
+def _split(cfg: DictConfig, power_boost: object) -> tuple[list[int], list[float]]:
+    """The micro-batch split the run will use (the trainer's function) and the capacities behind it."""
+    from ntp_nemo.data.rebalance import assign_microbatches
+
+    caps = _capacities(cfg, power_boost)
+    return assign_microbatches(int(cfg.data.global_batch_size) // int(cfg.data.micro_batch_size), caps), caps
+
+
+def _follows(counts: list[int], caps: list[float]) -> bool:
+    """No replica gets as many micro-batches as one of larger capacity (or more than one of smaller)."""
+    pairs = [(c, n) for c, n in zip(caps, counts, strict=True)]
+    return all(n_a < n_b for c_a, n_a in pairs for c_b, n_b in pairs if c_a < c_b)
+
+
 def check_batch_split(cfg: DictConfig) -> list[int]:
-    """Every replica needs at least one micro-batch of the global batch; returns the split."""
+    """Every replica needs at least one micro-batch of the global batch; returns the split.
+
+    A split too coarse to follow the capacities (2 micro-batches over capacities [1, 0.5] give
+    [1, 1]) runs, with a warning naming the global batch that would follow them."""
     from ntp_nemo.data.rebalance import assign_microbatches
 
     mbs, gbs = int(cfg.data.micro_batch_size), int(cfg.data.global_batch_size)
-    caps = _capacities(cfg, _power_boost(cfg))
-    counts = assign_microbatches(gbs // mbs, caps)
+    counts, caps = _split(cfg, _power_boost(cfg))
+    shown = [round(c, 3) for c in caps]
     if min(counts) > 0:
+        if not _follows(counts, caps):
+            n = gbs // mbs + 1
+            while not _follows(assign_microbatches(n, caps), caps):
+                n += 1
+            warn(
+                f"data.global_batch_size={gbs} is {gbs // mbs} micro-batches of {mbs}: too few to follow the "
+                f"replicas' capacities {shown}: the split is {counts}. "
+                f"data.global_batch_size={n * mbs} (or a lower data.micro_batch_size) gives a split that "
+                f"follows the capacities ({assign_microbatches(n, caps)})."
+            )
         return counts
     n = gbs // mbs
     while min(assign_microbatches(n, caps)) == 0:
@@ -87,7 +114,7 @@ def check_batch_split(cfg: DictConfig) -> list[int]:
     raise ConfigError(
         "data.global_batch_size",
         f"data.global_batch_size={gbs} is {gbs // mbs} micro-batches of {mbs}, split over the replicas "
-        f"in proportion to their capacities {[round(c, 3) for c in caps]} as {counts}: a replica would get "
+        f"in proportion to their capacities {shown} as {counts}: a replica would get "
         f"none. The smallest global batch that gives every replica one is {n * mbs} "
         f"(data.global_batch_size={n * mbs}), or lower data.micro_batch_size.",
     )
@@ -104,8 +131,16 @@ def warn_no_ops(cfg: DictConfig) -> None:
                 f"ntp.power_boost={pb} has no effect: it raises the share of degraded replicas and every "
                 f"replica runs at the full TP degree (ntp.replica_tp={resolved_replica_tp(cfg)})."
             )
-        elif _capacities(cfg, pb) == _capacities(cfg, None):
-            warn(f"ntp.power_boost={pb} has no effect on this layout's batch split.")
+        else:
+            boosted, _ = _split(cfg, pb)
+            if boosted == _split(cfg, None)[0]:
+                warn(
+                    f"ntp.power_boost={pb} has no effect: the global batch's "
+                    f"{int(cfg.data.global_batch_size) // int(cfg.data.micro_batch_size)} micro-batches "
+                    f"split as {boosted} with or without it. Raise data.global_batch_size (or lower "
+                    "data.micro_batch_size) so the boosted share rounds to more micro-batches, or raise the "
+                    "boost."
+                )
     if cfg.quant.format != "none":
         start, end = int(cfg.quant.start_step), int(cfg.trainer.max_steps)
         if start >= end:

@@ -49,5 +49,7 @@ def resolve_layout(cfg: DictConfig, layer_tp: Sequence[int] | None = None) -> Re
         power_boost=power_boost,
         nominal_replicas=cfg.ntp.nominal_replicas,
         num_microbatches=int(cfg.data.global_batch_size) // int(cfg.data.micro_batch_size),
+        shard_align=int(cfg.ntp.get("shard_align", 1)),
         work=work_shape(cfg),
+        capacity=str(cfg.ntp.get("capacity", "ranks")),
     )

@@ -211,3 +211,38 @@ def log_path(run_dir: Path) -> Path:
         if isinstance(handler, logging.FileHandler):
             return Path(handler.baseFilename)
     return Path(run_dir) / "train.log"
+
+
+def nothing_saved_note(run_dir: Path, ckpt_dir: Path) -> str | None:
+    """What `resume=auto` says when it finds no checkpoint in a directory where a run already trained:
+    that it starts from step 1, how far the previous run got and why it left nothing to resume from.
+    None for a fresh directory."""
+    import json
+
+    steps = 0
+    try:
+        with (run_dir / "metrics.jsonl").open() as f:
+            for line in f:
+                try:
+                    steps = max(steps, int(json.loads(line).get("step", 0)))
+                except (ValueError, AttributeError):
+                    continue
+    except OSError:
+        return None
+    if steps == 0:
+        return None
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        summary = None
+    if summary is None:
+        why = ("it ended without a summary, stopped abruptly (its launching process or the machine was "
+               "killed) before any checkpoint")
+    elif summary.get("stopped_early") == "launcher lost":
+        why = "its launching process was killed; the workers stopped without a checkpoint"
+    elif summary.get("stopped_early"):
+        why = f"it stopped early ({summary['stopped_early']}) with checkpointing off"
+    else:
+        why = "it wrote no checkpoint (checkpoint.every_n_steps and checkpoint.save_on_end)"
+    return (f"no checkpoint in {ckpt_dir}: starting from step 1. The previous run in this directory reached "
+            f"step {steps} and saved none: {why}.")

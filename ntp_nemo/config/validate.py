@@ -190,6 +190,9 @@ def validate(cfg: DictConfig) -> None:
 
 def check_environment(cfg: DictConfig) -> None:
     """Checks against this machine (not the config's consistency): run just before launching."""
+    from ntp_nemo.parallel.cluster import check_not_batch_of_several_nodes
+
+    check_not_batch_of_several_nodes()  # sbatch without srun: one node's ranks only
     if cfg.trainer.accelerator in ("gpu", "cuda"):
         from ntp_nemo.parallel.devices import cuda_available  # no CUDA context in the launching parent
 
@@ -233,6 +236,16 @@ def _validate_mesh(cfg: DictConfig) -> None:
         )
     if tp > m.ffn_hidden_size or tp > m.vocab_size:
         raise ConfigError("mesh.tp", f"mesh.tp={tp} exceeds the MLP width or vocabulary size.")
+    _validate_shard_align(cfg, tp)
+    from ntp_nemo.topology.layout import CAPACITY_RULES
+
+    capacity = cfg.ntp.get("capacity", "ranks")
+    if capacity not in CAPACITY_RULES:
+        raise ConfigError(
+            "ntp.capacity",
+            f"{capacity!r} is not a capacity rule; use ranks (active TP ranks / nominal) or work (the "
+            "per-rank work model's slowest rank).",
+        )
     pb = cfg.ntp.power_boost
     if pb is not None:
         values = list(pb) if not isinstance(pb, (int, float)) else [pb]
@@ -253,6 +266,30 @@ def _validate_mesh(cfg: DictConfig) -> None:
     resolve_layer_tp(cfg)  # raises on an impossible per-layer layout
 
 
+def _validate_shard_align(cfg: DictConfig, tp: int) -> None:
+    """`ntp.shard_align`: a whole number of elements, and small enough that every rank of the largest TP
+    group still gets a block of MLP columns and of vocabulary rows."""
+    align = cfg.ntp.get("shard_align", 1)
+    if isinstance(align, bool) or not isinstance(align, int) or align < 1:
+        raise ConfigError(
+            "ntp.shard_align",
+            f"must be a whole number of elements >= 1, got {align!r}; use 1 (shards balanced to the row) "
+            "or a multiple of 64 such as 128 on GPUs.",
+        )
+    m = cfg.model
+    for key, units in (("model.ffn_hidden_size", m.ffn_hidden_size), ("model.vocab_size", m.vocab_size)):
+        if align == 1 or units is None:
+            continue
+        blocks = -(-int(units) // align)
+        if blocks < tp:
+            raise ConfigError(
+                "ntp.shard_align",
+                f"ntp.shard_align={align} cuts {key}={units} into {blocks} blocks of {align}, fewer than "
+                f"the {tp} ranks of a TP group (mesh.tp), so a rank would hold none. Lower ntp.shard_align "
+                f"to at most {int(units) // tp}, or use mesh.tp <= {blocks}.",
+            )
+
+
 def resolve_layer_tp(cfg: DictConfig) -> list[int]:
     """Per-slot degrees (embedding, each layer, head), validated against the model and mesh."""
     from ntp_nemo.planner.layout import parse_layer_tp, validate_layer_tp
@@ -265,7 +302,14 @@ def resolve_layer_tp(cfg: DictConfig) -> list[int]:
     if spec == "auto":
         from ntp_nemo.planner import plan_layout
 
-        plan = plan_layout(shape, tp, resolved_replica_tp(cfg), cfg.data.seq_len, cfg.data.micro_batch_size)
+        pb = cfg.ntp.power_boost
+        plan = plan_layout(
+            shape, tp, resolved_replica_tp(cfg), cfg.data.seq_len, cfg.data.micro_batch_size,
+            num_microbatches=int(cfg.data.global_batch_size) // int(cfg.data.micro_batch_size),
+            power_boost=OmegaConf.to_container(pb) if OmegaConf.is_list(pb) else pb,
+            capacity=str(cfg.ntp.get("capacity", "ranks")),
+            shard_align=int(cfg.ntp.get("shard_align", 1)),
+        )
         layer_tp = list(plan.layer_tp)
     else:
         layer_tp = parse_layer_tp(

@@ -16,6 +16,10 @@ Rules:
   A lifetime that ran steps and then stopped without `job_end` (followed by a restart) or
   with status "failed", with no `failure_detected` recorded for it, counts as an implicit
   failure at its last event.
+- A checkpoint save runs from `ckpt_save_start` to its `ckpt_save_end` (its blocking part) or
+  `ckpt_save_abort`; a failure ends every save in progress (the save is lost with the peer), so a
+  save whose end was never written (its writer died) counts up to the failure, not to the lifetime's
+  end.  An asynchronous save's `ckpt_commit` happens in the background and costs no training time.
 - When intervals overlap, the more specific measurement wins, in the order of `_PRIORITY`:
   a checkpoint save or restore, initialization or data wait inside another interval is
   charged to its own category, never to the step or the recovery around it.
@@ -67,6 +71,7 @@ class Failure:
     rank: int | None
     reason: str
     implicit: bool = False
+    process: int | None = None  # the process lost (its number in the launch), when it differs from the rank
 
 
 @dataclass
@@ -272,6 +277,12 @@ class _LifetimeParser:
         elif isinstance(blocking, int | float):
             self.tl.saves.append(Span(t - float(blocking), t))
 
+    def _on_ckpt_save_abort(self, e: Mapping[str, Any], t: float, prev_t: float) -> None:
+        same_step = (i for i, (step, _) in enumerate(self.open_saves) if step == e.get("step"))
+        match = next(same_step, 0 if self.open_saves else None)
+        if match is not None:
+            self.tl.saves.append(Span(self.open_saves.pop(match)[1], t))
+
     def _on_ckpt_restore_start(self, e: Mapping[str, Any], t: float, prev_t: float) -> None:
         self.open_restore = t
 
@@ -284,8 +295,11 @@ class _LifetimeParser:
         self.tl.data_waits.append(Span(t - _num(e, "seconds"), t))
 
     def _on_failure_detected(self, e: Mapping[str, Any], t: float, prev_t: float) -> None:
-        rank = e.get("rank")
-        self.tl.failures.append(Failure(t, rank if isinstance(rank, int) else None, str(e.get("reason", ""))))
+        rank, process = e.get("rank"), e.get("process")
+        self.tl.failures.append(Failure(t, rank if isinstance(rank, int) else None, str(e.get("reason", "")),
+                                        process=process if isinstance(process, int) else None))
+        self.tl.saves.extend(Span(start, t) for _, start in self.open_saves)  # lost with the failure
+        self.open_saves = []
         if self.open_step is not None and self.failed_in_step is None:
             self.failed_in_step = t
 
@@ -419,7 +433,7 @@ def breakdown(tl: Timeline) -> GoodputReport:
         productive_by_layout=by_layout,
         failure_recoveries=[
             {"mode": next((m for t, m in sorted(tl.recovery_modes) if t >= f.t), "-"),
-             "recovery_s": span.end - span.start}
+             "recovery_s": span.end - span.start, "rank": f.rank, "process": f.process}
             for f, span in zip(tl.failures, tl.recoveries, strict=True)
         ],
     )

@@ -20,8 +20,12 @@ STEP_START = "step_start"  # step
 STEP_END = "step_end"  # step, layout, capacity, tokens
 
 # Checkpoints. blocking_s on ckpt_save_end: the part of an asynchronous save that blocked training.
+# Every ckpt_save_start gets a ckpt_save_end or a ckpt_save_abort (the save failed or was cut short by
+# a lost peer); an asynchronous save's files are committed later, in the background: ckpt_commit.
 CKPT_SAVE_START = "ckpt_save_start"  # step
 CKPT_SAVE_END = "ckpt_save_end"  # step, blocking_s (optional)
+CKPT_SAVE_ABORT = "ckpt_save_abort"  # step, reason
+CKPT_COMMIT = "ckpt_commit"  # step, ok (false: the background write failed; nothing was committed)
 CKPT_RESTORE_START = "ckpt_restore_start"
 CKPT_RESTORE_END = "ckpt_restore_end"  # step (the step restored)
 
@@ -41,6 +45,8 @@ EVENTS: frozenset[str] = frozenset(
         STEP_END,
         CKPT_SAVE_START,
         CKPT_SAVE_END,
+        CKPT_SAVE_ABORT,
+        CKPT_COMMIT,
         CKPT_RESTORE_START,
         CKPT_RESTORE_END,
         FAILURE_DETECTED,

@@ -1,8 +1,12 @@
 """Append-only goodput event recorder (`goodput.jsonl`).
 
-Each event is one JSON line written with a single `write` on an `O_APPEND` descriptor and
-then fsync'ed, so a crash (even SIGKILL) leaves every earlier line intact and several
+Each event is one JSON line written with a single `write` on an `O_APPEND` descriptor, so a killed
+process (even SIGKILL) leaves every line it wrote intact (the kernel holds them) and several
 processes (a restarted job, a supervisor) can append to the same file without interleaving.
+Only a machine crash can lose written lines; the recorder bounds that: it fsyncs at the events
+the calculator cannot do without (job start and end, failures and recoveries, the ends of
+checkpoint saves and restores) and otherwise at most every `sync_every_s` seconds, so per-step
+events cost a `write`, not an fsync, and a crash loses at most `sync_every_s` of step events.
 The recorder never reads the file: analysis is the offline calculator's job.
 """
 
@@ -15,12 +19,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ntp_nemo.goodput.events import EVENTS, GOODPUT_FILENAME, JOB_END, JOB_START
+from ntp_nemo.goodput import events as ev
 
-# The last job_start/job_end any recorder of this process wrote, per file. A forked worker
-# inherits its parent's entries on purpose: the fork belongs to the same job lifetime.
-_LIFECYCLE: dict[str, str] = {}
-_LIFECYCLE_LOCK = threading.Lock()
+# Events whose loss would change the figures (a lifetime without its end, a failure not seen, a
+# save that never ended): each is on disk before `record` returns.
+DURABLE_EVENTS = frozenset({
+    ev.JOB_START, ev.JOB_END, ev.FAILURE_DETECTED, ev.RECOVERY_DONE, ev.CKPT_SAVE_END,
+    ev.CKPT_SAVE_ABORT, ev.CKPT_COMMIT, ev.CKPT_RESTORE_END,
+})
+SYNC_EVERY_S = 30.0  # the most step events a machine crash can lose, in seconds of training
 
 
 def _jsonable(value: Any) -> Any:
@@ -34,22 +41,25 @@ def _jsonable(value: Any) -> Any:
 def goodput_path(path: str | os.PathLike[str]) -> Path:
     """`path` itself when it names a `.jsonl` file, else `path/goodput.jsonl` (a run directory)."""
     p = Path(path)
-    return p if p.suffix == ".jsonl" else p / GOODPUT_FILENAME
+    return p if p.suffix == ".jsonl" else p / ev.GOODPUT_FILENAME
 
 
 class GoodputRecorder:
     """Appends goodput events to a run directory's `goodput.jsonl`.
 
-    `path` is the run directory or the `.jsonl` file itself. `fsync=False` trades crash
-    durability of the last events for a cheaper `record` call.
+    `path` is the run directory or the `.jsonl` file itself. `fsync=False` never fsyncs (a
+    machine crash may then lose any event; a killed process still loses none).
     """
 
-    def __init__(self, path: str | os.PathLike[str], fsync: bool = True) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], fsync: bool = True, sync_every_s: float = SYNC_EVERY_S
+    ) -> None:
         self.path = goodput_path(path)
         self.fsync = fsync
+        self.sync_every_s = sync_every_s
         self._fd: int | None = None
         self._lock = threading.Lock()
-        self._key = str(self.path.resolve())
+        self._synced_at = time.monotonic()
 
     def _open(self) -> int:
         if self._fd is None:
@@ -59,8 +69,8 @@ class GoodputRecorder:
 
     def record(self, event: str, **fields: Any) -> dict[str, Any]:
         """Append one event and return the object written; unknown names are a programming error."""
-        if event not in EVENTS:
-            raise ValueError(f"unknown goodput event {event!r}; known: {sorted(EVENTS)}")
+        if event not in ev.EVENTS:
+            raise ValueError(f"unknown goodput event {event!r}; known: {sorted(ev.EVENTS)}")
         obj = {"t": time.time(), "event": event, "pid": os.getpid(), **fields}
         line = (json.dumps(obj, default=_jsonable, separators=(",", ":")) + "\n").encode()
         with self._lock:
@@ -68,20 +78,11 @@ class GoodputRecorder:
             view = memoryview(line)
             while view:
                 view = view[os.write(fd, view) :]
-            if self.fsync:
+            now = time.monotonic()
+            if self.fsync and (event in DURABLE_EVENTS or now - self._synced_at >= self.sync_every_s):
                 os.fsync(fd)
-        if event in (JOB_START, JOB_END):
-            with _LIFECYCLE_LOCK:
-                _LIFECYCLE[self._key] = event
+                self._synced_at = now
         return obj
-
-    def job_open(self) -> bool:
-        """Whether this process (or the parent it was forked from) recorded a job_start here not yet ended.
-
-        Lets several components share one lifetime: whoever comes first records job_start.
-        """
-        with _LIFECYCLE_LOCK:
-            return _LIFECYCLE.get(self._key) == JOB_START
 
     def close(self) -> None:
         with self._lock:

@@ -17,7 +17,14 @@ from rich.table import Table
 
 from ntp_nemo.errors import ConfigError, cli_main
 from ntp_nemo.goodput import events as ev
-from ntp_nemo.goodput.calculator import GoodputReport, Timeline, breakdown, build_timeline, load_events
+from ntp_nemo.goodput.calculator import (
+    Failure,
+    GoodputReport,
+    Timeline,
+    breakdown,
+    build_timeline,
+    load_events,
+)
 from ntp_nemo.goodput.recorder import goodput_path
 
 TIMELINE_PNG = "goodput_timeline.png"
@@ -41,11 +48,19 @@ def breakdown_table(report: GoodputReport) -> Table:
     table.add_row("steps redone", str(report.steps_redone), "")
     table.add_row("failures", str(report.failures), "")
     for i, r in enumerate(report.failure_recoveries):
-        table.add_row(f"  failure {i + 1}: {r['mode']} recovery", f"{r['recovery_s']:.2f}", "")
+        who = failure_who(Failure(0.0, r.get("rank"), "", process=r.get("process")))
+        table.add_row(f"  failure {i + 1}{who}: {r['mode']} recovery", f"{r['recovery_s']:.2f}", "")
     table.add_row("process lifetimes", str(report.lifetimes), "")
     if report.idle_s > 0:
         table.add_row("idle between runs (excluded)", f"{report.idle_s:.2f}", "")
     return table
+
+
+def failure_who(f: Failure) -> str:
+    """' (process P, rank R)': who was lost, as the processes and ranks were at the failure."""
+    parts = ([f"process {f.process}"] if f.process is not None else []) + (
+        [f"rank {f.rank}"] if f.rank is not None else [])
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def legend_labels(tl: Timeline) -> list[str]:
@@ -102,7 +117,7 @@ def plot_timeline(tl: Timeline, report: GoodputReport, out: Path) -> Path:
     bars([(s.start, s.end) for s in tl.recoveries], "recovery", "salmon")
     for f in tl.failures:
         ax.axvline(f.t - t0, color="red", linestyle="--", linewidth=1)
-        label = f"failure (rank {f.rank})" if f.rank is not None else "failure"
+        label = "failure" + failure_who(f)
         ax.annotate(label + (" ?" if f.implicit else ""), (f.t - t0, 4.45), color="red", fontsize=7)
     previous = None
     for run in (s for s in tl.steps if s.completed):

@@ -138,7 +138,15 @@ class StepCheckpoint(ModelCheckpoint):
         )
         self.save_on_end = save_on_end
 
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not launcher_gone(trainer):  # a save is collective work the workers cannot finish alone
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if launcher_gone(trainer):
+            return
         if (
             self.save_on_end
             and trainer.global_step > 0
@@ -146,18 +154,6 @@ class StepCheckpoint(ModelCheckpoint):
         ):
             self._save_checkpoint(trainer, self.format_checkpoint_name({"step": trainer.global_step}))
             self._last_global_step_saved = trainer.global_step
-
-
-class FinalValidation(Callback):
-    """Validate after the last step even when `trainer.max_steps` is not a multiple of
-    `trainer.val_every_n_steps`: asking the trainer to stop there is what makes Lightning's loop
-    validate once more (it validates on a requested stop), and the run ends at that step anyway."""
-
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps:
-            trainer.should_stop = True
 
 
 class StopAtStep(Callback):
@@ -174,18 +170,48 @@ class StopAtStep(Callback):
             trainer.should_stop = True
 
 
+# Stop requests a worker answers by checkpointing and stopping together with the other ranks.
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
+
+
+def hold_stop_signals() -> None:
+    """Hold stop signals in a freshly forked worker until `PreemptionCheckpoint` answers them at the
+    start of training: a Ctrl-C during the rendezvous or the setup then neither interrupts a
+    TCPStore call ("Interrupted system call") nor raises KeyboardInterrupt there."""
+    import signal
+
+    signal.pthread_sigmask(signal.SIG_BLOCK, [getattr(signal, n) for n in STOP_SIGNALS])
+
+
+def launcher_gone(trainer: pl.Trainer) -> bool:
+    """This worker's launching process died (`kill -9` of `ntp-train`): its store and the coordination
+    of the workers went with it, so the workers stop without announcing a checkpoint they cannot write."""
+    stop = next((cb for cb in trainer.callbacks if isinstance(cb, PreemptionCheckpoint)), None)
+    return stop is not None and stop.launcher_gone()
+
+
 class PreemptionCheckpoint(Callback):
     """SIGTERM/SIGUSR1 (preemption notice) or SIGINT (Ctrl-C): finish the step, agree on the stop flag
     across all ranks (the flag rides in the training step's fused all-reduce, so no rank saves alone),
     then stop; the end-of-training checkpoint is written by `StepCheckpoint` when checkpointing is on.
-    A second Ctrl-C stops the process at once (no checkpoint)."""
+    A second Ctrl-C stops the process at once (no checkpoint).
 
-    SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
+    Workers forked by `ntp-train` hold these signals from the fork (`hold_stop_signals`) and answer
+    them from the start of training: a Ctrl-C before the first step stops after it. When the launching
+    process dies, torch sends its workers SIGINT: they stop at the step's end without a checkpoint and
+    say so (`launcher_gone`)."""
+
+    SIGNALS = STOP_SIGNALS
 
     def __init__(self) -> None:
         self.requested = False
         self.signal_name: str | None = None
         self.stopped = False  # this run stopped on a signal (received here or by another rank)
+        self.launcher_pid = os.getpid()  # built in the process that forks the workers (when one does)
+
+    def launcher_gone(self) -> bool:
+        """Forked from `launcher_pid`, which is no longer this process's parent."""
+        return os.getpid() != self.launcher_pid and os.getppid() != self.launcher_pid
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Replaces the trainer's own SIGTERM handler (installed when the run started): that one broadcasts
@@ -194,11 +220,16 @@ class PreemptionCheckpoint(Callback):
 
         for name in self.SIGNALS:
             signal.signal(getattr(signal, name), self._request)
+        # Signals held since the fork are delivered now, to the handler just installed.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [getattr(signal, n) for n in self.SIGNALS])
 
     def _request(self, signum, frame) -> None:  # noqa: ANN001 - signal handler signature
-        import os
         import signal
 
+        if self.launcher_gone():
+            self.requested = True
+            self.signal_name = "launcher lost"
+            return
         if signum == signal.SIGINT and self.signal_name == "SIGINT":
             # The second Ctrl-C: die of SIGINT now, as an uncaught Ctrl-C would (no checkpoint).
             signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -224,12 +255,26 @@ class PreemptionCheckpoint(Callback):
             agreed = bool(flag.item() > 0)
         if agreed:
             self.stopped = True
-            if trainer.is_global_zero:
+            if self.launcher_gone():
+                self.signal_name = "launcher lost"
+                if trainer.is_global_zero:
+                    print(f"the launching process (pid {self.launcher_pid}) is gone: stopping at step "
+                          f"{trainer.global_step} without a checkpoint (the workers cannot finish a save "
+                          "without it); a rerun resumes from the latest checkpoint written before",
+                          flush=True)
+            elif trainer.is_global_zero:
                 ctrl_c = self.signal_name == "SIGINT"
                 why = "interrupted (Ctrl-C)" if ctrl_c else "preemption signal received"
                 more = "; press Ctrl-C again to stop at once without it" if ctrl_c else ""
-                print(f"{why}: checkpointing at step {trainer.global_step} and stopping{more}", flush=True)
+                step = trainer.global_step
+                saving = (f"checkpointing at step {step} and stopping" if _saves_on_stop(trainer)
+                          else f"stopping at step {step} (checkpointing is off)")
+                print(f"{why}: {saving}{more}", flush=True)
             trainer.should_stop = True
+
+
+def _saves_on_stop(trainer: pl.Trainer) -> bool:
+    return any(isinstance(cb, StepCheckpoint) and cb.save_on_end for cb in trainer.callbacks)
 
 
 class MemoryReport(Callback):
@@ -285,7 +330,8 @@ class StepProgress(ProgressBar):
     """Training progress in optimizer steps: `step N/total`, loss, tokens/s and ETA (no epochs).
 
     On a terminal a rich progress bar; otherwise (a pipe, a log file, a batch job) one plain line
-    every `every` steps and at the last step. Only global rank 0 shows it."""
+    every `every` steps and at the last step. Only global rank 0 shows it: whichever process that is
+    at the step (after a live recovery, a survivor)."""
 
     def __init__(self, every: int = 10, tty: bool | None = None) -> None:
         super().__init__()
@@ -308,14 +354,19 @@ class StepProgress(ProgressBar):
     def is_enabled(self) -> bool:
         return self._enabled
 
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Lightning's ProgressBar disables itself on every rank but 0 here; a live recovery can make any
+        # process rank 0 later, so every rank keeps counting and whichever is rank 0 prints.
+        self._trainer = trainer
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._first = int(trainer.global_step)
+        self._t0, self._tokens = time.perf_counter(), 0
         if not trainer.is_global_zero or not self._enabled:
             return
         import os
         import sys
 
-        self._first = int(trainer.global_step)
-        self._t0, self._tokens = time.perf_counter(), 0
         if self.tty if self.tty is not None else os.isatty(sys.stdout.fileno()):
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -333,7 +384,6 @@ class StepProgress(ProgressBar):
     def _stats(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[str, float | None]:
         step, total = int(trainer.global_step), int(trainer.max_steps)
         rec = getattr(pl_module, "last_step", {}) or {}
-        self._tokens += int(rec.get("tokens", 0))
         elapsed = time.perf_counter() - self._t0
         done = step - self._first
         tps = self._tokens / elapsed if elapsed > 0 else 0.0
@@ -345,7 +395,10 @@ class StepProgress(ProgressBar):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not trainer.is_global_zero or not self._enabled:
+        if not self._enabled:
+            return
+        self._tokens += int((getattr(pl_module, "last_step", {}) or {}).get("tokens", 0))
+        if not trainer.is_global_zero:
             return
         stats, eta = self._stats(trainer, pl_module)
         step, total = int(trainer.global_step), int(trainer.max_steps)

@@ -5,7 +5,11 @@ counts per node: Lightning gets `devices` = this node's process count and `num_n
 
 from __future__ import annotations
 
-from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+from lightning.fabric.plugins.environments import (
+    LightningEnvironment,
+    SLURMEnvironment,
+    TorchElasticEnvironment,
+)
 
 from ntp_nemo.parallel.cluster import ProcessLayout, launcher_layout, parse_tasks_per_node
 
@@ -52,9 +56,11 @@ class NTPSLURMEnvironment(SLURMEnvironment):
 
 
 def cluster_environment(layout: ProcessLayout | None):
-    """The Lightning cluster environment plugin for `layout` (None: Lightning's own choice)."""
+    """The Lightning cluster environment plugin for `layout`.  None (no external launcher): ntp-train
+    launches the ranks, in Lightning's own environment, never one Lightning would detect from a batch
+    script's SLURM_NTASKS (a SLURM launch that nobody started)."""
     if layout is None:
-        return None
+        return LightningEnvironment()
     if layout.launcher == "torchrun":
         return NTPTorchElasticEnvironment()
     return NTPSLURMEnvironment(auto_requeue=False)  # PreemptionCheckpoint owns SIGTERM/SIGUSR1

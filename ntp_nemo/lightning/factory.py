@@ -15,7 +15,6 @@ from omegaconf import DictConfig, OmegaConf
 from ntp_nemo.config.layout import resolve_layout
 from ntp_nemo.data.module import DataBundle
 from ntp_nemo.lightning.callbacks import (
-    FinalValidation,
     MemoryReport,
     MetricsJSONL,
     PreemptionCheckpoint,
@@ -55,10 +54,12 @@ def build_trainer(
     layout: ResolvedLayout | Sequence[int],
     extra_callbacks: Sequence[Any] = (),
     cuda_devices: Sequence[int] | None = None,
+    job_started: bool = False,
 ) -> tuple[pl.Trainer, NTPLanguageModule, NTPStrategy]:
     """`layout`: the run's ResolvedLayout (`ntp_nemo.config.layout.resolve_layout`; a list is taken as
     the resolved per-slot degrees). `cuda_devices`: the CUDA ordinal each local rank binds (the
-    supervisor's relaunch after a lost GPU); default ranks 0..n-1 on ordinals 0..n-1."""
+    supervisor's relaunch after a lost GPU); default ranks 0..n-1 on ordinals 0..n-1. `job_started`:
+    the caller records the lifetime's `job_start` in goodput.jsonl (else the goodput callback does)."""
     t = cfg.trainer
     if not isinstance(layout, ResolvedLayout):
         layout = resolve_layout(cfg, layer_tp=layout)
@@ -71,7 +72,13 @@ def build_trainer(
     )
     devices, nodes = process_layout(strategy.topology.world_size)
     gpu = t.accelerator in ("gpu", "cuda")
-    if gpu and cuda_devices is not None:
+    if gpu and cuda_devices is None and launcher_layout() is not None:
+        from ntp_nemo.parallel.devices import local_cuda_ordinals
+
+        ordinals = local_cuda_ordinals(devices)  # one GPU per task: every rank binds cuda:0
+        strategy.parallel_devices = [torch.device("cuda", i) for i in ordinals]
+        devices = sorted(set(ordinals))  # the GPUs Lightning checks exist
+    elif gpu and cuda_devices is not None:
         if len(cuda_devices) != devices or nodes != 1:
             raise ValueError(f"{len(cuda_devices)} CUDA devices for {devices} processes on {nodes} nodes")
         # Local rank i binds cuda:cuda_devices[i] (ranks may share a GPU: gloo only, NCCL refuses that).
@@ -81,7 +88,8 @@ def build_trainer(
     metrics = MetricsJSONL(run_dir)
     strategy.keep_last = int(cfg.checkpoint.keep_last)
     strategy.async_save = bool(cfg.checkpoint.async_save)
-    callbacks: list[Any] = [metrics, GoodputCallback(str(run_dir)), RunSummary(run_dir, metrics)]
+    goodput = GoodputCallback(str(run_dir), job_started=job_started)
+    callbacks: list[Any] = [metrics, goodput, RunSummary(run_dir, metrics)]
     if cfg.checkpoint.every_n_steps or cfg.checkpoint.save_on_end:
         callbacks.append(
             StepCheckpoint(
@@ -100,7 +108,6 @@ def build_trainer(
     callbacks.append(PreemptionCheckpoint())
     if t.stop_at_step:
         callbacks.append(StopAtStep(int(t.stop_at_step)))
-    callbacks.append(FinalValidation())
     if t.progress_bar:
         from ntp_nemo.lightning.callbacks import StepProgress
 

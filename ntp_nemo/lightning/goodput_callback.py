@@ -21,11 +21,15 @@ DATA_WAIT_FLUSH_S = 0.005  # shorter waits are summed until they reach this, the
 
 class GoodputCallback(Callback):
     """Writes `run_dir/goodput.jsonl`: init done, step start/end with layout and capacity,
-    checkpoint saves and job end. Each `record` costs one fsync'ed append."""
+    checkpoint saves and job end (the recorder fsyncs only at the events that must survive a crash).
 
-    def __init__(self, run_dir: str, fsync: bool = True) -> None:
+    `job_started`: the entry point recorded this lifetime's `job_start` already (before forking the
+    workers, which inherit this object); otherwise the callback records it at setup."""
+
+    def __init__(self, run_dir: str, fsync: bool = True, job_started: bool = False) -> None:
         self.run_dir = Path(run_dir)
         self.fsync = fsync
+        self.job_started = job_started
         self._recorder: GoodputRecorder | None = None
         self._is_zero: bool | None = None
         self._open_step: int | None = None
@@ -56,11 +60,13 @@ class GoodputCallback(Callback):
 
     def record(self, event: str, **fields: Any) -> None:
         """Record an event on global rank 0 (no-op elsewhere); for the strategy and other components."""
-        if event in (ev.CKPT_SAVE_START, ev.CKPT_SAVE_END):
+        if event in (ev.CKPT_SAVE_START, ev.CKPT_SAVE_END, ev.CKPT_SAVE_ABORT):
             self._external_saves = True
             if event == ev.CKPT_SAVE_START and self._save_open:
                 return  # on_save_checkpoint already opened this save
             self._save_open = event == ev.CKPT_SAVE_START
+        if event == ev.JOB_START:
+            self.job_started = True
         if event == ev.JOB_END:
             self._ended = True
         writer = self._writer()
@@ -86,7 +92,8 @@ class GoodputCallback(Callback):
         self._ended = False
         self._open_step, self._last_step_end = None, -1
         writer = self._writer()
-        if writer is not None and not writer.job_open():
+        if writer is not None and not self.job_started:
+            self.job_started = True
             writer.record(ev.JOB_START, source="GoodputCallback")
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -131,6 +138,11 @@ class GoodputCallback(Callback):
     def on_save_checkpoint(
         self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
     ) -> None:
+        # A strategy that records its saves (NTPStrategy) opens and closes each one itself; Lightning
+        # also calls this hook when it only builds the state dict (a live rejoin's hand-over), which
+        # writes nothing and would leave a save without an end.
+        if getattr(getattr(trainer, "strategy", None), "records_checkpoint_events", False):
+            return
         if not self._save_open:
             self._save_open = True
             self._write(ev.CKPT_SAVE_START, step=trainer.global_step)
@@ -163,3 +175,4 @@ class GoodputCallback(Callback):
         if not self._ended:
             self._ended = True
             self._write(ev.JOB_END, status=status, step=trainer.global_step, **fields)
+            self.job_started = False

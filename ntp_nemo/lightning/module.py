@@ -157,8 +157,10 @@ class NTPLanguageModule(pl.LightningModule):
         self.stop_agreed = values["stop"] > 0  # read by PreemptionCheckpoint at the end of the batch
         loss = values["loss_sum"] / global_tokens
         grad_norm = math.sqrt(values["grad_norm_sq"]) if values["grad_norm_sq"] >= 0 else float("nan")
-        self.log("train/loss", loss, prog_bar=True, rank_zero_only=True, batch_size=1)
-        self.log("train/grad_norm", grad_norm, rank_zero_only=True, batch_size=1)
+        # Host values logged as CPU tensors: a float would become a device tensor (a host-to-device copy,
+        # read back for the loggers), twice a step.
+        self.log("train/loss", torch.tensor(loss), prog_bar=True, rank_zero_only=True, batch_size=1)
+        self.log("train/grad_norm", torch.tensor(grad_norm), rank_zero_only=True, batch_size=1)
         self.last_step = {
             "step": int(batch["step"]) + 1,
             "loss": loss,
@@ -177,5 +179,5 @@ class NTPLanguageModule(pl.LightningModule):
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         total = self.runtime.eval_microbatches(self.model, list(batch["micro"]))
         loss = float(self.runtime.global_sum(total)) / int(batch["global_tokens"])
-        self.log("val/loss", loss, prog_bar=True, rank_zero_only=True, batch_size=1)
+        self.log("val/loss", torch.tensor(loss), prog_bar=True, rank_zero_only=True, batch_size=1)
         self.last_val_loss = loss

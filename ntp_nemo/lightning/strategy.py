@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.utilities.distributed import (
+    _destroy_dist_connection,
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
@@ -41,6 +42,22 @@ class _ForkLauncher(_MultiProcessingLauncher):
     """Lightning's multiprocessing launcher without shipping rank 0's weights back to the parent
     (the model is sharded; checkpoints and run-directory files carry the results)."""
 
+    _procs: Any = None
+    _pending_signal: int | None = None
+
+    @property
+    def procs(self) -> Any:
+        return self._procs
+
+    @procs.setter
+    def procs(self, value: Any) -> None:
+        """The workers, once forked; a stop signal that reached the parent while it forked them follows."""
+        self._procs = value
+        pending, self._pending_signal = self._pending_signal, None
+        for proc in (value or []) if pending is not None else []:
+            if proc.is_alive():
+                os.kill(proc.pid, pending)
+
     def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         """Forward SIGTERM/SIGUSR1 sent to the parent to every worker (they checkpoint and stop together);
         the workers rendezvous and listen on loopback only."""
@@ -53,21 +70,25 @@ class _ForkLauncher(_MultiProcessingLauncher):
         them checkpoint and stop (as SIGTERM does), a second one kills them."""
         import signal
 
+        interrupts, parent = [], os.getpid()
+
         def forward(signum, frame):  # noqa: ANN001 - signal handler signature
-            for proc in getattr(self, "procs", None) or []:
+            if os.getpid() != parent:
+                return
+            if not self.procs:  # still forking: the workers get it as soon as they exist
+                self._pending_signal = signum
+            for proc in self.procs or []:
                 if proc.is_alive():
                     os.kill(proc.pid, signum)
 
-        interrupts, parent = [], os.getpid()
-
         def interrupt(signum, frame):  # noqa: ANN001 - Ctrl-C: the workers checkpoint; a second one kills
-            if os.getpid() != parent:  # a worker before its own handler is installed
-                raise KeyboardInterrupt
+            if os.getpid() != parent:  # a worker between the fork and `hold_stop_signals`: held there
+                return
             interrupts.append(signum)
             if len(interrupts) == 1:
                 forward(signal.SIGTERM, frame)  # a terminal's Ctrl-C reaches them too: the stop is the same
                 return
-            for proc in getattr(self, "procs", None) or []:
+            for proc in self.procs or []:
                 if proc.is_alive():
                     os.kill(proc.pid, signal.SIGKILL)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -80,6 +101,17 @@ class _ForkLauncher(_MultiProcessingLauncher):
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
+        """A worker's first code: hold stop signals until training starts (see `hold_stop_signals`).
+        A forked worker exits through `os._exit` (no atexit handlers): it destroys its process groups
+        here once its work is done (a worker that failed leaves them to the process's end, as a peer
+        may be gone)."""
+        from ntp_nemo.lightning.callbacks import hold_stop_signals
+
+        hold_stop_signals()
+        super()._wrapping_function(process_idx, *args, **kwargs)
+        _destroy_dist_connection()
 
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
         if self._strategy.local_rank != 0:
@@ -95,6 +127,18 @@ def quiet_sigterm_broadcast(trainer: pl.Trainer) -> None:
     loop = trainer.fit_loop.epoch_loop
     if hasattr(loop, "_broadcast_sigterm_tensor"):
         loop._broadcast_sigterm_tensor = lambda: None
+
+
+def destroy_groups_at_exit(backend: str) -> bool:
+    """Destroy the process groups when the process exits, whatever the backend string: Lightning
+    registers it only for exactly "nccl", so `cpu:gloo,cuda:nccl` (the GPU default) and gloo runs
+    under torchrun or srun would exit with live communicators.  Returns whether it registered here."""
+    if backend == "nccl":
+        return False  # Lightning's `_init_dist_connection` did
+    import atexit
+
+    atexit.register(_destroy_dist_connection)
+    return True
 
 
 def default_backend(device: torch.device) -> str:
@@ -178,6 +222,7 @@ class NTPStrategy(ParallelStrategy):
             else:
                 self._rendezvous_server = self._loopback_rendezvous_store()
                 _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+            destroy_groups_at_exit(self._process_group_backend)
         self.runtime = NTPRuntime(self.layout, self.global_rank, device=self.root_device)
         self.topology = self.runtime.topology  # the one whose process groups the run uses
 
@@ -330,15 +375,23 @@ class NTPStrategy(ParallelStrategy):
         }
         t0 = time.perf_counter()
         self._goodput("ckpt_save_start", step=step)
-        if self.async_save and self._saver is None:
-            self._saver = AsyncCheckpointSaver()
-        save = self._saver.save if self.async_save else save_checkpoint
-        save(path, self.lightning_module.model, self._optimizer(), extra, step=step, layout=layout,
-             keep_last=self.keep_last)
+        try:
+            if self.async_save and self._saver is None:
+                self._saver = AsyncCheckpointSaver()
+            save = self._saver.save if self.async_save else save_checkpoint
+            done = save(path, self.lightning_module.model, self._optimizer(), extra, step=step, layout=layout,
+                        keep_last=self.keep_last)
+        except BaseException as err:  # a lost peer, a full disk, Ctrl-C: the save has an end either way
+            self._goodput("ckpt_save_abort", step=step, reason=f"{type(err).__name__}: {err}"[:300])
+            raise
         self._goodput("ckpt_save_end", step=step, blocking_s=time.perf_counter() - t0)
+        if self.async_save:  # the background commit is its own event
+            done.add_done_callback(
+                lambda f: self._goodput("ckpt_commit", step=step, ok=f.exception() is None))
 
     async_save: bool = False
     _saver: Any = None
+    records_checkpoint_events = True  # GoodputCallback leaves save start/end to `_save_checkpoint`
 
     keep_last: int | None = None
 

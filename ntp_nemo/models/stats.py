@@ -22,12 +22,19 @@ def param_count(cfg: ModelConfig) -> int:
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Forward+backward FLOPs per token: 6 x matmul parameters + causal attention scores."""
+    """Forward+backward FLOPs per token: 6 x matmul parameters + 12·L·h·s for the attention scores.
+
+    The attention term counts the full s x s products (QK^T and AV, 2·s·h FLOPs each per layer in the
+    forward: 4·L·h·s, three times that with the backward), the convention of PaLM's and Megatron's
+    MFU, so figures compare with published ones.  A causal kernel skips about half of it (6·L·h·s):
+    the attention share of an MFU from this count is twice the work such a kernel does.
+    """
     h, f, L, V = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers, cfg.vocab_size
     nkv = cfg.num_kv_heads or cfg.num_heads
     d = h // cfg.num_heads
     matmul = (
         L * (2 * h * cfg.num_heads * d + 2 * h * nkv * d + (3 if cfg.arch == "llama" else 2) * h * f) + V * h
     )
-    attention = L * 2 * cfg.num_heads * d * seq_len  # QK^T and AV, causal half of 2*s*h each
+    # s·h multiply-adds each for QK^T and AV per layer, counted like parameters (x6): full, non-causal
+    attention = L * 2 * cfg.num_heads * d * seq_len
     return 6.0 * matmul + 6.0 * attention

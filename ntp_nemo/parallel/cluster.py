@@ -9,6 +9,12 @@ NTP jobs often run unequal process counts per node (a node that lost a GPU keeps
 
 Every rank sees the same `num_nodes` and its own node's process count; the global rank is the
 launcher's, never `node_rank * processes_per_node + local_rank`.
+
+A batch script (`sbatch`) runs once, on the allocation's first node, with the allocation's SLURM_*
+variables (SLURM_NTASKS, SLURM_PROCID=0, ...) but none of a task step's (srun sets SLURM_STEP_ID,
+SLURM_STEP_NUM_TASKS, SLURM_STEP_TASKS_PER_NODE): taken for a launch of SLURM_NTASKS ranks, its one
+process would wait in `init_process_group` for ranks nobody started.  It is not a launcher here:
+`ntp-train` launches its ranks on that node, and refuses an allocation of several nodes.
 """
 
 from __future__ import annotations
@@ -21,6 +27,43 @@ from dataclasses import dataclass
 from ntp_nemo.errors import ConfigError
 
 _TASKS = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
+_SLURM_TASK_VARS = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODEID")
+_SPECIAL_STEP_IDS = 0xFFFFFFF0  # batch, extern, interactive and pending steps sit at the top of the range
+
+
+def _slurm_interactive(env: Mapping[str, str]) -> bool:
+    return env.get("SLURM_JOB_NAME") in ("bash", "interactive")  # Lightning's convention
+
+
+def in_srun_task_step(env: Mapping[str, str]) -> bool:
+    """This process is a task of an `srun` job step (not the batch script, not an `extern` shell)."""
+    if "SLURM_STEP_NUM_TASKS" in env or "SLURM_STEP_TASKS_PER_NODE" in env:
+        return True
+    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", ""))
+    return step.isdigit() and int(step) < _SPECIAL_STEP_IDS
+
+
+def slurm_batch_without_srun(env: Mapping[str, str] | None = None) -> bool:
+    """Inside a SLURM allocation (a batch script's variables) but not started by `srun`."""
+    env = os.environ if env is None else env
+    return (all(k in env for k in _SLURM_TASK_VARS) and not _slurm_interactive(env)
+            and not in_srun_task_step(env))
+
+
+def check_not_batch_of_several_nodes(env: Mapping[str, str] | None = None) -> None:
+    """A batch script without `srun` in an allocation of several nodes: stop (the ranks of the other
+    nodes would never start); on one node `ntp-train` launches its ranks itself."""
+    env = os.environ if env is None else env
+    nodes = int(env.get("SLURM_NNODES", env.get("SLURM_JOB_NUM_NODES", "1")) or 1)
+    if slurm_batch_without_srun(env) and nodes > 1:
+        raise ConfigError(
+            "launcher",
+            f"this process runs inside a SLURM allocation of {nodes} nodes "
+            f"(SLURM_NNODES={nodes}, SLURM_NTASKS={env['SLURM_NTASKS']}) but was not started by srun, so "
+            "no rank runs on the other nodes; in the sbatch script start it with "
+            "`srun python -m ntp_nemo.train ...` (one task per rank), or allocate one node to launch "
+            "every rank here.",
+        )
 
 
 def parse_tasks_per_node(text: str) -> list[int]:
@@ -76,7 +119,7 @@ class ProcessLayout:
 
 def launcher_layout(env: Mapping[str, str] | None = None) -> ProcessLayout | None:
     """The layout given by torchrun (checked first: torchrun may run inside a SLURM allocation) or
-    srun; None when no external launcher started this process."""
+    srun; None when no external launcher started this process (a batch script without srun included)."""
     env = os.environ if env is None else env
     if all(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")):
         return ProcessLayout(
@@ -88,9 +131,7 @@ def launcher_layout(env: Mapping[str, str] | None = None) -> ProcessLayout | Non
             node_rank=int(env.get("GROUP_RANK", 0)),
             num_nodes=int(env.get("GROUP_WORLD_SIZE", 1)),
         )
-    interactive = env.get("SLURM_JOB_NAME") in ("bash", "interactive")  # Lightning's convention
-    slurm_vars = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODEID")
-    if not interactive and all(k in env for k in slurm_vars):
+    if all(k in env for k in _SLURM_TASK_VARS) and not _slurm_interactive(env) and in_srun_task_step(env):
         tasks = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
         node = int(env["SLURM_NODEID"])
         if tasks:

@@ -16,6 +16,8 @@ import sys
 
 import torch
 
+from ntp_nemo.errors import ConfigError
+
 _COUNT_IN_CHILD = "import torch; print(torch.cuda.device_count())"
 
 
@@ -40,6 +42,27 @@ def cuda_device_count() -> int:
         return int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else 0
     except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
         return 0
+
+
+def local_cuda_ordinals(local_processes: int, visible: int | None = None) -> list[int]:
+    """The CUDA ordinal each of this node's `local_processes` ranks binds, by local rank.
+
+    Every rank sees the node's GPUs (`torchrun`, `srun --gpus-per-node`): local rank i binds cuda:i.
+    Each rank sees one GPU of its own (`srun --gpus-per-task=1`: CUDA_VISIBLE_DEVICES is one id per
+    task): every rank binds cuda:0, which is a different GPU in each.  `visible` defaults to this
+    process's count (NVML: no CUDA context).
+    """
+    visible = cuda_device_count() if visible is None else visible
+    if visible >= local_processes:
+        return list(range(local_processes))
+    if visible == 1:
+        return [0] * local_processes
+    raise ConfigError(
+        "CUDA_VISIBLE_DEVICES",
+        f"{local_processes} processes on this node but {visible} GPUs visible to this one "
+        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); give each process "
+        "one GPU (srun --gpus-per-task=1) or all of the node's (srun --gpus-per-node / torchrun)."
+    )
 
 
 def cuda_available() -> bool:

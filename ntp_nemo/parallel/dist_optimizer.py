@@ -25,9 +25,12 @@ optimizer's.
 
 Checkpoints stay per parameter (and so topology-independent): `gather_state()` (collective, every rank)
 fills `self.state` with each parameter's full local `step`/`exp_avg`/`exp_avg_sq`, exactly what
-`torch.optim.AdamW` holds, for the checkpoint writer to read; state installed into `self.state` by a
-checkpoint loader (from a run with or without this optimizer, on any layout) is taken over by the next
-`step()`, which keeps only this rank's chunks and empties `self.state`.
+`torch.optim.AdamW` holds, for the checkpoint writer to read.  Those full moments live in host memory
+(`self.host`), staged one bucket at a time: the device holds one gathered bucket at any moment, not the
+unsharded moments this optimizer exists to avoid; the writer drops them once it has its snapshot.
+State installed into `self.state` by a checkpoint loader (from a run with or without this optimizer, on
+any layout) is taken over by the next `step()`, which keeps only this rank's chunks and empties
+`self.state`.
 """
 
 from __future__ import annotations
@@ -140,6 +143,8 @@ class DistributedAdamW(torch.optim.Optimizer):
             self.owned.append(own)
         self._grads_ready = False
         self._load_masters()
+        # Where `gather_state` stages the full moments (pageable host memory: a save is not a hot path).
+        self.host = torch.device("cpu")
 
     def _new_owned(self, numel: int, dtype: torch.dtype) -> _Owned:
         return _Owned(numel, _master_dtype(dtype), self.device, dtype in _LOW)
@@ -278,22 +283,31 @@ class DistributedAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def gather_state(self) -> None:
         """Collective (every rank, same order): fill `self.state` with each parameter's full local AdamW
-        state (`step`, `exp_avg`, `exp_avg_sq` shaped like the parameter), as `torch.optim.AdamW` holds it."""
+        state (`step`, `exp_avg`, `exp_avg_sq` shaped like the parameter), as `torch.optim.AdamW` holds it,
+        in `self.host` memory.  Bucket by bucket, one moment at a time, through one device buffer the size
+        of the largest bucket: that buffer is all the device memory a save adds."""
         self.state.clear()
         for p in self.named.values():
             dtype = _master_dtype(p.dtype)
             self.state[p] = {
                 "step": self._step_count.clone(),
-                "exp_avg": torch.zeros(p.shape, dtype=dtype, device=self.device),
-                "exp_avg_sq": torch.zeros(p.shape, dtype=dtype, device=self.device),
+                "exp_avg": torch.zeros(p.shape, dtype=dtype, device=self.host),
+                "exp_avg_sq": torch.zeros(p.shape, dtype=dtype, device=self.host),
             }
         nb = len(self.buckets)
+        by_dtype: dict[torch.dtype, torch.Tensor] = {}  # one gather buffer per moment dtype
         for b, own in zip(self.buckets, self.owned[:nb], strict=True):
+            dtype = own.exp_avg.dtype
+            if dtype not in by_dtype:
+                size = max(c.padded for c, o in zip(self.buckets, self.owned, strict=False)
+                           if o.exp_avg.dtype == dtype)
+                by_dtype[dtype] = torch.empty(size, dtype=dtype, device=self.device)
+            full = by_dtype[dtype][: b.padded]
             group = self.group_of(b.holders)
             for key in ("exp_avg", "exp_avg_sq"):
-                full = torch.empty(b.padded, dtype=own.exp_avg.dtype, device=self.device)
                 dist.all_gather_single(full, getattr(own, key), group=group)
                 unpack(b, full, {n: self.state[p][key] for n, p in self.named.items()})
+        del by_dtype
         for own in self.owned[nb:]:
             f = own.segments[0].frag
             p = self.named[f.name]

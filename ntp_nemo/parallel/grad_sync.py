@@ -198,13 +198,14 @@ class GradientSynchronizer:
     @torch.no_grad()
     def grad_norm_sq_local(self) -> torch.Tensor:
         """This rank's share of the global squared gradient norm (sum over ranks = the full norm^2),
-        a 0-dim tensor on the gradients' device; non-finite when any local gradient is."""
+        a 0-dim tensor on the gradients' device; non-finite when any local gradient is.  Each fragment's
+        norm accumulates in `acc_dtype` inside the reduction (no float64 copy of the gradients)."""
         total = torch.zeros((), dtype=self.acc_dtype, device=self.device)
         for f in self.plan.fragments():
             g = self.params[f.name].grad
             if g is not None:
                 check_device(g, self.device, f"gradient of {f.name}")
-                total += _view(g, f).to(self.acc_dtype).pow(2).sum() * f.norm_weight
+                total += torch.linalg.vector_norm(_view(g, f), dtype=self.acc_dtype).square() * f.norm_weight
         return total
 
     @torch.no_grad()

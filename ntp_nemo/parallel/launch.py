@@ -20,12 +20,13 @@ import torch.multiprocessing as mp
 
 
 def _worker(
-    rank: int, fn: Callable, world_size: int, store_path: str, backend: str, queue, args: tuple
+    rank: int, fn: Callable, world_size: int, store_path: str, backend: str, queue, args: tuple,
+    timeout_s: float = 120.0,
 ) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group(
-        backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
+        backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
     )
     try:
         result = fn(rank, world_size, *args)
@@ -37,15 +38,17 @@ def _worker(
         dist.destroy_process_group()
 
 
-def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo") -> list[Any]:
-    """Fork `world_size` workers running `fn(rank, world_size, *args)`; return their results by rank."""
+def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
+                timeout_s: float = 120.0) -> list[Any]:
+    """Fork `world_size` workers running `fn(rank, world_size, *args)`; return their results by rank.
+    `timeout_s`: the default process group's collective timeout."""
     # Fork shares the parent's imports; a parent that already initialised CUDA cannot fork CUDA users.
     ctx = mp.get_context("spawn" if torch.cuda.is_initialized() else "fork")
     queue = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_worker, args=(r, fn, world_size, store_path, backend, queue, args))
+            ctx.Process(target=_worker, args=(r, fn, world_size, store_path, backend, queue, args, timeout_s))
             for r in range(world_size)
         ]
         for p in procs:

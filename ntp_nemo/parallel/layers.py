@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ntp_nemo.parallel.comm import copy_to_tp, reduce_from_tp
-from ntp_nemo.topology.shard import ShardSpec, unit_interval
+from ntp_nemo.topology.shard import ShardSpec, aligned_interval
 from ntp_nemo.topology.tp_context import TPContext
 
 
@@ -35,8 +35,12 @@ def replicated_param(shape: tuple[int, ...], tp: TPContext, init: tuple) -> nn.P
     return sharded_param(ShardSpec.full(shape), tp.size * tp.copies, init)
 
 
-def _interval(tp: TPContext, units: int, interval: tuple[int, int] | None) -> tuple[int, int]:
-    return interval if interval is not None else unit_interval(tp.rank, tp.size, units)
+def _interval(tp: TPContext, units: int, interval: tuple[int, int] | None, unit_size: int) -> tuple[int, int]:
+    """The caller's interval, else this rank's balanced share; one-element units are aligned to
+    `tp.align` (larger units, e.g. attention heads, are whole already)."""
+    if interval is not None:
+        return interval
+    return aligned_interval(tp.rank, tp.size, units, tp.align if unit_size == 1 else 1)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -60,7 +64,7 @@ class ColumnParallelLinear(nn.Module):
         # input (q/k/v, gate/up): one input-gradient all-reduce instead of one per projection.
         self.copy_input = copy_input
         units = out_features // unit_size
-        lo, hi = _interval(tp, units, interval)
+        lo, hi = _interval(tp, units, interval, unit_size)
         self.weight = sharded_param(
             ShardSpec.split((out_features, in_features), 0, unit_size, lo, hi), tp.copies, ("normal", std)
         )
@@ -91,7 +95,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.tp = tp
         units = in_features // unit_size
-        lo, hi = _interval(tp, units, interval)
+        lo, hi = _interval(tp, units, interval, unit_size)
         self.weight = sharded_param(
             ShardSpec.split((out_features, in_features), 1, unit_size, lo, hi), tp.copies, ("normal", std)
         )
@@ -108,7 +112,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, dim: int, tp: TPContext, *, std: float = 0.02) -> None:
         super().__init__()
         self.tp = tp
-        lo, hi = unit_interval(tp.rank, tp.size, num_embeddings)
+        lo, hi = aligned_interval(tp.rank, tp.size, num_embeddings, tp.align)
         self.vocab_start, self.vocab_end = lo, hi
         self.weight = sharded_param(
             ShardSpec.split((num_embeddings, dim), 0, 1, lo, hi), tp.copies, ("normal", std)

@@ -7,12 +7,16 @@ a parameter's gradient is final when its hook has fired `m` times, and a bucket 
 parameters are final.  Ready buckets are launched asynchronously (`async_op=True`): an all-reduce
 (plain sync) or, with the distributed optimizer, a reduce-scatter into the optimizer's owned chunk.
 
-Inside one holder set's group the buckets are launched strictly in bucket order (a ready bucket waits
-for its predecessors), so every holder issues the same collectives in the same order on that group
-even when replicas of different TP degrees finish their gradients in a different order.  Different
-groups are independent.  `finish()` launches whatever has not been launched (a replica with no
-micro-batches this step, a parameter without gradient), waits for everything and writes the result:
-after it the gradients are exactly what `GradientSynchronizer.sync()` gives.
+Buckets become ready in whatever order the hooks fire (it differs between replicas of different TP
+degrees, and a hook's order is not promised), but they are launched in one fixed order (`launch_order`),
+a pure function of the plan that every rank computes alike: a ready bucket waits until every bucket
+before it was launched, as Megatron's DDP does.  NCCL requires the collectives of one communicator in
+the same order on all its ranks, and two ranks that share several communicators must not interleave
+them differently (kernels of different communicators can wait on each other); the order restricted to
+any communicator, or to the communicators two ranks share, is the same on every rank.  `finish()`
+launches whatever has not been launched (a replica with no micro-batches this step, a parameter
+without gradient) in the same order, waits for everything and writes the result: after it the
+gradients are exactly what `GradientSynchronizer.sync()` gives.
 """
 
 from __future__ import annotations
@@ -25,8 +29,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ntp_nemo.parallel.buckets import Bucket, build_buckets, fragment_view, pack, unpack
+from ntp_nemo.parallel.buckets import Bucket, backward_rank, build_buckets, fragment_view, pack, unpack
 from ntp_nemo.parallel.grad_sync import SyncPlan
+
+
+def launch_order(plan: SyncPlan, buckets: list[Bucket]) -> list[int]:
+    """Indices of `buckets` in launch order: the backward's order (the bucket whose first fragment the
+    backward finishes first leads), then the holder set's place in the plan, then the bucket's place in
+    its set.  Every holder of a bucket builds it alike, so the key is the same on every rank: one global
+    order, of which each rank launches its own buckets."""
+    place = {h: i for i, h in enumerate(plan.all_holder_sets)}
+    return sorted(range(len(buckets)), key=lambda i: (-backward_rank(buckets[i].frags[0].name),
+                                                     place[buckets[i].holders], buckets[i].index))
 
 
 class OverlappedGradSync:
@@ -43,9 +57,7 @@ class OverlappedGradSync:
         for i, names in enumerate(self._params_of):
             for n in names:
                 self._buckets_of[n].append(i)
-        self._order: dict[tuple[int, ...], list[int]] = defaultdict(list)  # holder set -> bucket indices
-        for i, b in enumerate(self.buckets):
-            self._order[b.holders].append(i)
+        self.order = launch_order(plan, self.buckets)
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(n))
                          for n, p in self.named.items() if n in self._buckets_of]
         self._expected = 0
@@ -56,7 +68,7 @@ class OverlappedGradSync:
         self._seen: dict[str, int] = defaultdict(int)
         self._missing = [len(names) for names in self._params_of]
         self._ready = [False] * len(self.buckets)
-        self._next = {h: 0 for h in self._order}  # next bucket position to launch per holder set
+        self._next = 0  # position in `self.order` of the next bucket to launch
         self._works: dict[int, tuple] = {}
         self.launched_in_backward = 0
         self.launch_times: list[float] = []  # perf_counter() of each launch this step (for measurements)
@@ -74,28 +86,31 @@ class OverlappedGradSync:
 
     def _hook(self, name: str):
         def hook(p: torch.Tensor) -> None:
-            if not self._armed:
-                return
-            self._seen[name] += 1
-            if self._seen[name] != self._expected:
-                return
-            for i in self._buckets_of[name]:
-                self._missing[i] -= 1
-                if self._missing[i] == 0:
-                    self._ready[i] = True
-                    self._launch_in_order(self.buckets[i].holders, in_backward=True)
+            self.grad_accumulated(name)
 
         return hook
 
-    def _launch_in_order(self, holders: tuple[int, ...], *, in_backward: bool = False,
-                         force: bool = False) -> None:
-        order = self._order[holders]
-        while self._next[holders] < len(order):
-            i = order[self._next[holders]]
+    def grad_accumulated(self, name: str) -> None:
+        """One backward pass has accumulated `name`'s gradient (what its hook reports): once all passes
+        have, its buckets may become ready, and the ready ones at the head of the order are launched."""
+        if not self._armed:
+            return
+        self._seen[name] += 1
+        if self._seen[name] != self._expected:
+            return
+        for i in self._buckets_of[name]:
+            self._missing[i] -= 1
+            if self._missing[i] == 0:
+                self._ready[i] = True
+        self._launch_in_order(in_backward=True)
+
+    def _launch_in_order(self, *, in_backward: bool = False, force: bool = False) -> None:
+        while self._next < len(self.order):
+            i = self.order[self._next]
             if not (self._ready[i] or force):
                 return
             self._launch(i)
-            self._next[holders] += 1
+            self._next += 1
             self.launched_in_backward += in_backward
 
     @torch.no_grad()
@@ -118,9 +133,7 @@ class OverlappedGradSync:
     def finish(self) -> None:
         """Launch what is left (plan order), wait for every bucket and write the synced gradients."""
         self._armed = False
-        for holders in self.plan.all_holder_sets:
-            if holders in self._order:
-                self._launch_in_order(holders, force=True)
+        self._launch_in_order(force=True)
         for i in range(len(self.buckets)):
             work, flat = self._works.pop(i)
             work.wait()

@@ -22,6 +22,7 @@ from ntp_nemo.pipeline.engine import ActivationMeter, Backward, PipelineEngine, 
 from ntp_nemo.pipeline.p2p import StageLinks
 from ntp_nemo.pipeline.schedule import FORWARD, interleaved_layers, interleaved_order
 from ntp_nemo.topology import Topology
+from ntp_nemo.topology.groups import new_subgroup
 
 
 def chunk_layers(num_layers: int, pp: int, v: int, stage: int) -> list[range]:
@@ -37,10 +38,8 @@ class InterleavedLinks(StageLinks):
     """`StageLinks` plus the wrap links between a replica's last and first stage (collective)."""
 
     def __init__(self, topology: Topology, rank: int, new_group: Callable | None = None) -> None:
-        import torch.distributed as dist
-
         super().__init__(topology, rank, new_group)
-        new_group = new_group or dist.new_group
+        new_group = new_group or new_subgroup  # tensors only: no gloo side on a GPU world
         c = topology.coord(rank)
         self.first, self.last = c.stage == 0, c.stage == topology.pp - 1
         self._wrap_fwd: dict[tuple[int, int], object] = {}

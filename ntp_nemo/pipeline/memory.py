@@ -54,8 +54,11 @@ def activation_bytes_per_microbatch(model: nn.Module, micro_batch_size: int, seq
     for block in model.blocks.values():
         qd = block.attn.q_proj.weight.shape[0]
         heads = qd // block.attn.head_dim
+        # K/V as attention reads them: whole KV groups go in unexpanded (SDPA's grouped-query support);
+        # query heads split inside a group read K/V gathered per query head.
+        kvd = block.attn.k_proj.weight.shape[0] if block.attn.regular_gqa else qd
         f = block.mlp.up_proj.weight.shape[0]
-        attention = 4 * t * qd + t * heads  # q, k, v (expanded to the local query heads), output; logsumexp
+        attention = 2 * t * qd + 2 * t * kvd + t * heads  # q, k, v, output; logsumexp
         mlp = 4 * t * f if llama else 2 * t * f
         total += 2 * norm + attention + mlp
     total *= e

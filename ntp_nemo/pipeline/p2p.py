@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ntp_nemo.topology import Topology
+from ntp_nemo.topology.groups import new_subgroup
 
 
 def link_pairs(topology: Topology) -> list[tuple[int, int]]:
@@ -37,7 +38,7 @@ class StageLinks:
 
     def __init__(self, topology: Topology, rank: int,
                  new_group: Callable[[list[int]], Any] | None = None) -> None:
-        new_group = new_group or dist.new_group
+        new_group = new_group or new_subgroup  # tensors only: no gloo side on a GPU world
         self.rank = rank
         self.prev = topology.pipeline_peer(rank, -1)
         self.next = topology.pipeline_peer(rank, +1)

@@ -1,10 +1,12 @@
 """The planner: per-item TP degrees and per-replica batch shares that minimise modelled step time.
 
 Objective. Replica r (n_r active ranks) processes one micro-batch per pipeline period
-a_r = max over stages of the summed item times at the items' effective degrees. Giving each
-replica a batch share proportional to 1/a_r makes all replicas finish together, so the time per
-micro-batch of the global batch is J = 1 / sum_r (1/a_r); the planner minimises J (ties broken
-by the summed stage times) subject to every (replica, stage) fitting the memory limit.
+a_r = max over stages of the summed item times at the items' effective degrees. The trainer splits
+the global batch's M micro-batches by capacity (`ResolvedLayout.microbatches`: active ranks over
+the nominal degree, NTP-PW boost, largest-remainder rounding), m_r each, so a step takes
+max_r m_r * a_r and the time per micro-batch of the global batch is J = max_r (m_r / M) * a_r; the
+planner minimises J (ties broken by the summed stage times) subject to every (replica, stage)
+fitting the memory limit.
 
 Search. Start from every item at its highest valid degree (the least memory any layout can
 use, so if it does not fit nothing does), then coordinate descent: move one item at a time to
@@ -24,6 +26,8 @@ from ntp_nemo.errors import ConfigError
 from ntp_nemo.planner.cost import ItemCost, item_cost, item_kinds, item_names, stage_of_items, units_of
 from ntp_nemo.planner.layout import divisors, effective_degree, validate_layer_tp
 from ntp_nemo.planner.shapes import DeviceModel, LinkModel, ModelShape
+from ntp_nemo.topology.layout import ResolvedLayout
+from ntp_nemo.topology.work import WorkShape
 
 GB = 1e9
 
@@ -43,7 +47,11 @@ class PlanRow:
 
 @dataclass(frozen=True)
 class Plan:
-    """A validated layout: per-item degrees, per-replica batch shares and the costing behind them."""
+    """A validated layout: per-item degrees, per-replica batch shares and the costing behind them.
+
+    `batch_shares` are the trainer's: each replica's micro-batches (`microbatches`, the split
+    `ResolvedLayout` gives the layout) over the global batch's; without a global batch, the capacity
+    quotas that split rounds."""
 
     layer_tp: list[int]
     batch_shares: list[float]
@@ -53,6 +61,7 @@ class Plan:
     microbatch_time_s: list[float] = field(default_factory=list)
     memory_gb: list[float] = field(default_factory=list)
     time_per_microbatch_s: float = 0.0
+    microbatches: list[int] = field(default_factory=list)
 
     def overrides(self) -> list[str]:
         """Hydra overrides that apply this plan to a training run."""
@@ -129,7 +138,7 @@ class _CostTables:
     time: np.ndarray
     mem: np.ndarray
     stage_onehot: np.ndarray  # (items, stages)
-    counts: np.ndarray  # replicas of each size
+    shares: np.ndarray  # the largest batch share of a replica of each size
     send_s: float  # per-micro-batch pipeline send + receive of a stage
 
     def evaluate(self, choice: np.ndarray) -> tuple[float, float, np.ndarray, np.ndarray]:
@@ -138,7 +147,7 @@ class _CostTables:
         m_items = np.take_along_axis(self.mem, choice[None, :, None], axis=2)[..., 0]
         stage_t = t_items @ self.stage_onehot + self.send_s
         period = stage_t.max(axis=1)
-        j = 1.0 / float(np.sum(self.counts / period))
+        j = float(np.max(self.shares * period))
         return j, float(stage_t.sum()), period, (m_items @ self.stage_onehot).max(axis=1)
 
 
@@ -189,17 +198,26 @@ def plan_layout(
     device: DeviceModel | None = None,
     recompute: bool = False,
     distributed_optimizer: bool = False,
+    num_microbatches: int | None = None,
+    power_boost: float | Sequence[float] | None = None,
+    capacity: str = "ranks",
+    shard_align: int = 1,
 ) -> Plan:
     """Choose per-item degrees (layout.layer_tp) and batch shares minimising modelled step time.
 
     Keyword-only extras: `pp` pipeline stages (memory and period per stage), `device` compute
     speed and bytes per parameter (default: H100-class), `recompute` full activation recomputation,
     `distributed_optimizer` the fp32 master and Adam moments (12 of the per-parameter state bytes)
-    split over the replicas holding each fragment (`optim.distributed=true`).
+    split over the replicas holding each fragment (`optim.distributed=true`), `num_microbatches`
+    (the global batch over the micro-batch size; default one per replica), `power_boost` (NTP-PW),
+    `capacity` (`ntp.capacity`: ranks | work) and `shard_align` (`ntp.shard_align`) fix the batch split
+    exactly as the trainer does.
     """
     return rank_layouts(
         model, tp, replica_tp, seq_len, micro_batch_size, links, memory_limit_gb, pp=pp, device=device,
         recompute=recompute, distributed_optimizer=distributed_optimizer,
+        num_microbatches=num_microbatches, power_boost=power_boost, capacity=capacity,
+        shard_align=shard_align,
     ).plans[0]
 
 
@@ -216,6 +234,10 @@ def rank_layouts(
     device: DeviceModel | None = None,
     recompute: bool = False,
     distributed_optimizer: bool = False,
+    num_microbatches: int | None = None,
+    power_boost: float | Sequence[float] | None = None,
+    capacity: str = "ranks",
+    shard_align: int = 1,
 ) -> Ranking:
     """The planner's candidates, ranked: every layout with one degree for the embedding, one for all
     layers and one for the head (tied embeddings: one for both), and the coordinate descent's
@@ -229,6 +251,25 @@ def rank_layouts(
     kinds, names = item_kinds(model), item_names(model)
     stages = np.array(stage_of_items(model.num_layers, pp))
     sizes = sorted(set(replica_tp))
+    # The trainer's split; without a global batch, the capacity quotas it rounds.  Under the `ranks`
+    # rule it does not depend on the per-layer degrees; under `work` the search weighs replicas by the
+    # uniform layout's split and each plan reports the split of its own degrees (`make_plan`).
+    work = WorkShape(
+        hidden_size=model.hidden_size, num_layers=model.num_layers, num_heads=model.num_heads,
+        num_kv_heads=int(model.num_kv_heads), ffn_hidden_size=int(model.ffn_hidden_size),
+        vocab_size=model.vocab_size, seq_len=int(seq_len), gated_mlp=model.gated_mlp,
+        tie_embeddings=model.tie_embeddings,
+    )
+
+    def trainer_split(layer_tp: Sequence[int]) -> tuple[list[int] | None, list[float]]:
+        base = ResolvedLayout.make(tp, replica_tp, layer_tp, pp, power_boost=power_boost,
+                                   num_microbatches=num_microbatches, work=work, capacity=capacity,
+                                   shard_align=shard_align)
+        split = list(base.microbatches) if num_microbatches is not None else None
+        caps = base.capacities()
+        return split, [m / sum(split) for m in split] if split is not None else [c / sum(caps) for c in caps]
+
+    split, shares = trainer_split([tp] * (model.num_layers + 2))
     cands = [[d for d in divisors(tp) if d <= units_of(model, k)] for k in kinds]
     cache: dict[tuple[str, int], ItemCost] = {}
 
@@ -258,7 +299,7 @@ def rank_layouts(
         time=time,
         mem=mem,
         stage_onehot=onehot,
-        counts=np.array([replica_tp.count(n) for n in sizes], dtype=float),
+        shares=np.array([max(w for w, r in zip(shares, replica_tp, strict=True) if r == n) for n in sizes]),
         send_s=2 * links.send_time(act_bytes) if pp > 1 else 0.0,
     )
     limit = np.inf if memory_limit_gb is None else memory_limit_gb * GB
@@ -302,8 +343,10 @@ def rank_layouts(
         j, _, period, mem_u = tables.evaluate(np.array(choice))
         layer_tp = [cands[i][c] for i, c in enumerate(choice)]
         validate_layer_tp(model, tp, replica_tp, layer_tp)
-        rate = {n: 1.0 / p for n, p in zip(sizes, period, strict=True)}
-        total_rate = sum(rate[n] for n in replica_tp)
+        plan_split, plan_shares = split, shares
+        if capacity == "work":
+            plan_split, plan_shares = trainer_split(layer_tp)
+            j = max(w * float(period[sizes.index(n)]) for w, n in zip(plan_shares, replica_tp, strict=True))
         table = []
         for name, kind, t in zip(names, kinds, layer_tp, strict=True):
             eff = effective_degree(t, sizes[0])
@@ -311,13 +354,14 @@ def rank_layouts(
             table.append(PlanRow(name, t, eff, ic.flops, ic.comm_bytes, ic.time_s, ic.memory_bytes / GB))
         return Plan(
             layer_tp=layer_tp,
-            batch_shares=[rate[n] / total_rate for n in replica_tp],
+            batch_shares=list(plan_shares),
             table=table,
             tp=tp,
             replica_tp=replica_tp,
             microbatch_time_s=[float(period[sizes.index(n)]) for n in replica_tp],
             memory_gb=[float(mem_u[sizes.index(n)]) / GB for n in replica_tp],
             time_per_microbatch_s=j,
+            microbatches=list(plan_split or []),
         )
 
     return Ranking([make_plan(k) for _, k in order], considered)

@@ -5,6 +5,9 @@ A heartbeat is progress, not mere liveness: it is written by the training thread
 a kernel, a collective or an endless sleep stops writing it.  When one rank hangs, its peers block in
 their next collective a moment later, after having reported one phase more; the rank furthest behind
 is therefore the suspect (`suspects`).
+
+Only processes a monitor of ours watches write them (the supervisor's forked workers); under
+torchrun/SLURM nothing reads them and the supervisor leaves the callback out.
 """
 
 from __future__ import annotations

@@ -297,6 +297,7 @@ class LiveRecovery(Callback):
         self.pid = 0
         self.store = None
         self.rebuild_through = -1  # batches of steps up to this one were split for an older layout
+        self.launcher_pid = os.getpid()  # built in the launching process, which hosts the store
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit" or trainer.strategy.launcher is None or "MASTER_PORT" not in os.environ:
@@ -358,9 +359,11 @@ class LiveRecovery(Callback):
         old_topo = strategy.topology
 
         def build(layout: Layout, rank: int):
-            topo = Topology(layout.tp, layout.replica_tp, old_topo.layer_tp, layout.pp, old_topo.stage_layers)
+            topo = Topology(layout.tp, layout.replica_tp, old_topo.layer_tp, layout.pp, old_topo.stage_layers,
+                            old_topo.shard_align)
             runtime = NTPRuntime(ResolvedLayout.of_topology(topo, strategy.schedule, None,
-                                                            work=strategy.layout.work), rank,
+                                                            work=strategy.layout.work,
+                                                            capacity=strategy.layout.capacity), rank,
                                  device=strategy.root_device)
             model = runtime.build_model(module.model_cfg, module.seed)
             runtime.attach(model, strategy.bucket_mb)
@@ -381,14 +384,16 @@ class LiveRecovery(Callback):
             rec = recover(self.store, self.generation, self.pid, trainer.global_step, (module.model, opt),
                           self._builder(strategy), self.policy, timeout_s=self.timeout_s)
         except Exception as err:  # noqa: BLE001 - any failure of the live path means the restart path
-            _give_up(self.pid, err)
+            _give_up(self.pid, err, self.launcher_pid)
         if rec is None:  # left idle by the new layout
             os._exit(0)
         lost_ranks = [self.generation.members.index(p) for p in rec.failed if p in self.generation.members]
         self._install(strategy, rec, step)
         if goodput is not None:
             goodput.record("failure_detected", t=rec.detect_t, rank=lost_ranks[0] if lost_ranks else None,
-                           ranks=lost_ranks, reason="collective error", step=step + 1, detail="live recovery")
+                           ranks=lost_ranks, process=rec.failed[0] if rec.failed else None,
+                           processes=list(rec.failed), reason="collective error", step=step + 1,
+                           detail="live recovery")
             goodput.record("recovery_done", layout=rec.generation.layout.describe(), step=step + 1,
                            mode="live", moved_bytes=rec.reshard.moved_bytes,
                            minimum_bytes=rec.reshard.needed_bytes, recovery_s=rec.seconds,
@@ -479,7 +484,7 @@ class LiveRecovery(Callback):
             box = [payload]
             dist.broadcast_object_list(box, src=source)
         except Exception as err:  # noqa: BLE001 - the restart path takes over
-            _give_up(self.pid, err)
+            _give_up(self.pid, err, self.launcher_pid)
         # Said by the degraded layout's rank 0, before the ranks change (a repaired process 0 takes rank 0).
         goodput = GoodputCallback.of(trainer)
         if goodput is not None:
@@ -566,7 +571,14 @@ def _rejoin_main(launcher: LiveLauncher, idx: int, joining: Rejoining, trainer: 
     launcher._wrapping_function(idx, trainer, function, args, kwargs, return_queue)
 
 
-def _give_up(pid: int, err: BaseException) -> None:
+def _give_up(pid: int, err: BaseException, launcher_pid: int | None = None) -> None:
+    if launcher_pid is not None and os.getpid() != launcher_pid and os.getppid() != launcher_pid:
+        # The launching process (and the store it hosts) died: no restart path exists any more.
+        if pid == 0:
+            print(f"the launching process (pid {launcher_pid}) is gone: the workers stop without a "
+                  "checkpoint (they cannot finish a save without it); a rerun resumes from the latest "
+                  "checkpoint written before", flush=True)
+        os._exit(0)
     print(f"failover | live recovery failed on process {pid} ({type(err).__name__}: {err}); "
           "falling back to the restart path", file=sys.stderr, flush=True)
     sys.stderr.flush()

@@ -157,8 +157,10 @@ class Supervisor:
         """Trainer, module and strategy of the first attempt (the run's own config and layout)."""
         self.dir.mkdir(parents=True, exist_ok=True)
         built = self.build(self.cfg, self.callbacks(), None)
-        if built[0].strategy.launcher is None:  # torchrun/SLURM created the processes: they are not ours
-            built[0].callbacks[:] = [cb for cb in built[0].callbacks if not isinstance(cb, SupervisedWorker)]
+        if built[0].strategy.launcher is None:  # torchrun/SLURM created the processes: they are not ours,
+            # and no monitor of ours reads their heartbeat files
+            built[0].callbacks[:] = [cb for cb in built[0].callbacks
+                                     if not isinstance(cb, (SupervisedWorker, Heartbeat))]
         if self.faults:
             print(
                 "fault injection: "

@@ -136,7 +136,8 @@ def flash_attention_on_meta():
     original = F.scaled_dot_product_attention
 
     def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
-        if q.device.type == "meta" and attn_mask is None and not kwargs:
+        if q.device.type == "meta" and attn_mask is None and set(kwargs) <= {"enable_gqa"}:
+            # The fused kernel reads grouped K/V heads as they are (what `enable_gqa` asks for).
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q, k, v, dropout_p, is_causal, scale=scale
             )[0]
@@ -210,6 +211,9 @@ class RankResult:
     # Modelled time per token of this rank over a healthy rank's (`ntp_nemo.topology.work`; None when the
     # layout carries no model shape).
     modelled_work: float | None = None
+    # Peers over all subgroups this rank belongs to (TP groups, holder sets, pipeline links): the
+    # sockets gloo would open for them (`ntp_nemo.topology.groups.gloo_sockets`).
+    subgroup_peers: int = 0
 
     @property
     def memory_bytes(self) -> int:
@@ -226,6 +230,33 @@ class DryRunResult:
 
 
 # ---- the dry run ----------------------------------------------------------------------------------------
+def subgroup_peers(topology: Topology, plans: Sequence[SyncPlan], schedule: str) -> list[int]:
+    """Per rank, the peers it has over every subgroup the runtime creates and it belongs to: its TP
+    groups and fragment holder sets (one group per distinct rank tuple, as `Topology.build_groups`), and
+    two groups per pipeline link (`StageLinks`, plus the wrap links of the interleaved schedule)."""
+    from ntp_nemo.pipeline.p2p import link_pairs
+
+    world = topology.world_size
+    member: list[set[tuple[int, ...]]] = [set() for _ in range(world)]
+    for g in topology.tp_group_tuples():
+        for r in g:
+            member[r].add(g)
+    peers = [0] * world
+    for r in range(world):
+        member[r].update(h for h, frags in plans[r].by_holders.items() if frags and len(h) > 1)
+        peers[r] = sum(len(g) - 1 for g in member[r])
+    links = list(link_pairs(topology)) if topology.pp > 1 else []
+    if topology.pp > 1 and schedule == "interleaved_1f1b":
+        for rep in range(topology.dp):
+            first = topology.stage_ranks(rep, 0)
+            last = topology.stage_ranks(rep, topology.pp - 1)
+            links += [(a, first[i % len(first)]) for i, a in enumerate(last)]
+    for a, b in links:
+        peers[a] += 2
+        peers[b] += 2
+    return peers
+
+
 def signature(topology: Topology, rank: int) -> tuple[int, int, int]:
     """(active ranks of the replica, stage, slot): ranks with equal signatures hold equal model slices."""
     c = topology.coord(rank)
@@ -539,6 +570,7 @@ def dry_run(
     if layout.work is not None:
         base = healthy_cost(layout.work, topo)
         work = [c / base for c in rank_costs(layout.work, topo)]
+    peers = subgroup_peers(topo, plans, layout.schedule)
     for r in range(world):
         c = topo.coord(r)
         sig = signature(topo, r)
@@ -571,6 +603,7 @@ def dry_run(
                          "world": 1 if world > 1 else 0},
             signature=sig,
             modelled_work=None if work is None else work[r],
+            subgroup_peers=peers[r],
         ))
     timings["ranks_s"] = time.perf_counter() - t3
 

@@ -20,6 +20,14 @@ from ntp_nemo.topology.work import WorkShape, modelled_capacities
 
 PowerBoost = float | tuple[float, ...] | None
 
+CAPACITY_RULES = ("ranks", "work")  # ntp.capacity: how a replica's share of the batch is weighed
+
+
+def _rule_capacities(rule: str, work: WorkShape | None, topo: Topology, boost: PowerBoost) -> list[float]:
+    if rule == "work" and work is not None:
+        return modelled_capacities(work, topo, boost)
+    return topo.capacities(boost)
+
 
 def _boost(value: Any) -> PowerBoost:
     if value is None:
@@ -40,9 +48,12 @@ class ResolvedLayout:
     - `nominal_replicas`: replicas the job was planned with (capacity is counted against them).
     - `num_microbatches`: micro-batches per global batch; `microbatches`: per-replica share of them.
     - `devices`: device string per global rank ("cuda:3", "cpu"), or None: each worker's default.
-    - `work`: the model and sequence shape the per-rank work model reads (`ntp_nemo.topology.work`):
-      with it a replica's capacity is a healthy replica's slowest-rank time over its own; without it
-      (layouts built without a model) active ranks over nominal.
+    - `shard_align`: elements per block of MLP-column and vocabulary-row splits (`ntp.shard_align`).
+    - `work`: the model and sequence shape the per-rank work model reads (`ntp_nemo.topology.work`);
+      the dry run reports each rank's modelled work whenever it is set.
+    - `capacity`: the capacity rule of the batch split (`ntp.capacity`): `ranks`, active ranks over
+      nominal; `work`, a healthy replica's modelled slowest-rank time over this replica's (needs
+      `work`; a layout without it falls back to `ranks`).  Both times the power boost.
     """
 
     tp: int
@@ -57,7 +68,9 @@ class ResolvedLayout:
     num_microbatches: int = 0
     microbatches: tuple[int, ...] = ()
     devices: tuple[str, ...] | None = field(default=None)
+    shard_align: int = 1
     work: WorkShape | None = None
+    capacity: str = "ranks"
 
     @classmethod
     def make(
@@ -73,17 +86,23 @@ class ResolvedLayout:
         num_microbatches: int | None = None,
         devices: Sequence[str] | None = None,
         virtual_stages: int = 1,
+        shard_align: int = 1,
         work: WorkShape | Mapping | None = None,
+        capacity: str = "ranks",
     ) -> ResolvedLayout:
         """Normalise the inputs and fill the derived fields (stage split, batch shares); checks that
         the parts agree (a ValueError names the mismatch)."""
         layer_tp = tuple(int(x) for x in layer_tp)
         replica_tp = tuple(int(x) for x in replica_tp)
-        topo = Topology(int(tp), replica_tp, layer_tp, int(pp), list(stage_layers) if stage_layers else None)
+        topo = Topology(int(tp), replica_tp, layer_tp, int(pp), list(stage_layers) if stage_layers else None,
+                        int(shard_align))
         boost = _boost(power_boost)
         m = len(replica_tp) if num_microbatches is None else int(num_microbatches)
         work = WorkShape.of(work)
-        caps = modelled_capacities(work, topo, boost) if work is not None else topo.capacities(boost)
+        capacity = str(capacity)
+        if capacity not in CAPACITY_RULES:
+            raise ValueError(f"capacity rule {capacity!r}: expected one of {', '.join(CAPACITY_RULES)}")
+        caps = _rule_capacities(capacity, work, topo, boost)
         layout = cls(
             tp=int(tp),
             replica_tp=replica_tp,
@@ -97,7 +116,9 @@ class ResolvedLayout:
             num_microbatches=m,
             microbatches=tuple(assign_microbatches(m, caps)),
             devices=None if devices is None else tuple(str(d) for d in devices),
+            shard_align=int(shard_align),
             work=work,
+            capacity=capacity,
         )
         if layout.devices is not None and len(layout.devices) != layout.world_size:
             raise ValueError(f"{len(layout.devices)} devices for a layout of {layout.world_size} ranks")
@@ -113,12 +134,14 @@ class ResolvedLayout:
         num_microbatches: int | None = None,
         virtual_stages: int = 1,
         work: WorkShape | None = None,
+        capacity: str = "ranks",
     ) -> ResolvedLayout:
         """The layout of an existing Topology (tests and benchmarks that build one directly; live recovery
-        passes the run's `work` so the batch split stays the one every rank computes)."""
+        passes the run's `work` and `capacity` so the batch split stays the one every rank computes)."""
         t = topology
         return cls.make(t.tp, t.replica_tp, t.layer_tp, t.pp, t.stage_layers, schedule, power_boost,
-                        nominal_replicas, num_microbatches, virtual_stages=virtual_stages, work=work)
+                        nominal_replicas, num_microbatches, virtual_stages=virtual_stages,
+                        shard_align=t.shard_align, work=work, capacity=capacity)
 
     # ---- derived --------------------------------------------------------------------------------
     @property
@@ -135,17 +158,16 @@ class ResolvedLayout:
 
     def topology(self) -> Topology:
         """A fresh Topology (it owns process groups, so each runtime builds its own)."""
-        return Topology(self.tp, self.replica_tp, self.layer_tp, self.pp, self.stage_layers)
+        return Topology(self.tp, self.replica_tp, self.layer_tp, self.pp, self.stage_layers, self.shard_align)
 
     @cached_property
     def _capacities(self) -> tuple[float, ...]:
-        if self.work is not None:
-            return tuple(modelled_capacities(self.work, self.topology(), self.power_boost))
-        return tuple(self.topology().capacities(self.power_boost))
+        return tuple(_rule_capacities(self.capacity, self.work, self.topology(), self.power_boost))
 
     def capacities(self) -> list[float]:
-        """Per-replica share of work: a healthy replica's modelled slowest-rank time over this one's with
-        `work` (else active ranks / nominal TP), times the power boost of degraded ones."""
+        """Per-replica share of work under the layout's `capacity` rule: active ranks / nominal TP
+        (`ranks`) or a healthy replica's modelled slowest-rank time over this one's (`work`, with `work`
+        set), times the power boost of degraded ones."""
         return list(self._capacities)
 
     def microbatch_counts(self, num_microbatches: int | None = None) -> list[int]:
@@ -184,4 +206,4 @@ class ResolvedLayout:
         return cls.make(**fields)
 
 
-__all__ = ["PowerBoost", "ResolvedLayout"]
+__all__ = ["CAPACITY_RULES", "PowerBoost", "ResolvedLayout"]

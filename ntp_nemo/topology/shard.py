@@ -5,6 +5,12 @@ MLP hidden columns, vocabulary rows).  A group of `n` ranks holds the units as b
 contiguous intervals: rank `i` holds `[floor(i*U/n), floor((i+1)*U/n))`.  `n` need not
 divide `U`.  Because every layout follows the same rule, two layouts relate by interval
 intersection, which serves gradient sync across unequal replicas and checkpoint resharding.
+
+Units of one element (MLP columns, vocabulary rows) can be aligned (`ntp.shard_align`): the
+intervals are then balanced over blocks of `align` elements, so every boundary between two ranks
+falls on a multiple of `align` (GEMM shapes a GPU's tensor cores take at full speed) and shards differ
+by whole blocks; only the last rank's end is the tensor's end.  Aligned intervals are still
+contiguous unit-1 intervals, so everything that relates layouts by intersection is unchanged.
 """
 
 from __future__ import annotations
@@ -19,6 +25,20 @@ def unit_interval(index: int, n: int, units: int) -> tuple[int, int]:
     if not 0 <= index < n:
         raise ValueError(f"position {index} outside a group of {n}")
     return (index * units) // n, ((index + 1) * units) // n
+
+
+def aligned_interval(index: int, n: int, units: int, align: int = 1) -> tuple[int, int]:
+    """Units `[lo, hi)` of position `index` of `n`: balanced over blocks of `align` units (the last block
+    may be short), so every interior boundary is a multiple of `align`."""
+    if align <= 1:
+        return unit_interval(index, n, units)
+    lo, hi = unit_interval(index, n, -(-units // align))
+    return min(lo * align, units), min(hi * align, units)
+
+
+def aligned_sizes(n: int, units: int, align: int = 1) -> list[int]:
+    """The shard sizes of `units` over `n` ranks (`aligned_interval` of each position)."""
+    return [b - a for a, b in (aligned_interval(i, n, units, align) for i in range(n))]
 
 
 @dataclass(frozen=True)

@@ -44,8 +44,10 @@ class Topology:
         layer_tp: Sequence[int],
         pp: int = 1,
         stage_layers: Sequence[int] | None = None,
+        shard_align: int = 1,
     ) -> None:
         self.tp = tp
+        self.shard_align = int(shard_align)  # elements per block of MLP-column / vocabulary-row splits
         self.replica_tp = list(replica_tp)
         self.layer_tp = list(layer_tp)
         self.num_layers = len(self.layer_tp) - 2
@@ -139,12 +141,13 @@ class Topology:
     def build_groups(self, extra: Sequence[tuple[int, ...]] = (), new_group: Callable | None = None) -> None:
         """Create every process group this topology and `extra` (e.g. DP fragment holder sets) need.
 
-        Collective: all ranks call it with the same arguments, in the same order.
+        Collective: all ranks call it with the same arguments, in the same order.  They carry tensors
+        only: no gloo side on a GPU world (`ntp_nemo.topology.groups`).
         """
         if new_group is None:
-            import torch.distributed as dist
+            from ntp_nemo.topology.groups import new_subgroup
 
-            new_group = dist.new_group
+            new_group = new_subgroup
         for ranks in sorted(set(self.tp_group_tuples()) | {tuple(e) for e in extra if len(e) > 1}):
             if ranks not in self._groups:
                 self._groups[ranks] = new_group(list(ranks))
@@ -163,11 +166,11 @@ class Topology:
         return RankPlan(self, rank)
 
     # ---- reporting ---------------------------------------------------------------------------
-    def units_held(self, rank: int, slot: int, units: int) -> tuple[int, int]:
-        from ntp_nemo.topology.shard import unit_interval
+    def units_held(self, rank: int, slot: int, units: int, align: int = 1) -> tuple[int, int]:
+        from ntp_nemo.topology.shard import aligned_interval
 
         g = self.layer_group_ranks(rank, slot)
-        return unit_interval(g.index(rank), len(g), units)
+        return aligned_interval(g.index(rank), len(g), units, align)
 
     def table(self, num_heads: int, ffn_hidden: int, vocab: int) -> str:
         """Readable layout: rank -> replica, stage, slot, and the units held per layer kind."""
@@ -189,10 +192,10 @@ class Topology:
             tbl.add_column(col)
         for c in self.coords:
             degs = sorted({self.degree(c.replica, s) for s in range(len(self.layer_tp))})
-            v = self.units_held(c.rank, 0, vocab)
+            v = self.units_held(c.rank, 0, vocab, self.shard_align)
             first = self.stage_layer_range(c.stage).start + 1  # first transformer layer of this rank's stage
             h = self.units_held(c.rank, first, num_heads)
-            f = self.units_held(c.rank, first, ffn_hidden)
+            f = self.units_held(c.rank, first, ffn_hidden, self.shard_align)
             tbl.add_row(
                 str(c.rank),
                 str(c.replica),
@@ -222,5 +225,6 @@ class RankPlan:
         ranks = topo.layer_group_ranks(self.rank, slot)
         n = topo.replica_tp[topo.coord(self.rank).replica]
         return TPContext(
-            size=len(ranks), rank=ranks.index(self.rank), group=topo.group(ranks), copies=n // len(ranks)
+            size=len(ranks), rank=ranks.index(self.rank), group=topo.group(ranks), copies=n // len(ranks),
+            align=topo.shard_align,
         )

@@ -14,12 +14,15 @@ class TPContext:
     process group for its collectives (None when `size == 1`).  `copies` counts identical
     replicas of the layer inside this rank's DP replica (a layer of degree `t` in a replica of
     `n` ranks is replicated `n / t` times); gradient sync weighs contributions by `1 / copies`.
+    `align`: elements per block of a split into one-element units (MLP columns, vocabulary rows;
+    `ntp.shard_align`), so shard boundaries fall on its multiples.
     """
 
     size: int = 1
     rank: int = 0
     group: Any = None
     copies: int = 1
+    align: int = 1
 
     @property
     def sharded(self) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ntp_nemo.topology.shard import unit_interval
+from ntp_nemo.topology.shard import aligned_interval, unit_interval
 from ntp_nemo.topology.topology import Topology
 
 # Device FLOP/s over the TP link's bytes/s: the planner's default device (bf16 H100, 989 TFLOP/s dense at
@@ -79,13 +79,14 @@ def attention_heads(position: int, degree: int, num_heads: int, num_kv_heads: in
     return qhi - qlo, (qhi - 1) // group + 1 - qlo // group
 
 
-def layer_work(shape: WorkShape, degree: int, position: int) -> RankWork:
+def layer_work(shape: WorkShape, degree: int, position: int, align: int = 1) -> RankWork:
     """A transformer layer on position `position` of a `degree`-rank group: its query heads (balanced
-    intervals), the KV heads they read, its FFN columns and the layer's four all-reduces."""
+    intervals), the KV heads they read, its FFN columns (blocks of `align`, `ntp.shard_align`) and the
+    layer's four all-reduces."""
     h, nh, nkv = shape.hidden_size, shape.num_heads, shape.num_kv_heads
     d = h // nh
     nq, kv = attention_heads(position, degree, nh, nkv)
-    flo, fhi = unit_interval(position, degree, shape.ffn_hidden_size)
+    flo, fhi = aligned_interval(position, degree, shape.ffn_hidden_size, align)
     params = h * d * (2 * nq + 2 * kv) + (3 if shape.gated_mlp else 2) * h * (fhi - flo)
     # Causal scores: QK^T and AV over half the sequence on average (2 * 2 * s/2 * d per head), x3 with
     # the backward.
@@ -93,13 +94,13 @@ def layer_work(shape: WorkShape, degree: int, position: int) -> RankWork:
     return RankWork(6.0 * params, scores, 4 * _allreduce_bytes(h * ACT_BYTES, degree))
 
 
-def vocab_work(shape: WorkShape, degree: int, position: int, head: bool) -> RankWork:
+def vocab_work(shape: WorkShape, degree: int, position: int, head: bool, align: int = 1) -> RankWork:
     """The embedding (one all-reduce of its output) or the output head (its matmul, the input gradient's
     all-reduce and the cross entropy's statistics) on a vocabulary slice."""
     h = shape.hidden_size
     if not head:
         return RankWork(comm_bytes=_allreduce_bytes(h * ACT_BYTES, degree))
-    lo, hi = unit_interval(position, degree, shape.vocab_size)
+    lo, hi = aligned_interval(position, degree, shape.vocab_size, align)
     comm = _allreduce_bytes(h * ACT_BYTES, degree) + _allreduce_bytes(3 * CE_STAT_BYTES, degree)
     return RankWork(6.0 * h * (hi - lo), 0.0, comm)
 
@@ -118,9 +119,9 @@ def rank_work(shape: WorkShape, topology: Topology, rank: int) -> RankWork:
             if slot == last and shape.tie_embeddings:
                 t = topology.degree(c.replica, 0)
                 pos = c.slot % t
-            total = total + vocab_work(shape, t, pos, head=slot == last)
+            total = total + vocab_work(shape, t, pos, head=slot == last, align=topology.shard_align)
         else:
-            total = total + layer_work(shape, t, pos)
+            total = total + layer_work(shape, t, pos, topology.shard_align)
     return total
 
 
@@ -131,7 +132,8 @@ def rank_costs(shape: WorkShape, topology: Topology) -> list[float]:
 
 def healthy_cost(shape: WorkShape, topology: Topology) -> float:
     """The slowest rank's cost in a healthy replica (all `tp` ranks) of the same layer degrees."""
-    healthy = Topology(topology.tp, [topology.tp], topology.layer_tp, topology.pp, topology.stage_layers)
+    healthy = Topology(topology.tp, [topology.tp], topology.layer_tp, topology.pp, topology.stage_layers,
+                       topology.shard_align)
     return max(rank_costs(shape, healthy))
 
 

@@ -1,0 +1,282 @@
+"""Host reads per optimizer step: every read back to the host of a tensor that would live on the GPU.
+
+    python bench/host_syncs.py [--only default,resume,...] [--steps 2]
+
+On a GPU each such read (`.item()`, `float(t)`, `bool(t)`, `.tolist()`, `.cpu()`) waits for the device
+to drain its queue; the step is meant to make exactly one, of the fused step scalars (loss, gradient
+norm, non-finite and stop flags).  CPU tensors hide the difference, so the step runs here with every
+device tensor on the `meta` device (torch's fake process group takes the collectives, as in the dry
+run): a tensor that would live on the GPU is a meta tensor, a host tensor is a CPU tensor (Adam's
+`step` counters, the host values logged).  A dispatch mode counts each read of a meta tensor (and
+answers it: zeros, 1 for a scalar) and each host value copied onto the device (`torch.tensor(x, device=...)`).
+
+What runs is `NTPLanguageModule.training_step` itself, on the rank's slice built by `NTPRuntime` with
+the real gradient path and optimizer; Lightning's trainer is replaced by the few objects the step asks
+for (its optimizer, scheduler, callbacks, and `log`, which converts values with Lightning's own
+conversion).  One rank of every pipeline stage is run; its counts are of the last of `--steps` steps
+(the first one also creates the optimizer state).  `resume` installs the optimizer state the way a
+checkpoint load does (`checkpoint.state.load_targets` / `install_optimizer_state`, from what
+`sharded_state` writes).  `bf16-mixed` enters the CPU autocast Lightning's precision plugin enters; it
+does not act on meta tensors, so the math stays float32 (reads do not depend on it).
+
+QAT (`--only qat_int8`) is not in the default set: see `DEFAULT` below.
+
+Last line: `host reads per step: max N (<config>) over K configurations`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import sys
+import types
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ntp_nemo.models.config import ModelConfig  # noqa: E402
+
+MODEL = ModelConfig(arch="llama", name="host_syncs", vocab_size=96, hidden_size=64, num_layers=4, num_heads=4,
+                    num_kv_heads=2, ffn_hidden_size=96, max_seq_len=32, tie_embeddings=False)
+SEQ, MICRO, GLOBAL_BATCH = 16, 2, 12
+OPTIM = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1, "warmup_steps": 2,
+         "min_lr_ratio": 0.1, "grad_clip": 1.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    name: str
+    replica_tp: tuple[int, ...] = (2, 1)
+    pp: int = 1
+    schedule: str = "1f1b"
+    virtual: int = 1
+    resume: bool = False
+    distributed: bool = False
+    overlap: bool = False
+    autocast: bool = False
+    quant: str = "none"
+
+
+CONFIGS = {c.name: c for c in (
+    Config("default"),
+    Config("pp2_1f1b", replica_tp=(1, 1), pp=2),
+    Config("interleaved", replica_tp=(1, 1), pp=2, schedule="interleaved_1f1b", virtual=2),
+    Config("resume", resume=True),
+    Config("distributed_optimizer", distributed=True),
+    Config("overlap_grad_sync", overlap=True),
+    Config("bf16_mixed", autocast=True),
+    Config("qat_int8", quant="int8"),
+)}
+# modelopt's fake quantisation takes a CPU path for tensors that are not CUDA (`tensor_quant.py`:
+# `if not inputs.is_cuda: legacy_quant_func()`), which reads `amax.min()` on the host; on a GPU its
+# kernel runs instead.  Counted on meta tensors, QAT measures that CPU path, not the GPU step: it runs
+# only when named (`--only qat_int8`).
+DEFAULT = [name for name in CONFIGS if name != "qat_int8"]
+
+
+class HostReads(TorchDispatchMode):
+    """Counts reads of device (meta) tensors to the host and host values copied to the device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: Counter = Counter()
+        self.uploads = 0
+
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta":
+            self.reads["item"] += 1
+            return False if args[0].dtype == torch.bool else 1  # 1: a step counter, a count
+        if func is torch.ops.aten._to_copy.default:
+            src, dst = args[0].device.type, (kwargs.get("device") or args[0].device).type
+            if src == "meta" and dst == "cpu":
+                self.reads["copy_to_host"] += 1
+                return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
+            if src == "cpu" and dst == "meta":
+                self.uploads += 1
+        if func is torch.ops.aten.copy_.default:
+            dst, src = args[0].device.type, args[1].device.type
+            if dst == "cpu" and src == "meta":
+                self.reads["copy_to_host"] += 1
+                return args[0].zero_()
+            if dst == "meta" and src == "cpu":
+                self.uploads += 1
+        if func is torch.ops.aten.lift_fresh.default and args[0].device.type == "meta":
+            self.uploads += 1
+        return func(*args, **kwargs)
+
+
+class HostReadMethods(TorchFunctionMode):
+    """What no aten op shows: `.tolist()` / `.numpy()` of a meta tensor (a read), and `torch.tensor(x,
+    device=...)` / `torch.as_tensor` of host data onto the meta device (an upload)."""
+
+    def __init__(self, counts: HostReads) -> None:
+        super().__init__()
+        self.counts = counts
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.Tensor.tolist, torch.Tensor.numpy) and args and args[0].device.type == "meta":
+            self.counts.reads[func.__name__] += 1
+            return torch.zeros(args[0].shape, dtype=args[0].dtype).tolist()
+        if func in (torch.tensor, torch.as_tensor) and kwargs.get("device") is not None:
+            if torch.device(kwargs["device"]).type == "meta" and not isinstance(args[0], torch.Tensor):
+                self.counts.uploads += 1
+        return func(*args, **kwargs)
+
+
+class _Optimizer:
+    """What `self.optimizers()` returns in the step: Lightning's wrapper calls (manual optimisation)."""
+
+    def __init__(self, opt: torch.optim.Optimizer) -> None:
+        self.opt = opt
+
+    def step(self) -> None:
+        self.opt.step()
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        self.opt.zero_grad(set_to_none=set_to_none)
+
+    def _on_before_step(self) -> None:
+        pass
+
+    def _on_after_step(self) -> None:
+        pass
+
+
+def _descriptors(layout, cfg: ModelConfig) -> list[dict]:
+    from ntp_nemo.parallel.grad_sync import param_descriptors
+    from ntp_nemo.runtime.runtime import NTPRuntime
+
+    out = []
+    for rank in range(layout.world_size):
+        rt = NTPRuntime(layout, rank, device="meta")
+        out.append(param_descriptors(rt.build_model(cfg, seed=0)))
+    return out
+
+
+def _resume(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    """Install optimizer state as a checkpoint load does, from what a save writes."""
+    from ntp_nemo.checkpoint.state import install_optimizer_state, load_targets, sharded_state
+
+    stored = {k: (tuple(s.spec.global_shape), s.tensor.dtype) for k, s in sharded_state(model, opt).items()}
+    opt.state.clear()  # a fresh process: the state comes from the checkpoint
+    targets, problems = load_targets(model, opt, stored)
+    assert not problems, problems
+    install_optimizer_state(model, opt, targets)
+
+
+def run_rank(cfg: Config, rank: int, steps: int) -> dict:
+    """Steps of one rank; the reads and uploads of the last one."""
+    from lightning.pytorch.core.module import LightningModule
+
+    from ntp_nemo.lightning.module import NTPLanguageModule
+    from ntp_nemo.parallel.step_path import GradientPath, build_optimizer
+    from ntp_nemo.runtime.dry_run import fake_world, flash_attention_on_meta
+    from ntp_nemo.schedules import warmup_cosine
+    from ntp_nemo.topology import ResolvedLayout, Topology
+
+    tp = max(cfg.replica_tp)
+    topo = Topology(tp, list(cfg.replica_tp), [tp] * (MODEL.num_layers + 2), pp=cfg.pp)
+    layout = ResolvedLayout.of_topology(topo, cfg.schedule, virtual_stages=cfg.virtual)
+    from ntp_nemo.runtime.runtime import NTPRuntime
+
+    with fake_world(rank, layout.world_size), flash_attention_on_meta():
+        descriptors = _descriptors(layout, MODEL)  # every rank's, as attach would gather them
+        rt = NTPRuntime(layout, rank, device="meta")
+        model = rt.build_model(MODEL, seed=0)
+        rt.attach(model, descriptors=descriptors)
+        opt = build_optimizer(model, rt.sync, lr=OPTIM["lr"], betas=(OPTIM["beta1"], OPTIM["beta2"]),
+                              eps=OPTIM["eps"], weight_decay=OPTIM["weight_decay"],
+                              distributed=cfg.distributed)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(2, 10, 0.1))
+        module = NTPLanguageModule(MODEL, dict(OPTIM, distributed=cfg.distributed),
+                                   types.SimpleNamespace(sampler=types.SimpleNamespace(
+                                       global_batch_size=GLOBAL_BATCH)),
+                                   seed=0, micro_batch_size=MICRO, val_batches=1, max_steps=10,
+                                   overlap_grad_sync=cfg.overlap)
+        module.model = model
+        module.grad_path = GradientPath(model, rt.sync, opt, overlap=cfg.overlap)
+        module._trainer = types.SimpleNamespace(strategy=types.SimpleNamespace(runtime=rt), callbacks=[])
+        module._device = torch.device("meta")
+        wrapped = _Optimizer(opt)
+        module.optimizers = lambda: wrapped
+        module.lr_schedulers = lambda: sched
+        module.manual_backward = lambda t, *a, **k: t.backward(*a, **k)  # Lightning's, minus its hooks
+        to_tensor = LightningModule._LightningModule__to_tensor  # Lightning's conversion of a logged value
+        module.log = lambda name, value, **kw: to_tensor(module, value, name)
+        n_micro = len(rt.my_microbatches(GLOBAL_BATCH // MICRO))
+        if cfg.quant != "none":  # as QuantizationCallback does before the first step (calibration uncounted)
+            from ntp_nemo.quant.calibrate import quantize_model
+            from ntp_nemo.quant.modules import register_tp_layers
+
+            register_tp_layers()
+            calib = [torch.zeros(MICRO, SEQ + 1, dtype=torch.long, device="meta")] * n_micro
+            with HostReads(), HostReadMethods(HostReads()):
+                quantize_model(model, cfg.quant, ["head"], calib)
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.autocast else contextlib.nullcontext()
+        result = {}
+        for step in range(steps):
+            if cfg.resume and step == steps - 1:
+                _resume(model, opt)
+            batch = {"micro": torch.zeros(n_micro, MICRO, SEQ + 1, dtype=torch.long, device="meta"),
+                     "global_tokens": GLOBAL_BATCH * SEQ, "step": step}
+            mode = HostReads()
+            with mode, HostReadMethods(mode), autocast:
+                module.training_step(batch, step)
+            result = {"reads": sum(mode.reads.values()), "kinds": dict(mode.reads), "uploads": mode.uploads}
+    return result
+
+
+def run_config(cfg: Config, steps: int) -> dict:
+    """The rank with the most reads among one rank of every pipeline stage (and of each replica)."""
+    tp = max(cfg.replica_tp)
+    topo_ranks = []
+    from ntp_nemo.topology import Topology
+
+    topo = Topology(tp, list(cfg.replica_tp), [tp] * (MODEL.num_layers + 2), pp=cfg.pp)
+    for r in range(topo.dp):
+        for s in range(topo.pp):
+            topo_ranks.append(topo.stage_ranks(r, s)[0])
+    per_rank = {rank: run_rank(cfg, rank, steps) for rank in topo_ranks}
+    worst = max(per_rank, key=lambda r: (per_rank[r]["reads"], per_rank[r]["uploads"]))
+    return {"rank": worst, **per_rank[worst]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", default=",".join(DEFAULT), help=f"comma-separated of {', '.join(CONFIGS)}")
+    ap.add_argument("--steps", type=int, default=2, help="steps per rank; the last one is counted")
+    ap.add_argument("--device-step-counter", action="store_true",
+                    help="baseline: a resume puts Adam's 0-dim step on the parameter's device (as before)")
+    args = ap.parse_args()
+    if args.device_step_counter:
+        from ntp_nemo.checkpoint import state
+
+        state.state_device = lambda optimizer, p, shape: p.device
+    names = [n for n in args.only.split(",") if n]
+    bad = [n for n in names if n not in CONFIGS]
+    if bad:
+        print(f"error: unknown configuration(s) {bad}; choose from {', '.join(CONFIGS)}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    results = {}
+    print(f"{'configuration':24s} {'rank':>4s} {'host reads':>10s} {'host->device':>12s}  kinds")
+    for name in names:
+        res = results[name] = run_config(CONFIGS[name], max(1, args.steps))
+        print(f"{name:24s} {res['rank']:4d} {res['reads']:10d} {res['uploads']:12d}  {res['kinds']}",
+              flush=True)
+    worst = max(results, key=lambda n: results[n]["reads"])
+    print(f"host reads per step: max {results[worst]['reads']} ({worst}) over {len(results)} configurations")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""Creating process groups: which backend each uses, the run's collective timeout on every one, and
+the TCP sockets gloo opens for them.
+
+Timeout: `dist.new_group` without `timeout` takes torch's backend default (30 minutes for gloo and for
+the `cpu:gloo,cuda:nccl` string, 10 for NCCL), not the timeout the default group was created with
+(`fault.collective_timeout_s`): a hang inside a subgroup would surface long after the configured time.
+Every group the runtime creates goes through `new_group`/`new_subgroup` here, which pass the default
+group's own timeout on.
+
+Backend: gloo connects every pair of a group's ranks when the group is created (a full mesh: one TCP
+socket per peer, per group), and a world of `cpu:gloo,cuda:nccl` gives every group created without a
+backend a gloo side too.  At about 1,000 ranks the world's mesh plus the meshes of every TP group,
+fragment holder set and pipeline link reach the default open-file limit (1,024).  So gloo groups exist
+only where objects travel:
+
+- the world group: `all_gather_object` of the parameter descriptors (`NTPRuntime.attach`), the
+  checkpoint records and metadata, the recovery step agreement, the log lines of the callbacks;
+- the checkpoint writer's own world-sized group (`checkpoint.async_save`: the background save gathers
+  its records there, beside the training thread's collectives).
+
+The subgroups (TP groups, fragment holder sets, pipeline links) carry device tensors only, so on a
+mixed world they take the device backend alone (`subgroup_backend`), which opens no socket at creation
+(NCCL connects lazily, over its own transport).  On a CPU world (gloo alone) every group is gloo: its
+tensors need it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def subgroup_backend(world_backend: str) -> str | None:
+    """Backend of a subgroup in a world of `world_backend`: the device parts of a mixed string
+    (`"cpu:gloo,cuda:nccl"` -> `"cuda:nccl"`), else None (the world's own backend)."""
+    parts = [p.strip() for p in str(world_backend).split(",") if p.strip()]
+    if len(parts) < 2 or not all(":" in p for p in parts):
+        return None
+    device = [p for p in parts if p.split(":", 1)[0] != "cpu"]
+    return ",".join(device) if device and len(device) < len(parts) else None
+
+
+def group_timeout(group: Any = None) -> timedelta | None:
+    """The timeout `group` (default: the world) was created with; None where its backend does not say
+    (the fake backend of the dry run)."""
+    pg = group if group is not None else dist.group.WORLD
+    if pg is None:
+        return None
+    for device in ("cpu", "cuda"):
+        try:
+            backend = pg._get_backend(torch.device(device))
+        except (RuntimeError, AttributeError):
+            continue
+        timeout = getattr(getattr(backend, "options", None), "_timeout", None)
+        if isinstance(timeout, timedelta):
+            return timeout
+    return None
+
+
+def new_group(ranks: Sequence[int], backend: str | None = None) -> Any:
+    """`dist.new_group(ranks)` with the world group's timeout (collective over the world, like it)."""
+    return dist.new_group(list(ranks), backend=backend, timeout=group_timeout())
+
+
+def new_subgroup(ranks: Sequence[int]) -> Any:
+    """A group that carries tensors only (collective: every rank calls it): the device backend alone on
+    a mixed world, the world group's timeout."""
+    return new_group(ranks, backend=subgroup_backend(dist.get_backend()))
+
+
+def gloo_sockets(world_size: int, subgroup_peers: int, *, gloo_subgroups: bool,
+                 checkpoint_group: bool) -> int:
+    """TCP sockets gloo opens on one rank: one per peer of every gloo group it belongs to (the world,
+    the checkpoint writer's group, and with `gloo_subgroups` its subgroups, `subgroup_peers` peers over
+    all of them)."""
+    total = (world_size - 1) * (1 + checkpoint_group) if world_size > 1 else 0
+    return total + (subgroup_peers if gloo_subgroups else 0)

@@ -1,0 +1,69 @@
+"""Gloo groups only where objects travel: on a `cpu:gloo,cuda:nccl` world every subgroup the runtime
+creates is device-only, and the dry run counts the sockets gloo opens per rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.runtime.dry_run import StepShape, dry_run, fake_world
+from ntp_nemo.runtime.runtime import NTPRuntime
+from ntp_nemo.topology import ResolvedLayout
+from ntp_nemo.topology.groups import gloo_sockets, subgroup_backend
+
+TINY = ModelConfig(arch="llama", name="t", vocab_size=101, hidden_size=64, num_layers=4, num_heads=4,
+                   num_kv_heads=2, ffn_hidden_size=96, max_seq_len=33, tie_embeddings=False)
+
+
+@pytest.mark.parametrize("world,sub", [
+    ("cpu:gloo,cuda:nccl", "cuda:nccl"),
+    ("cuda:nccl,cpu:gloo", "cuda:nccl"),
+    ("gloo", None),  # CPU: tensors travel on gloo subgroups
+    ("nccl", None),
+    ("fake", None),
+])
+def test_subgroup_backend(world, sub):
+    assert subgroup_backend(world) == sub
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+def test_every_subgroup_of_a_mixed_world_is_device_only(monkeypatch, schedule):
+    """TP groups, fragment holder sets and pipeline links (wrap links too) of replicas (2, 1) x PP 2."""
+    layout = ResolvedLayout.make(2, [2, 1], [2] * 6, pp=2, schedule=schedule,
+                                 virtual_stages=2 if schedule == "interleaved_1f1b" else 1)
+    asked: list[tuple[tuple[int, ...], str | None]] = []
+    original = dist.new_group
+
+    def new_group(ranks=None, *args, backend=None, **kwargs):
+        asked.append((tuple(ranks), backend))
+        return original(ranks, *args, **kwargs)  # the fake backend stands in for both
+
+    monkeypatch.setattr(dist, "new_group", new_group)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+    descriptors = []
+    for r in range(layout.world_size):
+        with fake_world(r, layout.world_size):
+            from ntp_nemo.parallel.grad_sync import param_descriptors
+
+            descriptors.append(param_descriptors(NTPRuntime(layout, r, device="meta").build_model(TINY, 0)))
+    with fake_world(0, layout.world_size):
+        rt = NTPRuntime(layout, 0, device="meta")
+        rt.attach(rt.build_model(TINY, 0), descriptors=descriptors)
+    kinds = {len(r) for r, _ in asked}
+    assert kinds == {2, 3}, asked  # pairs (TP, links, holder pairs) and the replicated vectors' triples
+    assert len(asked) >= 10 and {b for _, b in asked} == {"cuda:nccl"}, asked
+
+
+def test_dry_run_counts_gloo_sockets_per_rank():
+    """Replicas (2, 1) x PP 2: ranks 0, 1 | 2, 3 are replica 0's stages, 4 | 5 replica 1's.  Rank 0 is in
+    TP group (0, 1), holder sets (0, 4) (its shards) and (0, 1, 4) (the norms), and two link groups to
+    rank 2: 1 + 1 + 2 + 2 = 6 peers; every rank has the same by symmetry (rank 4: (0, 4), (1, 4),
+    (0, 1, 4) and two links to 5)."""
+    layout = ResolvedLayout.make(2, [2, 1], [2] * 6, pp=2, num_microbatches=6)
+    result = dry_run(layout, TINY, StepShape(seq_len=32, micro_batch_size=2), measure_options=False)
+    assert [r.subgroup_peers for r in result.ranks] == [6] * 6
+    # gloo on the world (5 peers) and the checkpoint writer's group (5 peers); on CPU the subgroups too.
+    assert gloo_sockets(6, 6, gloo_subgroups=False, checkpoint_group=True) == 10
+    assert gloo_sockets(6, 6, gloo_subgroups=True, checkpoint_group=True) == 16
+    assert gloo_sockets(6, 6, gloo_subgroups=False, checkpoint_group=False) == 5

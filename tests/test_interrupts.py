@@ -1,0 +1,176 @@
+"""Ctrl-C at every moment of a run, and `kill -9` of the launcher, through the real CLI.
+
+One run directory goes through the moments in turn, each rerun resuming from what the last one
+saved: SIGINT to the process group (what a terminal's Ctrl-C sends) during the imports, right after
+the workers fork (rendezvous), as the first step starts, and during the final save.  Each answers
+with exit 0 within a bound and no traceback; every step is in metrics.jsonl exactly once.  In another
+run the launcher alone is killed with SIGKILL: the workers stop without announcing a checkpoint, and
+the rerun says that nothing was saved and why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TINY, read_metrics
+
+TWO = ["mesh.dp=2", "mesh.tp=1", "ntp.replica_tp=null", "checkpoint.every_n_steps=0",
+       "checkpoint.save_on_end=true", "trainer.progress_bar=true"]
+BOUND_S = 60  # from the signal to the exit, on a loaded 2-core machine
+
+
+def _interrupt(args: list[str], cwd, marker: str | None, delay_s: float = 0.0, sig: int = signal.SIGINT,
+               group: bool = True) -> tuple[int, str, float]:
+    """Run `ntp-train ARGS`; when a line contains `marker` (None: `delay_s` after the start) send `sig`
+    to the process group (or to the launcher alone). Returns (exit code, output, seconds from the
+    signal to the end of the output)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "ntp_nemo.train", *args], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    sent: list[float] = []
+
+    def send() -> None:
+        if not sent:
+            sent.append(time.time())
+            (os.killpg if group else os.kill)(proc.pid, sig)
+
+    if marker is None:
+        threading.Timer(delay_s, send).start()
+    elif marker.startswith("save:"):  # while rank 0's heartbeat says it is saving a checkpoint
+        beat = Path(marker[5:]) / "failover" / "heartbeats" / "rank_00000.json"
+
+        def watch_save() -> None:
+            while proc.poll() is None and not sent:
+                try:
+                    doc = json.loads(beat.read_text())
+                except (OSError, ValueError):
+                    doc = {}
+                if doc.get("phase") == "save" and doc.get("step", 0) >= 2:
+                    send()
+                time.sleep(0.01)
+
+        threading.Thread(target=watch_save, daemon=True).start()
+    elif marker.startswith("fork:"):  # as soon as the launcher has forked that many workers
+        def watch(n: int = int(marker[5:])) -> None:
+            while proc.poll() is None and not sent:
+                if len(_children(proc.pid)) >= n:
+                    send()
+                time.sleep(0.02)
+
+        threading.Thread(target=watch, daemon=True).start()
+    out = []
+    deadline = time.time() + 400
+    for line in proc.stdout:
+        out.append(line)
+        if marker is not None and not marker.startswith(("fork:", "save:")) and marker in line and not sent:
+            time.sleep(delay_s)
+            send()
+        assert time.time() < deadline, "".join(out[-40:])
+    proc.wait(timeout=60)
+    text = "".join(out)
+    assert sent, f"never reached {marker!r}:\n{text[-3000:]}"
+    return proc.returncode, text, time.time() - sent[0]
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (from /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def _steps(run) -> list[int]:
+    return [m["step"] for m in read_metrics(run)]
+
+
+@pytest.mark.slow
+def test_ctrl_c_at_every_moment(tmp_path):
+    run = tmp_path / "run"
+    args = [*TINY, *TWO, f"hydra.run.dir={run}"]
+
+    # Imports (Hydra, torch, Lightning): one line, exit 0, nothing left behind.
+    rc, out, took = _interrupt([*args, "trainer.max_steps=4"], tmp_path, None, delay_s=1.5)
+    assert rc == 0 and took < BOUND_S, out
+    assert "Traceback" not in out and "interrupted (Ctrl-C)" in out and "nothing to save; stopped" in out
+    assert not run.exists()
+
+    # Right after the fork (the workers rendezvous and set up): they answer once training starts,
+    # after its first step, with a checkpoint.
+    rc, out, took = _interrupt([*args, "trainer.max_steps=4"], tmp_path, "fork:2")
+    assert rc == 0 and took < BOUND_S, out
+    assert "Traceback" not in out and "Interrupted system call" not in out
+    assert "interrupted (Ctrl-C): checkpointing at step 1 and stopping" in out
+    assert (run / "checkpoints" / "step_000001" / "manifest.json").is_file()
+    assert json.loads((run / "summary.json").read_text())["stopped_early"] == "SIGINT"
+
+    # As the first step of the rerun starts: it resumes from step 1 and stops after step 2.
+    rc, out, took = _interrupt([*args, "trainer.max_steps=4"], tmp_path, "memory per rank (from")
+    assert rc == 0 and took < BOUND_S, out
+    assert f"resuming from {run / 'checkpoints' / 'step_000001'} (step 1;" in out
+    assert "Traceback" not in out and "checkpointing at step 2 and stopping" in out
+    assert (run / "checkpoints" / "step_000002" / "manifest.json").is_file()
+
+    # During the final save (the last progress line comes just before it): the save completes.
+    rc, out, took = _interrupt([*args, "trainer.max_steps=4"], tmp_path, "step 4/4 |")
+    assert rc == 0 and took < BOUND_S, out
+    assert "Traceback" not in out
+    assert (run / "checkpoints" / "step_000004" / "manifest.json").is_file()
+    assert _steps(run) == [1, 2, 3, 4]  # each step once over the four commands
+
+
+    # During a checkpoint save (every step saves; rank 0's heartbeat says `save`), and during a live
+    # recovery (the launcher has just seen rank 1 die): both stop after the step with a checkpoint.
+    for name, extra, marker in (
+        ("save", ["checkpoint.every_n_steps=1", "trainer.max_steps=40"], "save:"),
+        ("live", ["fault=kill_rank", "fault.rank=1", "fault.step=2", "trainer.max_steps=40"], "] lost ("),
+    ):
+        other = tmp_path / name
+        rc, out, took = _interrupt([*TINY, *TWO, *extra, f"hydra.run.dir={other}"], tmp_path,
+                                   marker + (str(other) if marker == "save:" else ""))
+        assert rc == 0 and took < BOUND_S, out[-3000:]
+        assert "Traceback" not in out and "checkpointing at step" in out, out[-3000:]
+        step = json.loads((other / "summary.json").read_text())["steps"]
+        assert step < 40 and (other / "checkpoints" / f"step_{step:06d}" / "manifest.json").is_file()
+        assert _steps(other) == list(range(1, step + 1))
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_launcher(tmp_path):
+    """kill -9 of the launcher alone: torch sends the workers SIGINT; they stop and say that no
+    checkpoint is written (none could be: the launcher hosted their store); the rerun says why it
+    starts from step 1."""
+    fresh = tmp_path / "killed"
+    rc, out, took = _interrupt([*TINY, *TWO, f"hydra.run.dir={fresh}", "trainer.max_steps=400"], tmp_path,
+                               "memory per rank (from", delay_s=2.0, sig=signal.SIGKILL, group=False)
+    assert rc == -signal.SIGKILL and took < BOUND_S, out
+    # At the step's end, or in the step when a collective meets the launcher's store gone first.
+    assert "(pid " in out and "is gone:" in out and "without a checkpoint" in out, out[-3000:]
+    assert "checkpointing at step" not in out and "falling back" not in out
+    assert "Traceback" not in out and "frame #" not in out
+    assert not (fresh / "checkpoints").exists() or not any((fresh / "checkpoints").iterdir())
+    reached = _steps(fresh)[-1]
+    summary = fresh / "summary.json"
+    stopped = json.loads(summary.read_text()).get("stopped_early") if summary.exists() else None
+    res = subprocess.run([sys.executable, "-m", "ntp_nemo.train", *TINY, *TWO, f"hydra.run.dir={fresh}",
+                          "trainer.max_steps=1"], cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    said = (f"no checkpoint in {fresh / 'checkpoints'}: starting from step 1. The previous run in this "
+            f"directory reached step {reached} and saved none: ")
+    assert said in res.stdout, res.stdout[-3000:]
+    assert ("its launching process was killed" in res.stdout) == (stopped == "launcher lost")
