@@ -30,6 +30,19 @@ LLAMA = ModelConfig(
     max_seq_len=16,
     tie_embeddings=False,
 )
+# 8 query heads over 4 KV heads: on 3 ranks the query heads split 2/3/3 and KV heads 1 and 2 are each held
+# by two ranks (the balanced split of a degree at most the KV-head count that does not divide it).
+LLAMA_KV4 = ModelConfig(
+    arch="llama",
+    vocab_size=67,
+    hidden_size=48,
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=4,
+    ffn_hidden_size=70,
+    max_seq_len=16,
+    tie_embeddings=False,
+)
 SEQ, GLOBAL_BATCH, SEED = 8, 6, 7
 
 

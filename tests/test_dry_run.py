@@ -63,20 +63,37 @@ def test_llama3_8b_63_ranks_through_the_cli(tmp_path):
     # ranks differ by one block of embedding and head rows.
     sizes = sorted({r["sharded_params"] for r in healthy})
     assert len(sizes) == 2 and sizes[1] - sizes[0] == 2 * 128 * cfg.hidden_size
-    # Each replica holds every sharded element once: 8 healthy shares = 7 degraded shares.
-    assert sum(r["sharded_params"] for r in degraded) == sum(r["sharded_params"] for r in healthy)
-    healthy_mean = Fraction(sum(r["sharded_params"] for r in healthy), 8)
+    # Each replica holds every sharded element once, except the TP-7 replica's shared KV heads: its query
+    # heads [0,4) [4,9) [9,13) [13,18) [18,22) [22,27) [27,32) read 1+2+2+2+2+2+2 = 13 of 8 KV heads, so 5
+    # KV heads (k and v, every layer) are held twice.
+    kv_head = cfg.num_layers * 2 * (cfg.hidden_size // cfg.num_heads) * cfg.hidden_size
+    per_replica = [sum(r["sharded_params"] for r in rs) for rs in (degraded, healthy)]
+    assert per_replica[0] - 5 * kv_head == per_replica[1]
+    healthy_mean = Fraction(per_replica[1], 8)
     # Per rank: everything but attention is 8/7 of a healthy rank's (the recipe's ntp.shard_align=128 splits
     # the 14336 MLP columns into 2048 per degraded rank, exactly 8/7 of 1792, and the vocabulary rows in
-    # blocks of 128: up to one block of embedding and head rows off); attention moves in whole KV groups
-    # (a KV head with its query heads): 8 groups over 7 ranks.
+    # blocks of 128: up to one block of embedding and head rows off); attention splits the 32 query heads
+    # 4/5/4/5/4/5/5, each rank with the KV heads they read (a KV head whose 4 query heads span two ranks is
+    # held by both).
     h, d, L = cfg.hidden_size, cfg.hidden_size // cfg.num_heads, cfg.num_layers
-    per_group = L * (2 * (cfg.num_heads // cfg.num_kv_heads) * d * h + 2 * d * h)
-    healthy_rest = healthy_mean - per_group  # TP 8 = one KV group per rank
+    group = cfg.num_heads // cfg.num_kv_heads
+    healthy_attn = L * (2 * group * d * h + 2 * d * h)  # TP 8: 4 query heads and 1 KV head per rank
+    healthy_rest = healthy_mean - healthy_attn
     for j, r in enumerate(degraded):
-        groups = (j + 1) * 8 // 7 - j * 8 // 7
-        ratio = float((r["sharded_params"] - groups * per_group) / healthy_rest)
+        qlo, qhi = j * 32 // 7, (j + 1) * 32 // 7
+        kv = (qhi - 1) // group + 1 - qlo // group
+        attn = L * (2 * (qhi - qlo) * d * h + 2 * kv * d * h)
+        ratio = float((r["sharded_params"] - attn) / healthy_rest)
         assert ratio == pytest.approx(8 / 7, abs=float(2 * 128 * h / healthy_rest)), (j, ratio)
+    # No rank of the TP-7 replica holds more than 1.20x a healthy rank's parameters (whole KV groups: 1.29x),
+    # and its modelled work is at most 1.25x; the slowest healthy rank models exactly 1 (the others one
+    # vocabulary block less).
+    assert max(r["params"] for r in degraded) <= 1.20 * min(r["params"] for r in healthy)
+    healthy_work = [r["modelled_work"] for r in ranks if r["replica"] < 7]
+    assert max(healthy_work) == 1.0 and min(healthy_work) > 0.99
+    slowest = max(r["modelled_work"] for r in degraded)
+    assert 1.0 < slowest <= 1.25
+    assert "replica 7 (TP 7): slowest rank " in res.stdout and f"models {slowest:.3f}x" in res.stdout
     # Precision bf16-mixed: fp32 parameters (the master weights), fp32 gradients, two fp32 AdamW moments.
     for r in ranks:
         assert r["param_bytes"] == r["grad_bytes"] == 4 * r["params"]

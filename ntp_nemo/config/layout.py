@@ -7,6 +7,18 @@ from collections.abc import Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from ntp_nemo.topology.layout import ResolvedLayout
+from ntp_nemo.topology.work import WorkShape
+
+
+def work_shape(cfg: DictConfig) -> WorkShape:
+    """The model and sequence shape the per-rank work model (batch shares) reads."""
+    m = cfg.model
+    return WorkShape(
+        hidden_size=int(m.hidden_size), num_layers=int(m.num_layers), num_heads=int(m.num_heads),
+        num_kv_heads=int(m.num_kv_heads or m.num_heads), ffn_hidden_size=int(m.ffn_hidden_size),
+        vocab_size=int(m.vocab_size), seq_len=int(cfg.data.seq_len), gated_mlp=str(m.arch) == "llama",
+        tie_embeddings=bool(m.tie_embeddings),
+    )
 
 
 def resolve_layout(cfg: DictConfig, layer_tp: Sequence[int] | None = None) -> ResolvedLayout:
@@ -39,4 +51,6 @@ def resolve_layout(cfg: DictConfig, layer_tp: Sequence[int] | None = None) -> Re
         num_microbatches=int(cfg.data.global_batch_size) // int(cfg.data.micro_batch_size),
         sequence_parallel=bool(cfg.ntp.get("sequence_parallel", False)),
         shard_align=int(cfg.ntp.get("shard_align", 1)),
+        work=work_shape(cfg),
+        capacity=str(cfg.ntp.get("capacity", "ranks")),
     )

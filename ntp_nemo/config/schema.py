@@ -38,6 +38,9 @@ class NTPConfig:
     sequence_parallel: bool = False
     # Elements per block of MLP-column and vocabulary-row splits: shard boundaries on its multiples.
     shard_align: int = 1
+    # Capacity rule of the batch split: ranks (active TP ranks / nominal) or work (the work model's
+    # slowest-rank time of a healthy replica over this one's).
+    capacity: str = "ranks"
 
 
 @dataclass

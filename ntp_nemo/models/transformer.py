@@ -2,12 +2,13 @@
 
 The same class runs unsharded and sharded: its linear and embedding layers are the
 tensor-parallel layers of `ntp_nemo.parallel`, which degrade to ordinary layers under a
-single-device plan.  Attention is sharded by heads (grouped-query KV heads kept with their query
-heads, replicated when the degree exceeds the KV-head count), the MLP by hidden columns, the
-vocabulary by rows; norms are replicated.  Under sequence parallelism (`TPContext.sequence_parallel`)
-the replicated regions (norms, dropout, residual adds) hold each TP rank's slice of the sequence, and
-the hidden state entering layout slot `k` is in the split of slot `k - 1`'s context (the embedding's
-for the first layer), re-split where the degree changes (`ntp_nemo.parallel.sequence`).
+single-device plan.  Attention is sharded by query heads (each rank keeps the grouped-query KV
+heads its query heads read; a KV head shared by two ranks is held by both), the MLP by hidden
+columns, the vocabulary by rows; norms are replicated.  Under sequence parallelism
+(`TPContext.sequence_parallel`) the replicated regions (norms, dropout, residual adds) hold each TP
+rank's slice of the sequence, and the hidden state entering layout slot `k` is in the split of slot
+`k - 1`'s context (the embedding's for the first layer), re-split where the degree changes
+(`ntp_nemo.parallel.sequence`).
 """
 
 from __future__ import annotations
@@ -60,15 +61,25 @@ class Norm(nn.Module):
 def attention_head_intervals(num_heads: int, num_kv_heads: int, tp: TPContext) -> tuple[tuple, tuple]:
     """(query-head interval, KV-head interval) held by this rank.
 
-    Up to `num_kv_heads` ranks split whole KV groups (a KV head with its query heads); beyond that
-    query heads are split and each rank keeps the KV heads its query heads read (replicated KV).
+    Query heads are the units (balanced contiguous intervals, like every other unit), so no rank of a
+    group carries more than one query head above its peers; each rank keeps the KV heads its query
+    heads read, and a KV head whose query heads span two ranks is held by both (its gradient is summed
+    over its holders by the gradient sync).  Splitting whole KV groups instead would give one of 7 ranks
+    two of Llama-3-8B's 8 groups: twice its peers' attention.
     """
     group = num_heads // num_kv_heads
-    if tp.size <= num_kv_heads:
-        klo, khi = unit_interval(tp.rank, tp.size, num_kv_heads)
-        return (klo * group, khi * group), (klo, khi)
     qlo, qhi = unit_interval(tp.rank, tp.size, num_heads)
     return (qlo, qhi), (qlo // group, (qhi - 1) // group + 1)
+
+
+def _whole_kv_group_intervals(num_heads: int, num_kv_heads: int, tp: TPContext) -> tuple[tuple, tuple]:
+    """The former split (whole KV groups up to `num_kv_heads` ranks), kept only for `bench/head_split.py`
+    to time against the balanced one."""
+    if tp.size > num_kv_heads:
+        return attention_head_intervals(num_heads, num_kv_heads, tp)
+    group = num_heads // num_kv_heads
+    klo, khi = unit_interval(tp.rank, tp.size, num_kv_heads)
+    return (klo * group, khi * group), (klo, khi)
 
 
 def rope_tables(
@@ -125,7 +136,8 @@ class Attention(nn.Module):
         # Local KV head each local query head reads.
         kv_of_q = torch.tensor([q // self.group - klo for q in range(qlo, qhi)], dtype=torch.long)
         self.register_buffer("kv_of_q", kv_of_q, persistent=False)
-        self.regular_gqa = tp.size <= nkv
+        # Whole KV groups held (every local KV head read by `group` local query heads, in order).
+        self.regular_gqa = qlo % self.group == 0 and qhi % self.group == 0
         self.tp = tp
         self.recompute_core = getattr(cfg, "recompute", "none") == "selective"
 

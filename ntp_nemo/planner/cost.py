@@ -5,9 +5,9 @@ per micro-batch (`micro_batch_size` sequences of `seq_len` tokens), forward plus
 
 Sharding follows the project's unit rule: a degree-t group splits each item's units (attention
 heads, FFN columns for the MLP, vocabulary rows for embedding/head) into balanced contiguous
-intervals, so the busiest rank holds ceil(U/t) units; that rank sets the time. Attention keeps
-whole GQA groups (a KV head with its query heads) while t <= num_kv_heads; beyond that query heads
-are split and each rank keeps (replicates) the KV heads its query heads read.
+intervals, so the busiest rank holds ceil(U/t) units; that rank sets the time. Attention splits
+query heads, and each rank keeps the GQA KV heads its query heads read (a KV head whose query heads
+span two ranks is held by both).
 
 Communication (Megatron-style, payload per rank, each an all-reduce inside the t-rank group):
 - transformer layer: 2 all-reduces of b*s*h activations forward, 2 of their gradients backward;
@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ntp_nemo.planner.shapes import DeviceModel, LinkModel, ModelShape
+from ntp_nemo.topology.work import attention_heads
 
 EMBEDDING, LAYER, HEAD = "embedding", "layer", "head"
 CE_STAT_BYTES = 4  # cross-entropy statistics are reduced in fp32 (or wider, for fp64 runs)
@@ -58,14 +59,11 @@ def shard_fraction(units: int, degree: int) -> float:
 
 
 def attention_fractions(model: ModelShape, degree: int) -> tuple[float, float]:
-    """(query heads, KV heads) on the busiest rank as fractions of all, at TP `degree`."""
+    """(query heads, KV heads) on the busiest rank as fractions of all, at TP `degree` (the per-rank
+    work model's head split, `ntp_nemo.topology.work.attention_heads`)."""
     nh, kv = model.num_heads, model.num_kv_heads
-    group = nh // kv
-    if degree <= kv:
-        return -(-kv // degree) * group / nh, -(-kv // degree) / kv
-    bounds = [r * nh // degree for r in range(degree + 1)]
-    touched = max((hi - 1) // group - lo // group + 1 for lo, hi in zip(bounds[:-1], bounds[1:], strict=True))
-    return -(-nh // degree) / nh, touched / kv
+    held = [attention_heads(p, degree, nh, kv) for p in range(degree)]
+    return max(q for q, _ in held) / nh, max(k for _, k in held) / kv
 
 
 def units_of(model: ModelShape, kind: str) -> int:

@@ -361,9 +361,11 @@ class LiveRecovery(Callback):
         def build(layout: Layout, rank: int):
             topo = Topology(layout.tp, layout.replica_tp, old_topo.layer_tp, layout.pp, old_topo.stage_layers,
                             old_topo.shard_align)
-            # SP holds no state: the new layout's sequence split follows its degrees.
+            # SP holds no state: the new layout's sequence split follows its degrees.  The run's work
+            # model and capacity rule stay, so every rank computes the same batch split.
             layout = ResolvedLayout.of_topology(topo, strategy.schedule, None,
-                                                sequence_parallel=strategy.layout.sequence_parallel)
+                                                sequence_parallel=strategy.layout.sequence_parallel,
+                                                work=strategy.layout.work, capacity=strategy.layout.capacity)
             runtime = NTPRuntime(layout, rank, device=strategy.root_device)
             model = runtime.build_model(module.model_cfg, module.seed)
             runtime.attach(model, strategy.bucket_mb)

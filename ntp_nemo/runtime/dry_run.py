@@ -66,6 +66,7 @@ from ntp_nemo.parallel.grad_sync import (
 )
 from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout, Topology
+from ntp_nemo.topology.work import healthy_cost, rank_costs
 
 COMM_KINDS = ("tp", "pp", "dp", "world")
 META = torch.device("meta")
@@ -240,6 +241,9 @@ class RankResult:
     comm_calls: dict[str, int]
     comm_groups: dict[str, int]  # distinct process groups of each kind this rank used
     signature: tuple[int, int, int]
+    # Modelled time per token of this rank over a healthy rank's (`ntp_nemo.topology.work`; None when the
+    # layout carries no model shape).
+    modelled_work: float | None = None
     # Peers over all subgroups this rank belongs to (TP groups, holder sets, pipeline links): the
     # sockets gloo would open for them (`ntp_nemo.topology.groups.gloo_sockets`).
     subgroup_peers: int = 0
@@ -613,6 +617,10 @@ def dry_run(
     element = shape.param_dtype.itemsize
     bucket = int(shape.bucket_mb * (1 << 20))
     results: list[RankResult] = []
+    work = None
+    if layout.work is not None:
+        base = healthy_cost(layout.work, topo)
+        work = [c / base for c in rank_costs(layout.work, topo)]
     peers = subgroup_peers(topo, plans, layout.schedule)
     for r in range(world):
         c = topo.coord(r)
@@ -645,6 +653,7 @@ def dry_run(
             comm_groups={**step.groups, "dp": len([h for h in plans[r].by_holders if plans[r].by_holders[h]]),
                          "world": 1 if world > 1 else 0},
             signature=sig,
+            modelled_work=None if work is None else work[r],
             subgroup_peers=peers[r],
         ))
     timings["ranks_s"] = time.perf_counter() - t3

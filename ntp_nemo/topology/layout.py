@@ -16,8 +16,17 @@ from typing import Any
 
 from ntp_nemo.data.rebalance import assign_microbatches
 from ntp_nemo.topology.topology import Topology
+from ntp_nemo.topology.work import WorkShape, modelled_capacities
 
 PowerBoost = float | tuple[float, ...] | None
+
+CAPACITY_RULES = ("ranks", "work")  # ntp.capacity: how a replica's share of the batch is weighed
+
+
+def _rule_capacities(rule: str, work: WorkShape | None, topo: Topology, boost: PowerBoost) -> list[float]:
+    if rule == "work" and work is not None:
+        return modelled_capacities(work, topo, boost)
+    return topo.capacities(boost)
 
 
 def _boost(value: Any) -> PowerBoost:
@@ -41,6 +50,11 @@ class ResolvedLayout:
     - `devices`: device string per global rank ("cuda:3", "cpu"), or None: each worker's default.
     - `sequence_parallel`: the TP-replicated regions hold each rank's slice of the sequence.
     - `shard_align`: elements per block of MLP-column and vocabulary-row splits (`ntp.shard_align`).
+    - `work`: the model and sequence shape the per-rank work model reads (`ntp_nemo.topology.work`);
+      the dry run reports each rank's modelled work whenever it is set.
+    - `capacity`: the capacity rule of the batch split (`ntp.capacity`): `ranks`, active ranks over
+      nominal; `work`, a healthy replica's modelled slowest-rank time over this replica's (needs
+      `work`; a layout without it falls back to `ranks`).  Both times the power boost.
     """
 
     tp: int
@@ -57,6 +71,8 @@ class ResolvedLayout:
     devices: tuple[str, ...] | None = field(default=None)
     sequence_parallel: bool = False
     shard_align: int = 1
+    work: WorkShape | None = None
+    capacity: str = "ranks"
 
     @classmethod
     def make(
@@ -74,14 +90,22 @@ class ResolvedLayout:
         virtual_stages: int = 1,
         sequence_parallel: bool = False,
         shard_align: int = 1,
+        work: WorkShape | Mapping | None = None,
+        capacity: str = "ranks",
     ) -> ResolvedLayout:
         """Normalise the inputs and fill the derived fields (stage split, batch shares); checks that
         the parts agree (a ValueError names the mismatch)."""
         layer_tp = tuple(int(x) for x in layer_tp)
         replica_tp = tuple(int(x) for x in replica_tp)
-        topo = Topology(int(tp), replica_tp, layer_tp, int(pp), list(stage_layers) if stage_layers else None)
+        topo = Topology(int(tp), replica_tp, layer_tp, int(pp), list(stage_layers) if stage_layers else None,
+                        int(shard_align))
         boost = _boost(power_boost)
         m = len(replica_tp) if num_microbatches is None else int(num_microbatches)
+        work = WorkShape.of(work)
+        capacity = str(capacity)
+        if capacity not in CAPACITY_RULES:
+            raise ValueError(f"capacity rule {capacity!r}: expected one of {', '.join(CAPACITY_RULES)}")
+        caps = _rule_capacities(capacity, work, topo, boost)
         layout = cls(
             tp=int(tp),
             replica_tp=replica_tp,
@@ -93,10 +117,12 @@ class ResolvedLayout:
             power_boost=boost,
             nominal_replicas=None if nominal_replicas is None else int(nominal_replicas),
             num_microbatches=m,
-            microbatches=tuple(assign_microbatches(m, topo.capacities(boost))),
+            microbatches=tuple(assign_microbatches(m, caps)),
             devices=None if devices is None else tuple(str(d) for d in devices),
             sequence_parallel=bool(sequence_parallel),
             shard_align=int(shard_align),
+            work=work,
+            capacity=capacity,
         )
         if layout.devices is not None and len(layout.devices) != layout.world_size:
             raise ValueError(f"{len(layout.devices)} devices for a layout of {layout.world_size} ranks")
@@ -112,12 +138,16 @@ class ResolvedLayout:
         num_microbatches: int | None = None,
         virtual_stages: int = 1,
         sequence_parallel: bool = False,
+        work: WorkShape | None = None,
+        capacity: str = "ranks",
     ) -> ResolvedLayout:
-        """The layout of an existing Topology (tests and benchmarks that build one directly)."""
+        """The layout of an existing Topology (tests and benchmarks that build one directly; live recovery
+        passes the run's `work` and `capacity` so the batch split stays the one every rank computes)."""
         t = topology
         return cls.make(t.tp, t.replica_tp, t.layer_tp, t.pp, t.stage_layers, schedule, power_boost,
                         nominal_replicas, num_microbatches, virtual_stages=virtual_stages,
-                        sequence_parallel=sequence_parallel, shard_align=t.shard_align)
+                        sequence_parallel=sequence_parallel, shard_align=t.shard_align, work=work,
+                        capacity=capacity)
 
     # ---- derived --------------------------------------------------------------------------------
     @property
@@ -138,10 +168,12 @@ class ResolvedLayout:
 
     @cached_property
     def _capacities(self) -> tuple[float, ...]:
-        return tuple(self.topology().capacities(self.power_boost))
+        return tuple(_rule_capacities(self.capacity, self.work, self.topology(), self.power_boost))
 
     def capacities(self) -> list[float]:
-        """Per-replica share of work (active ranks / nominal TP, times the power boost of degraded ones)."""
+        """Per-replica share of work under the layout's `capacity` rule: active ranks / nominal TP
+        (`ranks`) or a healthy replica's modelled slowest-rank time over this one's (`work`, with `work`
+        set), times the power boost of degraded ones."""
         return list(self._capacities)
 
     def microbatch_counts(self, num_microbatches: int | None = None) -> list[int]:
@@ -180,4 +212,4 @@ class ResolvedLayout:
         return cls.make(**fields)
 
 
-__all__ = ["PowerBoost", "ResolvedLayout"]
+__all__ = ["CAPACITY_RULES", "PowerBoost", "ResolvedLayout"]
