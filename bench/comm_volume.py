@@ -28,6 +28,14 @@ every larger replica the ranks send the parts of their gradient shards that lie 
 R-way interval to that core rank (slot k < R); core ranks all-reduce their R-way shards (and the
 replicated parameters) with the matching core rank of every other replica; then they send the
 reduced parts back. Both syncs are run on the same gradients and must give the same result.
+
+`--sequence-parallel`: each layout runs the same step with `ntp.sequence_parallel` off and on, with
+`all_gather_single`/`reduce_scatter_single` wrapped too (ring model: an all-gather of a B-byte piece
+puts (n-1) B on a rank's link, a reduce-scatter of B (n-1)/n B), and compares, per rank, the
+activation all-reduces of TP without SP (forward and backward, cross entropy apart) with the
+reduce-scatters and all-gathers that replace them; the backward's second all-gather of each
+column-parallel input (only the slice is kept for the backward), the re-splits between degrees and the
+all-reduces of the replicated parameters' gradients are listed apart.
 """
 
 from __future__ import annotations
@@ -122,6 +130,42 @@ class CommLog:
             yield
         finally:
             dist.all_reduce = original
+
+    @contextmanager
+    def wrapping_sequence_collectives(self) -> Iterator[None]:
+        """Also count the sequence-parallel all-gathers and reduce-scatters, labelled by what they do."""
+        gather, scatter = dist.all_gather_single, dist.reduce_scatter_single
+
+        def site(op: str) -> str:
+            caller = sys._getframe(3).f_code  # autograd function -> _all_gather_seq / _reduce_scatter_seq
+            name = getattr(caller, "co_qualname", caller.co_name)
+            if name == "_GatherProject.backward" and op == "ag":
+                return "sp_regather"
+            if name in ("_Resplit.forward", "_Resplit.backward") or caller.co_name == "_move":
+                return "sp_resplit"
+            return f"sp_{op}_{'bwd' if name.endswith('backward') else 'fwd'}"
+
+        def counted_gather(out, inp, group=None, async_op=False):
+            ranks = dist.get_process_group_ranks(group)
+            self.add(site("ag"), ranks, 0)
+            rec = self.tally[(site("ag"), self.scope(ranks))]
+            rec[1] += inp.numel() * inp.element_size()
+            rec[2] += (len(ranks) - 1) * inp.numel() * inp.element_size()
+            return gather(out, inp, group=group, async_op=async_op)
+
+        def counted_scatter(out, inp, op=dist.ReduceOp.SUM, group=None, async_op=False):
+            ranks = dist.get_process_group_ranks(group)
+            self.add(site("rs"), ranks, 0)
+            rec = self.tally[(site("rs"), self.scope(ranks))]
+            rec[1] += inp.numel() * inp.element_size()
+            rec[2] += (len(ranks) - 1) / len(ranks) * inp.numel() * inp.element_size()
+            return scatter(out, inp, op=op, group=group, async_op=async_op)
+
+        dist.all_gather_single, dist.reduce_scatter_single = counted_gather, counted_scatter
+        try:
+            yield
+        finally:
+            dist.all_gather_single, dist.reduce_scatter_single = gather, scatter
 
     def total(self, prefix: str) -> tuple[int, int]:
         recs = [v for (site, _), v in self.tally.items() if site.startswith(prefix)]
@@ -310,19 +354,19 @@ def _is_full(desc: tuple) -> bool:
 
 
 # ---- the worker ------------------------------------------------------------------------------------
-def worker(rank: int, world: int, layout: Layout, cfg, batch: tuple[int, int, int]) -> dict:
+def worker(rank: int, world: int, layout: Layout, cfg, batch: tuple[int, int, int], sp: bool = False) -> dict:
     from ntp_nemo.parallel.grad_sync import param_descriptors
     from ntp_nemo.runtime.runtime import NTPRuntime
     from ntp_nemo.topology import ResolvedLayout, Topology
 
     mbs, seq, global_batch = batch
     topo = Topology(layout.tp, layout.replica_tp, layout.degrees(cfg.num_layers))
-    rt = NTPRuntime(ResolvedLayout.make(topo), rank)
+    rt = NTPRuntime(ResolvedLayout.make(topo, sequence_parallel=sp), rank)
     model = rt.build_model(cfg, SEED)
     sync = rt.attach(model)
     everyone: list = [None] * world
     dist.all_gather_object(everyone, param_descriptors(model))
-    do_g2c = layout.kind != "per-layer" and topo.dp > 1 and partitioned(topo, everyone)
+    do_g2c = not sp and layout.kind != "per-layer" and topo.dp > 1 and partitioned(topo, everyone)
     if do_g2c:
         topo.build_groups(extra=core_groups(topo))
     hook_bytes = []
@@ -331,7 +375,7 @@ def worker(rank: int, world: int, layout: Layout, cfg, batch: tuple[int, int, in
     toks = torch.randint(0, cfg.vocab_size, (global_batch, seq + 1), generator=gen)
     micro = rt.my_microbatches(global_batch // mbs)
     log, g2c_log = CommLog(topo), CommLog(topo)
-    with log.wrapping_all_reduce():
+    with log.wrapping_all_reduce(), log.wrapping_sequence_collectives():
         loss = rt.train_microbatches(
             model, [toks[i * mbs : (i + 1) * mbs] for i in micro], global_batch * seq
         )
@@ -473,6 +517,29 @@ def report_g2c(layout: Layout, results: list[dict]) -> None:
         raise RuntimeError(f"gather-to-core and holder-set syncs disagree on {layout.name}: {diff:.2e}")
 
 
+SP_SITES = ("sp_ag_fwd", "sp_rs_fwd", "sp_ag_bwd", "sp_rs_bwd")
+
+
+def report_sp(layout: Layout, off: list[dict], on: list[dict]) -> list[float]:
+    """Per rank: TP activation all-reduce bytes without SP against the SP collectives replacing them
+    (ring model, KiB per step); returns the ratios."""
+    print(f"\n{layout.name} [{layout.kind}] sequence parallelism: KiB on each rank's link per step "
+          "(ring model)")
+    print(" rank | AR fwd+bwd (off) | AG+RS fwd+bwd (on)  ratio | bwd re-gather  re-split  param AR "
+          "| loss off-on")
+    ratios = []
+    for a, b in zip(off, on, strict=True):
+        ar = _sum(a["tally"], "tp_fwd", col=2) + _sum(a["tally"], "tp_bwd", col=2)
+        sp = sum(_sum(b["tally"], s, col=2) for s in SP_SITES)
+        if ar:
+            ratios.append(sp / ar)
+        regather, resplit = _sum(b["tally"], "sp_regather", col=2), _sum(b["tally"], "sp_resplit", col=2)
+        print(f" {a['rank']:4d} | {_kb(ar):>16s} | {_kb(sp):>18s} {_ratio(sp, ar)} | "
+              f"{_kb(regather):>13s} {_kb(resplit)} {_kb(_sum(b['tally'], 'tp_bwd', col=2))} | "
+              f"{abs(a['loss'] - b['loss']):.1e}")
+    return ratios
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="gpt_tiny", help="model config group option (conf/model)")
@@ -484,6 +551,8 @@ def main() -> None:
         default=",".join(lay.name for lay in LAYOUTS),
         help="comma-separated names from: " + "; ".join(lay.name for lay in LAYOUTS),
     )
+    ap.add_argument("--sequence-parallel", action="store_true",
+                    help="compare each layout's TP traffic with ntp.sequence_parallel off and on")
     args = ap.parse_args()
     from _common import compose, model_config
 
@@ -500,6 +569,18 @@ def main() -> None:
         f"vocab={cfg.vocab_size}), float32, micro-batch {args.micro_batch} x seq {args.seq_len}, "
         f"global batch {args.global_batch}; bytes per rank per optimizer step"
     )
+    if args.sequence_parallel:
+        sp_summary = []
+        for lay in (lay for lay in LAYOUTS if lay.name in names):
+            off = run_workers(worker, sum(lay.replica_tp), lay, cfg, batch, False)
+            on = run_workers(worker, sum(lay.replica_tp), lay, cfg, batch, True)
+            sp_summary.append((lay, report_sp(lay, off, on)))
+        print("\nsummary: SP all-gather + reduce-scatter / the all-reduces they replace (min..max over "
+              "ranks)")
+        for lay, ratios in sp_summary:
+            span = f"{min(ratios):6.3f}..{max(ratios):6.3f}" if ratios else "-"
+            print(f" {lay.name:28s} {span}")
+        return
     summary = []
     for lay in (lay for lay in LAYOUTS if lay.name in names):
         res = run_workers(worker, sum(lay.replica_tp), lay, cfg, batch)

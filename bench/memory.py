@@ -27,6 +27,11 @@
    snapshot, which is all of the save that touches device memory (the writer reads the snapshot).  The
    distributed optimizer gathers one gradient bucket at a time, so its extra is the largest bucket
    (`--bucket-mb`; 25 MiB by default in training, against GiBs of moments on a real model).
+4. Saved activation bytes per rank per micro-batch with `ntp.sequence_parallel` off and on, on the
+   layouts (3, 2) and (2, 1) (gloo workers, Llama-style, a sequence the degree 3 does not divide), the
+   same pack-hook count; "hidden-sized" is the part held in tensors of b x s x hidden (the replicated
+   regions: norm inputs, the inputs of the column-parallel projections), which SP divides by the degree.
+   `--sections 4` runs only this one.
 """
 
 from __future__ import annotations
@@ -193,6 +198,58 @@ def save_table(cfg: ModelConfig, bucket_mb: float) -> list[dict]:
         results = run_workers(save_memory_worker, sum(replica_tp), cfg, replica_tp, bucket_mb)
         for rank, r in enumerate(results):
             rows.append({"layout": name, "rank": rank, **r})
+
+
+class _HiddenMeter(ActivationMeter):
+    """ActivationMeter that also sums the storages of tensors of rows of `hidden` elements (b x s x h
+    or its (b*s) x h view: the replicated regions and the column-parallel inputs)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.hidden_size, self.hidden_bytes = hidden, 0
+
+    def add(self, mb: int, t: torch.Tensor) -> None:
+        before = self.live.get(mb, 0)
+        super().add(mb, t)
+        if self.live.get(mb, 0) > before and t.dim() >= 2 and t.shape[-1] == self.hidden_size:
+            self.hidden_bytes += self.live[mb] - before
+
+
+def sp_worker(rank: int, world: int, cfg: ModelConfig, replica_tp: list[int], mbs: int, seq: int) -> dict:
+    torch.set_num_threads(1)
+    tp = max(replica_tp)
+    topo = Topology(tp, replica_tp, [tp] * (cfg.num_layers + 2))
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (mbs, seq + 1), generator=gen)
+    out = {"degree": replica_tp[topo.coord(rank).replica]}
+    for sp in (False, True):
+        rt = NTPRuntime(ResolvedLayout.make(topo, sequence_parallel=sp), rank)
+        model = rt.build_model(cfg, 0)
+        model._rope(torch.empty(0))
+        meter = _HiddenMeter(cfg.hidden_size)
+        meter.exclude(list(model.parameters()) + list(model.buffers())
+                      + [t for pair in model._rope_cache.values() for t in pair])
+        with meter.recording(0):
+            loss = model.loss_sum(tokens)
+        loss.backward()
+        out["on" if sp else "off"] = {"saved": meter.live[0], "hidden": meter.hidden_bytes,
+                                      "loss": loss.item()}
+    return out
+
+
+def sp_table(cfg: ModelConfig, mbs: int, seq: int) -> list[dict]:
+    rows = []
+    for name, replica_tp in (("(3,2)", [3, 2]), ("(2,1)", [2, 1])):
+        for rank, r in enumerate(run_workers(sp_worker, sum(replica_tp), cfg, replica_tp, mbs, seq)):
+            off, on = r["off"], r["on"]
+            rows.append({"layout": name, "rank": rank, "degree": r["degree"], "saved_off": off["saved"],
+                         "saved_on": on["saved"], "hidden_off": off["hidden"], "hidden_on": on["hidden"],
+                         "same_loss": off["loss"] == on["loss"]})
+            print(f"{name:<7} {rank:>4} {r['degree']:>6} {off['saved'] / MiB:>10.2f} "
+                  f"{on['saved'] / MiB:>10.2f} {on['saved'] / off['saved']:>8.3f} "
+                  f"{off['hidden'] / MiB:>11.2f} {on['hidden'] / MiB:>10.2f} "
+                  f"{on['hidden'] / max(off['hidden'], 1):>8.3f} {1 / r['degree']:>6.3f} "
+                  f"{abs(on['loss'] - off['loss']) / abs(off['loss']):>9.1e}", flush=True)
     return rows
 
 
@@ -205,25 +262,32 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=257)
     ap.add_argument("--bucket-mb", type=float, default=1.0, help="gradient bucket size (part 3)")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
+    ap.add_argument("--sections", default="1,2,3,4", help="which of the four tables to print, e.g. 4")
+    ap.add_argument("--sp-seq-len", type=int, default=250, help="sequence of table 4 (250 = 83+83+84)")
     args = ap.parse_args()
+    sections = {int(x) for x in args.sections.split(",")}
     torch.set_num_threads(2)
     cfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
                       num_heads=max(2, args.hidden // 64), ffn_hidden_size=4 * args.hidden,
                       max_seq_len=args.seq_len, tie_embeddings=True)
-    print(f"1. saved activations per micro-batch: {args.layers} layers, hidden {args.hidden}, "
-          f"seq {args.seq_len}, micro-batch {args.micro_batch_size}, vocab {args.vocab}, float32, TP 1")
-    print(f"{'arch':<6} {'SDPA':<8} {'recompute':<10} {'saved MiB':>10} {'none / this':>12} "
-          f"{'grads identical':>16}")
-    act = activation_table(cfg, args.micro_batch_size, args.seq_len)
+    act, opt_rows, save_rows, sp_rows = [], [], [], []
+    if 1 in sections:
+        print(f"1. saved activations per micro-batch: {args.layers} layers, hidden {args.hidden}, "
+              f"seq {args.seq_len}, micro-batch {args.micro_batch_size}, vocab {args.vocab}, float32, TP 1")
+        print(f"{'arch':<6} {'SDPA':<8} {'recompute':<10} {'saved MiB':>10} {'none / this':>12} "
+              f"{'grads identical':>16}")
+        act = activation_table(cfg, args.micro_batch_size, args.seq_len)
     for r in act:
         print(f"{r['arch']:<6} {r['sdpa']:<8} {r['recompute']:<10} {r['saved_bytes'] / MiB:>10.2f} "
               f"{r['ratio_vs_none']:>12.2f} {r['grads_identical']!s:>16}", flush=True)
-    print(f"\n2. optimizer state per rank (AdamW moments), same model ({args.layers} layers, hidden "
-          f"{args.hidden}), float32")
-    print(f"{'layout':<14} {'rank':>4} {'params MiB':>10} {'plain MiB':>10} {'distributed MiB':>16} "
-          f"{'dist / plain':>12} {'1/holders':>10}")
-    opt_rows = []
+    if 2 in sections:
+        print(f"\n2. optimizer state per rank (AdamW moments), same model ({args.layers} layers, hidden "
+              f"{args.hidden}), float32")
+        print(f"{'layout':<14} {'rank':>4} {'params MiB':>10} {'plain MiB':>10} {'distributed MiB':>16} "
+              f"{'dist / plain':>12} {'1/holders':>10}")
     for name, replica_tp in (("DP2 x TP1", [1, 1]), ("DP4 x TP1", [1, 1, 1, 1]), ("replicas (2,1)", [2, 1])):
+        if 2 not in sections:
+            break
         res = run_workers(optimizer_worker, sum(replica_tp), cfg, replica_tp)
         for rank, r in enumerate(res):
             ratio = r["distributed"] / r["plain"]
@@ -231,21 +295,33 @@ def main() -> None:
             opt_rows.append({"layout": name, "rank": rank, **r, "ratio": ratio, "ideal": ideal})
             print(f"{name:<14} {rank:>4} {r['param_bytes'] / MiB:>10.2f} {r['plain'] / MiB:>10.2f} "
                   f"{r['distributed'] / MiB:>16.2f} {ratio:>12.3f} {ideal:>10.3f}", flush=True)
-    print(f"\n3. device memory of a checkpoint save (optimizer state + what the save allocates), same model, "
-          f"float32, gradient buckets of {args.bucket_mb} MiB, MiB")
-    print(f"{'layout':<14} {'rank':>4} | {'plain: state':>12} {'save extra':>10} {'peak':>7} | "
-          f"{'distributed: state':>18} {'save extra':>10} {'peak':>7} {'held after':>10} | "
-          f"{'peak dist/plain':>15}")
-    save_rows = save_table(cfg, args.bucket_mb)
-    for r in save_rows:
-        p, d = r["plain"], r["distributed"]
-        pp, dp = p["state"] + p["save_extra"], d["state"] + d["save_extra"]
-        print(f"{r['layout']:<14} {r['rank']:>4} | {p['state'] / MiB:>12.2f} {p['save_extra'] / MiB:>10.2f} "
-              f"{pp / MiB:>7.2f} | {d['state'] / MiB:>18.2f} {d['save_extra'] / MiB:>10.2f} {dp / MiB:>7.2f} "
-              f"{d['held_after'] / MiB:>10.2f} | {dp / pp:>15.3f}", flush=True)
+    if 3 in sections:
+        print(f"\n3. device memory of a checkpoint save (optimizer state + what the save allocates), same "
+              f"model, float32, gradient buckets of {args.bucket_mb} MiB, MiB")
+        print(f"{'layout':<14} {'rank':>4} | {'plain: state':>12} {'save extra':>10} {'peak':>7} | "
+              f"{'distributed: state':>18} {'save extra':>10} {'peak':>7} {'held after':>10} | "
+              f"{'peak dist/plain':>15}")
+        save_rows = save_table(cfg, args.bucket_mb)
+        for r in save_rows:
+            p, d = r["plain"], r["distributed"]
+            pp, dp = p["state"] + p["save_extra"], d["state"] + d["save_extra"]
+            print(f"{r['layout']:<14} {r['rank']:>4} | {p['state'] / MiB:>12.2f} "
+                  f"{p['save_extra'] / MiB:>10.2f} {pp / MiB:>7.2f} | {d['state'] / MiB:>18.2f} "
+                  f"{d['save_extra'] / MiB:>10.2f} {dp / MiB:>7.2f} {d['held_after'] / MiB:>10.2f} | "
+                  f"{dp / pp:>15.3f}", flush=True)
+    if 4 in sections:
+        llama = dataclasses.replace(cfg, arch="llama", num_kv_heads=cfg.num_heads // 2,
+                                    max_seq_len=max(cfg.max_seq_len, args.sp_seq_len))
+        print(f"\n4. saved activations per rank per micro-batch, ntp.sequence_parallel off / on: "
+              f"Llama-style, {args.layers} layers, hidden {args.hidden}, seq {args.sp_seq_len}, micro-batch "
+              f"{args.micro_batch_size}, float32")
+        print(f"{'layout':<7} {'rank':>4} {'degree':>6} {'off MiB':>10} {'on MiB':>10} {'on/off':>8} "
+              f"{'hidden off':>11} {'hidden on':>10} {'on/off':>8} {'1/deg':>6} {'loss diff':>9}")
+        sp_rows = sp_table(llama, args.micro_batch_size, args.sp_seq_len)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"activations": act, "optimizer": opt_rows, "save": save_rows}, f, indent=1)
+            json.dump({"activations": act, "optimizer": opt_rows, "save": save_rows,
+                       "sequence_parallel": sp_rows}, f, indent=1)
 
 
 if __name__ == "__main__":

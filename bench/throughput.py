@@ -14,7 +14,8 @@ of 2), AdamW + warmup-cosine and initial weights, one torch thread per process, 
   Megatron-style TP). The training step mirrors NTPLanguageModule's (manual optimisation over the
   step's micro-batches, loss normalised by the global token count, gradient clipping at 1.0, AdamW,
   schedule, logging the loss and the gradient norm);
-- `ntp TP1` and `plain TP1`: `ntp-train` on one process and the plain loop of `bench/_common.py`.
+- `ntp TP1` and `plain TP1`: `ntp-train` on one process and the plain loop of `bench/_common.py`;
+- pair `sp`: `ntp TP{n}` against `ntp TP{n} SP` (`ntp.sequence_parallel=true`), the same CLI.
 The two sides of a pair run at once and take turns step by step, so load from other processes falls on
 both alike. Each step is timed from `on_train_batch_start` to `on_train_batch_end` (ntp: metrics.jsonl
 `step_time_s`); tokens/s = tokens per step / median step time after the warm-up, over all rounds; the
@@ -213,7 +214,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=25, help="optimizer steps per run")
     ap.add_argument("--warmup", type=int, default=5, help="steps of each run left out of the figures")
     ap.add_argument("--tp", type=int, default=2, help="TP degree (= processes) of the ntp and DTensor sides")
-    ap.add_argument("--pairs", default="tp,tp1", help="tp: ntp vs DTensor at --tp; tp1: ntp vs plain loop")
+    ap.add_argument("--pairs", default="tp,tp1",
+                    help="tp: ntp vs DTensor at --tp; tp1: ntp vs plain loop; sp: ntp with SP vs without")
     ap.add_argument("--dtensor-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="extra ntp-train overrides applied to every side")
@@ -232,6 +234,10 @@ def main() -> None:
         "tp1": lambda w: [
             ntp_side("ntp TP1", one_overrides, w, 1, 1),
             plain_side("plain TP1", one_overrides, args.steps, w, 1),
+        ],
+        "sp": lambda w: [
+            ntp_side(f"ntp TP{args.tp} SP", [*tp_overrides, "ntp.sequence_parallel=true"], w, args.tp, 1),
+            ntp_side(f"ntp TP{args.tp}", tp_overrides, w, args.tp, 1),
         ],
     }
     chosen = [p for p in args.pairs.split(",") if p]
@@ -266,6 +272,7 @@ def main() -> None:
     for a, b, goal in (
         (f"ntp TP{args.tp}", f"dtensor TP{args.tp}", " (goal >= 1.0)"),
         ("ntp TP1", "plain TP1", ""),
+        (f"ntp TP{args.tp} SP", f"ntp TP{args.tp}", " (sequence parallelism on / off)"),
     ):
         if a in runs and b in runs:
             # tokens/s ratio a/b = step time b/a, paired step by step.

@@ -152,6 +152,22 @@ def print_table(report: dict[str, Any]) -> str:
     return cap.get()
 
 
+def replica_work_lines(report: dict[str, Any], capacities: list[float], rule: str = "work") -> list[str]:
+    """Per replica: its slowest rank's modelled work over a healthy rank's, and the split the layout's
+    capacity rule (`ntp.capacity`) gives it."""
+    rows = report["ranks"]
+    if not rows or rows[0].get("modelled_work") is None:
+        return []
+    lines = []
+    for replica, cap in enumerate(capacities):
+        mine = [r for r in rows if r["replica"] == replica]
+        slow = max(mine, key=lambda r: r["modelled_work"])
+        lines.append(f"replica {replica} (TP {slow['tp_degree']}): slowest rank {slow['rank']} models "
+                     f"{slow['modelled_work']:.3f}x a healthy rank's work; capacity ({rule}) {cap:.3f}, "
+                     f"{slow['microbatches']} micro-batches per step")
+    return lines
+
+
 def option_lines(options: dict[str, Any]) -> list[str]:
     """One line per memory-saving option measured on the largest rank."""
     lines = []
@@ -160,6 +176,17 @@ def option_lines(options: dict[str, Any]) -> list[str]:
         saved = ", ".join(f"{m} {b / GiB:.2f}" for m, b in rc["saved_bytes"].items())
         lines.append(f"model.recompute on rank {rc['rank']}: activations per micro-batch "
                      f"{rc['activation_bytes']['none'] / GiB:.2f} GiB without; saves (GiB) {saved}")
+    sp = options.get("sequence_parallel")
+    if sp:
+        off, on = sp["activation_bytes"]["off"], sp["activation_bytes"]["on"]
+
+        def wire(ops: dict) -> str:
+            return ", ".join(f"{op} {v['ring_bytes'] / GiB:.3f}" for op, v in ops.items())
+
+        ops = sp["tp_collectives"]
+        lines.append(f"ntp.sequence_parallel on rank {sp['rank']}: activations per micro-batch "
+                     f"{off / GiB:.2f} -> {on / GiB:.2f} GiB ({(off - on) / max(off, 1):.0%} less); TP link "
+                     f"GiB per micro-batch off: {wire(ops['off'])}; on: {wire(ops['on'])}")
     do = options.get("distributed_optimizer")
     if do:
         before, after = do["optimizer_bytes"]["adamw"], do["optimizer_bytes"]["distributed"]
@@ -234,6 +261,8 @@ def run_dry(cfg: DictConfig, run_dir: Path, say=print) -> dict[str, Any]:
     tmp.write_text(json.dumps(report, indent=1))
     tmp.replace(path)
     say(print_table(report), flush=True)
+    for line in replica_work_lines(report, layout.capacities(), layout.capacity):
+        say(line, flush=True)
     for line in shard_lines(report):
         say(line, flush=True)
     say(sockets_line(report), flush=True)

@@ -30,18 +30,31 @@ LLAMA = ModelConfig(
     max_seq_len=16,
     tie_embeddings=False,
 )
+# 8 query heads over 4 KV heads: on 3 ranks the query heads split 2/3/3 and KV heads 1 and 2 are each held
+# by two ranks (the balanced split of a degree at most the KV-head count that does not divide it).
+LLAMA_KV4 = ModelConfig(
+    arch="llama",
+    vocab_size=67,
+    hidden_size=48,
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=4,
+    ffn_hidden_size=70,
+    max_seq_len=16,
+    tie_embeddings=False,
+)
 SEQ, GLOBAL_BATCH, SEED = 8, 6, 7
 
 
-def tokens(cfg: ModelConfig) -> torch.Tensor:
+def tokens(cfg: ModelConfig, seq: int = SEQ) -> torch.Tensor:
     gen = torch.Generator().manual_seed(99)
-    return torch.randint(0, cfg.vocab_size, (GLOBAL_BATCH, SEQ + 1), generator=gen)
+    return torch.randint(0, cfg.vocab_size, (GLOBAL_BATCH, seq + 1), generator=gen)
 
 
-def reference(cfg: ModelConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+def reference(cfg: ModelConfig, seq: int = SEQ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """Unsharded loss (per token), gradients and logits of the whole global batch."""
     model = build_model(cfg, seed=SEED).double()
-    toks = tokens(cfg)
+    toks = tokens(cfg, seq)
     loss = model.loss_sum(toks) / toks[:, 1:].numel()
     loss.backward()
     with torch.no_grad():
@@ -49,11 +62,11 @@ def reference(cfg: ModelConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor], 
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, logits
 
 
-def step_against_reference(rt: NTPRuntime, model, cfg: ModelConfig) -> tuple[range, dict]:
+def step_against_reference(rt: NTPRuntime, model, cfg: ModelConfig, seq: int = SEQ) -> tuple[range, dict]:
     """One optimizer step's forward/backward + sync of this replica's share of the global batch, and the
     relative errors of the loss and of this rank's gradient slices against the unsharded model."""
-    ref_loss, ref_grads, _ = reference(cfg)
-    toks = tokens(cfg)
+    ref_loss, ref_grads, _ = reference(cfg, seq)
+    toks = tokens(cfg, seq)
     mine = rt.my_microbatches(GLOBAL_BATCH)  # micro-batch size 1
     total = rt.train_microbatches(model, [toks[i : i + 1] for i in mine], toks[:, 1:].numel())
     rt.sync.sync()
@@ -68,14 +81,15 @@ def step_against_reference(rt: NTPRuntime, model, cfg: ModelConfig) -> tuple[ran
 
 def exactness_worker(
     rank: int, world: int, cfg: ModelConfig, tp: int, replica_tp: list[int], layer_tp: list[int],
-    shard_align: int = 1,
+    shard_align: int = 1, seq: int = SEQ, sequence_parallel: bool = False,
 ) -> dict:
-    rt = NTPRuntime(ResolvedLayout.make(Topology(tp, replica_tp, layer_tp, shard_align=shard_align)), rank)
+    topo = Topology(tp, replica_tp, layer_tp, shard_align=shard_align)
+    rt = NTPRuntime(ResolvedLayout.make(topo, sequence_parallel=sequence_parallel), rank)
     model = rt.build_model(cfg, SEED, dtype=torch.float64)
     rt.attach(model)
-    mine, worst = step_against_reference(rt, model, cfg)
+    mine, worst = step_against_reference(rt, model, cfg, seq)
     if len(mine):
-        toks, ref_logits = tokens(cfg), reference(cfg)[2]
+        toks, ref_logits = tokens(cfg, seq), reference(cfg, seq)[2]
         with torch.no_grad():
             logits = model(toks[mine.start : mine.stop, :-1])
         vs = model.vocab_start

@@ -19,7 +19,7 @@ from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout, Topology
-from tests.ntp_cases import GPT, LLAMA
+from tests.ntp_cases import GPT, LLAMA, LLAMA_KV4
 
 SEED, SEQ, GLOBAL_BATCH, LR = 7, 8, 6, 1e-2
 STEPS_BEFORE, STEPS_AFTER = 1, 2
@@ -134,6 +134,9 @@ PAIRS = {
     "dp2-to-dp3": (GPT, torch.float32, (1, [1, 1], [1] * 4), (1, [1, 1, 1], [1] * 4)),
     "one-process-to-2.1": (LLAMA, torch.float32, (1, [1], [1] * 4, "nodist"), (2, [2, 1], [2] * 4)),
     "2.1-to-one-process": (GPT, torch.float64, (2, [2, 1], [2] * 4), (1, [1], [1] * 4, "nodist")),
+    # 8 query heads over 4 KV heads: on 3 ranks KV heads 1 and 2 are held by two ranks each (one writer)
+    "shared-kv-tp3-to-tp4": (LLAMA_KV4, torch.float64, (3, [3], [3] * 4), (4, [4], L4)),
+    "shared-kv-2.1-to-tp3": (LLAMA_KV4, torch.float32, (2, [2, 1], [2] * 4), (3, [3], [3] * 4)),
     # ntp.shard_align: saved on aligned shards, loaded on another alignment and layout, and back.
     "3-aligned-8-to-2.1": (GPT, torch.float64, (3, [3], [3] * 4, 8), (2, [2, 1], [2] * 4)),
     "2.1-to-3-aligned-16": (LLAMA, torch.float32, (2, [2, 1], [2] * 4), (3, [3], [3] * 4, 16)),

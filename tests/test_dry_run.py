@@ -63,20 +63,37 @@ def test_llama3_8b_63_ranks_through_the_cli(tmp_path):
     # ranks differ by one block of embedding and head rows.
     sizes = sorted({r["sharded_params"] for r in healthy})
     assert len(sizes) == 2 and sizes[1] - sizes[0] == 2 * 128 * cfg.hidden_size
-    # Each replica holds every sharded element once: 8 healthy shares = 7 degraded shares.
-    assert sum(r["sharded_params"] for r in degraded) == sum(r["sharded_params"] for r in healthy)
-    healthy_mean = Fraction(sum(r["sharded_params"] for r in healthy), 8)
+    # Each replica holds every sharded element once, except the TP-7 replica's shared KV heads: its query
+    # heads [0,4) [4,9) [9,13) [13,18) [18,22) [22,27) [27,32) read 1+2+2+2+2+2+2 = 13 of 8 KV heads, so 5
+    # KV heads (k and v, every layer) are held twice.
+    kv_head = cfg.num_layers * 2 * (cfg.hidden_size // cfg.num_heads) * cfg.hidden_size
+    per_replica = [sum(r["sharded_params"] for r in rs) for rs in (degraded, healthy)]
+    assert per_replica[0] - 5 * kv_head == per_replica[1]
+    healthy_mean = Fraction(per_replica[1], 8)
     # Per rank: everything but attention is 8/7 of a healthy rank's (the recipe's ntp.shard_align=128 splits
     # the 14336 MLP columns into 2048 per degraded rank, exactly 8/7 of 1792, and the vocabulary rows in
-    # blocks of 128: up to one block of embedding and head rows off); attention moves in whole KV groups
-    # (a KV head with its query heads): 8 groups over 7 ranks.
+    # blocks of 128: up to one block of embedding and head rows off); attention splits the 32 query heads
+    # 4/5/4/5/4/5/5, each rank with the KV heads they read (a KV head whose 4 query heads span two ranks is
+    # held by both).
     h, d, L = cfg.hidden_size, cfg.hidden_size // cfg.num_heads, cfg.num_layers
-    per_group = L * (2 * (cfg.num_heads // cfg.num_kv_heads) * d * h + 2 * d * h)
-    healthy_rest = healthy_mean - per_group  # TP 8 = one KV group per rank
+    group = cfg.num_heads // cfg.num_kv_heads
+    healthy_attn = L * (2 * group * d * h + 2 * d * h)  # TP 8: 4 query heads and 1 KV head per rank
+    healthy_rest = healthy_mean - healthy_attn
     for j, r in enumerate(degraded):
-        groups = (j + 1) * 8 // 7 - j * 8 // 7
-        ratio = float((r["sharded_params"] - groups * per_group) / healthy_rest)
+        qlo, qhi = j * 32 // 7, (j + 1) * 32 // 7
+        kv = (qhi - 1) // group + 1 - qlo // group
+        attn = L * (2 * (qhi - qlo) * d * h + 2 * kv * d * h)
+        ratio = float((r["sharded_params"] - attn) / healthy_rest)
         assert ratio == pytest.approx(8 / 7, abs=float(2 * 128 * h / healthy_rest)), (j, ratio)
+    # No rank of the TP-7 replica holds more than 1.20x a healthy rank's parameters (whole KV groups: 1.29x),
+    # and its modelled work is at most 1.25x; the slowest healthy rank models exactly 1 (the others one
+    # vocabulary block less).
+    assert max(r["params"] for r in degraded) <= 1.20 * min(r["params"] for r in healthy)
+    healthy_work = [r["modelled_work"] for r in ranks if r["replica"] < 7]
+    assert max(healthy_work) == 1.0 and min(healthy_work) > 0.99
+    slowest = max(r["modelled_work"] for r in degraded)
+    assert 1.0 < slowest <= 1.25
+    assert "replica 7 (TP 7): slowest rank " in res.stdout and f"models {slowest:.3f}x" in res.stdout
     # Precision bf16-mixed: fp32 parameters (the master weights), fp32 gradients, two fp32 AdamW moments.
     for r in ranks:
         assert r["param_bytes"] == r["grad_bytes"] == 4 * r["params"]
@@ -182,3 +199,32 @@ def test_a_host_tensor_at_a_collective_fails_the_dry_run(monkeypatch):
     layout = ResolvedLayout.make(Topology(2, [2, 1], [2] * 6), num_microbatches=3)
     with pytest.raises(RuntimeError, match="runtime's device is meta"):
         dry_run(layout, TINY_LLAMA, StepShape(seq_len=32, micro_batch_size=1))
+
+
+def test_sequence_parallel_dry_run_sends_slices_and_counts_its_collectives():
+    """PP2 x (2,1) with SP: stage messages of the TP-2 replica carry half the sequence; on a stage-0 rank of
+    it the reduce-scatters and all-gathers put the bytes of the all-reduces they replace on the link, plus
+    the backward's re-gathers of the column-parallel inputs, and fewer activations are saved."""
+    from ntp_nemo.runtime.dry_run import option_savings
+
+    off_layout = ResolvedLayout.make(Topology(2, [2, 1], [2] * 6, pp=2), num_microbatches=6)
+    layout = dataclasses.replace(off_layout, sequence_parallel=True)
+    shape = StepShape(seq_len=32, micro_batch_size=2)
+    ranks = dry_run(layout, TINY_LLAMA, shape, measure_options=False).ranks
+    act = shape.micro_batch_size * shape.seq_len * TINY_LLAMA.hidden_size * 4  # whole-sequence message
+    for r, m in zip(ranks, (4, 4, 4, 4, 2, 2), strict=True):
+        assert r.comm_bytes["pp"] == 2 * m * (act // 2 if r.tp_degree == 2 else act)
+    desc = _descriptors(layout, TINY_LLAMA)
+    plans = build_sync_plans(desc, [c.replica for c in layout.topology().coords])
+    sp = option_savings(layout, 0, TINY_LLAMA, shape, plans[0], 6 * 2 * 32, ranks[0].optimizer_bytes,
+                        ranks[0].activation_bytes)["sequence_parallel"]
+    off, on = sp["tp_collectives"]["off"], sp["tp_collectives"]["on"]
+    # Stage 0 (embedding, 2 layers) in a TP-2 group: 9 all-reduces of `act` (ring: 2(n-1)/n = 1 x act).
+    assert off == {"all_reduce": {"calls": 9, "bytes": 9 * act, "ring_bytes": 9 * act}}
+    # 9 reduce-scatters of `act` (ring: half of it) and 9 all-gathers of a half piece (ring: the piece),
+    # plus 4 re-gathers (the 2 column-parallel entries of 2 layers) and 4 norm-weight gradient sums.
+    assert on["reduce_scatter"] == {"calls": 9, "bytes": 9 * act, "ring_bytes": 9 * act // 2}
+    assert on["all_gather"] == {"calls": 13, "bytes": 13 * act // 2, "ring_bytes": 13 * act // 2}
+    assert on["reduce_scatter"]["ring_bytes"] + 9 * act // 2 == off["all_reduce"]["ring_bytes"]
+    assert on["all_reduce"]["calls"] == 4
+    assert ranks[0].activation_bytes == sp["activation_bytes"]["on"] < sp["activation_bytes"]["off"]

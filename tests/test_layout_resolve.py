@@ -10,6 +10,7 @@ import pytest
 
 from ntp_nemo.config.layout import resolve_layout
 from ntp_nemo.config.validate import validate
+from ntp_nemo.errors import ConfigError
 from ntp_nemo.topology import ResolvedLayout, Topology
 
 from .conftest import ROOT, compose
@@ -60,13 +61,35 @@ def test_resolve_layout_ntp_pipeline_and_batch_shares():
                   "layout.schedule=gpipe", "layout.stage_layers=[1,3]")
     assert (lay.tp, lay.replica_tp, lay.pp, lay.stage_layers, lay.schedule) == (4, (4, 2), 2, (1, 3), "gpipe")
     assert lay.layer_tp == (4,) * 6 and lay.world_size == 2 * 6 and lay.dp == 2
-    # 12 micro-batches; capacities 1.0 and 2/4 * 1.5 = 0.75 -> 12 * 4/7 = 6.86 and 5.14 -> 7 and 5
+    # ntp.capacity=ranks (the default): 12 micro-batches; capacities 1.0 and 2/4 * 1.5 = 0.75
+    # -> 12 * 4/7 = 6.86 and 5.14 -> 7 and 5.  The layout carries the work model's shape all the same.
+    assert lay.capacity == "ranks" and lay.work is not None and lay.capacities() == [1.0, 0.75]
     assert lay.num_microbatches == 12 and lay.microbatches == (7, 5)
     assert lay.microbatch_counts(7) == [4, 3]
     assert lay.power_boost == 1.5 and lay.devices is None
     # The strategy and runtime build their Topology from it.
     topo = lay.topology()
     assert isinstance(topo, Topology) and topo.world_size == 12 and topo.stage_layer_range(1) == range(1, 4)
+
+
+def test_resolve_layout_capacity_by_modelled_work():
+    """ntp.capacity=work: the split by modelled capacity (`ntp_nemo.topology.work`): in this tiny model the
+    TP all-reduce bytes outweigh the matmuls, so a TP-2 rank models no more work than a TP-4 rank and both
+    replicas get capacity 1 (the boost raises only a reduced capacity)."""
+    lay = _layout("mesh.dp=2", "mesh.tp=4", "mesh.pp=2", "ntp.replica_tp=[4,2]", "model.num_layers=4",
+                  "data.global_batch_size=24", "data.micro_batch_size=2", "ntp.power_boost=1.5",
+                  "layout.schedule=gpipe", "layout.stage_layers=[1,3]", "ntp.capacity=work")
+    assert lay.capacity == "work" and lay.capacities() == [1.0, 1.0] and lay.microbatches == (6, 6)
+    # The rule survives serialisation and re-planning.
+    assert ResolvedLayout.from_dict(lay.to_dict()) == lay
+    assert lay.with_changes(power_boost=None).capacity == "work"
+
+
+def test_capacity_rule_is_validated():
+    with pytest.raises(ConfigError, match="ntp.capacity"):
+        validate(compose(["ntp.capacity=slots"]))
+    with pytest.raises(ValueError, match="capacity rule 'slots'"):
+        ResolvedLayout.make(Topology(2, [2], [2, 2, 2]), capacity="slots")
 
 
 def test_resolve_layout_balanced_split_and_serialisation():

@@ -38,6 +38,24 @@ def _last_losses(run):
     return {m["step"]: m["loss"] for m in read_metrics(run)}
 
 
+# The rejoin test also runs on llama_tiny (grouped-query attention: 8 query heads over 2 KV heads).
+MODELS = {"gpt": [], "llama_tiny": ["recipe=llama_tiny", "model.num_heads=8"]}
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory, reference):
+    """Failure-free losses per entry of MODELS, each run once per module."""
+    cache = {"gpt": reference}
+
+    def get(model: str) -> dict:
+        if model not in cache:
+            cache[model] = _last_losses(_run(tmp_path_factory.mktemp("live"), model, *MODELS[model])[0])
+            assert sorted(cache[model]) == STEPS
+        return cache[model]
+
+    return get
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Losses of the failure-free run of BASE."""
@@ -169,11 +187,13 @@ def test_killed_during_an_asynchronous_checkpoint_save(tmp_path, reference):
 
 
 @pytest.mark.slow
-def test_repaired_rank_rejoins_live(tmp_path, reference):
+@pytest.mark.parametrize("model", list(MODELS))
+def test_repaired_rank_rejoins_live(tmp_path, references, model):
+    reference = references(model)
     # Rank 3 dies at step 2; one step after the live recovery the launcher starts a repaired process,
     # which joins the running job before a later step: the survivors hand it its shards (and the state
     # Lightning would read from a checkpoint) and the replica returns to TP 2.  No checkpoint exists.
-    run, proc = _run(tmp_path, "rejoin", "fault=kill_rank", "fault.rank=3", "fault.step=2",
+    run, proc = _run(tmp_path, "rejoin", *MODELS[model], "fault=kill_rank", "fault.rank=3", "fault.step=2",
                      "fault.repair_after_steps=1")
     assert "recovery live (fault.recovery=auto)" in proc.stdout
     assert "repaired process(es) rejoined: layout (2,1) -> (2,2)" in proc.stdout
@@ -320,3 +340,13 @@ def test_live_recovery_keeps_the_power_boost(tmp_path):
     splits = {m["step"]: (m["layout"], m["microbatches"]) for m in read_metrics(run)}
     assert sorted(splits) == STEPS
     assert splits[1] == ("(2,2)", [8, 8]) and splits[8] == ("(1,2)", [6, 10])
+
+
+@pytest.mark.slow
+def test_live_reshard_with_sequence_parallelism(tmp_path, reference):
+    """SP holds no state: after the live reshard to (2,1) the split follows the new degrees, and the run
+    stays on the failure-free curve of the run without SP (32 tokens over 2 ranks, then over 1)."""
+    run, proc = _run(tmp_path, "live-sp", "ntp.sequence_parallel=true", "fault=kill_rank", "fault.rank=1")
+    assert "the survivors reshard in place" in proc.stdout
+    assert [m["layout"] for m in read_metrics(run)][-1] == "(1,2)"
+    _on_reference_curve(run, reference)

@@ -96,9 +96,11 @@ def test_cost_model_counts_the_documented_collectives():
     for kind in (EMBEDDING, LAYER, HEAD):
         solo = item_cost(MODEL, kind, 1, s, b, dev, links)
         assert solo.comm_bytes == 0 and solo.comm_s == 0
-    # uneven shards: the busiest of 3 ranks holds ceil(4/3) = 2 of 4 GQA groups (4 of 8 query heads)
-    assert shard_fraction(4, 3) == 0.5 and attention_fractions(MODEL, 3) == (0.5, 0.5)
-    # past 4 ranks query heads are split; a rank keeps every KV head its query heads read
+    # uneven shards: query heads split 2/3/3 over 3 ranks (not whole GQA groups 1/1/2, which would give one
+    # rank 4 of 8 query heads); ranks 1 and 2 read 2 of the 4 KV heads each (KV heads 1 and 2 are shared)
+    assert shard_fraction(4, 3) == 0.5 and attention_fractions(MODEL, 3) == (3 / 8, 2 / 4)
+    assert attention_fractions(MODEL, 4) == (2 / 8, 1 / 4)
+    # a rank keeps every KV head its query heads read
     assert attention_fractions(MODEL, 8) == (1 / 8, 1 / 4)
     assert attention_fractions(MODEL, 6) == (2 / 8, 1 / 4)
     assert attention_fractions(MODEL, 5) == (2 / 8, 2 / 4)

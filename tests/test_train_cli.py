@@ -55,6 +55,10 @@ LAYOUTS = {
     "ntp-2-1": ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]"],
     "ntp-3-2": ["mesh.dp=2", "mesh.tp=3", "ntp.replica_tp=[3,2]"],
     "pp2-ntp-2-1": ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]", "mesh.pp=2", "layout.schedule=1f1b"],
+    # Sequence parallelism: data.seq_len=32 splits 10, 11, 11 over degree 3 (and 16, 16 over 2).
+    "ntp-3-2-sp": ["mesh.dp=2", "mesh.tp=3", "ntp.replica_tp=[3,2]", "ntp.sequence_parallel=true"],
+    "pp2-ntp-2-1-sp": ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]", "mesh.pp=2", "layout.schedule=1f1b",
+                       "ntp.sequence_parallel=true"],
     # Shards of whole 32-element blocks (128 MLP columns over 3 ranks: 32, 32, 64) on (3, 2), with
     # per-layer degrees (the embedding and the last layer at TP 3, or 2 on the degraded replica; the first
     # layer at TP 1).
@@ -84,6 +88,42 @@ def test_ntp_layout_follows_single_process_loss_curve(tmp_path, single_process_c
         assert abs(a - b) <= 1e-5 * abs(b), f"{layout} step {step}: {a} vs {b}"
     expected = "(" + LAYOUTS[layout][2].split("[")[1].rstrip("]") + ")"
     assert metrics[0]["layout"] == expected + ("xPP2" if "mesh.pp=2" in LAYOUTS[layout] else "")
+
+
+# llama_tiny with 4 KV heads: on 3 ranks its 8 query heads split 2/3/3 and two KV heads are held by two
+# ranks each (shared KV heads, gradients summed over their holders).
+LLAMA_TINY = [
+    "recipe=llama_tiny", "model.num_kv_heads=4", "model.num_layers=2", "model.hidden_size=64",
+    "model.ffn_hidden_size=128", "model.max_seq_len=64", "data.seq_len=32", "data.global_batch_size=12",
+    "data.micro_batch_size=2", "trainer.val_every_n_steps=1000", "trainer.progress_bar=false",
+    "checkpoint.every_n_steps=0", "logger=none", "callbacks=none", "trainer.max_steps=6",
+]
+LLAMA_LAYOUTS = {
+    "ntp-3-2": ["mesh.dp=2", "mesh.tp=3", "ntp.replica_tp=[3,2]"],
+    "per-layer-3-2": ["mesh.dp=2", "mesh.tp=3", "ntp.replica_tp=[3,2]", "layout.layer_tp=[3,1,3,3]"],
+}
+
+
+@pytest.fixture(scope="module")
+def single_process_llama_curve(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("llama_ref")
+    proc = run_cli([*LLAMA_TINY, *SINGLE, f"hydra.run.dir={tmp / 'run'}"], cwd=tmp)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [m["loss"] for m in read_metrics(tmp / "run")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LLAMA_LAYOUTS))
+def test_llama_tiny_with_shared_kv_heads_follows_single_process_curve(
+    tmp_path, single_process_llama_curve, layout
+):
+    run = tmp_path / "run"
+    proc = run_cli([*LLAMA_TINY, *LLAMA_LAYOUTS[layout], f"hydra.run.dir={run}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    curve = [m["loss"] for m in read_metrics(run)]
+    assert len(curve) == len(single_process_llama_curve) == 6
+    for step, (a, b) in enumerate(zip(curve, single_process_llama_curve, strict=True), 1):
+        assert abs(a - b) <= 1e-4 * abs(b), f"{layout} step {step}: {a} vs {b}"
 
 
 @pytest.mark.slow

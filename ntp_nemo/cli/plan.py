@@ -14,7 +14,8 @@ and the other keys change them, e.g.
     ntp-plan recipe=gpt_tiny_pp hardware=h100
     ntp-plan model=llama3_8b hardware=h100 mesh.tp=8 mesh.pp=1 ntp.replica_tp=[8,8,7] memory_limit_gb=80
 Keys: hardware=b200|h100, mesh.tp, mesh.pp, mesh.dp, ntp.replica_tp, data.seq_len,
-data.micro_batch_size, memory_limit_gb, recompute=true|false, distributed_optimizer=true|false;
+data.micro_batch_size, memory_limit_gb, recompute=true|false, distributed_optimizer=true|false,
+sequence_parallel=true|false;
 with a training model or recipe also model.FIELD (e.g. model.num_layers=8, model.init_from=DIR).
 Output: top=N rows (default 5), --all for every layout within the memory limit, detail=true for the
 best layout's per-item costs and per-replica periods, format=json for all of it as JSON.
@@ -43,7 +44,8 @@ CONFIG_DIR = conf_dir() / "sim"
 USAGE = __doc__
 DEFAULT_TOP = 5
 # Keys of the plan config that a training config also has: a run's or recipe's values are defaults.
-LAYOUT_KEYS = ("mesh.tp", "mesh.pp", "mesh.dp", "ntp.replica_tp", "ntp.power_boost", "data.seq_len",
+LAYOUT_KEYS = ("mesh.tp", "mesh.pp", "mesh.dp", "ntp.replica_tp", "ntp.power_boost", "ntp.capacity",
+               "ntp.shard_align", "data.seq_len",
                "data.micro_batch_size", "data.global_batch_size")
 
 
@@ -99,8 +101,11 @@ def _training_defaults(cfg: DictConfig) -> list[str]:
         f"data.micro_batch_size={cfg.data.micro_batch_size}",
         f"data.global_batch_size={cfg.data.global_batch_size}",
         f"ntp.power_boost={list(pb) if OmegaConf.is_list(pb) else ('null' if pb is None else pb)}",
+        f"ntp.capacity={cfg.ntp.get('capacity', 'ranks')}",
+        f"ntp.shard_align={cfg.ntp.get('shard_align', 1)}",
         f"recompute={str(model.get('recompute', 'none')) == 'full'}".lower(),
         f"distributed_optimizer={bool(cfg.get('optim', {}).get('distributed', False))}".lower(),
+        f"sequence_parallel={bool(cfg.ntp.get('sequence_parallel', False))}".lower(),
     ]
 
 
@@ -214,9 +219,20 @@ def rank_from_config(cfg: DictConfig, train_model: DictConfig | None = None) -> 
         device=device,
         recompute=bool(raw.get("recompute", False)),
         distributed_optimizer=bool(raw.get("distributed_optimizer", False)),
+        sequence_parallel=bool(raw.get("sequence_parallel", False)),
         num_microbatches=max(1, gbs // mbs) if isinstance(mbs, int) and mbs > 0 else None,
         power_boost=raw["ntp"].get("power_boost"),
+        capacity=_capacity(raw["ntp"].get("capacity", "ranks")),
+        shard_align=int(raw["ntp"].get("shard_align", 1)),
     )
+
+
+def _capacity(value: object) -> str:
+    from ntp_nemo.topology.layout import CAPACITY_RULES
+
+    if value not in CAPACITY_RULES:
+        raise ConfigError("ntp.capacity", f"{value!r} is not a capacity rule; use ranks or work.")
+    return str(value)
 
 
 def plan_from_config(cfg: DictConfig, train_model: DictConfig | None = None) -> Plan:
@@ -238,7 +254,10 @@ def train_overrides(cfg: DictConfig, plan: Plan, select: str | None) -> str:
         f"data.global_batch_size={cfg.data.global_batch_size}",
         f"data.micro_batch_size={cfg.data.micro_batch_size}",
         *([f"ntp.power_boost={list(pb) if OmegaConf.is_list(pb) else pb}"] if pb is not None else []),
+        *([f"ntp.capacity={cap}"] if (cap := cfg.ntp.get("capacity", "ranks")) != "ranks" else []),
     ]
+    if cfg.get("sequence_parallel", False):  # the plan's memory and time assume it
+        args.append("ntp.sequence_parallel=true")
     return " ".join(args)
 
 

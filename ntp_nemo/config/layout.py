@@ -8,6 +8,18 @@ from omegaconf import DictConfig, OmegaConf
 
 from ntp_nemo.topology.layout import ResolvedLayout
 from ntp_nemo.topology.topology import Topology
+from ntp_nemo.topology.work import WorkShape
+
+
+def work_shape(cfg: DictConfig) -> WorkShape:
+    """The model and sequence shape the per-rank work model (batch shares) reads."""
+    m = cfg.model
+    return WorkShape(
+        hidden_size=int(m.hidden_size), num_layers=int(m.num_layers), num_heads=int(m.num_heads),
+        num_kv_heads=int(m.num_kv_heads or m.num_heads), ffn_hidden_size=int(m.ffn_hidden_size),
+        vocab_size=int(m.vocab_size), seq_len=int(cfg.data.seq_len), gated_mlp=str(m.arch) == "llama",
+        tie_embeddings=bool(m.tie_embeddings),
+    )
 
 
 def resolve_layout(cfg: DictConfig, layer_tp: Sequence[int] | None = None) -> ResolvedLayout:
@@ -39,6 +51,9 @@ def resolve_layout(cfg: DictConfig, layer_tp: Sequence[int] | None = None) -> Re
         power_boost=power_boost,
         nominal_replicas=cfg.ntp.nominal_replicas,
         num_microbatches=int(cfg.data.global_batch_size) // int(cfg.data.micro_batch_size),
+        sequence_parallel=bool(cfg.ntp.get("sequence_parallel", False)),
+        work=work_shape(cfg),
+        capacity=str(cfg.ntp.get("capacity", "ranks")),
     )
 
 

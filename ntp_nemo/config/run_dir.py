@@ -61,38 +61,26 @@ def require_writable(path: Path, key: str) -> None:
 
 
 def check_run_dir_overrides(argv: list[str]) -> None:
-    """Create the directories `hydra.run.dir=` / `hydra.sweep.dir=` name (as Hydra would next) so that one
-    that cannot be created is a clear error instead of Hydra's traceback.  Every one is checked before
-    any is created: a command stopped here leaves no directory behind."""
-    wanted: list[tuple[str, str, Path]] = []
+    """Create the directory `hydra.run.dir=` / `hydra.sweep.dir=` names (as Hydra would next) so that one
+    that cannot be created is a clear error instead of Hydra's traceback."""
+    last: dict[str, str] = {}  # Hydra takes a key's last override: only that directory is created
     for arg in argv:
         key, sep, value = arg.partition("=")
-        if key not in ("hydra.run.dir", "hydra.sweep.dir") or not sep or not value or "${" in value:
+        if key in ("hydra.run.dir", "hydra.sweep.dir") and sep:
+            last[key] = value
+    for key, value in last.items():
+        if not value or "${" in value:
             continue
         path = Path(value.strip("'\"")).expanduser()
-        problem = None if path.exists() else writable_dir_problem(path)
-        if problem is not None:  # e.g. a file where a parent folder should be: name it
-            raise ConfigError(key, f"{value!r} cannot be created: {problem}. Name a directory you can "
-                                   "write, e.g. hydra.run.dir=runs/my_run.")
-        wanted.append((key, value, path))
-    created: list[Path] = []
-    try:
-        for key, value, path in wanted:
-            existed = path.exists()
-            try:
-                path.mkdir(parents=True, exist_ok=True)
-            except OSError as err:
-                raise ConfigError(key, f"{value!r} cannot be created ({err.strerror or err}). Name a "
-                                       "directory you can write, e.g. hydra.run.dir=runs/my_run.") from None
-            if not existed:
-                created.append(path)
-            if not os.access(path, os.W_OK | os.X_OK):
-                raise ConfigError(key, f"{value!r} is not writable. Name a directory you can write, e.g. "
-                                       "hydra.run.dir=runs/my_run.")
-    except ConfigError:
-        for path in created:
-            remove_if_empty(path)
-        raise
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            why = writable_dir_problem(path) or err.strerror or err  # names the blocking path where it can
+            raise ConfigError(key, f"{value!r} cannot be created ({why}). Name a directory "
+                                   "you can write, e.g. hydra.run.dir=runs/my_run.") from None
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ConfigError(key, f"{value!r} is not writable. Name a directory you can write, e.g. "
+                                   "hydra.run.dir=runs/my_run.")
 
 
 def save_record(cfg: DictConfig, run_dir: Path) -> str | None:

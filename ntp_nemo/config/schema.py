@@ -33,8 +33,14 @@ class NTPConfig:
     grad_bucket_mb: float = 25.0
     # Launch each gradient bucket's DP sync from the backward as soon as its gradients are final.
     overlap_grad_sync: bool = False
+    # Sequence parallelism: the TP-replicated regions (norms, dropout, residual adds) hold each TP rank's
+    # slice of the sequence (uneven by one token where the degree does not divide data.seq_len).
+    sequence_parallel: bool = False
     # Elements per block of MLP-column and vocabulary-row splits: shard boundaries on its multiples.
     shard_align: int = 1
+    # Capacity rule of the batch split: ranks (active TP ranks / nominal) or work (the work model's
+    # slowest-rank time of a healthy replica over this one's).
+    capacity: str = "ranks"
 
 
 @dataclass

@@ -235,6 +235,15 @@ def _validate_mesh(cfg: DictConfig) -> None:
     if tp > m.ffn_hidden_size or tp > m.vocab_size:
         raise ConfigError("mesh.tp", f"mesh.tp={tp} exceeds the MLP width or vocabulary size.")
     _validate_shard_align(cfg, tp)
+    from ntp_nemo.topology.layout import CAPACITY_RULES
+
+    capacity = cfg.ntp.get("capacity", "ranks")
+    if capacity not in CAPACITY_RULES:
+        raise ConfigError(
+            "ntp.capacity",
+            f"{capacity!r} is not a capacity rule; use ranks (active TP ranks / nominal) or work (the "
+            "per-rank work model's slowest rank).",
+        )
     pb = cfg.ntp.power_boost
     if pb is not None:
         values = list(pb) if not isinstance(pb, (int, float)) else [pb]
@@ -296,6 +305,9 @@ def resolve_layer_tp(cfg: DictConfig) -> list[int]:
             shape, tp, resolved_replica_tp(cfg), cfg.data.seq_len, cfg.data.micro_batch_size,
             num_microbatches=int(cfg.data.global_batch_size) // int(cfg.data.micro_batch_size),
             power_boost=OmegaConf.to_container(pb) if OmegaConf.is_list(pb) else pb,
+            sequence_parallel=bool(cfg.ntp.get("sequence_parallel", False)),
+            capacity=str(cfg.ntp.get("capacity", "ranks")),
+            shard_align=int(cfg.ntp.get("shard_align", 1)),
         )
         layer_tp = list(plan.layer_tp)
     else:

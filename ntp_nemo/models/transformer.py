@@ -2,9 +2,13 @@
 
 The same class runs unsharded and sharded: its linear and embedding layers are the
 tensor-parallel layers of `ntp_nemo.parallel`, which degrade to ordinary layers under a
-single-device plan.  Attention is sharded by heads (grouped-query KV heads kept with their query
-heads, replicated when the degree exceeds the KV-head count), the MLP by hidden columns, the
-vocabulary by rows; norms are replicated.
+single-device plan.  Attention is sharded by query heads (each rank keeps the grouped-query KV
+heads its query heads read; a KV head shared by two ranks is held by both), the MLP by hidden
+columns, the vocabulary by rows; norms are replicated.  Under sequence parallelism
+(`TPContext.sequence_parallel`) the replicated regions (norms, dropout, residual adds) hold each TP
+rank's slice of the sequence, and the hidden state entering layout slot `k` is in the split of slot
+`k - 1`'s context (the embedding's for the first layer), re-split where the degree changes
+(`ntp_nemo.parallel.sequence`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,13 @@ from ntp_nemo.parallel.layers import (
     replicated_param,
     vocab_parallel_cross_entropy,
 )
+from ntp_nemo.parallel.sequence import (
+    gather_and_project,
+    replicated_grad_sum,
+    resplit_sequence,
+    seq_interval,
+    seq_split,
+)
 from ntp_nemo.topology.shard import unit_interval
 from ntp_nemo.topology.tp_context import TPContext
 
@@ -35,28 +46,40 @@ class Norm(nn.Module):
 
     def __init__(self, dim: int, tp: TPContext, *, rms: bool, eps: float, bias: bool) -> None:
         super().__init__()
-        self.rms, self.eps = rms, eps
+        self.rms, self.eps, self.tp = rms, eps, tp
         self.weight = replicated_param((dim,), tp, ("ones",))
         self.bias = replicated_param((dim,), tp, ("zeros",)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = replicated_grad_sum(self.weight, self.tp)
         if self.rms:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+            return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+        bias = replicated_grad_sum(self.bias, self.tp) if self.bias is not None else None
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, self.eps)
 
 
 def attention_head_intervals(num_heads: int, num_kv_heads: int, tp: TPContext) -> tuple[tuple, tuple]:
     """(query-head interval, KV-head interval) held by this rank.
 
-    Up to `num_kv_heads` ranks split whole KV groups (a KV head with its query heads); beyond that
-    query heads are split and each rank keeps the KV heads its query heads read (replicated KV).
+    Query heads are the units (balanced contiguous intervals, like every other unit), so no rank of a
+    group carries more than one query head above its peers; each rank keeps the KV heads its query
+    heads read, and a KV head whose query heads span two ranks is held by both (its gradient is summed
+    over its holders by the gradient sync).  Splitting whole KV groups instead would give one of 7 ranks
+    two of Llama-3-8B's 8 groups: twice its peers' attention.
     """
     group = num_heads // num_kv_heads
-    if tp.size <= num_kv_heads:
-        klo, khi = unit_interval(tp.rank, tp.size, num_kv_heads)
-        return (klo * group, khi * group), (klo, khi)
     qlo, qhi = unit_interval(tp.rank, tp.size, num_heads)
     return (qlo, qhi), (qlo // group, (qhi - 1) // group + 1)
+
+
+def _whole_kv_group_intervals(num_heads: int, num_kv_heads: int, tp: TPContext) -> tuple[tuple, tuple]:
+    """The former split (whole KV groups up to `num_kv_heads` ranks), kept only for `bench/head_split.py`
+    to time against the balanced one."""
+    if tp.size > num_kv_heads:
+        return attention_head_intervals(num_heads, num_kv_heads, tp)
+    group = num_heads // num_kv_heads
+    klo, khi = unit_interval(tp.rank, tp.size, num_kv_heads)
+    return (klo * group, khi * group), (klo, khi)
 
 
 def rope_tables(
@@ -113,17 +136,20 @@ class Attention(nn.Module):
         # Local KV head each local query head reads.
         kv_of_q = torch.tensor([q // self.group - klo for q in range(qlo, qhi)], dtype=torch.long)
         self.register_buffer("kv_of_q", kv_of_q, persistent=False)
-        self.regular_gqa = tp.size <= nkv
+        # Whole KV groups held (every local KV head read by `group` local query heads, in order).
+        self.regular_gqa = qlo % self.group == 0 and qhi % self.group == 0
         self.tp = tp
         self.recompute_core = getattr(cfg, "recompute", "none") == "selective"
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        b, s, _ = x.shape
-        d = self.head_dim
-        x = copy_to_tp(x, self.tp)  # one TP region entry for q, k and v
-        q = self.q_proj(x).view(b, s, -1, d).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, -1, d).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, -1, d).transpose(1, 2)
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, seq_len: int
+    ) -> torch.Tensor:
+        # One TP region entry for q, k and v (under SP: one all-gather to the whole sequence).
+        q, k, v = gather_and_project(x, self.tp, seq_len, (self.q_proj, self.k_proj, self.v_proj))
+        b, s, d = x.shape[0], seq_len, self.head_dim
+        q = q.view(b, s, -1, d).transpose(1, 2)
+        k = k.view(b, s, -1, d).transpose(1, 2)
+        v = v.view(b, s, -1, d).transpose(1, 2)
         cos_sin = (rope[0][:s], rope[1][:s]) if rope is not None else ()
         if self.recompute_core and torch.is_grad_enabled():
             y = checkpoint(self.core, q, k, v, *cos_sin, use_reentrant=False)
@@ -156,11 +182,13 @@ class MLP(nn.Module):
         self.tp = tp
         self.down_proj = RowParallelLinear(f, h, tp, bias=bias, std=out_std)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tp(x, self.tp)  # one TP region entry for the MLP input
+    def forward(self, x: torch.Tensor, seq_len: int) -> torch.Tensor:
+        # One TP region entry for the MLP input.
         if self.gated:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
+            gate, up = gather_and_project(x, self.tp, seq_len, (self.gate_proj, self.up_proj))
+            return self.down_proj(F.silu(gate) * up)
+        (up,) = gather_and_project(x, self.tp, seq_len, (self.up_proj,))
+        return self.down_proj(F.gelu(up, approximate="tanh"))
 
 
 class Block(nn.Module):
@@ -173,14 +201,27 @@ class Block(nn.Module):
         self.mlp_norm = Norm(cfg.hidden_size, tp, rms=rms, eps=cfg.norm_eps, bias=not rms)
         self.mlp = MLP(cfg, tp, out_std)
         self.dropout = cfg.dropout
+        self.tp = tp
 
-    def _drop(self, y: torch.Tensor) -> torch.Tensor:
-        # Replicated activations: every TP rank of a replica draws the same mask (same generator state).
-        return F.dropout(y, self.dropout, training=True) if self.dropout and self.training else y
+    def _drop(self, y: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """Replicated activations: every TP rank of a replica draws the same mask (same generator state).
 
-    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
-        x = x + self._drop(self.attn(self.attn_norm(x), rope))
-        return x + self._drop(self.mlp(self.mlp_norm(x)))
+        The mask is drawn for the whole sequence and narrowed to this rank's slice, so it does not depend
+        on sequence parallelism (the loss curve is the same with it on or off); drawn explicitly rather
+        than by `F.dropout`, whose fused CUDA kernel draws differently from the same generator."""
+        if not (self.dropout and self.training):
+            return y
+        lo, hi = seq_interval(self.tp, seq_len)
+        keep = 1.0 - self.dropout
+        mask = torch.empty((y.shape[0], seq_len, *y.shape[2:]), dtype=y.dtype, device=y.device)
+        return y * mask.bernoulli_(keep)[:, lo:hi].div_(keep)
+
+    def forward(self, x: torch.Tensor, rope=None, seq_len: int | None = None) -> torch.Tensor:
+        """`x`: this rank's slice (`seq_interval(self.tp, seq_len)`) of the hidden state; `seq_len` is the
+        whole sequence's length (default: `x`'s, without sequence parallelism)."""
+        seq_len = x.shape[1] if seq_len is None else seq_len
+        x = x + self._drop(self.attn(self.attn_norm(x), rope, seq_len), seq_len)
+        return x + self._drop(self.mlp(self.mlp_norm(x), seq_len), seq_len)
 
 
 class DecoderLM(nn.Module):
@@ -203,8 +244,12 @@ class DecoderLM(nn.Module):
         self.cfg = cfg
         self.layer_range = layers if layers is not None else range(cfg.num_layers)
         self.llama = cfg.arch == "llama"
-        emb_tp = plan.context(0)
-        head_tp = plan.context(cfg.num_layers + 1)
+        # Every slot's context (also of layers held by other stages: their groups on this stage give the
+        # sequence split of the hidden state a pipeline send carries).
+        self.contexts = [plan.context(slot) for slot in range(cfg.num_layers + 2)]
+        emb_tp = self.contexts[0]
+        head_tp = self.contexts[-1]
+        self.emb_tp = emb_tp
         self.tied = cfg.tie_embeddings
         self.embed = (
             VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, emb_tp, std=cfg.init_std)
@@ -241,10 +286,22 @@ class DecoderLM(nn.Module):
             )
         return self._rope_cache[key]
 
+    def hidden_interval(self, layer: int, seq_len: int) -> tuple[int, int]:
+        """Tokens of a `seq_len` sequence this rank holds of the hidden state entering global layer `layer`
+        (`num_layers`: the head's input) under sequence parallelism; the whole sequence without it."""
+        return seq_interval(self.contexts[layer], seq_len)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return any(seq_split(c) > 1 for c in self.contexts)
+
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embeddings of `ids` ([b, S]); under sequence parallelism this rank's slice of them."""
         x = self.embed(ids)
         if not self.llama:
-            x = x + self.pos_embed[: ids.shape[1]]
+            seq_len = ids.shape[1]
+            lo, hi = seq_interval(self.emb_tp, seq_len)
+            x = x + replicated_grad_sum(self.pos_embed, self.emb_tp)[lo:hi]
         return x
 
     def recomputes_layer(self, index: int) -> bool:
@@ -252,24 +309,40 @@ class DecoderLM(nn.Module):
         return getattr(self.cfg, "recompute", "none") == "full" and index % max(
             1, int(getattr(self.cfg, "recompute_every", 1))) == 0
 
-    def run_blocks(self, x: torch.Tensor, layers=None) -> torch.Tensor:
+    def run_blocks(self, x: torch.Tensor, layers=None, seq_len: int | None = None) -> torch.Tensor:
         """The transformer layers held here, in order, or only `layers` (global indices: one model chunk
-        of an interleaved pipeline stage)."""
+        of an interleaved pipeline stage).  `seq_len`: the whole sequence's length (required under
+        sequence parallelism, where `x` holds `hidden_interval(first layer, seq_len)`)."""
+        if seq_len is None:
+            if self.sequence_parallel:
+                raise ValueError("run_blocks needs seq_len under sequence parallelism")
+            seq_len = x.shape[1]
         rope = self._rope(x)
-        keys = self.blocks.keys() if layers is None else [str(i) for i in layers]
+        keys = list(self.blocks.keys()) if layers is None else [str(i) for i in layers]
+        split = self.contexts[int(keys[0])] if keys else None
         for key in keys:
             block = self.blocks[key]
+            x = resplit_sequence(x, split, block.tp, seq_len)  # a change of degree re-splits the sequence
+            split = block.tp
             if self.recomputes_layer(int(key)) and torch.is_grad_enabled():
-                # Non-reentrant: the backward reruns the layer's forward, TP all-reduces included, in the
+                # Non-reentrant: the backward reruns the layer's forward, TP collectives included, in the
                 # same order on every rank of the TP group, then differentiates it.
-                x = checkpoint(block, x, rope, use_reentrant=False)
+                x = checkpoint(block, x, rope, seq_len, use_reentrant=False)
             else:
-                x = block(x, rope)
+                x = block(x, rope, seq_len)
         return x
 
-    def logits_local(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's vocabulary slice of the logits."""
+    def logits_local(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
+        """This rank's vocabulary slice of the logits of the whole sequence (`x`: the last layer's output,
+        this rank's slice of it under sequence parallelism, where `seq_len` is required)."""
+        if seq_len is None:
+            if self.sequence_parallel:
+                raise ValueError("logits_local needs seq_len under sequence parallelism")
+            seq_len = x.shape[1]
+        x = resplit_sequence(x, self.contexts[self.cfg.num_layers], self.head_tp, seq_len)
         x = self.final_norm(x)
+        if seq_split(self.head_tp) > 1:  # gathered once, only the slice saved for the backward
+            return gather_and_project(x, self.head_tp, seq_len, (self.embed if self.tied else self.head,))[0]
         if self.tied:
             return F.linear(copy_to_tp(x, self.head_tp), self.embed.weight)
         return self.head(x)
@@ -280,14 +353,15 @@ class DecoderLM(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Full-model forward to local logits (for one-stage layouts)."""
-        return self.logits_local(self.run_blocks(self.embed_tokens(ids)))
+        seq_len = ids.shape[1]
+        return self.logits_local(self.run_blocks(self.embed_tokens(ids), seq_len=seq_len), seq_len)
 
     def token_losses(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(
-            self.logits_local(hidden), targets, self.vocab_start, self.head_tp
+            self.logits_local(hidden, targets.shape[1]), targets, self.vocab_start, self.head_tp
         )
 
     def loss_sum(self, tokens: torch.Tensor) -> torch.Tensor:
         """Sum of per-token losses of a [b, s+1] token batch (inputs = tokens[:, :-1])."""
-        hidden = self.run_blocks(self.embed_tokens(tokens[:, :-1]))
+        hidden = self.run_blocks(self.embed_tokens(tokens[:, :-1]), seq_len=tokens.shape[1] - 1)
         return self.token_losses(hidden, tokens[:, 1:]).sum()

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ntp_nemo.parallel.comm import copy_to_tp, reduce_from_tp
+from ntp_nemo.parallel.sequence import enter_tp_region, exit_tp_region, replicated_grad_sum
 from ntp_nemo.topology.shard import ShardSpec, aligned_interval
 from ntp_nemo.topology.tp_context import TPContext
 
@@ -74,8 +74,11 @@ class ColumnParallelLinear(nn.Module):
             else None
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_tp(x, self.tp) if self.copy_input else x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
+        """`seq_len`: the whole sequence's length, needed to gather `x`'s slices under SP."""
+        if self.copy_input:
+            x = enter_tp_region(x, self.tp, x.shape[1] if seq_len is None else seq_len)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -102,8 +105,8 @@ class RowParallelLinear(nn.Module):
         self.bias = replicated_param((out_features,), tp, ("zeros",)) if bias else None
 
     def forward(self, x_local: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tp(F.linear(x_local, self.weight), self.tp)
-        return y + self.bias if self.bias is not None else y
+        y = exit_tp_region(F.linear(x_local, self.weight), self.tp)
+        return y + replicated_grad_sum(self.bias, self.tp) if self.bias is not None else y
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -124,7 +127,7 @@ class VocabParallelEmbedding(nn.Module):
         inside = (ids >= self.vocab_start) & (ids < self.vocab_end)
         local = torch.where(inside, ids - self.vocab_start, torch.zeros_like(ids))
         out = F.embedding(local, self.weight) * inside.unsqueeze(-1).to(self.weight.dtype)
-        return reduce_from_tp(out, self.tp)
+        return exit_tp_region(out, self.tp)
 
 
 def _upcast(x: torch.Tensor) -> torch.Tensor:

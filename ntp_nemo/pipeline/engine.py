@@ -118,8 +118,13 @@ class PipelineEngine:
     def _param(self) -> torch.Tensor:
         return next(self.model.parameters())
 
-    def _shape(self, tokens: torch.Tensor) -> tuple[int, int, int]:
-        return (tokens.shape[0], tokens.shape[1] - 1, self.hidden)
+    def _shape(self, tokens: torch.Tensor, first_layer: int | None = None) -> tuple[int, int, int]:
+        """Shape of the activation entering global layer `first_layer` (default: this stage's first):
+        under sequence parallelism the send carries only this rank's slice of the sequence."""
+        if first_layer is None:
+            first_layer = min((int(k) for k in self.model.blocks.keys()), default=self.model.cfg.num_layers)
+        lo, hi = self.model.hidden_interval(first_layer, tokens.shape[1] - 1)
+        return (tokens.shape[0], hi - lo, self.hidden)
 
     # ---- what an engine defines: its action order and its model chunks (one here) ------------------
     def _order(self, m: int) -> list[Action]:
@@ -132,11 +137,16 @@ class PipelineEngine:
     def _chunk_forward(self, chunk: int, tokens: torch.Tensor, x: torch.Tensor | None) -> torch.Tensor:
         starts, ends = self._ends(chunk)
         h = self.model.embed_tokens(tokens[:, :-1]) if starts else x
-        h = self.model.run_blocks(h, self._chunk_layers(chunk))
+        h = self.model.run_blocks(h, self._chunk_layers(chunk), seq_len=tokens.shape[1] - 1)
         return self.model.token_losses(h, tokens[:, 1:]).sum() if ends else h
 
     def _chunk_layers(self, chunk: int) -> Sequence[int] | None:
         return None  # every layer this stage holds
+
+    def _in_shape(self, chunk: int, tokens: torch.Tensor) -> tuple[int, int, int]:
+        """Shape of the activation `chunk` receives (its first layer's sequence slice under SP)."""
+        layers = self._chunk_layers(chunk)
+        return self._shape(tokens, layers[0] if layers else None)
 
     # ---- the schedule loop, shared by every engine ------------------------------------------------
     def train(self, microbatches: Sequence[torch.Tensor], global_tokens: int,
@@ -163,7 +173,8 @@ class PipelineEngine:
             if a.kind == FORWARD:
                 x = None
                 if not starts:
-                    x = self.links.recv_activation(self._shape(tokens), wire, device).requires_grad_()
+                    shape = self._in_shape(a.chunk, tokens)
+                    x = self.links.recv_activation(shape, wire, device).requires_grad_()
                 start = time.perf_counter()
                 with self.meter.recording(key):
                     out = self._chunk_forward(a.chunk, tokens, x)
@@ -202,7 +213,8 @@ class PipelineEngine:
                 continue
             tokens = microbatches[a.microbatch]
             starts, ends = self._ends(a.chunk)
-            x = None if starts else self.links.recv_activation(self._shape(tokens), p.dtype, p.device)
+            shape = None if starts else self._in_shape(a.chunk, tokens)
+            x = None if starts else self.links.recv_activation(shape, p.dtype, p.device)
             out = self._chunk_forward(a.chunk, tokens, x)
             if ends:
                 total += out.to(self.acc_dtype)

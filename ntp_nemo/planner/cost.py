@@ -5,9 +5,9 @@ per micro-batch (`micro_batch_size` sequences of `seq_len` tokens), forward plus
 
 Sharding follows the project's unit rule: a degree-t group splits each item's units (attention
 heads, FFN columns for the MLP, vocabulary rows for embedding/head) into balanced contiguous
-intervals, so the busiest rank holds ceil(U/t) units; that rank sets the time. Attention keeps
-whole GQA groups (a KV head with its query heads) while t <= num_kv_heads; beyond that query heads
-are split and each rank keeps (replicates) the KV heads its query heads read.
+intervals, so the busiest rank holds ceil(U/t) units; that rank sets the time. Attention splits
+query heads, and each rank keeps the GQA KV heads its query heads read (a KV head whose query heads
+span two ranks is held by both).
 
 Communication (Megatron-style, payload per rank, each an all-reduce inside the t-rank group):
 - transformer layer: 2 all-reduces of b*s*h activations forward, 2 of their gradients backward;
@@ -15,6 +15,11 @@ Communication (Megatron-style, payload per rank, each an all-reduce inside the t
 - head: 1 all-reduce of the b*s*h input gradient backward, plus the vocab-parallel cross
   entropy's forward all-reduces of b*s fp32 values: the max logit, then the sum of exps and the
   target logit fused into one all-reduce of 2*b*s values.
+With sequence parallelism each all-reduce of activations becomes a reduce-scatter and an all-gather
+(the same bytes in a ring), and the backward gathers each column-parallel input again (only the slice
+is kept): half an all-reduce more per column-parallel entry (two per layer, one for the head).  The
+replicated regions' activations are divided by the degree (Korthikanti et al.: s*b*h*34/t bytes per
+layer in bf16 with flash attention), a recomputed layer keeps its input slice.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ntp_nemo.planner.shapes import DeviceModel, LinkModel, ModelShape
+from ntp_nemo.topology.work import attention_heads
 
 EMBEDDING, LAYER, HEAD = "embedding", "layer", "head"
 CE_STAT_BYTES = 4  # cross-entropy statistics are reduced in fp32 (or wider, for fp64 runs)
@@ -53,14 +59,11 @@ def shard_fraction(units: int, degree: int) -> float:
 
 
 def attention_fractions(model: ModelShape, degree: int) -> tuple[float, float]:
-    """(query heads, KV heads) on the busiest rank as fractions of all, at TP `degree`."""
+    """(query heads, KV heads) on the busiest rank as fractions of all, at TP `degree` (the per-rank
+    work model's head split, `ntp_nemo.topology.work.attention_heads`)."""
     nh, kv = model.num_heads, model.num_kv_heads
-    group = nh // kv
-    if degree <= kv:
-        return -(-kv // degree) * group / nh, -(-kv // degree) / kv
-    bounds = [r * nh // degree for r in range(degree + 1)]
-    touched = max((hi - 1) // group - lo // group + 1 for lo, hi in zip(bounds[:-1], bounds[1:], strict=True))
-    return -(-nh // degree) / nh, touched / kv
+    held = [attention_heads(p, degree, nh, kv) for p in range(degree)]
+    return max(q for q, _ in held) / nh, max(k for _, k in held) / kv
 
 
 def units_of(model: ModelShape, kind: str) -> int:
@@ -79,13 +82,16 @@ def item_cost(
     device: DeviceModel,
     links: LinkModel,
     recompute: bool = False,
+    sequence_parallel: bool = False,
 ) -> ItemCost:
     """FLOPs, all-reduce payload, modelled seconds and memory of `kind` at TP `degree`.
 
     Activations per layer follow the selective-recompute estimate s*b*h*(10 + 24/t) bytes
-    (bf16, flash attention, no sequence parallelism); with full `recompute` a layer keeps only
-    its input (s*b*h values) and re-runs its forward in the backward pass (4 instead of 3 passes).
+    (bf16, flash attention), s*b*h*34/t under `sequence_parallel`; with full `recompute` a layer
+    keeps only its input (s*b*h values, 1/t of them under SP) and re-runs its forward in the backward
+    pass (4 instead of 3 passes).
     """
+    sp = sequence_parallel and degree > 1
     tokens = micro_batch_size * seq_len
     h = model.hidden_size
     act = tokens * h * device.act_bytes
@@ -95,9 +101,11 @@ def item_cost(
         kv_params = 2 * h * model.num_kv_heads * model.head_dim
         params = (model.attention_params - kv_params) * fq + kv_params * fkv + model.mlp_params * fm
         fwd = 2 * tokens * params + 4 * micro_batch_size * seq_len * seq_len * h * fq
-        payloads = [act] * 4
+        payloads = [act] * 4 + [act / 2] * (2 if sp else 0)  # SP: the backward re-gathers, half an AR
+        replicated = ACT_REPLICATED / degree if sp else ACT_REPLICATED
         activations = (
-            act if recompute else tokens * h * (ACT_REPLICATED + ACT_SHARDED / degree) * device.act_bytes / 2
+            act / (degree if sp else 1) if recompute
+            else tokens * h * (replicated + ACT_SHARDED / degree) * device.act_bytes / 2
         )
     elif kind in (EMBEDDING, HEAD):
         fv = shard_fraction(model.vocab_size, degree)
@@ -105,11 +113,13 @@ def item_cost(
         if kind == EMBEDDING:
             fwd = 0.0
             payloads = [act]
-            activations = act
+            activations = act / degree if sp else act
         else:
             fwd = 2 * tokens * h * model.vocab_size * fv
             stat = tokens * max(CE_STAT_BYTES, device.act_bytes)
             payloads = [act, stat, 2 * stat]  # input grad; max logit; fused (sum of exps, target logit)
+            if sp:
+                payloads.append(act / 2)  # the backward re-gathers the input
             activations = tokens * model.vocab_size * fv * max(CE_STAT_BYTES, device.act_bytes)
             if model.tie_embeddings:
                 params = 0.0  # the head reuses the embedding's shard

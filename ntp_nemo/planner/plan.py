@@ -28,6 +28,7 @@ from ntp_nemo.planner.layout import divisors, effective_degree, validate_layer_t
 from ntp_nemo.planner.shapes import DeviceModel, LinkModel, ModelShape
 from ntp_nemo.topology.layout import ResolvedLayout
 from ntp_nemo.topology.topology import Topology
+from ntp_nemo.topology.work import WorkShape
 
 GB = 1e9
 
@@ -198,22 +199,28 @@ def plan_layout(
     device: DeviceModel | None = None,
     recompute: bool = False,
     distributed_optimizer: bool = False,
+    sequence_parallel: bool = False,
     num_microbatches: int | None = None,
     power_boost: float | Sequence[float] | None = None,
+    capacity: str = "ranks",
+    shard_align: int = 1,
 ) -> Plan:
     """Choose per-item degrees (layout.layer_tp) and batch shares minimising modelled step time.
 
     Keyword-only extras: `pp` pipeline stages (memory and period per stage), `device` compute
     speed and bytes per parameter (default: H100-class), `recompute` full activation recomputation,
     `distributed_optimizer` the fp32 master and Adam moments (12 of the per-parameter state bytes)
-    split over the replicas holding each fragment (`optim.distributed=true`), `num_microbatches`
-    (the global batch over the micro-batch size; default one per replica) and `power_boost` (NTP-PW)
-    fix the batch split exactly as the trainer does.
+    split over the replicas holding each fragment (`optim.distributed=true`), `sequence_parallel`
+    the replicated regions' activations split over each item's degree (`ntp.sequence_parallel=true`),
+    `num_microbatches` (the global batch over the micro-batch size; default one per replica),
+    `power_boost` (NTP-PW), `capacity` (`ntp.capacity`: ranks | work) and `shard_align`
+    (`ntp.shard_align`) fix the batch split exactly as the trainer does.
     """
     return rank_layouts(
         model, tp, replica_tp, seq_len, micro_batch_size, links, memory_limit_gb, pp=pp, device=device,
-        recompute=recompute, distributed_optimizer=distributed_optimizer,
-        num_microbatches=num_microbatches, power_boost=power_boost,
+        recompute=recompute, distributed_optimizer=distributed_optimizer, sequence_parallel=sequence_parallel,
+        num_microbatches=num_microbatches, power_boost=power_boost, capacity=capacity,
+        shard_align=shard_align,
     ).plans[0]
 
 
@@ -230,8 +237,11 @@ def rank_layouts(
     device: DeviceModel | None = None,
     recompute: bool = False,
     distributed_optimizer: bool = False,
+    sequence_parallel: bool = False,
     num_microbatches: int | None = None,
     power_boost: float | Sequence[float] | None = None,
+    capacity: str = "ranks",
+    shard_align: int = 1,
 ) -> Ranking:
     """The planner's candidates, ranked: every layout with one degree for the embedding, one for all
     layers and one for the head (tied embeddings: one for both), and the coordinate descent's
@@ -245,20 +255,32 @@ def rank_layouts(
     kinds, names = item_kinds(model), item_names(model)
     stages = np.array(stage_of_items(model.num_layers, pp))
     sizes = sorted(set(replica_tp))
-    # The trainer's split (it does not depend on the per-layer degrees); without a global batch, the
-    # capacity quotas it rounds.
-    base = ResolvedLayout.make(Topology(tp, replica_tp, [1] * (model.num_layers + 2), pp),
-                               power_boost=power_boost, num_microbatches=num_microbatches)
-    split = list(base.microbatches) if num_microbatches is not None else None
-    caps = base.capacities()
-    shares = [m / sum(split) for m in split] if split is not None else [c / sum(caps) for c in caps]
+    # The trainer's split; without a global batch, the capacity quotas it rounds.  Under the `ranks`
+    # rule it does not depend on the per-layer degrees; under `work` the search weighs replicas by the
+    # uniform layout's split and each plan reports the split of its own degrees (`make_plan`).
+    work = WorkShape(
+        hidden_size=model.hidden_size, num_layers=model.num_layers, num_heads=model.num_heads,
+        num_kv_heads=int(model.num_kv_heads), ffn_hidden_size=int(model.ffn_hidden_size),
+        vocab_size=model.vocab_size, seq_len=int(seq_len), gated_mlp=model.gated_mlp,
+        tie_embeddings=model.tie_embeddings,
+    )
+
+    def trainer_split(layer_tp: Sequence[int]) -> tuple[list[int] | None, list[float]]:
+        base = ResolvedLayout.make(Topology(tp, replica_tp, layer_tp, pp, shard_align=shard_align),
+                                   power_boost=power_boost, num_microbatches=num_microbatches, work=work,
+                                   capacity=capacity)
+        split = list(base.microbatches) if num_microbatches is not None else None
+        caps = base.capacities()
+        return split, [m / sum(split) for m in split] if split is not None else [c / sum(caps) for c in caps]
+
+    split, shares = trainer_split([tp] * (model.num_layers + 2))
     cands = [[d for d in divisors(tp) if d <= units_of(model, k)] for k in kinds]
     cache: dict[tuple[str, int], ItemCost] = {}
 
     def cost(kind: str, degree: int) -> ItemCost:
         if (kind, degree) not in cache:
             cache[(kind, degree)] = item_cost(
-                model, kind, degree, seq_len, micro_batch_size, device, links, recompute
+                model, kind, degree, seq_len, micro_batch_size, device, links, recompute, sequence_parallel
             )
         return cache[(kind, degree)]
 
@@ -282,7 +304,8 @@ def rank_layouts(
         mem=mem,
         stage_onehot=onehot,
         shares=np.array([max(w for w, r in zip(shares, replica_tp, strict=True) if r == n) for n in sizes]),
-        send_s=2 * links.send_time(act_bytes) if pp > 1 else 0.0,
+        # Under SP a send carries a rank's slice (at the nominal degree; a degraded replica's is larger).
+        send_s=2 * links.send_time(act_bytes / (tp if sequence_parallel else 1)) if pp > 1 else 0.0,
     )
     limit = np.inf if memory_limit_gb is None else memory_limit_gb * GB
     highest = np.array([len(c) - 1 for c in cands])  # highest degrees: the least memory any layout uses
@@ -325,6 +348,10 @@ def rank_layouts(
         j, _, period, mem_u = tables.evaluate(np.array(choice))
         layer_tp = [cands[i][c] for i, c in enumerate(choice)]
         validate_layer_tp(model, tp, replica_tp, layer_tp)
+        plan_split, plan_shares = split, shares
+        if capacity == "work":
+            plan_split, plan_shares = trainer_split(layer_tp)
+            j = max(w * float(period[sizes.index(n)]) for w, n in zip(plan_shares, replica_tp, strict=True))
         table = []
         for name, kind, t in zip(names, kinds, layer_tp, strict=True):
             eff = effective_degree(t, sizes[0])
@@ -332,14 +359,14 @@ def rank_layouts(
             table.append(PlanRow(name, t, eff, ic.flops, ic.comm_bytes, ic.time_s, ic.memory_bytes / GB))
         return Plan(
             layer_tp=layer_tp,
-            batch_shares=list(shares),
+            batch_shares=list(plan_shares),
             table=table,
             tp=tp,
             replica_tp=replica_tp,
             microbatch_time_s=[float(period[sizes.index(n)]) for n in replica_tp],
             memory_gb=[float(mem_u[sizes.index(n)]) / GB for n in replica_tp],
             time_per_microbatch_s=j,
-            microbatches=list(split or []),
+            microbatches=list(plan_split or []),
         )
 
     return Ranking([make_plan(k) for _, k in order], considered)

@@ -355,7 +355,10 @@ class LiveRecovery(Callback):
         module = strategy.lightning_module
         keep = (strategy._optimizer(), module.model)
 
-        def build(layout: ResolvedLayout, rank: int):  # the re-planned layout, as it is
+        # The re-planned layout as it is: it keeps sequence parallelism (SP holds no state: the new
+        # layout's sequence split follows its degrees), the shard alignment, the work model and the
+        # capacity rule, so every rank computes the same batch split.
+        def build(layout: ResolvedLayout, rank: int):
             return assemble(layout, rank, module.model_cfg, module.optim_cfg, strategy.root_device,
                             seed=module.seed, bucket_mb=strategy.bucket_mb,
                             overlap_grad_sync=module.overlap_grad_sync, keep=keep)

@@ -66,6 +66,7 @@ from ntp_nemo.parallel.grad_sync import (
 from ntp_nemo.runtime.assemble import RankState, assemble
 from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout, Topology
+from ntp_nemo.topology.work import healthy_cost, rank_costs
 
 COMM_KINDS = ("tp", "pp", "dp", "world")
 META = torch.device("meta")
@@ -91,6 +92,8 @@ class CommMeter(TorchDispatchMode):
         self.bytes: dict[str, int] = dict.fromkeys(COMM_KINDS, 0)
         self.calls: dict[str, int] = dict.fromkeys(COMM_KINDS, 0)
         self.groups: dict[str, set[tuple[int, ...]]] = {k: set() for k in COMM_KINDS}
+        # (kind, collective) -> [calls, payload bytes, ring-model bytes on the rank's link]
+        self.ops: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0])
 
     @contextmanager
     def labelled(self, kind: str):
@@ -111,17 +114,48 @@ class CommMeter(TorchDispatchMode):
                         f"{self.device}: every tensor of the training step must live on the runtime's "
                         "device (a collective on a GPU process group cannot take a host tensor)."
                     )
-            kind = "pp" if func.__name__.split(".")[0] in ("send", "recv_") else self.kind
-            self.bytes[kind] += sum(t.numel() * t.element_size() for t in tensors)
+            name = func.__name__.split(".")[0]
+            kind = "pp" if name in ("send", "recv_") else self.kind
+            op = _collective(name)
+            if op in ("all_gather", "reduce_scatter"):  # (output, input, ...): the payload is the input
+                tensors = list(_tensors(args[1]))
+            payload = sum(t.numel() * t.element_size() for t in tensors)
+            self.bytes[kind] += payload
             self.calls[kind] += 1
             pg = next((a for a in args if isinstance(a, torch.ScriptObject)), None)
+            ranks: tuple[int, ...] = ()
             if pg is not None:
                 try:
                     ranks = tuple(dist.get_process_group_ranks(dist.ProcessGroup.unbox(pg)))
                 except (AttributeError, RuntimeError, ValueError):
                     ranks = ()
                 self.groups[kind].add(ranks)
+            rec = self.ops[(kind, op)]
+            rec[0] += 1
+            rec[1] += payload
+            rec[2] += _ring_bytes(op, payload, len(ranks) or 1)
         return func(*args, **kwargs)
+
+
+def _collective(name: str) -> str:
+    """c10d op name -> all_reduce | all_gather | reduce_scatter | send | recv | other name."""
+    for key, op in (("allreduce", "all_reduce"), ("allgather", "all_gather"),
+                    ("reduce_scatter", "reduce_scatter"), ("send", "send"), ("recv", "recv")):
+        if key in name:
+            return op
+    return name
+
+
+def _ring_bytes(op: str, payload: int, n: int) -> float:
+    """Bytes on a rank's link in a ring algorithm: an all-reduce of B sends 2(n-1)/n B, a reduce-scatter
+    of B (n-1)/n B, an all-gather of a B-byte piece (n-1) B, so AG + RS of a split tensor = one AR."""
+    if op == "all_reduce":
+        return 2 * (n - 1) / n * payload
+    if op == "reduce_scatter":
+        return (n - 1) / n * payload
+    if op == "all_gather":
+        return (n - 1) * payload
+    return float(payload)
 
 
 @contextmanager
@@ -207,6 +241,9 @@ class RankResult:
     comm_calls: dict[str, int]
     comm_groups: dict[str, int]  # distinct process groups of each kind this rank used
     signature: tuple[int, int, int]
+    # Modelled time per token of this rank over a healthy rank's (`ntp_nemo.topology.work`; None when the
+    # layout carries no model shape).
+    modelled_work: float | None = None
     # Peers over all subgroups this rank belongs to (TP groups, holder sets, pipeline links): the
     # sockets gloo would open for them (`ntp_nemo.topology.groups.gloo_sockets`).
     subgroup_peers: int = 0
@@ -450,8 +487,10 @@ def _class_step(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: Step
     )
 
 
-def _saved_bytes(runtime: NTPRuntime, cfg: ModelConfig, shape: StepShape, global_tokens: int) -> int:
-    """Activation bytes of one micro-batch of `runtime`'s slice built from `cfg` (a fresh model)."""
+def _saved_bytes(runtime: NTPRuntime, cfg: ModelConfig, shape: StepShape, global_tokens: int,
+                 comm: CommMeter | None = None) -> int:
+    """Activation bytes of one micro-batch of `runtime`'s slice built from `cfg` (a fresh model); `comm`
+    (optional) counts its collectives."""
     model = runtime.build_model(cfg, shape.seed, shape.compute_dtype)
     meter = ActivationMeter(_state_exclusions(model))
     runtime.pipeline = None
@@ -462,9 +501,14 @@ def _saved_bytes(runtime: NTPRuntime, cfg: ModelConfig, shape: StepShape, global
                                           acc_dtype=runtime.acc_dtype)
         runtime.pipeline.meter = _EngineMeter(meter)
     tokens = torch.zeros((shape.micro_batch_size, shape.seq_len + 1), dtype=torch.long, device=META)
-    with CommMeter(META), meter.recording(), flash_attention_on_meta():
+    with comm or CommMeter(META), meter.recording(), flash_attention_on_meta():
         runtime.train_microbatches(model, [tokens], global_tokens)
     return meter.bytes
+
+
+def _tp_ops(comm: CommMeter) -> dict[str, dict[str, float]]:
+    return {op: {"calls": int(v[0]), "bytes": int(v[1]), "ring_bytes": int(round(v[2]))}
+            for (kind, op), v in sorted(comm.ops.items()) if kind == "tp"}
 
 
 def option_savings(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: StepShape, plan: SyncPlan,
@@ -477,11 +521,22 @@ def option_savings(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: S
       tensors, so `full` is counted without the layer inputs it holds (b x s x h per layer);
     - `distributed_optimizer` (`DistributedAdamW`): optimizer state with the moments (and low-precision
       masters) sharded over each fragment's holders, against `torch.optim.AdamW`'s.
+    - `sequence_parallel` (`ntp.sequence_parallel`): activation bytes per micro-batch with SP off / on,
+      and the TP collectives of one micro-batch per kind (calls, payload, ring-model bytes on the link).
     A new option adds its entry here.
     """
     out: dict[str, Any] = {}
     names = {f.name for f in dataclasses.fields(cfg)}
     with fake_world(rank, layout.world_size):
+        sp_act, sp_ops = {}, {}
+        for on in (False, True):
+            comm = CommMeter(META)
+            sp_layout = dataclasses.replace(layout, sequence_parallel=on)
+            sp_act["on" if on else "off"] = _saved_bytes(NTPRuntime(sp_layout, rank, device=META), cfg, shape,
+                                                         global_tokens, comm)
+            sp_ops["on" if on else "off"] = _tp_ops(comm)
+        out["sequence_parallel"] = {"rank": rank, "activation_bytes": sp_act, "tp_collectives": sp_ops,
+                                    "saved_bytes": sp_act["off"] - sp_act["on"]}
         runtime = NTPRuntime(layout, rank, device=META)
         if "recompute" in names:
             measured = {mode: activation_bytes if mode == cfg.recompute else _saved_bytes(
@@ -557,6 +612,10 @@ def dry_run(
     element = shape.param_dtype.itemsize
     bucket = int(shape.bucket_mb * (1 << 20))
     results: list[RankResult] = []
+    work = None
+    if layout.work is not None:
+        base = healthy_cost(layout.work, topo)
+        work = [c / base for c in rank_costs(layout.work, topo)]
     peers = subgroup_peers(topo, plans, layout.schedule)
     for r in range(world):
         c = topo.coord(r)
@@ -589,6 +648,7 @@ def dry_run(
             comm_groups={**step.groups, "dp": len([h for h in plans[r].by_holders if plans[r].by_holders[h]]),
                          "world": 1 if world > 1 else 0},
             signature=sig,
+            modelled_work=None if work is None else work[r],
             subgroup_peers=peers[r],
         ))
     timings["ranks_s"] = time.perf_counter() - t3

@@ -53,6 +53,10 @@ class NTPRuntime:
         if self.topology.world_size > 1:
             self.topology.build_groups()
         self.plan = self.topology.plan_for(rank)
+        if layout.sequence_parallel:
+            from ntp_nemo.parallel.sequence import SequenceParallelPlan
+
+            self.plan = SequenceParallelPlan(self.plan)
 
     @property
     def is_meta(self) -> bool:

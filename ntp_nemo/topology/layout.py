@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from typing import Any
 
 from ntp_nemo.data.rebalance import assign_microbatches
 from ntp_nemo.topology.topology import Topology
+from ntp_nemo.topology.work import WorkShape, modelled_capacities
 
 PowerBoost = float | tuple[float, ...] | None
 # Topology's own arguments
@@ -30,6 +32,15 @@ def replica_capacities(tp: int, replica_tp: Sequence[int], power_boost: PowerBoo
             boost = power_boost[r] if isinstance(power_boost, Sequence) else float(power_boost)
         caps.append(min(1.0, n / tp * boost))
     return caps
+
+
+CAPACITY_RULES = ("ranks", "work")  # ntp.capacity: how a replica's share of the batch is weighed
+
+
+def _rule_capacities(rule: str, work: WorkShape | None, topo: Topology, boost: PowerBoost) -> list[float]:
+    if rule == "work" and work is not None:
+        return modelled_capacities(work, topo, boost)
+    return replica_capacities(topo.tp, topo.replica_tp, boost)
 
 
 def _boost(value: Any) -> PowerBoost:
@@ -51,7 +62,13 @@ class ResolvedLayout:
     - `nominal_replicas`: replicas the job was planned with (capacity is counted against them).
     - `num_microbatches`: micro-batches per global batch; `microbatches`: per-replica share of them.
     - `devices`: device string per global rank ("cuda:3", "cpu"), or None: each worker's default.
+    - `sequence_parallel`: the TP-replicated regions hold each rank's slice of the sequence.
     - `shard_align`: elements per block of MLP-column and vocabulary-row splits (`ntp.shard_align`).
+    - `work`: the model and sequence shape the per-rank work model reads (`ntp_nemo.topology.work`);
+      the dry run reports each rank's modelled work whenever it is set.
+    - `capacity`: the capacity rule of the batch split (`ntp.capacity`): `ranks`, active ranks over
+      nominal; `work`, a healthy replica's modelled slowest-rank time over this replica's (needs
+      `work`; a layout without it falls back to `ranks`).  Both times the power boost.
     """
 
     tp: int
@@ -66,7 +83,10 @@ class ResolvedLayout:
     num_microbatches: int = 0
     microbatches: tuple[int, ...] = ()
     devices: tuple[str, ...] | None = field(default=None)
+    sequence_parallel: bool = False
     shard_align: int = 1
+    work: WorkShape | None = None
+    capacity: str = "ranks"
 
     @classmethod
     def make(
@@ -78,14 +98,22 @@ class ResolvedLayout:
         num_microbatches: int | None = None,
         devices: Sequence[str] | None = None,
         virtual_stages: int = 1,
+        sequence_parallel: bool = False,
+        work: WorkShape | Mapping | None = None,
+        capacity: str = "ranks",
     ) -> ResolvedLayout:
         """The layout of `topology` (nominal TP, replicas, per-slot degrees, stage split, shard alignment:
         the Topology checks that they agree) with the run's options; fills the batch shares.  A
         ValueError names a mismatch."""
-        t = topology
+        t = topo = topology
         replica_tp = tuple(int(x) for x in t.replica_tp)
         boost = _boost(power_boost)
         m = len(replica_tp) if num_microbatches is None else int(num_microbatches)
+        work = WorkShape.of(work)
+        capacity = str(capacity)
+        if capacity not in CAPACITY_RULES:
+            raise ValueError(f"capacity rule {capacity!r}: expected one of {', '.join(CAPACITY_RULES)}")
+        caps = _rule_capacities(capacity, work, topo, boost)
         layout = cls(
             tp=int(t.tp),
             replica_tp=replica_tp,
@@ -97,9 +125,12 @@ class ResolvedLayout:
             power_boost=boost,
             nominal_replicas=None if nominal_replicas is None else int(nominal_replicas),
             num_microbatches=m,
-            microbatches=tuple(assign_microbatches(m, replica_capacities(int(t.tp), replica_tp, boost))),
+            microbatches=tuple(assign_microbatches(m, caps)),
             devices=None if devices is None else tuple(str(d) for d in devices),
+            sequence_parallel=bool(sequence_parallel),
             shard_align=int(t.shard_align),
+            work=work,
+            capacity=capacity,
         )
         if layout.devices is not None and len(layout.devices) != layout.world_size:
             raise ValueError(f"{len(layout.devices)} devices for a layout of {layout.world_size} ranks")
@@ -122,9 +153,15 @@ class ResolvedLayout:
         """A fresh Topology (it owns process groups, so each runtime builds its own)."""
         return Topology(self.tp, self.replica_tp, self.layer_tp, self.pp, self.stage_layers, self.shard_align)
 
+    @cached_property
+    def _capacities(self) -> tuple[float, ...]:
+        return tuple(_rule_capacities(self.capacity, self.work, self.topology(), self.power_boost))
+
     def capacities(self) -> list[float]:
-        """Per-replica share of work (active ranks / nominal TP, times the power boost of degraded ones)."""
-        return replica_capacities(self.tp, self.replica_tp, self.power_boost)
+        """Per-replica share of work under the layout's `capacity` rule: active ranks / nominal TP
+        (`ranks`) or a healthy replica's modelled slowest-rank time over this one's (`work`, with `work`
+        set), times the power boost of degraded ones."""
+        return list(self._capacities)
 
     def microbatch_counts(self, num_microbatches: int | None = None) -> list[int]:
         """Per-replica share of `num_microbatches` (default: the global batch's)."""
@@ -201,7 +238,8 @@ class ResolvedLayout:
 
     def shrunk(self, sizes: Sequence[int]) -> ResolvedLayout:
         """Re-planning's result: replica `i` keeps `sizes[i]` active ranks (0: dropped).  Every other
-        option carries over (per-layer degrees, schedule, virtual stages, stage split); per-replica power
+        option carries over (per-layer degrees, schedule, virtual stages, stage split, sequence parallelism,
+        shard alignment, the work shape and capacity rule); per-replica power
         boosts follow their replicas; capacity is still counted against the replicas the job was planned
         with.  Unchanged sizes give this very layout."""
         if len(sizes) != self.dp:
@@ -240,4 +278,4 @@ class ResolvedLayout:
             return None
 
 
-__all__ = ["PowerBoost", "ResolvedLayout", "replica_capacities"]
+__all__ = ["CAPACITY_RULES", "PowerBoost", "ResolvedLayout", "replica_capacities"]

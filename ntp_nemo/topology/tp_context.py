@@ -14,6 +14,8 @@ class TPContext:
     process group for its collectives (None when `size == 1`).  `copies` counts identical
     replicas of the layer inside this rank's DP replica (a layer of degree `t` in a replica of
     `n` ranks is replicated `n / t` times); gradient sync weighs contributions by `1 / copies`.
+    `sequence_parallel`: the replicated regions hold this rank's slice of the sequence
+    (`ntp_nemo.parallel.sequence`).
     `align`: elements per block of a split into one-element units (MLP columns, vocabulary rows;
     `ntp.shard_align`), so shard boundaries fall on its multiples.
     """
@@ -22,6 +24,7 @@ class TPContext:
     rank: int = 0
     group: Any = None
     copies: int = 1
+    sequence_parallel: bool = False
     align: int = 1
 
     @property

@@ -1,0 +1,207 @@
+"""Sequence parallelism on uneven TP degrees: the sequence split and its autograd-aware collectives.
+
+In the regions TP replicates (norms, dropout, residual adds) rank `i` of a TP group of `n` holds the
+tokens `[floor(i*S/n), floor((i+1)*S/n))` of the sequence (the balanced-interval rule of the shards),
+so a degree that does not divide the sequence (8192 over 7: 1171 or 1170 tokens) gives slices uneven
+by one token.  The entry of a column-parallel layer all-gathers the slices (backward: reduce-scatter),
+the exit of a row-parallel layer reduce-scatters the partial sums (backward: all-gather): the bytes of
+the all-reduce they replace.
+
+Why uneven slices and padded collectives: the local tensors hold exactly their tokens (no compute or
+activation memory on padding), while the wire uses equal pieces of `ceil(S/n)` tokens because gloo
+(and `all_gather_single`/`reduce_scatter_single` everywhere) needs equal sizes; gloo's
+`all_gather` rejects uneven lists.  The padding costs `n*ceil(S/n) - S` tokens on the wire: 5 of 8192
+at degree 7 (0.06%), none where the degree divides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ntp_nemo.parallel.comm import copy_to_tp, reduce_from_tp
+from ntp_nemo.topology.shard import unit_interval
+from ntp_nemo.topology.tp_context import TPContext
+
+
+def seq_split(tp: TPContext) -> int:
+    """Number of slices the sequence is split into in this context's replicated regions (1: whole)."""
+    return tp.size if tp.sequence_parallel else 1
+
+
+def seq_interval(tp: TPContext, seq_len: int) -> tuple[int, int]:
+    """Tokens `[lo, hi)` of a `seq_len` sequence this rank holds in the context's replicated regions."""
+    n = seq_split(tp)
+    return unit_interval(tp.rank if n > 1 else 0, n, seq_len)
+
+
+def seq_lengths(n: int, seq_len: int) -> list[int]:
+    return [hi - lo for lo, hi in (unit_interval(i, n, seq_len) for i in range(n))]
+
+
+def _all_gather_seq(x: torch.Tensor, tp: TPContext, seq_len: int) -> torch.Tensor:
+    """[b, s_i, ...] slices -> [b, seq_len, ...] on every rank (padded pieces on the wire)."""
+    n = tp.size
+    lengths = seq_lengths(n, seq_len)
+    m = max(lengths)
+    piece = x.new_zeros((m, x.shape[0], *x.shape[2:]))
+    piece[: x.shape[1]] = x.transpose(0, 1)
+    out = x.new_empty((n * m, x.shape[0], *x.shape[2:]))
+    dist.all_gather_single(out, piece, group=tp.group)
+    parts = [out[i * m : i * m + lengths[i]] for i in range(n)]
+    return torch.cat(parts, dim=0).transpose(0, 1).contiguous()
+
+
+def _reduce_scatter_seq(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    """[b, S, ...] partial sums -> this rank's [b, s_i, ...] slice of their sum over the group."""
+    n, seq_len = tp.size, x.shape[1]
+    m = max(seq_lengths(n, seq_len))
+    buf = x.new_zeros((n * m, x.shape[0], *x.shape[2:]))
+    for i in range(n):
+        lo, hi = unit_interval(i, n, seq_len)
+        buf[i * m : i * m + hi - lo] = x[:, lo:hi].transpose(0, 1)
+    out = x.new_empty((m, x.shape[0], *x.shape[2:]))
+    dist.reduce_scatter_single(out, buf, group=tp.group)
+    lo, hi = unit_interval(tp.rank, n, seq_len)
+    return out[: hi - lo].transpose(0, 1).contiguous()
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp, seq_len):  # type: ignore[override]
+        ctx.tp = tp
+        return _all_gather_seq(x, tp, seq_len)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _reduce_scatter_seq(grad, ctx.tp), None, None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):  # type: ignore[override]
+        ctx.tp, ctx.seq_len = tp, x.shape[1]
+        return _reduce_scatter_seq(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _all_gather_seq(grad, ctx.tp, ctx.seq_len), None
+
+
+class _Resplit(torch.autograd.Function):
+    """A replicated activation moved from one sequence split to another (a change of degree).
+
+    Every holder of a slice holds its true value (forward) and its true gradient (backward), so the
+    forward gathers the whole sequence in the source group and keeps the destination slice, and the
+    backward gathers the gradient in the destination group and keeps the source slice; each copy of a
+    layer replicated inside the replica receives the whole gradient, as without SP."""
+
+    @staticmethod
+    def forward(ctx, x, src, dst, seq_len):  # type: ignore[override]
+        ctx.src, ctx.dst, ctx.seq_len = src, dst, seq_len
+        return _move(x, src, dst, seq_len)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _move(grad.contiguous(), ctx.dst, ctx.src, ctx.seq_len), None, None, None
+
+
+def _move(x: torch.Tensor, src: TPContext, dst: TPContext, seq_len: int) -> torch.Tensor:
+    full = _all_gather_seq(x, src, seq_len) if seq_split(src) > 1 else x
+    lo, hi = seq_interval(dst, seq_len)
+    return full[:, lo:hi].contiguous()
+
+
+def gather_from_sequence_region(x: torch.Tensor, tp: TPContext, seq_len: int) -> torch.Tensor:
+    """Column-parallel input under SP: this rank's slice -> the whole sequence (backward: reduce-scatter)."""
+    return _GatherFromSequence.apply(x, tp, seq_len) if seq_split(tp) > 1 else x
+
+
+def reduce_scatter_to_sequence_region(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    """Row-parallel output under SP: partial sums -> this rank's slice of the sum (backward: all-gather)."""
+    return _ReduceScatterToSequence.apply(x, tp) if seq_split(tp) > 1 else x
+
+
+def enter_tp_region(x: torch.Tensor, tp: TPContext, seq_len: int) -> torch.Tensor:
+    """Input of column-parallel layers: all-gather of the `seq_len`-token sequence's slices under SP, else
+    identity forward with the gradient all-reduced."""
+    if seq_split(tp) > 1:
+        return gather_from_sequence_region(x, tp, seq_len)
+    return copy_to_tp(x, tp)
+
+
+def exit_tp_region(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    """Output of row-parallel layers: reduce-scatter to the sequence slices under SP, else all-reduce."""
+    if seq_split(tp) > 1:
+        return reduce_scatter_to_sequence_region(x, tp)
+    return reduce_from_tp(x, tp)
+
+
+def resplit_sequence(x: torch.Tensor, src: TPContext, dst: TPContext, seq_len: int) -> torch.Tensor:
+    """Move a replicated activation from `src`'s sequence split to `dst`'s (identity when they agree)."""
+    if seq_split(src) == seq_split(dst):
+        return x
+    return _Resplit.apply(x, src, dst, seq_len)
+
+
+def replicated_grad_sum(param: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    """A replicated parameter used on a sequence slice: its gradient is summed over the TP group (each
+    rank saw only its tokens), so every holder ends with the whole-sequence gradient, as without SP."""
+    return copy_to_tp(param, tp) if seq_split(tp) > 1 else param
+
+
+class SequenceParallelPlan:
+    """A TP plan (`context(slot) -> TPContext`) whose sharded contexts split the sequence; SP holds no
+    state, so wrapping the plan of any layout (after a reshard too) is all it takes."""
+
+    def __init__(self, plan: Any) -> None:
+        self.plan = plan
+
+    def context(self, slot: int) -> TPContext:
+        ctx = self.plan.context(slot)
+        return dataclasses.replace(ctx, sequence_parallel=True) if ctx.sharded else ctx
+
+
+class _GatherProject(torch.autograd.Function):
+    """All-gather of the sequence slices followed by several column-parallel projections of the gathered
+    input, keeping only the slice for the backward (which gathers it again, once for all projections):
+    the gathered input is the size of the whole sequence, so saving it would undo SP's memory saving."""
+
+    @staticmethod
+    def forward(ctx, x, tp, seq_len, *weights_and_biases):  # type: ignore[override]
+        full = _all_gather_seq(x, tp, seq_len)
+        pairs = list(zip(weights_and_biases[::2], weights_and_biases[1::2], strict=True))
+        ctx.tp, ctx.seq_len, ctx.has_bias = tp, seq_len, [b is not None for _, b in pairs]
+        ctx.save_for_backward(x, *(w for w, _ in pairs))
+        return tuple(torch.nn.functional.linear(full, w, b) for w, b in pairs)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        x, *weights = ctx.saved_tensors
+        full = _all_gather_seq(x, ctx.tp, ctx.seq_len).flatten(0, -2)
+        grad_full = None
+        out: list[torch.Tensor | None] = []
+        for g, w, has_bias in zip(grads, weights, ctx.has_bias, strict=True):
+            g2 = g.flatten(0, -2)
+            part = g2 @ w
+            grad_full = part if grad_full is None else grad_full + part
+            out += [g2.t() @ full, g2.sum(0) if has_bias else None]
+        grad_x = _reduce_scatter_seq(grad_full.view(*grads[0].shape[:-1], -1), ctx.tp)
+        return (grad_x, None, None, *out)
+
+
+def gather_and_project(x: torch.Tensor, tp: TPContext, seq_len: int,
+                       layers: Sequence[torch.nn.Module]) -> list[torch.Tensor]:
+    """Column-parallel projections (`layers`: modules with a `weight`, an optional `bias`, and no region
+    entry of their own) of one input entering the TP region.  Under SP: one all-gather forward, one
+    all-gather and one reduce-scatter backward, only the slice saved; without SP the usual region entry
+    (the gradient all-reduced once for all of them) and each module called."""
+    if seq_split(tp) > 1:
+        args = [t for layer in layers for t in (layer.weight, getattr(layer, "bias", None))]
+        return list(_GatherProject.apply(x, tp, seq_len, *args))
+    x = copy_to_tp(x, tp)
+    return [layer(x) for layer in layers]
