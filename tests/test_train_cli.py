@@ -59,6 +59,10 @@ LAYOUTS = {
     "ntp-3-2-sp": ["mesh.dp=2", "mesh.tp=3", "ntp.replica_tp=[3,2]", "ntp.sequence_parallel=true"],
     "pp2-ntp-2-1-sp": ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]", "mesh.pp=2", "layout.schedule=1f1b",
                        "ntp.sequence_parallel=true"],
+    # ... and with per-layer degrees: the first layer at TP 1 gathers the whole sequence, the next layer
+    # re-splits it over 3 (or 2 on the degraded replica).
+    "ntp-3-2-per-layer-sp": ["mesh.dp=2", "mesh.tp=3", "ntp.replica_tp=[3,2]", "layout.layer_tp=[3,1,3,3]",
+                             "ntp.sequence_parallel=true"],
     # Shards of whole 32-element blocks (128 MLP columns over 3 ranks: 32, 32, 64) on (3, 2), with
     # per-layer degrees (the embedding and the last layer at TP 3, or 2 on the degraded replica; the first
     # layer at TP 1).
