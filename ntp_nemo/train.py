@@ -314,11 +314,13 @@ def _main() -> None:
         print(help_text())
         return
     from ntp_nemo.config.keys import check_override_keys
-    from ntp_nemo.config.run_dir import check_run_dir_overrides
 
     try:
-        check_override_keys(sys.argv[1:])  # a misspelt or `+`-added typed key: "did you mean"
-        check_run_dir_overrides(sys.argv[1:])  # e.g. a read-only place: said here, not in Hydra's traceback
+        check_override_keys(sys.argv[1:])  # a misspelt or `+`-added typed key: "did you mean" (no Hydra yet)
+        from ntp_nemo.config.run_dir import check_run_dir_overrides  # imports Hydra
+
+        # e.g. a read-only place: said here, not in Hydra's traceback
+        created = check_run_dir_overrides(sys.argv[1:])
     except ConfigError as err:
         report_config_error(err)
         sys.exit(EXIT_CONFIG)
@@ -344,6 +346,10 @@ def _main() -> None:
     except SystemExit as exc:
         # Hydra exits 1 on composition errors (unknown key, bad override) before the job starts.
         if exc.code == 1 and not job.started:
+            from ntp_nemo.config.run_dir import remove_if_empty
+
+            for path in created:  # made for a job that never ran
+                remove_if_empty(path)
             sys.exit(EXIT_CONFIG)
         raise
     except Exception as exc:  # noqa: BLE001 - last resort: a runtime failure

@@ -60,9 +60,11 @@ def require_writable(path: Path, key: str) -> None:
         )
 
 
-def check_run_dir_overrides(argv: list[str]) -> None:
+def check_run_dir_overrides(argv: list[str]) -> list[Path]:
     """Create the directory `hydra.run.dir=` / `hydra.sweep.dir=` names (as Hydra would next) so that one
-    that cannot be created is a clear error instead of Hydra's traceback."""
+    that cannot be created is a clear error instead of Hydra's traceback.  Returns the directories it
+    created (a command that stops before its job runs removes them again)."""
+    created: list[Path] = []
     last: dict[str, str] = {}  # Hydra takes a key's last override: only that directory is created
     for arg in argv:
         key, sep, value = arg.partition("=")
@@ -72,6 +74,8 @@ def check_run_dir_overrides(argv: list[str]) -> None:
         if not value or "${" in value:
             continue
         path = Path(value.strip("'\"")).expanduser()
+        if not path.exists():
+            created.append(path)
         try:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as err:
@@ -81,6 +85,7 @@ def check_run_dir_overrides(argv: list[str]) -> None:
         if not os.access(path, os.W_OK | os.X_OK):
             raise ConfigError(key, f"{value!r} is not writable. Name a directory you can write, e.g. "
                                    "hydra.run.dir=runs/my_run.")
+    return created
 
 
 def save_record(cfg: DictConfig, run_dir: Path) -> str | None:

@@ -16,8 +16,10 @@ contiguous unit-1 intervals, so everything that relates layouts by intersection 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: the work model and the config checks import this without torch
+    import torch
 
 
 def unit_interval(index: int, n: int, units: int) -> tuple[int, int]:
