@@ -128,6 +128,8 @@ def test_shrinking_keeps_every_option_and_follows_per_replica_boosts():
     assert new.replica_tp == (1, 1) and new.power_boost == (1.3, 1.2) and new.nominal_replicas == 3
     assert new.layer_tp == lay.layer_tp and new.num_microbatches == 20
     assert new.shard_align == 4 and new.topology().shard_align == 4
+    sp = lay.with_changes(sequence_parallel=True, capacity="work").shrunk([0, 1, 1])
+    assert sp.sequence_parallel and sp.capacity == "work" and sp.work == lay.work and sp.shard_align == 4
     # capacities 0.5 * 1.3 = 0.65 and 0.5 * 1.2 = 0.6 of 20 micro-batches: 10.4 and 9.6 -> 10 and 10
     assert new.microbatches == (10, 10) and new.capacity_fraction() == 2 / 6
 
