@@ -174,3 +174,32 @@ def test_kill_9_of_the_launcher(tmp_path):
             f"directory reached step {reached} and saved none: ")
     assert said in res.stdout, res.stdout[-3000:]
     assert ("its launching process was killed" in res.stdout) == (stopped == "launcher lost")
+
+
+def test_parent_gone_sees_a_launcher_whose_main_thread_has_exited(tmp_path):
+    """After `kill -9` of a launcher with several threads, its main thread (which forked the workers) may
+    exit first: the workers' parent pid is still the launcher's, yet it is going. Reproduced with
+    pthread_exit in the main thread of a process whose other thread lives on."""
+    out = tmp_path / "seen.txt"
+    code = f"""
+import ctypes, os, threading, time
+from ntp_nemo.lightning.callbacks import parent_gone
+launcher = os.getpid()
+child = os.fork()
+if child == 0:
+    before = parent_gone(launcher)
+    deadline = time.time() + 20
+    while not parent_gone(launcher) and time.time() < deadline:
+        time.sleep(0.01)
+    with open({str(out)!r}, "w") as fh:
+        fh.write(f"{{before}} {{parent_gone(launcher)}} {{os.getppid() == launcher}}")
+    os._exit(0)
+threading.Thread(target=time.sleep, args=(4,)).start()
+time.sleep(0.5)
+ctypes.CDLL(None).pthread_exit(None)
+"""
+    subprocess.run([sys.executable, "-c", code], timeout=60, check=False)
+    deadline = time.time() + 20
+    while not out.exists() and time.time() < deadline:
+        time.sleep(0.05)
+    assert out.read_text() == "False True True"

@@ -183,6 +183,22 @@ def hold_stop_signals() -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, [getattr(signal, n) for n in STOP_SIGNALS])
 
 
+def parent_gone(launcher_pid: int) -> bool:
+    """The process that forked this one (`launcher_pid`) is gone or going: this process has another parent
+    now, or the launcher's main thread has exited (state Z in /proc). The second case matters after
+    `kill -9` of a launcher with several threads: its threads die one by one, and when the main thread
+    (which forked the workers) goes first, the kernel moves the workers to a surviving thread of the same
+    process (their parent pid unchanged) and sends them their parent-death signal already."""
+    if os.getppid() != launcher_pid:
+        return True
+    try:
+        with open(f"/proc/{launcher_pid}/stat", encoding="ascii", errors="replace") as fh:
+            state = fh.read().rpartition(")")[2].split()[:1]
+    except OSError:  # no /proc (macOS): the parent pid is the only sign
+        return False
+    return state in (["Z"], ["X"])
+
+
 def launcher_gone(trainer: pl.Trainer) -> bool:
     """This worker's launching process died (`kill -9` of `ntp-train`): its store and the coordination
     of the workers went with it, so the workers stop without announcing a checkpoint they cannot write."""
@@ -210,8 +226,8 @@ class PreemptionCheckpoint(Callback):
         self.launcher_pid = os.getpid()  # built in the process that forks the workers (when one does)
 
     def launcher_gone(self) -> bool:
-        """Forked from `launcher_pid`, which is no longer this process's parent."""
-        return os.getpid() != self.launcher_pid and os.getppid() != self.launcher_pid
+        """Forked from `launcher_pid`, which is dying or gone (`parent_gone`)."""
+        return os.getpid() != self.launcher_pid and parent_gone(self.launcher_pid)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Replaces the trainer's own SIGTERM handler (installed when the run started): that one broadcasts

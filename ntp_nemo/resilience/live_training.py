@@ -528,7 +528,9 @@ def _rejoin_main(launcher: LiveLauncher, idx: int, joining: Rejoining, trainer: 
 
 
 def _give_up(pid: int, err: BaseException, launcher_pid: int | None = None) -> None:
-    if launcher_pid is not None and os.getpid() != launcher_pid and os.getppid() != launcher_pid:
+    from ntp_nemo.lightning.callbacks import parent_gone
+
+    if launcher_pid is not None and os.getpid() != launcher_pid and parent_gone(launcher_pid):
         # The launching process (and the store it hosts) died: no restart path exists any more.
         if pid == 0:
             print(f"the launching process (pid {launcher_pid}) is gone: the workers stop without a "
