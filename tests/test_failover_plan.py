@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from ntp_nemo.errors import ConfigError
+from ntp_nemo.resilience.beats import Beat, suspects
 from ntp_nemo.resilience.detection import LostRanks, Timeouts, Verdict, classify, is_lost_status
-from ntp_nemo.resilience.heartbeat import Beat, suspects
 from ntp_nemo.resilience.policies import DropBelow, Policy, ShrinkToSurvivors, make_policy, replan
 from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.conftest import ROOT, compose

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ntp_nemo.resilience.beats import Beat, read_beats, suspects
 from ntp_nemo.resilience.fault_config import Timeouts
-from ntp_nemo.resilience.heartbeat import Beat, read_beats, suspects
 
 
 @dataclass(frozen=True)

@@ -42,8 +42,8 @@ from lightning.pytorch import Callback
 
 from ntp_nemo.lightning.strategy import _ForkLauncher
 from ntp_nemo.parallel.loopback import loopback_children_env
+from ntp_nemo.resilience.beats import read_beats, suspects
 from ntp_nemo.resilience.detection import Verdict, is_lost_status, kill_worker
-from ntp_nemo.resilience.heartbeat import read_beats, suspects
 from ntp_nemo.resilience.policies import make_policy
 from ntp_nemo.resilience.recovery import Generation, grow, recover
 from ntp_nemo.resilience.rendezvous import (

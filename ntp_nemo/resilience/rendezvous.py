@@ -68,11 +68,15 @@ def sever(store: JobStore | None) -> int:
     process would wait for the whole collective timeout.  Shutting the sockets down makes every pending
     and future gloo operation of this generation, here and at the peers, fail at once ("connection
     closed"), which is how a failure spreads to every survivor in milliseconds.  Listening sockets are
-    left alone (gloo's listener aborts the process if its socket is shut).  NCCL communicators are not
+    left alone (gloo's listener aborts the process if its socket is shut), and so are the job's own
+    sockets it lists in `keep_fds` (a cluster task's link to the coordinator).  NCCL communicators are not
     sockets; their abort (`leave`) is what stops them."""
     skip = _store_address(store)
+    keep = getattr(store, "keep_fds", set())
     count = 0
     for name in os.listdir("/proc/self/fd"):
+        if int(name) in keep:
+            continue
         try:
             sock = socket.socket(fileno=os.dup(int(name)))
         except OSError:  # not a socket

@@ -76,6 +76,14 @@ class JobStore:
     def __init__(self, store: dist.Store, secret: bytes) -> None:
         self.store = dist.PrefixStore(key_prefix(secret), store)
         self._secret = secret
+        # Sockets of the job's own that severing a generation leaves open (a cluster task's link to its
+        # coordinator: `rendezvous.sever`).
+        self.keep_fds: set[int] = set()
+
+    @property
+    def secret(self) -> bytes:
+        """The job's secret (never printed: see `__repr__`)."""
+        return self._secret
 
     def __repr__(self) -> str:
         return "JobStore(<secret hidden>)"

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ntp_nemo.config.failover import FailoverSpec
+from ntp_nemo.resilience.beats import read_beats, suspects
 from ntp_nemo.resilience.detection import LostRanks, Timeouts, WorkerMonitor, classify, kill_worker
 from ntp_nemo.resilience.fault_config import (  # noqa: F401 - re-exported: the run-time side uses them here
     RECOVERY_MODES,
@@ -35,7 +36,7 @@ from ntp_nemo.resilience.fault_config import (  # noqa: F401 - re-exported: the 
     validate_fault_config,
 )
 from ntp_nemo.resilience.faults import FaultInjector, resolve_faults
-from ntp_nemo.resilience.heartbeat import Heartbeat, read_beats, suspects
+from ntp_nemo.resilience.heartbeat import Heartbeat
 from ntp_nemo.resilience.policies import Replan, make_policy, replan
 from ntp_nemo.resilience.worker import SupervisedWorker
 from ntp_nemo.topology.layout import ResolvedLayout

@@ -1,0 +1,67 @@
+"""Progress beats, the data: each rank's latest (step, phase) and who is behind (`suspects`).
+
+Written by `heartbeat.Heartbeat` (files, under `ntp-train`) or by a cluster task's link (the
+coordinator's store); read by the monitors.  No Lightning here: the coordinator imports this.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+# Order of the phases that carry the same step: `step_start` carries the step being run, the others
+# the last completed step, so (step, phase) orders all reports of a run.
+PHASES = {
+    "setup": -2,
+    "train_start": -1,
+    "step_start": 0,
+    "step_end": 1,
+    "validation": 2,
+    "save": 2,
+    "end": 3,
+}
+
+
+@dataclass(frozen=True)
+class Beat:
+    rank: int
+    step: int
+    phase: str
+    t: float
+    pid: int
+
+    @property
+    def progress(self) -> tuple[int, int]:
+        return (self.step, PHASES[self.phase])
+
+    @property
+    def training(self) -> bool:
+        """Past setup and not yet finished: the phase where a silent rank means a stall."""
+        return self.phase not in ("setup", "end")
+
+
+def beat_path(directory: Path, rank: int) -> Path:
+    return directory / f"rank_{rank:05d}.json"
+
+
+def read_beats(directory: Path, world_size: int) -> dict[int, Beat]:
+    """Latest heartbeat of every rank that wrote one (unreadable files are skipped)."""
+    out: dict[int, Beat] = {}
+    for rank in range(world_size):
+        try:
+            doc = json.loads(beat_path(directory, rank).read_text())
+            out[rank] = Beat(rank, int(doc["step"]), str(doc["phase"]), float(doc["t"]), int(doc["pid"]))
+        except (OSError, ValueError, KeyError):
+            continue
+    return out
+
+
+def suspects(beats: dict[int, Beat], world_size: int) -> tuple[int, ...]:
+    """Ranks strictly behind the others (a rank that never reported is behind everyone); () when all agree."""
+    missing = tuple(r for r in range(world_size) if r not in beats)
+    if missing:
+        return missing if len(missing) < world_size else ()
+    least = min(b.progress for b in beats.values())
+    behind = tuple(sorted(r for r, b in beats.items() if b.progress == least))
+    return behind if len(behind) < world_size else ()

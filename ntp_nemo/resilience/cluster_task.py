@@ -1,0 +1,235 @@
+"""A task's side of a cluster job with `ntp-coordinator` (see `coordinator.py`, `cluster_protocol.py`).
+
+`ClusterLink.open()` connects to the coordinator's store and link, proves the job's secret and gets a
+place: the process id this task trains as (`SLURM_PROCID` while the job forms; a gone process's for a
+replacement, which then rejoins).  From then on a watcher thread reads the link:
+
+- `look` (a failure was published): a survivor blocked in a collective with a hung peer severs this
+  generation's connections (`LiveRecovery.interrupt`), so its collective fails at once and the live
+  recovery starts; a task that finds itself on the list (it was hung, and runs again) stops with
+  `DECLARED_LOST_EXIT`;
+- `end`: the job falls back to the restart path: stop with `FALLBACK_EXIT`;
+- the link closing: the coordinator died.  The task asks the run to stop at the end of the step, with
+  every rank agreeing, without a checkpoint (a save needs the store for its groups), and exits with
+  `COORDINATOR_LOST_EXIT`; if it has not stopped within the heartbeat timeout, it exits anyway.
+
+Heartbeats go to the store (`beat/{pid}`, signed) from a sender thread: the training thread only records
+its (step, phase) in memory (`LinkHeartbeat`), so no store round trip sits in the step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ntp_nemo.resilience.cluster_protocol import (
+    COORDINATOR_LOST_EXIT,
+    DECLARED_LOST_EXIT,
+    LINK_KEY,
+    PLACE_ENV,
+    WORLD_ENV,
+    Line,
+    auth_tag,
+)
+from ntp_nemo.resilience.coordinator import FALLBACK_EXIT, beat_key
+from ntp_nemo.resilience.heartbeat import Heartbeat
+from ntp_nemo.resilience.rendezvous import failed_key
+from ntp_nemo.resilience.store_auth import JobStore, connect_cluster_store
+
+
+class LinkRefused(RuntimeError):
+    """The coordinator gave this task no place (its reason is the message)."""
+
+
+class ClusterLink:
+    """This task's connection to the coordinator (see the module docstring)."""
+
+    def __init__(self, address: tuple[str, int], want: int, ntasks: int, *, heartbeat_s: float,
+                 timeout_s: float = 300.0, say: Callable[[str], None] | None = None) -> None:
+        self.address, self.want, self.ntasks = address, int(want), int(ntasks)
+        self.heartbeat_s, self.timeout_s = float(heartbeat_s), float(timeout_s)
+        self.say = say or (lambda s: print(s, file=sys.stderr, flush=True))
+        self.job: JobStore | None = None
+        self.line: Line | None = None
+        self.place: int | None = None
+        self.mode: str | None = None  # start | rejoin
+        self.world: int | None = None
+        self.on_look: Callable[[int, list[int]], None] | None = None  # set by LiveRecovery
+        self.on_coordinator_lost: Callable[[], None] | None = None  # set by the task runner
+        self.coordinator_lost = threading.Event()
+        self._announced: queue.Queue = queue.Queue()
+        self._said_bye = False
+        self._beat: tuple[int, str] | None = None
+        self._sent: tuple[int, str] | None = None
+        self._halt = threading.Event()
+
+    @property
+    def where(self) -> str:
+        return f"{self.address[0]}:{self.address[1]}"
+
+    # ---- start-up ---------------------------------------------------------------------------------
+    def open(self) -> ClusterLink:
+        """Connect, authenticate, get a place; exports NTP_PLACE and NTP_WORLD_SIZE for this process."""
+        host, port = self.address
+        self.job = connect_cluster_store(host, port, required_by=f"the coordinator's store at {self.where}",
+                                         timeout_s=self.timeout_s)
+        link_port = int(self.job.wait_for(LINK_KEY, self.timeout_s))
+        sock = socket.create_connection((host, link_port), timeout=self.timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.line = Line(sock)
+        self.job.keep_fds.add(sock.fileno())  # severing a generation leaves the link alone
+        nonce = self._next()["nonce"]
+        secret = self.job.secret
+        self.line.send({"auth": auth_tag(secret, nonce), "want": self.want, "ntasks": self.ntasks,
+                        "host": socket.gethostname(), "pid": os.getpid()})
+        reply = self._next()
+        if "refused" in reply:
+            raise LinkRefused(f"the coordinator at {self.where} refused this task: {reply['refused']}")
+        self.place, self.mode, self.world = int(reply["place"]), str(reply["mode"]), int(reply["world"])
+        sock.settimeout(None)
+        os.environ[PLACE_ENV], os.environ[WORLD_ENV] = str(self.place), str(self.world)
+        threading.Thread(target=self._watch, name="ntp-coordinator-link", daemon=True).start()
+        threading.Thread(target=self._send_beats, name="ntp-heartbeat", daemon=True).start()
+        return self
+
+    def _next(self) -> dict:
+        assert self.line is not None
+        while True:
+            msgs = self.line.receive()
+            if msgs is None:
+                raise LinkRefused(f"the coordinator at {self.where} closed the link during the hello")
+            if msgs:
+                return msgs[0]
+
+    def ready(self) -> tuple[int, int]:
+        """A replacement, about to join: tell the coordinator and wait for the generation to join and
+        the survivor that sends Lightning's state: (generation, source)."""
+        assert self.line is not None
+        self.line.send({"ready": True})
+        msg = self._announced.get()
+        if "end" in msg:
+            self.say(f"coordinator: {msg['end']}; this replacement stops")
+            self.bye("done")
+            os._exit(0)
+        return int(msg["rejoin"]), int(msg["source"])
+
+    # ---- heartbeats -------------------------------------------------------------------------------
+    def beat(self, step: int, phase: str) -> None:
+        """Record this task's progress (the sender thread publishes it): no I/O here."""
+        self._beat = (int(step), phase)
+
+    def _send_beats(self) -> None:
+        every = max(0.05, min(1.0, self.heartbeat_s / 4))
+        while not self._halt.wait(every):
+            beat = self._beat
+            if beat is None or beat == self._sent or self.place is None:
+                continue
+            try:
+                self.job.put(beat_key(self.place), json.dumps({"step": beat[0], "phase": beat[1]}))
+                self._sent = beat
+            except Exception:  # noqa: BLE001 - the store is gone with the coordinator: the watcher says so
+                return
+
+    # ---- the watcher ------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        assert self.line is not None
+        while True:
+            msgs = self.line.receive()
+            if msgs is None:
+                if not self._said_bye:
+                    self._lost_coordinator()
+                return
+            for msg in msgs:
+                if "look" in msg:
+                    self._look(int(msg["look"]))
+                elif "rejoin" in msg:
+                    self._announced.put(msg)
+                elif "end" in msg:
+                    if self.mode == "rejoin" and self._announced.empty():
+                        self._announced.put(msg)
+                        continue
+                    self.say(f"failover | coordinator: {msg['end']}; stopping (the job falls back to the "
+                             "restart path: resubmit with resume=auto)")
+                    self.bye("fallback")
+                    os._exit(FALLBACK_EXIT)
+
+    def _look(self, generation: int) -> None:
+        raw = self.job.read(failed_key(generation))
+        if raw is None:
+            return
+        failed = [int(p) for p in json.loads(raw)]
+        if self.place in failed:
+            self.say(f"failover | process {self.place} was declared lost by the coordinator (no heartbeat "
+                     f"progress for {self.heartbeat_s:g} s) and the others went on without it; exiting")
+            self.bye("lost")
+            os._exit(DECLARED_LOST_EXIT)
+        if self.on_look is not None:
+            self.on_look(generation, failed)
+
+    def _lost_coordinator(self) -> None:
+        self.coordinator_lost.set()
+        self._halt.set()
+        self.say(f"failover | the coordinator at {self.where} is gone: stopping at the end of this step "
+                 "without a checkpoint (the latest checkpoint stays valid); resubmit with resume=auto")
+        if self.on_coordinator_lost is not None:
+            self.on_coordinator_lost()
+
+        def last_resort() -> None:
+            self.say(f"failover | the coordinator is gone and this process did not stop within "
+                     f"{self.heartbeat_s:g} s; exiting")
+            os._exit(COORDINATOR_LOST_EXIT)
+
+        timer = threading.Timer(self.heartbeat_s, last_resort)
+        timer.daemon = True
+        timer.start()
+
+    def lost_coordinator(self, wait_s: float = 1.0) -> bool:
+        """The coordinator is gone (waits up to `wait_s` for the watcher to see the link close)."""
+        return self.coordinator_lost.wait(wait_s)
+
+    # ---- the end ----------------------------------------------------------------------------------
+    def bye(self, kind: str) -> None:
+        """Tell the coordinator why this task exits (done, idle, fallback, lost, error)."""
+        if self._said_bye or self.line is None:
+            return
+        self._said_bye = True
+        self._halt.set()
+        self.line.send({"bye": kind})
+        try:
+            self.line.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+
+class LinkHeartbeat(Heartbeat):
+    """The heartbeat of a cluster task: each phase goes to the coordinator's store (via the link's
+    sender thread), not to a file."""
+
+    def __init__(self, link: ClusterLink) -> None:
+        super().__init__(".")
+        self.link = link
+
+    def beat(self, trainer: Any, phase: str, step: int) -> None:
+        self.link.beat(step, phase)
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage == "fit":
+            self.beat(trainer, "setup", trainer.global_step)
+
+
+def open_link(want: int, ntasks: int, heartbeat_s: float, timeout_s: float = 300.0) -> ClusterLink | None:
+    """The link of a task started under a coordinator (`NTP_COORDINATOR` set), else None."""
+    from ntp_nemo.resilience.cluster_protocol import coordinator_address
+
+    address = coordinator_address()
+    if address is None:
+        return None
+    # The store client waits up to `timeout_s` for the coordinator's server (the batch script starts both
+    # at once).
+    return ClusterLink(address, want, ntasks, heartbeat_s=heartbeat_s, timeout_s=timeout_s).open()
