@@ -50,6 +50,8 @@ def train(cfg: DictConfig) -> dict:
     spec, ckpt_path = _resolve(cfg, run_dir)  # every check before anything starts: exit 2 on bad input
     if spec.model.init_from:
         say(f"model weights: initialised from {spec.model.init_from} (model.init_from)", flush=True)
+    link = _cluster_link(spec)  # an srun task under ntp-coordinator: its place before anything else
+    rejoining = link is not None and link.mode == "rejoin"
     quiet_libraries()
     data = _data(spec)
     from ntp_nemo.lightning.factory import build_trainer
@@ -61,8 +63,9 @@ def train(cfg: DictConfig) -> dict:
         run_dir,
         lambda lay, extra, devices, stop_at: build_trainer(
             spec, run_dir, data, lay, extra, devices, stop_at,
-            job_started=launcher_rank() == 0,  # recorded below, before supervisor.run
+            job_started=launcher_rank() == 0 and not rejoining,  # recorded below, before supervisor.run
         ),
+        link=link,
     )
     first = supervisor.build_first()
     _describe(spec, data)
@@ -75,9 +78,9 @@ def train(cfg: DictConfig) -> dict:
             "over."
         )
         return {"already_complete": True, "checkpoint": str(ckpt_path)}
-    if ckpt_path is not None:
+    if ckpt_path is not None and not rejoining:
         say(f"resuming from {ckpt_path} (step {done_step}; resume={cfg.resume})", flush=True)
-    if launcher_rank() == 0:
+    if launcher_rank() == 0 and not rejoining:
         from ntp_nemo.goodput import GoodputRecorder
 
         GoodputRecorder(run_dir).record("job_start", layout=spec.layout.describe())
@@ -88,9 +91,44 @@ def train(cfg: DictConfig) -> dict:
     except Exception:
         _raise_if_found_corrupt(ckpt_path)
         raise
+    if result.exit_code:  # a cluster task whose coordinator died: the batch script sees why
+        sys.exit(result.exit_code)
     if launcher_rank() != 0:
         return {}  # summary.json has one writer, global rank 0, which also reads and prints it
     return _report(spec, run_dir, t0, result)
+
+
+def _cluster_link(spec: RunSpec):
+    """The link to ntp-coordinator of an srun task started with `NTP_COORDINATOR` set (None otherwise):
+    the coordinator hosts the job's store and gives this task its place (resilience/cluster_task.py)."""
+    from ntp_nemo.resilience.cluster_protocol import COORDINATOR_ENV, coordinator_address
+
+    if coordinator_address() is None:
+        return None
+    from ntp_nemo.parallel.cluster import launcher_layout
+    from ntp_nemo.resilience.fault_config import recovery_mode
+
+    proc = launcher_layout()
+    if proc is None or proc.launcher != "slurm":
+        raise ConfigError(COORDINATOR_ENV, "is set, but this process is not an srun task: a job with "
+                          "ntp-coordinator starts its ranks as `srun --kill-on-bad-exit=0 python -m "
+                          "ntp_nemo.train ...` (one task per GPU); unset it otherwise.")
+    mode, why = recovery_mode(spec.failover)
+    if mode != "live":
+        raise ConfigError(COORDINATOR_ENV, f"is set, but recovery resolves to {mode} ({why}): the "
+                          "coordinator serves live recovery only. Start the tasks without NTP_COORDINATOR "
+                          "(and without ntp-coordinator: rank 0 hosts the store at MASTER_PORT), or make "
+                          "live recovery possible.")
+    from ntp_nemo.resilience.cluster_task import LinkRefused, open_link
+
+    try:
+        link = open_link(proc.global_rank, proc.world_size, float(spec.failover.fault.heartbeat_timeout_s))
+    except LinkRefused as err:
+        raise ConfigError(COORDINATOR_ENV, f"{err}.") from None
+    what = "rejoins as" if link.mode == "rejoin" else "trains as"
+    print(f"coordinator {link.where}: this task ({proc.launcher} task {proc.global_rank}) {what} process "
+          f"{link.place} of {link.world}", flush=True)
+    return link
 
 
 def _resolve(cfg: DictConfig, run_dir: Path) -> tuple[RunSpec, Path | None]:

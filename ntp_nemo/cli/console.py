@@ -16,8 +16,9 @@ _IMPORTED = time.time()  # when /proc does not say when this process started
 
 
 def launcher_rank() -> int:
-    """Global rank given by an external launcher (torchrun: RANK, srun: SLURM_PROCID); 0 when we launch."""
-    for var in ("RANK", "SLURM_PROCID"):
+    """Global rank given by an external launcher (torchrun: RANK, srun: SLURM_PROCID, or the place
+    ntp-coordinator gave an srun task: NTP_PLACE); 0 when we launch."""
+    for var in ("NTP_PLACE", "RANK", "SLURM_PROCID"):
         if var in os.environ:
             return int(os.environ[var])
     return 0

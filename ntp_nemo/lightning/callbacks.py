@@ -224,10 +224,21 @@ class PreemptionCheckpoint(Callback):
         self.signal_name: str | None = None
         self.stopped = False  # this run stopped on a signal (received here or by another rank)
         self.launcher_pid = os.getpid()  # built in the process that forks the workers (when one does)
+        self.store_gone: str | None = None  # what hosted the job's store, when it died (a coordinator)
 
     def launcher_gone(self) -> bool:
-        """Forked from `launcher_pid`, which is dying or gone (`parent_gone`)."""
+        """The process hosting the job's store is gone: the launcher these workers were forked from
+        (`launcher_pid`, dying or gone: `parent_gone`), or a cluster job's coordinator (`store_lost`)."""
+        if self.store_gone is not None:
+            return True
         return os.getpid() != self.launcher_pid and parent_gone(self.launcher_pid)
+
+    def store_lost(self, what: str) -> None:
+        """`what` (e.g. "the coordinator at HOST:PORT"), which hosted the job's store, died: stop at the end
+        of the step with every rank agreeing, without a checkpoint (called from another thread)."""
+        self.store_gone = what
+        self.signal_name = "coordinator lost"
+        self.requested = True
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Replaces the trainer's own SIGTERM handler (installed when the run started): that one broadcasts
@@ -244,7 +255,7 @@ class PreemptionCheckpoint(Callback):
 
         if self.launcher_gone():
             self.requested = True
-            self.signal_name = "launcher lost"
+            self.signal_name = self.signal_name if self.store_gone is not None else "launcher lost"
             return
         if signum == signal.SIGINT and self.signal_name == "SIGINT":
             # The second Ctrl-C: die of SIGINT now, as an uncaught Ctrl-C would (no checkpoint).
@@ -271,7 +282,12 @@ class PreemptionCheckpoint(Callback):
             agreed = bool(flag.item() > 0)
         if agreed:
             self.stopped = True
-            if self.launcher_gone():
+            if self.store_gone is not None:
+                if trainer.is_global_zero:
+                    print(f"{self.store_gone} is gone: stopping at step {trainer.global_step} without a "
+                          "checkpoint (a save needs the job's store); the latest checkpoint stays valid; "
+                          "resubmit with resume=auto", flush=True)
+            elif self.launcher_gone():
                 self.signal_name = "launcher lost"
                 if trainer.is_global_zero:
                     print(f"the launching process (pid {self.launcher_pid}) is gone: stopping at step "

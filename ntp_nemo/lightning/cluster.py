@@ -5,7 +5,10 @@ counts per node: Lightning gets `devices` = this node's process count and `num_n
 
 from __future__ import annotations
 
+import os
+
 from lightning.fabric.plugins.environments import (
+    ClusterEnvironment,
     LightningEnvironment,
     SLURMEnvironment,
     TorchElasticEnvironment,
@@ -14,6 +17,7 @@ from lightning.fabric.plugins.environments import (
 from ntp_nemo.parallel.cluster import ProcessLayout, launcher_layout, parse_tasks_per_node
 
 __all__ = [
+    "NTPCoordinatedEnvironment",
     "NTPSLURMEnvironment",
     "NTPTorchElasticEnvironment",
     "ProcessLayout",
@@ -55,6 +59,53 @@ class NTPSLURMEnvironment(SLURMEnvironment):
         _validate("SLURM", layout, num_devices, num_nodes)
 
 
+class NTPCoordinatedEnvironment(ClusterEnvironment):
+    """An srun task placed by `ntp-coordinator`: its global rank is its place and the world is the job's
+    (not its srun step's: a replacement runs in a step of one task); both move with a live recovery
+    (`NTPStrategy.adopt`).  The process groups rendezvous on the coordinator's store, not at
+    `main_address:main_port`."""
+
+    def __init__(self, layout: ProcessLayout) -> None:
+        self._rank, self._world, self._local = layout.global_rank, layout.world_size, layout.local_rank
+        address = os.environ.get("NTP_COORDINATOR", "127.0.0.1:0")
+        self._host, _, port = address.rpartition(":")
+        self._port = int(port) if port.isdigit() else 0
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        return True
+
+    @property
+    def main_address(self) -> str:
+        return self._host
+
+    @property
+    def main_port(self) -> int:
+        return self._port
+
+    @staticmethod
+    def detect() -> bool:
+        return False
+
+    def world_size(self) -> int:
+        return self._world
+
+    def set_world_size(self, size: int) -> None:
+        self._world = size
+
+    def global_rank(self) -> int:
+        return self._rank
+
+    def set_global_rank(self, rank: int) -> None:
+        self._rank = rank
+
+    def local_rank(self) -> int:
+        return self._local
+
+    def node_rank(self) -> int:
+        return 0
+
+
 def cluster_environment(layout: ProcessLayout | None):
     """The Lightning cluster environment plugin for `layout`.  None (no external launcher): ntp-train
     launches the ranks, in Lightning's own environment, never one Lightning would detect from a batch
@@ -63,4 +114,6 @@ def cluster_environment(layout: ProcessLayout | None):
         return LightningEnvironment()
     if layout.launcher == "torchrun":
         return NTPTorchElasticEnvironment()
+    if layout.launcher == "coordinator":
+        return NTPCoordinatedEnvironment(layout)
     return NTPSLURMEnvironment(auto_requeue=False)  # PreemptionCheckpoint owns SIGTERM/SIGUSR1

@@ -219,6 +219,8 @@ class NTPStrategy(ParallelStrategy):
                 kwargs["device_id"] = self.root_device  # NCCL communicators bound to this rank's GPU
             if self.joining is not None:  # a repaired process: it joins the running job's generation
                 self.joining.init_process_group(self)
+            elif self.rendezvous is not None:  # a cluster task: generation 0 on the coordinator's store
+                self.rendezvous(self)
             else:
                 self._rendezvous_server = self._loopback_rendezvous_store()
                 _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
@@ -242,10 +244,12 @@ class NTPStrategy(ParallelStrategy):
             self._launch_devices = list(self.parallel_devices or [])
             return
         world = state.layout.world_size
-        self.parallel_devices = self._launch_devices[:world]
+        if isinstance(self.cluster_environment, LightningEnvironment):  # forked here: local rank = rank
+            self.parallel_devices = self._launch_devices[:world]
+            os.environ["LOCAL_RANK"] = str(state.rank)
+        # (a cluster task keeps its node-local rank and device; its global rank and world move)
         self.cluster_environment.set_global_rank(state.rank)
         self.cluster_environment.set_world_size(world)
-        os.environ["LOCAL_RANK"] = str(state.rank)
         rank_zero_only.rank = fabric_rank_zero_only.rank = state.rank
         from ntp_nemo.lightning.goodput_callback import GoodputCallback
 
@@ -487,6 +491,9 @@ class NTPStrategy(ParallelStrategy):
     # ---- live recovery (fault.recovery=live) ----------------------------------------------------
     recovery: Any = None  # set in the workers by ntp_nemo.resilience.live_training.LiveRecovery
     joining: Any = None  # a repaired process rejoining the running job (live_training.Rejoining)
+    # rendezvous(strategy): initialises the default process group in place of env:// (a task of a cluster
+    # job joins generation 0 on the coordinator's store: resilience/cluster_run.py)
+    rendezvous: Any = None
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """The one hook of live recovery: with `recovery` set, it runs the step, and on a lost peer

@@ -26,6 +26,9 @@ from dataclasses import dataclass
 
 from ntp_nemo.errors import ConfigError
 
+# Set in a task of a cluster job once `ntp-coordinator` gave it its place (resilience/cluster_task.py).
+PLACE_ENV = "NTP_PLACE"
+WORLD_ENV = "NTP_WORLD_SIZE"
 _TASKS = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
 _SLURM_TASK_VARS = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODEID")
 _SPECIAL_STEP_IDS = 0xFFFFFFF0  # batch, extern, interactive and pending steps sit at the top of the range
@@ -81,11 +84,22 @@ def parse_tasks_per_node(text: str) -> list[int]:
     return counts
 
 
+def _step_tasks_here(env: Mapping[str, str]) -> int:
+    """How many tasks of this srun step run on this node (1 outside srun)."""
+    tasks = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    node = int(env.get("SLURM_NODEID", 0))
+    if tasks:
+        per_node = parse_tasks_per_node(tasks)
+        if node < len(per_node):
+            return per_node[node]
+    return int(env.get("SLURM_NTASKS_PER_NODE", env.get("SLURM_NTASKS", 1)))
+
+
 @dataclass(frozen=True)
 class ProcessLayout:
     """Where this process sits in a launcher-created job."""
 
-    launcher: str  # torchrun | slurm
+    launcher: str  # torchrun | slurm | coordinator (an srun task placed by ntp-coordinator)
     global_rank: int
     world_size: int
     local_rank: int
@@ -119,8 +133,20 @@ class ProcessLayout:
 
 def launcher_layout(env: Mapping[str, str] | None = None) -> ProcessLayout | None:
     """The layout given by torchrun (checked first: torchrun may run inside a SLURM allocation) or
-    srun; None when no external launcher started this process (a batch script without srun included)."""
+    srun; None when no external launcher started this process (a batch script without srun included).
+    An srun task under `ntp-coordinator` that got its place (`NTP_PLACE`, `NTP_WORLD_SIZE`) is that
+    place of the job's world (launcher `coordinator`): a replacement's own srun step has one task."""
     env = os.environ if env is None else env
+    if PLACE_ENV in env and WORLD_ENV in env:
+        return ProcessLayout(
+            "coordinator",
+            global_rank=int(env[PLACE_ENV]),
+            world_size=int(env[WORLD_ENV]),
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            local_world_size=_step_tasks_here(env),
+            node_rank=0,
+            num_nodes=1,  # Lightning's view of this task: its node's tasks (no node arithmetic)
+        )
     if all(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")):
         return ProcessLayout(
             "torchrun",

@@ -38,10 +38,9 @@ import socket
 from collections.abc import Mapping
 
 from ntp_nemo.errors import ConfigError
+from ntp_nemo.parallel.cluster import PLACE_ENV, WORLD_ENV  # noqa: F401 - set once a task has its place
 
 COORDINATOR_ENV = "NTP_COORDINATOR"  # HOST:PORT of the coordinator's store (set by the batch script)
-PLACE_ENV = "NTP_PLACE"  # set in a task once the coordinator gave it a place: its process id
-WORLD_ENV = "NTP_WORLD_SIZE"  # ... and the job's world size (a replacement's srun step has 1 task)
 LINK_KEY = "coordinator/link"  # the link's port, signed
 
 COORDINATOR_LOST_EXIT = 76  # a task stopped because the coordinator died: resubmit with resume=auto

@@ -233,3 +233,38 @@ def open_link(want: int, ntasks: int, heartbeat_s: float, timeout_s: float = 300
     # The store client waits up to `timeout_s` for the coordinator's server (the batch script starts both
     # at once).
     return ClusterLink(address, want, ntasks, heartbeat_s=heartbeat_s, timeout_s=timeout_s).open()
+
+
+def run_task(link: ClusterLink, trainer: Any, module: Any, resume: Any, result: Any) -> None:
+    """Train this task of a cluster job under its coordinator: generation 0 on the coordinator's store
+    (or, for a replacement, the rejoin the coordinator announces), live recovery on a lost peer, and a
+    goodbye at the end.  `result.exit_code` becomes `COORDINATOR_LOST_EXIT` when the coordinator died."""
+    from ntp_nemo.lightning.callbacks import PreemptionCheckpoint
+    from ntp_nemo.resilience.live_training import Rejoining, prepare_rejoin
+    from ntp_nemo.resilience.rendezvous import join
+
+    strategy = trainer.strategy
+    timeout_s = strategy._timeout.total_seconds()
+    stop = next((cb for cb in trainer.callbacks if isinstance(cb, PreemptionCheckpoint)), None)
+    if stop is not None:
+        link.on_coordinator_lost = lambda: stop.store_lost(f"the coordinator at {link.where}")
+    if link.mode == "rejoin":
+        prepare_rejoin(trainer, Rejoining(lambda: link.job, strategy.layout, int(link.place),
+                                          announce=link.ready, timeout_s=timeout_s))
+        ckpt_path: str | None = Rejoining.CKPT_PATH
+    else:
+        strategy.rendezvous = lambda s: join(link.job, 0, s.global_rank, s.topology.world_size,
+                                             backend=s.process_group_backend or "gloo", timeout_s=timeout_s)
+        ckpt_path = str(resume) if resume else None
+    try:
+        trainer.fit(module, ckpt_path=ckpt_path)
+    except BaseException:
+        if link.lost_coordinator(0.5):
+            result.exit_code = COORDINATOR_LOST_EXIT
+            return
+        link.bye("error")
+        raise
+    if link.coordinator_lost.is_set():
+        result.exit_code = COORDINATOR_LOST_EXIT
+        return
+    link.bye("done")

@@ -43,6 +43,8 @@ from lightning.pytorch import Callback
 from ntp_nemo.lightning.strategy import _ForkLauncher
 from ntp_nemo.parallel.loopback import loopback_children_env
 from ntp_nemo.resilience.beats import read_beats, suspects
+from ntp_nemo.resilience.cluster_protocol import COORDINATOR_LOST_EXIT
+from ntp_nemo.resilience.coordinator import FALLBACK_EXIT  # noqa: F401 - the survivors' word for "restart"
 from ntp_nemo.resilience.detection import Verdict, is_lost_status, kill_worker
 from ntp_nemo.resilience.policies import make_policy
 from ntp_nemo.resilience.recovery import Generation, grow, recover
@@ -58,7 +60,6 @@ from ntp_nemo.resilience.rendezvous import (
 from ntp_nemo.resilience.store_auth import JobStore
 from ntp_nemo.topology.layout import ResolvedLayout
 
-FALLBACK_EXIT = 75  # a survivor that could not recover live: the supervisor takes the restart path
 _COLLECTIVE_ERRORS = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout")
 
 
@@ -87,7 +88,9 @@ class LiveLauncher(_ForkLauncher):
         """Start a repaired process in place of process `idx`: it joins `generation` (a rejoin)."""
         assert self._spawn is not None
         port, trainer, function, args, kwargs, return_queue = self._spawn
-        joining = Rejoining(port, self.secret, generation, layout, idx, source, timeout_s)
+        secret = self.secret
+        joining = Rejoining(lambda: JobStore(connect(port, timeout_s), secret), layout, idx,
+                            index=generation, source=source, timeout_s=timeout_s)
         proc = mp.get_context("fork").Process(
             target=_rejoin_main, args=(self, idx, joining, trainer, function, args, kwargs, return_queue),
             name=f"ntp-rejoin-{idx}")
@@ -288,10 +291,15 @@ class LiveRecovery(Callback):
     """Worker side of `fault.recovery=live` (see the module docstring)."""
 
     def __init__(self, policy: str, min_replica_tp: int = 1, timeout_s: float = 60.0,
-                 repair: bool = False) -> None:
+                 repair: bool = False, link: Any = None) -> None:
         self.policy = make_policy(policy, min_replica_tp)
         self.timeout_s = timeout_s
-        self.repair = repair  # repaired processes may rejoin (fault.repair_after_steps)
+        self.repair = repair  # repaired processes may rejoin (fault.repair_after_steps, or a cluster job)
+        # A task of a cluster job: its link to ntp-coordinator (resilience/cluster_task.py), which hosts the
+        # store and says who is lost; None under ntp-train (the launching process does)
+        self.link = link
+        self._lock = threading.Lock()
+        self._recovering = False
         self.generation: Generation | None = None
         self.nominal: ResolvedLayout | None = None
         self.pid = 0
@@ -300,14 +308,38 @@ class LiveRecovery(Callback):
         self.launcher_pid = os.getpid()  # built in the launching process, which hosts the store
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if stage != "fit" or trainer.strategy.launcher is None or "MASTER_PORT" not in os.environ:
+        if stage != "fit":
             return
+        if self.link is not None:
+            self.launcher_pid = None  # no launching process: the coordinator outlives every task
+            self.store, self.pid = self.link.job, int(self.link.place)
+            self.link.on_look = self.interrupt
+        elif trainer.strategy.launcher is None or "MASTER_PORT" not in os.environ:
+            return
+        else:
+            self.pid = trainer.global_rank
+            self.store = JobStore(connect(int(os.environ["MASTER_PORT"]), self.timeout_s),
+                                  trainer.strategy.launcher.secret)
         self.nominal = trainer.strategy.layout
-        self.generation = Generation.first(self.nominal)
-        self.pid = trainer.global_rank
-        self.store = JobStore(connect(int(os.environ["MASTER_PORT"]), self.timeout_s),
-                              trainer.strategy.launcher.secret)
+        self.generation = Generation.first(self.nominal)  # a repaired process's: set by `Rejoining.receive`
         trainer.strategy.recovery = self
+
+    def interrupt(self, generation: int, failed: list[int]) -> None:
+        """The coordinator published the loss of `failed` in `generation` (called from the link's
+        watcher thread): unless this process is already recovering or past that generation, sever the
+        generation's connections, so that a collective blocked on a hung peer fails now and the training
+        thread recovers."""
+        from ntp_nemo.resilience.rendezvous import sever
+
+        with self._lock:
+            if self._recovering or self.generation is None or self.generation.index != generation:
+                return
+            if dist.is_initialized() and dist.get_backend() != "gloo":
+                from ntp_nemo.resilience.nccl_abort import abort_generation
+
+                abort_generation(self.store)
+            else:
+                sever(self.store)
 
     # -- the strategy's hook ------------------------------------------------------------------------
     def run_step(self, strategy: Any, step_fn: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -373,12 +405,16 @@ class LiveRecovery(Callback):
         trainer = module.trainer
         opt = strategy._optimizer()
         goodput = GoodputCallback.of(trainer)
+        with self._lock:
+            self._recovering = True
         try:
             rec = recover(self.store, self.generation, self.pid, trainer.global_step, (module.model, opt),
                           self._builder(strategy), self.policy, timeout_s=self.timeout_s)
         except Exception as err:  # noqa: BLE001 - any failure of the live path means the restart path
-            _give_up(self.pid, err, self.launcher_pid)
+            _give_up(self.pid, err, self.launcher_pid, self.link)
         if rec is None:  # left idle by the new layout
+            if self.link is not None:
+                self.link.bye("idle")
             os._exit(0)
         lost_ranks = [self.generation.members.index(p) for p in rec.failed if p in self.generation.members]
         self._install(strategy, rec, step)
@@ -399,7 +435,8 @@ class LiveRecovery(Callback):
     def _install(self, strategy: Any, rec: Any, step: int) -> None:
         """Make `rec`'s state (a recovery's or a rejoin's) the strategy's (`NTPStrategy.adopt`); the
         batches of step index `step` and the one fetched ahead are rebuilt for the new split."""
-        self.generation = rec.generation
+        with self._lock:
+            self.generation, self._recovering = rec.generation, False
         strategy.adopt(rec.state)
         self.rebuild_through = step + 2  # the redone step and what the loader fetched ahead
 
@@ -412,7 +449,8 @@ class LiveRecovery(Callback):
             return
         if trainer.global_step + 1 > announced["step"]:
             _give_up(self.pid, RuntimeError(f"the rejoin before step {announced['step']} was announced after "
-                                            f"this process started step {trainer.global_step + 1}"))
+                                            f"this process started step {trainer.global_step + 1}"),
+                     None, self.link)
         self._grow(trainer.strategy, int(announced["source"]))
 
     def _grow(self, strategy: Any, source: int) -> None:
@@ -433,6 +471,8 @@ class LiveRecovery(Callback):
             state.pop("optimizer_states", None)
             payload = {"lightning": state, "rng": rng_state()}
         old_layout = self.generation.layout
+        with self._lock:
+            self._recovering = True
         try:
             rec = grow(self.store, self.generation, self.nominal, self.pid, step,
                        (module.model, strategy._optimizer()), self._builder(strategy),
@@ -440,7 +480,7 @@ class LiveRecovery(Callback):
             box = [payload]
             dist.broadcast_object_list(box, src=source)
         except Exception as err:  # noqa: BLE001 - the restart path takes over
-            _give_up(self.pid, err, self.launcher_pid)
+            _give_up(self.pid, err, self.launcher_pid, self.link)
         # Said by the degraded layout's rank 0, before the ranks change (a repaired process 0 takes rank 0).
         goodput = GoodputCallback.of(trainer)
         if goodput is not None:
@@ -467,18 +507,24 @@ class Rejoining:
 
     CKPT_PATH = "<live rejoin>"  # what Lightning is given as the checkpoint to resume from
 
-    def __init__(self, port: int, secret: bytes, index: int, layout: ResolvedLayout, pid: int, source: int,
-                 timeout_s: float = 60.0) -> None:
-        self.port, self.index, self.layout, self.pid, self.timeout_s = port, index, layout, pid, timeout_s
-        self._secret = secret
-        self.source = source  # the survivor that sends Lightning's state
+    def __init__(self, open_store: Callable[[], JobStore], layout: ResolvedLayout, pid: int, *,
+                 index: int | None = None, source: int | None = None,
+                 announce: Callable[[], tuple[int, int]] | None = None, timeout_s: float = 60.0) -> None:
+        """`open_store()`: the job's store; `index`, `source`: the generation to join and the survivor
+        that sends Lightning's state, or None until `announce()` returns them (a cluster replacement
+        learns them from the coordinator once it is ready to join)."""
+        self.open_store, self.layout, self.pid, self.timeout_s = open_store, layout, pid, timeout_s
+        self.index, self.source, self.announce = index, source, announce
         self.active = True
 
     def init_process_group(self, strategy: Any) -> None:
         from ntp_nemo.resilience.rendezvous import join
 
-        join(JobStore(connect(self.port, self.timeout_s), self._secret), self.index, self.pid,
-             self.layout.world_size, timeout_s=self.timeout_s)
+        if self.index is None:
+            assert self.announce is not None
+            self.index, self.source = self.announce()
+        join(self.open_store(), self.index, self.pid, self.layout.world_size,
+             backend=strategy.process_group_backend or "gloo", timeout_s=self.timeout_s)
 
     def receive(self, strategy: Any) -> dict:
         """In place of a checkpoint load: the shards from the survivors, Lightning's state and the RNG
@@ -512,12 +558,7 @@ def _rejoin_main(launcher: LiveLauncher, idx: int, joining: Rejoining, trainer: 
     """Entry of a repaired process (forked by the launching process)."""
     import inspect
 
-    from ntp_nemo.lightning.callbacks import MemoryReport
-
-    trainer.strategy.joining = joining
-    for cb in trainer.callbacks:  # its start-up gather has no partner: the survivors started long ago
-        if isinstance(cb, MemoryReport):
-            cb.on_train_start = lambda *a, **k: None
+    prepare_rejoin(trainer, joining)
     args = list(args)
     names = list(inspect.signature(function).parameters)
     if "ckpt_path" in names:
@@ -527,7 +568,24 @@ def _rejoin_main(launcher: LiveLauncher, idx: int, joining: Rejoining, trainer: 
     launcher._wrapping_function(idx, trainer, function, args, kwargs, return_queue)
 
 
-def _give_up(pid: int, err: BaseException, launcher_pid: int | None = None) -> None:
+def prepare_rejoin(trainer: Any, joining: Rejoining) -> None:
+    """Make the trainer of a repaired process rejoin (`joining`) instead of starting afresh."""
+    from ntp_nemo.lightning.callbacks import MemoryReport
+
+    trainer.strategy.joining = joining
+    for cb in trainer.callbacks:  # its start-up gather has no partner: the survivors started long ago
+        if isinstance(cb, MemoryReport):
+            cb.on_train_start = lambda *a, **k: None
+
+
+def _give_up(pid: int, err: BaseException, launcher_pid: int | None = None, link: Any = None) -> None:
+    if link is not None:  # a cluster task
+        if link.lost_coordinator(1.0):
+            print(f"failover | process {pid}: the coordinator at {link.where} is gone during a recovery; "
+                  "stopping. Resubmit with resume=auto (the latest checkpoint is intact)", file=sys.stderr,
+                  flush=True)
+            os._exit(COORDINATOR_LOST_EXIT)
+        link.bye("fallback")
     from ntp_nemo.lightning.callbacks import parent_gone
 
     if launcher_pid is not None and os.getpid() != launcher_pid and parent_gone(launcher_pid):

@@ -11,7 +11,9 @@ first checkpoint boundary at least N steps after it resumed, and the next attemp
 original layout again: the lost GPU came back.
 
 Under torchrun/SLURM (processes created outside) there is no supervisor: one attempt runs with the
-heartbeats and the collective timeout, and the cluster's restart uses `ntp_nemo.resilience.replan`.
+collective timeout, and the cluster's restart uses `ntp_nemo.resilience.replan`.  An srun task of a job
+with `ntp-coordinator` (`link`: resilience/cluster_task.py) recovers live instead: its heartbeats go to
+the coordinator, which says who is lost, and a replacement task rejoins (`run_task`).
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ class AttemptRecord:
 @dataclass
 class SupervisorResult:
     attempts: list[AttemptRecord] = field(default_factory=list)
+    exit_code: int = 0  # a cluster task that stopped because its coordinator died: COORDINATOR_LOST_EXIT
 
     @property
     def failures(self) -> int:
@@ -88,11 +91,13 @@ class SupervisorResult:
 class Supervisor:
     def __init__(
         self, spec: FailoverSpec, layout: ResolvedLayout, run_dir: Path, build: BuildFn,
-        initial_resume: Path | None = None,
+        initial_resume: Path | None = None, link: Any = None,
     ) -> None:
         """`spec` and `layout`: what the entry point read from the config and the run's layout (both
-        built once); re-planning derives every attempt's layout from `layout`."""
+        built once); re-planning derives every attempt's layout from `layout`.  `link`: an srun task's
+        link to ntp-coordinator (live recovery on a cluster), else None."""
         self.spec = spec
+        self.link = link
         self.run_dir = Path(run_dir)
         self.build = build
         self.initial_resume = initial_resume
@@ -120,6 +125,12 @@ class Supervisor:
         out: list[Any] = []
         if self.faults:
             out.append(FaultInjector(self.faults, self.fault_dir, self.ckpt_dir))
+        if self.link is not None:  # a cluster task: heartbeats to the coordinator, which replaces the monitor
+            from ntp_nemo.resilience.cluster_task import LinkHeartbeat
+            from ntp_nemo.resilience.live_training import LiveRecovery
+
+            return [*out, LinkHeartbeat(self.link),
+                    LiveRecovery(self.policy.name, self.spec.min_replica_tp, repair=True, link=self.link)]
         out.append(Heartbeat(self.heartbeat_dir))
         out.append(SupervisedWorker(recovering, attempt))
         if self.live:
@@ -133,7 +144,8 @@ class Supervisor:
         """Trainer, module and strategy of the first attempt (the run's own config and layout)."""
         self.dir.mkdir(parents=True, exist_ok=True)
         built = self.build(self.nominal, self.callbacks(), None, None)
-        if built[0].strategy.launcher is None:  # torchrun/SLURM created the processes: they are not ours,
+        if built[0].strategy.launcher is None and self.link is None:  # torchrun/SLURM created the processes:
+            # they are not ours,
             # and no monitor of ours reads their heartbeat files
             built[0].callbacks[:] = [cb for cb in built[0].callbacks
                                      if not isinstance(cb, (SupervisedWorker, Heartbeat))]
@@ -191,6 +203,11 @@ class Supervisor:
     # ---- running ----------------------------------------------------------------------------------
     def run(self, first: tuple[Any, Any, Any], resume: Path | None) -> SupervisorResult:
         trainer, module, _ = first
+        if trainer.strategy.launcher is None and self.link is not None:
+            from ntp_nemo.resilience.cluster_task import run_task
+
+            run_task(self.link, trainer, module, resume, self.result)
+            return self.result
         if trainer.strategy.launcher is None:
             trainer.fit(module, ckpt_path=str(resume) if resume else None)
             return self.result

@@ -1,0 +1,87 @@
+"""ntp-coordinator: the process of a cluster job that outlives every rank (live failover under SLURM).
+
+Usage: ntp-coordinator [OVERRIDES...]
+
+Start it once per job, before the tasks, on the first node, in the background, with the same overrides
+as the tasks (`srun --kill-on-bad-exit=0 python -m ntp_nemo.train OVERRIDES...`).  It reads from the
+environment:
+
+  MASTER_PORT      the port of the job's store (the tasks reach it through NTP_COORDINATOR)
+  MASTER_ADDR      the host name it reports (default: this host's name)
+  NTP_JOB_SECRET   the job's secret (required: the store listens on every interface)
+
+It prints `coordinator ready on HOST:PORT` once it listens, then one line per event (a task lost, a
+published failure, a rejoin), and exits when the job ends: 0 when training finished, 75 when the
+survivors could not recover live (resubmit with resume=auto), 2 on bad input.  See the README's
+"Live failover on a cluster" and docs/failover.md.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+from ntp_nemo.errors import EXIT_CONFIG, ConfigError, report_config_error
+
+USAGE = __doc__
+
+
+def _settings(overrides: list[str]) -> tuple[int, float, int]:
+    """(world size, heartbeat timeout, last step) of the run the tasks start with `overrides`."""
+    from ntp_nemo.cli.plan import _compose_training
+    from ntp_nemo.config import checks
+    from ntp_nemo.config.keys import check_override_keys
+    from ntp_nemo.config.layout import resolve_layout
+    from ntp_nemo.resilience.fault_config import Timeouts
+
+    check_override_keys(overrides)
+    cfg = _compose_training([o for o in overrides if not o.lstrip("+~").startswith("hydra")])
+    checks.require_mandatory(cfg)
+    checks.adjust(cfg)
+    layout = resolve_layout(cfg)
+    timeouts = Timeouts.from_config(cfg.fault)
+    return layout.world_size, timeouts.heartbeat_s, int(cfg.trainer.max_steps)
+
+
+def run(argv: list[str]) -> int:
+    if "--help" in argv or "-h" in argv:
+        print(USAGE)
+        return 0
+    port_text = os.environ.get("MASTER_PORT", "")
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ConfigError("MASTER_PORT", f"{port_text or 'unset'}: ntp-coordinator serves the job's store on "
+                          "MASTER_PORT; export the same MASTER_ADDR/MASTER_PORT the tasks get (e.g. "
+                          "`export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))` in the batch script).")
+    world, heartbeat_s, end_step = _settings(argv)
+    from ntp_nemo.resilience.coordinator import Coordinator
+    from ntp_nemo.resilience.store_auth import host_cluster_store, job_secret
+
+    port = int(port_text)
+    try:
+        job = host_cluster_store(port, required_by=f"ntp-coordinator's store on port {port}")
+    except RuntimeError as err:  # the port is taken (another job, or a coordinator already running)
+        raise ConfigError("MASTER_PORT", f"cannot listen on port {port} ({err}); pick a free port.") from None
+    coordinator = Coordinator(job, job_secret(), world, heartbeat_s, end_step=end_step,
+                              say=lambda s: print(s, flush=True))
+    host = os.environ.get("MASTER_ADDR") or socket.gethostname()
+    print(f"coordinator ready on {host}:{port} ({world} places; heartbeat timeout {heartbeat_s:g} s)",
+          flush=True)
+    return coordinator.serve()
+
+
+def main() -> None:
+    try:
+        code = run(sys.argv[1:])
+    except ConfigError as err:
+        report_config_error(err)
+        sys.exit(EXIT_CONFIG)
+    except KeyboardInterrupt:
+        print("coordinator: interrupted; exiting (the tasks stop: their coordinator is gone)",
+              file=sys.stderr, flush=True)
+        sys.exit(130)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
