@@ -25,6 +25,7 @@ import queue
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -89,6 +90,12 @@ class ClusterLink:
         self.line.send({"auth": auth_tag(secret, nonce), "want": self.want, "ntasks": self.ntasks,
                         "host": socket.gethostname(), "pid": os.getpid()})
         reply = self._next()
+        if "wait" in reply:
+            self.say(f"coordinator {self.where}: {reply['wait']}; this task waits as a spare for a place")
+            reply = self._next()
+            if "end" in reply:
+                self.say(f"coordinator {self.where}: {reply['end']}; this spare exits")
+                sys.exit(0)
         if "refused" in reply:
             raise LinkRefused(f"the coordinator at {self.where} refused this task: {reply['refused']}")
         self.place, self.mode, self.world = int(reply["place"]), str(reply["mode"]), int(reply["world"])
@@ -125,16 +132,23 @@ class ClusterLink:
         self._beat = (int(step), phase)
 
     def _send_beats(self) -> None:
-        every = max(0.05, min(1.0, self.heartbeat_s / 4))
+        """A store write when the phase changed (checked every 0.1 s at most), and a bare tick every
+        quarter of the heartbeat timeout: the tick says the process runs (a stopped or frozen one sends
+        none), the phase that it makes progress."""
+        every = max(0.02, min(0.1, self.heartbeat_s / 8))
+        tick_every = max(every, self.heartbeat_s / 4)
+        tick, last = 0, 0.0
         while not self._halt.wait(every):
-            beat = self._beat
-            if beat is None or beat == self._sent or self.place is None:
+            beat, now = self._beat, time.monotonic()
+            if beat is None or self.place is None or (beat == self._sent and now - last < tick_every):
                 continue
+            tick += 1
             try:
-                self.job.put(beat_key(self.place), json.dumps({"step": beat[0], "phase": beat[1]}))
-                self._sent = beat
+                doc = {"step": beat[0], "phase": beat[1], "tick": tick}
+                self.job.put(beat_key(self.place), json.dumps(doc))
             except Exception:  # noqa: BLE001 - the store is gone with the coordinator: the watcher says so
                 return
+            self._sent, last = beat, now
 
     # ---- the watcher ------------------------------------------------------------------------------
     def _watch(self) -> None:

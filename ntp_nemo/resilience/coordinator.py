@@ -38,7 +38,7 @@ from ntp_nemo.resilience.rendezvous import publish_failed, publish_rejoin
 from ntp_nemo.resilience.store_auth import JobStore
 
 FALLBACK_EXIT = 75  # as a survivor that could not recover live (resilience/live_training.py)
-REJOIN_AHEAD = 3  # steps between the announcement of a rejoin and the step it happens before
+REJOIN_AHEAD = 4  # steps between the announcement of a rejoin and the step it happens before
 BEAT_KEY = "beat/{pid}"
 
 
@@ -54,6 +54,8 @@ class Place:
     ready: bool = False  # a replacement waiting to join
     beat: tuple[int, str] | None = None  # last (step, phase) seen on the store
     moved_t: float = 0.0  # coordinator's clock when it last changed
+    tick: int = -1  # the sender thread's counter: it moves while the process runs
+    alive_t: float = 0.0  # coordinator's clock when the tick last moved
     declared: bool = False  # declared lost while its link stayed open (a hang)
 
 
@@ -82,6 +84,7 @@ class Coordinator:
         self._losses: list[int] = []
         self._loss_t: float | None = None
         self._pending: list[_Pending] = []
+        self._spares: list[tuple[Line, str]] = []  # (line, host) of tasks waiting for a place
         self._beats_t = 0.0
         self.listener = socket.create_server((host, 0), backlog=1024)
         self.listener.setblocking(False)
@@ -91,7 +94,8 @@ class Coordinator:
     # ---- the loop ---------------------------------------------------------------------------------
     def serve(self) -> int:
         while True:
-            lines = [p.line for p in self.places if p.line is not None] + [q.line for q in self._pending]
+            lines = ([p.line for p in self.places if p.line is not None] + [q.line for q in self._pending]
+                     + [line for line, _ in self._spares])
             ready, _, _ = select.select([self.listener, *lines], [], [], self.poll_s)
             for obj in ready:
                 if obj is self.listener:
@@ -105,8 +109,12 @@ class Coordinator:
                 self._watch_beats(now)
             if self._losses and self._loss_t is not None and now - self._loss_t >= self.grace_s:
                 self._publish_losses()
+            self._place_spares()
             self._maybe_rejoin()
             if self._finished():
+                for line, _ in self._spares:
+                    line.send({"end": "the job ended before a place came free"})
+                    line.close()
                 return self._exit_code()
 
     def _finished(self) -> bool:
@@ -143,6 +151,12 @@ class Coordinator:
 
     def _read(self, line: Line) -> None:
         msgs = line.receive()
+        spare = next((s for s in self._spares if s[0] is line), None)
+        if spare is not None:  # a waiting spare only ever says goodbye
+            if msgs is None or any("bye" in m for m in msgs):
+                self._spares.remove(spare)
+                line.close()
+            return
         pending = next((q for q in self._pending if q.line is line), None)
         if pending is not None:
             self._pending.remove(pending)
@@ -159,6 +173,8 @@ class Coordinator:
             self._closed(place)
             return
         for msg in msgs:
+            if "bye" in msg and place.declared:
+                continue  # declared lost (hung) and running again: the others went on without it
             if "bye" in msg:
                 place.state = {"done": "done", "idle": "idle", "fallback": "fallback",
                                "lost": "lost", "error": "error"}.get(str(msg["bye"]), "error")
@@ -176,7 +192,10 @@ class Coordinator:
             line.close()
             return
         want, host = msg.get("want"), msg.get("host", "?")
-        if not self.formed:
+        # A task of another srun step than the job's (`--ntasks=1`, a relaunch loop) is a replacement: it
+        # never takes a place while the job forms, and waits when none is free.
+        spare = msg.get("ntasks") != self.world
+        if not self.formed and not spare:
             if not isinstance(want, int) or not 0 <= want < self.world:
                 why = (f"place {want} is outside the job's {self.world} places (SLURM_PROCID must be below "
                        f"the world size of the layout, {self.world})")
@@ -193,21 +212,36 @@ class Coordinator:
             line.send({"refused": why})
             line.close()
             return
-        gone = [p for p in self.places if p.state in ("lost", "idle", "error") and not p.ready
-                and (p.line is None or p.declared)]
-        if self.fallback or not gone or not any(p.state == "active" for p in self.places):
-            line.send({"refused": "no place is free: every process of the job is running" if not gone
-                       else "the job is not training live any more"})
+        if self.fallback:
+            line.send({"refused": "the job is not training live any more (it falls back to the restart "
+                                  "path)"})
             line.close()
             return
-        place = gone[0]
-        if place.line is not None:  # a declared-lost (hung) process still connected: replaced now
-            place.line.close()
-        place.state, place.line, place.ready, place.declared = "replacing", line, False, False
-        place.beat = None
-        line.send({"place": place.pid, "mode": "rejoin", "world": self.world,
-                   "generation": self.generation})
-        self.say(f"coordinator: a replacement on {host} takes the place of process {place.pid}")
+        line.send({"wait": "no place is free: every process of the job is running"})
+        self._spares.append((line, host))
+        self.say(f"coordinator: a replacement task on {host} waits for a free place")
+        self._place_spares()
+
+    def _place_spares(self) -> None:
+        """Give each waiting replacement a place whose process is gone (its loss already published)."""
+        if not self._spares or not self.formed or self.fallback:
+            return
+        if not any(p.state == "active" for p in self.places):
+            return
+        for place in self.places:
+            if not self._spares:
+                return
+            if (place.state not in ("lost", "idle", "error") or place.pid in self._losses
+                    or (place.line is not None and not place.declared)):
+                continue
+            line, host = self._spares.pop(0)
+            if place.line is not None:  # a declared-lost (hung) process still connected: replaced now
+                place.line.close()
+            place.state, place.line, place.ready, place.declared = "replacing", line, False, False
+            place.beat = None
+            line.send({"place": place.pid, "mode": "rejoin", "world": self.world,
+                       "generation": self.generation})
+            self.say(f"coordinator: the replacement on {host} takes the place of process {place.pid}")
 
     def _closed(self, place: Place) -> None:
         place.line.close()
@@ -262,21 +296,26 @@ class Coordinator:
             beat = (int(doc["step"]), str(doc["phase"]))
             if beat != p.beat:
                 p.beat, p.moved_t = beat, now
+            if int(doc.get("tick", 0)) != p.tick:
+                p.tick, p.alive_t = int(doc.get("tick", 0)), now
         beats = {i: Beat(i, p.beat[0], p.beat[1], p.moved_t, p.pid)
                  for i, p in enumerate(active) if p.beat is not None and p.beat[1] in PHASES}
         if len(beats) < len(active):
             return
-        stale = [i for i, b in beats.items() if b.training and now - b.t > self.heartbeat_s]
-        if not stale:
+        if not any(b.training and now - b.t > self.heartbeat_s for b in beats.values()):
             return
-        for i in suspects(beats, len(active)):
-            p = active[i]
-            if i in stale or any(now - beats[j].t > self.heartbeat_s for j in beats):
-                p.declared, p.state = True, "lost"
-                self._lose(p.pid, f"hung: no heartbeat progress for {self.heartbeat_s:g} s")
+        behind = [active[i] for i in suspects(beats, len(active))]
+        # Ranks blocked in a collective with a hung peer may report the same progress as it; a process
+        # whose ticks stopped too (stopped, frozen) is the hung one when there is such a process.
+        frozen = [p for p in behind if now - p.alive_t > self.heartbeat_s / 2]
+        for p in frozen or behind:
+            p.declared, p.state = True, "lost"
+            self._lose(p.pid, f"hung: no heartbeat progress for {self.heartbeat_s:g} s"
+                       + (", and its process has stopped running" if frozen else ""))
 
     # ---- rejoin -----------------------------------------------------------------------------------
     def _max_step(self) -> int:
+        self._watch_beats(time.monotonic())  # fresh: the announced step must lie ahead of every survivor
         return max((p.beat[0] for p in self.places if p.state == "active" and p.beat), default=0)
 
     def _maybe_rejoin(self) -> None:
