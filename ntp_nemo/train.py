@@ -113,7 +113,7 @@ def _cluster_link(spec: RunSpec):
         raise ConfigError(COORDINATOR_ENV, "is set, but this process is not an srun task: a job with "
                           "ntp-coordinator starts its ranks as `srun --kill-on-bad-exit=0 python -m "
                           "ntp_nemo.train ...` (one task per GPU); unset it otherwise.")
-    mode, why = recovery_mode(spec.failover)
+    mode, why = recovery_mode(spec.failover, proc.launcher, coordinator=True)
     if mode != "live":
         raise ConfigError(COORDINATOR_ENV, f"is set, but recovery resolves to {mode} ({why}): the "
                           "coordinator serves live recovery only. Start the tasks without NTP_COORDINATOR "

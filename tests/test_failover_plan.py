@@ -140,7 +140,6 @@ def test_timeout_hierarchy_is_validated():
         (["fault.recovery=sideways"], "fault.recovery"),
         (["fault.recovery=live", "fault.policy=restart"], "fault.recovery"),
         (["fault.recovery=live", "optim.distributed=true"], "fault.recovery"),
-        (["fault.recovery=live", "trainer.accelerator=gpu"], "fault.recovery"),
     ],
 )
 def test_bad_fault_config(overrides, key):
@@ -159,7 +158,8 @@ def test_bad_fault_config(overrides, key):
         (["mesh.dp=1", "ntp.replica_tp=[2]"], "restart", "one replica"),
         (["optim.distributed=true"], "restart", "optim.distributed=true"),
         (["fault.policy=restart"], "restart", "spare"),
-        (["trainer.accelerator=gpu"], "restart", "NCCL"),
+        (["trainer.accelerator=gpu"], "restart", "live recovery on NCCL has not run on a GPU yet"),
+        (["fault.recovery=live", "trainer.accelerator=gpu"], "live", "fault.recovery=live"),  # with a warning
         (["fault.repair_after_steps=2"], "live", "fault.recovery=auto"),  # the repaired rank rejoins live
         (["fault.recovery=live", "mesh.dp=1", "ntp.replica_tp=[2]"], "live", "fault.recovery=live"),
     ],

@@ -8,13 +8,16 @@ second; `faults.FaultInjector`, `detection` and `supervisor` use these values at
 
 from __future__ import annotations
 
+import os
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ntp_nemo.config.failover import FailoverSpec
 from ntp_nemo.config.schema import FaultConfig
 from ntp_nemo.errors import ConfigError
+from ntp_nemo.parallel.cluster import launcher_layout
 from ntp_nemo.resilience.policies import make_policy
 
 FAULT_KINDS = ("kill_rank", "hang", "slow", "kill_during_save", "corrupt_checkpoint")
@@ -119,12 +122,14 @@ class Timeouts:
 
 
 
-def validate_fault_config(spec: FailoverSpec) -> None:
-    """Checks of the `fault` group run with the rest of validation (before anything starts)."""
+def validate_fault_config(spec: FailoverSpec, context: LaunchContext | None = None) -> None:
+    """Checks of the `fault` group run with the rest of validation (before anything starts).
+    `context`: the launcher and coordinator (default: this process's, `LaunchContext.from_env()`)."""
+    context = LaunchContext.from_env() if context is None else context
     f = spec.fault
     make_policy(str(f.policy), spec.min_replica_tp)
     Timeouts.from_config(f)
-    _validate_recovery(spec)
+    _validate_recovery(spec, context)
     if int(f.max_restarts) < 0:
         raise ConfigError("fault.max_restarts", f"must be >= 0, got {f.max_restarts}.")
     if f.repair_after_steps is not None:
@@ -134,7 +139,8 @@ def validate_fault_config(spec: FailoverSpec) -> None:
                 f"must be >= 1 (steps on the degraded layout before the "
                 f"repaired GPU rejoins), got {f.repair_after_steps}.",
             )
-        if recovery_mode(spec)[0] == "restart" and not spec.saves_checkpoints:
+        if recovery_mode(spec, context.launcher, context.coordinator)[0] == "restart" \
+                and not spec.saves_checkpoints:
             raise ConfigError(
                 "fault.repair_after_steps",
                 "returning to the repaired layout needs checkpoints; "
@@ -144,43 +150,105 @@ def validate_fault_config(spec: FailoverSpec) -> None:
 
 
 RECOVERY_MODES = ("auto", "live", "restart")
+NCCL_UNVERIFIED = "live recovery on NCCL has not run on a GPU yet (unverified)"
+TORCHRUN_RESTARTS = "torchrun stops every local worker when one exits"
+NO_COORDINATOR = "no ntp-coordinator (NTP_COORDINATOR unset)"
+COORDINATOR_ENV = "NTP_COORDINATOR"
 
 
-def _live_blocker(spec: FailoverSpec) -> tuple[str, str] | None:
-    """(key, why) when the live path cannot serve this run, else None."""
+@dataclass(frozen=True)
+class LaunchContext:
+    """What recovery depends on outside the config: the external launcher that started this process
+    (`torchrun`, `slurm`, None when `ntp-train` launches its ranks) and whether an ntp-coordinator
+    serves the job (`NTP_COORDINATOR=host:port`, set by the batch script); `global_rank`: the
+    launcher's rank of this process (0 when `ntp-train` launches: the one process that prints)."""
+
+    launcher: str | None = None
+    coordinator: bool = False
+    global_rank: int = 0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> LaunchContext:
+        """Read once by the entry points (validation, the supervisor), never deeper down."""
+        env = os.environ if env is None else env
+        layout = launcher_layout(env)
+        if layout is None:
+            return cls(None, bool(env.get(COORDINATOR_ENV)))
+        return cls(layout.launcher, bool(env.get(COORDINATOR_ENV)), layout.global_rank)
+
+
+@dataclass(frozen=True)
+class _Blocker:
+    key: str
+    why: str
+    refuses_live: bool = True  # an explicit fault.recovery=live is a config error (else it is accepted)
+
+
+def _live_blockers(spec: FailoverSpec, launcher: str | None, coordinator: bool) -> list[_Blocker]:
+    """Every reason the live path cannot (or is not known to) serve this run, the strongest first."""
+    out: list[_Blocker] = []
     if spec.distributed_optimizer:
-        return ("optim.distributed", "live recovery needs every AdamW moment held by every replica, but "
-                "optim.distributed=true keeps each on one rank only")
+        out.append(_Blocker("optim.distributed", "live recovery needs every AdamW moment held by every "
+                            "replica, but optim.distributed=true keeps each on one rank only"))
     if str(spec.fault.policy) == "restart":
-        return ("fault.policy", "fault.policy=restart replaces the lost GPU with a spare, which only a "
-                "relaunch can do")
-    if spec.accelerator in ("gpu", "cuda"):
-        return ("trainer.accelerator", "the live path stops a broken generation by severing gloo's sockets, "
-                "which does not unblock NCCL collectives: it runs on CPU (gloo) only")
-    if spec.dp < 2:
-        return ("mesh.dp", "with one replica no survivor holds a lost rank's shards")
-    return None
+        out.append(_Blocker("fault.policy", "fault.policy=restart replaces the lost GPU with a spare, which "
+                            "only a relaunch can do"))
+    if launcher == "torchrun":
+        out.append(_Blocker("fault.recovery", TORCHRUN_RESTARTS))
+    if launcher == "slurm" and not coordinator:
+        out.append(_Blocker("fault.recovery", NO_COORDINATOR))
+    if spec.accelerator in ("gpu", "cuda"):  # an explicit live is accepted, with a warning (nccl_warning)
+        out.append(_Blocker("trainer.accelerator", NCCL_UNVERIFIED, refuses_live=False))
+    if spec.dp < 2:  # an explicit live is kept: the survivors find no live copy and fall back, saying so
+        out.append(_Blocker("mesh.dp", "with one replica no survivor holds a lost rank's shards",
+                            refuses_live=False))
+    return out
 
 
-def recovery_mode(spec: FailoverSpec) -> tuple[str, str]:
-    """(`live` or `restart`, why) for `fault.recovery` (`auto`: live wherever it can work)."""
+def recovery_mode(spec: FailoverSpec, launcher: str | None = None, coordinator: bool = False
+                  ) -> tuple[str, str]:
+    """(`live` or `restart`, why) for `fault.recovery` (`auto`: live wherever it can work).
+
+    `launcher`: `launcher_layout()`'s kind (`torchrun`, `slurm`, None when `ntp-train` launched the
+    ranks); `coordinator`: an ntp-coordinator serves the job (SLURM: `auto` picks live only then).  The
+    callers fill both from `LaunchContext.from_env()`."""
     asked = str(spec.fault.recovery or "auto")
-    blocker = _live_blocker(spec)
     if asked == "restart":
         return "restart", "fault.recovery=restart"
-    if blocker is None or asked == "live":  # validation refused the other blockers; one replica falls back
+    blockers = _live_blockers(spec, launcher, coordinator)
+    if asked == "live" or not blockers:  # validation refused the blockers an explicit live cannot pass
         return "live", f"fault.recovery={asked}"
-    return "restart", f"fault.recovery=auto: {blocker[1]}"
+    return "restart", f"fault.recovery=auto: {blockers[0].why}"
 
 
-def _validate_recovery(spec: FailoverSpec) -> None:
+def nccl_warning(spec: FailoverSpec) -> str | None:
+    """The start-up line (one per job) of an explicit `fault.recovery=live` on GPUs (NCCL), else None."""
+    if spec.accelerator not in ("gpu", "cuda") or str(spec.fault.recovery or "auto") != "live":
+        return None
+    return ("warning: fault.recovery=live on GPUs (NCCL) is unverified: the survivors abort the NCCL "
+            "communicators and rebuild their groups, which has never run on a GPU (fault.recovery=auto "
+            "picks restart there)")
+
+
+def _validate_recovery(spec: FailoverSpec, context: LaunchContext) -> None:
     recovery = str(spec.fault.recovery or "auto")
     if recovery not in RECOVERY_MODES:
         raise ConfigError("fault.recovery", f"unknown recovery {recovery!r}; use auto (live where it can "
                           "work, else restart), live (the survivors reshard in memory) or restart (relaunch "
                           "from the last checkpoint).")
-    blocker = _live_blocker(spec)
-    if recovery == "live" and blocker is not None and blocker[0] != "mesh.dp":
-        key, why = blocker
-        raise ConfigError("fault.recovery", f"{why}; change {key} or use fault.recovery=restart (or auto, "
-                          "which picks restart here).")
+    if recovery != "live":
+        return
+    for b in _live_blockers(spec, context.launcher, context.coordinator):
+        if not b.refuses_live:
+            continue
+        if b.why == TORCHRUN_RESTARTS:
+            raise ConfigError("fault.recovery", f"{TORCHRUN_RESTARTS}, so a lost GPU stops its whole node "
+                              "and live recovery cannot work under torchrun; use fault.recovery=restart (or "
+                              "auto, which picks restart here), or start the workers as srun tasks with an "
+                              "ntp-coordinator (see docs/failover.md).")
+        if b.why == NO_COORDINATOR:
+            raise ConfigError("fault.recovery", f"live recovery under SLURM needs an ntp-coordinator, but "
+                              f"there is {NO_COORDINATOR}; start one and export {COORDINATOR_ENV}=host:port "
+                              "in the batch script (see docs/failover.md), or use fault.recovery=restart.")
+        raise ConfigError("fault.recovery", f"{b.why}; change {b.key} or use fault.recovery=restart (or "
+                          "auto, which picks restart here).")

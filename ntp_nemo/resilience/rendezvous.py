@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ntp_nemo.parallel.loopback import LOOPBACK, host_loopback_store
+from ntp_nemo.resilience.nccl_abort import abort_generation, prepare_nccl_env, uses_nccl
 from ntp_nemo.resilience.store_auth import JobStore, job_secret, new_secret
 
 STORE_HOST = LOOPBACK
@@ -56,6 +57,8 @@ def local_secret() -> bytes:
 def join(store: JobStore, generation: int, rank: int, world_size: int, *, backend: str = "gloo",
          timeout_s: float = 60.0) -> None:
     """Initialise the default process group of `generation` (collective over its `world_size` ranks)."""
+    if uses_nccl(backend):
+        prepare_nccl_env()  # a lost peer must not make NCCL's watchdog end this survivor
     dist.init_process_group(backend, store=dist.PrefixStore(f"gen{generation}", store.store), rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=timeout_s))
 
@@ -70,7 +73,7 @@ def sever(store: JobStore | None) -> int:
     closed"), which is how a failure spreads to every survivor in milliseconds.  Listening sockets are
     left alone (gloo's listener aborts the process if its socket is shut), and so are the job's own
     sockets it lists in `keep_fds` (a cluster task's link to the coordinator).  NCCL communicators are not
-    sockets; their abort (`leave`) is what stops them."""
+    sockets; their abort (`leave`, `nccl_abort.abort_generation`) is what stops them."""
     skip = _store_address(store)
     keep = getattr(store, "keep_fds", set())
     count = 0
@@ -116,8 +119,13 @@ def _same_host(a: str, b: str) -> bool:
 def leave(store: JobStore | None = None) -> None:
     """Drop every process group of the current generation, broken or not (no collective: a peer is gone).
 
-    With `store` (the job's store) the generation's connections are severed first (see `sever`)."""
+    With `store` (the job's store) the generation's gloo connections are severed first (see `sever`); a
+    world with NCCL (`nccl`, `cpu:gloo,cuda:nccl`) has its communicators aborted
+    (`nccl_abort.abort_generation`, which severs the gloo half of a mixed world too)."""
     if not dist.is_initialized():
+        return
+    if uses_nccl(dist.get_backend()):
+        abort_generation(store)
         return
     if store is not None and dist.get_backend() == "gloo":
         sever(store)

@@ -34,6 +34,8 @@ from ntp_nemo.resilience.beats import read_beats, suspects
 from ntp_nemo.resilience.detection import LostRanks, Timeouts, WorkerMonitor, classify, kill_worker
 from ntp_nemo.resilience.fault_config import (  # noqa: F401 - re-exported: the run-time side uses them here
     RECOVERY_MODES,
+    LaunchContext,
+    nccl_warning,
     recovery_mode,
     validate_fault_config,
 )
@@ -91,10 +93,11 @@ class SupervisorResult:
 class Supervisor:
     def __init__(
         self, spec: FailoverSpec, layout: ResolvedLayout, run_dir: Path, build: BuildFn,
-        initial_resume: Path | None = None, link: Any = None,
+        initial_resume: Path | None = None, context: LaunchContext | None = None, link: Any = None,
     ) -> None:
         """`spec` and `layout`: what the entry point read from the config and the run's layout (both
-        built once); re-planning derives every attempt's layout from `layout`.  `link`: an srun task's
+        built once); re-planning derives every attempt's layout from `layout`.  `context`: the launcher
+        and coordinator of this process (default `LaunchContext.from_env()`).  `link`: an srun task's
         link to ntp-coordinator (live recovery on a cluster), else None."""
         self.spec = spec
         self.link = link
@@ -107,7 +110,9 @@ class Supervisor:
         self.ckpt_dir = self.run_dir / spec.checkpoint_dir
         self.nominal = layout
         self.policy = make_policy(str(spec.fault.policy), spec.min_replica_tp)
-        self.recovery, self.recovery_why = recovery_mode(spec)
+        self.context = LaunchContext.from_env() if context is None else context
+        self.recovery, self.recovery_why = recovery_mode(spec, self.context.launcher,
+                                                         self.context.coordinator)
         self.live = self.recovery == "live"  # resilience/live_training.py
         self.timeouts = Timeouts.from_config(spec.fault)
         self.faults = resolve_faults(spec, self.nominal.world_size)
@@ -149,6 +154,11 @@ class Supervisor:
             # and no monitor of ours reads their heartbeat files
             built[0].callbacks[:] = [cb for cb in built[0].callbacks
                                      if not isinstance(cb, (SupervisedWorker, Heartbeat))]
+        if self.context.global_rank != 0:  # under torchrun/SLURM every rank runs this: one prints
+            return built
+        warning = nccl_warning(self.spec)
+        if warning:
+            print(warning, flush=True)
         if self.faults:
             print(
                 "fault injection: "
