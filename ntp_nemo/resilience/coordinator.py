@@ -304,11 +304,11 @@ class Coordinator:
             return
         if not any(b.training and now - b.t > self.heartbeat_s for b in beats.values()):
             return
-        behind = [active[i] for i in suspects(beats, len(active))]
-        # Ranks blocked in a collective with a hung peer may report the same progress as it; a process
-        # whose ticks stopped too (stopped, frozen) is the hung one when there is such a process.
-        frozen = [p for p in behind if now - p.alive_t > self.heartbeat_s / 2]
-        for p in frozen or behind:
+        # A process whose ticks stopped too (stopped, frozen) is the hung one; when every process still
+        # runs (a rank stuck in a kernel or a collective), the one behind the others is.  Ranks blocked in
+        # a collective with a hung peer report the same progress as it or more.
+        frozen = [p for p in active if now - p.alive_t > self.heartbeat_s / 2]
+        for p in frozen or [active[i] for i in suspects(beats, len(active))]:
             p.declared, p.state = True, "lost"
             self._lose(p.pid, f"hung: no heartbeat progress for {self.heartbeat_s:g} s"
                        + (", and its process has stopped running" if frozen else ""))

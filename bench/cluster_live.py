@@ -1,0 +1,148 @@
+"""A cluster job losing a task, live against restart, rehearsed on this machine (CPU, gloo).
+
+    python bench/cluster_live.py [--steps 40] [--every 4] [--seed 0] [overrides ...]
+
+Both paths start their processes the way the README's batch script does (`ntp_nemo.resilience.rehearsal`:
+separate processes with the variables srun gives its tasks; nothing forked by `ntp-train`), layout (2,2),
+four tasks; task 3 is killed with `kill -9` from outside when a step drawn from `--seed` has completed.
+
+- live: `ntp-coordinator` and four tasks with `NTP_COORDINATOR` set, no checkpoints
+  (`checkpoint.every_n_steps=0`): the survivors reshard from each other's memory and go on;
+- restart: four tasks without a coordinator (`fault.recovery` resolves to restart under srun), checkpoints
+  every `--every` steps: every task exits, four new processes start with `resume=auto` (what a
+  resubmitted job or the batch script's relaunch loop does) and resume from the latest checkpoint.
+
+Per path: caught up = from the kill until the step that was in flight completes again (its last record in
+metrics.jsonl), and lost steps = step executions done again (the interrupted one included).  Last line:
+`cluster live / restart caught-up ratio R`.  On a cluster the restart path also pays the scheduler's
+resubmission, thousands of processes importing torch and Lightning, NCCL initialisation and a checkpoint
+read from shared storage; here those costs are a few seconds of one machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ntp_nemo.resilience.rehearsal import free_port, start_coordinator, start_task
+
+TINY = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.ffn_hidden_size=128",
+        "model.max_seq_len=64", "data.seq_len=32", "data.global_batch_size=12", "data.micro_batch_size=2",
+        "optim.warmup_steps=2", "optim.lr=3e-3", "trainer.val_every_n_steps=1000", "trainer.progress_bar=false",
+        "logger=none", "callbacks=none", "mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,2]",
+        "fault.heartbeat_timeout_s=4", "fault.collective_timeout_s=20", "fault.step_timeout_s=60"]
+SECRET = "bench-cluster-live-secret"
+
+
+def records(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+def last_step(run: Path) -> int:
+    return max((r["step"] for r in records(run)), default=0)
+
+
+def wait_step(run: Path, step: int, procs, timeout_s: float = 600) -> None:
+    deadline = time.time() + timeout_s
+    while last_step(run) < step:
+        if time.time() > deadline or all(p.popen.poll() is not None for p in procs):
+            raise RuntimeError(f"step {step} not reached in {run}:\n" + "\n".join(p.output[-2000:] for p in procs))
+        time.sleep(0.02)
+
+
+def caught_up(run: Path, in_flight: int, killed_t: float) -> tuple[float, int]:
+    """(seconds from the kill to the last completion of step `in_flight`, step executions done again)."""
+    recs = records(run)
+    done = [r["time"] for r in recs if r["step"] == in_flight]
+    redone = len(recs) - len({r["step"] for r in recs})
+    return max(done) - killed_t, redone + 1
+
+
+def live(base: list[str], steps: int, kill_after: int, work: Path) -> tuple[float, int, dict]:
+    run = work / "live"
+    over = [*base, f"trainer.max_steps={steps}", "checkpoint.every_n_steps=0", f"hydra.run.dir={run}"]
+    port = free_port()
+    coordinator = start_coordinator(over, port, SECRET, work)
+    tasks = [start_task(over, i, 4, port, SECRET, work) for i in range(4)]
+    try:
+        wait_step(run, kill_after, tasks)
+        killed_t = time.time()
+        tasks[3].signal(signal.SIGKILL)
+        for t in tasks[:3]:
+            if t.wait(600) != 0:
+                raise RuntimeError(f"{t.name} failed:\n{t.output[-3000:]}")
+        coordinator.wait(60)
+    finally:
+        for p in [coordinator, *tasks]:
+            p.kill()
+    events = [json.loads(x) for x in (run / "goodput.jsonl").read_text().splitlines()]
+    done = [e for e in events if e["event"] == "recovery_done"]
+    seconds, lost = caught_up(run, kill_after + 1, killed_t)
+    return seconds, lost, done[0] if done else {}
+
+
+def restart(base: list[str], steps: int, kill_after: int, every: int, work: Path) -> tuple[float, int]:
+    run = work / "restart"
+    over = [*base, f"trainer.max_steps={steps}", f"checkpoint.every_n_steps={every}", f"hydra.run.dir={run}"]
+    port = free_port()
+    tasks = [start_task(over, i, 4, port, SECRET, work, coordinator=False) for i in range(4)]
+    try:
+        wait_step(run, kill_after, tasks)
+        killed_t = time.time()
+        tasks[3].signal(signal.SIGKILL)
+        for t in tasks[:3]:
+            t.wait(600)  # they fail: their peer is gone and no one recovers live
+    finally:
+        for p in tasks:
+            p.kill()
+    port = free_port()
+    again = [start_task([*over, "resume=auto"], i, 4, port, SECRET, work, coordinator=False, step_id=1)
+             for i in range(4)]
+    try:
+        for t in again:
+            if t.wait(900) != 0:
+                raise RuntimeError(f"{t.name} failed:\n{t.output[-3000:]}")
+    finally:
+        for p in again:
+            p.kill()
+    return caught_up(run, kill_after + 1, killed_t)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--every", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    args, overrides = ap.parse_known_args()
+    kill_after = random.Random(args.seed).randint(args.every + 2, args.steps // 2)
+    base = [*TINY, *overrides]
+    print(f"layout (2,2), 4 srun-like tasks, task 3 killed with kill -9 after step {kill_after} of "
+          f"{args.steps}; restart path: checkpoints every {args.every} steps", flush=True)
+    with tempfile.TemporaryDirectory(prefix="cluster_live_") as tmp:
+        work = Path(tmp)
+        live_s, live_lost, done = live(base, args.steps, kill_after, work)
+        restart_s, restart_lost = restart(base, args.steps, kill_after, args.every, work)
+    print(f"{'path':<8} {'caught up (s)':>14} {'lost steps':>11}")
+    print(f"{'live':<8} {live_s:>14.2f} {live_lost:>11d}   (recovery_done: mode {done.get('mode')}, "
+          f"layout {done.get('layout')}, {done.get('recovery_s', float('nan')):.2f} s detection to resharded)")
+    print(f"{'restart':<8} {restart_s:>14.2f} {restart_lost:>11d}")
+    print(f"cluster live / restart caught-up ratio {live_s / restart_s:.3f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
