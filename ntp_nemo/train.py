@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING
 
 from ntp_nemo.cli.console import (
     invocation_stats,
+    job_start_time,
+    job_started,
     launcher_rank,
     logger_dirs,
     print_summary,
-    process_start_time,
     quiet_libraries,
     say,
 )
@@ -169,7 +170,7 @@ def _describe(spec: RunSpec, data) -> None:
         f"{flops_per_token(m, spec.data.seq_len) / 1e6:.1f} MFLOP/token | data "
         f"{spec.data.path or 'embedded corpus (Python standard library)'} "
         f"[tokenizer {data.tokenizer_name}, {data.vocab_size} ids -> {m.vocab_size} vocabulary rows] "
-        f"({len(data.train)} train / {len(data.val)} val samples)",
+        f"({data.num_tokens} tokens: {len(data.train)} train / {len(data.val)} val samples)",
         flush=True,
     )
     say(layout.table(m.num_heads, m.ffn_hidden_size, m.vocab_size), flush=True)
@@ -187,7 +188,7 @@ def _report(spec: RunSpec, run_dir: Path, t0: float, result) -> dict:
     summary["wall_s"] = time.time() - t0
     summary.update(invocation_stats(run_dir, t0))  # every attempt of this command, not the last one's
     if summary.get("first_step_start") is not None:
-        summary["startup_s"] = summary.pop("first_step_start") - process_start_time()
+        summary["startup_s"] = summary.pop("first_step_start") - job_start_time()
     if (run_dir / "goodput.jsonl").exists():
         from ntp_nemo.goodput.report import analyse
 
@@ -252,6 +253,7 @@ class _Job:
 def _hydra_entry(cfg: DictConfig, job: _Job) -> float | None:
     """The Hydra job (`main` wraps it in `hydra.main`)."""
     job.started = True
+    job_started()  # a sweep's later jobs count their startup from here
     from hydra.core.hydra_config import HydraConfig
 
     from ntp_nemo.config.run_dir import ConsoleLog, log_path

@@ -36,6 +36,21 @@ def process_start_time() -> float:
     return started if _IMPORTED - 600 < started <= _IMPORTED else _IMPORTED
 
 
+_JOB_STARTS: list[float] = []  # when each Hydra job of this process began (a sweep runs several)
+
+
+def job_started() -> None:
+    """Called as each Hydra job of this process begins."""
+    _JOB_STARTS.append(time.time())
+
+
+def job_start_time() -> float:
+    """When this job started: for the first job of the process, the process's start (interpreter and
+    imports included); for a later job of a sweep (`-m`, the jobs run one after another in this
+    process), the job's own start, so it does not count the jobs before it."""
+    return _JOB_STARTS[-1] if len(_JOB_STARTS) > 1 else process_start_time()
+
+
 def say(*args, **kwargs) -> None:
     """Print once per job: under torchrun/SLURM every rank runs this entry point."""
     if launcher_rank() == 0:
@@ -49,6 +64,10 @@ def quiet_libraries() -> None:
     # "Terminating process N via signal SIGTERM": torch stopping the other workers after one failed;
     # the supervisor reports the failure and what it does about it.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    # "Initializing distributed: GLOBAL_RANK: N, ...": Lightning's per-process line as each joins the
+    # process group. Under torchrun every rank but 0 runs without Hydra's logging, so Lightning's own
+    # handler printed it once per rank; the layout table already says which ranks there are.
+    logging.getLogger("lightning.fabric.utilities.distributed").setLevel(logging.WARNING)
     # modelopt checks the installed transformers version on import; ntp_nemo uses none of its HF paths.
     warnings.filterwarnings("ignore", message=r"transformers .* is not tested with current version of model")
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
