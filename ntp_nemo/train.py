@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 # (they inherit it).
 
 
-def train(cfg: DictConfig) -> dict:
+def train(cfg: DictConfig, start_t: float | None = None) -> dict:
     """resolve -> data -> supervisor (or this worker, under torchrun/SLURM) -> report; returns the run
     summary."""
     from hydra.core.hydra_config import HydraConfig
@@ -95,7 +95,7 @@ def train(cfg: DictConfig) -> dict:
         sys.exit(result.exit_code)
     if launcher_rank() != 0:
         return {}  # summary.json has one writer, global rank 0, which also reads and prints it
-    return _report(spec, run_dir, t0, result)
+    return _report(spec, run_dir, t0, result, process_start_time() if start_t is None else start_t)
 
 
 def _cluster_link(spec: RunSpec):
@@ -207,7 +207,7 @@ def _describe(spec: RunSpec, data) -> None:
         f"{flops_per_token(m, spec.data.seq_len) / 1e6:.1f} MFLOP/token | data "
         f"{spec.data.path or 'embedded corpus (Python standard library)'} "
         f"[tokenizer {data.tokenizer_name}, {data.vocab_size} ids -> {m.vocab_size} vocabulary rows] "
-        f"({len(data.train)} train / {len(data.val)} val samples)",
+        f"({data.num_tokens} tokens: {len(data.train)} train / {len(data.val)} val samples)",
         flush=True,
     )
     say(layout.table(m.num_heads, m.ffn_hidden_size, m.vocab_size), flush=True)
@@ -218,14 +218,14 @@ def _describe(spec: RunSpec, data) -> None:
     )
 
 
-def _report(spec: RunSpec, run_dir: Path, t0: float, result) -> dict:
+def _report(spec: RunSpec, run_dir: Path, t0: float, result, start_t: float) -> dict:
     """summary.json completed with this command's numbers (every attempt), printed as the summary."""
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     summary["wall_s"] = time.time() - t0
     summary.update(invocation_stats(run_dir, t0))  # every attempt of this command, not the last one's
     if summary.get("first_step_start") is not None:
-        summary["startup_s"] = summary.pop("first_step_start") - process_start_time()
+        summary["startup_s"] = summary.pop("first_step_start") - start_t
     if (run_dir / "goodput.jsonl").exists():
         from ntp_nemo.goodput.report import analyse
 
@@ -282,13 +282,18 @@ def _checkpoint_step(path: Path) -> int:
 
 @dataclass
 class _Job:
-    """Whether Hydra started the job: an exit 1 before it is a composition error (exit 2)."""
+    """Whether Hydra started a job (an exit 1 before it is a composition error, exit 2) and when the
+    current one began: the first job of the process counts from the process's start (interpreter and
+    imports included); a later job of a sweep (`-m`: the jobs run one after another in this process)
+    from its own start, so its startup does not include the jobs before it."""
 
     started: bool = False
+    start_t: float = 0.0
 
 
 def _hydra_entry(cfg: DictConfig, job: _Job) -> float | None:
     """The Hydra job (`main` wraps it in `hydra.main`)."""
+    job.start_t = time.time() if job.started else process_start_time()
     job.started = True
     from hydra.core.hydra_config import HydraConfig
 
@@ -297,7 +302,7 @@ def _hydra_entry(cfg: DictConfig, job: _Job) -> float | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     with ConsoleLog(log_path(run_dir), enabled=launcher_rank() == 0):  # train.log = what the console shows
         try:
-            summary = train(cfg)
+            summary = train(cfg, job.start_t)
         except ConfigError as err:
             report_config_error(err)
             _drop_empty_run_dir()

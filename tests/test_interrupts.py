@@ -37,6 +37,7 @@ def _interrupt(args: list[str], cwd, marker: str | None, delay_s: float = 0.0, s
     proc = subprocess.Popen([sys.executable, "-m", "ntp_nemo.train", *args], cwd=cwd, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     sent: list[float] = []
+    began = time.time()  # heartbeats older than this are a previous command's
 
     def send() -> None:
         if not sent:
@@ -59,6 +60,21 @@ def _interrupt(args: list[str], cwd, marker: str | None, delay_s: float = 0.0, s
                 time.sleep(0.01)
 
         threading.Thread(target=watch_save, daemon=True).start()
+    elif marker.startswith("start:"):  # `delay_s` after rank 0's heartbeat says training started
+        beat0 = Path(marker[6:]) / "failover" / "heartbeats" / "rank_00000.json"
+
+        def watch_start() -> None:
+            while proc.poll() is None and not sent:
+                try:
+                    doc = json.loads(beat0.read_text())
+                except (OSError, ValueError):
+                    doc = {}
+                if doc.get("t", 0) >= began and doc.get("phase") in ("train_start", "step_start"):
+                    time.sleep(delay_s)
+                    send()
+                time.sleep(0.01)
+
+        threading.Thread(target=watch_start, daemon=True).start()
     elif marker.startswith("fork:"):  # as soon as the launcher has forked that many workers
         def watch(n: int = int(marker[5:])) -> None:
             while proc.poll() is None and not sent:
@@ -71,7 +87,8 @@ def _interrupt(args: list[str], cwd, marker: str | None, delay_s: float = 0.0, s
     deadline = time.time() + 400
     for line in proc.stdout:
         out.append(line)
-        if marker is not None and not marker.startswith(("fork:", "save:")) and marker in line and not sent:
+        watched = marker is None or marker.startswith(("fork:", "save:", "start:"))
+        if not watched and marker in line and not sent:
             time.sleep(delay_s)
             send()
         assert time.time() < deadline, "".join(out[-40:])
@@ -120,7 +137,7 @@ def test_ctrl_c_at_every_moment(tmp_path):
     assert json.loads((run / "summary.json").read_text())["stopped_early"] == "SIGINT"
 
     # As the first step of the rerun starts: it resumes from step 1 and stops after step 2.
-    rc, out, took = _interrupt([*args, "trainer.max_steps=4"], tmp_path, "memory per rank (from")
+    rc, out, took = _interrupt([*args, "trainer.max_steps=4"], tmp_path, f"start:{run}")
     assert rc == 0 and took < BOUND_S, out
     assert f"resuming from {run / 'checkpoints' / 'step_000001'} (step 1;" in out
     assert "Traceback" not in out and "checkpointing at step 2 and stopping" in out
@@ -157,7 +174,7 @@ def test_kill_9_of_the_launcher(tmp_path):
     starts from step 1."""
     fresh = tmp_path / "killed"
     rc, out, took = _interrupt([*TINY, *TWO, f"hydra.run.dir={fresh}", "trainer.max_steps=400"], tmp_path,
-                               "memory per rank (from", delay_s=2.0, sig=signal.SIGKILL, group=False)
+                               f"start:{fresh}", delay_s=2.0, sig=signal.SIGKILL, group=False)
     assert rc == -signal.SIGKILL and took < BOUND_S, out
     # At the step's end, or in the step when a collective meets the launcher's store gone first.
     assert "(pid " in out and "is gone:" in out and "without a checkpoint" in out, out[-3000:]

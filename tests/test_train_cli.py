@@ -29,6 +29,10 @@ def test_single_process_run_learns_and_writes_run_dir(tmp_path):
     assert "run summary" in proc.stdout and "tokens/s" in proc.stdout
     # Launch to the first step, from the process start (interpreter and imports included).
     assert 0 < summary["startup_s"] < 300 and " s from the command to the first step" in proc.stdout
+    # 30 steps, validation every 1000: validated after the last step all the same.
+    assert summary["val_loss"] is not None
+    # The data's sizes once, in the header (no log line repeating it).
+    assert sum(" train / " in line for line in proc.stdout.splitlines()) == 1
 
 
 @pytest.mark.slow
@@ -45,6 +49,11 @@ def test_multirun_sweep_makes_one_run_dir_per_job(tmp_path):
     assert "optim.lr=0.001" in overrides[0] and "optim.lr=0.003" in overrides[1]
     losses = [read_metrics(p)[-1]["loss"] for p in jobs]
     assert losses[0] != losses[1]  # the two learning rates really ran
+    # Each job's startup is its own: the second job's starts after the first job's last step.
+    summaries = [json.loads((p / "summary.json").read_text()) for p in jobs]
+    first_steps = [read_metrics(p)[0] for p in jobs]
+    second_began = first_steps[1]["time"] - first_steps[1]["step_time_s"] - summaries[1]["startup_s"]
+    assert second_began >= read_metrics(jobs[0])[-1]["time"], summaries
     table = (sweep / "sweep_summary.md").read_text()
     assert "optim.lr=0.001" in table and "optim.lr=0.003" in table
     assert (sweep / "sweep_summary.csv").exists()
@@ -163,6 +172,14 @@ def test_torchrun_launch_follows_the_same_curve(tmp_path, single_process_curve):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("run summary") == 1
+    out = proc.stdout + proc.stderr
+    assert "Initializing distributed" not in out  # Lightning's line from every rank
+    # The memory report: one block, one line per rank (estimate / measured side by side).
+    assert out.count("memory per rank") == 1
+    rank_lines = [line for line in out.splitlines() if line.startswith("  rank ")]
+    assert [line.split(":")[0] for line in rank_lines] == ["  rank 0", "  rank 1", "  rank 2"]
+    assert all(" / " in line and "max RSS" in line for line in rank_lines)
+    assert sum(" train / " in line for line in out.splitlines()) == 1  # the header, once
     curve = [m["loss"] for m in read_metrics(run)]
     assert len(curve) == 20
     for step, (a, b) in enumerate(zip(curve, single_process_curve, strict=True), 1):

@@ -50,6 +50,10 @@ def quiet_libraries() -> None:
     # "Terminating process N via signal SIGTERM": torch stopping the other workers after one failed;
     # the supervisor reports the failure and what it does about it.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    # "Initializing distributed: GLOBAL_RANK: N, ...": Lightning's per-process line as each joins the
+    # process group. Under torchrun every rank but 0 runs without Hydra's logging, so Lightning's own
+    # handler printed it once per rank; the layout table already says which ranks there are.
+    logging.getLogger("lightning.fabric.utilities.distributed").setLevel(logging.WARNING)
     # modelopt checks the installed transformers version on import; ntp_nemo uses none of its HF paths.
     warnings.filterwarnings("ignore", message=r"transformers .* is not tested with current version of model")
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")

@@ -89,7 +89,7 @@ class TrainerConfig:
     precision: str = "32-true"  # 32-true | 64-true | bf16-mixed | bf16-true (16-mixed is refused)
     accelerator: str = "cpu"
     log_every_n_steps: int = 1
-    val_every_n_steps: int = 50
+    val_every_n_steps: int = 50  # and after the last step, whatever max_steps is
     progress_bar: bool = True
     deterministic: bool = True  # torch.use_deterministic_algorithms (Lightning's Trainer(deterministic=...))
     process_group_backend: str | None = None  # None: gloo on CPU, nccl on GPU

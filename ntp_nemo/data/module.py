@@ -225,7 +225,8 @@ def build_data(
         )
     sampler = GlobalBatchSampler(len(train), global_batch_size, seed, tag_epochs=bool(blend))
     num_tokens = sum(tf.num_tokens for tf in files)
-    log.info("data: %s, %d tokens (%s), %d train / %d val samples of %d tokens",
+    # The run's header says the same (ntp-train); the token files are named here, at debug level.
+    log.debug("data: %s, %d tokens (%s), %d train / %d val samples of %d tokens",
              ", ".join(names), num_tokens, files[0].tokenizer, len(train), len(val), seq_len)
     eos = (files[0].meta or {}).get("eos_id")
     return DataBundle(files[0].tokenizer, max(tf.vocab_size for tf in files), train, val, sampler,

@@ -138,6 +138,14 @@ class StepCheckpoint(ModelCheckpoint):
         )
         self.save_on_end = save_on_end
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """What Lightning's ModelCheckpoint restores (best/last paths and scores) names files of the run
+        that saved it; with no monitored metric and every step's directory kept, none of it is used. A
+        checkpoint from another run directory (`resume=PATH`) keeps this directory's (empty) state
+        instead of Lightning's per-rank "dirpath has changed" warning."""
+        if state_dict.get("dirpath", self.dirpath) == self.dirpath:
+            super().load_state_dict(state_dict)
+
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -154,6 +162,24 @@ class StepCheckpoint(ModelCheckpoint):
         ):
             self._save_checkpoint(trainer, self.format_checkpoint_name({"step": trainer.global_step}))
             self._last_global_step_saved = trainer.global_step
+
+
+class FinalValidation(Callback):
+    """Validate after the last step even when `trainer.max_steps` is not a multiple of
+    `trainer.val_every_n_steps`: at the last step, Lightning's own interval check is made to answer yes
+    (`val_check_batch` set to this batch's count; training ends right after, so no later check reads it).
+    Every rank decides from the same step numbers, so all of them validate together; nothing stops the
+    loop early (a requested stop would change how Lightning ends the fit)."""
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.max_steps <= 0 or trainer.global_step < trainer.max_steps:
+            return
+        every = trainer.val_check_batch
+        done = trainer.fit_loop.epoch_loop.total_batch_idx + 1  # what Lightning's check counts
+        if isinstance(every, int) and every > 0 and done % every != 0:
+            trainer.val_check_batch = done
 
 
 class StopAtStep(Callback):
@@ -310,47 +336,50 @@ def _saves_on_stop(trainer: pl.Trainer) -> bool:
 
 
 class MemoryReport(Callback):
-    """Per-rank memory: the estimate from the model slice and layout at start, the measured peak after
-    `after_steps` steps (parameters, gradients, optimizer state, activations; process max RSS)."""
+    """Per-rank memory in one block, after `after_steps` steps of this run (or at the last step of a
+    shorter one): one line per rank, each part as estimate (from the model slice and layout) / measured
+    (parameters, gradients, optimizer state, activations; the estimate's total next to the process's
+    max RSS).
+
+    Every rank decides from the same step numbers, so all of them take part in the one gather. Not after
+    a live recovery or rejoin (the state the report was set up with is gone, and a repaired process,
+    whose start-up hook does not run, has none): the ranks of the new generation agree on skipping it."""
 
     def __init__(
         self, micro_batch_size: int, seq_len: int, global_microbatches: int, after_steps: int = 3
     ) -> None:
         self.mbs, self.seq, self.m, self.after = micro_batch_size, seq_len, global_microbatches, after_steps
+        self._at: int | None = None  # the global step to report at (set at the start of training)
+        self._state: Any = None  # the rank's state then
 
-    @staticmethod
-    def _gather_print(trainer: pl.Trainer, title: str, line: str) -> None:
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._at = int(trainer.global_step) + self.after
+        self._state = getattr(trainer.strategy, "state", None)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = int(trainer.global_step)
+        if self._at is None or (step != self._at and step < trainer.max_steps):
+            return
+        self._at = None  # once
+        if getattr(trainer.strategy, "state", None) is not self._state:
+            return
         import torch.distributed as dist
 
+        from ntp_nemo.pipeline.memory import format_side_by_side, measure_memory, rank_memory_estimate
+
+        est = rank_memory_estimate(pl_module.runtime, pl_module.model, global_microbatches=self.m,
+                                   micro_batch_size=self.mbs, seq_len=self.seq)
+        opt = trainer.optimizers[0] if trainer.optimizers else None
+        line = format_side_by_side(est, measure_memory(pl_module.model, opt, pl_module.runtime.pipeline))
         lines = [line]
         if dist.is_available() and dist.is_initialized():
             lines = [None] * dist.get_world_size()
             dist.all_gather_object(lines, line)
         if trainer.is_global_zero:
-            print(title + "\n" + "\n".join(f"  rank {r}: {s}" for r, s in enumerate(lines)), flush=True)
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        from ntp_nemo.pipeline.memory import rank_memory_estimate
-
-        est = rank_memory_estimate(
-            pl_module.runtime,
-            pl_module.model,
-            global_microbatches=self.m,
-            micro_batch_size=self.mbs,
-            seq_len=self.seq,
-        )
-        self._gather_print(trainer, "memory per rank (from model slice and layout):", est.format())
-
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if trainer.global_step != self.after:
-            return
-        from ntp_nemo.pipeline.memory import measure_memory
-
-        opt = trainer.optimizers[0] if trainer.optimizers else None
-        measured = measure_memory(pl_module.model, opt, pl_module.runtime.pipeline)
-        self._gather_print(trainer, f"memory per rank measured after {self.after} steps:", measured.format())
+            print(f"memory per rank after step {step}, MiB, estimate (model slice and layout) / measured:\n"
+                  + "\n".join(f"  rank {r}: {s}" for r, s in enumerate(lines)), flush=True)
 
 
 def _duration(seconds: float) -> str:

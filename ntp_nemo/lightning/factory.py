@@ -15,6 +15,7 @@ from hydra.utils import instantiate
 from ntp_nemo.config.resolve import RunSpec
 from ntp_nemo.data.module import DataBundle
 from ntp_nemo.lightning.callbacks import (
+    FinalValidation,
     MemoryReport,
     MetricsJSONL,
     PreemptionCheckpoint,
@@ -86,6 +87,7 @@ def build_trainer(
         callbacks.append(StepCheckpoint(run_dir / ckpt.dir, int(ckpt.every_n_steps), bool(ckpt.save_on_end)))
     callbacks.append(MemoryReport(spec.data.micro_batch_size, spec.data.seq_len, spec.num_microbatches))
     callbacks.append(PreemptionCheckpoint())
+    callbacks.append(FinalValidation())  # after the last step, whatever trainer.max_steps is
     stop_at_step = stop_at_step if stop_at_step is not None else t.stop_at_step
     if stop_at_step:
         callbacks.append(StopAtStep(int(stop_at_step)))

@@ -116,6 +116,20 @@ class MeasuredMemory:
                 + (f", CUDA peak {_fmt(self.cuda_peak)}" if self.cuda_peak is not None else ""))
 
 
+def _mib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / MiB:.2f}"
+
+
+def format_side_by_side(est: MemoryEstimate, got: MeasuredMemory) -> str:
+    """One rank's estimate and measurement on one line, estimate / measured per part, in MiB."""
+    return (f"params {_mib(est.params)} / {_mib(got.params)}, grads {_mib(est.grads)} / {_mib(got.grads)}, "
+            f"optimizer {_mib(est.optimizer)} / {_mib(got.optimizer)}, activations {_mib(est.activations)} "
+            f"({est.in_flight} x {_mib(est.activations_per_microbatch)}) "
+            f"/ peak {_mib(got.activations_peak)}, "
+            f"total {_mib(est.total)} / max RSS {_mib(got.max_rss)}"
+            + (f", CUDA peak {_mib(got.cuda_peak)}" if got.cuda_peak is not None else ""))
+
+
 def max_rss_bytes() -> int:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB

@@ -551,6 +551,9 @@ class Rejoining:
                              strict=True):
             group["lr"] = lr
         self.active = False
+        # Its validation loader was set up while its collectives were local: set up again at the next
+        # validation, with the collective the survivors run then (`_grow` resets theirs).
+        strategy.lightning_module.trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
 
 
 def _rejoin_main(launcher: LiveLauncher, idx: int, joining: Rejoining, trainer: Any, function: Callable,
@@ -573,7 +576,7 @@ def prepare_rejoin(trainer: Any, joining: Rejoining) -> None:
     from ntp_nemo.lightning.callbacks import MemoryReport
 
     trainer.strategy.joining = joining
-    for cb in trainer.callbacks:  # its start-up gather has no partner: the survivors started long ago
+    for cb in trainer.callbacks:  # no memory report: the survivors set theirs up long ago and skip it
         if isinstance(cb, MemoryReport):
             cb.on_train_start = lambda *a, **k: None
 
