@@ -24,6 +24,7 @@ Messages are JSON objects, one per line:
     task -> coordinator   {"ready": true}                     a replacement, before it joins
     coordinator -> task   {"rejoin": G, "source": S, "step": T}   the generation it joins
     coordinator -> task   {"look": G}                         failed/gen{G} was just published
+    coordinator -> task   {"declared": "lost"}                you were declared lost (hung): stop
     coordinator -> task   {"end": WHY}                        stop now (the job falls back to restart)
     task -> coordinator   {"bye": "done" | "idle" | "fallback" | "lost" | "error"}
 """

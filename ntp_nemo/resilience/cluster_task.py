@@ -160,8 +160,14 @@ class ClusterLink:
                     self._lost_coordinator()
                 return
             for msg in msgs:
-                if "look" in msg:
-                    self._look(int(msg["look"]))
+                if "declared" in msg:
+                    self._declared_lost()
+                elif "look" in msg:
+                    try:
+                        self._look(int(msg["look"]))
+                    except Exception:  # noqa: BLE001 - the store went with the coordinator
+                        self._lost_coordinator()
+                        return
                 elif "rejoin" in msg:
                     self._announced.put(msg)
                 elif "end" in msg:
@@ -179,12 +185,15 @@ class ClusterLink:
             return
         failed = [int(p) for p in json.loads(raw)]
         if self.place in failed:
-            self.say(f"failover | process {self.place} was declared lost by the coordinator (no heartbeat "
-                     f"progress for {self.heartbeat_s:g} s) and the others went on without it; exiting")
-            self.bye("lost")
-            os._exit(DECLARED_LOST_EXIT)
+            self._declared_lost()
         if self.on_look is not None:
             self.on_look(generation, failed)
+
+    def _declared_lost(self) -> None:
+        self.say(f"failover | process {self.place} was declared lost by the coordinator (no heartbeat "
+                 f"progress for {self.heartbeat_s:g} s) and the others went on without it; exiting")
+        self.bye("lost")
+        os._exit(DECLARED_LOST_EXIT)
 
     def _lost_coordinator(self) -> None:
         self.coordinator_lost.set()

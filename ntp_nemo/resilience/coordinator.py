@@ -310,6 +310,7 @@ class Coordinator:
         frozen = [p for p in active if now - p.alive_t > self.heartbeat_s / 2]
         for p in frozen or [active[i] for i in suspects(beats, len(active))]:
             p.declared, p.state = True, "lost"
+            p.line.send({"declared": "lost"})  # read when (if) it runs again: it stops then
             self._lose(p.pid, f"hung: no heartbeat progress for {self.heartbeat_s:g} s"
                        + (", and its process has stopped running" if frozen else ""))
 
