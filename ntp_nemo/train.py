@@ -91,11 +91,14 @@ def train(cfg: DictConfig, start_t: float | None = None) -> dict:
     except Exception:
         _raise_if_found_corrupt(ckpt_path)
         raise
-    if result.exit_code:  # a cluster task whose coordinator died: the batch script sees why
-        sys.exit(result.exit_code)
     if launcher_rank() != 0:
+        if result.exit_code:  # a cluster task whose coordinator died: the batch script sees why
+            sys.exit(result.exit_code)
         return {}  # summary.json has one writer, global rank 0, which also reads and prints it
-    return _report(spec, run_dir, t0, result, process_start_time() if start_t is None else start_t)
+    summary = _report(spec, run_dir, t0, result, process_start_time() if start_t is None else start_t)
+    if result.exit_code:
+        sys.exit(result.exit_code)
+    return summary
 
 
 def _cluster_link(spec: RunSpec):

@@ -444,7 +444,14 @@ class LiveRecovery(Callback):
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if not self.repair or self.store is None or self.generation is None:
             return
-        announced = read_rejoin(self.store, self.generation.index)
+        if self.link is not None and self.link.coordinator_lost.is_set():
+            return  # its store went with it: the run stops at the end of this step
+        try:
+            announced = read_rejoin(self.store, self.generation.index)
+        except Exception:  # noqa: BLE001 - a store that stopped answering
+            if self.link is not None and self.link.lost_coordinator(2.0):
+                return
+            raise
         if announced is None or trainer.global_step + 1 < announced["step"]:
             return
         if trainer.global_step + 1 > announced["step"]:
