@@ -45,7 +45,7 @@ RUN_PATTERNS = (
     "ntp-goodput ",
     "ntp_nemo.resilience.replan",
 )
-CLUSTER = ("torchrun", "srun", "sbatch")
+CLUSTER = ("torchrun", "srun", "sbatch", "ntp-coordinator")
 PROGRAMS = {
     *("ntp-train", "ntp-sim", "ntp-goodput", "ntp-export", "ntp-plan", "ntp-preprocess"),
     *("python", "pip", "pytest", *CLUSTER),
@@ -74,6 +74,15 @@ def doc_commands(path: Path) -> list[str]:
     out: list[str] = []
     for lang, block in re.findall(r"```(\w*)\n(.*?)```", path.read_text(), flags=re.S):
         lines = block.splitlines()
+        if lines and lines[0].startswith("#!"):  # a batch script: its program lines, variables filled in
+            values = dict(re.findall(r'^(\w+)="([^"]*)"', block, flags=re.M))
+            for line in lines:
+                cmd = re.split(r"\s(?:\|\||&&|;|&)(?:\s|$)", _strip_comment(line).strip() + " ")[0].strip()
+                if cmd.split()[:1] and cmd.split()[0] in PROGRAMS:
+                    for name, value in values.items():
+                        cmd = cmd.replace("$" + name, value)
+                    out.append(cmd)
+            continue
         if lang not in ("bash", "sh", "console"):  # untagged: command lines among printed output
             keep, cont = [], False
             for line in lines:
@@ -141,8 +150,9 @@ def plan(cmd: str) -> tuple[str, str]:
 
 def train_args(cmd: str) -> list[str]:
     words = shlex.split(cmd)
-    if "ntp-train" in words:
-        return words[words.index("ntp-train") + 1 :]
+    for program in ("ntp-train", "ntp-coordinator"):  # the coordinator takes the tasks' overrides
+        if program in words:
+            return words[words.index(program) + 1 :]
     return words[words.index("ntp_nemo.train") + 1 :]
 
 
