@@ -86,6 +86,7 @@ class Coordinator:
         self._pending: list[_Pending] = []
         self._spares: list[tuple[Line, str]] = []  # (line, host) of tasks waiting for a place
         self._beats_t = 0.0
+        self.stopping = False  # set from another thread: `serve` returns 1 at its next poll
         self.listener = socket.create_server((host, 0), backlog=1024)
         self.listener.setblocking(False)
         self.link_port = self.listener.getsockname()[1]
@@ -93,7 +94,7 @@ class Coordinator:
 
     # ---- the loop ---------------------------------------------------------------------------------
     def serve(self) -> int:
-        while True:
+        while not self.stopping:
             lines = ([p.line for p in self.places if p.line is not None] + [q.line for q in self._pending]
                      + [line for line, _ in self._spares])
             ready, _, _ = select.select([self.listener, *lines], [], [], self.poll_s)
@@ -116,6 +117,7 @@ class Coordinator:
                     line.send({"end": "the job ended before a place came free"})
                     line.close()
                 return self._exit_code()
+        return 1
 
     def _finished(self) -> bool:
         if not self.formed and not self.fallback:

@@ -1,0 +1,137 @@
+"""The coordinator's protocol without training: places, the job's secret, losses published on the store,
+spares, hangs and the coordinator's own death, with the real `Coordinator` in a thread and real link
+connections (raw sockets, or `ClusterLink` where the task's side is under test)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from ntp_nemo.parallel.cluster import PLACE_ENV, WORLD_ENV
+from ntp_nemo.resilience.cluster_protocol import LINK_KEY, Line, auth_tag
+from ntp_nemo.resilience.coordinator import Coordinator, beat_key
+from ntp_nemo.resilience.rehearsal import free_port
+from ntp_nemo.resilience.rendezvous import failed_key, read_rejoin
+from ntp_nemo.resilience.store_auth import JobStore
+
+SECRET = b"unit-test-secret-0123456789"
+
+
+@pytest.fixture
+def served():
+    """A coordinator of 2 places serving in a thread: (job store, coordinator, its lines, its exit)."""
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=30))
+    job = JobStore(server, SECRET)
+    said: list[str] = []
+    coordinator = Coordinator(job, SECRET, 2, heartbeat_s=1.0, host="127.0.0.1", poll_s=0.01, grace_s=0.05,
+                              end_step=100, say=said.append)
+    code: list[int] = []
+    thread = threading.Thread(target=lambda: code.append(coordinator.serve()), daemon=True)
+    thread.start()
+    yield job, coordinator, said, code
+    coordinator.stopping = True
+    thread.join(timeout=5)
+
+
+class Raw:
+    """A task's link done by hand: connect, answer the nonce (with `secret`), ask for `want`."""
+
+    def __init__(self, job: JobStore, want: int, ntasks: int = 2, secret: bytes = SECRET) -> None:
+        port = int(job.read(LINK_KEY))
+        self.line = Line(socket.create_connection(("127.0.0.1", port), timeout=10))
+        nonce = self.next()["nonce"]
+        self.line.send({"auth": auth_tag(secret, nonce), "want": want, "ntasks": ntasks, "host": "h"})
+        self.reply = self.next()
+
+    def next(self) -> dict:
+        while True:
+            msgs = self.line.receive()
+            assert msgs is not None, "the coordinator closed the link"
+            if msgs:
+                return msgs[0]
+
+
+def _until(cond, timeout_s: float = 10.0) -> None:
+    deadline = time.time() + timeout_s
+    while not cond():
+        assert time.time() < deadline
+        time.sleep(0.01)
+
+
+def test_places_secret_and_a_loss_published_on_the_store(served):
+    job, coordinator, said, _ = served
+    forged = Raw(job, 0, secret=b"not-the-job-secret-at-all")
+    assert "refused" in forged.reply and "NTP_JOB_SECRET" in forged.reply["refused"]
+    forged.line.close()
+    a, b = Raw(job, 0), Raw(job, 1)
+    assert (a.reply["place"], a.reply["mode"], b.reply["place"]) == (0, "start", 1)
+    assert coordinator.formed and not coordinator._losses  # the forged connection's close lost nobody
+    b.line.close()  # the task's process died: its kernel closed the link
+    assert a.next() == {"look": 0}
+    assert json.loads(job.read(failed_key(0))) == [1]  # signed with the job's secret
+    assert job.store.check([failed_key(1)]) is False
+    assert any("process 1 lost (its connection closed)" in s for s in said)
+
+
+def test_a_spare_waits_takes_the_lost_place_and_rejoins_ahead_of_the_survivors(served):
+    job, coordinator, said, _ = served
+    spare = Raw(job, 0, ntasks=1)  # its own srun step: a replacement, never a place of the forming job
+    assert "wait" in spare.reply
+    a, b = Raw(job, 0), Raw(job, 1)
+    job.put(beat_key(0), json.dumps({"step": 12, "phase": "step_start", "tick": 1}))
+    b.line.close()
+    placed = spare.next()
+    assert (placed["place"], placed["mode"]) == (1, "rejoin")
+    assert a.next() == {"look": 0}
+    spare.line.send({"ready": True})
+    announced = spare.next()
+    assert announced == {"rejoin": 2, "source": 0, "step": 16}  # generation 1 after the loss, then 2
+    assert read_rejoin(job, 1) == {"step": 16, "members": [0, 1], "source": 0}
+
+
+def test_a_hung_task_is_told_from_a_blocked_one_by_its_ticks(served):
+    job, coordinator, said, _ = served
+    a, b = Raw(job, 0), Raw(job, 1)
+    stop = threading.Event()
+
+    def runs(place: int) -> None:  # a process that runs, blocked in a collective: ticks, no progress
+        tick = 0
+        while not stop.wait(0.1):
+            tick += 1
+            job.put(beat_key(place), json.dumps({"step": 5, "phase": "step_start", "tick": tick}))
+
+    job.put(beat_key(1), json.dumps({"step": 5, "phase": "step_start", "tick": 1}))  # then stopped
+    ticker = threading.Thread(target=runs, args=(0,), daemon=True)
+    ticker.start()
+    try:
+        assert b.next() == {"declared": "lost"}
+        assert a.next() == {"look": 0}
+    finally:
+        stop.set()
+    assert json.loads(job.read(failed_key(0))) == [1]
+    assert any("process 1 lost (hung" in s and "stopped running" in s for s in said), said
+
+
+def test_a_task_sees_the_coordinator_die(served, monkeypatch):
+    from ntp_nemo.resilience.cluster_task import ClusterLink
+
+    job, coordinator, _, _ = served
+    monkeypatch.setenv("NTP_JOB_SECRET", SECRET.decode())
+    monkeypatch.setenv(PLACE_ENV, "unset")  # restored at the end: the link exports this process's place
+    monkeypatch.setenv(WORLD_ENV, "unset")
+    host, port = coordinator.job.store.underlying_store.host, coordinator.job.store.underlying_store.port
+    told: list[bool] = []
+    link = ClusterLink((host, port), want=0, ntasks=2, heartbeat_s=3600.0, say=lambda s: None).open()
+    link.on_coordinator_lost = lambda: told.append(True)
+    assert (link.place, link.mode, link.world) == (0, "start", 2)
+    coordinator.places[0].line.sock.shutdown(socket.SHUT_RDWR)  # its end of the link goes, as when it dies
+    _until(link.coordinator_lost.is_set)
+    assert told == [True]
