@@ -13,7 +13,8 @@ four tasks; task 3 is killed with `kill -9` from outside when a step drawn from 
   resubmitted job or the batch script's relaunch loop does) and resume from the latest checkpoint.
 
 Per path: caught up = from the kill until the step that was in flight completes again (its last record in
-metrics.jsonl), and lost steps = step executions done again (the interrupted one included).  Last line:
+metrics.jsonl), and lost steps = steps executed again, the interrupted one included (live: from the first
+step of the new layout, `recovery_done`; restart: from the checkpoint the relaunch resumes from).  Last line:
 `cluster live / restart caught-up ratio R`.  On a cluster the restart path also pays the scheduler's
 resubmission, thousands of processes importing torch and Lightning, NCCL initialisation and a checkpoint
 read from shared storage; here those costs are a few seconds of one machine.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import signal
 import sys
 import tempfile
@@ -34,8 +36,9 @@ from ntp_nemo.resilience.rehearsal import free_port, start_coordinator, start_ta
 
 TINY = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.ffn_hidden_size=128",
         "model.max_seq_len=64", "data.seq_len=32", "data.global_batch_size=12", "data.micro_batch_size=2",
-        "optim.warmup_steps=2", "optim.lr=3e-3", "trainer.val_every_n_steps=1000", "trainer.progress_bar=false",
-        "logger=none", "callbacks=none", "mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,2]",
+        "optim.warmup_steps=2", "optim.lr=3e-3", "trainer.val_every_n_steps=1000",
+        "trainer.progress_bar=false", "logger=none", "callbacks=none",
+        "mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,2]",
         "fault.heartbeat_timeout_s=4", "fault.collective_timeout_s=20", "fault.step_timeout_s=60"]
 SECRET = "bench-cluster-live-secret"
 
@@ -61,16 +64,14 @@ def wait_step(run: Path, step: int, procs, timeout_s: float = 600) -> None:
     deadline = time.time() + timeout_s
     while last_step(run) < step:
         if time.time() > deadline or all(p.popen.poll() is not None for p in procs):
-            raise RuntimeError(f"step {step} not reached in {run}:\n" + "\n".join(p.output[-2000:] for p in procs))
+            said = "\n".join(p.output[-2000:] for p in procs)
+            raise RuntimeError(f"step {step} not reached in {run}:\n{said}")
         time.sleep(0.02)
 
 
-def caught_up(run: Path, in_flight: int, killed_t: float) -> tuple[float, int]:
-    """(seconds from the kill to the last completion of step `in_flight`, step executions done again)."""
-    recs = records(run)
-    done = [r["time"] for r in recs if r["step"] == in_flight]
-    redone = len(recs) - len({r["step"] for r in recs})
-    return max(done) - killed_t, redone + 1
+def caught_up(run: Path, in_flight: int, killed_t: float) -> float:
+    """Seconds from the kill to the last completion of step `in_flight`."""
+    return max(r["time"] for r in records(run) if r["step"] == in_flight) - killed_t
 
 
 def live(base: list[str], steps: int, kill_after: int, work: Path) -> tuple[float, int, dict]:
@@ -92,11 +93,15 @@ def live(base: list[str], steps: int, kill_after: int, work: Path) -> tuple[floa
             p.kill()
     events = [json.loads(x) for x in (run / "goodput.jsonl").read_text().splitlines()]
     done = [e for e in events if e["event"] == "recovery_done"]
-    seconds, lost = caught_up(run, kill_after + 1, killed_t)
-    return seconds, lost, done[0] if done else {}
+    if not done:
+        raise RuntimeError("no live recovery recorded:\n" + tasks[0].output[-3000:])
+    # The step the survivors ran first on the new layout; every step before it had completed.
+    lost = kill_after + 1 - (int(done[0]["step"]) - 1)
+    return caught_up(run, kill_after + 1, killed_t), lost, done[0]
 
 
 def restart(base: list[str], steps: int, kill_after: int, every: int, work: Path) -> tuple[float, int]:
+    """(caught up, lost steps): the relaunched job redoes every step after the checkpoint it resumes from."""
     run = work / "restart"
     over = [*base, f"trainer.max_steps={steps}", f"checkpoint.every_n_steps={every}", f"hydra.run.dir={run}"]
     port = free_port()
@@ -120,7 +125,10 @@ def restart(base: list[str], steps: int, kill_after: int, every: int, work: Path
     finally:
         for p in again:
             p.kill()
-    return caught_up(run, kill_after + 1, killed_t)
+    said = re.search(r"resuming from \S+ \(step (\d+);", again[0].output)
+    if said is None:
+        raise RuntimeError("the relaunch did not resume:\n" + again[0].output[-3000:])
+    return caught_up(run, kill_after + 1, killed_t), kill_after + 1 - int(said.group(1))
 
 
 def main() -> None:
@@ -138,8 +146,8 @@ def main() -> None:
         live_s, live_lost, done = live(base, args.steps, kill_after, work)
         restart_s, restart_lost = restart(base, args.steps, kill_after, args.every, work)
     print(f"{'path':<8} {'caught up (s)':>14} {'lost steps':>11}")
-    print(f"{'live':<8} {live_s:>14.2f} {live_lost:>11d}   (recovery_done: mode {done.get('mode')}, "
-          f"layout {done.get('layout')}, {done.get('recovery_s', float('nan')):.2f} s detection to resharded)")
+    print(f"{'live':<8} {live_s:>14.2f} {live_lost:>11d}   (recovery_done: mode {done['mode']}, "
+          f"layout {done['layout']}, {done['recovery_s']:.2f} s from detection to resharded)")
     print(f"{'restart':<8} {restart_s:>14.2f} {restart_lost:>11d}")
     print(f"cluster live / restart caught-up ratio {live_s / restart_s:.3f}")
 
