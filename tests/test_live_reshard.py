@@ -263,3 +263,36 @@ def test_no_live_copy_with_one_replica_falls_back():
     results, codes = run_elastic(training_worker, 2, LLAMA, 2, [2], {(1, 1): "backward"})
     assert codes == [0, 137]
     assert "no survivor holds" in results[0]["fallback"]
+
+
+def test_pieces_on_two_devices_travel_in_one_batch_per_device(monkeypatch):
+    """On a GPU run AdamW's 0-dim `step` stays on the CPU while the moments are on the GPU: the pieces for
+    one peer must not be concatenated across devices, and each device's sends go in a batch of their own
+    (gloo carries the CPU half of a `cpu:gloo,cuda:nccl` group, NCCL the other). The meta device stands in
+    for the second device here: concatenating a CPU and a meta tensor fails as a CPU and a CUDA one do."""
+    import torch.distributed as dist
+
+    from ntp_nemo.checkpoint.state import NamedSlice
+    from ntp_nemo.resilience.live import Piece, ReshardPlan, execute_plan
+    from ntp_nemo.topology.shard import ShardSpec
+
+    held = {
+        "optim/w/exp_avg": NamedSlice(ShardSpec.full((4,)), torch.ones(4, device="meta")),
+        "optim/w/step": NamedSlice(ShardSpec.full(()), torch.tensor(3.0)),
+        "optim/v/step": NamedSlice(ShardSpec.full(()), torch.tensor(3.0)),
+    }
+    plan = ReshardPlan([Piece("optim/w/exp_avg", 0, 1, 0, 0, 4, 16), Piece("optim/w/step", 0, 1, 0, 0, 1, 4),
+                        Piece("optim/v/step", 0, 1, 0, 0, 1, 4)], 24)
+    batches: list[list] = []
+
+    def batch(ops):
+        batches.append([(op.tensor.device.type, op.tensor.numel(), op.tag) for op in ops])
+        return []
+
+    monkeypatch.setattr(dist, "batch_isend_irecv", batch)
+    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, group=None, tag=0: SimpleNamespace(
+        tensor=tensor, peer=peer, tag=tag))
+    assert execute_plan(plan, 0, held, {}) == (24, 0)
+    assert all(len(b) == 1 for b in batches)
+    assert sorted(b[0][:2] for b in batches) == [("cpu", 2), ("meta", 4)]  # the two steps, the moment
+    assert batches[0][0][2] != batches[1][0][2]  # tags differ by device: one pair, two messages

@@ -212,10 +212,12 @@ def execute_plan(
     wanted: Mapping[str, NamedSlice],
     group=None,
 ) -> tuple[int, int]:
-    """Run this participant's part of `plan`: local copies, then one send and one receive per peer and
-    dtype (`batch_isend_irecv`).  Returns (bytes sent, bytes received)."""
-    sends: dict[tuple[int, torch.dtype], list[torch.Tensor]] = defaultdict(list)
-    recvs: dict[tuple[int, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    """Run this participant's part of `plan`: local copies, then one send and one receive per peer, dtype
+    and device (`batch_isend_irecv`, one batch per device: on a GPU run AdamW's 0-dim `step` stays on the
+    CPU, gloo's half of the group, while the moments travel on NCCL).  Returns (bytes sent, bytes
+    received)."""
+    sends: Buckets = defaultdict(list)
+    recvs: Buckets = defaultdict(list)
     sent = received = 0
     with torch.no_grad():
         for p in plan.pieces:
@@ -223,24 +225,25 @@ def execute_plan(
                 _view(wanted[p.key], p.dim, p.start, p.stop).copy_(_view(held[p.key], p.dim, p.start, p.stop))
             elif p.src == me:
                 v = _view(held[p.key], p.dim, p.start, p.stop)
-                sends[(p.dst, v.dtype)].append(v)
+                sends[(p.dst, v.dtype, v.device)].append(v)
                 sent += p.nbytes
             elif p.dst == me:
                 v = _view(wanted[p.key], p.dim, p.start, p.stop)
-                recvs[(p.src, v.dtype)].append(v)
+                recvs[(p.src, v.dtype, v.device)].append(v)
                 received += p.nbytes
-        ops, landing = [], []
-        for (peer, dtype), views in sorted(sends.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+        ops: dict[torch.device, list] = defaultdict(list)
+        landing = []
+        for (peer, dtype, device), views in _ordered(sends):
             flat = torch.cat([v.reshape(-1) for v in views])
-            ops.append(dist.P2POp(dist.isend, flat, dist.get_global_rank(group, peer) if group else peer,
-                                  group=group, tag=_tag(dtype)))
-        for (peer, dtype), views in sorted(recvs.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
-            flat = torch.empty(sum(v.numel() for v in views), dtype=dtype, device=views[0].device)
-            ops.append(dist.P2POp(dist.irecv, flat, dist.get_global_rank(group, peer) if group else peer,
-                                  group=group, tag=_tag(dtype)))
+            dst = dist.get_global_rank(group, peer) if group else peer
+            ops[device].append(dist.P2POp(dist.isend, flat, dst, group=group, tag=_tag(dtype, device)))
+        for (peer, dtype, device), views in _ordered(recvs):
+            flat = torch.empty(sum(v.numel() for v in views), dtype=dtype, device=device)
+            src = dist.get_global_rank(group, peer) if group else peer
+            ops[device].append(dist.P2POp(dist.irecv, flat, src, group=group, tag=_tag(dtype, device)))
             landing.append((flat, views))
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
+        for device in sorted(ops, key=str):  # the same order on every rank
+            for work in dist.batch_isend_irecv(ops[device]):
                 work.wait()
         for flat, views in landing:
             offset = 0
@@ -251,9 +254,19 @@ def execute_plan(
     return sent, received
 
 
-def _tag(dtype: torch.dtype) -> int:
-    """A message tag per dtype, the same on every rank (pieces of two dtypes between one pair)."""
-    name = str(dtype)
+# (peer, dtype, device) -> the views travelling in one flat buffer
+Buckets = dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]]
+
+
+def _ordered(buckets: Buckets) -> list:
+    """Buckets in an order every rank agrees on."""
+    return sorted(buckets.items(), key=lambda kv: (kv[0][0], str(kv[0][1]), str(kv[0][2])))
+
+
+def _tag(dtype: torch.dtype, device: torch.device | None = None) -> int:
+    """A message tag per dtype and device type, the same on every rank (pieces of two dtypes, or on two
+    devices, between one pair)."""
+    name = str(dtype) + ("" if device is None else device.type)
     return sum(ord(c) * 31**i for i, c in enumerate(name)) % (1 << 20)
 
 
