@@ -270,6 +270,7 @@ class Coordinator:
         publish_failed(self.job, self.generation, lost)
         failed_gen = self.generation
         self.generation += 1
+        self._fresh_window()
         for p in self.places:
             if p.line is not None and p.state in ("active", "lost"):
                 p.line.send({"look": failed_gen})
@@ -286,6 +287,14 @@ class Coordinator:
                 p.line.send({"end": "the survivors could not recover live"})
 
     # ---- heartbeats -------------------------------------------------------------------------------
+    def _fresh_window(self) -> None:
+        """The survivors recover (or grow) now: their progress was held up by the failure itself, so each
+        gets a whole heartbeat timeout from here before it can be called hung."""
+        now = time.monotonic()
+        for p in self.places:
+            if p.state == "active":
+                p.moved_t = now
+
     def _watch_beats(self, now: float) -> None:
         active = [p for p in self.places if p.state == "active" and not p.declared]
         if not active:
@@ -309,7 +318,7 @@ class Coordinator:
         # A process whose ticks stopped too (stopped, frozen) is the hung one; when every process still
         # runs (a rank stuck in a kernel or a collective), the one behind the others is.  Ranks blocked in
         # a collective with a hung peer report the same progress as it or more.
-        frozen = [p for p in active if now - p.alive_t > self.heartbeat_s / 2]
+        frozen = [p for p in active if now - p.alive_t > 0.75 * self.heartbeat_s]
         for p in frozen or [active[i] for i in suspects(beats, len(active))]:
             p.declared, p.state = True, "lost"
             p.line.send({"declared": "lost"})  # read when (if) it runs again: it stops then
@@ -339,6 +348,7 @@ class Coordinator:
         source = min(p.pid for p in survivors)
         publish_rejoin(self.job, self.generation, join_at, range(self.world), source)
         self.generation += 1
+        self._fresh_window()
         for p in replacing:
             p.line.send({"rejoin": self.generation, "source": source, "step": join_at})
             p.state, p.ready, p.moved_t, p.beat = "active", False, time.monotonic(), None
