@@ -36,9 +36,10 @@ if TYPE_CHECKING:
 # (they inherit it).
 
 
-def train(cfg: DictConfig, start_t: float | None = None) -> dict:
+def train(cfg: DictConfig, start_t: float | None = None, console=None) -> dict:
     """resolve -> data -> supervisor (or this worker, under torchrun/SLURM) -> report; returns the run
-    summary."""
+    summary.  `start_t`: when the job started; `console`: the `ConsoleLog` copying this process's
+    console to the run's train.log, if any."""
     from hydra.core.hydra_config import HydraConfig
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -52,6 +53,8 @@ def train(cfg: DictConfig, start_t: float | None = None) -> dict:
         say(f"model weights: initialised from {spec.model.init_from} (model.init_from)", flush=True)
     link = _cluster_link(spec)  # an srun task under ntp-coordinator: its place before anything else
     rejoining = link is not None and link.mode == "rejoin"
+    if rejoining:  # a replacement (its own srun step's task 0): the run's log and record are rank 0's
+        _leave_run_log(console)
     quiet_libraries()
     data = _data(spec)
     from ntp_nemo.lightning.factory import build_trainer
@@ -99,6 +102,17 @@ def train(cfg: DictConfig, start_t: float | None = None) -> dict:
     if result.exit_code:
         sys.exit(result.exit_code)
     return summary
+
+
+def _leave_run_log(console) -> None:
+    import logging
+
+    if console is not None:
+        console.close()
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if isinstance(h, logging.FileHandler)]:
+        root.removeHandler(handler)
+        handler.close()
 
 
 def _cluster_link(spec: RunSpec):
@@ -303,9 +317,10 @@ def _hydra_entry(cfg: DictConfig, job: _Job) -> float | None:
     from ntp_nemo.config.run_dir import ConsoleLog, log_path
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    with ConsoleLog(log_path(run_dir), enabled=launcher_rank() == 0):  # train.log = what the console shows
+    # train.log = what the console shows
+    with ConsoleLog(log_path(run_dir), enabled=launcher_rank() == 0) as console:
         try:
-            summary = train(cfg, job.start_t)
+            summary = train(cfg, job.start_t, console)
         except ConfigError as err:
             report_config_error(err)
             _drop_empty_run_dir()

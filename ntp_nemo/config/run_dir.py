@@ -205,6 +205,10 @@ class ConsoleLog:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop copying the console to the file (a process that turns out not to be rank 0)."""
         if self._saved is not None:
             sys.stdout.flush()
             sys.stderr.flush()
