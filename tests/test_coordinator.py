@@ -135,3 +135,24 @@ def test_a_task_sees_the_coordinator_die(served, monkeypatch):
     coordinator.places[0].line.sock.shutdown(socket.SHUT_RDWR)  # its end of the link goes, as when it dies
     _until(link.coordinator_lost.is_set)
     assert told == [True]
+
+
+def test_bad_input_stops_the_coordinator_before_it_listens(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "NTP_"))}
+    cases = [
+        ({"MASTER_PORT": str(free_port()), "NTP_JOB_SECRET": SECRET.decode()}, ["mesh.dpp=2"],
+         "mesh.dpp: no such key in mesh"),
+        ({"MASTER_PORT": str(free_port()), "NTP_JOB_SECRET": SECRET.decode()}, ["ntp.replica_tp=[2,5]",
+         "mesh.tp=2", "mesh.dp=2"], "ntp.replica_tp: replica 1 has 5 active ranks"),
+        ({"MASTER_PORT": str(free_port())}, [], "NTP_JOB_SECRET is not set"),
+        ({"NTP_JOB_SECRET": SECRET.decode()}, [], "MASTER_PORT: unset"),
+    ]
+    for env, args, said in cases:
+        res = subprocess.run([sys.executable, "-m", "ntp_nemo.cli.coordinator", *args], env={**base, **env},
+                             cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2 and said in res.stderr, (args, res.stderr[-2000:])
+        assert "Traceback" not in res.stderr and "coordinator ready" not in res.stdout

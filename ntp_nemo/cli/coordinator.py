@@ -33,12 +33,14 @@ def _settings(overrides: list[str]) -> tuple[int, float, int]:
     from ntp_nemo.config import checks
     from ntp_nemo.config.keys import check_override_keys
     from ntp_nemo.config.layout import resolve_layout
+    from ntp_nemo.config.validate import validate
     from ntp_nemo.resilience.fault_config import Timeouts
 
     check_override_keys(overrides)
     cfg = _compose_training([o for o in overrides if not o.lstrip("+~").startswith("hydra")])
     checks.require_mandatory(cfg)
     checks.adjust(cfg)
+    validate(cfg)  # a bad value stops the coordinator as it stops the tasks (exit 2)
     layout = resolve_layout(cfg)
     timeouts = Timeouts.from_config(cfg.fault)
     return layout.world_size, timeouts.heartbeat_s, int(cfg.trainer.max_steps)
