@@ -64,6 +64,13 @@ def loopback_children_env() -> Iterator[None]:
     iface = loopback_interface()
     if iface is not None:
         values.update(GLOO_SOCKET_IFNAME=iface, NCCL_SOCKET_IFNAME=iface)
+    with environment(values):
+        yield
+
+
+@contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """Set `values` in os.environ while it is open; every variable is restored (or removed) after."""
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:

@@ -39,7 +39,6 @@ import socket
 from collections.abc import Mapping
 
 from ntp_nemo.errors import ConfigError
-from ntp_nemo.parallel.cluster import PLACE_ENV, WORLD_ENV  # noqa: F401 - set once a task has its place
 
 COORDINATOR_ENV = "NTP_COORDINATOR"  # HOST:PORT of the coordinator's store (set by the batch script)
 LINK_KEY = "coordinator/link"  # the link's port, signed

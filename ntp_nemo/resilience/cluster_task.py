@@ -29,12 +29,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ntp_nemo.parallel.cluster import PLACE_ENV, WORLD_ENV
 from ntp_nemo.resilience.cluster_protocol import (
     COORDINATOR_LOST_EXIT,
     DECLARED_LOST_EXIT,
     LINK_KEY,
-    PLACE_ENV,
-    WORLD_ENV,
     Line,
     auth_tag,
 )

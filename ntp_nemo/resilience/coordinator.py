@@ -104,7 +104,9 @@ class Coordinator:
                 else:
                     self._read(obj)
             now = time.monotonic()
-            self._pending = [q for q in self._pending if now - q.t < 30 or q.line.close()]
+            for q in [q for q in self._pending if now - q.t >= 30]:  # connected, never said hello
+                self._pending.remove(q)
+                q.line.close()
             if now - self._beats_t >= min(0.25, self.heartbeat_s / 4):
                 self._beats_t = now
                 self._watch_beats(now)
@@ -178,8 +180,8 @@ class Coordinator:
             if "bye" in msg and place.declared:
                 continue  # declared lost (hung) and running again: the others went on without it
             if "bye" in msg:
-                place.state = {"done": "done", "idle": "idle", "fallback": "fallback",
-                               "lost": "lost", "error": "error"}.get(str(msg["bye"]), "error")
+                said = str(msg["bye"])
+                place.state = said if said in ("done", "idle", "fallback", "lost") else "error"
                 if place.state == "fallback":
                     self._fall_back(place.pid)
                 if place.state == "idle":

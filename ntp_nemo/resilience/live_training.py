@@ -41,7 +41,7 @@ import torch.multiprocessing as mp
 from lightning.pytorch import Callback
 
 from ntp_nemo.lightning.strategy import _ForkLauncher
-from ntp_nemo.parallel.loopback import loopback_children_env
+from ntp_nemo.parallel.loopback import environment, loopback_children_env
 from ntp_nemo.resilience.beats import read_beats, suspects
 from ntp_nemo.resilience.cluster_protocol import COORDINATOR_LOST_EXIT
 from ntp_nemo.resilience.coordinator import FALLBACK_EXIT  # noqa: F401 - the survivors' word for "restart"
@@ -105,12 +105,10 @@ class LiveLauncher(_ForkLauncher):
 
     def _launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         port, self.secret = free_port(), local_secret()
-        saved = {k: os.environ.get(k) for k in ("MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")}
-        os.environ["MASTER_PORT"] = str(port)
-        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # every rank a client of the store below
-        context = mp.get_context("fork")
-        return_queue = context.SimpleQueue()
-        try:
+        # every rank a client of the store below
+        with environment({"MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}):
+            context = mp.get_context("fork")
+            return_queue = context.SimpleQueue()
             process_context = mp.start_processes(
                 self._wrapping_function, args=[trainer, function, args, kwargs, return_queue],
                 nprocs=self._strategy.num_processes, start_method="fork", join=False)
@@ -124,12 +122,6 @@ class LiveLauncher(_ForkLauncher):
             while any(p.exitcode is None for p in list(self.procs)):
                 for p in list(self.procs):
                     p.join(0.05)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         bad = [(i, p) for i, p in enumerate(self.procs) if p.exitcode != 0 and i not in self.lost]
         raised = [(i, p) for i, p in bad if p.exitcode == 1]
         if raised:  # a Python exception in a worker: its traceback, as torch's own join reports it
