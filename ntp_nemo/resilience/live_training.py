@@ -28,6 +28,7 @@ and then handled as a lost one.  Limit: CPU/gloo only (sockets are severed to st
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import threading
@@ -103,8 +104,18 @@ class LiveLauncher(_ForkLauncher):
         with self.forwarding_signals(), loopback_children_env():
             return self._launch(function, *args, trainer=trainer, **kwargs)
 
+    def close(self) -> None:
+        """Stop hosting the job's store, here in the launching process (the attempt is over).  A store
+        whose server thread runs here must never be destroyed in a forked child, where that thread does
+        not exist and the destructor's join never returns."""
+        self.store, self._spawn = None, None
+
     def _launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         port, self.secret = free_port(), local_secret()
+        # An earlier attempt's store may still sit in unreachable objects (a trainer's reference cycles):
+        # collect it here, where its server thread lives, not in a worker's garbage collection after the
+        # fork (its destructor would wait forever there for a thread the fork did not copy).
+        gc.collect()
         # every rank a client of the store below
         with environment({"MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}):
             context = mp.get_context("fork")

@@ -385,3 +385,6 @@ class Supervisor:
             for p in getattr(trainer.strategy.launcher, "procs", []):
                 if p.pid is not None and p.is_alive():
                     kill_worker(p.pid)
+            close = getattr(trainer.strategy.launcher, "close", None)
+            if close is not None:  # the live path's store goes here, not in the next attempt's workers
+                close()
