@@ -14,6 +14,7 @@ import torch
 
 from ntp_nemo.checkpoint import (
     CheckpointSkippedWarning,
+    NoUsableCheckpointError,
     checkpoint_name,
     checkpoint_problem,
     is_valid_checkpoint,
@@ -150,9 +151,11 @@ def test_missing_manifest_and_wrong_version_are_skipped(ckpts):
     doc = read_manifest(ckpts / checkpoint_name(1))
     doc["version"] = 99
     (ckpts / checkpoint_name(1) / "manifest.json").write_text(json.dumps(doc))
-    chosen, skipped = _latest(ckpts)
-    assert chosen is None
-    assert len(skipped) == 2 and "manifest.json" in skipped[0] and "version" in skipped[1]
+    # Checkpoints there and none usable: an error naming each and why, never "no checkpoint".
+    with pytest.raises(NoUsableCheckpointError) as err:
+        _latest(ckpts)
+    told = [why for _, why in err.value.damaged]
+    assert len(told) == 2 and "manifest.json" in told[0] and "version" in told[1]
     assert latest_valid_checkpoint(ckpts / "nothing-here") is None
 
 

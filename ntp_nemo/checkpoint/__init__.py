@@ -9,6 +9,7 @@ committed and intact; `AsyncCheckpointSaver` writes in the background.
 from ntp_nemo.checkpoint.async_save import AsyncCheckpointSaver
 from ntp_nemo.checkpoint.manifest import (
     CheckpointSkippedWarning,
+    NoUsableCheckpointError,
     checkpoint_name,
     checkpoint_problem,
     is_valid_checkpoint,
@@ -32,6 +33,7 @@ __all__ = [
     "CheckpointSkippedWarning",
     "CorruptCheckpointError",
     "Loaded",
+    "NoUsableCheckpointError",
     "checkpoint_name",
     "checkpoint_problem",
     "is_valid_checkpoint",

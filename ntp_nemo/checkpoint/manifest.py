@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import time
 import warnings
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from typing import Any
 
 import xxhash
 
+from ntp_nemo.data.bounded_json import JSONInputError, read_json
 from ntp_nemo.errors import ConfigError
 
 FORMAT = "ntp_nemo.sharded_checkpoint"
@@ -37,6 +39,13 @@ MANIFEST = "manifest.json"
 CORRUPT_MARKER = "corrupt.json"
 DIGEST = "xxh3_64"
 TMP_SUFFIX = ".tmp"
+UNREADABLE_SUFFIX = ".unreadable"  # an unreadable checkpoint a new save of the same step moved aside
+INDEX_FILE = "index.json"
+META_FILE = "meta.pt"
+REQUIRED_FILES = (INDEX_FILE, META_FILE)  # listed in every manifest, with their digests
+MAX_MANIFEST_BYTES = 16 << 20
+MAX_INDEX_BYTES = 256 << 20
+_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")
 
 
 class CheckpointSkippedWarning(UserWarning):
@@ -103,9 +112,23 @@ def write_manifest(directory: Path, files: dict[str, tuple[int, str | None]], st
     _fsync_dir(directory)
 
 
+def _set_aside(path: Path) -> Path:
+    """Move an unreadable checkpoint out of the way of a new save of the same name (never deleted)."""
+    n = 0
+    while os.path.lexists(aside := path.with_name(f"{path.name}{UNREADABLE_SUFFIX}{f'.{n}' if n else ''}")):
+        n += 1
+    os.rename(path, aside)
+    warnings.warn(f"checkpoint {path} could not be read ({checkpoint_problem(aside)}); a new save of the "
+                  f"same name replaces it, so it was kept as {aside}", CheckpointSkippedWarning, stacklevel=3)
+    return aside
+
+
 def commit(tmp_dir: Path, final_dir: Path) -> None:
-    """Atomically publish a fully written checkpoint; an existing one of the same name is replaced."""
+    """Atomically publish a fully written checkpoint; an existing valid one of the same name is replaced,
+    an unreadable one is kept beside it (`NAME.unreadable`)."""
     old = None
+    if os.path.lexists(final_dir) and (final_dir.is_symlink() or checkpoint_problem(final_dir) is not None):
+        _set_aside(final_dir)
     if final_dir.exists():
         old = final_dir.with_name(final_dir.name + ".replaced" + TMP_SUFFIX)
         if old.exists():
@@ -118,17 +141,68 @@ def commit(tmp_dir: Path, final_dir: Path) -> None:
 
 
 def read_manifest(path: Path) -> dict:
-    """The parsed manifest of a checkpoint directory (no validation beyond JSON)."""
-    with open(Path(path) / MANIFEST) as f:
-        return json.load(f)
+    """The parsed manifest of a checkpoint directory (a regular file, read with size and depth bounds;
+    no validation beyond JSON: a bad one raises `ValueError`)."""
+    return read_json(Path(path) / MANIFEST, MAX_MANIFEST_BYTES, follow_symlinks=False)
+
+
+def read_index_doc(path: str | os.PathLike) -> dict:
+    """The parsed `index.json` of a checkpoint directory, read with bounds (`ValueError` when bad)."""
+    return read_json(Path(path) / INDEX_FILE, MAX_INDEX_BYTES, follow_symlinks=False)
 
 
 def mark_corrupt(path: str | os.PathLike, problem: str) -> None:
-    """Record that loading `path` found `problem` (a bad data file): later checks skip it cheaply."""
+    """Record that loading `path` found `problem` (a bad data file): later checks skip it cheaply.
+
+    Written only into the checkpoint directory itself: nothing is written when the directory or an
+    existing marker is a symbolic link (the write would land wherever the link points)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
     try:
-        (Path(path) / CORRUPT_MARKER).write_text(json.dumps({"problem": problem}))
+        dfd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return
+    try:
+        fd = os.open(CORRUPT_MARKER, flags, 0o666, dir_fd=dfd)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps({"problem": problem}))
     except OSError:
         pass
+    finally:
+        os.close(dfd)
+
+
+def _file_problem(path: Path, name: Any, want: Any) -> str | None:
+    """What is wrong with manifest entry `name` -> `want` of checkpoint `path`, if anything: the name of
+    a regular file directly inside the checkpoint (never a link, FIFO, device or another directory)."""
+    if not isinstance(name, str) or not _FILE_NAME.fullmatch(name) or name in (MANIFEST, CORRUPT_MARKER):
+        return f"{MANIFEST} names a file outside the checkpoint directory ({str(name)[:80]!r})"
+    if not isinstance(want, dict) or type(want.get("size")) is not int or want["size"] < 0:
+        return f"{MANIFEST} gives no valid size for file {name}"
+    try:
+        st = os.lstat(path / name)
+    except FileNotFoundError:
+        return f"file {name} is missing"
+    except OSError as err:
+        return f"file {name} cannot be examined ({err.strerror})"
+    if stat.S_ISLNK(st.st_mode):
+        return f"file {name} is a symbolic link (a checkpoint holds only regular files)"
+    if not stat.S_ISREG(st.st_mode):
+        return f"file {name} is not a regular file (a FIFO, device or directory is never read)"
+    if st.st_size != want["size"]:
+        return f"file {name} has {st.st_size} bytes, the manifest says {want['size']} (truncated?)"
+    return None
+
+
+def _marker_problem(path: Path) -> str | None:
+    """The problem recorded in `corrupt.json` by an earlier load, if the checkpoint has one."""
+    marker = path / CORRUPT_MARKER
+    if not os.path.lexists(marker):
+        return None
+    try:
+        problem = read_json(marker, 1 << 16, follow_symlinks=False).get("problem")
+    except (OSError, ValueError, AttributeError):
+        problem = None
+    return str(problem)[:2000] if isinstance(problem, str) else f"marked corrupt ({CORRUPT_MARKER})"
 
 
 def checkpoint_problem(path: str | os.PathLike, verify_data: bool = False) -> str | None:
@@ -147,7 +221,7 @@ def checkpoint_problem(path: str | os.PathLike, verify_data: bool = False) -> st
         doc = read_manifest(path)
     except FileNotFoundError:
         return f"no {MANIFEST} (the save did not complete)"
-    except (OSError, ValueError) as err:
+    except (OSError, JSONInputError) as err:
         return f"unreadable {MANIFEST} ({err})"
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         return f"{MANIFEST} is not an ntp_nemo sharded-checkpoint manifest"
@@ -156,21 +230,28 @@ def checkpoint_problem(path: str | os.PathLike, verify_data: bool = False) -> st
     files = doc.get("files")
     if not isinstance(files, dict) or not files:
         return f"{MANIFEST} lists no files"
-    marker = path / CORRUPT_MARKER
-    if marker.is_file():
-        try:
-            return str(json.loads(marker.read_text()).get("problem"))
-        except (OSError, ValueError, AttributeError):
-            return f"marked corrupt ({CORRUPT_MARKER})"
+    marker = _marker_problem(path)
+    if marker is not None:
+        return marker
     for name, want in files.items():
-        f = path / name
-        if not f.is_file():
-            return f"file {name} is missing"
-        size = f.stat().st_size
-        if size != want.get("size"):
-            return f"file {name} has {size} bytes, the manifest says {want.get('size')} (truncated?)"
-        if DIGEST in want and file_digest(f)[1] != want[DIGEST]:
+        problem = _file_problem(path, name, want)
+        if problem is not None:
+            return problem
+    for name in REQUIRED_FILES:
+        if name not in files or not isinstance(files[name].get(DIGEST), str):
+            return f"{MANIFEST} does not list {name} with its {DIGEST} digest"
+    for name, want in files.items():
+        if DIGEST in want and file_digest(path / name)[1] != want[DIGEST]:
             return f"file {name} fails its {DIGEST} check (corrupted)"
+    from ntp_nemo.checkpoint.storage import index_problem
+
+    try:
+        problem = index_problem(read_index_doc(path), {name: want["size"] for name, want in files.items()
+                                                       if name not in REQUIRED_FILES})
+    except (OSError, JSONInputError) as err:
+        problem = f"unreadable {INDEX_FILE} ({err})"
+    if problem is not None:
+        return problem
     if verify_data:
         from ntp_nemo.checkpoint.storage import verify_all_records
 
@@ -222,18 +303,23 @@ def _candidates(directory: Path) -> list[_Candidate]:
     if not directory.is_dir():
         return []
     dirs = [p for p in directory.iterdir()
-            if p.is_dir() and not p.name.endswith(TMP_SUFFIX) and not p.name.startswith(".")]
+            if p.is_dir() and not p.name.endswith((TMP_SUFFIX, UNREADABLE_SUFFIX))
+            and not p.name.startswith(".")]
     cands = [_Candidate(p, _step_of(p)) for p in dirs]
     return sorted(cands, key=lambda c: (c.step, c.path.name), reverse=True)
 
 
 def latest_valid_checkpoint(directory: str | os.PathLike, verify_data: bool = False,
-                            before_step: int | None = None) -> Path | None:
-    """The valid checkpoint of `directory` with the highest step, or None.
+                            before_step: int | None = None, key: str = "resume") -> Path | None:
+    """The valid checkpoint of `directory` with the highest step, or None when it holds no checkpoint.
 
     Newer directories that are partial or corrupt are skipped, each with a
-    `CheckpointSkippedWarning` naming it, why, and the checkpoint used instead.  `before_step`:
-    only checkpoints of an earlier step count (the fallback when loading one failed).
+    `CheckpointSkippedWarning` naming it, why, and the checkpoint used instead.  When the directory
+    holds checkpoints and none is usable, `NoUsableCheckpointError(key, ...)` names each one and what
+    is wrong with it: starting over from step 1 beside them would silently throw the run away (a
+    cluster resubmitting with resume=auto would never say so); nothing is deleted.  `before_step`:
+    only checkpoints of an earlier step count, and None is returned when none does (the fallback
+    when loading one failed).
     """
     skipped: list[tuple[Path, str]] = []
     chosen = None
@@ -245,6 +331,9 @@ def latest_valid_checkpoint(directory: str | os.PathLike, verify_data: bool = Fa
             chosen = cand.path
             break
         skipped.append((cand.path, problem))
+    damaged = [(p, why) for p, why in skipped if _looks_like_checkpoint(p)]
+    if chosen is None and before_step is None and damaged:
+        raise NoUsableCheckpointError(key, directory, damaged)
     for path, problem in skipped:
         instead = f"using {chosen} instead" if chosen else "no valid checkpoint remains"
         warnings.warn(f"skipping checkpoint {path}: {problem}; {instead}", CheckpointSkippedWarning,
@@ -252,18 +341,40 @@ def latest_valid_checkpoint(directory: str | os.PathLike, verify_data: bool = Fa
     return chosen
 
 
-def keep_last_k(directory: str | os.PathLike, k: int | None) -> list[Path]:
-    """Delete all but the `k` newest committed checkpoints (k None or < 1 keeps everything).
+def _looks_like_checkpoint(path: Path) -> bool:
+    return os.path.lexists(path / MANIFEST) or re.fullmatch(r"step_\d+", path.name) is not None
 
-    Also removes `.tmp` leftovers of saves older than the newest committed checkpoint (a save that
-    died); corrupt directories (also those marked corrupt at load) are left alone for inspection and
-    do not count among the `k`.  Returns the removed paths.
+
+class NoUsableCheckpointError(ConfigError):
+    """A checkpoint directory holds checkpoints and none of them can be read."""
+
+    def __init__(self, key: str, directory: str | os.PathLike, damaged: list[tuple[Path, str]]) -> None:
+        told = "; ".join(f"{p.name}: {why}" for p, why in damaged[:8])
+        more = f"; and {len(damaged) - 8} more" if len(damaged) > 8 else ""
+        if key == "resume":
+            fix = (f"Nothing was started and nothing was deleted. Repair or restore them, pass {key}=PATH to "
+                   f"resume from a good copy elsewhere, or start over on purpose with {key}=never (or after "
+                   f"moving them out of {directory}); checkpoint.keep_last never deletes a checkpoint it "
+                   "cannot read.")
+        else:
+            fix = "Nothing was deleted. Repair or restore them, or pass a readable checkpoint."
+        super().__init__(key, f"{directory} holds {len(damaged)} checkpoint(s) and none is usable "
+                              f"({told}{more}). {fix}")
+        self.damaged = damaged
+
+
+def keep_last_k(directory: str | os.PathLike, k: int | None) -> list[Path]:
+    """Delete all but the `k` newest valid checkpoints (k None or < 1 keeps everything).
+
+    Also removes `.tmp` leftovers of saves older than the newest valid checkpoint (a save that
+    died).  A checkpoint that cannot be read (truncated, damaged, marked corrupt at load, foreign) is
+    never deleted: it is left alone for inspection or repair and does not count among the `k`.
+    Returns the removed paths.
     """
     directory = Path(directory)
     if k is None or k < 1 or not directory.is_dir():
         return []
-    committed = [c for c in _candidates(directory)
-                 if (c.path / MANIFEST).is_file() and not (c.path / CORRUPT_MARKER).exists()]
+    committed = [c for c in _candidates(directory) if checkpoint_problem(c.path) is None]
     removed = [c.path for c in committed[k:]]
     if committed:
         newest = committed[0].step

@@ -39,6 +39,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ntp_nemo.checkpoint.manifest import (
+    MANIFEST,
+    META_FILE,
     CheckpointSkippedWarning,
     checkpoint_problem,
     commit,
@@ -48,6 +50,7 @@ from ntp_nemo.checkpoint.manifest import (
     keep_last_k,
     latest_valid_checkpoint,
     mark_corrupt,
+    read_index_doc,
     read_manifest,
     tmp_path,
     write_manifest,
@@ -79,8 +82,11 @@ from ntp_nemo.quant.sharding import is_quantized
 from ntp_nemo.quant.state import restore_quant_state
 from ntp_nemo.topology.shard import ShardSpec
 
-META_FILE = "meta.pt"
-SMALL_FILES = (INDEX_FILE, META_FILE)  # digested whole in the manifest
+SMALL_FILES = (INDEX_FILE, META_FILE)
+# How the problems of a committed checkpoint whose files are damaged (or hostile) begin: loading it
+# marks it corrupt and falls back to the previous one, where a fallback is allowed.
+DAMAGE = ("file ", f"{INDEX_FILE}", f"{META_FILE}", "its metadata", f"{MANIFEST} names", f"{MANIFEST} gives",
+          f"{MANIFEST} does not list")  # digested whole in the manifest
 THREADS = 4  # files in flight per rank, on save and on load
 
 
@@ -339,6 +345,25 @@ def read_threads(local_ranks: int) -> int:
     return max(1, min(THREADS, cpus // max(1, local_ranks)))
 
 
+def _read_head(path: Path) -> tuple[str | None, dict | None, dict | None]:
+    """(problem, index document, meta) of a checkpoint, read by one rank: never raises, so that a
+    damaged or hostile checkpoint is one problem every rank learns from the broadcast (not one rank's
+    exception that leaves the others waiting in a collective)."""
+    problem = checkpoint_problem(path)  # files confined, sizes and offsets checked, digests of metadata
+    if problem is not None:
+        return problem, None, None
+    try:
+        doc = read_index_doc(path)
+        meta = torch.load(path / META_FILE, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        return pickled_object_problem(err), None, None
+    except Exception as err:  # noqa: BLE001 - whatever the files hold, the ranks agree on the answer
+        return f"its metadata cannot be read ({type(err).__name__}: {str(err)[:200]})", None, None
+    if not isinstance(meta, dict) or not isinstance(meta.get("extra"), dict):
+        return f"{META_FILE} does not hold ntp_nemo checkpoint metadata", None, None
+    return None, doc, meta
+
+
 def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
          group=None, key: str = "resume", threads: int | None = None, saver: Any = None) -> Loaded:
     """Collective: load checkpoint `path` into this rank's slices of `model` (and `optimizer`).
@@ -359,17 +384,9 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         threads = read_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     head = None
     if rank == 0:  # the metadata is read (and its digests checked) once, then broadcast
-        problem = checkpoint_problem(path)
-        head = (problem, None, None)
-        if problem is None:
-            with open(path / INDEX_FILE) as f:
-                doc = json.load(f)
-            try:
-                head = (None, doc, torch.load(path / META_FILE, weights_only=True))
-            except pickle.UnpicklingError as err:
-                head = (pickled_object_problem(err), None, None)
+        head = _read_head(path)
     problem, doc, meta = _broadcast(head, group)
-    if problem is not None and problem.startswith("file "):  # a committed checkpoint with a bad file
+    if problem is not None and problem.startswith(DAMAGE):  # a committed checkpoint with a bad file
         raise CorruptCheckpointError(key, path, problem)
     if problem is not None:
         raise invalid_checkpoint_error(path, problem, key)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -202,6 +203,63 @@ def write_index(directory: Path, doc: dict) -> None:
 
 
 # ---- index ----------------------------------------------------------------------------------------
+def _ints(value: object, n: int | None = None) -> bool:
+    """A list of non-negative ints (of length `n`)."""
+    return (isinstance(value, list) and (n is None or len(value) == n)
+            and all(type(v) is int and v >= 0 for v in value))
+
+
+def _record_problem(r: object, shape: list[int], item: int, sizes_of: dict[str, int]) -> str | None:
+    if not isinstance(r, dict):
+        return "is not an object"
+    offsets, sizes = r.get("offsets"), r.get("sizes")
+    if not _ints(offsets, len(shape)) or not _ints(sizes, len(shape)):
+        return f"has offsets/sizes that are not {len(shape)} non-negative integers"
+    if any(o + n > d for o, n, d in zip(offsets, sizes, shape, strict=True)):
+        return f"lies outside the tensor's shape {shape}"
+    name = r.get("file")
+    if name not in sizes_of:
+        return f"names a file the manifest does not list ({str(name)[:80]!r})"
+    offset, nbytes = r.get("offset"), r.get("nbytes")
+    if type(offset) is not int or offset < 0 or type(nbytes) is not int or nbytes < 0:
+        return "has a negative or non-integer byte offset or size"
+    if nbytes != math.prod(sizes) * item:
+        return f"claims {nbytes} bytes for a box of {math.prod(sizes)} elements of {item} bytes"
+    if offset + nbytes > sizes_of[name]:
+        return f"reaches past the end of file {name} (bytes {offset}..{offset + nbytes})"
+    if not isinstance(r.get(DIGEST), str):
+        return f"has no {DIGEST} digest"
+    blocks, block_bytes = r.get("blocks", []), r.get("block_bytes", 0)
+    if (not isinstance(blocks, list) or not all(isinstance(b, str) for b in blocks)
+            or type(block_bytes) is not int):
+        return "has malformed block digests"
+    if blocks and (block_bytes <= 0 or len(blocks) != -(-nbytes // block_bytes)):
+        return f"has {len(blocks)} block digests, which do not cover its {nbytes} bytes"
+    return None
+
+
+def index_problem(doc: object, file_sizes: dict[str, int]) -> str | None:
+    """What is wrong with an index document, checked against the data files the manifest lists
+    (`file_sizes`: name -> size): every record must name one of them and lie inside it, and every
+    size and offset must be a non-negative integer that agrees with the tensor's shape and dtype, so a
+    load never opens another file or allocates what the checkpoint does not hold."""
+    if not isinstance(doc, dict) or doc.get("digest") != DIGEST or not isinstance(doc.get("tensors"), dict):
+        return f"{INDEX_FILE} is not an ntp_nemo checkpoint index"
+    for key, t in doc["tensors"].items():
+        what = f"{INDEX_FILE}: tensor {str(key)[:80]!r}"
+        if not isinstance(t, dict) or not _ints(t.get("shape")) or not isinstance(t.get("records"), list):
+            return f"{what} has no valid shape and records"
+        try:
+            item = torch.empty((), dtype=dtype_of(str(t.get("dtype")))).element_size()
+        except (ValueError, RuntimeError, TypeError):
+            return f"{what} has an unknown dtype {str(t.get('dtype'))[:40]!r}"
+        for i, r in enumerate(t["records"]):
+            problem = _record_problem(r, t["shape"], item, file_sizes)
+            if problem is not None:
+                return f"{what}, record {i} {problem}"
+    return None
+
+
 @dataclass(frozen=True)
 class Index:
     tensors: dict[str, StoredTensor]
@@ -220,8 +278,21 @@ class Index:
 
     @staticmethod
     def read(directory: Path) -> Index:
-        with open(Path(directory) / INDEX_FILE) as f:
-            return Index.from_doc(json.load(f))
+        """The index of a checkpoint, checked against its manifest (`index_problem`); a damaged or
+        foreign one raises `ValueError` naming the checkpoint and the problem."""
+        from ntp_nemo.checkpoint.manifest import REQUIRED_FILES, read_index_doc, read_manifest
+
+        try:
+            files = read_manifest(directory).get("files")
+            sizes = {name: want["size"] for name, want in files.items() if name not in REQUIRED_FILES}
+            doc = read_index_doc(directory)
+        except (OSError, ValueError, AttributeError, KeyError, TypeError) as err:
+            raise ValueError(f"checkpoint {directory} is damaged: its manifest or index is unreadable "
+                             f"({err})") from None
+        problem = index_problem(doc, sizes)
+        if problem is not None:
+            raise ValueError(f"checkpoint {directory} is damaged: {problem}")
+        return Index.from_doc(doc)
 
 
 def stored_tensors(directory: Path) -> dict[str, StoredTensor]:
@@ -300,8 +371,15 @@ def _copy(record: Record, target: Chunk, box_off: tuple, box_size: tuple, dtype:
         elo, ehi = min(elo, a), max(ehi, b)
     rows_only = not shape or tuple(box_size[1:]) == tuple(shape[1:])  # the box is a contiguous byte range
     direct = dst.device.type == "cpu" and dst.is_contiguous() and dst.dtype == dtype
-    fd = os.open(directory / record.file, os.O_RDONLY)
+    try:  # a data file the index names, inside the checkpoint; never a link, a FIFO or a device
+        fd = os.open(directory / record.file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as err:
+        stats.problems.append(f"file {record.file} cannot be opened ({err.strerror})")
+        return
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            stats.problems.append(f"file {record.file} is not a regular file")
+            return
         if direct and rows_only and (elo, ehi) == (lo, hi):
             mv = byte_view(dst)  # straight into the target: no scratch, no copy
             got = _read_into(fd, mv, record.offset + lo)
@@ -315,6 +393,9 @@ def _copy(record: Record, target: Chunk, box_off: tuple, box_size: tuple, dtype:
                 src = _box(src.view((box_size[0], *shape[1:])), (0, *rel_rec[1:]), box_size)
             else:
                 src = src.view(())
+    except OSError as err:
+        stats.problems.append(f"file {record.file} cannot be read ({err.strerror})")
+        return
     finally:
         os.close(fd)
     stats.bytes_read += got

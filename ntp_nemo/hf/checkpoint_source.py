@@ -44,7 +44,7 @@ def find_checkpoint(path: str | os.PathLike) -> Path:
     # A run directory's checkpoints live in checkpoints/ (its logs/, failover/ ... are not checkpoints).
     ckpt_dirs = [p / "checkpoints"] if (p / "checkpoints").is_dir() else [p]
     for d in ckpt_dirs:
-        found = latest_valid_checkpoint(d)
+        found = latest_valid_checkpoint(d, key=ARG)
         if found is not None:
             return found
     raise ConfigError(ARG, f"{str(path)!r} is neither a checkpoint (a directory holding {MANIFEST}) nor "

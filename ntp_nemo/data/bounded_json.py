@@ -1,0 +1,102 @@
+"""JSON from files a user hands over (sidecars, tokenizer configs, checkpoint indexes), read with bounds.
+
+`json.loads` recurses once per nesting level, so a file of `[[[[...` ends in a `RecursionError`
+(not a `ValueError`), and a FIFO or device named as a file blocks or never ends.  `read_json` opens
+only regular files (without blocking on a FIFO), reads at most `max_bytes`, and checks the nesting
+depth before parsing; every problem is a `JSONInputError` (a `ValueError`) with a one-line reason
+that the caller puts into its own message naming the config key.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from pathlib import Path
+from typing import Any
+
+MAX_DEPTH = 64  # far deeper than any file ntp_nemo or Hugging Face writes
+MAX_BYTES = 64 << 20
+
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+_BRACKET = re.compile(r"[\[\]{}]")
+
+
+class JSONInputError(ValueError):
+    """A JSON input that is not a regular file, too large, too deeply nested or malformed."""
+
+
+def nesting_depth(text: str) -> int:
+    """Deepest nesting of arrays and objects in `text` (strings skipped), without recursion."""
+    depth = deepest = 0
+    for m in _BRACKET.finditer(_STRING.sub('""', text)):
+        if m.group() in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth -= 1
+    return deepest
+
+
+def parse_json(text: str | bytes, max_depth: int = MAX_DEPTH) -> Any:
+    """`json.loads` that refuses nesting deeper than `max_depth` (a `JSONInputError`, never a
+    `RecursionError`)."""
+    import json
+
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise JSONInputError(f"not UTF-8 text ({err.reason} at byte {err.start})") from None
+    depth = nesting_depth(text)
+    if depth > max_depth:
+        raise JSONInputError(f"nested {depth} levels deep, more than the {max_depth} allowed")
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise JSONInputError(f"nested more than the {max_depth} levels allowed") from None
+    except ValueError as err:
+        raise JSONInputError(f"not valid JSON ({err})") from None
+
+
+def read_regular(path: str | os.PathLike, max_bytes: int = MAX_BYTES, *,
+                 follow_symlinks: bool = True) -> bytes:
+    """The bytes of `path`, which must be a regular file of at most `max_bytes` (a FIFO, a device or a
+    directory is refused without blocking; with `follow_symlinks=False` a symbolic link too)."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    if not follow_symlinks:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise
+    except OSError as err:
+        if not follow_symlinks and os.path.islink(path):
+            raise JSONInputError("a symbolic link (only regular files are read)") from None
+        raise JSONInputError(f"cannot be opened ({err.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise JSONInputError("not a regular file (a FIFO, device or directory is never read)")
+        if st.st_size > max_bytes:
+            raise JSONInputError(f"larger than the {max_bytes} bytes allowed")
+        chunks, left = [], max_bytes + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        data = b"".join(chunks)
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:
+        raise JSONInputError(f"larger than the {max_bytes} bytes allowed")
+    return data
+
+
+def read_json(path: str | os.PathLike, max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH, *,
+              follow_symlinks: bool = True) -> Any:
+    """The JSON value in file `path`, read with `read_regular`'s checks and parsed with `parse_json`'s.
+    A missing file raises `FileNotFoundError`; anything else wrong, `JSONInputError`."""
+    return parse_json(read_regular(Path(path), max_bytes, follow_symlinks=follow_symlinks), max_depth)
