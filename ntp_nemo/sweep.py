@@ -5,14 +5,23 @@ layout, steps); `ntp-sim -m ...` jobs leave `results.json` (a list of records, s
 policy). Each job's overrides come from `.hydra/overrides.yaml`. The table is written as
 `sweep_summary.md` and `sweep_summary.csv` in the sweep directory; a job without either file
 (crashed, still running, or not a job of ours) is listed as missing instead of failing the sweep.
+
+Before the first training job starts, every job of a `ntp-train -m` sweep is composed and checked
+in-process (`ntp_nemo.train.check_config`): an invalid job ends the sweep with exit 2 naming the job and
+its overrides before anything trains. The summary is written when the sweep ends, also when a job
+fails and ends it early (the jobs that did not finish are listed as missing).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import csv
+import io
 import json
 import logging
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +31,23 @@ from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger(__name__)
 
-TRAIN_COLUMNS = ("layout", "steps", "final_loss", "val_loss", "tokens_per_s", "goodput")
+TRAIN_COLUMNS = ("layout", "processes", "steps", "final_loss", "val_loss", "tokens_per_s", "goodput_pct",
+                 "capacity_pct", "wall_s")
+BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+JOB_NUM_SUBDIRS = ("${hydra.job.num}", "${hydra:job.num}")  # job i's directory is `i`
+
+
+def _percent(value: Any) -> Any:
+    return 100 * value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _train_values(data: dict) -> dict[str, Any]:
+    """The training columns of one job's summary.json (goodput and capacity as percentages)."""
+    values = {k: _compact(data.get(k)) for k in ("layout", "processes", "steps", "final_loss", "val_loss",
+                                                 "tokens_per_s", "wall_s")}
+    values["goodput_pct"] = _percent(data.get("goodput"))
+    values["capacity_pct"] = _percent(data.get("capacity_fraction"))
+    return values
 SIM_COLUMNS = (
     "policy",
     "throughput_rel_mean",
@@ -115,19 +140,30 @@ def _sim_rows(job: str, overrides: str, records: list[dict]) -> list[JobRow]:
     return rows or [JobRow(job, overrides, "empty results.json", "sim")]
 
 
-def collect_rows(sweep_dir: Path) -> list[JobRow]:
-    """One row per training job, one per (simulator job, policy), one per missing job."""
+def collect_rows(sweep_dir: Path, expected: list[list[str]] | None = None) -> list[JobRow]:
+    """One row per training job, one per (simulator job, policy), one per missing job; `expected`: the
+    overrides of every job of the sweep (job i's directory is `i`), so that a job that left no
+    directory (it did not run, or failed before writing anything) is listed too."""
     rows: list[JobRow] = []
-    for job_dir in find_job_dirs(sweep_dir):
+    dirs = find_job_dirs(sweep_dir) if sweep_dir.is_dir() else []
+    present = {str(d.relative_to(sweep_dir)) for d in dirs}
+    for i in range(len(expected or [])):
+        if str(i) not in present:
+            dirs.append(sweep_dir / str(i))
+    dirs.sort(key=lambda p: _job_sort_key(p, sweep_dir))
+    for job_dir in dirs:
+        if not job_dir.exists():
+            i = int(job_dir.name)
+            rows.append(JobRow(job_dir.name, " ".join(expected[i]), "missing (did not run, or failed before "
+                                                                    "writing anything)"))
+            continue
         job = str(job_dir.relative_to(sweep_dir))
         overrides = _read_overrides(job_dir)
         summary, results = job_dir / "summary.json", job_dir / "results.json"
         try:
             if summary.is_file():
                 data = json.loads(summary.read_text())
-                rows.append(
-                    JobRow(job, overrides, "ok", "train", {k: _compact(data.get(k)) for k in TRAIN_COLUMNS})
-                )
+                rows.append(JobRow(job, overrides, "ok", "train", _train_values(data)))
             elif results.is_file():
                 data = json.loads(results.read_text())
                 if not isinstance(data, list):
@@ -183,13 +219,83 @@ def write_summary(sweep_dir: Path, rows: list[JobRow]) -> tuple[Path, Path]:
     return md_path, csv_path
 
 
+def sweep_jobs(config: DictConfig) -> list[list[str]] | None:
+    """The overrides of each job of a multirun, in Hydra's order (job i runs the i-th list); None under
+    a sweeper other than Hydra's basic one (it chooses its jobs as it goes)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    sweeper = config.hydra.get("sweeper") or {}
+    if sweeper.get("_target_") != BASIC_SWEEPER:
+        return None
+    arguments = [f"{k}={v}" for k, v in (sweeper.get("params") or {}).items()]
+    arguments += list(config.hydra.overrides.task)
+    overrides = OverridesParser.create().parse_overrides(arguments)
+    return [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
+
+
+def check_jobs(config_name: str | None, jobs: list[list[str]]) -> None:
+    """Compose and check every training job (`check_config`, the checks `ntp-train` runs before it
+    launches) before the first starts: the first invalid one ends the sweep with exit 2, naming the job
+    and its overrides. Their warnings and notes are printed when each job runs, not here."""
+    from hydra import compose
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from ntp_nemo.config.data import explicit_keys
+    from ntp_nemo.errors import EXIT_CONFIG, ConfigError, report_config_error
+    from ntp_nemo.train import check_config
+
+    common = set.intersection(*(set(job) for job in jobs)) if len(jobs) > 1 else set()
+    for i, job in enumerate(jobs):
+        where = f"sweep job {i} ({' '.join(o for o in job if o not in common) or ' '.join(job)})"
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):
+                cfg = compose(config_name=config_name or "config", overrides=job)
+                check_config(cfg, explicit_keys(job))
+        except ConfigError as err:
+            report_config_error(ConfigError(f"{where}: {err.key}", str(err).split(": ", 1)[-1]))
+        except (HydraException, OmegaConfBaseException) as err:
+            report_config_error(ConfigError(where, f"{err}".strip()))
+        else:
+            continue
+        print("nothing was trained: fix that job's override, or leave it out of the sweep", file=sys.stderr,
+              flush=True)
+        sys.exit(EXIT_CONFIG)
+
+
+def _is_training(config: DictConfig) -> bool:
+    return all(k in config for k in ("trainer", "mesh", "model"))
+
+
 class SweepSummaryCallback(Callback):
-    """Writes sweep_summary.md / .csv into the sweep directory when a multirun ends."""
+    """Checks every job of a training sweep before the first starts, and writes sweep_summary.md /
+    .csv into the sweep directory when the multirun ends, or when a failed job ends it early."""
+
+    def __init__(self) -> None:
+        self._pending: Path | None = None  # the sweep directory while its summary is not written
+        self._jobs: list[list[str]] | None = None
+
+    def on_multirun_start(self, config: DictConfig, config_name: str | None = None, **kwargs: Any) -> None:
+        self._jobs = sweep_jobs(config)
+        if self._jobs is not None and _is_training(config):
+            check_jobs(config_name, self._jobs)
+        subdir = OmegaConf.to_container(config.hydra.sweep, resolve=False).get("subdir")
+        if subdir not in JOB_NUM_SUBDIRS:
+            self._jobs = None  # the directories are not named by job number: list only those found
+        self._pending = Path(str(config.hydra.sweep.dir))
+        atexit.register(self._write_pending)  # a job that exits (code 1 or 2) skips on_multirun_end
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        sweep_dir = Path(str(config.hydra.sweep.dir))
+        self._pending = Path(str(config.hydra.sweep.dir))
+        self._write_pending()
+
+    def _write_pending(self) -> None:
+        sweep_dir, self._pending = self._pending, None
+        if sweep_dir is None:
+            return
         if not sweep_dir.is_dir():
             log.warning("sweep summary skipped: %s does not exist", sweep_dir)
             return
-        md_path, _ = write_summary(sweep_dir, collect_rows(sweep_dir))
+        md_path, _ = write_summary(sweep_dir, collect_rows(sweep_dir, self._jobs))
         print(f"sweep summary: {md_path}", flush=True)  # once (not also through Hydra's log handler)

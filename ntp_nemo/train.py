@@ -148,36 +148,49 @@ def _cluster_link(spec: RunSpec):
     return link
 
 
+def check_config(cfg: DictConfig, explicit: set[str]):
+    """Every check of a composed config that needs no run directory (a sweep runs it for each job
+    before the first starts); `explicit`: the keys set on the command line. Returns the run's
+    `ResolvedLayout` and `FailoverSpec`; raises ConfigError."""
+    from ntp_nemo.config import checks
+    from ntp_nemo.config.data import resolve_data_config
+    from ntp_nemo.config.failover import failover_spec
+    from ntp_nemo.config.layout import resolve_layout
+    from ntp_nemo.config.targets import check_targets
+    from ntp_nemo.config.validate import check_environment, validate
+    from ntp_nemo.resilience.fault_config import validate_fault_config
+
+    checks.require_mandatory(cfg)
+    checks.adjust(cfg)
+    checks.follow_mesh(cfg, explicit)  # a recipe's replica_tp that a mesh override no longer fits
+    resolve_data_config(cfg, explicit)  # the tokenizer sizes model.vocab_size (unless given)
+    validate(cfg)  # before any heavy import: a bad value answers in well under a second
+    failover = failover_spec(cfg)  # what failover reads
+    validate_fault_config(failover)  # the `fault` group too (no torch, no Lightning)
+    check_environment(cfg)
+    layout = resolve_layout(cfg)  # once: the supervisor, the strategy and every rank take this value
+    checks.check_batch_split(layout, int(cfg.data.micro_batch_size))
+    checks.warn_no_ops(cfg, layout)
+    check_targets(cfg)  # imports the callbacks' and loggers' modules: last, before any data is read
+    return layout, failover
+
+
 def _resolve(cfg: DictConfig, run_dir: Path) -> tuple[RunSpec, Path | None]:
     """Check the config, resolve it into the run's RunSpec (once) and find the checkpoint to resume
     from; records the config in the run directory once it is valid."""
     from hydra.core.hydra_config import HydraConfig
 
     from ntp_nemo.config import checks
-    from ntp_nemo.config.data import explicit_keys, resolve_data_config
-    from ntp_nemo.config.failover import failover_spec
-    from ntp_nemo.config.layout import resolve_layout
+    from ntp_nemo.config.data import explicit_keys
     from ntp_nemo.config.resolve import resolve
-    from ntp_nemo.config.validate import check_environment, validate
-    from ntp_nemo.resilience.fault_config import validate_fault_config
 
-    checks.require_mandatory(cfg)
-    checks.adjust(cfg)
-    # The tokenizer sizes model.vocab_size (unless it is given on the command line).
     overrides = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
-    resolve_data_config(cfg, explicit_keys(overrides))
-    validate(cfg)  # before any heavy import: a bad value answers in well under a second
-    failover = failover_spec(cfg)  # what failover reads
-    validate_fault_config(failover)  # the `fault` group too (no torch, no Lightning)
-    check_environment(cfg)
+    layout, failover = check_config(cfg, explicit_keys(overrides))
     from ntp_nemo.parallel.cluster import slurm_batch_without_srun
 
     if slurm_batch_without_srun():
         say(f"note: a SLURM batch script without srun (SLURM_NTASKS={os.environ['SLURM_NTASKS']} is the "
             "allocation's, not a launch): ntp-train launches the layout's ranks on this node", flush=True)
-    layout = resolve_layout(cfg)  # once: the supervisor, the strategy and every rank take this value
-    checks.check_batch_split(layout, int(cfg.data.micro_batch_size))
-    checks.warn_no_ops(cfg, layout)
     checks.check_outputs(cfg, run_dir)
     ckpt_path = resolve_resume(cfg, run_dir)
     if ckpt_path is None and str(cfg.resume) == "auto":
@@ -240,6 +253,7 @@ def _report(spec: RunSpec, run_dir: Path, t0: float, result, start_t: float) -> 
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     summary["wall_s"] = time.time() - t0
+    summary["processes"] = spec.layout.world_size  # the processes the run was launched with
     summary.update(invocation_stats(run_dir, t0))  # every attempt of this command, not the last one's
     if summary.get("first_step_start") is not None:
         summary["startup_s"] = summary.pop("first_step_start") - start_t

@@ -97,7 +97,7 @@ def test_callback_writes_markdown_and_csv(tmp_path):
     assert [r["job"] for r in rows] == ["0", "1", "2", "2", "3", "4", "10"]  # numeric job order
     train = rows[0]
     assert train["status"] == "ok" and train["overrides"] == "mesh.tp=2 layout.layer_tp=2"
-    assert float(train["final_loss"]) == 2.5 and float(train["goodput"]) == 0.91
+    assert float(train["final_loss"]) == 2.5 and float(train["goodput_pct"]) == 91.0
     assert json.loads(train["layout"]) == {"replica_tp": [2, 2], "layer_tp": [2, 2, 2]}
     assert rows[1]["val_loss"] == "" and float(rows[1]["tokens_per_s"]) == 999.0
     drop, ntp = rows[2], rows[3]

@@ -50,6 +50,23 @@ def adjust(cfg: DictConfig) -> None:
         cfg.optim.warmup_steps = max_steps
 
 
+def follow_mesh(cfg: DictConfig, explicit: set[str]) -> None:
+    """A recipe's `ntp.replica_tp` (e.g. gpt_tiny's [2, 1]) that no longer fits a `mesh.tp`/`mesh.dp`
+    given on the command line, with no `ntp.replica_tp` given there, follows the mesh: every replica
+    at `mesh.tp` (`ntp.replica_tp=null`), with one note. A replica_tp given explicitly is kept (and
+    validated)."""
+    rtp = cfg.ntp.replica_tp
+    if rtp is None or "ntp.replica_tp" in explicit or not {"mesh.tp", "mesh.dp"} & explicit:
+        return
+    tp, dp = int(cfg.mesh.tp), int(cfg.mesh.dp)
+    if len(rtp) == dp and all(1 <= int(n) <= tp for n in rtp):
+        return
+    print(f"note: ntp.replica_tp={list(rtp)} (recipe {cfg.recipe}) does not fit mesh.tp={tp} mesh.dp={dp} "
+          f"given on the command line: every replica runs at mesh.tp (ntp.replica_tp=null); pass "
+          f"ntp.replica_tp=[...] (one entry per replica) to degrade one.", file=sys.stderr, flush=True)
+    cfg.ntp.replica_tp = None
+
+
 def _follows(counts: list[int], caps: list[float]) -> bool:
     """No replica gets as many micro-batches as one of larger capacity (or more than one of smaller)."""
     pairs = [(c, n) for c, n in zip(caps, counts, strict=True)]

@@ -212,13 +212,16 @@ def _validate_mesh(cfg: DictConfig) -> None:
             raise ConfigError(
                 "ntp.replica_tp",
                 f"has {len(rtp)} entries {list(rtp)} but mesh.dp={dp}; give one "
-                "active TP degree per DP replica, e.g. ntp.replica_tp=[" + ",".join([str(tp)] * dp) + "].",
+                "active TP degree per DP replica, e.g. ntp.replica_tp=[" + ",".join([str(tp)] * dp) + "], "
+                "or ntp.replica_tp=null (every replica at mesh.tp).",
             )
         for i, n in enumerate(rtp):
             if not 1 <= int(n) <= tp:
                 raise ConfigError(
                     "ntp.replica_tp",
-                    f"replica {i} has {n} active ranks; each entry must be between 1 and mesh.tp={tp}.",
+                    f"replica {i} has {n} active ranks; each entry must be between 1 and mesh.tp={tp}: "
+                    f"e.g. ntp.replica_tp=[" + ",".join([str(tp)] * dp) + "], or ntp.replica_tp=null "
+                    "(every replica at mesh.tp).",
                 )
             if int(n) < int(cfg.ntp.min_replica_tp):
                 raise ConfigError(
