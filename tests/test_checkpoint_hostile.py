@@ -1,0 +1,255 @@
+"""Checkpoints from elsewhere: what a crafted or damaged checkpoint directory can make a load do.
+
+A real checkpoint (written by `save_checkpoint` in this process) is rewritten the way an attacker
+would, keeping the manifest's digests right so only the new checks can refuse it: an index naming a
+file outside the directory, a manifest naming one, a data file replaced by a link (to a secret, to
+/dev/zero), a FIFO, a negative record offset, a 1 TiB record, deeply nested JSON.  Each is refused
+before anything is read, with a message naming the checkpoint and the problem and revealing nothing
+about files outside it; a load raises on every rank at once (a ConfigError, exit 2 from the CLI),
+never hangs; corrupt.json is never written through a link.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import warnings
+
+import pytest
+import torch
+
+from ntp_nemo.checkpoint import (
+    CheckpointSkippedWarning,
+    checkpoint_name,
+    checkpoint_problem,
+    load,
+    load_with_fallback,
+    require_valid_checkpoint,
+    save_checkpoint,
+)
+from ntp_nemo.checkpoint.manifest import CORRUPT_MARKER, file_digest, mark_corrupt
+from ntp_nemo.checkpoint.storage import Index, read_chunks
+from ntp_nemo.errors import ConfigError
+from ntp_nemo.runtime.runtime import NTPRuntime
+from ntp_nemo.topology import ResolvedLayout, Topology
+from tests.ntp_cases import GPT, SEED
+
+SINGLE = (1, [1], [1] * 4)
+
+
+def _model():
+    return NTPRuntime(ResolvedLayout.make(Topology(*SINGLE)), 0).build_model(GPT, SEED)
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("hostile")
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    for step in (1, 2):
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 0.1 * step)
+        opt.step()
+        save_checkpoint(directory / checkpoint_name(step), model, opt, {"n": step}, step=step)
+    return directory
+
+
+@pytest.fixture
+def ckpt(pristine, tmp_path):
+    directory = tmp_path / "checkpoints"
+    shutil.copytree(pristine, directory)
+    return directory / checkpoint_name(2)
+
+
+def _manifest(path):
+    return json.loads((path / "manifest.json").read_text())
+
+
+def _write_manifest(path, doc):
+    (path / "manifest.json").write_text(json.dumps(doc))
+
+
+def _rewrite_index(path, change):
+    """Apply `change` to the index and fix the manifest's size and digest of index.json, as an attacker
+    who rewrites a checkpoint would (so only the new checks can tell)."""
+    doc = json.loads((path / "index.json").read_text())
+    change(doc)
+    (path / "index.json").write_text(json.dumps(doc))
+    man = _manifest(path)
+    size, digest = file_digest(path / "index.json")
+    man["files"]["index.json"] = {"size": size, "xxh3_64": digest}
+    _write_manifest(path, man)
+
+
+def _first_record(doc):
+    return next(t["records"][0] for t in doc["tensors"].values() if t["records"] and t["shape"])
+
+
+def _load_error(path) -> ConfigError:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointSkippedWarning)
+        with pytest.raises(ConfigError) as err:
+            load(path, _model(), None)
+    return err.value
+
+
+def _refused(path, *words):
+    problem = checkpoint_problem(path)
+    assert problem is not None and all(w in problem for w in words), problem
+    with pytest.raises(ConfigError) as err:
+        require_valid_checkpoint(path)
+    assert err.value.key == "resume" and str(path) in str(err.value)
+    loaded = _load_error(path)
+    assert loaded.key == "resume" and all(w in str(loaded) for w in words), str(loaded)
+    return problem
+
+
+def test_the_pristine_checkpoint_loads(ckpt):
+    assert checkpoint_problem(ckpt) is None
+    assert load(ckpt, _model(), None).extra == {"n": 2}
+
+
+def test_index_naming_a_file_outside_the_checkpoint_is_refused(ckpt, tmp_path):
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"s" * 4096)
+
+    def point_outside(doc):
+        _first_record(doc)["file"] = str(secret)
+
+    _rewrite_index(ckpt, point_outside)
+    problem = _refused(ckpt, "names a file the manifest does not list")
+    assert "4096" not in problem
+    with pytest.raises(ValueError, match="is damaged"):  # the export path reads the index the same way
+        Index.read(ckpt)
+
+
+def test_manifest_naming_a_file_outside_the_checkpoint_is_refused(ckpt):
+    for name in ("/etc/passwd", "../../../../etc/passwd", "sub/../x.bin"):
+        man = _manifest(ckpt)
+        man["files"][name] = {"size": os.stat("/etc/passwd").st_size}
+        _write_manifest(ckpt, man)
+        problem = _refused(ckpt, "names a file outside the checkpoint directory")
+        assert str(os.stat("/etc/passwd").st_size) not in problem.replace(name, "")
+        man["files"].pop(name)
+        _write_manifest(ckpt, man)
+    assert checkpoint_problem(ckpt) is None
+
+
+@pytest.mark.parametrize("target", ["secret", "/dev/zero"])
+def test_data_file_replaced_by_a_link_is_refused_without_telling_its_size(ckpt, tmp_path, target):
+    victim = sorted(ckpt.glob("data_*.bin"))[0]
+    if target == "secret":
+        target = tmp_path / "secret.txt"
+        target.write_bytes(b"x" * 12345)
+    victim.unlink()
+    victim.symlink_to(target)
+    problem = _refused(ckpt, victim.name, "symbolic link")
+    assert "12345" not in problem
+
+
+def _within(seconds, fn, *args):
+    out = {}
+    thread = threading.Thread(target=lambda: out.setdefault("v", fn(*args)), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"{fn.__name__} blocked for more than {seconds} s"
+    return out["v"]
+
+
+def test_a_fifo_named_by_a_checkpoint_never_blocks(ckpt):
+    victim = sorted(ckpt.glob("data_*.bin"))[0]
+    victim.unlink()
+    os.mkfifo(victim)
+    problem = _within(20, checkpoint_problem, ckpt)
+    assert problem is not None and victim.name in problem and "not a regular file" in problem
+    # The reader itself (export, a load after the check) opens nothing that could block either.
+    index = Index.read(ckpt.parent / checkpoint_name(1))
+    first = ckpt.parent / checkpoint_name(1)
+    (first / victim.name).unlink()
+    os.mkfifo(first / victim.name)
+    chunks = _chunks(index)
+
+    def read():
+        try:
+            read_chunks(first, chunks)
+        except ValueError as err:
+            return str(err)
+        return None
+
+    msg = _within(20, read)
+    assert msg is not None and "not a regular file" in msg
+
+
+def _chunks(index):
+    from ntp_nemo.checkpoint.storage import Chunk
+
+    return [Chunk(r.key, index.tensors[r.key].shape, r.offsets,
+                  torch.empty(r.sizes, dtype=index.tensors[r.key].dtype))
+            for recs in index.records.values() for r in recs]
+
+
+@pytest.mark.parametrize(
+    "field,value,words",
+    [
+        ("offset", -64, ["negative"]),
+        ("nbytes", 1 << 40, ["1099511627776 bytes"]),
+        ("offset", 1 << 40, ["reaches past the end"]),
+        ("sizes", [10**12], ["lies outside the tensor's shape"]),
+        ("sizes", [-1], ["offsets/sizes"]),
+    ],
+)
+def test_record_offsets_and_sizes_are_checked_before_reading(ckpt, field, value, words):
+    def damage(doc):
+        _first_record(doc)[field] = value
+
+    _rewrite_index(ckpt, damage)
+    _refused(ckpt, "index.json", *words)
+
+
+def test_deeply_nested_json_is_a_clear_problem(ckpt):
+    good = (ckpt / "manifest.json").read_text()
+    (ckpt / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    problem = _refused(ckpt, "manifest.json", "levels deep")
+    assert len(problem) < 300
+    (ckpt / "manifest.json").write_text(good)
+    _rewrite_index(ckpt, lambda doc: doc["tensors"].update({"deep": json.loads("[" * 60 + "]" * 60)}))
+    with open(ckpt / "index.json", "w") as f:  # nested beyond the bound, digest fixed
+        f.write('{"digest":"xxh3_64","tensors":' + "[" * 5000 + "]" * 5000 + "}")
+    man = _manifest(ckpt)
+    size, digest = file_digest(ckpt / "index.json")
+    man["files"]["index.json"] = {"size": size, "xxh3_64": digest}
+    _write_manifest(ckpt, man)
+    _refused(ckpt, "index.json", "levels deep")
+
+
+def test_manifest_that_omits_the_index_or_the_metadata_is_refused(ckpt):
+    man = _manifest(ckpt)
+    man["files"].pop("meta.pt")
+    _write_manifest(ckpt, man)
+    _refused(ckpt, "meta.pt")
+
+
+def test_corrupt_marker_is_never_written_through_a_link(ckpt, tmp_path):
+    link = tmp_path / "elsewhere"
+    link.symlink_to(ckpt, target_is_directory=True)
+    mark_corrupt(link, "file x fails")
+    assert not (ckpt / CORRUPT_MARKER).exists()
+    # A data file flipped in a checkpoint reached through a link: the load fails naming the file and
+    # leaves the directory it points to untouched.
+    victim = sorted(ckpt.glob("data_*.bin"))[0]
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+    with pytest.raises(ConfigError) as err:
+        load_with_fallback(link, _model(), None, fallback=False)
+    assert victim.name in str(err.value)
+    assert not (ckpt / CORRUPT_MARKER).exists()
+    # A marker that is itself a link is not followed either (the file it points to is not overwritten).
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep me")
+    (ckpt / CORRUPT_MARKER).symlink_to(outside)
+    mark_corrupt(ckpt, "file x fails")
+    assert outside.read_text() == "keep me"
+    assert checkpoint_problem(ckpt) is not None  # a marker there, whatever it is, keeps it skipped
