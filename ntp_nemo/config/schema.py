@@ -41,6 +41,8 @@ class NTPConfig:
     # Capacity rule of the batch split: ranks (active TP ranks / nominal) or work (the work model's
     # slowest-rank time of a healthy replica over this one's).
     capacity: str = "ranks"
+    # A TP group spanning nodes stops the job at start-up; true: a warning instead (TP over the network).
+    allow_cross_node_tp: bool = False
 
 
 @dataclass
@@ -137,6 +139,7 @@ class FaultConfig:
     heartbeat_timeout_s: float = 120.0
     collective_timeout_s: float = 600.0
     step_timeout_s: float = 1800.0
+    startup_timeout_s: float = 600.0  # a worker's start to its first training step (supervisor)
 
 
 @dataclass

@@ -11,6 +11,7 @@ replicas of unequal TP.
 from __future__ import annotations
 
 import os
+import time
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -45,6 +46,7 @@ class _ForkLauncher(_MultiProcessingLauncher):
 
     _procs: Any = None
     _pending_signal: int | None = None
+    stop_requested: float | None = None  # when (time.time()) the first stop signal was forwarded
 
     @property
     def procs(self) -> Any:
@@ -76,6 +78,8 @@ class _ForkLauncher(_MultiProcessingLauncher):
         def forward(signum, frame):  # noqa: ANN001 - signal handler signature
             if os.getpid() != parent:
                 return
+            if self.stop_requested is None:  # the supervisor bounds the stop from here
+                self.stop_requested = time.time()
             if not self.procs:  # still forking: the workers get it as soon as they exist
                 self._pending_signal = signum
             for proc in self.procs or []:
@@ -217,16 +221,44 @@ class NTPStrategy(ParallelStrategy):
             kwargs: dict[str, Any] = {"timeout": self._timeout}
             if self.root_device.type == "cuda" and "nccl" in self._process_group_backend:
                 kwargs["device_id"] = self.root_device  # NCCL communicators bound to this rank's GPU
+            from ntp_nemo.topology.groups import open_files_needed, raise_open_file_limit
+
+            world = self.topology.world_size  # gloo's sockets: refused here, not at the first save
+            raise_open_file_limit(open_files_needed(world), world)
             if self.joining is not None:  # a repaired process: it joins the running job's generation
                 self.joining.init_process_group(self)
             elif self.rendezvous is not None:  # a cluster task: generation 0 on the coordinator's store
                 self.rendezvous(self)
             else:
                 self._rendezvous_server = self._loopback_rendezvous_store()
-                _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+                try:
+                    _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+                except RuntimeError as err:  # DistNetworkError: MASTER_PORT held by another process
+                    from ntp_nemo.lightning.cluster import port_taken_error
+
+                    taken = port_taken_error(err)
+                    if taken is None:
+                        raise
+                    raise taken from None
             destroy_groups_at_exit(self._process_group_backend)
+            if self.joining is None and self.cluster_environment.creates_processes_externally:
+                self._check_placement()
         # The rank's runtime, model and optimizer come with its RankState (the module's configure_model
         # assembles it; `adopt` installs it).
+
+    allow_cross_node_tp = False  # ntp.allow_cross_node_tp
+
+    def _check_placement(self) -> None:
+        """Collective, once at start-up of a launcher-started job: every TP group inside one node (else
+        ConfigError), and a warning from rank 0 for tasks that each see one GPU of a larger node."""
+        from ntp_nemo.parallel.cluster import check_placement
+        from ntp_nemo.parallel.devices import cuda_device_count
+
+        visible = cuda_device_count() if self.root_device.type == "cuda" else 0
+        for warning in check_placement(self.topology, allow_cross_node_tp=self.allow_cross_node_tp,
+                                       visible_gpus=visible):
+            if self.global_rank == 0:
+                print(f"warning: {warning}", flush=True)
 
     def adopt(self, state: RankState) -> None:
         """Make `state` this rank's: the only place a rank's layout, runtime, model, optimizer and gradient
@@ -289,6 +321,11 @@ class NTPStrategy(ParallelStrategy):
         self.model_to_device()
         self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        if self.async_save and self._saver is None and not self._local():
+            from ntp_nemo.checkpoint import AsyncCheckpointSaver
+
+            self._saver = AsyncCheckpointSaver()
+            self._saver.prepare()  # its world-sized gloo group now, not at the first save
 
     def model_to_device(self) -> None:
         assert self.model is not None

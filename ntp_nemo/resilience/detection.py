@@ -10,6 +10,11 @@ Timeout hierarchy (`fault.*`), each level catching what the one below cannot:
 3. `step_timeout_s` (supervisor): no step completed for this long (start-up and checkpoint restore
    included) means a stall, whatever the heartbeats say; the last resort.
 
+While the workers start, the supervisor also bounds the rendezvous (a worker with no heartbeat
+`collective_timeout_s` after its start: the first one is written once it has joined) and the start-up
+(`startup_timeout_s`: a worker not training this long after its start).  After a stop signal (SIGTERM,
+Ctrl-C) the workers have `Timeouts.stop_grace_s` to checkpoint and exit before they are killed.
+
 A worker that exits while training is classified from the exit statuses: status 1 is a Python
 exception (torch's convention); a signal or any other status is a lost rank (a fault-injected kill
 exits 137).  Ranks the supervisor itself killed are not blamed.
@@ -123,7 +128,9 @@ class WorkerMonitor(threading.Thread):
         timeouts: Timeouts,
         poll_s: float = 0.2,
         grace_s: float = 0.5,
+        stop_requested: Callable[[], float | None] = lambda: None,
     ) -> None:
+        """`stop_requested()`: when (time.time()) a stop signal reached the launcher, None if none has."""
         super().__init__(name="ntp-worker-monitor", daemon=True)
         self._procs = procs
         self.heartbeat_dir = heartbeat_dir
@@ -134,6 +141,7 @@ class WorkerMonitor(threading.Thread):
         self.verdict: Verdict | None = None
         self.killed: set[int] = set()
         self.last_beats: dict[int, Beat] = {}
+        self.stop_requested = stop_requested
         self._halt = threading.Event()
 
     def stop(self) -> None:
@@ -173,7 +181,9 @@ class WorkerMonitor(threading.Thread):
                 self._halt.wait(self.grace_s)
                 self._kill_all(procs)
                 return
-            verdict = self._stall(beats, now, launched)
+            verdict = (stop_overdue(self.stop_requested(), now, self.timeouts)
+                       or start_verdict(beats, range(self.world_size), launched, now, self.timeouts)
+                       or self._stall(beats, now, launched))
             if verdict is not None:
                 self.verdict = verdict
                 self._kill_all(procs)
@@ -195,15 +205,47 @@ class WorkerMonitor(threading.Thread):
                     f"rank {oldest.rank} silent for {now - oldest.t:.1f}s at step {oldest.step} "
                     f"({oldest.phase}); ranks behind: {list(behind) or 'none (all equal)'}",
                 )
-        done = [b.t for b in beats.values() if b.phase in ("step_end", "end")]
-        since = max(done, default=launched)
-        if now - since > self.timeouts.step_s:
-            behind = suspects(beats, self.world_size)
-            return Verdict(
-                "step timeout",
-                behind,
-                step,
-                now,
-                f"no step completed for {now - since:.1f}s; ranks behind: {list(behind) or 'none'}",
-            )
+        return step_verdict(beats, self.world_size, launched, now, self.timeouts)
+
+
+def step_verdict(beats: dict[int, Beat], world_size: int, launched: float, now: float,
+                 timeouts: Timeouts) -> Verdict | None:
+    """No step completed for `fault.step_timeout_s` (counted from the launch before the first one)."""
+    done = [b.t for b in beats.values() if b.phase in ("step_end", "end")]
+    since = max(done, default=launched)
+    if now - since <= timeouts.step_s:
         return None
+    behind = suspects(beats, world_size)
+    step = max((b.step for b in beats.values()), default=None)
+    return Verdict("step timeout", behind, step, now,
+                   f"no step completed for {now - since:.1f}s (fault.step_timeout_s={timeouts.step_s:g}); "
+                   f"ranks behind: {list(behind) or 'none'}")
+
+
+def start_verdict(beats: dict[int, Beat], ranks: Sequence[int], launched: float, now: float,
+                  timeouts: Timeouts) -> Verdict | None:
+    """A worker of `ranks` still in its rendezvous `fault.collective_timeout_s` after the launch (no
+    heartbeat yet: the first is written once it has joined), or not yet training
+    `fault.startup_timeout_s` after it.  The ranks blamed are those behind (none when all are)."""
+    waited = now - launched
+    ranks = list(ranks)
+    missing = [r for r in ranks if r not in beats]
+    if missing and waited > timeouts.collective_s:
+        return Verdict("rendezvous timeout", tuple(missing) if len(missing) < len(ranks) else (), None, now,
+                       f"rank(s) {missing} not past the rendezvous {waited:.1f}s after their start "
+                       f"(fault.collective_timeout_s={timeouts.collective_s:g})")
+    starting = [r for r in ranks if r not in beats or beats[r].phase == "setup"]
+    if starting and waited > timeouts.startup_s:
+        return Verdict("startup timeout", tuple(starting) if len(starting) < len(ranks) else (), None, now,
+                       f"rank(s) {starting} not training {waited:.1f}s after their start "
+                       f"(fault.startup_timeout_s={timeouts.startup_s:g})")
+    return None
+
+
+def stop_overdue(requested: float | None, now: float, timeouts: Timeouts) -> Verdict | None:
+    """The workers were asked to stop (SIGTERM, Ctrl-C) more than `Timeouts.stop_grace_s` ago."""
+    if requested is None or now - requested <= timeouts.stop_grace_s:
+        return None
+    return Verdict("stop timeout", (), None, now,
+                   f"the workers did not checkpoint and stop within {timeouts.stop_grace_s:g}s of the stop "
+                   f"signal (2 x fault.heartbeat_timeout_s)")

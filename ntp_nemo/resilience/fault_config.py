@@ -101,14 +101,18 @@ def resolve_faults(failover: FailoverSpec, world_size: int | None = None) -> lis
 
 @dataclass(frozen=True)
 class Timeouts:
+    """The bounds the supervisor and the workers enforce (docs/failover.md, "Timeout hierarchy")."""
+
     heartbeat_s: float
     collective_s: float
     step_s: float
+    startup_s: float = 600.0
 
     @classmethod
     def from_config(cls, fault: FaultConfig) -> Timeouts:
         t = cls(
-            float(fault.heartbeat_timeout_s), float(fault.collective_timeout_s), float(fault.step_timeout_s)
+            float(fault.heartbeat_timeout_s), float(fault.collective_timeout_s), float(fault.step_timeout_s),
+            float(getattr(fault, "startup_timeout_s", 600.0)),
         )
         if not 0 < t.heartbeat_s < t.collective_s < t.step_s:
             raise ConfigError(
@@ -118,8 +122,25 @@ class Timeouts:
                 f"fault.collective_timeout_s={t.collective_s}, fault.step_timeout_s={t.step_s}; "
                 "a hang must be seen by heartbeats before collectives give up (see docs/failover.md).",
             )
+        if not t.startup_s > 0:
+            raise ConfigError(
+                "fault.startup_timeout_s",
+                f"must be > 0 seconds (how long a worker may take from its start to its first training "
+                f"step), got {t.startup_s}; e.g. fault.startup_timeout_s=600.",
+            )
         return t
 
+    @property
+    def rejoin_s(self) -> float:
+        """How long a repaired process waits for the survivors to take it in: they may legitimately take
+        a whole step and a rendezvous to reach the step it joins before."""
+        return self.step_s + self.collective_s
+
+    @property
+    def stop_grace_s(self) -> float:
+        """After a stop signal (SIGTERM, Ctrl-C), how long the workers have to checkpoint and exit before
+        they are killed: the rest of a step and a save, each shorter than a heartbeat gap."""
+        return 2 * self.heartbeat_s
 
 
 def validate_fault_config(spec: FailoverSpec, context: LaunchContext | None = None) -> None:

@@ -46,7 +46,15 @@ from ntp_nemo.parallel.loopback import environment, loopback_children_env
 from ntp_nemo.resilience.beats import read_beats, suspects
 from ntp_nemo.resilience.cluster_protocol import COORDINATOR_LOST_EXIT
 from ntp_nemo.resilience.coordinator import FALLBACK_EXIT  # noqa: F401 - the survivors' word for "restart"
-from ntp_nemo.resilience.detection import Verdict, is_lost_status, kill_worker
+from ntp_nemo.resilience.detection import (
+    Verdict,
+    is_lost_status,
+    kill_worker,
+    start_verdict,
+    step_verdict,
+    stop_overdue,
+)
+from ntp_nemo.resilience.fault_config import Timeouts
 from ntp_nemo.resilience.policies import make_policy
 from ntp_nemo.resilience.recovery import Generation, grow, recover
 from ntp_nemo.resilience.rendezvous import (
@@ -163,7 +171,9 @@ class LiveMonitor(threading.Thread):
     def __init__(self, launcher: LiveLauncher, world_size: int, heartbeat_dir: Path | None = None,
                  heartbeat_s: float | None = None, poll_s: float = 0.05, grace_s: float = 0.1,
                  repair_after_steps: int | None = None, layout: ResolvedLayout | None = None,
-                 end_step: int | None = None) -> None:
+                 end_step: int | None = None, timeouts: Timeouts | None = None) -> None:
+        """`timeouts`: the bounds this monitor enforces besides the heartbeats (a rendezvous, the start-up,
+        a step, a stop; `detection`), None for none."""
         super().__init__(name="ntp-live-monitor", daemon=True)
         self.launcher = launcher
         self.world_size = world_size
@@ -176,6 +186,9 @@ class LiveMonitor(threading.Thread):
         self._halt = threading.Event()
         self.repair_after_steps, self.layout, self.end_step = repair_after_steps, layout, end_step
         self._degraded_at: int | None = None  # the step the survivors had reached at the last failure
+        self.timeouts = timeouts
+        self._launched = time.time()
+        self._all_trained = False  # every process has reached training once (the start-up bound is over)
 
     def stop(self) -> None:
         """Stop watching; survivors that fell back are never blamed, even if they exited after the last
@@ -205,10 +218,18 @@ class LiveMonitor(threading.Thread):
             if len(procs) == self.world_size and self.launcher.store is not None:
                 break
             time.sleep(self.poll_s)
+        self._launched = time.time()
         seen: set[int] = set()
         while not self._halt.wait(self.poll_s):
             exited = [i for i, p in enumerate(procs) if i not in seen and p.exitcode is not None]
             if not exited:
+                verdict = self._overdue()
+                if verdict is not None:
+                    print(f"failover | live: {verdict.reason}: {verdict.detail}; stopping the workers",
+                          flush=True)
+                    self._stop_all(procs, verdict.detail, verdict.ranks)
+                    self.verdict = verdict
+                    return
                 self._kill_hung(procs, self.world_size - len(self.launcher.lost))
                 self._maybe_rejoin(procs, seen)
                 continue
@@ -239,6 +260,20 @@ class LiveMonitor(threading.Thread):
                 self.verdict = None
                 return
 
+
+    def _overdue(self) -> Verdict | None:
+        """A bound of `detection` passed: the stop after a stop signal, the rendezvous or the start-up
+        (until every process has trained once), a step."""
+        if self.timeouts is None or self.heartbeat_dir is None:
+            return None
+        now = time.time()
+        beats = read_beats(self.heartbeat_dir, self.world_size)
+        verdict = stop_overdue(getattr(self.launcher, "stop_requested", None), now, self.timeouts)
+        if verdict is None and not self._all_trained:
+            verdict = start_verdict(beats, range(self.world_size), self._launched, now, self.timeouts)
+            self._all_trained = verdict is None and all(r in beats and beats[r].phase != "setup"
+                                                    for r in range(self.world_size))
+        return verdict or step_verdict(beats, self.world_size, self._launched, now, self.timeouts)
 
     def _max_step(self) -> int:
         beats = read_beats(self.heartbeat_dir, self.world_size) if self.heartbeat_dir is not None else {}

@@ -252,6 +252,7 @@ class Supervisor:
             else:
                 restarts += 1
                 rec.outcome = "failed"
+                stopping = getattr(trainer.strategy.launcher, "stop_requested", None) is not None
                 rec.failure = {
                     "ranks": list(lost.ranks),
                     "reason": lost.reason,
@@ -266,6 +267,9 @@ class Supervisor:
                     step=lost.step,
                     detail=lost.detail,
                 )
+                if stopping:  # asked to stop (SIGTERM, Ctrl-C): whatever failed meanwhile, no relaunch
+                    self._log(rec)
+                    raise FailoverError(self._stop_message(lost))
                 plan = self._replan(layout, lost)
                 rec.replan = plan.describe()
                 self._log(rec)
@@ -301,6 +305,15 @@ class Supervisor:
             self._record(
                 "job_start", layout=layout.describe(), attempt=len(self.result.attempts), reason=reason
             )
+
+    def _stop_message(self, lost: LostRanks) -> str:
+        """The run was asked to stop and its workers did not all stop cleanly."""
+        latest = self._latest_checkpoint()
+        where = (f"the latest valid checkpoint is {latest}; rerun the same command with resume=auto to "
+                 "continue from it" if latest is not None else "no checkpoint was written; a rerun starts "
+                 "over")
+        return (f"stopped on a stop signal (SIGTERM/Ctrl-C); the workers did not all checkpoint and exit "
+                f"({lost.reason}: {lost.detail}) and were killed; {where}.")
 
     def relaunch_devices(
         self, layout: ResolvedLayout, plan: Replan, lost_ranks: Sequence[int]
@@ -352,13 +365,14 @@ class Supervisor:
             monitor = LiveMonitor(trainer.strategy.launcher, layout.world_size, self.heartbeat_dir,
                                   self.timeouts.heartbeat_s, layout=layout,
                                   repair_after_steps=None if repair is None else int(repair),
-                                  end_step=self.end_step)
+                                  end_step=self.end_step, timeouts=self.timeouts)
         else:
             monitor = WorkerMonitor(
                 lambda: getattr(trainer.strategy.launcher, "procs", None),
                 self.heartbeat_dir,
                 layout.world_size,
                 self.timeouts,
+                stop_requested=lambda: getattr(trainer.strategy.launcher, "stop_requested", None),
             )
         monitor.start()
         try:
