@@ -26,6 +26,10 @@ class JSONInputError(ValueError):
     """A JSON input that is not a regular file, too large, too deeply nested or malformed."""
 
 
+class JSONBoundError(JSONInputError):
+    """A JSON input beyond a bound (nesting depth, size) or not a regular file: never an ordinary typo."""
+
+
 def nesting_depth(text: str) -> int:
     """Deepest nesting of arrays and objects in `text` (strings skipped), without recursion."""
     depth = deepest = 0
@@ -50,11 +54,11 @@ def parse_json(text: str | bytes, max_depth: int = MAX_DEPTH) -> Any:
             raise JSONInputError(f"not UTF-8 text ({err.reason} at byte {err.start})") from None
     depth = nesting_depth(text)
     if depth > max_depth:
-        raise JSONInputError(f"nested {depth} levels deep, more than the {max_depth} allowed")
+        raise JSONBoundError(f"nested {depth} levels deep, more than the {max_depth} allowed")
     try:
         return json.loads(text)
     except RecursionError:
-        raise JSONInputError(f"nested more than the {max_depth} levels allowed") from None
+        raise JSONBoundError(f"nested more than the {max_depth} levels allowed") from None
     except ValueError as err:
         raise JSONInputError(f"not valid JSON ({err})") from None
 
@@ -72,14 +76,14 @@ def read_regular(path: str | os.PathLike, max_bytes: int = MAX_BYTES, *,
         raise
     except OSError as err:
         if not follow_symlinks and os.path.islink(path):
-            raise JSONInputError("a symbolic link (only regular files are read)") from None
+            raise JSONBoundError("a symbolic link (only regular files are read)") from None
         raise JSONInputError(f"cannot be opened ({err.strerror})") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise JSONInputError("not a regular file (a FIFO, device or directory is never read)")
+            raise JSONBoundError("not a regular file (a FIFO, device or directory is never read)")
         if st.st_size > max_bytes:
-            raise JSONInputError(f"larger than the {max_bytes} bytes allowed")
+            raise JSONBoundError(f"larger than the {max_bytes} bytes allowed")
         chunks, left = [], max_bytes + 1
         while left > 0:
             chunk = os.read(fd, min(left, 1 << 20))
@@ -91,7 +95,7 @@ def read_regular(path: str | os.PathLike, max_bytes: int = MAX_BYTES, *,
     finally:
         os.close(fd)
     if len(data) > max_bytes:
-        raise JSONInputError(f"larger than the {max_bytes} bytes allowed")
+        raise JSONBoundError(f"larger than the {max_bytes} bytes allowed")
     return data
 
 

@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
+from ntp_nemo.data.bounded_json import parse_json, read_regular
 from ntp_nemo.data.cache import atomic_write_text, cache_dir, fingerprint
 from ntp_nemo.errors import ConfigError
 
@@ -183,8 +183,15 @@ def _eos_from_vocab(backend, source: str) -> int:
 
 
 def _read_json(path: Path) -> dict:
+    """A small JSON file beside a tokenizer ({} when absent or not an object); one nested beyond the
+    bound, or not a regular file, is a ConfigError naming it."""
+    from ntp_nemo.data.bounded_json import JSONBoundError, read_json
+
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
+        value = read_json(path, 16 << 20)
+    except JSONBoundError as err:
+        raise ConfigError("data.tokenizer", f"{str(path)!r} cannot be used: {err}. Replace it with the file "
+                                            "the tokenizer's authors published, or remove it.") from None
     except (OSError, ValueError):
         return {}
     return value if isinstance(value, dict) else {}
@@ -262,11 +269,11 @@ def load_tokenizer_json(path: str, eos_token: str | None = None,
     the end-of-document token instead of the one the directory declares."""
     tk = _import_tokenizers(f"the tokenizer {path!r}")
     p = Path(path)
-    blob = p.read_bytes()
     try:
+        blob = read_regular(p, 1 << 30)  # never blocks on a FIFO
         text = blob.decode("utf-8")
+        definition = parse_json(text)  # bounded: a deeply nested file is refused before the library sees it
         backend = tk.Tokenizer.from_str(text)
-        definition = json.loads(text)
     except Exception as err:  # noqa: BLE001 - the library raises a bare Exception on bad files
         raise ConfigError(
             "data.tokenizer",

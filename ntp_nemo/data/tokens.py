@@ -12,17 +12,21 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from ntp_nemo.data.bounded_json import JSONInputError, read_json
 from ntp_nemo.data.cache import atomic_write_text, temp_path_beside
 from ntp_nemo.errors import ConfigError
 
 FORMAT_VERSION = 1
 _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+SIDECAR_MAX_BYTES = 16 << 20
+SCAN_CHUNK = 1 << 24  # tokens per step of the largest-id scan (32 MiB of uint16)
 
 
 def sidecar_path(path: str | os.PathLike) -> Path:
@@ -36,7 +40,7 @@ def index_path(path: str | os.PathLike) -> Path:
 def read_sidecar(path: str | os.PathLike) -> dict | None:
     """The sidecar of token file `path` as a dict, or None when absent or unreadable."""
     try:
-        meta = json.loads(sidecar_path(path).read_text(encoding="utf-8"))
+        meta = read_json(sidecar_path(path), SIDECAR_MAX_BYTES)
     except (OSError, ValueError):
         return None
     return meta if isinstance(meta, dict) else None
@@ -167,16 +171,34 @@ def _bad(path: Path, problem: str) -> ConfigError:
     )
 
 
+def _regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def scan_max(tokens: np.ndarray, chunk: int = SCAN_CHUNK) -> int:
+    """Largest id in `tokens` (a memory map): one vectorised pass, `chunk` tokens at a time."""
+    return max(int(tokens[i : i + chunk].max()) for i in range(0, len(tokens), chunk))
+
+
 def open_token_file(path: str | os.PathLike) -> TokenFile:
-    """Memory-map a token file after checking it against its sidecar."""
+    """Memory-map a token file after checking it against its sidecar.
+
+    The ids themselves are checked too (one vectorised pass over the file): an id outside the
+    vocabulary the sidecar names is refused here, naming the file, rather than found by an embedding
+    lookup in a worker; the sidecar's own claim of the largest id is not trusted."""
     path = Path(path)
     meta_path = sidecar_path(path)
-    if not path.is_file():
+    if not path.exists():
         raise _bad(path, "the file does not exist")
-    if not meta_path.is_file():
+    if not _regular(path):
+        raise _bad(path, "it is not a regular file (a FIFO, device or directory is never read)")
+    if not meta_path.exists():
         raise _bad(path, f"its sidecar {meta_path.name!r} (dtype, vocab size, token count) is missing")
     try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        meta = read_json(meta_path, SIDECAR_MAX_BYTES)
         dtype_name = str(meta["dtype"])
         vocab_size = int(meta["vocab_size"])
         num_tokens = int(meta["num_tokens"])
@@ -186,7 +208,9 @@ def open_token_file(path: str | os.PathLike) -> TokenFile:
         num_docs = meta.get("num_documents")
         num_docs = None if num_docs is None else int(num_docs)
         tok_hash = (meta.get("tokenizer_identity") or {}).get("hash")
-    except (ValueError, KeyError, TypeError, AttributeError) as err:
+    except JSONInputError as err:
+        raise _bad(path, f"its sidecar {meta_path.name!r} is unreadable: {err}") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise _bad(path, f"its sidecar {meta_path.name!r} is unreadable or incomplete ({err!r})") from err
     if dtype_name not in _DTYPES:
         raise _bad(path, f"the sidecar names dtype {dtype_name!r}; supported: {', '.join(_DTYPES)}")
@@ -200,22 +224,30 @@ def open_token_file(path: str | os.PathLike) -> TokenFile:
         )
     if num_tokens == 0:
         raise _bad(path, "it contains no tokens")
+    if vocab_size < 1:
+        raise _bad(path, f"its sidecar gives vocab_size {vocab_size}")
     tokens = np.memmap(path, dtype=_DTYPES[dtype_name], mode="r", shape=(num_tokens,))
+    top = scan_max(tokens)
+    if top >= vocab_size:
+        said = "" if max_id is None else f" (its sidecar claims the largest is {max_id})"
+        raise _bad(path, f"it holds token id {top}, outside the {vocab_size}-id vocabulary of its tokenizer "
+                         f"{tokenizer!r}{said}; the file was damaged or written for another tokenizer")
     doc_ends = None
     idx = index_path(path)
-    if num_docs is not None and idx.is_file():
+    if num_docs is not None and _regular(idx):
         if idx.stat().st_size != 8 * num_docs:
             raise _bad(path, f"its document index {idx.name!r} does not hold the {num_docs} documents the "
                              "sidecar promises")
         doc_ends = np.fromfile(idx, dtype="<u8").astype(np.int64)
-        if num_docs and (doc_ends[-1] != num_tokens or np.any(np.diff(doc_ends) < 0)):
+        if num_docs and (doc_ends[-1] != num_tokens or doc_ends[0] < 0 or np.any(np.diff(doc_ends) < 0)):
             raise _bad(path, f"its document index {idx.name!r} does not match the token count")
-    return TokenFile(path, tokens, dtype_name, vocab_size, num_tokens, tokenizer, max_id,
+    return TokenFile(path, tokens, dtype_name, vocab_size, num_tokens, tokenizer, top,
                      None if tok_hash is None else str(tok_hash), doc_ends, meta)
 
 
-def max_token_id(tf: TokenFile, chunk: int = 1 << 24) -> int:
-    """Largest id in the file: from the sidecar when recorded, else by a chunked scan."""
+def max_token_id(tf: TokenFile, chunk: int = SCAN_CHUNK) -> int:
+    """Largest id in the file: as `open_token_file` measured it (never the sidecar's claim), else by a
+    chunked scan."""
     if tf.max_token_id is not None:
         return tf.max_token_id
-    return max(int(tf.tokens[i : i + chunk].max()) for i in range(0, tf.num_tokens, chunk))
+    return scan_max(tf.tokens, chunk)

@@ -14,12 +14,12 @@ applies the choice.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ntp_nemo.data.bounded_json import read_json
 from ntp_nemo.data.tokenizer import tokenizer_identity, tokenizer_json_of
 from ntp_nemo.data.tokens import read_sidecar
 from ntp_nemo.errors import ConfigError
@@ -36,7 +36,7 @@ def _hf_vocab(init_from: str | None) -> int | None:
     if init_from is None:
         return None
     try:
-        return int(json.loads((Path(init_from).expanduser() / "config.json").read_text())["vocab_size"])
+        return int(read_json(Path(init_from).expanduser() / "config.json", 16 << 20)["vocab_size"])
     except (OSError, ValueError, KeyError, TypeError):
         return None  # the model.init_from checks explain what is wrong with the directory
 

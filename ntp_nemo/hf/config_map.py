@@ -12,11 +12,11 @@ the run's model config chooses only the family (`model.arch`) and may pad the vo
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from pathlib import Path
 from typing import Any
 
+from ntp_nemo.data.bounded_json import read_json
 from ntp_nemo.errors import ConfigError
 from ntp_nemo.models.config import ModelConfig
 
@@ -42,7 +42,7 @@ def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
                                "*.safetensors with model.safetensors.index.json), e.g. one written by "
                                "save_pretrained().")
     try:
-        doc = json.loads((p / "config.json").read_text(encoding="utf-8"))
+        doc = read_json(p / "config.json", 16 << 20)
     except FileNotFoundError:
         raise ConfigError(KEY, f"{str(path)!r} has no config.json, so it is not a Hugging Face model "
                                "directory. Point model.init_from at the directory save_pretrained() wrote."

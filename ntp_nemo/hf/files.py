@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ntp_nemo.data.bounded_json import read_json
 from ntp_nemo.errors import ConfigError
 
 SINGLE_FILE = "model.safetensors"
@@ -35,7 +37,7 @@ class HFWeightsReader:
         index = self.path / INDEX_FILE
         if index.is_file():
             try:
-                doc = json.loads(index.read_text(encoding="utf-8"))
+                doc = read_json(index, 64 << 20)
                 self.weight_map: dict[str, str] = dict(doc["weight_map"])
             except (OSError, ValueError, KeyError, TypeError) as err:
                 raise ConfigError(key, f"{str(index)!r} is not a valid safetensors index ({err!r}).") from err
@@ -49,7 +51,13 @@ class HFWeightsReader:
 
     def _open(self, file: str):
         if file not in self._handles:
+            if not isinstance(file, str) or os.path.basename(file) != file or file in ("", ".", ".."):
+                raise ConfigError(self.key, f"{INDEX_FILE} of {str(self.path)!r} names {str(file)[:80]!r}, "
+                                            "which is not a file of that directory.")
             target = self.path / file
+            if target.exists() and not stat.S_ISREG(os.stat(target).st_mode):
+                raise ConfigError(self.key, f"{str(target)!r}, listed in {INDEX_FILE}, is not a regular "
+                                            "file.")
             if not target.is_file():
                 raise ConfigError(self.key, f"{str(target)!r}, listed in {INDEX_FILE}, does not exist.")
             self._handles[file] = self._stack.enter_context(safe_open(str(target), framework="pt"))
