@@ -165,22 +165,61 @@ def _parquet_row_groups(f: InputFile) -> int:
 
 
 _SPACE = frozenset(b" \t\r\n\x0b\x0c")
+_BREAKS = (b"\n", b"\r", b" ")  # where a "line" cut is looked for, in order of preference
+
+
+def _char_before(data: bytes, end: int) -> str:
+    """The character that ends at byte `end` as the tokenizer sees it (bytes that are not UTF-8 decode
+    to U+FFFD, as `HFTokenizer` decodes them)."""
+    return data[max(0, end - 8):end].decode("utf-8", errors="replace")[-1]
+
+
+def _line_cut(data: bytes) -> int:
+    """The start of the whitespace run around the last line break (else the last space) that follows
+    a non-space character; 0: none. Whitespace is judged by characters (`str.isspace`: U+00A0, U+3000
+    ... count, as in GPT-2's pre-tokenizer, whose regex treats Unicode spaces as whitespace): the
+    byte-level pre-tokenizer never joins a non-space to the whitespace after it, and from the first
+    character of a whitespace run its pre-tokens do not depend on the text before, so the pieces
+    encode to the whole text's ids."""
+    for sep in _BREAKS:
+        pos = data.rfind(sep, 1)
+        if pos <= 0:
+            continue
+        start = pos
+        while start > 0:
+            ch = _char_before(data, start)
+            if not ch.isspace():
+                return start
+            start -= len(ch.encode("utf-8"))
+    return 0
 
 
 def _cut(data: bytes, cut: str) -> int:
-    """Where to end a piece of a long text, 0: nowhere. "line": just after a line break with a
-    non-space on both sides; "space": just before a single space with a non-space on both sides (see
+    """Where to end a piece of a long text, 0: nowhere. "line": before the whitespace run of a line
+    break (`_line_cut`); "space": just before a single space with a non-space on both sides (see
     `tokenizer.text_cut_of` for why each is exact)."""
-    sep, after = (b"\n", 1) if cut == "line" else (b" ", 0)
-    pos = data.rfind(sep, 1, len(data) - 1)
+    if cut == "line":
+        return _line_cut(data)
+    pos = data.rfind(b" ", 1, len(data) - 1)
     while pos > 0 and (data[pos - 1] in _SPACE or data[pos + 1] in _SPACE):
-        pos = data.rfind(sep, 1, pos)
-    return pos + after if pos > 0 else 0
+        pos = data.rfind(b" ", 1, pos)
+    return pos if pos > 0 else 0
+
+
+def _too_large_whole(path: Path, size: int) -> InputError:
+    gib = size * 200 / 2**30
+    return InputError("INPUT", f"{str(path)!r} has no place where the tokenizer can be cut exactly in its "
+                               f"first {size / 2**20:.1f} MiB (no whitespace between non-space characters), "
+                               f"so it would be encoded whole, which needs about {gib:.1f} GiB of memory or "
+                               f"more; the limit is {MAX_WHOLE_TEXT_BYTES >> 20} MiB. Split it into several "
+                               "documents (files, or a .jsonl file with one document per line).")
 
 
 def text_pieces(path: Path, cut: str | None, chunk: int | None = None) -> Iterator[bytes]:
     """A file's bytes in pieces of about `chunk` bytes cut the `cut` way (whole when None or when the
-    file is smaller); the pieces concatenate to the file."""
+    file is smaller); the pieces concatenate to the file. A piece that would grow past
+    `MAX_WHOLE_TEXT_BYTES` for want of a place to cut is refused (InputError): the size guard of
+    `check_whole_texts` for every document encoded whole."""
     chunk = chunk or CHUNK_BYTES
     with open(path, "rb") as fh:
         if cut is None:
@@ -196,6 +235,8 @@ def text_pieces(path: Path, cut: str | None, chunk: int | None = None) -> Iterat
             if at:
                 yield data[:at]
                 data = data[at:]
+            elif len(data) + len(more) > MAX_WHOLE_TEXT_BYTES:
+                raise _too_large_whole(path, len(data) + len(more))
             data += more
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ntp_nemo.data import readers
 from ntp_nemo.data.cache import cache_dir, fingerprint
 from ntp_nemo.data.readers import (
     UNIT_BYTES,
@@ -174,7 +175,14 @@ def _encode_unit(unit: Unit, spec: str, field: str, dtype: str, eos_token: str |
             quality.empty_documents += count == 0
             quality.text_tokens += count
             continue
-        quality.text_bytes += len(doc.encode("utf-8")) if isinstance(doc, str) else len(doc)
+        size = len(doc.encode("utf-8")) if isinstance(doc, str) else len(doc)
+        if size > readers.MAX_WHOLE_TEXT_BYTES:  # encoded whole: the size guard of every such document
+            raise InputError("INPUT", f"{str(unit.file.path)!r} holds a document of {size / 2**20:.1f} MiB, "
+                                      "which would be encoded whole (about "
+                                      f"{size * 200 / 2**30:.1f} GiB of memory); the limit is "
+                                      f"{readers.MAX_WHOLE_TEXT_BYTES >> 20} MiB. Split it into several "
+                                      "documents.")
+        quality.text_bytes += size
         batch.append(doc)
         if len(batch) >= BATCH_DOCS:
             flush()

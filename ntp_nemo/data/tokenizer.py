@@ -17,8 +17,9 @@ A tokenizer's `identity` (name, kind, SHA-256 of its definition, end-of-document
 token files, so a run can tell whether a token file was made with its tokenizer.
 
 `text_cut` says where a long text may be cut into pieces that encode, one after the other, to exactly
-the ids of the whole text (`readers.text_pieces`): "line" (after a line break between non-spaces: raw
-bytes, and GPT-2-style byte-level BPE without a normalizer), "space" (before a single space between
+the ids of the whole text (`readers.text_pieces`): "line" (before the whitespace run of a line break,
+after a non-space character, judged by characters: raw bytes, and GPT-2-style byte-level BPE without a
+normalizer), "space" (before a single space between
 non-spaces: a Metaspace pre-tokenizer without a normalizer, as SentencePiece-style Unigram/BPE
 tokenizer.json files) or None (the text is encoded whole: anything else, e.g. a normalizer).
 """
