@@ -227,7 +227,9 @@ def run_dry(cfg: DictConfig, run_dir: Path, say=print) -> dict[str, Any]:
         f"seq {shape.seq_len} x micro-batch {shape.micro_batch_size}, {layout.num_microbatches} "
         f"micro-batches per step {list(layout.microbatches)}; meta device, fake process group, no data read",
         flush=True)
-    result = dry_run(layout, mcfg, shape, progress=lambda msg: say(f"  {msg}", flush=True))
+    async_save = bool(checked.checkpoint.get("async_save", False))
+    result = dry_run(layout, mcfg, shape, progress=lambda msg: say(f"  {msg}", flush=True),
+                     checkpoint_group=async_save)
     rows = rank_rows(result)
     report: dict[str, Any] = {
         "layout": layout.describe(),
@@ -250,8 +252,8 @@ def run_dry(cfg: DictConfig, run_dir: Path, say=print) -> dict[str, Any]:
         "options": result.options,
         "shard_align": layout.shard_align,
         "shard_sizes": shard_sizes(layout, mcfg),
-        "gloo_sockets_per_rank": sockets_per_rank(rows, layout.world_size,
-                                                  bool(checked.checkpoint.get("async_save", False))),
+        "gloo_sockets_per_rank": sockets_per_rank(rows, layout.world_size, async_save),
+        "communicator_splits": result.splits,
         "timings_s": {**result.timings, "wall_s": time.perf_counter() - t0,
                       "cpu_s": time.process_time() - cpu0},
     }

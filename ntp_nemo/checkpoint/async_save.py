@@ -99,6 +99,11 @@ class AsyncCheckpointSaver:
             self._group_ready = True
         return self._group
 
+    def prepare(self) -> None:
+        """Create the writer's process group now (collective: every rank, before the first step), so
+        that a job too large for its open-file limit fails at start-up rather than at the first save."""
+        self._checkpoint_group()
+
     @property
     def in_flight(self) -> bool:
         return self._pending is not None and not self._pending.done()

@@ -14,6 +14,7 @@ from lightning.fabric.plugins.environments import (
     TorchElasticEnvironment,
 )
 
+from ntp_nemo.errors import ConfigError
 from ntp_nemo.parallel.cluster import ProcessLayout, launcher_layout, parse_tasks_per_node
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "cluster_environment",
     "launcher_layout",
     "parse_tasks_per_node",
+    "port_taken_error",
 ]
 
 
@@ -117,3 +119,21 @@ def cluster_environment(layout: ProcessLayout | None):
     if layout.launcher == "coordinator":
         return NTPCoordinatedEnvironment(layout)
     return NTPSLURMEnvironment(auto_requeue=False)  # PreemptionCheckpoint owns SIGTERM/SIGUSR1
+
+
+def port_taken_error(err: BaseException, env=None) -> ConfigError | None:
+    """The ConfigError for a rendezvous store that could not listen on MASTER_PORT because another
+    process holds it (torch's `DistNetworkError ... EADDRINUSE`); None for any other error."""
+    text = str(err)
+    if "EADDRINUSE" not in text and "address already in use" not in text.lower():
+        return None
+    env = os.environ if env is None else env
+    port, addr = env.get("MASTER_PORT", "unset"), env.get("MASTER_ADDR", "unset")
+    return ConfigError(
+        "MASTER_PORT",
+        f"{port} on {addr} is taken by another process, so rank 0 of this job cannot host torch's "
+        "rendezvous store there. If ntp-coordinator runs for this job (it listens on MASTER_PORT), start "
+        "the tasks with NTP_COORDINATOR exported (`export NTP_COORDINATOR=$MASTER_ADDR:$MASTER_PORT` "
+        "before srun) so that they use its store; otherwise choose a free MASTER_PORT (e.g. "
+        "`export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))`).",
+    )

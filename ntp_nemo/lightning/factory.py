@@ -81,6 +81,7 @@ def build_trainer(
     metrics = MetricsJSONL(run_dir)
     strategy.keep_last = int(ckpt.keep_last)
     strategy.async_save = bool(ckpt.async_save)
+    strategy.allow_cross_node_tp = bool(spec.ntp.allow_cross_node_tp)
     goodput = GoodputCallback(str(run_dir), job_started=job_started)
     callbacks: list[Any] = [metrics, goodput, RunSummary(run_dir, metrics)]
     if ckpt.every_n_steps or ckpt.save_on_end:

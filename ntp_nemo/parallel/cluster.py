@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ntp_nemo.errors import ConfigError
@@ -179,3 +179,125 @@ def launcher_layout(env: Mapping[str, str] | None = None) -> ProcessLayout | Non
             per_node=per_node,
         )
     return None
+
+
+# ---- where the ranks landed: one exchange of host facts at start-up ----------------------------------
+@dataclass(frozen=True)
+class NodeFacts:
+    """What one rank reports about its node at start-up (`exchange_node_facts`)."""
+
+    host: str
+    visible_gpus: int  # CUDA devices this process sees (NVML: no CUDA context)
+    gpus_on_node: int | None  # the node's GPUs as SLURM allocated them (SLURM_GPUS_ON_NODE), if told
+
+
+def gpus_on_node(env: Mapping[str, str] | None = None) -> int | None:
+    """The GPUs SLURM allocated on this node to the job: SLURM_GPUS_ON_NODE, else a plain count in
+    SLURM_GPUS_PER_NODE (`8`, `h200:8`); None when SLURM does not say."""
+    env = os.environ if env is None else env
+    for key in ("SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE"):
+        text = env.get(key, "").strip()
+        count = text.rsplit(":", 1)[-1].split("(", 1)[0]
+        if count.isdigit():
+            return int(count)
+    return None
+
+
+def local_node_facts(visible_gpus: int, env: Mapping[str, str] | None = None,
+                     host: str | None = None) -> NodeFacts:
+    import socket
+
+    return NodeFacts(host or socket.gethostname(), int(visible_gpus), gpus_on_node(env))
+
+
+def exchange_node_facts(mine: NodeFacts) -> list[NodeFacts]:
+    """Every rank's `NodeFacts`, index = global rank: one `all_gather_object` on the world group
+    (collective: every rank calls it once, after the process group is up)."""
+    import torch.distributed as dist
+
+    out: list[NodeFacts | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    return [f if isinstance(f, NodeFacts) else NodeFacts("?", 0, None) for f in out]
+
+
+def tp_groups_across_nodes(hosts: Sequence[str], groups: Sequence[tuple[int, ...]]
+                           ) -> list[tuple[tuple[int, ...], list[str]]]:
+    """The TP groups (rank tuples) whose ranks run on more than one host, each with its hosts in
+    rank order; `hosts[r]` is global rank r's host."""
+    out = []
+    for g in groups:
+        names = list(dict.fromkeys(hosts[r] for r in g))
+        if len(names) > 1:
+            out.append((tuple(g), names))
+    return out
+
+
+def cross_node_tp_message(spanning: Sequence[tuple[tuple[int, ...], list[str]]], hosts: Sequence[str],
+                          describe=None) -> str:
+    """One paragraph: which TP groups span nodes, where their ranks run, and the fix."""
+    describe = describe or (lambda g: f"ranks {list(g)}")
+    first, names = spanning[0]
+    where = ", ".join(f"{n}: ranks {[r for r in first if hosts[r] == n]}" for n in names)
+    more = f" (and {len(spanning) - 1} more TP group(s))" if len(spanning) > 1 else ""
+    per_node = dict.fromkeys(hosts)
+    counts = ", ".join(f"{n} {sum(h == n for h in hosts)}" for n in per_node)
+    return (f"the TP group of {describe(first)} spans {len(names)} nodes ({where}){more}: its per-layer "
+            "all-reduces would cross the inter-node network every layer. Global ranks run replica by "
+            "replica, stage by stage, and the launcher places them in order, node by node "
+            f"(processes per node now: {counts}); make every node's process count a multiple of the "
+            "stages' TP sizes (ntp.replica_tp, mesh.pp), place ranks in blocks (srun "
+            "--distribution=block, torchrun --nproc-per-node per node in rank order), or set "
+            "ntp.allow_cross_node_tp=true to run it anyway with a warning.")
+
+
+def check_tp_within_nodes(hosts: Sequence[str], topology, allow: bool = False) -> str | None:
+    """Raise ConfigError (key `ntp.allow_cross_node_tp`) when a TP group or per-layer TP subgroup of
+    `topology` spans nodes; with `allow`, return the message as a warning instead (None: all inside)."""
+    spanning = tp_groups_across_nodes(hosts, topology.tp_group_tuples())
+    if not spanning:
+        return None
+
+    def describe(g: tuple[int, ...]) -> str:
+        c = topology.coord(g[0])
+        return f"replica {c.replica} stage {c.stage} (ranks {g[0]}-{g[-1]})"
+
+    message = cross_node_tp_message(spanning, hosts, describe)
+    if allow:
+        return message
+    raise ConfigError("ntp.allow_cross_node_tp", message)
+
+
+def isolated_gpu_warning(facts: Sequence[NodeFacts]) -> str | None:
+    """One warning for the nodes whose tasks each see one GPU though the node has more (per-task
+    device isolation, e.g. `srun --gpus-per-task=1`: NCCL then cannot use NVLink or CUDA IPC between
+    the node's tasks); None when no rank is isolated."""
+    isolated: dict[str, int] = {}
+    for f in facts:
+        if f.visible_gpus == 1 and (f.gpus_on_node or 0) > 1:
+            isolated.setdefault(f.host, f.gpus_on_node or 0)
+    if not isolated:
+        return None
+    names = list(isolated)
+    shown = ", ".join(f"{n} ({isolated[n]} GPUs)" for n in names[:4]) + (
+        f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return (f"each task sees one GPU on {len(names)} node(s) with more: {shown}. With per-task device "
+            "isolation NCCL cannot use NVLink or CUDA IPC between the tasks of a node (TP all-reduces go "
+            "through host memory or the network); start the tasks with every GPU of the node visible "
+            "(srun --gpus-per-node=N without --gpus-per-task; each task binds cuda:<SLURM_LOCALID>).")
+
+
+def check_placement(topology, *, allow_cross_node_tp: bool, visible_gpus: int,
+                    env: Mapping[str, str] | None = None, host: str | None = None) -> list[str]:
+    """Where the ranks of a launcher-started job landed, checked once at start-up (collective: one
+    `all_gather_object` of every rank's host, visible GPUs and the node's GPU count).  Raises
+    ConfigError when a TP group spans nodes (unless `allow_cross_node_tp`); returns the warnings, the
+    same on every rank: a TP group across nodes (allowed), tasks each seeing one GPU of a larger node."""
+    facts = exchange_node_facts(local_node_facts(visible_gpus, env, host))
+    warnings = []
+    spanning = check_tp_within_nodes([f.host for f in facts], topology, allow_cross_node_tp)
+    if spanning:
+        warnings.append(spanning)
+    isolated = isolated_gpu_warning(facts)
+    if isolated:
+        warnings.append(isolated)
+    return warnings

@@ -2,10 +2,15 @@
 
 Activations leaving a stage are replicated over its TP ranks, so stage `s` slot `j` sends to stage
 `s+1` slot `j mod n` (all stages of a replica run at the replica's degree, so with equal `n` that is
-slot `j` to slot `j`), and gradients flow back the same way.  Every link direction gets its own
-two-rank process group: each group then carries messages one way, in micro-batch order, so the
-order in which the two sides post them always agrees (NCCL serialises a communicator's operations,
-and a send queued behind an unmatched send would otherwise deadlock).  Replicas never share a link.
+slot `j` to slot `j`), and gradients flow back the same way.
+
+Groups: one per stage pair of a replica and direction (the ranks of stages `s` and `s+1`; activations
+in one, gradients in the other), not one per link: with `device_id` bound each `new_group` is a
+world-wide communicator split (`ncclCommSplit`), and at 1,022 ranks with PP 2 two groups per link made
+about 1,000 of them before step 1.  Each rank talks to exactly one peer in each of its groups (its slot
+partner), so every group still carries one rank's messages one way, in micro-batch order, and the order
+in which the two sides post them always agrees (NCCL serialises a communicator's operations per rank,
+and a send queued behind an unmatched send would otherwise deadlock).  Replicas never share a group.
 """
 
 from __future__ import annotations
@@ -18,6 +23,17 @@ import torch.distributed as dist
 
 from ntp_nemo.topology import Topology
 from ntp_nemo.topology.groups import new_subgroup
+
+
+def stage_pair_ranks(topology: Topology, replica: int, stage: int) -> list[int]:
+    """The ranks of one link group: stage `stage` and stage `stage + 1` of `replica`."""
+    return topology.stage_ranks(replica, stage) + topology.stage_ranks(replica, stage + 1)
+
+
+def link_groups(topology: Topology) -> list[list[int]]:
+    """The rank lists of the link groups, one per stage pair of each replica, in the order all ranks
+    create them (each is created twice: activations, gradients)."""
+    return [stage_pair_ranks(topology, r, s) for r in range(topology.dp) for s in range(topology.pp - 1)]
 
 
 def link_pairs(topology: Topology) -> list[tuple[int, int]]:
@@ -42,14 +58,18 @@ class StageLinks:
         self.rank = rank
         self.prev = topology.pipeline_peer(rank, -1)
         self.next = topology.pipeline_peer(rank, +1)
-        self._fwd: dict[tuple[int, int], Any] = {}
+        self._fwd: dict[tuple[int, int], Any] = {}  # (sender, receiver) -> its stage pair's group
         self._bwd: dict[tuple[int, int], Any] = {}
+        groups: dict[tuple[int, int], tuple[Any, Any]] = {}
+        for r in range(topology.dp):
+            for s in range(topology.pp - 1):
+                if len(topology.stage_ranks(r, s)) != len(topology.stage_ranks(r, s + 1)):
+                    raise RuntimeError("stages of one replica must have the same number of ranks")
+                ranks = stage_pair_ranks(topology, r, s)
+                groups[(r, s)] = (new_group(ranks), new_group(ranks))
         for a, b in link_pairs(topology):
-            if len(topology.stage_ranks(topology.coord(a).replica, topology.coord(a).stage)) != len(
-                    topology.stage_ranks(topology.coord(b).replica, topology.coord(b).stage)):
-                raise RuntimeError("stages of one replica must have the same number of ranks")
-            self._fwd[(a, b)] = new_group([a, b])
-            self._bwd[(a, b)] = new_group([a, b])
+            c = topology.coord(a)
+            self._fwd[(a, b)], self._bwd[(a, b)] = groups[(c.replica, c.stage)]
         self.pending: list[tuple[Any, torch.Tensor]] = []
 
     # ---- sends: non-blocking; the buffer is kept alive until the send completes --------------

@@ -260,15 +260,31 @@ class DryRunResult:
     signatures: int  # distinct rank signatures (model slices built)
     timings: dict[str, float] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)  # memory-saving options (see `option_savings`)
+    splits: dict[str, int] = field(default_factory=dict)  # world-wide communicator splits before step 1
 
 
 # ---- the dry run ----------------------------------------------------------------------------------------
+def link_group_lists(topology: Topology, schedule: str) -> list[list[int]]:
+    """The rank lists of the pipeline's link groups, each created twice (activations, gradients): one
+    per stage pair of each replica (`StageLinks`), plus the two-rank wrap links of the interleaved
+    schedule."""
+    if topology.pp <= 1:
+        return []
+    from ntp_nemo.pipeline.p2p import link_groups
+
+    groups = link_groups(topology)
+    if schedule == "interleaved_1f1b":
+        for rep in range(topology.dp):
+            first = topology.stage_ranks(rep, 0)
+            last = topology.stage_ranks(rep, topology.pp - 1)
+            groups += [[a, first[i % len(first)]] for i, a in enumerate(last)]
+    return groups
+
+
 def subgroup_peers(topology: Topology, plans: Sequence[SyncPlan], schedule: str) -> list[int]:
     """Per rank, the peers it has over every subgroup the runtime creates and it belongs to: its TP
     groups and fragment holder sets (one group per distinct rank tuple, as `Topology.build_groups`), and
-    two groups per pipeline link (`StageLinks`, plus the wrap links of the interleaved schedule)."""
-    from ntp_nemo.pipeline.p2p import link_pairs
-
+    the pipeline's link groups (`link_group_lists`, two of each)."""
     world = topology.world_size
     member: list[set[tuple[int, ...]]] = [set() for _ in range(world)]
     for g in topology.tp_group_tuples():
@@ -278,16 +294,25 @@ def subgroup_peers(topology: Topology, plans: Sequence[SyncPlan], schedule: str)
     for r in range(world):
         member[r].update(h for h, frags in plans[r].by_holders.items() if frags and len(h) > 1)
         peers[r] = sum(len(g) - 1 for g in member[r])
-    links = list(link_pairs(topology)) if topology.pp > 1 else []
-    if topology.pp > 1 and schedule == "interleaved_1f1b":
-        for rep in range(topology.dp):
-            first = topology.stage_ranks(rep, 0)
-            last = topology.stage_ranks(rep, topology.pp - 1)
-            links += [(a, first[i % len(first)]) for i, a in enumerate(last)]
-    for a, b in links:
-        peers[a] += 2
-        peers[b] += 2
+    for g in link_group_lists(topology, schedule):
+        for r in g:
+            peers[r] += 2 * (len(g) - 1)
     return peers
+
+
+def communicator_splits(topology: Topology, plans: Sequence[SyncPlan], schedule: str,
+                        checkpoint_group: bool) -> dict[str, int]:
+    """World-wide communicator splits before step 1, by kind: every `new_group` is collective over the
+    world (and with `device_id` bound a world-wide `ncclCommSplit`).  The world group itself, the TP
+    groups, the fragment holder sets that are not TP groups, the pipeline's link groups and the
+    checkpoint writer's group (created before step 1 when saves are asynchronous)."""
+    tp = set(topology.tp_group_tuples())
+    holders = {tuple(h) for p in plans[:1] for h in p.all_holder_sets if len(h) > 1} - tp
+    out = {"world": 1 if topology.world_size > 1 else 0, "tp": len(tp), "holder_sets": len(holders),
+           "pipeline_links": 2 * len(link_group_lists(topology, schedule)),
+           "checkpoint_writer": int(checkpoint_group and topology.world_size > 1)}
+    out["total"] = sum(out.values())
+    return out
 
 
 def signature(topology: Topology, rank: int) -> tuple[int, int, int]:
@@ -405,6 +430,7 @@ class _ClassStep:
     groups: dict[str, int]
     world_bytes: int
     world_calls: int
+    new_groups: int  # `new_group` calls of the rank's assembly (every rank makes the same ones)
 
 
 def _slice_key(model: nn.Module) -> tuple:
@@ -433,7 +459,10 @@ def _class_step(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: Step
     `NTPRuntime.train_microbatches` (the pipeline engine when pp > 1) with its saved tensors and
     communication counted, the gradient sync of the rank's own plan, the fused step scalars, the
     clipping and an AdamW step."""
-    state = _assemble(layout, rank, cfg, shape, plan)
+    from ntp_nemo.topology.groups import counting_new_groups
+
+    with counting_new_groups() as new_groups:
+        state = _assemble(layout, rank, cfg, shape, plan)
     runtime, model, sync = state.runtime, state.model, state.grad_path.sync
     if param_descriptors(model) != descriptors:
         raise RuntimeError(f"rank {rank}: its model slice differs between two builds")
@@ -484,6 +513,7 @@ def _class_step(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: Step
         groups=groups,
         world_bytes=comm.bytes["world"],
         world_calls=comm.calls["world"],
+        new_groups=len(new_groups),
     )
 
 
@@ -563,11 +593,13 @@ def dry_run(
     progress: Callable[[str], None] | None = None,
     measure_options: bool = True,
     group_ranks: bool = True,
+    checkpoint_group: bool = False,
 ) -> DryRunResult:
     """One training step of every rank of `layout` on meta tensors and a fake process group; with
     `measure_options`, also what each memory-saving option would save on the largest rank.
     `group_ranks=False` runs every rank's step and derives every rank's sync plan on its own (the
-    baseline `bench/dry_run.py` compares against; same results, slower)."""
+    baseline `bench/dry_run.py` compares against; same results, slower).  `checkpoint_group`: saves
+    are asynchronous (`checkpoint.async_save`), so the checkpoint writer's group is one more split."""
     from ntp_nemo.pipeline.memory import in_flight
 
     say = progress or (lambda _msg: None)
@@ -596,6 +628,8 @@ def dry_run(
     else:
         plans = [build_sync_plan(r, descriptors, replica_of) for r in range(world)]
     timings["sync_plans_s"] = time.perf_counter() - t1
+    splits = communicator_splits(topo, plans, layout.schedule, checkpoint_group)
+    say(splits_line(splits))
 
     t2 = time.perf_counter()
     counts = layout.microbatch_counts()
@@ -605,6 +639,10 @@ def dry_run(
         r = ranks[0]
         with fake_world(r, world):
             steps[key] = _class_step(layout, r, cfg, shape, plans[r], descriptors[r], global_tokens)
+        made = splits["tp"] + splits["holder_sets"] + splits["pipeline_links"]
+        if steps[key].new_groups != made:
+            raise RuntimeError(f"rank {r}: its assembly created {steps[key].new_groups} process groups, "
+                               f"the dry run counts {made}")
         say(f"step shape {i + 1}/{len(classes)} ({len(ranks)} ranks): ran on rank {r}")
     timings["steps_s"] = time.perf_counter() - t2
 
@@ -665,4 +703,11 @@ def dry_run(
     timings["unsharded_s"] = time.perf_counter() - t4
     timings["total_s"] = time.perf_counter() - t0
     return DryRunResult(ranks=results, model_params=model_params, signatures=len(by_signature),
-                        timings=timings, options=options)
+                        timings=timings, options=options, splits=splits)
+
+
+def splits_line(splits: dict[str, int]) -> str:
+    return (f"communicator splits before step 1 (each new_group is collective over the world): "
+            f"{splits['total']} (world {splits['world']}, TP groups {splits['tp']}, fragment holder sets "
+            f"{splits['holder_sets']}, pipeline links {splits['pipeline_links']}, checkpoint writer "
+            f"{splits['checkpoint_writer']})")

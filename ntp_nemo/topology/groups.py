@@ -26,7 +26,8 @@ tensors need it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -79,3 +80,65 @@ def gloo_sockets(world_size: int, subgroup_peers: int, *, gloo_subgroups: bool,
     all of them)."""
     total = (world_size - 1) * (1 + checkpoint_group) if world_size > 1 else 0
     return total + (subgroup_peers if gloo_subgroups else 0)
+
+
+# Descriptors a rank needs besides gloo's sockets: the store, NCCL's and the data loaders' sockets and
+# pipes, checkpoint and log files.
+OPEN_FILES_MARGIN = 256
+
+
+def open_files_needed(world_size: int, subgroup_peers: int = 0, *, gloo_subgroups: bool = False) -> int:
+    """Open files one rank needs at start-up: the sockets of the world group and of the checkpoint
+    writer's group (2 x (world - 1)), those of gloo subgroups where they are gloo, plus a margin."""
+    return gloo_sockets(world_size, subgroup_peers, gloo_subgroups=gloo_subgroups,
+                        checkpoint_group=True) + OPEN_FILES_MARGIN
+
+
+def raise_open_file_limit(needed: int, world_size: int) -> tuple[int, int]:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit (an unprivileged process may) and
+    return (soft before, soft now); a ConfigError when even the hard limit is below `needed`, before
+    any group is created (gloo would fail at a later group, or at the first checkpoint)."""
+    try:
+        import resource
+    except ImportError:  # not POSIX: nothing to raise
+        return (-1, -1)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, needed)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            target = soft
+    now = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if now != resource.RLIM_INFINITY and now < needed:
+        from ntp_nemo.errors import ConfigError
+
+        raise ConfigError(
+            "ulimit -n",
+            f"a rank of this {world_size}-rank job needs about {needed} open files (gloo opens one "
+            f"socket per peer for the world group and for the checkpoint writer's group: 2 x "
+            f"({world_size} - 1), plus {OPEN_FILES_MARGIN} for the rest) but this process may open only "
+            f"{now} (soft limit raised to the hard limit {hard}); raise the hard limit for the job "
+            "(`ulimit -Hn` in the batch script before srun, or the cluster's limits.conf / "
+            "slurm.conf PropagateResourceLimits), or run fewer ranks.",
+        )
+    return soft, now
+
+
+@contextmanager
+def counting_new_groups() -> Iterator[list[int]]:
+    """Count the `torch.distributed.new_group` calls made while active (one entry per call: its group
+    size); every one is collective over the world.  The dry run checks its count of communicator
+    splits with it."""
+    calls: list[int] = []
+    original = dist.new_group
+
+    def counted(ranks=None, *args: Any, **kwargs: Any) -> Any:
+        calls.append(len(ranks) if ranks is not None else dist.get_world_size())
+        return original(ranks, *args, **kwargs)
+
+    dist.new_group = counted
+    try:
+        yield calls
+    finally:
+        dist.new_group = original
