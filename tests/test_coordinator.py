@@ -14,8 +14,8 @@ import pytest
 import torch.distributed as dist
 
 from ntp_nemo.parallel.cluster import PLACE_ENV, WORLD_ENV
-from ntp_nemo.resilience.cluster_protocol import LINK_KEY, Line, auth_tag
-from ntp_nemo.resilience.coordinator import Coordinator, beat_key
+from ntp_nemo.resilience.cluster_protocol import LINK_KEY, Line, task_hello
+from ntp_nemo.resilience.coordinator import Coordinator
 from ntp_nemo.resilience.rehearsal import free_port
 from ntp_nemo.resilience.rendezvous import failed_key, read_rejoin
 from ntp_nemo.resilience.store_auth import JobStore
@@ -42,14 +42,20 @@ def served():
 
 
 class Raw:
-    """A task's link done by hand: connect, answer the nonce (with `secret`), ask for `want`."""
+    """A task's link done by hand: connect, answer the nonce (with `secret`), ask for `want`; `beat` sends
+    a heartbeat as the task's sender thread does."""
 
     def __init__(self, job: JobStore, want: int, ntasks: int = 2, secret: bytes = SECRET) -> None:
         port = int(job.read(LINK_KEY))
         self.line = Line(socket.create_connection(("127.0.0.1", port), timeout=10))
         nonce = self.next()["nonce"]
-        self.line.send({"auth": auth_tag(secret, nonce), "want": want, "ntasks": ntasks, "host": "h"})
-        self.reply = self.next()
+        task_hello(self.line, secret, nonce, want=want, ntasks=ntasks, host="h", pid=0)
+        self.reply = self.next() if secret == SECRET else self.line.receive() or self.line.last_rejected
+        self.tick = 0
+
+    def beat(self, step: int, phase: str = "step_start") -> None:
+        self.tick += 1
+        assert self.line.send({"beat": [step, phase], "tick": self.tick})
 
     def next(self) -> dict:
         while True:
@@ -74,9 +80,12 @@ def test_places_secret_and_a_loss_published_on_the_store(served):
     a, b = Raw(job, 0), Raw(job, 1)
     assert (a.reply["place"], a.reply["mode"], b.reply["place"]) == (0, "start", 1)
     assert coordinator.formed and not coordinator._losses  # the forged connection's close lost nobody
+    a.beat(1), b.beat(1)
+    _until(lambda: coordinator.started)
     b.line.close()  # the task's process died: its kernel closed the link
     assert a.next() == {"look": 0}
-    assert json.loads(job.read(failed_key(0))) == [1]  # signed with the job's secret
+    assert job.read(failed_key(0)) is None  # signed for this job instance only
+    assert json.loads(job.bound(a.reply["instance"]).read(failed_key(0))) == [1]
     assert job.store.check([failed_key(1)]) is False
     assert any("process 1 lost (its connection closed)" in s for s in said)
 
@@ -86,7 +95,8 @@ def test_a_spare_waits_takes_the_lost_place_and_rejoins_ahead_of_the_survivors(s
     spare = Raw(job, 0, ntasks=1)  # its own srun step: a replacement, never a place of the forming job
     assert "wait" in spare.reply
     a, b = Raw(job, 0), Raw(job, 1)
-    job.put(beat_key(0), json.dumps({"step": 12, "phase": "step_start", "tick": 1}))
+    a.beat(12), b.beat(12)
+    _until(lambda: coordinator.started)
     b.line.close()
     placed = spare.next()
     assert (placed["place"], placed["mode"]) == (1, "rejoin")
@@ -94,7 +104,7 @@ def test_a_spare_waits_takes_the_lost_place_and_rejoins_ahead_of_the_survivors(s
     spare.line.send({"ready": True})
     announced = spare.next()
     assert announced == {"rejoin": 2, "source": 0, "step": 16}  # generation 1 after the loss, then 2
-    assert read_rejoin(job, 1) == {"step": 16, "members": [0, 1], "source": 0}
+    assert read_rejoin(job.bound(coordinator.instance), 1) == {"step": 16, "members": [0, 1], "source": 0}
 
 
 def test_a_hung_task_is_told_from_a_blocked_one_by_its_ticks(served):
@@ -102,21 +112,19 @@ def test_a_hung_task_is_told_from_a_blocked_one_by_its_ticks(served):
     a, b = Raw(job, 0), Raw(job, 1)
     stop = threading.Event()
 
-    def runs(place: int) -> None:  # a process that runs, blocked in a collective: ticks, no progress
-        tick = 0
+    def runs(task: Raw) -> None:  # a process that runs, blocked in a collective: ticks, no progress
         while not stop.wait(0.1):
-            tick += 1
-            job.put(beat_key(place), json.dumps({"step": 5, "phase": "step_start", "tick": tick}))
+            task.beat(5)
 
-    job.put(beat_key(1), json.dumps({"step": 5, "phase": "step_start", "tick": 1}))  # then stopped
-    ticker = threading.Thread(target=runs, args=(0,), daemon=True)
+    b.beat(5)  # then stopped
+    ticker = threading.Thread(target=runs, args=(a,), daemon=True)
     ticker.start()
     try:
         assert b.next() == {"declared": "lost"}
         assert a.next() == {"look": 0}
     finally:
         stop.set()
-    assert json.loads(job.read(failed_key(0))) == [1]
+    assert json.loads(job.bound(coordinator.instance).read(failed_key(0))) == [1]
     assert any("process 1 lost (hung" in s and "stopped running" in s for s in said), said
 
 

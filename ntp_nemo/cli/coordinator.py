@@ -11,8 +11,9 @@ environment:
   NTP_JOB_SECRET   the job's secret (required: the store listens on every interface)
 
 It prints `coordinator ready on HOST:PORT` once it listens, then one line per event (a task lost, a
-published failure, a rejoin), and exits when the job ends: 0 when training finished, 75 when the
-survivors could not recover live (resubmit with resume=auto), 2 on bad input.  See the README's
+published failure, a rejoin), and exits when the job ends: 0 when training finished, 75 when it stopped
+the job (the survivors could not recover live; a task was lost while the job formed; its own store did not
+answer for fault.collective_timeout_s: resubmit with resume=auto), 2 on bad input.  See the README's
 "Live failover on a cluster" and docs/failover.md.
 """
 
@@ -27,8 +28,9 @@ from ntp_nemo.errors import EXIT_CONFIG, ConfigError, report_config_error
 USAGE = __doc__
 
 
-def _settings(overrides: list[str]) -> tuple[int, float, int]:
-    """(world size, heartbeat timeout, last step) of the run the tasks start with `overrides`."""
+def _settings(overrides: list[str]) -> tuple[int, float, float, int]:
+    """(world size, heartbeat timeout, collective timeout, last step) of the run the tasks start with
+    `overrides`."""
     from ntp_nemo.cli.plan import _compose_training
     from ntp_nemo.config import checks
     from ntp_nemo.config.keys import check_override_keys
@@ -43,7 +45,7 @@ def _settings(overrides: list[str]) -> tuple[int, float, int]:
     validate(cfg)  # a bad value stops the coordinator as it stops the tasks (exit 2)
     layout = resolve_layout(cfg)
     timeouts = Timeouts.from_config(cfg.fault)
-    return layout.world_size, timeouts.heartbeat_s, int(cfg.trainer.max_steps)
+    return layout.world_size, timeouts.heartbeat_s, timeouts.collective_s, int(cfg.trainer.max_steps)
 
 
 def run(argv: list[str]) -> int:
@@ -55,7 +57,7 @@ def run(argv: list[str]) -> int:
         raise ConfigError("MASTER_PORT", f"{port_text or 'unset'}: ntp-coordinator serves the job's store on "
                           "MASTER_PORT; export the same MASTER_ADDR/MASTER_PORT the tasks get (e.g. "
                           "`export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))` in the batch script).")
-    world, heartbeat_s, end_step = _settings(argv)
+    world, heartbeat_s, collective_s, end_step = _settings(argv)
     from ntp_nemo.resilience.coordinator import Coordinator
     from ntp_nemo.resilience.store_auth import host_cluster_store, job_secret
 
@@ -64,8 +66,9 @@ def run(argv: list[str]) -> int:
         job = host_cluster_store(port, required_by=f"ntp-coordinator's store on port {port}")
     except RuntimeError as err:  # the port is taken (another job, or a coordinator already running)
         raise ConfigError("MASTER_PORT", f"cannot listen on port {port} ({err}); pick a free port.") from None
+    # Its own store may stay silent as long as a collective may wait; then the job stops (exit 75).
     coordinator = Coordinator(job, job_secret(), world, heartbeat_s, end_step=end_step,
-                              say=lambda s: print(s, flush=True))
+                              store_timeout_s=collective_s, say=lambda s: print(s, flush=True))
     host = os.environ.get("MASTER_ADDR") or socket.gethostname()
     print(f"coordinator ready on {host}:{port} ({world} places; heartbeat timeout {heartbeat_s:g} s)",
           flush=True)

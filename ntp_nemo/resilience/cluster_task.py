@@ -13,8 +13,10 @@ replacement, which then rejoins).  From then on a watcher thread reads the link:
   every rank agreeing, without a checkpoint (a save needs the store for its groups), and exits with
   `COORDINATOR_LOST_EXIT`; if it has not stopped within the heartbeat timeout, it exits anyway.
 
-Heartbeats go to the store (`beat/{pid}`, signed) from a sender thread: the training thread only records
-its (step, phase) in memory (`LinkHeartbeat`), so no store round trip sits in the step.
+Heartbeats go on the link (sealed, with a tick that grows by one per beat) from a sender thread: the
+training thread only records its (step, phase) in memory (`LinkHeartbeat`), so no I/O sits in the step,
+and nothing an outsider writes to the store can make a healthy task look hung.  Every line the task acts
+on is sealed by the coordinator for this connection (`cluster_protocol`); any other is ignored.
 """
 
 from __future__ import annotations
@@ -35,9 +37,9 @@ from ntp_nemo.resilience.cluster_protocol import (
     DECLARED_LOST_EXIT,
     LINK_KEY,
     Line,
-    auth_tag,
+    task_hello,
 )
-from ntp_nemo.resilience.coordinator import FALLBACK_EXIT, beat_key
+from ntp_nemo.resilience.coordinator import FALLBACK_EXIT
 from ntp_nemo.resilience.heartbeat import Heartbeat
 from ntp_nemo.resilience.rendezvous import failed_key
 from ntp_nemo.resilience.store_auth import JobStore, connect_cluster_store
@@ -68,6 +70,8 @@ class ClusterLink:
         self._beat: tuple[int, str] | None = None
         self._sent: tuple[int, str] | None = None
         self._halt = threading.Event()
+        self._exit: Callable[[int], Any] = os._exit  # how the watcher ends the process
+        self.ignored = 0  # lines on the link the coordinator did not seal (forged, replayed)
 
     @property
     def where(self) -> str:
@@ -84,10 +88,11 @@ class ClusterLink:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.line = Line(sock)
         self.job.keep_fds.add(sock.fileno())  # severing a generation leaves the link alone
-        nonce = self._next()["nonce"]
-        secret = self.job.secret
-        self.line.send({"auth": auth_tag(secret, nonce), "want": self.want, "ntasks": self.ntasks,
-                        "host": socket.gethostname(), "pid": os.getpid()})
+        nonce = self._next().get("nonce")
+        if not isinstance(nonce, str):
+            raise LinkRefused(f"what answers at {host}:{link_port} is not ntp-coordinator's link")
+        task_hello(self.line, self.job.secret, nonce, want=self.want, ntasks=self.ntasks,
+                   host=socket.gethostname(), pid=os.getpid())
         reply = self._next()
         if "wait" in reply:
             self.say(f"coordinator {self.where}: {reply['wait']}; this task waits as a spare for a place")
@@ -98,6 +103,7 @@ class ClusterLink:
         if "refused" in reply:
             raise LinkRefused(f"the coordinator at {self.where} refused this task: {reply['refused']}")
         self.place, self.mode, self.world = int(reply["place"]), str(reply["mode"]), int(reply["world"])
+        self.job = self.job.bound(str(reply["instance"]))  # the notices of this job instance only
         sock.settimeout(None)
         os.environ[PLACE_ENV], os.environ[WORLD_ENV] = str(self.place), str(self.world)
         threading.Thread(target=self._watch, name="ntp-coordinator-link", daemon=True).start()
@@ -109,7 +115,13 @@ class ClusterLink:
         while True:
             msgs = self.line.receive()
             if msgs is None:
-                raise LinkRefused(f"the coordinator at {self.where} closed the link during the hello")
+                plain = self.line.last_rejected or {}
+                if "refused" in plain:  # not sealed: a wrong secret on either side, or not the coordinator
+                    raise LinkRefused(f"the coordinator at {self.where} refused this task: "
+                                      f"{str(plain['refused'])[:300]} (an unsealed reply: the job's "
+                                      "secret differs, or something else answers on its port)")
+                why = f" ({self.line.error})" if self.line.error else ""
+                raise LinkRefused(f"the coordinator at {self.where} closed the link during the hello{why}")
             if msgs:
                 return msgs[0]
 
@@ -131,9 +143,9 @@ class ClusterLink:
         self._beat = (int(step), phase)
 
     def _send_beats(self) -> None:
-        """A store write when the phase changed (checked every 0.1 s at most), and a bare tick every
-        quarter of the heartbeat timeout: the tick says the process runs (a stopped or frozen one sends
-        none), the phase that it makes progress."""
+        """A beat on the link when the phase changed (checked every 0.1 s at most), and at least every
+        quarter of the heartbeat timeout: its tick says the process runs (a stopped or frozen one sends
+        none), its phase that it makes progress."""
         every = max(0.02, min(0.1, self.heartbeat_s / 8))
         tick_every = max(every, self.heartbeat_s / 4)
         tick, last = 0, 0.0
@@ -142,11 +154,8 @@ class ClusterLink:
             if beat is None or self.place is None or (beat == self._sent and now - last < tick_every):
                 continue
             tick += 1
-            try:
-                doc = {"step": beat[0], "phase": beat[1], "tick": tick}
-                self.job.put(beat_key(self.place), json.dumps(doc))
-            except Exception:  # noqa: BLE001 - the store is gone with the coordinator: the watcher says so
-                return
+            if not self.line.send({"beat": [beat[0], beat[1]], "tick": tick}):
+                return  # the link is gone with the coordinator: the watcher says so
             self._sent, last = beat, now
 
     # ---- the watcher ------------------------------------------------------------------------------
@@ -158,6 +167,11 @@ class ClusterLink:
                 if not self._said_bye:
                     self._lost_coordinator()
                 return
+            if self.line.rejected > self.ignored:
+                if self.ignored == 0 or self.line.rejected // 100 > self.ignored // 100:
+                    self.say(f"failover | ignored {self.line.rejected} line(s) on the link that the "
+                             "coordinator did not seal (forged or replayed: someone else writes to it)")
+                self.ignored = self.line.rejected
             for msg in msgs:
                 if "declared" in msg:
                     self._declared_lost()
@@ -176,7 +190,8 @@ class ClusterLink:
                     self.say(f"failover | coordinator: {msg['end']}; stopping (the job falls back to the "
                              "restart path: resubmit with resume=auto)")
                     self.bye("fallback")
-                    os._exit(FALLBACK_EXIT)
+                    self._exit(FALLBACK_EXIT)
+                    return
 
     def _look(self, generation: int) -> None:
         raw = self.job.read(failed_key(generation))
@@ -192,7 +207,7 @@ class ClusterLink:
         self.say(f"failover | process {self.place} was declared lost by the coordinator (no heartbeat "
                  f"progress for {self.heartbeat_s:g} s) and the others went on without it; exiting")
         self.bye("lost")
-        os._exit(DECLARED_LOST_EXIT)
+        self._exit(DECLARED_LOST_EXIT)
 
     def _lost_coordinator(self) -> None:
         self.coordinator_lost.set()
@@ -205,7 +220,7 @@ class ClusterLink:
         def last_resort() -> None:
             self.say(f"failover | the coordinator is gone and this process did not stop within "
                      f"{self.heartbeat_s:g} s; exiting")
-            os._exit(COORDINATOR_LOST_EXIT)
+            self._exit(COORDINATOR_LOST_EXIT)
 
         timer = threading.Timer(self.heartbeat_s, last_resort)
         timer.daemon = True

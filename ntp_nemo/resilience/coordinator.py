@@ -7,8 +7,8 @@ hosts the job's store, hands out places, watches the tasks and drives live recov
   started, a new task (a replacement started later by the batch script, whose own `srun` step has one
   task) gets a place whose process is gone, and joins as a rejoin;
 - **failures.** A task whose link closes without saying goodbye is lost (its process died); one whose
-  heartbeat on the store has not moved for `fault.heartbeat_timeout_s` while it trains, and which is
-  behind the others, is hung and declared lost.  Losses within `grace_s` of each other are one failure:
+  heartbeat (sent on its link) has not moved for `fault.heartbeat_timeout_s` while it trains, and which
+  is behind the others, is hung and declared lost.  Losses within `grace_s` of each other are one failure:
   the coordinator publishes `failed/gen{g}` on the store (signed) and wakes every survivor (`look`);
   the survivors re-plan with the run's policy and reshard from each other's memory
   (`resilience/recovery.py`), as under `ntp-train`;
@@ -17,33 +17,42 @@ hosts the job's store, hands out places, watches the tasks and drives live recov
 - **fallback.** A survivor that cannot recover live says so (`bye: fallback`): the coordinator tells
   every task to stop and exits with `FALLBACK_EXIT`; a resubmission with `resume=auto` takes the
   restart path;
+- **the forming job.** A task lost before every place is taken and trains (the others wait in the
+  first rendezvous for it): the coordinator stops every task at once and exits with `FALLBACK_EXIT`;
+- **its own store.** A thread times a round trip to the store every quarter second.  While the store does
+  not answer, nobody is declared hung (a task blocked on the store is not at fault) and losses are held;
+  the coordinator says its store is the problem, and stops the job (`FALLBACK_EXIT`) when the store stays
+  silent for `store_timeout_s`;
 - **the end.** When no task is left, it exits (0 when the job finished).
+
+It is a network service anyone who reaches the node can talk to: one `selectors` loop (epoll: any number
+of descriptors), bounded lines (`cluster_protocol.Line`), at most `max_pending` connections that have not
+proved the job's secret (the oldest goes first), each for `hello_timeout_s`, a pause instead of a spin when
+`accept` runs out of descriptors, and every error of one connection confined to that connection.
 
 Its own death is seen by every task (their links close): they stop (`COORDINATOR_LOST_EXIT`).
 """
 
 from __future__ import annotations
 
-import json
+import errno
 import secrets
-import select
+import selectors
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ntp_nemo.resilience.beats import PHASES, Beat, suspects
-from ntp_nemo.resilience.cluster_protocol import LINK_KEY, Line, auth_ok
+from ntp_nemo.resilience.cluster_protocol import LINK_KEY, Line, auth_ok, session_key
 from ntp_nemo.resilience.rendezvous import publish_failed, publish_rejoin
 from ntp_nemo.resilience.store_auth import JobStore
 
 FALLBACK_EXIT = 75  # as a survivor that could not recover live (resilience/live_training.py)
 REJOIN_AHEAD = 4  # steps between the announcement of a rejoin and the step it happens before
-BEAT_KEY = "beat/{pid}"
-
-
-def beat_key(pid: int) -> str:
-    return BEAT_KEY.format(pid=int(pid))
+PROBE_KEY = "coordinator/probe"  # the coordinator's own round trips to its store
+HELLO_LIMIT = 2048  # bytes an unauthenticated connection may send
 
 
 @dataclass
@@ -52,18 +61,55 @@ class Place:
     state: str = "free"  # free | active | lost | idle | done | fallback | replacing | error
     line: Line | None = None
     ready: bool = False  # a replacement waiting to join
-    beat: tuple[int, str] | None = None  # last (step, phase) seen on the store
+    beat: tuple[int, str] | None = None  # last (step, phase) it sent
     moved_t: float = 0.0  # coordinator's clock when it last changed
     tick: int = -1  # the sender thread's counter: it moves while the process runs
     alive_t: float = 0.0  # coordinator's clock when the tick last moved
     declared: bool = False  # declared lost while its link stayed open (a hang)
+    started: bool = False  # reported a phase past set-up (it left the first rendezvous)
+    stale: int = 0  # beats whose tick did not move forward (ignored)
 
 
 @dataclass
 class _Pending:
     line: Line
     nonce: str
+    peer: str
     t: float = field(default_factory=time.monotonic)
+
+
+class _StoreProbe:
+    """Times a round trip to the coordinator's own store, in a thread (a silent store blocks the caller
+    for the store's whole timeout)."""
+
+    def __init__(self, job: JobStore, every_s: float) -> None:
+        self.job, self.every_s = job, every_s
+        self.ok_t = time.monotonic()
+        self.error: str | None = None
+        self.rtt_s = 0.0
+        self._halt = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ntp-store-probe", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        n = 0
+        while not self._halt.wait(self.every_s):
+            n += 1
+            t = time.monotonic()
+            try:
+                self.job.store.set(PROBE_KEY, str(n))
+                self.job.store.get(PROBE_KEY)
+            except Exception as err:  # noqa: BLE001 - any failure of the store is what this measures
+                self.error = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+                continue
+            self.ok_t, self.rtt_s, self.error = time.monotonic(), time.monotonic() - t, None
+
+    def silent_s(self, now: float) -> float:
+        """Seconds since the store last answered."""
+        return max(0.0, now - self.ok_t)
+
+    def stop(self) -> None:
+        self._halt.set()
 
 
 class Coordinator:
@@ -71,55 +117,77 @@ class Coordinator:
 
     def __init__(self, job: JobStore, secret: bytes, world_size: int, heartbeat_s: float, *,
                  host: str = "0.0.0.0", poll_s: float = 0.05, grace_s: float = 0.1,
-                 end_step: int | None = None, say: Callable[[str], None] = print) -> None:
-        self.job, self._secret = job, secret
+                 end_step: int | None = None, say: Callable[[str], None] = print,
+                 store_timeout_s: float = 600.0, max_pending: int = 64, hello_timeout_s: float = 10.0,
+                 store_silent_s: float | None = None) -> None:
+        self.instance = secrets.token_hex(16)  # this job's: the notices it signs carry it
+        self._secret = secret
         self.world = int(world_size)
         self.heartbeat_s, self.poll_s, self.grace_s = float(heartbeat_s), poll_s, grace_s
         self.end_step = end_step
         self.say = say
+        self.store_timeout_s = float(store_timeout_s)
+        # The store counts as silent once a round trip has not come back for this long.
+        self.store_silent_after_s = (float(store_silent_s) if store_silent_s is not None
+                                     else max(1.0, min(5.0, self.heartbeat_s / 2)))
+        self.max_pending, self.hello_timeout_s = int(max_pending), float(hello_timeout_s)
         self.places = [Place(p) for p in range(self.world)]
         self.generation = 0  # the generation the survivors train in
         self.formed = False  # every place was taken once: later tasks are replacements
+        self.started = False  # every place reported training once: the first rendezvous is over
         self.fallback = False
+        self.stop_why: str | None = None  # the coordinator stopped the job (told every task why)
         self._losses: list[int] = []
         self._loss_t: float | None = None
         self._pending: list[_Pending] = []
         self._spares: list[tuple[Line, str]] = []  # (line, host) of tasks waiting for a place
         self._beats_t = 0.0
+        self._store_quiet_since: float | None = None  # the store went silent (said once)
+        self._accept_paused_until = 0.0
+        self._said: set[str] = set()
+        self.dropped = {"too many unauthenticated": 0, "hello timeout": 0, "protocol": 0, "refused": 0}
         self.stopping = False  # set from another thread: `serve` returns 1 at its next poll
         self.listener = socket.create_server((host, 0), backlog=1024)
         self.listener.setblocking(False)
         self.link_port = self.listener.getsockname()[1]
         job.put(LINK_KEY, str(self.link_port))
+        self.job = job.bound(self.instance)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self.listener, selectors.EVENT_READ, None)
+        self._listening = True
+        self.probe = _StoreProbe(self.job, every_s=0.25)
 
     # ---- the loop ---------------------------------------------------------------------------------
     def serve(self) -> int:
-        while not self.stopping:
-            lines = ([p.line for p in self.places if p.line is not None] + [q.line for q in self._pending]
-                     + [line for line, _ in self._spares])
-            ready, _, _ = select.select([self.listener, *lines], [], [], self.poll_s)
-            for obj in ready:
-                if obj is self.listener:
-                    self._accept()
-                else:
-                    self._read(obj)
-            now = time.monotonic()
-            for q in [q for q in self._pending if now - q.t >= 30]:  # connected, never said hello
-                self._pending.remove(q)
-                q.line.close()
-            if now - self._beats_t >= min(0.25, self.heartbeat_s / 4):
-                self._beats_t = now
-                self._watch_beats(now)
-            if self._losses and self._loss_t is not None and now - self._loss_t >= self.grace_s:
-                self._publish_losses()
-            self._place_spares()
-            self._maybe_rejoin()
-            if self._finished():
-                for line, _ in self._spares:
-                    line.send({"end": "the job ended before a place came free"})
-                    line.close()
-                return self._exit_code()
-        return 1
+        try:
+            while not self.stopping:
+                for key, _ in self._sel.select(self.poll_s):
+                    if key.data is None:
+                        self._accept()
+                    else:
+                        self._read_confined(key.data)
+                now = time.monotonic()
+                self._expire_hellos(now)
+                self._resume_accepting(now)
+                if self._store_check(now):
+                    return self._stop_code()
+                if now - self._beats_t >= min(0.25, self.heartbeat_s / 4):
+                    self._beats_t = now
+                    self._watch_beats(now)
+                if self._losses and self._loss_t is not None and now - self._loss_t >= self.grace_s:
+                    self._publish_losses()
+                if self.stop_why is not None:
+                    return self._stop_code()
+                self._place_spares()
+                self._maybe_rejoin()
+                if self._finished():
+                    for line, _ in self._spares:
+                        line.send({"end": "the job ended before a place came free"})
+                        self._drop(line)
+                    return self._exit_code()
+            return 1
+        finally:
+            self.probe.stop()
 
     def _finished(self) -> bool:
         if not self.formed and not self.fallback:
@@ -138,20 +206,107 @@ class Coordinator:
         self.say("coordinator: every task is gone and none finished training; exiting")
         return 1
 
-    # ---- connections ------------------------------------------------------------------------------
-    def _accept(self) -> None:
-        try:
-            sock, _ = self.listener.accept()
-        except OSError:
+    def _say_once(self, what: str, text: str) -> None:
+        if what not in self._said:
+            self._said.add(what)
+            self.say(text)
+
+    # ---- stopping the job -------------------------------------------------------------------------
+    def _stop(self, why: str) -> None:
+        """Tell every task, spare and replacement to stop (`end`), once; `serve` then returns
+        FALLBACK_EXIT with `why`."""
+        if self.stop_why is not None:
             return
-        sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        line = Line(sock)
-        nonce = secrets.token_hex(16)
-        if line.send({"nonce": nonce}):
-            self._pending.append(_Pending(line, nonce))
-        else:
-            line.close()
+        self.stop_why = why
+        for p in self.places:
+            if p.line is not None:
+                p.line.send({"end": why})
+        for line, _ in self._spares:
+            line.send({"end": why})
+
+    def _stop_code(self) -> int:
+        self.say(f"coordinator: {self.stop_why}. Every task was told to stop; exiting with {FALLBACK_EXIT}: "
+                 "resubmit the job (resume=auto resumes from the latest checkpoint, if any)")
+        for line in [p.line for p in self.places if p.line is not None] + [s[0] for s in self._spares]:
+            self._drop(line)
+        return FALLBACK_EXIT
+
+    # ---- connections ------------------------------------------------------------------------------
+    def _drop(self, line: Line) -> None:
+        try:
+            self._sel.unregister(line.sock)
+        except (KeyError, ValueError, OSError):
+            pass
+        line.close()
+
+    def _accept(self) -> None:
+        for _ in range(64):  # a burst of connections is taken in one turn, not one per poll
+            try:
+                sock, peer = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as err:
+                if err.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    self._out_of_descriptors(err)
+                return
+            try:
+                sock.setblocking(False)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                sock.close()
+                continue
+            if len(self._pending) >= self.max_pending:  # the oldest unproven connection makes room
+                self.dropped["too many unauthenticated"] += 1
+                self._say_once("pending", f"coordinator: more than {self.max_pending} connections have not "
+                               "proved the job's secret; the oldest are closed (someone else is connecting "
+                               "to the link port)")
+                self._drop(self._pending.pop(0).line)
+            line = Line(sock, limit=HELLO_LIMIT)
+            nonce = secrets.token_hex(16)
+            if not line.send({"nonce": nonce}):
+                line.close()
+                continue
+            self._pending.append(_Pending(line, nonce, f"{peer[0]}:{peer[1]}"))
+            self._sel.register(sock, selectors.EVENT_READ, line)
+
+    def _out_of_descriptors(self, err: OSError) -> None:
+        """`accept` failed for want of descriptors: close the oldest unproven connection and stop
+        accepting for a moment (the listener stays readable: accepting again at once would spin)."""
+        if self._pending:
+            self.dropped["too many unauthenticated"] += 1
+            self._drop(self._pending.pop(0).line)
+        if self._listening:
+            self._sel.unregister(self.listener)
+            self._listening = False
+        self._accept_paused_until = time.monotonic() + 0.1
+        self._say_once("emfile", f"coordinator: out of file descriptors while accepting on the link ({err}); "
+                       "it closes unproven connections and pauses accepting (raise `ulimit -n`?)")
+
+    def _resume_accepting(self, now: float) -> None:
+        if not self._listening and now >= self._accept_paused_until:
+            self._sel.register(self.listener, selectors.EVENT_READ, None)
+            self._listening = True
+
+    def _expire_hellos(self, now: float) -> None:
+        while self._pending and now - self._pending[0].t >= self.hello_timeout_s:  # oldest first
+            self.dropped["hello timeout"] += 1
+            self._drop(self._pending.pop(0).line)
+
+    def _read_confined(self, line: Line) -> None:
+        """Serve one connection's input; whatever goes wrong with it ends that connection only."""
+        try:
+            self._read(line)
+        except Exception as err:  # noqa: BLE001 - one connection's fault must not end the job
+            self.dropped["protocol"] += 1
+            self.say(f"coordinator: a link connection broke the protocol ({type(err).__name__}: {err}); "
+                     "closed")
+            place = next((p for p in self.places if p.line is line), None)
+            if place is not None:
+                self._closed(place)
+            else:
+                self._pending = [q for q in self._pending if q.line is not line]
+                self._spares = [s for s in self._spares if s[0] is not line]
+                self._drop(line)
 
     def _read(self, line: Line) -> None:
         msgs = line.receive()
@@ -159,27 +314,36 @@ class Coordinator:
         if spare is not None:  # a waiting spare only ever says goodbye
             if msgs is None or any("bye" in m for m in msgs):
                 self._spares.remove(spare)
-                line.close()
+                self._drop(line)
             return
         pending = next((q for q in self._pending if q.line is line), None)
         if pending is not None:
-            self._pending.remove(pending)
-            if not msgs:  # gone (or nothing complete yet: a hello is one small line)
-                if msgs is None:
-                    line.close()
-                else:
-                    self._pending.append(pending)
+            if msgs is None:
+                self._pending.remove(pending)
+                if line.error is not None:
+                    self.dropped["protocol"] += 1
+                self._drop(line)
                 return
-            self._hello(line, pending.nonce, msgs[0])
+            if not msgs:  # nothing complete yet: a hello is one small line
+                return
+            self._pending.remove(pending)
+            self._hello(line, pending, msgs[0])
             return
         place = next(p for p in self.places if p.line is line)
         if msgs is None:
+            if line.error is not None:
+                self.say(f"coordinator: process {place.pid}'s link sent {line.error}; closed")
             self._closed(place)
             return
+        if line.rejected:
+            self._say_once(f"rejected {place.pid}", f"coordinator: lines on process {place.pid}'s link that "
+                           "the task did not seal (forged or replayed) were ignored")
         for msg in msgs:
-            if "bye" in msg and place.declared:
+            if "beat" in msg:
+                self._beat(place, msg)
+            elif "bye" in msg and place.declared:
                 continue  # declared lost (hung) and running again: the others went on without it
-            if "bye" in msg:
+            elif "bye" in msg:
                 said = str(msg["bye"])
                 place.state = said if said in ("done", "idle", "fallback", "lost") else "error"
                 if place.state == "fallback":
@@ -189,13 +353,35 @@ class Coordinator:
             elif msg.get("ready") and place.state == "replacing":
                 place.ready = True
 
-    def _hello(self, line: Line, nonce: str, msg: dict) -> None:
-        if not auth_ok(self._secret, nonce, msg.get("auth")):
+    def _beat(self, place: Place, msg: dict) -> None:
+        beat, tick = msg.get("beat"), msg.get("tick")
+        if (not isinstance(beat, list) or len(beat) != 2 or not isinstance(beat[0], int)
+                or beat[1] not in PHASES or not isinstance(tick, int)):
+            return
+        if tick <= place.tick:  # not fresh: a replayed or repeated beat is no sign of life
+            place.stale += 1
+            return
+        now = time.monotonic()
+        place.tick, place.alive_t = tick, now
+        step_phase = (int(beat[0]), str(beat[1]))
+        if step_phase != place.beat:
+            place.beat, place.moved_t = step_phase, now
+        if step_phase[1] != "setup":
+            place.started = True
+            if not self.started and self.formed and all(p.started for p in self.places):
+                self.started = True
+
+    def _hello(self, line: Line, pending: _Pending, msg: dict) -> None:
+        task_nonce = msg.get("nonce")
+        if not auth_ok(self._secret, pending.nonce, msg.get("auth"), task_nonce):
+            self.dropped["refused"] += 1
             line.send({"refused": "the link connection did not prove the job's secret (NTP_JOB_SECRET "
                                   "differs from the coordinator's)"})
-            line.close()
+            self._drop(line)
             return
-        want, host = msg.get("want"), msg.get("host", "?")
+        line.limit = Line(line.sock).limit  # proven: the protocol's own bound from now on
+        line.seal(session_key(self._secret, pending.nonce, task_nonce), "coordinator")
+        want, host = msg.get("want"), str(msg.get("host", "?"))[:200]
         # A task of another srun step than the job's (`--ntasks=1`, a relaunch loop) is a replacement: it
         # never takes a place while the job forms, and waits when none is free.
         spare = msg.get("ntasks") != self.world
@@ -208,18 +394,19 @@ class Coordinator:
             else:
                 place = self.places[want]
                 place.state, place.line, place.moved_t = "active", line, time.monotonic()
-                line.send({"place": want, "mode": "start", "world": self.world, "generation": 0})
                 self.formed = all(p.state != "free" for p in self.places)
                 if self.formed:
                     self.say(f"coordinator: all {self.world} places taken; training starts")
+                line.send({"place": want, "mode": "start", "world": self.world, "generation": 0,
+                           "instance": self.instance})
                 return
             line.send({"refused": why})
-            line.close()
+            self._drop(line)
             return
-        if self.fallback:
+        if self.fallback or self.stop_why is not None:
             line.send({"refused": "the job is not training live any more (it falls back to the restart "
                                   "path)"})
-            line.close()
+            self._drop(line)
             return
         line.send({"wait": "no place is free: every process of the job is running"})
         self._spares.append((line, host))
@@ -228,7 +415,7 @@ class Coordinator:
 
     def _place_spares(self) -> None:
         """Give each waiting replacement a place whose process is gone (its loss already published)."""
-        if not self._spares or not self.formed or self.fallback:
+        if not self._spares or not self.formed or self.fallback or self.stop_why is not None:
             return
         if not any(p.state == "active" for p in self.places):
             return
@@ -240,15 +427,15 @@ class Coordinator:
                 continue
             line, host = self._spares.pop(0)
             if place.line is not None:  # a declared-lost (hung) process still connected: replaced now
-                place.line.close()
+                self._drop(place.line)
             place.state, place.line, place.ready, place.declared = "replacing", line, False, False
-            place.beat = None
+            place.beat, place.tick = None, -1
             line.send({"place": place.pid, "mode": "rejoin", "world": self.world,
-                       "generation": self.generation})
+                       "generation": self.generation, "instance": self.instance})
             self.say(f"coordinator: the replacement on {host} takes the place of process {place.pid}")
 
     def _closed(self, place: Place) -> None:
-        place.line.close()
+        self._drop(place.line)
         place.line = None
         if place.state == "active":
             place.state = "lost"
@@ -259,13 +446,21 @@ class Coordinator:
     # ---- failures ---------------------------------------------------------------------------------
     def _lose(self, pid: int, why: str) -> None:
         self.say(f"coordinator: process {pid} lost ({why})")
-        if not self.formed:
-            return  # the job never started training: the others time out in their rendezvous
+        if not self.started:
+            # The job is still forming: the others wait for it in the first rendezvous, which nothing
+            # but the collective timeout would end.
+            taken = sum(p.state != "free" for p in self.places)
+            self._stop(f"process {pid} was lost ({why}) while the job formed ({taken} of {self.world} places "
+                       "taken, not every task training yet): the others would wait for it in the first "
+                       "rendezvous")
+            return
         if self._loss_t is None:
             self._loss_t = time.monotonic()
         self._losses.append(pid)
 
     def _publish_losses(self) -> None:
+        if self._store_quiet_since is not None:
+            return  # held until the store answers again (`_store_check`)
         lost, self._losses, self._loss_t = sorted(set(self._losses)), [], None
         if not any(p.state == "active" for p in self.places):
             return
@@ -288,6 +483,40 @@ class Coordinator:
             if p.line is not None and p.pid != pid:
                 p.line.send({"end": "the survivors could not recover live"})
 
+    # ---- its own store ----------------------------------------------------------------------------
+    def _store_check(self, now: float) -> bool:
+        """Whether the store's silence has lasted `store_timeout_s` (the job is stopped then).  While it
+        is silent nobody is declared hung and losses wait; when it answers again every task gets a fresh
+        heartbeat window (the silence held them up)."""
+        silent = self.probe.silent_s(now)
+        if silent < self.store_silent_after_s:
+            if self._store_quiet_since is not None:
+                quiet = now - self._store_quiet_since
+                self.say(f"coordinator: its store answers again (after {quiet:.1f} s)")
+                self._store_quiet_since = None
+                self._fresh_window()
+            return False
+        if self._store_quiet_since is None:
+            self._store_quiet_since = now - silent
+            where, err = self._store_where(), self.probe.error
+            self.say(f"coordinator: its own store {where} has not answered a round trip for {silent:.1f} s"
+                     f"{' (' + err + ')' if err else ''}: the store is the problem, "
+                     "not the tasks (too many connections to its port?); nobody is declared lost while it "
+                     f"does not answer, and the job stops if it stays silent for {self.store_timeout_s:g} s")
+        if silent >= self.store_timeout_s:
+            self._stop(f"the coordinator's own store {self._store_where()} did not answer for "
+                       f"{silent:.0f} s (its limit: {self.store_timeout_s:g} s): without it no failure "
+                       "can be recovered and no checkpoint saved")
+            return True
+        return False
+
+    def _store_where(self) -> str:
+        store = self.job.store
+        while hasattr(store, "underlying_store"):
+            store = store.underlying_store
+        port = getattr(store, "port", None)
+        return f"(port {port})" if port is not None else ""
+
     # ---- heartbeats -------------------------------------------------------------------------------
     def _fresh_window(self) -> None:
         """The survivors recover (or grow) now: their progress was held up by the failure itself, so each
@@ -295,24 +524,15 @@ class Coordinator:
         now = time.monotonic()
         for p in self.places:
             if p.state == "active":
-                p.moved_t = now
+                p.moved_t = max(p.moved_t, now)
+                p.alive_t = max(p.alive_t, now)
 
     def _watch_beats(self, now: float) -> None:
         active = [p for p in self.places if p.state == "active" and not p.declared]
-        if not active:
+        if not active or self._store_quiet_since is not None:
             return
-        for p in active:
-            raw = self.job.read(beat_key(p.pid))
-            if raw is None:
-                continue
-            doc = json.loads(raw)
-            beat = (int(doc["step"]), str(doc["phase"]))
-            if beat != p.beat:
-                p.beat, p.moved_t = beat, now
-            if int(doc.get("tick", 0)) != p.tick:
-                p.tick, p.alive_t = int(doc.get("tick", 0)), now
         beats = {i: Beat(i, p.beat[0], p.beat[1], p.moved_t, p.pid)
-                 for i, p in enumerate(active) if p.beat is not None and p.beat[1] in PHASES}
+                 for i, p in enumerate(active) if p.beat is not None}
         if len(beats) < len(active):
             return
         if not any(b.training and now - b.t > self.heartbeat_s for b in beats.values()):
@@ -329,12 +549,13 @@ class Coordinator:
 
     # ---- rejoin -----------------------------------------------------------------------------------
     def _max_step(self) -> int:
-        self._watch_beats(time.monotonic())  # fresh: the announced step must lie ahead of every survivor
         return max((p.beat[0] for p in self.places if p.state == "active" and p.beat), default=0)
 
     def _maybe_rejoin(self) -> None:
         replacing = [p for p in self.places if p.state == "replacing"]
         if not replacing or not all(p.ready for p in replacing) or self._losses:
+            return
+        if self._store_quiet_since is not None:
             return
         if any(p.state in ("lost", "idle", "error") for p in self.places):
             return  # every gone place needs its replacement first

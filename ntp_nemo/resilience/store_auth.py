@@ -5,8 +5,11 @@ A `TCPStore` authenticates nobody: any process that reaches its port can list, r
 (`list_keys` included).  A prefix derived from the secret keeps the keys of jobs sharing one store (a
 cluster coordinator) apart, but it can be listed; what makes a forged notice harmless is the signature.
 Each value written with `JobStore.put` (failure notices, rejoin announcements) carries an HMAC-SHA256 of
-its key and payload under the job's secret, and `read`/`wait_for` treat a value without a valid one as
-absent, so a process without the secret cannot make the job act on a notice it wrote.
+its key and payload under the job's secret and the job's *instance* (a cluster job's coordinator draws
+one when it starts: `bound`), and `read`/`wait_for` treat a value without a valid one as
+absent, so a process without the secret cannot make the job act on a notice it wrote, and a notice of an
+earlier job that used the same secret does not count in the next.  Generation-specific notices carry
+their generation in the key (`failed/gen{g}`), which the signature covers.
 
 The secret comes from `NTP_JOB_SECRET` (exported by the batch script or the coordinator: never a command
 line argument, never logged or written to the run directory); a run launched on one machine without it
@@ -73,12 +76,20 @@ class JobStore:
     """A job's keys on a shared store: `store` (a `PrefixStore` under `key_prefix(secret)`) is what torch
     gets for the job's rendezvous; `put`/`read`/`wait_for` carry signed notices."""
 
-    def __init__(self, store: dist.Store, secret: bytes) -> None:
+    def __init__(self, store: dist.Store, secret: bytes, instance: str = "") -> None:
         self.store = dist.PrefixStore(key_prefix(secret), store)
         self._secret = secret
+        self.instance = str(instance)
         # Sockets of the job's own that severing a generation leaves open (a cluster task's link to its
         # coordinator: `rendezvous.sever`).
         self.keep_fds: set[int] = set()
+
+    def bound(self, instance: str) -> JobStore:
+        """The same keys, with notices signed for (and read only from) the job instance `instance`."""
+        other = JobStore.__new__(JobStore)
+        other.store, other._secret, other.instance, other.keep_fds = (self.store, self._secret, str(instance),
+                                                                      self.keep_fds)
+        return other
 
     @property
     def secret(self) -> bytes:
@@ -89,7 +100,8 @@ class JobStore:
         return "JobStore(<secret hidden>)"
 
     def _tag(self, key: str, payload: bytes) -> bytes:
-        return hmac.new(self._secret, key.encode() + b"\0" + payload, hashlib.sha256).hexdigest().encode()
+        msg = self.instance.encode() + b"\0" + key.encode() + b"\0" + payload
+        return hmac.new(self._secret, msg, hashlib.sha256).hexdigest().encode()
 
     def _verified(self, key: str, raw: bytes) -> str | None:
         tag, sep, payload = bytes(raw).partition(_SEP)
