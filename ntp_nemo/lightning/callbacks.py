@@ -19,6 +19,7 @@ class MetricsJSONL(Callback):
         self.path = Path(run_dir) / "metrics.jsonl"
         self._t0 = 0.0
         self.history: list[dict[str, Any]] = []
+        self._writer = False  # this process has written the file as global rank 0 in this attempt
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """A command keeps only the steps up to the one it resumes from (all later ones are redone):
@@ -27,6 +28,7 @@ class MetricsJSONL(Callback):
         visible next to the goodput report's wasted progress."""
         if not trainer.is_global_zero:
             return
+        self._writer = True
         if any(getattr(cb, "attempt", 0) > 0 for cb in trainer.callbacks):
             return
         start = int(trainer.global_step)
@@ -61,9 +63,30 @@ class MetricsJSONL(Callback):
             time=time.time(),
         )
         self.history.append(rec)
-        if trainer.is_global_zero:
-            with self.path.open("a") as f:
-                f.write(json.dumps(rec) + "\n")
+        if not trainer.is_global_zero:
+            return
+        records = [rec]
+        if not self._writer:
+            # This process became global rank 0 in a live recovery: the lost writer may have died after
+            # the survivors completed a step it never recorded. Write every step of this process's
+            # history that the file lacks, so each completed step has its record.
+            self._writer = True
+            last = _last_step(self.path)
+            records = [r for r in self.history if int(r["step"]) > last]
+        with self.path.open("a") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in records))
+
+
+def _last_step(path: Path) -> int:
+    """The highest step recorded in a metrics file (0 when there is none; lines cut short are skipped)."""
+    last = 0
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                last = max(last, int(json.loads(line)["step"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+    return last
 
 
 def write_atomic(path: Path, text: str) -> None:

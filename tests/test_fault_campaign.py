@@ -1,0 +1,48 @@
+"""A fixed scenario of the fault campaign (bench/fault_campaign.py runs the seeded bulk): two faults on
+top of each other, then every checkpoint of the run damaged, each checked against the campaign's
+invariants (bounded time, documented exit codes, every step once on the failure-free curve, checkpoints
+that verify and are never deleted, every failure followed by its recovery or its stop)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def _campaign(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("fault_campaign", ROOT / "bench" / "fault_campaign.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "fault_campaign", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_kill_then_a_kill_during_the_recovery_save_then_every_checkpoint_damaged(tmp_path, monkeypatch):
+    fc = _campaign(monkeypatch)
+    steps = 6
+    ref_dir = tmp_path / "reference"
+    ref_dir.mkdir()
+    ref = fc.launch(fc.base_job(steps, ["checkpoint.every_n_steps=0"]), ref_dir, 600, [])
+    assert ref.rc == 0, ref.stderr
+    reference = {r["step"]: r["loss"] for r in fc.metrics(ref_dir)}
+    assert sorted(reference) == list(range(1, steps + 1))
+    scenario = fc.Scenario(
+        0,
+        0,
+        [{"what": "kill(backward)", "rank": 3, "step": 2}, {"what": "save-kill", "rank": 0, "step": 3}],
+        overrides=["++fault.more=[{kind:kill_rank,rank:3,step:2,phase:backward},"
+                   "{kind:kill_during_save,rank:0,step:3}]"],
+        damage_all=True,
+    )
+    held, row = fc.check(scenario, tmp_path, reference, steps, bound=600.0)
+    assert held, row
+    # The row names the exit codes: the faulty run recovered (0), the rerun on damaged checkpoints
+    # stopped with exit 2 (bad input), and nothing was deleted (checked inside `check`).
+    assert "| 0/2 |" in row, row
