@@ -58,7 +58,7 @@ def train(cfg: DictConfig, start_t: float | None = None, console=None) -> dict:
     quiet_libraries()
     data = _data(spec)
     from ntp_nemo.lightning.factory import build_trainer
-    from ntp_nemo.resilience.supervisor import Supervisor  # imports Lightning
+    from ntp_nemo.resilience.supervisor import FailoverError, Supervisor  # imports Lightning
 
     supervisor = Supervisor(
         spec.failover,
@@ -91,6 +91,10 @@ def train(cfg: DictConfig, start_t: float | None = None, console=None) -> dict:
     supervisor.initial_resume = ckpt_path
     try:
         result = supervisor.run(first, ckpt_path)
+    except FailoverError as err:  # what could not be recovered, and why: its message, not a traceback
+        _raise_if_found_corrupt(ckpt_path)
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_RUNTIME)
     except Exception:
         _raise_if_found_corrupt(ckpt_path)
         raise
@@ -273,7 +277,7 @@ def _report(spec: RunSpec, run_dir: Path, t0: float, result, start_t: float) -> 
         summary["failover"] = {**attempts, "failures": max(result.failures, len(recoveries)),
                                "layouts": summary.get("layouts") or attempts["layouts"],
                                "recoveries": recoveries}
-    print_summary(summary, run_dir, logger_dirs(spec.loggers))
+    print_summary(summary, run_dir, logger_dirs(spec.loggers), run_dir / spec.checkpoint.dir)
     return summary
 
 

@@ -105,7 +105,20 @@ def logger_dirs(loggers: Sequence[Mapping[str, Any]]) -> list[str]:
     return [f"{lg['name']}/" for lg in loggers if lg is not None and lg.get("name")]
 
 
-def print_summary(summary: dict, run_dir: Path, log_dirs: list[str] | None = None) -> None:
+def stop_checkpoint_note(summary: dict, checkpoint_dir: Path) -> str:
+    """What a run that stopped early left to resume from: "checkpoint saved" only when the checkpoint
+    of the step it stopped at exists (a stop because the coordinator, the store or the launcher is gone
+    saves none)."""
+    step = summary.get("steps")
+    if step is not None and (Path(checkpoint_dir) / f"step_{int(step):06d}").is_dir():
+        return f"checkpoint saved (step_{int(step):06d})"
+    saved = sorted(p.name for p in Path(checkpoint_dir).glob("step_*") if p.is_dir())
+    return (f"without a checkpoint (a rerun resumes from the latest, {saved[-1]})" if saved
+            else "without a checkpoint (none was saved: a rerun starts over)")
+
+
+def print_summary(summary: dict, run_dir: Path, log_dirs: list[str] | None = None,
+                  checkpoint_dir: Path | None = None) -> None:
     outputs = ", ".join(["metrics.jsonl", "goodput.jsonl", "checkpoints/", *(log_dirs or [])])
 
     def fmt(v, spec=".4f"):
@@ -140,7 +153,8 @@ def print_summary(summary: dict, run_dir: Path, log_dirs: list[str] | None = Non
             [
                 f" stopped early at step {summary.get('steps')} of {summary.get('max_steps')} "
                 f"({'Ctrl-C' if summary['stopped_early'] == 'SIGINT' else summary['stopped_early']}); "
-                "checkpoint saved",
+                + stop_checkpoint_note(summary, run_dir / "checkpoints" if checkpoint_dir is None
+                                       else checkpoint_dir),
                 f" to resume     {resume_command(run_dir)}",
             ]
             if summary.get("stopped_early")

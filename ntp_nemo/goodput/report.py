@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -169,15 +170,27 @@ def _main() -> int:
     parser.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
     parser.add_argument("--no-plot", action="store_true", help=f"do not write {TIMELINE_PNG}")
     args = parser.parse_args()
-    report, png = analyse(args.run_dir, plot=not args.no_plot)
+    plot = not args.no_plot and _can_plot()  # the numbers need no matplotlib: a missing one is a note
+    report, png = analyse(args.run_dir, plot=plot)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
-        return 0
-    console = Console()
-    console.print(breakdown_table(report))
-    if png is not None:
-        console.print(f"timeline: {png}", soft_wrap=True)
+    else:
+        console = Console()
+        console.print(breakdown_table(report))
+        if png is not None:
+            console.print(f"timeline: {png}", soft_wrap=True)
+    if not args.no_plot and not plot:
+        print(f"note: {TIMELINE_PNG} not written: the timeline plot needs matplotlib, which is not installed "
+              "(pip install 'ntp_nemo[plots]'); pass --no-plot to leave it out", file=sys.stderr, flush=True)
     return 0
+
+
+def _can_plot() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 main = cli_main(_main)

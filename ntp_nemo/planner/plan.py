@@ -5,12 +5,14 @@ a_r = max over stages of the summed item times at the items' effective degrees. 
 the global batch's M micro-batches by capacity (`ResolvedLayout.microbatches`: active ranks over
 the nominal degree, NTP-PW boost, largest-remainder rounding), m_r each, so a step takes
 max_r m_r * a_r and the time per micro-batch of the global batch is J = max_r (m_r / M) * a_r; the
-planner minimises J (ties broken by the summed stage times) subject to every (replica, stage)
-fitting the memory limit.
+planner minimises J subject to every (replica, stage) fitting the memory limit. Ties on J (e.g. the
+embedding's degree when the other stage is the slower one) go to the layout with the least peak
+memory (no unsharded embedding for no gain in step time), then to the least summed stage time.
 
 Search. Start from every item at its highest valid degree (the least memory any layout can
 use, so if it does not fit nothing does), then coordinate descent: move one item at a time to
-the degree that most lowers (J, total time) while staying within memory, until no move helps.
+the degree that most lowers (J, peak memory, total time) while staying within memory, until no move
+helps.
 With tied embeddings the embedding and the head move together (they share one weight).
 Fixed per-step costs (pipeline bubble, data-parallel gradient sync) are not in the objective.
 """
@@ -155,9 +157,9 @@ class _CostTables:
 def _descend(
     tables: _CostTables, choice: np.ndarray, variables: list[list[int]], n_cands: list[int], limit: float
 ) -> np.ndarray:
-    """Coordinate descent on (J, total time), one variable (a set of items sharing a degree) at a
-    time, never leaving the memory limit."""
-    best_j, best_total, _, _ = tables.evaluate(choice)
+    """Coordinate descent on (J, peak memory, total time), one variable (a set of items sharing a
+    degree) at a time, never leaving the memory limit."""
+    best_j, best_total, _, best_mem = tables.evaluate(choice)
     for _ in range(4 * len(variables)):
         improved = False
         for items in variables:
@@ -170,9 +172,12 @@ def _descend(
                 if mem.max() > limit:
                     continue
                 better = j < best_j * (1 - 1e-12)
-                tie_better = j <= best_j * (1 + 1e-12) and total < best_total * (1 - 1e-12)
-                if better or tie_better:
-                    choice, best_j, best_total, improved = trial, j, total, True
+                same_j = j <= best_j * (1 + 1e-12)
+                less_memory = same_j and mem.max() < best_mem.max() * (1 - 1e-12)
+                same_memory = same_j and mem.max() <= best_mem.max() * (1 + 1e-12)
+                tie_better = same_memory and total < best_total * (1 - 1e-12)
+                if better or less_memory or tie_better:
+                    choice, best_j, best_total, best_mem, improved = trial, j, total, mem, True
         if not improved:
             break
     return choice
@@ -324,6 +329,10 @@ def rank_layouts(
         j, total, _, mem_u = tables.evaluate(choice)
         return j, total, float(mem_u.max())
 
+    def rank(v: tuple[float, float, float]) -> tuple[float, float, float]:
+        """J, then peak memory, then summed stage time (equal to 12 digits: float noise is a tie)."""
+        return float(f"{v[0]:.12g}"), float(f"{v[2]:.12g}"), v[1]
+
     scored: dict[tuple[int, ...], tuple[float, float, float]] = {}
     layer_cands = n_cands[1] if last > 1 else 1
     for e in range(n_cands[0]):
@@ -333,7 +342,7 @@ def rank_layouts(
                 scored.setdefault(tuple(int(c) for c in choice), score(choice))
     considered = len(scored)
     starts = [highest]
-    fitting = sorted((v[:2], k) for k, v in scored.items() if v[2] <= limit)
+    fitting = sorted((rank(v), k) for k, v in scored.items() if v[2] <= limit)
     if fitting:
         starts.append(np.array(fitting[0][1]))
     for start in starts:
@@ -342,7 +351,7 @@ def rank_layouts(
         if key not in scored:
             considered += 1
         scored.setdefault(key, score(choice))
-    order = sorted((v[:2], k) for k, v in scored.items() if v[2] <= limit)
+    order = sorted((rank(v), k) for k, v in scored.items() if v[2] <= limit)
 
     def make_plan(choice: Sequence[int]) -> Plan:
         j, _, period, mem_u = tables.evaluate(np.array(choice))
