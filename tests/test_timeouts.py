@@ -193,3 +193,50 @@ def test_startup_timeout_is_validated():
     assert "fault.startup_timeout_s" in str(err.value) and "got 0.0" in str(err.value)
     t = Timeouts.from_config(FaultConfig(heartbeat_timeout_s=10, collective_timeout_s=30, step_timeout_s=120))
     assert (t.startup_s, t.rejoin_s, t.stop_grace_s) == (600.0, 150.0, 20.0)
+
+
+def test_sigterm_to_a_run_whose_worker_hangs_ends_it_within_the_bound(tmp_path):
+    """A scheduler's SIGTERM to a run with a hung rank: the rank cannot checkpoint, so the supervisor
+    kills the workers within its bounds and the command ends (exit 1, the reason and the resume hint)
+    instead of relaunching as if nothing had been asked."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import TINY
+
+    run = tmp_path / "run"
+    args = [*TINY, "mesh.dp=1", "mesh.tp=2", "ntp.replica_tp=null", "trainer.max_steps=8",
+            "checkpoint.every_n_steps=2", "fault=hang", "fault.rank=1", "fault.step=4",
+            # a loaded 2-core machine has steps of several seconds: the heartbeat bound leaves room for them
+            "fault.heartbeat_timeout_s=15", "fault.collective_timeout_s=30", "fault.step_timeout_s=120",
+            f"hydra.run.dir={run}"]
+    proc = subprocess.Popen([sys.executable, "-m", "ntp_nemo.train", *args], cwd=tmp_path, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    beat = run / "failover" / "heartbeats" / "rank_00000.json"
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            doc = json.loads(beat.read_text())
+        except (OSError, ValueError):
+            doc = {}
+        if doc.get("step") == 4 and doc.get("phase") == "step_start":  # rank 1 hangs as step 4 starts
+            break
+        time.sleep(0.05)
+    else:
+        proc.kill()
+        pytest.fail(f"the hang never started:\n{proc.communicate()[0]}")
+    sent = time.time()
+    os.killpg(proc.pid, signal.SIGTERM)  # what a scheduler sends to the job before killing it
+    try:
+        out, _ = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"still running 90 s after SIGTERM:\n{proc.communicate()[0]}")
+    took = time.time() - sent
+    assert proc.returncode == 1, out
+    assert "stopped on a stop signal" in out and "resume=auto" in out and "step_000002" in out, out
+    assert "attempt 1" not in out  # no relaunch after the stop was asked
+    assert took < 2 * 15 + 20, took  # the stop grace (2 x fault.heartbeat_timeout_s) and the exit
+    assert "Traceback" not in out, out
