@@ -119,10 +119,12 @@ def test_degraded_capacity_after_in_process_recovery() -> None:
     r = compute_goodput(s.events)
     assert_partition(r)
     assert r.total_s == pytest.approx(14.5)
-    assert r.productive_s == pytest.approx(12.0)
+    # 4 s of steps at capacity 7/8: 3.5 s of progress, 0.5 s of degraded throughput.
+    assert r.productive_s == pytest.approx(11.5)
+    assert r.badput_s[ev.DEGRADED_THROUGHPUT] == pytest.approx(0.5)
     assert r.capacity_fraction == pytest.approx((8.0 * 1.0 + 4.0 * 7 / 8) / 12.0)
-    assert r.effective_goodput == pytest.approx(r.goodput * r.capacity_fraction)
-    assert r.productive_by_layout == {"tp4x2": pytest.approx(8.0), "tp4+tp3": pytest.approx(4.0)}
+    assert r.progress_goodput == pytest.approx(12.0 / 14.5)
+    assert r.productive_by_layout == {"tp4x2": pytest.approx(8.0), "tp4+tp3": pytest.approx(3.5)}
     assert r.badput_s[ev.WASTED_PROGRESS] == pytest.approx(0.5)  # step 5 until the failure
     assert r.badput_s[ev.RECOVERY_DOWNTIME] == pytest.approx(1.0)  # failure -> restart of step 5
     assert (r.steps_completed, r.steps_redone, r.failures) == (8, 0, 1)
@@ -145,7 +147,9 @@ def test_step_recovered_live_inside_its_own_execution() -> None:
     assert_partition(r)
     assert r.badput_s[ev.WASTED_PROGRESS] == pytest.approx(0.5)  # step 5 before the failure
     assert r.badput_s[ev.RECOVERY_DOWNTIME] == pytest.approx(1.0)  # detection -> recovery_done
-    assert r.productive_s == pytest.approx(8.0 + 1.0 + 2.0)  # the redone step counts from recovery_done
+    # The redone step counts from recovery_done; 3 s at capacity 0.75 (0.75 s of degraded throughput).
+    assert r.productive_s == pytest.approx(8.0 + 0.75 * (1.0 + 2.0))
+    assert r.badput_s[ev.DEGRADED_THROUGHPUT] == pytest.approx(0.25 * 3.0)
     assert (r.steps_completed, r.steps_redone, r.failures) == (7, 0, 1)
     assert r.failure_recoveries == [{"mode": "live", "recovery_s": pytest.approx(2.0), "rank": 3,
                                      "process": None}]
@@ -200,7 +204,8 @@ def test_save_of_a_lost_rank_0_ends_at_the_failure_and_aborts_close_saves() -> N
     r = compute_goodput(s.events)
     assert_partition(r)
     assert r.badput_s[ev.CHECKPOINT_SAVE] == pytest.approx(0.3 + 0.2 + 0.1)
-    assert r.productive_s == pytest.approx(5.0 + 10.0 + 1.0)
+    assert r.productive_s == pytest.approx(5.0 + 0.75 * (10.0 + 1.0))  # (1,2) runs at capacity 0.75
+    assert r.badput_s[ev.DEGRADED_THROUGHPUT] == pytest.approx(0.25 * (10.0 + 1.0))
     assert r.failure_recoveries == [{"mode": "live", "recovery_s": pytest.approx(8.0 - 6.3), "rank": 0,
                                      "process": 0}]
 

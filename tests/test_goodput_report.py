@@ -17,15 +17,17 @@ from ntp_nemo.goodput.report import TIMELINE_PNG
 REPO = Path(__file__).resolve().parents[1]
 
 # The breakdown of the `run_dir` events below, worked out by hand (seconds from the first job_start):
-# job time 0 -> 12.5; productive: the last completed run of steps 1-6, 1 s each = 6.0 (goodput 48.0%);
+# job time 0 -> 12.5; productive: the last completed run of steps 1-6, 1 s each, steps 3-6 at capacity
+# 0.875: 2 + 4 x 0.875 = 5.5 (goodput 44.0%), degraded throughput 4 x 0.125 = 0.5;
 # initialization 0->1 and 7->8 = 2.0; restore 8->8.5 = 0.5; wasted progress: steps 3 and 4 of the
 # first lifetime (undone by the restore of step 2) and step 5 cut by the failure at 5.5 = 2.5;
 # recovery downtime: the failure at 5.5 until the next job starts at 7 = 1.5. Capacity over the
 # productive time: (2 s x 1.0 + 4 s x 0.875) / 6 s.
 EXPECTED = {
     "total_s": 12.5,
-    "productive_s": 6.0,
-    "goodput": 0.48,
+    "productive_s": 5.5,
+    "goodput": 0.44,
+    "degraded_throughput": 0.5,
     "initialization": 2.0,
     "checkpoint_restore": 0.5,
     "wasted_progress": 2.5,
@@ -77,7 +79,7 @@ def test_cli_prints_breakdown_and_writes_timeline(run_dir: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     for category in (*ev.BADPUT_CATEGORIES, "productive", "goodput", "NTP capacity fraction", "steps redone"):
         assert category in proc.stdout
-    assert "48.0" in proc.stdout  # goodput, %
+    assert "44.0" in proc.stdout  # goodput, %
     assert "2.50" in proc.stdout and "1.50" in proc.stdout  # wasted progress, recovery downtime (s)
     png = run_dir / TIMELINE_PNG
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -91,7 +93,8 @@ def test_cli_json_matches_calculator(run_dir: Path) -> None:
     got = json.loads(proc.stdout)
     for key in ("total_s", "productive_s", "goodput", "capacity_fraction"):
         assert got[key] == pytest.approx(EXPECTED[key]), key
-    for key in ("initialization", "checkpoint_restore", "wasted_progress", "recovery_downtime"):
+    for key in ("initialization", "checkpoint_restore", "wasted_progress", "recovery_downtime",
+                "degraded_throughput"):
         assert got["badput_s"][key] == pytest.approx(EXPECTED[key]), key
     assert got["productive_s"] + sum(got["badput_s"].values()) == pytest.approx(got["total_s"])
     assert (got["steps_completed"], got["steps_redone"], got["failures"], got["lifetimes"]) == (6, 2, 1, 2)

@@ -9,7 +9,10 @@ Rules:
 - A step is productive only in its last completed execution; earlier completed executions
   (undone by a restart from an older checkpoint) and executions cut short by a failure are
   wasted progress.
-- Recovery downtime runs from a failure to the first step that completes after it.  A step
+- Recovery downtime runs from a failure to the first step that completes after it, less the reshard.
+  A live recovery's (or rejoin's) `recovery_done` with `recovery_s` marks its reshard: the
+  `recovery_s` seconds before it are charged to `reshard`, even inside a step's execution (a rejoin
+  runs at the start of a step).  A step
   recovered live (its `failure_detected` and `recovery_done` fall inside it, in the same process)
   is split: the part before the failure is wasted progress, the recovery is downtime, and the
   execution that counts starts at `recovery_done`.
@@ -20,8 +23,13 @@ Rules:
   `ckpt_save_abort`; a failure ends every save in progress (the save is lost with the peer), so a
   save whose end was never written (its writer died) counts up to the failure, not to the lifetime's
   end.  An asynchronous save's `ckpt_commit` happens in the background and costs no training time.
+- Degraded throughput: a productive step of length d run at capacity c < 1 (its `step_end`'s
+  `capacity`: active ranks / nominal ranks) made the progress the full layout makes in c*d, so c*d
+  is productive and (1-c)*d is `degraded_throughput`: time the job spent training, but slower than
+  its full capacity.  Goodput therefore counts capacity; `progress_goodput` is the share of time
+  making progress at any speed (what definitions that ignore capacity report).
 - When intervals overlap, the more specific measurement wins, in the order of `_PRIORITY`:
-  a checkpoint save or restore, initialization or data wait inside another interval is
+  a checkpoint save or restore, initialization, data wait or reshard inside another interval is
   charged to its own category, never to the step or the recovery around it.
 - Gaps between a clean `job_end` and the next `job_start` (a finished run extended later)
   are idle, not job time.
@@ -88,6 +96,7 @@ class Timeline:
     data_waits: list[Span] = field(default_factory=list)
     failures: list[Failure] = field(default_factory=list)
     recoveries: list[Span] = field(default_factory=list)
+    reshards: list[Span] = field(default_factory=list)  # live recoveries' and rejoins' recovery_s
     idle: list[Span] = field(default_factory=list)
     recoveries_done: list[tuple[float, str]] = field(default_factory=list)
     recovery_modes: list[tuple[float, str]] = field(default_factory=list)  # live | restart, by time
@@ -95,7 +104,9 @@ class Timeline:
 
 @dataclass
 class GoodputReport:
-    """Where the job's time went. `badput_s` holds every category of `events.BADPUT_CATEGORIES`."""
+    """Where the job's time went. `badput_s` holds every category of `events.BADPUT_CATEGORIES`;
+    `productive_s` plus those add up to `total_s`.  `capacity_fraction`: the time-weighted capacity
+    of the productive steps' executions (productive / (productive + degraded throughput))."""
 
     total_s: float
     productive_s: float
@@ -112,12 +123,14 @@ class GoodputReport:
     failure_recoveries: list[dict[str, Any]] = field(default_factory=list)
 
     @property
-    def effective_goodput(self) -> float:
-        """Goodput weighted by NTP capacity: the fraction of nominal GPU time doing useful work."""
-        return self.goodput * self.capacity_fraction
+    def progress_goodput(self) -> float:
+        """The share of job time making progress at any speed (productive plus degraded throughput):
+        goodput as definitions that ignore capacity count it."""
+        degraded = self.badput_s.get(ev.DEGRADED_THROUGHPUT, 0.0)
+        return (self.productive_s + degraded) / self.total_s if self.total_s > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "effective_goodput": self.effective_goodput}
+        return {**asdict(self), "progress_goodput": self.progress_goodput}
 
 
 # High to low: the first category whose interval covers an instant gets it.
@@ -128,6 +141,7 @@ _PRIORITY: tuple[str, ...] = (
     ev.CHECKPOINT_RESTORE,
     ev.INITIALIZATION,
     ev.DATA_LOADING,
+    ev.RESHARD,
     ev.PRODUCTIVE,
     ev.WASTED_PROGRESS,
     ev.RECOVERY_DOWNTIME,
@@ -305,7 +319,12 @@ class _LifetimeParser:
 
     def _on_recovery_done(self, e: Mapping[str, Any], t: float, prev_t: float) -> None:
         self.tl.recoveries_done.append((t, str(e.get("layout", ""))))
-        self.tl.recovery_modes.append((t, str(e.get("mode", "restart"))))
+        mode = str(e.get("mode", "restart"))
+        self.tl.recovery_modes.append((t, mode))
+        seconds = e.get("recovery_s")
+        live = mode == "live" and isinstance(seconds, int | float) and not isinstance(seconds, bool)
+        if live and seconds > 0:
+            self.tl.reshards.append(Span(t - float(seconds), t))
         if self.failed_in_step is not None:
             self.resumed_at = t
 
@@ -363,6 +382,7 @@ def _intervals(tl: Timeline) -> list[tuple[float, float, str, StepRun | None]]:
         (ev.CHECKPOINT_RESTORE, tl.restores),
         (ev.INITIALIZATION, tl.initializations),
         (ev.DATA_LOADING, tl.data_waits),
+        (ev.RESHARD, tl.reshards),
         (ev.RECOVERY_DOWNTIME, tl.recoveries),
     ):
         out.extend((s.start, s.end, category, None) for s in spans)
@@ -387,9 +407,8 @@ def breakdown(tl: Timeline) -> GoodputReport:
         points += [(a, 1, idx), (b, -1, idx)]
     points.sort()
 
-    seconds = dict.fromkeys((*_PRIORITY, ev.OTHER), 0.0)
+    seconds = dict.fromkeys((*_PRIORITY, ev.DEGRADED_THROUGHPUT, ev.OTHER), 0.0)
     by_layout: dict[str, float] = {}
-    weighted_capacity = 0.0
     active: list[dict[int, StepRun | None]] = [{} for _ in _PRIORITY]
     prev = tl.start
     for t, kind, idx in points:
@@ -398,13 +417,14 @@ def breakdown(tl: Timeline) -> GoodputReport:
             length = t - prev
             if winner is None:
                 seconds[ev.OTHER] += length
+            elif _PRIORITY[winner] == ev.PRODUCTIVE:  # progress at the step's capacity; the rest degraded
+                run = next(iter(active[winner].values()))
+                assert run is not None
+                seconds[ev.PRODUCTIVE] += run.capacity * length
+                seconds[ev.DEGRADED_THROUGHPUT] += (1.0 - run.capacity) * length
+                by_layout[run.layout] = by_layout.get(run.layout, 0.0) + run.capacity * length
             else:
                 seconds[_PRIORITY[winner]] += length
-                if _PRIORITY[winner] == ev.PRODUCTIVE:
-                    run = next(iter(active[winner].values()))
-                    assert run is not None
-                    weighted_capacity += run.capacity * length
-                    by_layout[run.layout] = by_layout.get(run.layout, 0.0) + length
             prev = t
         _, _, category, run = intervals[idx]
         group = active[rank[category]]
@@ -416,6 +436,7 @@ def breakdown(tl: Timeline) -> GoodputReport:
 
     idle = seconds.pop(_IDLE)
     productive = seconds.pop(ev.PRODUCTIVE)
+    stepping = productive + seconds[ev.DEGRADED_THROUGHPUT]  # the productive executions' full length
     total = (tl.end - tl.start) - idle
     completed = [s for s in tl.steps if s.completed]
     unique = {s.step for s in completed}
@@ -424,7 +445,7 @@ def breakdown(tl: Timeline) -> GoodputReport:
         productive_s=productive,
         goodput=productive / total if total > 0 else 0.0,
         badput_s={c: seconds[c] for c in ev.BADPUT_CATEGORIES},
-        capacity_fraction=weighted_capacity / productive if productive > 0 else 0.0,
+        capacity_fraction=productive / stepping if stepping > 0 else 0.0,
         steps_completed=len(unique),
         steps_redone=len(completed) - len(unique),
         failures=len(tl.failures),
@@ -445,6 +466,8 @@ _SHORT = {
     ev.CHECKPOINT_RESTORE: "ckpt restore",
     ev.WASTED_PROGRESS: "wasted",
     ev.RECOVERY_DOWNTIME: "recovery",
+    ev.RESHARD: "reshard",
+    ev.DEGRADED_THROUGHPUT: "degraded",
     ev.DATA_LOADING: "data",
     ev.OTHER: "other",
 }

@@ -31,7 +31,9 @@ CKPT_RESTORE_END = "ckpt_restore_end"  # step (the step restored)
 
 # Faults.
 FAILURE_DETECTED = "failure_detected"  # rank, reason
-RECOVERY_DONE = "recovery_done"  # layout (the new one)
+# recovery_done: layout (the new one), mode ("live" | "restart"); a live recovery or rejoin also carries
+# recovery_s, the seconds from detection (or the rejoin's start) to the resharded state, ending at `t`.
+RECOVERY_DONE = "recovery_done"
 
 # Input pipeline stalls, recorded after the wait; the wait ends at `t`.
 DATA_WAIT = "data_wait"  # seconds
@@ -64,6 +66,12 @@ CHECKPOINT_SAVE = "checkpoint_save"
 CHECKPOINT_RESTORE = "checkpoint_restore"
 WASTED_PROGRESS = "wasted_progress"
 RECOVERY_DOWNTIME = "recovery_downtime"
+# A live recovery's (or rejoin's) reshard: the survivors rebuild their shards in place (`recovery_s`).
+RESHARD = "reshard"
+# Steps run on a degraded layout make progress below the job's full capacity: of a step of length d
+# run at capacity c (step_end's `capacity`), c*d counts as productive and (1-c)*d as degraded
+# throughput, the time the full layout would not have needed.
+DEGRADED_THROUGHPUT = "degraded_throughput"
 DATA_LOADING = "data_loading"
 OTHER = "other"
 
@@ -73,6 +81,8 @@ BADPUT_CATEGORIES: tuple[str, ...] = (
     CHECKPOINT_RESTORE,
     WASTED_PROGRESS,
     RECOVERY_DOWNTIME,
+    RESHARD,
+    DEGRADED_THROUGHPUT,
     DATA_LOADING,
     OTHER,
 )

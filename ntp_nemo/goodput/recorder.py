@@ -7,7 +7,9 @@ Only a machine crash can lose written lines; the recorder bounds that: it fsyncs
 the calculator cannot do without (job start and end, failures and recoveries, the ends of
 checkpoint saves and restores) and otherwise at most every `sync_every_s` seconds, so per-step
 events cost a `write`, not an fsync, and a crash loses at most `sync_every_s` of step events.
-The recorder never reads the file: analysis is the offline calculator's job.
+The recorder never reads the file: analysis is the offline calculator's job.  For a running figure
+(the goodput a training callback logs while the job runs), `remember` makes it keep what it writes in
+memory as well, after the earlier events its caller supplies.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +63,7 @@ class GoodputRecorder:
         self._fd: int | None = None
         self._lock = threading.Lock()
         self._synced_at = time.monotonic()
+        self._kept: list[dict[str, Any]] | None = None
 
     def _open(self) -> int:
         if self._fd is None:
@@ -82,7 +86,17 @@ class GoodputRecorder:
             if self.fsync and (event in DURABLE_EVENTS or now - self._synced_at >= self.sync_every_s):
                 os.fsync(fd)
                 self._synced_at = now
+            if self._kept is not None:
+                self._kept.append(obj)
         return obj
+
+    def remember(self, earlier: Callable[[], list[dict[str, Any]]] = list) -> list[dict[str, Any]]:
+        """Keep every event recorded from now on in memory too, after `earlier()` (the events written
+        before, e.g. the file's; called under the recorder's lock, so no event of this recorder falls
+        between the two).  Returns that list; each `record` appends to it."""
+        with self._lock:
+            self._kept = list(earlier())
+            return self._kept
 
     def close(self) -> None:
         with self._lock:

@@ -44,7 +44,8 @@ def breakdown_table(report: GoodputReport) -> Table:
     table.add_row("total", f"{report.total_s:.2f}", pct(report.total_s), end_section=True)
     table.add_row("goodput", "", f"{100 * report.goodput:.1f}", style="bold")
     table.add_row("NTP capacity fraction", "", f"{100 * report.capacity_fraction:.1f}")
-    table.add_row("capacity-weighted goodput", "", f"{100 * report.effective_goodput:.1f}", end_section=True)
+    # Goodput counts capacity (degraded throughput is badput); this is the share at any speed.
+    table.add_row("progress at any capacity", "", f"{100 * report.progress_goodput:.1f}", end_section=True)
     table.add_row("steps completed", str(report.steps_completed), "")
     table.add_row("steps redone", str(report.steps_redone), "")
     table.add_row("failures", str(report.failures), "")

@@ -3,20 +3,58 @@
 Only global rank 0 writes. The strategy and other components record their own events
 (job start, restores, failures, asynchronous save ends) through `GoodputCallback.record`,
 so all of a process's events go through one recorder and one state machine.
+
+While training, rank 0 also logs the running goodput through the trainer's loggers (TensorBoard shows
+it live): every `log_every_n_steps` steps (default: the trainer's) it computes the breakdown from the
+events in memory (the file's earlier events, read once, then what its recorder writes) and calls each
+logger's `log_metrics` with `goodput/goodput`, `goodput/progress`, `goodput/capacity_fraction`,
+`goodput/total_s`, `goodput/productive_s` and `goodput/<category>_s` for every badput category.  The
+computation reads every event of the job so far; it is skipped until the time since the last one is
+at least `LOG_COST_RATIO` times what that one took, which keeps its cost under 1% of the run.
 """
 
 from __future__ import annotations
 
+import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from ntp_nemo.errors import ConfigError
 from ntp_nemo.goodput import events as ev
+from ntp_nemo.goodput.calculator import GoodputReport, compute_goodput, load_events
 from ntp_nemo.goodput.recorder import GoodputRecorder
 
 DEFAULT_LAYOUT = {"layout": "single", "capacity": 1.0, "tokens_per_step": None}
 DATA_WAIT_FLUSH_S = 0.005  # shorter waits are summed until they reach this, then recorded as one
+LOG_COST_RATIO = 100.0  # running goodput: at least this many times its own cost between two computations
+
+
+def goodput_metrics(report: GoodputReport) -> dict[str, float]:
+    """The scalars a logger receives for a (running) goodput report."""
+    metrics = {
+        "goodput/goodput": report.goodput,
+        "goodput/progress": report.progress_goodput,
+        "goodput/capacity_fraction": report.capacity_fraction,
+        "goodput/total_s": report.total_s,
+        "goodput/productive_s": report.productive_s,
+    }
+    metrics.update({f"goodput/{c}_s": report.badput_s[c] for c in ev.BADPUT_CATEGORIES})
+    return metrics
+
+
+def _events_written(path: Path) -> list[dict[str, Any]]:
+    """The events already in the run's file (earlier lifetimes, the launcher's job_start), or none."""
+    if not path.is_file():
+        return []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a line another process is writing right now
+        try:
+            return load_events(path)
+        except ConfigError:
+            return []
 
 
 class GoodputCallback(Callback):
@@ -26,10 +64,15 @@ class GoodputCallback(Callback):
     `job_started`: the entry point recorded this lifetime's `job_start` already (before forking the
     workers, which inherit this object); otherwise the callback records it at setup."""
 
-    def __init__(self, run_dir: str, fsync: bool = True, job_started: bool = False) -> None:
+    def __init__(self, run_dir: str, fsync: bool = True, job_started: bool = False,
+                 log_every_n_steps: int | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.fsync = fsync
         self.job_started = job_started
+        self.log_every_n_steps = log_every_n_steps  # running goodput to the loggers; None: the trainer's
+        self._events: list[dict[str, Any]] | None = None  # the job's events so far, for the running figure
+        self._log_cost_s = 0.0
+        self._logged_at = float("-inf")
         self._recorder: GoodputRecorder | None = None
         self._is_zero: bool | None = None
         self._open_step: int | None = None
@@ -57,6 +100,7 @@ class GoodputCallback(Callback):
     def set_global_zero(self, is_zero: bool) -> None:
         """This process became (or stopped being) global rank 0 during the run (live recovery)."""
         self._is_zero = is_zero
+        self._events = None  # a new rank 0 reads what the previous one wrote
 
     def record(self, event: str, **fields: Any) -> None:
         """Record an event on global rank 0 (no-op elsewhere); for the strategy and other components."""
@@ -89,6 +133,7 @@ class GoodputCallback(Callback):
         if stage != "fit":
             return
         self._is_zero = trainer.is_global_zero
+        self._events = None
         self._ended = False
         self._open_step, self._last_step_end = None, -1
         writer = self._writer()
@@ -134,6 +179,36 @@ class GoodputCallback(Callback):
             tokens=int(tokens) if tokens is not None else None,  # the step's tokens, from the module
         )
         self._open_step, self._last_step_end = None, step
+        self._log_running_goodput(trainer, step)
+
+    def running_report(self) -> GoodputReport | None:
+        """The goodput of the job so far (None off rank 0): the file's events read once, then those
+        this process's recorder writes, kept in memory."""
+        writer = self._writer()
+        if writer is None:
+            return None
+        if self._events is None:
+            self._events = writer.remember(lambda: _events_written(writer.path))
+        try:
+            return compute_goodput(self._events)
+        except ValueError:  # no events yet, or one the calculator cannot place: no figure this time
+            return None
+
+    def _log_running_goodput(self, trainer: Trainer, step: int) -> None:
+        loggers = getattr(trainer, "loggers", None)
+        every = self.log_every_n_steps or int(getattr(trainer, "log_every_n_steps", 0) or 0)
+        if not loggers or not self._is_zero or every <= 0 or step % every:
+            return
+        now = time.monotonic()
+        if now - self._logged_at < LOG_COST_RATIO * self._log_cost_s:
+            return
+        report = self.running_report()
+        self._log_cost_s, self._logged_at = time.monotonic() - now, now
+        if report is None:
+            return
+        metrics = goodput_metrics(report)
+        for logger in loggers:
+            logger.log_metrics(metrics, step=step)
 
     def on_save_checkpoint(
         self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
@@ -166,6 +241,7 @@ class GoodputCallback(Callback):
         if self._recorder is not None:
             self._recorder.close()
             self._recorder = None
+        self._events = None
 
     def _finish(self, trainer: Trainer, status: str, **fields: Any) -> None:
         self._close_auto_save(trainer)
