@@ -1,17 +1,45 @@
 """`ntp-eval`: a checkpoint's loss on a token file is the loss training recorded for the same weights
-and the same batch (within 1e-5), whatever layout wrote the checkpoint; bad input exits 2."""
+and the same batch (within 1e-5), whatever layout wrote the checkpoint; bad input exits 2. The same run
+carries a user callback, to show what the README says of callbacks: one runs in every process, and
+`trainer.is_global_zero` / `rank_zero_only` act once."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY, read_metrics, run_cli
+from tests.conftest import ROOT, TINY, read_metrics, run_cli
 from tests.data_helpers import corpus_documents
 
 SEQ, BATCH = 32, 12  # TINY's data.seq_len and data.global_batch_size
+
+
+def probe(out: str):
+    """A user callback (`+callbacks.probe._target_=tests.test_third_hour_eval.probe`), written as the
+    README shows: a line from every process, and lines from rank 0 only."""
+    from lightning.pytorch import Callback
+    from lightning.pytorch.utilities import rank_zero_only
+
+    class Probe(Callback):
+        def on_train_end(self, trainer, pl_module):
+            with open(Path(out) / "every_process.txt", "a") as fh:
+                fh.write(f"{trainer.global_rank}\n")
+            if trainer.is_global_zero:
+                with open(Path(out) / "global_zero.txt", "a") as fh:
+                    fh.write(f"{trainer.global_rank}\n")
+            self.once(trainer)
+
+        @rank_zero_only
+        def once(self, trainer):
+            with open(Path(out) / "rank_zero_only.txt", "a") as fh:
+                fh.write(f"{trainer.global_rank}\n")
+
+    return Probe()
 
 
 @pytest.fixture(scope="module")
@@ -26,10 +54,20 @@ def trained(tmp_path_factory):
                    module="ntp_nemo.data.preprocess")
     assert proc.returncode == 0, proc.stderr
     assert json.loads((root / "tokens.bin.json").read_text())["num_tokens"] == 450
-    proc = run_cli([*TINY, f"data.path={root / 'tokens.bin'}", "data.val_fraction=0.1", "trainer.max_steps=2",
-                    "checkpoint.every_n_steps=1", f"hydra.run.dir={root / 'run'}"], cwd=root)
+    args = [*TINY, f"data.path={root / 'tokens.bin'}", "data.val_fraction=0.1", "trainer.max_steps=2",
+            "checkpoint.every_n_steps=1", f"hydra.run.dir={root / 'run'}",
+            "+callbacks.probe._target_=tests.test_third_hour_eval.probe", f"+callbacks.probe.out={root}"]
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.run([sys.executable, "-m", "ntp_nemo.train", *args], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return root
+
+
+def test_a_callback_runs_in_every_process_and_rank_zero_guards_act_once(trained):
+    assert sorted((trained / "every_process.txt").read_text().split()) == ["0", "1", "2"]  # 3 processes
+    assert (trained / "global_zero.txt").read_text().split() == ["0"]
+    assert (trained / "rank_zero_only.txt").read_text().split() == ["0"]
 
 
 def _eval(monkeypatch, capsys, *args) -> tuple[int, str, str]:
