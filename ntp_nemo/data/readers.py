@@ -209,8 +209,8 @@ def _cut(data: bytes, cut: str) -> int:
 def _too_large_whole(path: Path, size: int) -> InputError:
     gib = size * 200 / 2**30
     return InputError("INPUT", f"{str(path)!r} has no place where the tokenizer can be cut exactly in its "
-                               f"first {size / 2**20:.1f} MiB (for a byte-level tokenizer: whitespace after a "
-                               "non-space; for Metaspace: a single space between non-spaces), so it would be "
+                               f"first {size / 2**20:.1f} MiB (byte-level: whitespace after a non-space; "
+                               "Metaspace: a single space between non-spaces), so it would be "
                                f"encoded whole, which needs about {gib:.1f} GiB of memory or "
                                f"more; the limit is {MAX_WHOLE_TEXT_BYTES >> 20} MiB. Split it into several "
                                "documents (files, or a .jsonl file with one document per line).")
