@@ -1,7 +1,7 @@
 """`ntp-plan`: rank per-layer TP layouts with the planner's cost model; print the best few and the
 `ntp-train` overrides that apply the best one.
 
-Usage: ntp-plan [--all] [key=value ...]
+Usage: ntp-plan [--all] [--patterns] [key=value ...]
 
 The model, mesh and data shape come from one of
     model=NAME       a training model (conf/model/NAME.yaml: gpt_tiny, llama_tiny, ...) with the
@@ -19,6 +19,11 @@ sequence_parallel=true|false;
 with a training model or recipe also model.FIELD (e.g. model.num_layers=8, model.init_from=DIR).
 Output: top=N rows (default 5), --all for every layout within the memory limit, detail=true for the
 best layout's per-item costs and per-replica periods, format=json for all of it as JSON.
+--patterns: instead of the ranking, compare row/column (Megatron) with block (2D, SUMMA over a
+sqrt(p) x sqrt(p) grid) sharding of every weight matmul at TP mesh.tp on four measures (speed, memory,
+bytes moved, work between synchronisations), and map where block sharding wins over degrees and link
+bandwidths (a model: ntp_nemo/planner/patterns.py derives it), e.g.
+    ntp-plan model=llama3_8b hardware=h100 mesh.tp=64 --patterns
 """
 
 from __future__ import annotations
@@ -304,16 +309,20 @@ def run(argv: Sequence[str]) -> int:
         print(USAGE)
         return 0
     show_all = "--all" in argv
-    argv = [a for a in argv if a != "--all"]
+    patterns = "--patterns" in argv
+    argv = [a for a in argv if a not in ("--all", "--patterns")]
     unknown = [a for a in argv if a.startswith("-")]
     if unknown:
-        raise ConfigError("argv", f"unknown option(s) {unknown}; use --all, or pass settings as key=value.")
+        raise ConfigError("argv", f"unknown option(s) {unknown}; use --all or --patterns, or pass settings "
+                          "as key=value.")
     argv, train_model, select = training_overrides(argv)
     cfg = load_config(argv)
     fmt = cfg.get("format", "table")
     if fmt not in ("table", "json"):
         raise ConfigError("format", f"{fmt!r}; use table or json.")
     top, detail = _options(cfg, show_all)
+    if patterns:
+        return print_patterns(cfg, train_model, fmt)
     ranking = rank_from_config(cfg, train_model)
     plan = ranking.plans[0]
     shown = ranking.plans if top is None else ranking.plans[:top]
@@ -376,6 +385,122 @@ def run(argv: Sequence[str]) -> int:
         print(f"  ({m.name} is a simulator model with no training config: add the model of a training "
               "config with its shape)")
     return 0
+
+
+PATTERN_DEGREES = (4, 9, 16, 25, 36, 49, 64, 100, 144, 256)  # square grids: 2x2 ... 16x16
+PATTERN_GBPS = (25.0, 50.0, 100.0, 200.0, 450.0, 900.0, 1800.0)
+
+
+def print_patterns(cfg: DictConfig, train_model: DictConfig | None, fmt: str) -> int:
+    """`--patterns`: row/column against block sharding of each weight matmul at TP mesh.tp."""
+    from ntp_nemo.planner import patterns as pt
+
+    raw = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(raw, dict)
+    model = (ModelShape.from_dict(raw["model"]) if train_model is None
+             else ModelShape.of_model_config(train_model))
+    device = DeviceModel.from_dict(raw["hardware"]["device"], "hardware.device")
+    links = LinkModel.from_dict(raw["hardware"]["links"], "hardware.links")
+    p = raw["mesh"]["tp"]
+    if isinstance(p, bool) or not isinstance(p, int) or p < 2:
+        raise ConfigError("mesh.tp", "--patterns compares sharding over mesh.tp devices; give a degree "
+                          f"of at least 2, got {p!r}.")
+    tokens = int(raw["data"]["seq_len"]) * int(raw["data"]["micro_batch_size"])
+    up = (links.scale_up_gbps * 1e9, links.scale_up_latency_us * 1e-6)
+    out = (links.scale_out_gbps * 1e9, links.scale_out_latency_us * 1e-6)
+    rows = pt.compare(model, tokens, p, device, *up)
+    totals = {name: pt.step_totals(pt.compare(model, tokens, p, device, *link))
+              for name, link in (("scale_up", up), ("scale_out", out))}
+    wins = pt.block_wins(model, tokens, device, up[1], list(PATTERN_DEGREES), list(PATTERN_GBPS))
+    if fmt == "json":
+        print(json.dumps({"model": model.name, "degree": p, "tokens": tokens, "grid_side": pt.grid_side(p),
+                          "matmuls": [r.to_dict() for r in rows], "step_totals": totals, "block_wins": wins}))
+        return 0
+    print(format_patterns(model, device, links, p, tokens, rows, totals, wins))
+    return 0
+
+
+def format_patterns(model: ModelShape, device: DeviceModel, links: LinkModel, p: int, tokens: int,
+                    rows: list[Any], totals: dict[str, Any], wins: list[dict[str, float]]) -> str:
+    from ntp_nemo.planner import patterns as pt
+
+    q = pt.grid_side(p)
+    grid = f"a {q}x{q} grid" if q else f"no square grid ({p} is not a square)"
+    lines = [
+        f"{model.name} at TP {p}: row/column (Megatron) against block (SUMMA) sharding over {grid}; per "
+        f"device, forward+backward, one micro-batch of {tokens} tokens; {device.name} "
+        f"({device.flops_per_s / 1e12:.0f} TFLOP/s sustained), link {links.scale_up_gbps:g} GB/s "
+        f"(scale-up), {links.scale_up_latency_us:g} us per hop",
+        "(time = compute + exposed transfer; 1D's all-reduce waits for the whole matmul, SUMMA's next "
+        "panel overlaps the current block product; memory = weights x "
+        f"{device.state_bytes_per_param} B + the input kept for the backward; work = GFLOP per device "
+        "between two collectives)",
+        "",
+    ]
+    header = ["matmul", "k x n", "count", "pattern", "ms", "comm ms", "MB moved", "memory MB", "GFLOP/sync"]
+    cells = [header]
+    for r in rows:
+        for c in (r.row_column, r.block):
+            name = r.matmul.name if c is r.row_column else ""
+            dims = f"{r.matmul.k}x{r.matmul.n}" if c is r.row_column else ""
+            count = str(r.matmul.count) if c is r.row_column else ""
+            if c is None:  # no square grid: the 1D rows alone
+                continue
+            label = c.pattern + (f" ({r.matmul.side})" if c.pattern == pt.ROW_COLUMN else "")
+            cells.append([name, dims, count, label, f"{c.time_s * 1e3:.3f}", f"{c.exposed_comm_s * 1e3:.3f}",
+                          f"{c.bytes_moved / 1e6:.1f}", f"{c.memory_bytes / 1e6:.1f}",
+                          f"{c.flops_per_sync / 1e9:.2f}"])
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    for n, r in enumerate(cells):
+        lines.append("  ".join(v.ljust(w) if i < 4 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths,
+                                                                                              strict=True))).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    lines.append("")
+    if q is None:
+        lines.append(f"TP {p}: no block rows: block sharding is modelled on a square grid only (SUMMA's "
+                     "transposed products need one, as in Optimus); the map below gives the square degrees "
+                     f"around {p}.")
+    else:
+        lines.append(f"a step's {model.num_layers} layers and head at TP {p} (block against row/column):")
+        for link, gbps in (("scale_up", links.scale_up_gbps), ("scale_out", links.scale_out_gbps)):
+            one, two = totals[link][pt.ROW_COLUMN], totals[link][pt.BLOCK]
+            where = f"{gbps:g} GB/s ({link.replace('_', '-')})"
+            lines.append(f"  speed at {where}: {_gain(one['time_s'], two['time_s'])} "
+                         f"({one['time_s'] * 1e3:.1f} ms -> {two['time_s'] * 1e3:.1f} ms)")
+        one, two = totals["scale_up"][pt.ROW_COLUMN], totals["scale_up"][pt.BLOCK]
+        moved, memory = one["bytes_moved"], one["memory_bytes"]
+        lines.append(f"  bytes moved per device: {_gain(moved, two['bytes_moved'], 'fewer', 'more')} "
+                     f"({one['bytes_moved'] / 1e9:.2f} GB -> {two['bytes_moved'] / 1e9:.2f} GB)")
+        lines.append(f"  memory per device: {_gain(memory, two['memory_bytes'], 'less', 'more')} "
+                     f"({one['memory_bytes'] / 1e9:.2f} GB -> {two['memory_bytes'] / 1e9:.2f} GB; 1D keeps "
+                     "column-parallel inputs replicated)")
+        lines.append(f"  work between collectives: {one['flops_per_sync'] / 1e9:.1f} -> "
+                     f"{two['flops_per_sync'] / 1e9:.1f} GFLOP (block synchronises {3 * q} times per "
+                     f"matmul, in groups of {q} instead of {p})")
+        better = [r.matmul.name for r in rows if r.block is not None
+                  and r.block.bytes_moved < r.row_column.bytes_moved]
+        lines.append(f"  matmuls where block moves fewer bytes: {', '.join(better) or 'none'} (it wins on "
+                     "bytes when sqrt(p) exceeds the matmul's aspect ratio times (1 + hidden/tokens))")
+    lines += ["", "where block sharding wins: a step's time, block against row/column, by degree (rows) and "
+              "link bandwidth (GB/s); + = block faster, [bytes] = block's bytes against 1D's"]
+    gbps = sorted({w["gbps"] for w in wins})
+    lines.append("degree  grid   " + "".join(f"{g:>9g}" for g in gbps) + "    [bytes]")
+    for degree in sorted({int(w["degree"]) for w in wins}):
+        mine = {w["gbps"]: w for w in wins if w["degree"] == degree}
+        side = pt.grid_side(degree)
+        bytes_gain = next(iter(mine.values()))["bytes_gain"]
+        gains = "".join(f"{100 * mine[g]['time_gain']:>+8.0f}%" for g in gbps)
+        moved = _gain(1 + bytes_gain, 1.0, "fewer", "more")
+        lines.append(f"{degree:>6}  {side}x{side:<4}{gains}    [{moved}]")
+    return "\n".join(lines)
+
+
+def _gain(one: float, two: float, good: str = "faster", bad: str = "slower") -> str:
+    """Block (`two`) against row/column (`one`): 'block 1.52x faster' or 'block 1.10x slower'."""
+    if two <= one:
+        return f"block {one / two:.2f}x {good}" if two > 0 else f"block {good}"
+    return f"block {two / one:.2f}x {bad}"
 
 
 def _main() -> int:
