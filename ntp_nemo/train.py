@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from ntp_nemo.cli.console import (
     invocation_stats,
+    job_started_at,
     launcher_rank,
     logger_dirs,
     print_summary,
@@ -102,7 +103,9 @@ def train(cfg: DictConfig, start_t: float | None = None, console=None) -> dict:
         if result.exit_code:  # a cluster task whose coordinator died: the batch script sees why
             sys.exit(result.exit_code)
         return {}  # summary.json has one writer, global rank 0, which also reads and prints it
-    summary = _report(spec, run_dir, t0, result, process_start_time() if start_t is None else start_t)
+    # A process 0 that rejoined a running job reports the whole job's steps, not its own share.
+    since = (job_started_at(run_dir) or t0) if rejoining else t0
+    summary = _report(spec, run_dir, since, result, process_start_time() if start_t is None else start_t)
     if result.exit_code:
         sys.exit(result.exit_code)
     return summary
@@ -259,8 +262,15 @@ def _report(spec: RunSpec, run_dir: Path, t0: float, result, start_t: float) -> 
     summary["wall_s"] = time.time() - t0
     summary["processes"] = spec.layout.world_size  # the processes the run was launched with
     summary.update(invocation_stats(run_dir, t0))  # every attempt of this command, not the last one's
+    last_end = summary.pop("last_step_end", None)
     if summary.get("first_step_start") is not None:
-        summary["startup_s"] = summary.pop("first_step_start") - start_t
+        # From the first step to the last, whichever processes trained them: the rank 0 that wrote
+        # train_wall_s may have joined late (process 0 lost and repaired) and timed its share only.
+        summary["train_wall_s"] = max(float(summary.get("train_wall_s") or 0.0),
+                                      last_end - summary["first_step_start"])
+        startup = summary.pop("first_step_start") - start_t
+        if startup >= 0:  # not for a process that joined after the first step
+            summary["startup_s"] = startup
     if (run_dir / "goodput.jsonl").exists():
         from ntp_nemo.goodput.report import analyse
 

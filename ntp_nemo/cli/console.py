@@ -89,10 +89,30 @@ def invocation_stats(run_dir: Path, since: float) -> dict:
         "steps_this_run": len(recs),
         "layouts": layouts,
         "first_step_start": recs[0]["time"] - recs[0]["step_time_s"],
+        "last_step_end": recs[-1]["time"],
         "first_loss": recs[0]["loss"],
         "final_loss": recs[-1]["loss"],
         "tokens_per_s": sum(r["tokens"] for r in steady) / secs if secs > 0 else None,
     }
+
+
+def job_started_at(run_dir: Path) -> float | None:
+    """When the run's current job started: its last `job_start` event in goodput.jsonl (a process that
+    rejoins a running job records none), or None without one."""
+    path = run_dir / "goodput.jsonl"
+    started = None
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(rec, dict):
+                continue
+            t = rec.get("t")
+            if rec.get("event") == "job_start" and isinstance(t, (int, float)):
+                started = float(t)
+    return started
 
 
 def _percent(x: float | None) -> float | None:
