@@ -81,13 +81,99 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(x)
 
 
+class MetaKernelCache:
+    """Outputs of functional meta-tensor kernels, by the metadata of their inputs.
+
+    On the meta device most aten kernels are Python reference implementations (broadcasting, type
+    promotion, stride computation), about a millisecond of CPU per call, and a model's layers repeat
+    the same calls with the same shapes.  A meta kernel's output depends only on its inputs' shapes,
+    strides, dtypes and the other arguments, so the second call with equal metadata allocates an empty
+    tensor of the recorded layout instead (`torch.empty_strided`: a fresh storage of the same size, as
+    the kernel's).  Only ops that neither mutate nor alias (no alias annotation in their schema), whose
+    every output is a new dense tensor, are kept; everything else runs as before."""
+
+    def __init__(self) -> None:
+        self._outputs: dict[tuple, tuple | None] = {}
+        self._functional: dict[Any, bool] = {}
+        self.hits = 0
+
+    @staticmethod
+    def _add(key: list, x: Any) -> bool:
+        """Append `x`'s part of the key; False when `x` cannot be keyed (the call then runs as is)."""
+        if isinstance(x, torch.Tensor):
+            if not x.is_meta or x.layout != torch.strided:
+                return False
+            key.append((x.shape, x.stride(), x.storage_offset(), x.dtype))
+        elif isinstance(x, (list, tuple)):
+            key.append(len(x))
+            return all(MetaKernelCache._add(key, y) for y in x)
+        elif x is None or isinstance(x, (bool, int, float, str, torch.dtype, torch.device, torch.layout,
+                                         torch.memory_format)):
+            key.append((type(x), x))
+        else:
+            return False
+        return True
+
+    def _key(self, func, args, kwargs) -> tuple | None:
+        key: list[Any] = [func, len(args)]
+        if not all(self._add(key, a) for a in args):
+            return None
+        for name, value in kwargs.items():
+            key.append(name)
+            if not self._add(key, value):
+                return None
+        return tuple(key)
+
+    def _cacheable(self, func) -> bool:
+        ok = self._functional.get(func)
+        if ok is None:
+            schema = func._schema
+            ok = self._functional[func] = (
+                func.namespace == "aten" and not schema.is_mutable
+                and all(r.alias_info is None for r in schema.returns)
+                and all(a.alias_info is None for a in schema.arguments))
+        return ok
+
+    def call(self, func, args, kwargs):
+        if not self._cacheable(func):
+            return func(*args, **kwargs)
+        key = self._key(func, args, kwargs)
+        if key is None:
+            return func(*args, **kwargs)
+        layout = self._outputs.get(key, ())
+        if layout:
+            self.hits += 1
+            outs = [torch.empty_strided(shape, stride, dtype=dtype, device=META)
+                    for shape, stride, dtype in layout[1]]
+            return outs[0] if layout[0] else tuple(outs)
+        out = func(*args, **kwargs)
+        if layout == ():  # first call: record the layout when every output is a new dense tensor
+            single = isinstance(out, torch.Tensor)
+            outs = [out] if single else out
+            keep = isinstance(outs, (tuple, list)) and all(
+                isinstance(t, torch.Tensor) and t.device.type == "meta" and t.storage_offset() == 0
+                and t.untyped_storage().nbytes() == _strided_nbytes(t) for t in outs)
+            outputs = [(tuple(t.shape), t.stride(), t.dtype) for t in outs] if keep else None
+            self._outputs[key] = (single, outputs) if keep else None
+        return out
+
+
+def _strided_nbytes(t: torch.Tensor) -> int:
+    """Bytes of the storage `torch.empty_strided` allocates for `t`'s shape and strides."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))) * t.element_size()
+
+
 class CommMeter(TorchDispatchMode):
     """Counts the payload bytes of every `c10d` operation under the current `kind` label, and refuses a
-    collective that receives a tensor from another device than `device`."""
+    collective that receives a tensor from another device than `device`.  With `cache`, other meta
+    kernels go through it (`MetaKernelCache`)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, cache: MetaKernelCache | None = None) -> None:
         super().__init__()
         self.device = device
+        self.cache = cache
         self.kind = "tp"
         self.bytes: dict[str, int] = dict.fromkeys(COMM_KINDS, 0)
         self.calls: dict[str, int] = dict.fromkeys(COMM_KINDS, 0)
@@ -134,6 +220,8 @@ class CommMeter(TorchDispatchMode):
             rec[0] += 1
             rec[1] += payload
             rec[2] += _ring_bytes(op, payload, len(ranks) or 1)
+        elif self.cache is not None:
+            return self.cache.call(func, args, kwargs)
         return func(*args, **kwargs)
 
 
@@ -431,6 +519,7 @@ class _ClassStep:
     world_bytes: int
     world_calls: int
     new_groups: int  # `new_group` calls of the rank's assembly (every rank makes the same ones)
+    tp_ops: dict[str, dict[str, float]] = field(default_factory=dict)  # TP collectives of one micro-batch
 
 
 def _slice_key(model: nn.Module) -> tuple:
@@ -454,11 +543,13 @@ def _build_slice(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: Ste
 
 
 def _class_step(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: StepShape, plan: SyncPlan,
-                descriptors: dict[str, tuple], global_tokens: int) -> _ClassStep:
+                descriptors: dict[str, tuple], global_tokens: int, grad_norm: bool = True,
+                cache: MetaKernelCache | None = None) -> _ClassStep:
     """Inside a fake world as `rank`: one micro-batch's forward and backward through
     `NTPRuntime.train_microbatches` (the pipeline engine when pp > 1) with its saved tensors and
     communication counted, the gradient sync of the rank's own plan, the fused step scalars, the
-    clipping and an AdamW step."""
+    clipping and an AdamW step.  `grad_norm=False` hands the fused scalars a zero squared norm instead
+    of the per-fragment norm (no figure comes from it; the dry run runs it for its first class)."""
     from ntp_nemo.topology.groups import counting_new_groups
 
     with counting_new_groups() as new_groups:
@@ -478,7 +569,7 @@ def _class_step(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: Step
                                           acc_dtype=runtime.acc_dtype)
         runtime.pipeline.meter = _EngineMeter(meter)
     tokens = torch.zeros((shape.micro_batch_size, shape.seq_len + 1), dtype=torch.long, device=META)
-    comm = CommMeter(META)
+    comm = CommMeter(META, cache)
     with comm:
         with meter.recording(), flash_attention_on_meta():
             loss_sum = runtime.train_microbatches(step_model, [tokens], global_tokens)
@@ -490,7 +581,7 @@ def _class_step(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: Step
                 p.grad = torch.zeros_like(p)
         with comm.labelled("dp"):
             sync.sync()
-        sq = sync.grad_norm_sq_local()
+        sq = sync.grad_norm_sq_local() if grad_norm else torch.zeros((), dtype=sync.acc_dtype, device=META)
         with comm.labelled("world"):
             scalars = runtime.step_scalars(loss_sum, sq)
         sync.clip_to_norm_(scalars[1].sqrt(), shape.grad_clip)
@@ -500,6 +591,9 @@ def _class_step(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: Step
         raise RuntimeError(f"rank {rank}: gradient sync sent {comm.bytes['dp']} bytes in {comm.calls['dp']} "
                            f"calls, its plan gives {expected}")
     opt = state.optimizer
+    if isinstance(opt, torch.optim.AdamW):
+        for group in opt.param_groups:  # the multi-tensor step: the same state, fewer meta-tensor calls
+            group["foreach"] = True
     opt.step()
     return _ClassStep(
         grad_bytes=sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()),
@@ -514,11 +608,12 @@ def _class_step(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: Step
         world_bytes=comm.bytes["world"],
         world_calls=comm.calls["world"],
         new_groups=len(new_groups),
+        tp_ops=_tp_ops(comm),
     )
 
 
 def _saved_bytes(runtime: NTPRuntime, cfg: ModelConfig, shape: StepShape, global_tokens: int,
-                 comm: CommMeter | None = None) -> int:
+                 comm: CommMeter | None = None, cache: MetaKernelCache | None = None) -> int:
     """Activation bytes of one micro-batch of `runtime`'s slice built from `cfg` (a fresh model); `comm`
     (optional) counts its collectives."""
     model = runtime.build_model(cfg, shape.seed, shape.compute_dtype)
@@ -531,7 +626,7 @@ def _saved_bytes(runtime: NTPRuntime, cfg: ModelConfig, shape: StepShape, global
                                           acc_dtype=runtime.acc_dtype)
         runtime.pipeline.meter = _EngineMeter(meter)
     tokens = torch.zeros((shape.micro_batch_size, shape.seq_len + 1), dtype=torch.long, device=META)
-    with comm or CommMeter(META), meter.recording(), flash_attention_on_meta():
+    with comm or CommMeter(META, cache), meter.recording(), flash_attention_on_meta():
         runtime.train_microbatches(model, [tokens], global_tokens)
     return meter.bytes
 
@@ -542,7 +637,9 @@ def _tp_ops(comm: CommMeter) -> dict[str, dict[str, float]]:
 
 
 def option_savings(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: StepShape, plan: SyncPlan,
-                   global_tokens: int, optimizer_bytes: int, activation_bytes: int) -> dict[str, Any]:
+                   global_tokens: int, optimizer_bytes: int, activation_bytes: int,
+                   tp_ops: dict[str, dict[str, float]] | None = None,
+                   cache: MetaKernelCache | None = None) -> dict[str, Any]:
     """Memory each optional saving would bring on `rank` (the dry run passes its largest rank).
 
     One entry per option, each `{"rank", <what it changes>: {setting: bytes}, "saved_bytes": ...}`:
@@ -553,14 +650,18 @@ def option_savings(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: S
       masters) sharded over each fragment's holders, against `torch.optim.AdamW`'s.
     - `sequence_parallel` (`ntp.sequence_parallel`): activation bytes per micro-batch with SP off / on,
       and the TP collectives of one micro-batch per kind (calls, payload, ring-model bytes on the link).
-    A new option adds its entry here.
+    `tp_ops`: the TP collectives the step measured on `rank` itself (with the layout's own SP
+    setting), which is then not run again.  A new option adds its entry here.
     """
     out: dict[str, Any] = {}
     names = {f.name for f in dataclasses.fields(cfg)}
     with fake_world(rank, layout.world_size):
         sp_act, sp_ops = {}, {}
         for on in (False, True):
-            comm = CommMeter(META)
+            if on == layout.sequence_parallel and tp_ops is not None:  # measured by the step on this rank
+                sp_act["on" if on else "off"], sp_ops["on" if on else "off"] = activation_bytes, tp_ops
+                continue
+            comm = CommMeter(META, cache)
             sp_layout = dataclasses.replace(layout, sequence_parallel=on)
             sp_act["on" if on else "off"] = _saved_bytes(NTPRuntime(sp_layout, rank, device=META), cfg, shape,
                                                          global_tokens, comm)
@@ -570,12 +671,12 @@ def option_savings(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: S
         runtime = NTPRuntime(layout, rank, device=META)
         if "recompute" in names:
             measured = {mode: activation_bytes if mode == cfg.recompute else _saved_bytes(
-                runtime, dataclasses.replace(cfg, recompute=mode), shape, global_tokens)
+                runtime, dataclasses.replace(cfg, recompute=mode), shape, global_tokens, cache=cache)
                 for mode in ("none", "selective", "full")}  # the configured one ran in the step
             out["recompute"] = {"rank": rank, "activation_bytes": measured,
                                 "saved_bytes": {m: measured["none"] - b for m, b in measured.items()
                                                 if m != "none"}}
-        with CommMeter(META):
+        with CommMeter(META, cache):
             opt = _assemble(layout, rank, cfg, shape, plan, distributed=True).optimizer
         distributed = opt.state_bytes()
         out["distributed_optimizer"] = {
@@ -633,12 +734,14 @@ def dry_run(
 
     t2 = time.perf_counter()
     counts = layout.microbatch_counts()
+    cache = MetaKernelCache()  # the classes' layers repeat the same kernels on the same shapes
     global_tokens = layout.num_microbatches * shape.micro_batch_size * shape.seq_len
     steps: dict[Any, _ClassStep] = {}
     for i, (key, ranks) in enumerate(classes.items()):
         r = ranks[0]
         with fake_world(r, world):
-            steps[key] = _class_step(layout, r, cfg, shape, plans[r], descriptors[r], global_tokens)
+            steps[key] = _class_step(layout, r, cfg, shape, plans[r], descriptors[r], global_tokens,
+                                     grad_norm=i == 0, cache=cache)
         made = splits["tp"] + splits["holder_sets"] + splits["pipeline_links"]
         if steps[key].new_groups != made:
             raise RuntimeError(f"rank {r}: its assembly created {steps[key].new_groups} process groups, "
@@ -695,8 +798,10 @@ def dry_run(
     options: dict[str, Any] = {}
     if measure_options:
         big = max(results, key=lambda r: r.memory_bytes).rank
+        ran = next(k for k, ranks in classes.items() if big in ranks)
         options = option_savings(layout, big, cfg, shape, plans[big], global_tokens,
-                                 results[big].optimizer_bytes, results[big].activation_bytes)
+                                 results[big].optimizer_bytes, results[big].activation_bytes,
+                                 tp_ops=steps[ran].tp_ops if classes[ran][0] == big else None, cache=cache)
     timings["options_s"] = time.perf_counter() - t4
     t4 = time.perf_counter()
     model_params = unsharded_param_count(cfg)
