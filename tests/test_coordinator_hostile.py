@@ -90,7 +90,9 @@ class _Beating:
         while not self.stop.wait(0.1):
             step += 1
             for t, moves in zip(self.tasks, self.progress, strict=True):
-                t.beat(step if moves else 1)
+                if not t.line.send({"beat": [step if moves else 1, "step_start"], "tick": t.tick + 1}):
+                    return  # the coordinator closed the link (it stopped the job)
+                t.tick += 1
 
     def close(self) -> None:
         self.stop.set()

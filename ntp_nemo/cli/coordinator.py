@@ -48,6 +48,20 @@ def _settings(overrides: list[str]) -> tuple[int, float, float, int]:
     return layout.world_size, timeouts.heartbeat_s, timeouts.collective_s, int(cfg.trainer.max_steps)
 
 
+def _raise_open_files() -> None:
+    """The soft limit of open files up to the hard one: one link connection per task, and room for
+    connections that never prove the job's secret."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20,
+                                                        hard))
+        except (ValueError, OSError):
+            pass
+
+
 def run(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
         print(USAGE)
@@ -58,6 +72,7 @@ def run(argv: list[str]) -> int:
                           "MASTER_PORT; export the same MASTER_ADDR/MASTER_PORT the tasks get (e.g. "
                           "`export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))` in the batch script).")
     world, heartbeat_s, collective_s, end_step = _settings(argv)
+    _raise_open_files()
     from ntp_nemo.resilience.coordinator import Coordinator
     from ntp_nemo.resilience.store_auth import host_cluster_store, job_secret
 

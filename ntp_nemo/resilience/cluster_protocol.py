@@ -162,6 +162,7 @@ class Line:
         self._me = self._peer = ""
         self._sent = self._expected = 0
         self._send_lock = threading.Lock()
+        self.owner: object = None  # what this connection is to its server (the coordinator's bookkeeping)
 
     def fileno(self) -> int:
         return self.sock.fileno()

@@ -21,6 +21,7 @@ on is sealed by the coordinator for this connection (`cluster_protocol`); any ot
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import queue
@@ -40,7 +41,6 @@ from ntp_nemo.resilience.cluster_protocol import (
     task_hello,
 )
 from ntp_nemo.resilience.coordinator import FALLBACK_EXIT
-from ntp_nemo.resilience.heartbeat import Heartbeat
 from ntp_nemo.resilience.rendezvous import failed_key
 from ntp_nemo.resilience.store_auth import JobStore, connect_cluster_store
 
@@ -244,20 +244,34 @@ class ClusterLink:
             pass
 
 
-class LinkHeartbeat(Heartbeat):
-    """The heartbeat of a cluster task: each phase goes to the coordinator's store (via the link's
-    sender thread), not to a file."""
+@functools.cache
+def _link_heartbeat_class() -> type:
+    """`LinkHeartbeat`, built on first use: its base is a Lightning callback, and `import lightning` costs
+    seconds that the coordinator's tools and tests do not need."""
+    from ntp_nemo.resilience.heartbeat import Heartbeat
 
-    def __init__(self, link: ClusterLink) -> None:
-        super().__init__(".")
-        self.link = link
+    class LinkHeartbeat(Heartbeat):
+        """The heartbeat of a cluster task: each phase goes to the coordinator on the link (via the link's
+        sender thread), not to a file."""
 
-    def beat(self, trainer: Any, phase: str, step: int) -> None:
-        self.link.beat(step, phase)
+        def __init__(self, link: ClusterLink) -> None:
+            super().__init__(".")
+            self.link = link
 
-    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if stage == "fit":
-            self.beat(trainer, "setup", trainer.global_step)
+        def beat(self, trainer: Any, phase: str, step: int) -> None:
+            self.link.beat(step, phase)
+
+        def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+            if stage == "fit":
+                self.beat(trainer, "setup", trainer.global_step)
+
+    return LinkHeartbeat
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LinkHeartbeat":
+        return _link_heartbeat_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def open_link(want: int, ntasks: int, heartbeat_s: float, timeout_s: float = 300.0) -> ClusterLink | None:

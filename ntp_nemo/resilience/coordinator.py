@@ -109,7 +109,9 @@ class _StoreProbe:
         return max(0.0, now - self.ok_t)
 
     def stop(self) -> None:
+        """Stop probing; waits for a round trip in flight (bounded: a silent store's op is left behind)."""
         self._halt.set()
+        self._thread.join(timeout=5.0)
 
 
 class Coordinator:
@@ -233,6 +235,7 @@ class Coordinator:
 
     # ---- connections ------------------------------------------------------------------------------
     def _drop(self, line: Line) -> None:
+        line.owner = None
         try:
             self._sel.unregister(line.sock)
         except (KeyError, ValueError, OSError):
@@ -266,7 +269,8 @@ class Coordinator:
             if not line.send({"nonce": nonce}):
                 line.close()
                 continue
-            self._pending.append(_Pending(line, nonce, f"{peer[0]}:{peer[1]}"))
+            line.owner = _Pending(line, nonce, f"{peer[0]}:{peer[1]}")
+            self._pending.append(line.owner)
             self._sel.register(sock, selectors.EVENT_READ, line)
 
     def _out_of_descriptors(self, err: OSError) -> None:
@@ -300,7 +304,7 @@ class Coordinator:
             self.dropped["protocol"] += 1
             self.say(f"coordinator: a link connection broke the protocol ({type(err).__name__}: {err}); "
                      "closed")
-            place = next((p for p in self.places if p.line is line), None)
+            place = line.owner if isinstance(line.owner, Place) and line.owner.line is line else None
             if place is not None:
                 self._closed(place)
             else:
@@ -309,15 +313,18 @@ class Coordinator:
                 self._drop(line)
 
     def _read(self, line: Line) -> None:
+        owner = line.owner
+        if owner is None or (isinstance(owner, Place) and owner.line is not line):
+            self._drop(line)  # dropped earlier in this turn (its readiness was already reported)
+            return
         msgs = line.receive()
-        spare = next((s for s in self._spares if s[0] is line), None)
-        if spare is not None:  # a waiting spare only ever says goodbye
+        if owner == "spare":  # a waiting spare only ever says goodbye
             if msgs is None or any("bye" in m for m in msgs):
-                self._spares.remove(spare)
+                self._spares = [s for s in self._spares if s[0] is not line]
                 self._drop(line)
             return
-        pending = next((q for q in self._pending if q.line is line), None)
-        if pending is not None:
+        if isinstance(owner, _Pending):
+            pending = owner
             if msgs is None:
                 self._pending.remove(pending)
                 if line.error is not None:
@@ -329,7 +336,7 @@ class Coordinator:
             self._pending.remove(pending)
             self._hello(line, pending, msgs[0])
             return
-        place = next(p for p in self.places if p.line is line)
+        place = owner
         if msgs is None:
             if line.error is not None:
                 self.say(f"coordinator: process {place.pid}'s link sent {line.error}; closed")
@@ -394,6 +401,7 @@ class Coordinator:
             else:
                 place = self.places[want]
                 place.state, place.line, place.moved_t = "active", line, time.monotonic()
+                line.owner = place
                 self.formed = all(p.state != "free" for p in self.places)
                 if self.formed:
                     self.say(f"coordinator: all {self.world} places taken; training starts")
@@ -410,6 +418,7 @@ class Coordinator:
             return
         line.send({"wait": "no place is free: every process of the job is running"})
         self._spares.append((line, host))
+        line.owner = "spare"
         self.say(f"coordinator: a replacement task on {host} waits for a free place")
         self._place_spares()
 
@@ -429,6 +438,7 @@ class Coordinator:
             if place.line is not None:  # a declared-lost (hung) process still connected: replaced now
                 self._drop(place.line)
             place.state, place.line, place.ready, place.declared = "replacing", line, False, False
+            line.owner = place
             place.beat, place.tick = None, -1
             line.send({"place": place.pid, "mode": "rejoin", "world": self.world,
                        "generation": self.generation, "instance": self.instance})
