@@ -47,10 +47,12 @@ def cuda_device_count() -> int:
 def local_cuda_ordinals(local_processes: int, visible: int | None = None) -> list[int]:
     """The CUDA ordinal each of this node's `local_processes` ranks binds, by local rank.
 
-    Every rank sees the node's GPUs (`torchrun`, `srun --gpus-per-node`): local rank i binds cuda:i.
-    Each rank sees one GPU of its own (`srun --gpus-per-task=1`: CUDA_VISIBLE_DEVICES is one id per
-    task): every rank binds cuda:0, which is a different GPU in each.  `visible` defaults to this
-    process's count (NVML: no CUDA context).
+    Every rank sees the node's GPUs (`torchrun`, `srun --gpus-per-node`, the recommended way: NCCL
+    then reaches the node's other GPUs over NVLink and CUDA IPC): local rank i binds cuda:i.  Each rank
+    sees one GPU of its own (`srun --gpus-per-task=1`: CUDA_VISIBLE_DEVICES is one id per task): every
+    rank binds cuda:0, which is a different GPU in each, and the start-up warns (per-task isolation
+    keeps NCCL off NVLink; `ntp_nemo.parallel.cluster.isolated_gpu_warning`).  `visible` defaults to
+    this process's count (NVML: no CUDA context).
     """
     visible = cuda_device_count() if visible is None else visible
     if visible >= local_processes:
@@ -60,8 +62,9 @@ def local_cuda_ordinals(local_processes: int, visible: int | None = None) -> lis
     raise ConfigError(
         "CUDA_VISIBLE_DEVICES",
         f"{local_processes} processes on this node but {visible} GPUs visible to this one "
-        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); give each process "
-        "one GPU (srun --gpus-per-task=1) or all of the node's (srun --gpus-per-node / torchrun)."
+        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); make all of the "
+        "node's GPUs visible to every process (srun --gpus-per-node=N, torchrun), which keeps NCCL on "
+        "NVLink, or give each process one GPU (srun --gpus-per-task=1)."
     )
 
 
