@@ -227,6 +227,41 @@ def test_running_goodput_reaches_tensorboard_in_process(tmp_path: Path) -> None:
     assert scalars["goodput/capacity_fraction"][-1][1] == pytest.approx(0.75, rel=1e-6)
 
 
+def test_running_goodput_stops_before_it_would_stall_rank_0(tmp_path: Path, monkeypatch) -> None:
+    from ntp_nemo.lightning import goodput_callback as gc
+
+    class Sink:
+        def __init__(self) -> None:
+            self.steps: list[int] = []
+
+        def log_metrics(self, metrics: dict, step: int) -> None:
+            assert metrics["goodput/total_s"] >= 0
+            self.steps.append(step)
+
+    sink = Sink()
+    cb = gc.GoodputCallback(str(tmp_path))
+    cb.set_global_zero(True)
+    trainer = SimpleNamespace(loggers=[sink], log_every_n_steps=1, global_step=0, strategy=None)
+    module = SimpleNamespace(last_step={"tokens": 64})
+    cb.on_train_start(trainer, module)
+
+    def run_steps(first: int, count: int) -> None:
+        for step in range(first, first + count):
+            trainer.global_step = step - 1
+            cb.on_train_batch_start(trainer, module, None, step - 1)
+            trainer.global_step = step
+            cb.on_train_batch_end(trainer, module, None, None, step - 1)
+
+    monkeypatch.setattr(gc, "LOG_COST_RATIO", 0.0)  # log at every step while it is cheap
+    run_steps(1, 3)
+    assert sink.steps == [1, 2, 3]
+    monkeypatch.setattr(gc, "LOG_COST_MAX_S", 0.0)  # any further computation would stall too long
+    with pytest.warns(UserWarning, match="no longer logged"):
+        run_steps(4, 1)
+    run_steps(5, 2)
+    assert sink.steps == [1, 2, 3]
+
+
 @pytest.mark.slow
 def test_live_failover_run_logs_goodput_to_tensorboard(tmp_path: Path) -> None:
     run = tmp_path / "live"

@@ -9,8 +9,11 @@ it live): every `log_every_n_steps` steps (default: the trainer's) it computes t
 events in memory (the file's earlier events, read once, then what its recorder writes) and calls each
 logger's `log_metrics` with `goodput/goodput`, `goodput/progress`, `goodput/capacity_fraction`,
 `goodput/total_s`, `goodput/productive_s` and `goodput/<category>_s` for every badput category.  The
-computation reads every event of the job so far; it is skipped until the time since the last one is
-at least `LOG_COST_RATIO` times what that one took, which keeps its cost under 1% of the run.
+computation reads every event of the job so far (about 45 us per event on a 2-core CPU); it is
+skipped until the time since the last one is at least `LOG_COST_RATIO` times what that one took, which
+keeps its cost under 1% of the run, and it stops (with one warning) once it would stall rank 0 for
+more than `LOG_COST_MAX_S` (some 20,000 steps of two events): `ntp-goodput RUN_DIR` gives the figures
+at any time.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from ntp_nemo.goodput.recorder import GoodputRecorder
 DEFAULT_LAYOUT = {"layout": "single", "capacity": 1.0, "tokens_per_step": None}
 DATA_WAIT_FLUSH_S = 0.005  # shorter waits are summed until they reach this, then recorded as one
 LOG_COST_RATIO = 100.0  # running goodput: at least this many times its own cost between two computations
+LOG_COST_MAX_S = 2.0  # ... and never one predicted to stall rank 0 (its peers wait in a collective) longer
 
 
 def goodput_metrics(report: GoodputReport) -> dict[str, float]:
@@ -72,7 +76,9 @@ class GoodputCallback(Callback):
         self.log_every_n_steps = log_every_n_steps  # running goodput to the loggers; None: the trainer's
         self._events: list[dict[str, Any]] | None = None  # the job's events so far, for the running figure
         self._log_cost_s = 0.0
+        self._log_events = 0  # events the last computation read
         self._logged_at = float("-inf")
+        self._log_off = False
         self._recorder: GoodputRecorder | None = None
         self._is_zero: bool | None = None
         self._open_step: int | None = None
@@ -134,6 +140,7 @@ class GoodputCallback(Callback):
             return
         self._is_zero = trainer.is_global_zero
         self._events = None
+        self._log_cost_s, self._log_events, self._log_off = 0.0, 0, False
         self._ended = False
         self._open_step, self._last_step_end = None, -1
         writer = self._writer()
@@ -200,10 +207,18 @@ class GoodputCallback(Callback):
         if not loggers or not self._is_zero or every <= 0 or step % every:
             return
         now = time.monotonic()
-        if now - self._logged_at < LOG_COST_RATIO * self._log_cost_s:
+        if self._log_off or now - self._logged_at < LOG_COST_RATIO * self._log_cost_s:
+            return
+        events = len(self._events) if self._events is not None else 0
+        if self._log_events and self._log_cost_s * events / self._log_events > LOG_COST_MAX_S:
+            self._log_off = True
+            warnings.warn(f"goodput: the running figures are no longer logged: computing them from "
+                          f"{events} events would take over {LOG_COST_MAX_S:g} s; ntp-goodput "
+                          f"{self.run_dir} gives them", stacklevel=2)
             return
         report = self.running_report()
         self._log_cost_s, self._logged_at = time.monotonic() - now, now
+        self._log_events = len(self._events) if self._events is not None else 0
         if report is None:
             return
         metrics = goodput_metrics(report)
