@@ -253,3 +253,25 @@ def test_corrupt_marker_is_never_written_through_a_link(ckpt, tmp_path):
     mark_corrupt(ckpt, "file x fails")
     assert outside.read_text() == "keep me"
     assert checkpoint_problem(ckpt) is not None  # a marker there, whatever it is, keeps it skipped
+
+
+def test_export_reads_only_an_intact_confined_checkpoint(ckpt):
+    from ntp_nemo.hf.checkpoint_source import ARG, CheckpointTensors, find_checkpoint
+
+    assert find_checkpoint(ckpt) == ckpt
+    source = CheckpointTensors(ckpt)
+    names = sorted(k.removeprefix("model/") for k in source.stored if k.startswith("model/"))
+    assert len(source(names[:1])) == 1
+    record = max((r for k, recs in Index.read(ckpt).records.items() if k.startswith("model/") for r in recs),
+                 key=lambda r: r.nbytes)
+    victim = ckpt / record.file
+    raw = bytearray(victim.read_bytes())
+    raw[record.offset + record.nbytes // 2] ^= 0xFF  # a byte of a model weight
+    victim.write_bytes(bytes(raw))
+    with pytest.raises(ConfigError) as err:
+        source(names)
+    assert err.value.key == ARG and victim.name in str(err.value) and "intact copy" in str(err.value)
+    (ckpt.parent / checkpoint_name(1) / "index.json").write_text("[" * 10_000)
+    with pytest.raises(ConfigError) as err:
+        find_checkpoint(ckpt.parent / checkpoint_name(1))
+    assert err.value.key == ARG and "index.json" in str(err.value)

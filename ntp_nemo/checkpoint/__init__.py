@@ -19,6 +19,7 @@ from ntp_nemo.checkpoint.manifest import (
     require_valid_checkpoint,
 )
 from ntp_nemo.checkpoint.sharded import (
+    CheckpointWriteError,
     CorruptCheckpointError,
     Loaded,
     load,
@@ -31,6 +32,7 @@ from ntp_nemo.checkpoint.storage import stored_chunks, stored_tensors
 __all__ = [
     "AsyncCheckpointSaver",
     "CheckpointSkippedWarning",
+    "CheckpointWriteError",
     "CorruptCheckpointError",
     "Loaded",
     "NoUsableCheckpointError",

@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import stat
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -118,8 +119,8 @@ def _set_aside(path: Path) -> Path:
     while os.path.lexists(aside := path.with_name(f"{path.name}{UNREADABLE_SUFFIX}{f'.{n}' if n else ''}")):
         n += 1
     os.rename(path, aside)
-    warnings.warn(f"checkpoint {path} could not be read ({checkpoint_problem(aside)}); a new save of the "
-                  f"same name replaces it, so it was kept as {aside}", CheckpointSkippedWarning, stacklevel=3)
+    print(f"warning: checkpoint {path} could not be read ({checkpoint_problem(aside)}); a new save of the "
+          f"same name takes its place, so it was kept as {aside}", file=sys.stderr, flush=True)
     return aside
 
 
@@ -361,6 +362,11 @@ class NoUsableCheckpointError(ConfigError):
         super().__init__(key, f"{directory} holds {len(damaged)} checkpoint(s) and none is usable "
                               f"({told}{more}). {fix}")
         self.damaged = damaged
+
+
+def readable_checkpoints(directory: str | os.PathLike) -> list[Path]:
+    """The checkpoints of `directory` that pass the cheap check, newest first."""
+    return [c.path for c in _candidates(Path(directory)) if checkpoint_problem(c.path) is None]
 
 
 def keep_last_k(directory: str | os.PathLike, k: int | None) -> list[Path]:

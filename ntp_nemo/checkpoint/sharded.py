@@ -279,25 +279,65 @@ def write_snapshot(path: str | os.PathLike, snap: Snapshot, extra: Mapping[str, 
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     _barrier(group)
-    records = write_records(tmp, rank, snap.chunks, threads)
-    everyone = _all_gather((records, snap.tensors, snap.options, snap.rng), group)
-    if rank == 0:
-        tensors: dict[str, tuple] = {}
-        options: dict[str, dict] = {}
-        for _, t, opts, _ in everyone:
-            tensors.update(t)
-            options.update(opts)
-        write_index(tmp, index_doc((r for recs, *_ in everyone for r in recs), tensors))
-        meta = {"extra": extra, "param_groups": options, "step": int(step), "layout": layout,
-                "rng": [r for *_, r in everyone]}
-        _save_torch(meta, tmp / META_FILE)
-        files = {name: file_digest(tmp / name) if name in SMALL_FILES else ((tmp / name).stat().st_size, None)
-                 for name in data_files(tmp)}
-        write_manifest(tmp, files, step, layout)
-        commit(tmp, path)
-        keep_last_k(path.parent, keep_last)
-    _barrier(group)
+    try:
+        records, failed = write_records(tmp, rank, snap.chunks, threads), None
+    except OSError as err:  # every rank learns of it below: none waits in a collective for this one
+        records, failed = [], _os_problem(err)
+    everyone = _all_gather((records, snap.tensors, snap.options, snap.rng, failed), group)
+    failed = next((f for *_, f in everyone if f is not None), None)
+    if rank == 0 and failed is None:
+        try:
+            _commit_snapshot(path, tmp, everyone, extra, step, layout)
+        except OSError as err:
+            failed = _os_problem(err)
+        else:
+            keep_last_k(path.parent, keep_last)
+    if rank == 0 and failed is not None:
+        shutil.rmtree(tmp, ignore_errors=True)  # the partial save: never committed, and it holds space
+        failed = save_failure(path, failed)
+    failed = _broadcast(failed, group)
+    if failed is not None:
+        raise CheckpointWriteError(failed)
     return path
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (a full disk, a quota, a read-only file system): the message
+    names the path, the reason and the complete checkpoints that survive."""
+
+
+def _os_problem(err: OSError) -> str:
+    where = f" ({err.filename})" if err.filename else ""
+    return f"{err.strerror or err}{where}"
+
+
+def save_failure(path: Path, problem: str) -> str:
+    """One line: what failed, and which complete checkpoints survive in `path`'s directory."""
+    from ntp_nemo.checkpoint.manifest import readable_checkpoints
+
+    kept = readable_checkpoints(path.parent)
+    survivors = ", ".join(p.name for p in kept) if kept else "none"
+    return (f"checkpoint {path} could not be written: {problem}; the partial save was removed and the "
+            f"complete checkpoints in {path.parent} are kept ({survivors}). Free space there (or lower "
+            "checkpoint.keep_last), then rerun with resume=auto to continue from the latest of them.")
+
+
+def _commit_snapshot(path: Path, tmp: Path, everyone: list, extra: dict[str, Any], step: int,
+                     layout: Any) -> None:
+    """Rank 0: the index, the metadata and the manifest of a written snapshot, then the commit."""
+    tensors: dict[str, tuple] = {}
+    options: dict[str, dict] = {}
+    for _, t, opts, _, _ in everyone:
+        tensors.update(t)
+        options.update(opts)
+    write_index(tmp, index_doc((r for recs, *_ in everyone for r in recs), tensors))
+    meta = {"extra": extra, "param_groups": options, "step": int(step), "layout": layout,
+            "rng": [r for *_, r, _ in everyone]}
+    _save_torch(meta, tmp / META_FILE)
+    files = {name: file_digest(tmp / name) if name in SMALL_FILES else ((tmp / name).stat().st_size, None)
+             for name in data_files(tmp)}
+    write_manifest(tmp, files, step, layout)
+    commit(tmp, path)
 
 
 def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,

@@ -124,7 +124,11 @@ class CheckpointTensors:
             chunks.append(Chunk(MODEL_PREFIX + name, tuple(st.shape), (0,) * len(st.shape), buf))
         with warnings.catch_warnings():  # a single-process read is the intent here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            read_chunks(self.ckpt, chunks)
+            try:
+                read_chunks(self.ckpt, chunks)
+            except ValueError as err:  # a record that fails its digest or lies outside its file
+                raise ConfigError(ARG, f"{err}. Export from an intact copy of the checkpoint (or an "
+                                       "earlier one of the run).") from None
         self.bytes_read += sum(c.tensor.numel() * c.tensor.element_size() for c in chunks)
         return [c.tensor for c in chunks]
 
