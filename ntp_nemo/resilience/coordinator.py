@@ -45,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ntp_nemo.resilience.beats import PHASES, Beat, suspects
-from ntp_nemo.resilience.cluster_protocol import LINK_KEY, Line, auth_ok, session_key
+from ntp_nemo.resilience.cluster_protocol import LINK_KEY, MAX_LINE, Line, auth_ok, session_key
 from ntp_nemo.resilience.rendezvous import publish_failed, publish_rejoin
 from ntp_nemo.resilience.store_auth import JobStore
 
@@ -386,7 +386,7 @@ class Coordinator:
                                   "differs from the coordinator's)"})
             self._drop(line)
             return
-        line.limit = Line(line.sock).limit  # proven: the protocol's own bound from now on
+        line.limit = MAX_LINE  # proven: the protocol's own bound from now on
         line.seal(session_key(self._secret, pending.nonce, task_nonce), "coordinator")
         want, host = msg.get("want"), str(msg.get("host", "?"))[:200]
         # A task of another srun step than the job's (`--ntasks=1`, a relaunch loop) is a replacement: it
