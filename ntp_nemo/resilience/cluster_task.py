@@ -8,7 +8,8 @@ replacement, which then rejoins).  From then on a watcher thread reads the link:
   generation's connections (`LiveRecovery.interrupt`), so its collective fails at once and the live
   recovery starts; a task that finds itself on the list (it was hung, and runs again) stops with
   `DECLARED_LOST_EXIT`;
-- `end`: the job falls back to the restart path: stop with `FALLBACK_EXIT`;
+- `end`: the coordinator stopped the job (the survivors could not recover live, a task was lost while
+  the job formed, its store stopped answering): stop with `FALLBACK_EXIT`;
 - the link closing: the coordinator died.  The task asks the run to stop at the end of the step, with
   every rank agreeing, without a checkpoint (a save needs the store for its groups), and exits with
   `COORDINATOR_LOST_EXIT`; if it has not stopped within the heartbeat timeout, it exits anyway.
@@ -187,8 +188,8 @@ class ClusterLink:
                     if self.mode == "rejoin" and self._announced.empty():
                         self._announced.put(msg)
                         continue
-                    self.say(f"failover | coordinator: {msg['end']}; stopping (the job falls back to the "
-                             "restart path: resubmit with resume=auto)")
+                    self.say(f"failover | coordinator: {msg['end']}; stopping with exit {FALLBACK_EXIT} "
+                             "(the coordinator stopped the job: resubmit it with resume=auto)")
                     self.bye("fallback")
                     self._exit(FALLBACK_EXIT)
                     return
