@@ -36,6 +36,15 @@ def test_recipe_replica_tp_follows_a_mesh_override(capfd):
     assert list(layout.replica_tp) == [2, 2, 2]
 
 
+def test_coordinator_sizes_the_job_as_its_tasks_do():
+    """ntp-coordinator composes the tasks' overrides: the recipe's replica_tp follows mesh.tp=1 there too
+    (2 processes), instead of refusing what the tasks accept."""
+    from ntp_nemo.cli.coordinator import _settings
+
+    assert _settings(["mesh.tp=1"])[0] == 2
+    assert _settings(["mesh.tp=2"])[0] == 3  # the recipe's [2,1]
+
+
 @pytest.mark.parametrize("mesh", ["mesh.tp=1", "mesh.dp=3"])
 def test_explicit_replica_tp_that_does_not_fit_names_the_null_fix(mesh):
     with pytest.raises(ConfigError) as err:

@@ -33,6 +33,7 @@ def _settings(overrides: list[str]) -> tuple[int, float, float, int]:
     `overrides`."""
     from ntp_nemo.cli.plan import _compose_training
     from ntp_nemo.config import checks
+    from ntp_nemo.config.data import explicit_keys
     from ntp_nemo.config.keys import check_override_keys
     from ntp_nemo.config.layout import resolve_layout
     from ntp_nemo.config.validate import validate
@@ -42,6 +43,7 @@ def _settings(overrides: list[str]) -> tuple[int, float, float, int]:
     cfg = _compose_training([o for o in overrides if not o.lstrip("+~").startswith("hydra")])
     checks.require_mandatory(cfg)
     checks.adjust(cfg)
+    checks.follow_mesh(cfg, explicit_keys(overrides))  # as the tasks do: the same world size
     validate(cfg)  # a bad value stops the coordinator as it stops the tasks (exit 2)
     layout = resolve_layout(cfg)
     timeouts = Timeouts.from_config(cfg.fault)
