@@ -61,6 +61,6 @@ def help_text() -> str:
         *(f"  {c:<70}  # {d}" for c, d in EXAMPLES),
         "",
         "also: --cfg job (print the composed config without running), --hydra-help (Hydra's options);",
-        "other commands: ntp-goodput, ntp-export, ntp-preprocess, ntp-plan, ntp-sim.",
+        "other commands: ntp-goodput, ntp-export, ntp-eval, ntp-preprocess, ntp-plan, ntp-sim.",
     ]
     return "\n".join(lines)
