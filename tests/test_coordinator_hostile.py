@@ -461,3 +461,11 @@ def test_a_task_lost_after_every_place_is_taken_but_before_training_stops_the_jo
     b.line.close()
     assert "while the job formed (2 of 2 places taken" in a.next()["end"]
     _until(lambda: s.code == [FALLBACK_EXIT], timeout_s=5)
+
+
+def test_a_task_that_stops_with_an_error_while_the_job_forms_stops_the_job(served):
+    s = served(world=3)
+    a, b = Raw(s.job, 0, ntasks=3), Raw(s.job, 1, ntasks=3)
+    b.line.send({"bye": "error"})  # its start-up raised: it says so and exits
+    assert "process 1 was lost (it stopped with 'error') while the job formed" in a.next()["end"]
+    _until(lambda: s.code == [FALLBACK_EXIT], timeout_s=5)

@@ -355,6 +355,8 @@ class Coordinator:
                 place.state = said if said in ("done", "idle", "fallback", "lost") else "error"
                 if place.state == "fallback":
                     self._fall_back(place.pid)
+                elif not self.started and place.state in ("error", "lost", "idle"):
+                    self._lose(place.pid, f"it stopped with {place.state!r}")
                 if place.state == "idle":
                     self.say(f"coordinator: process {place.pid} left idle by the new layout")
             elif msg.get("ready") and place.state == "replacing":
