@@ -9,6 +9,9 @@
 2. The sync plans alone for a large layout (default 526 ranks: 32 x TP 8 + TP 7, PP 2): all ranks in
    one pass (`build_sync_plans`) against `build_sync_plan` for the first 8 ranks (its time per rank, and
    the plans of those ranks compared).
+3. The world-wide communicator splits before step 1 of that layout (`--plans-world`): the groups a
+   rank's `StageLinks` creates (one per stage pair and direction) against two per link, and the total
+   the dry run prints (`communicator_splits`).
 
 Load from other processes changes wall time; CPU time (`time.process_time`) is printed next to it.
 """
@@ -86,6 +89,17 @@ def main() -> None:
               f"({pc / k:.3f} s CPU per rank; x {big.world_size} ranks = "
               f"{pc / k * big.world_size:.0f} s CPU, extrapolated)")
         print(f"   same plans for those ranks: {same}")
+
+        from ntp_nemo.pipeline.p2p import StageLinks, link_pairs
+        from ntp_nemo.runtime.dry_run import communicator_splits, splits_line
+
+        made: list[list[int]] = []
+        StageLinks(topo, 0, lambda ranks: made.append(list(ranks)))
+        splits = communicator_splits(topo, plans, big.schedule, checkpoint_group=True)
+        print(f"\n3. communicator splits before step 1 ({big.world_size} ranks, PP {topo.pp})")
+        print(f"   pipeline link groups: {len(made)} (one per stage pair and direction); two per link "
+              f"would be {2 * len(link_pairs(topo))}")
+        print(f"   {splits_line(splits)}")
 
 
 if __name__ == "__main__":
