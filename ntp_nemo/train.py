@@ -82,8 +82,7 @@ def train(cfg: DictConfig, start_t: float | None = None, console=None) -> dict:
             "over."
         )
         return {"already_complete": True, "checkpoint": str(ckpt_path)}
-    if ckpt_path is not None and not rejoining:
-        say(f"resuming from {ckpt_path} (step {done_step}; resume={cfg.resume})", flush=True)
+    # "resuming from ..." is said by the strategy once the checkpoint's data has passed its check.
     if launcher_rank() == 0 and not rejoining:
         from ntp_nemo.goodput import GoodputRecorder
 
@@ -96,8 +95,9 @@ def train(cfg: DictConfig, start_t: float | None = None, console=None) -> dict:
         _raise_if_found_corrupt(ckpt_path)
         print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(EXIT_RUNTIME)
-    except Exception:
+    except Exception as exc:
         _raise_if_found_corrupt(ckpt_path)
+        _exit_if_save_failed(exc)
         raise
     if launcher_rank() != 0:
         if result.exit_code:  # a cluster task whose coordinator died: the batch script sees why
@@ -317,6 +317,23 @@ def _raise_if_found_corrupt(ckpt_path: Path | None) -> None:
 
     if ckpt_path is not None and (Path(ckpt_path) / CORRUPT_MARKER).is_file():
         raise invalid_checkpoint_error(ckpt_path, checkpoint_problem(ckpt_path), "resume") from None
+
+
+def _exit_if_save_failed(exc: BaseException) -> None:
+    """A checkpoint that could not be written (a full disk, a quota): the saver's one line (what failed,
+    which complete checkpoints survive) and exit 1, not a worker's traceback."""
+    import re
+
+    from ntp_nemo.checkpoint import CheckpointWriteError
+
+    for _ in range(8):  # the error itself, a worker's (its text), or one it was raised from
+        if exc is None:
+            return
+        found = re.search(r"CheckpointWriteError: (.+)", str(exc))
+        if isinstance(exc, CheckpointWriteError) or found is not None:
+            print(f"error: {exc if found is None else found.group(1)}", file=sys.stderr, flush=True)
+            sys.exit(EXIT_RUNTIME)
+        exc = exc.__cause__ or exc.__context__
 
 
 def _checkpoint_step(path: Path) -> int:

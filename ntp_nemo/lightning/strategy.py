@@ -478,7 +478,7 @@ class NTPStrategy(ParallelStrategy):
 
         import lightning.pytorch as pl
 
-        from ntp_nemo.checkpoint import CheckpointSkippedWarning, load_with_fallback
+        from ntp_nemo.checkpoint import CheckpointSkippedWarning, load_with_fallback, read_manifest
         from ntp_nemo.checkpoint.rng import set_rng_state
 
         if self.joining is not None:  # a repaired process: the state comes from the survivors' memory
@@ -498,8 +498,11 @@ class NTPStrategy(ParallelStrategy):
                 warnings.showwarning(w.message, w.category, w.filename, w.lineno)
             elif self.is_global_zero:
                 print(f"warning: {w.message}", file=sys.stderr, flush=True)
-        if self.is_global_zero and loaded.path != path:
-            print(f"resuming from {loaded.path} instead: {path} is corrupted", flush=True)
+        if self.is_global_zero:  # announced once the data has passed its check, never before
+            step = read_manifest(loaded.path).get("step")
+            instead = f"; instead of {path}, whose data failed its check" if loaded.path != path else ""
+            print(f"resuming from {loaded.path} (step {step}; data checked as it loaded{instead})",
+                  flush=True)
         saved = ResolvedLayout.from_checkpoint(loaded.layout)
         if saved is not None and saved.same_ranks(self.layout) and len(loaded.rng) == self.world_size:
             state = loaded.rng[self.global_rank]
