@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import gc
 import signal
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from ntp_nemo.resilience.live_training import LiveLauncher
+from tests.conftest import TINY, read_metrics, run_cli
 
 
 def _collect_garbage_bounded() -> None:
@@ -40,5 +42,118 @@ def test_a_relaunch_never_destroys_an_earlier_attempts_store_in_a_worker():
         gc.enable()
 
 
-if __name__ == "__main__":
-    pytest.main([__file__, "-q"])
+REJOIN_BASE = [*TINY, "mesh.dp=2", "mesh.tp=1", "ntp.replica_tp=null", "trainer.max_steps=12",
+               "checkpoint.every_n_steps=0", "checkpoint.save_on_end=false", "fault.recovery=live"]
+
+
+def _losses(run: Path) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in read_metrics(run)}
+
+
+@pytest.mark.slow
+def test_a_failed_rejoin_cancels_the_rejoin_not_the_job(tmp_path):
+    """Rank 1 is lost at step 3 and the survivor goes on alone; the repaired process started in its place
+    dies before it joins (`kill_rank` phase `rejoin`).  The rejoin is cancelled, the survivor goes on, a
+    later repair joins, and every step lands once on the failure-free loss curve (no checkpoint exists:
+    only the survivor's memory carried the run)."""
+    ref = tmp_path / "reference"
+    done = run_cli([*REJOIN_BASE, f"hydra.run.dir={ref}"], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = tmp_path / "run"
+    proc = run_cli([*REJOIN_BASE, "fault=kill_rank", "fault.rank=1", "fault.step=3",
+                    "fault.repair_after_steps=1", "+fault.more=[{kind:kill_rank,rank:1,step:1,phase:rejoin}]",
+                    f"hydra.run.dir={run}"], cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert ("the rejoin of process(es) [1] failed (process(es) [1] exited with status 137); the survivors "
+            "go on without them") in out
+    assert "repaired process(es) rejoined: layout (1) -> (1,1)" in out
+    metrics = read_metrics(run)
+    assert [m["step"] for m in metrics] == list(range(1, 13))  # every step once
+    assert metrics[-1]["layout"] == "(1,1)"
+    reference = _losses(ref)
+    for step, loss in _losses(run).items():
+        assert abs(loss - reference[step]) <= 1e-4 * abs(reference[step]), (step, loss, reference[step])
+    assert (run / "failover" / "attempts.jsonl").read_text().count("\n") == 1  # no relaunch
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_live_rejoin_stops_quietly_with_the_resume_command(tmp_path):
+    """Ctrl-C while a repaired process waits to join slow survivors: the survivors checkpoint and stop,
+    the repaired process is stopped without a traceback, and the command prints the summary and the
+    resume command and exits 0 (a Ctrl-C's code) within a bound."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    run = tmp_path / "run"
+    args = [*REJOIN_BASE, "checkpoint.save_on_end=true", "fault=kill_rank", "fault.rank=1", "fault.step=3",
+            "fault.repair_after_steps=1", "+fault.more=[{kind:slow,rank:0,step:4,seconds:4,steps:4}]",
+            f"hydra.run.dir={run}"]
+    proc = subprocess.Popen([sys.executable, "-m", "ntp_nemo.train", *args], cwd=tmp_path, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    lines, sent = [], None
+    for line in proc.stdout:  # ends when the command's output closes
+        lines.append(line)
+        if sent is None and "start and rejoin before step" in line:
+            time.sleep(1.0)  # the repaired process is starting or waiting for the survivors
+            sent = time.time()
+            os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends
+        if sent is not None and time.time() - sent > 120:
+            os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    out = "".join(lines)
+    assert sent is not None, out
+    assert proc.returncode == 0, out
+    assert time.time() - sent < 90, out
+    assert "Traceback" not in out and "DistStoreError" not in out, out
+    assert "stopped early at step" in out and "(Ctrl-C); checkpoint saved" in out, out
+    assert "to resume     ntp-train" in out and f"hydra.run.dir={run}" in out, out
+
+
+@pytest.mark.parametrize("how", ["deleted", "overwritten"])
+def test_a_wiped_or_overwritten_store_is_named_not_blamed_on_the_machine(tmp_path, how):
+    """The launcher seals the job's store when it hosts it; keys that vanish or change under the job stop
+    the attempt at once with that reason (it waited out the collective timeout, then blamed the machine)."""
+    import multiprocessing as mp
+    import time
+
+    from ntp_nemo.resilience.fault_config import Timeouts
+    from ntp_nemo.resilience.live_training import LiveMonitor
+    from ntp_nemo.resilience.rendezvous import (
+        SEAL_KEY,
+        connect,
+        free_port,
+        host_store,
+        local_secret,
+        seal_store,
+    )
+    from ntp_nemo.resilience.store_auth import JobStore
+
+    secret, port = local_secret(), free_port()
+    store = JobStore(host_store(port), secret)
+    seal = seal_store(store)
+    procs = [mp.get_context("fork").Process(target=time.sleep, args=(60,), daemon=True) for _ in range(2)]
+    for p in procs:
+        p.start()
+    launcher = SimpleNamespace(procs=procs, store=store, seal=seal, lost=set(), stop_requested=None)
+    monitor = LiveMonitor(launcher, 2, tmp_path, 30.0, timeouts=Timeouts(30.0, 60.0, 120.0, 100.0))
+    monitor.start()
+    time.sleep(1.5)
+    assert monitor.is_alive() and monitor.verdict is None  # an intact store: nothing to say
+    other = JobStore(connect(port), secret)  # something else on this machine, with the job's keys
+    if how == "deleted":
+        other.store.delete_key(SEAL_KEY)
+    else:
+        other.store.set(SEAL_KEY, b"not the job's")
+    t0 = time.time()
+    monitor.join(10)
+    assert not monitor.is_alive() and time.time() - t0 < 5
+    v = monitor.verdict
+    assert v.reason == "store wiped" and "coordination keys vanished or changed under it" in v.detail
+    for p in procs:
+        p.join(5)
+    assert [p.exitcode for p in procs] == [-9, -9]
+

@@ -195,6 +195,7 @@ def test_startup_timeout_is_validated():
     assert (t.startup_s, t.rejoin_s, t.stop_grace_s) == (600.0, 150.0, 20.0)
 
 
+@pytest.mark.slow
 def test_sigterm_to_a_run_whose_worker_hangs_ends_it_within_the_bound(tmp_path):
     """A scheduler's SIGTERM to a run with a hung rank: the rank cannot checkpoint, so the supervisor
     kills the workers within its bounds and the command ends (exit 1, the reason and the resume hint)

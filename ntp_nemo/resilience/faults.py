@@ -7,7 +7,8 @@ Kinds (each strikes global rank `rank` of the layout running at the time, at opt
   node looks to the launcher.  `phase` says when in the step: `step_start` (before the forward),
   `backward` (inside the first micro-batch's backward, when the gradient of this rank's first
   parameter is computed: before any gradient sync completes) or `optimizer` (right after this rank's
-  optimizer step updated its weights, before the step ends).
+  optimizer step updated its weights, before the step ends) or `rejoin` (live recovery: the repaired
+  process started in place of rank `rank` dies during its start-up, before it joins the survivors).
 - `hang`: the process stops making progress (sleeps forever); only heartbeats or timeouts reveal it.
 - `slow`: a straggler: `seconds` of extra time per step for `steps` steps (None: to the end).
 - `kill_during_save`: the rank dies while the checkpoint of the first save at or after `step` is
@@ -101,6 +102,13 @@ class FaultInjector(Callback):
             os.close(fd)
         return True
 
+    def strike_rejoin(self, rank: int) -> None:
+        """In a repaired process starting in place of `rank` (before it joins): a `kill_rank` fault of
+        phase `rejoin` on that rank kills it now (once per run)."""
+        for f in self.faults:
+            if f.kind == "kill_rank" and f.phase == "rejoin" and f.rank == rank and self._claim(f, -1):
+                os._exit(KILL_EXIT_CODE)
+
     def _mine(self, trainer: Trainer, kinds: tuple[str, ...]) -> list[Fault]:
         return [f for f in self.faults if f.kind in kinds and f.rank == trainer.global_rank]
 
@@ -123,6 +131,8 @@ class FaultInjector(Callback):
                         f"fault: corrupted {hit if hit else 'nothing (no committed checkpoint yet)'}",
                         flush=True,
                     )
+                continue
+            if f.kind == "kill_rank" and f.phase == "rejoin":  # strikes a repaired process (strike_rejoin)
                 continue
             if f.kind == "kill_rank" and f.phase != "step_start":
                 if step >= f.step and not marker_path(self.fault_dir, f).exists():

@@ -58,13 +58,19 @@ from ntp_nemo.resilience.fault_config import Timeouts
 from ntp_nemo.resilience.policies import make_policy
 from ntp_nemo.resilience.recovery import Generation, grow, recover
 from ntp_nemo.resilience.rendezvous import (
+    SEAL_KEY,
     connect,
+    decide_rejoin,
     free_port,
     host_store,
+    is_ready,
     local_secret,
     publish_failed,
+    publish_ready,
     publish_rejoin,
     read_rejoin,
+    seal_intact,
+    seal_store,
 )
 from ntp_nemo.resilience.store_auth import JobStore
 from ntp_nemo.topology.layout import ResolvedLayout
@@ -88,18 +94,21 @@ class LiveLauncher(_ForkLauncher):
     def __init__(self, strategy: Any) -> None:
         super().__init__(strategy, start_method="fork")
         self.store: JobStore | None = None
+        self.seal: str | None = None  # `rendezvous.seal_store`'s value on the store hosted here
         self.secret: bytes | None = None  # the job's store secret, drawn before the fork (workers inherit it)
         self.lost: set[int] = set()  # process indices the monitor handed to the survivors
         self._spawn: tuple | None = None  # what the workers were started with (for repaired processes)
 
-    def respawn(self, idx: int, generation: int, layout: ResolvedLayout, source: int,
-                timeout_s: float = 60.0) -> None:
-        """Start a repaired process in place of process `idx`: it joins `generation` (a rejoin)."""
+    def respawn(self, idx: int, generation: int, layout: ResolvedLayout, source: int, *,
+                timeout_s: float, attempt: int | None = None) -> None:
+        """Start a repaired process in place of process `idx`: it joins `generation` (a rejoin), waiting
+        up to `timeout_s` for the survivors (`Timeouts.rejoin_s`); `attempt`: the rejoin's number, under
+        which it says it is ready (`rendezvous.publish_ready`)."""
         assert self._spawn is not None
         port, trainer, function, args, kwargs, return_queue = self._spawn
         secret = self.secret
         joining = Rejoining(lambda: JobStore(connect(port, timeout_s), secret), layout, idx,
-                            index=generation, source=source, timeout_s=timeout_s)
+                            index=generation, source=source, timeout_s=timeout_s, attempt=attempt)
         proc = mp.get_context("fork").Process(
             target=_rejoin_main, args=(self, idx, joining, trainer, function, args, kwargs, return_queue),
             name=f"ntp-rejoin-{idx}")
@@ -134,7 +143,9 @@ class LiveLauncher(_ForkLauncher):
             self.procs = process_context.processes
             self._spawn = (port, trainer, function, args, kwargs, return_queue)
             # after the fork: no server thread is copied into a worker
-            self.store = JobStore(host_store(port), self.secret)
+            store = JobStore(host_store(port), self.secret)
+            self.seal = seal_store(store)  # the monitor checks that the job's keys stay its own
+            self.store = store
             # Until every process has exited, including repaired ones started meanwhile in place of a
             # lost one.  (The monitor thread polls the same children: a join that loses the race to reap
             # one returns before its exit status is recorded, so the status is what is waited for.)
@@ -187,6 +198,9 @@ class LiveMonitor(threading.Thread):
         self.repair_after_steps, self.layout, self.end_step = repair_after_steps, layout, end_step
         self._degraded_at: int | None = None  # the step the survivors had reached at the last failure
         self.timeouts = timeouts
+        self._rejoin: dict | None = None  # the announced rejoin awaiting the launcher's decision
+        self._sealed_t = 0.0  # when the store's seal was last checked
+        self._attempts = 0  # rejoins announced so far (each one's number keys its ready marks)
         self._launched = time.time()
         self._all_trained = False  # every process has reached training once (the start-up bound is over)
 
@@ -231,10 +245,17 @@ class LiveMonitor(threading.Thread):
                     self.verdict = verdict
                     return
                 self._kill_hung(procs, self.world_size - len(self.launcher.lost))
+                self._watch_rejoin(procs, seen)
                 self._maybe_rejoin(procs, seen)
                 continue
             time.sleep(self.grace_s)  # a failure taking several ranks: collect them all
             exited = [i for i, p in enumerate(procs) if i not in seen and p.exitcode is not None]
+            r = self._rejoin
+            joining = [i for i in exited if r is not None and not r.get("decided") and i in r["pids"]]
+            if joining:  # a repaired process failed before it joined: the rejoin is cancelled, not the job
+                code = ", ".join(str(procs[i].exitcode) for i in joining)
+                self._cancel_rejoin(procs, seen, f"process(es) {joining} exited with status {code}")
+                continue
             seen.update(exited)
             lost = [i for i in exited
                     if is_lost_status(procs[i].exitcode) and procs[i].exitcode != FALLBACK_EXIT]
@@ -264,9 +285,17 @@ class LiveMonitor(threading.Thread):
     def _overdue(self) -> Verdict | None:
         """A bound of `detection` passed: the stop after a stop signal, the rendezvous or the start-up
         (until every process has trained once), a step."""
+        seal = getattr(self.launcher, "seal", None)
+        now = time.time()
+        if seal is not None and now - self._sealed_t >= 1.0:
+            self._sealed_t = now
+            if not self._seal_holds(seal):
+                return Verdict("store wiped", (), None, now,  # supervisor.STORE_WIPED
+                               f"the job's coordination keys vanished or changed under it (its seal "
+                               f"{SEAL_KEY!r} on the job's store, hosted by this process, is gone or "
+                               "different): something else deleted or overwrote them")
         if self.timeouts is None or self.heartbeat_dir is None:
             return None
-        now = time.time()
         beats = read_beats(self.heartbeat_dir, self.world_size)
         verdict = stop_overdue(getattr(self.launcher, "stop_requested", None), now, self.timeouts)
         if verdict is None and not self._all_trained:
@@ -274,6 +303,66 @@ class LiveMonitor(threading.Thread):
             self._all_trained = verdict is None and all(r in beats and beats[r].phase != "setup"
                                                     for r in range(self.world_size))
         return verdict or step_verdict(beats, self.world_size, self._launched, now, self.timeouts)
+
+    def _watch_rejoin(self, procs, seen: set[int]) -> None:
+        """The announced rejoin: join once every repaired process is ready; cancel it when they are not
+        within `fault.startup_timeout_s` of their start."""
+        r = self._rejoin
+        if r is None:
+            return
+        if r.get("decided"):  # told to join: watched until the repaired processes train
+            beats = read_beats(self.heartbeat_dir, self.world_size) if self.heartbeat_dir is not None else {}
+            if all(i in beats and beats[i].pid == procs[i].pid and beats[i].phase != "setup"
+                   for i in r["pids"]):
+                self._rejoin = None
+            elif all(p.exitcode is not None for i, p in enumerate(procs) if i not in r["pids"]):
+                # the survivors stopped (a stop signal) before taking them in: nobody is left to join
+                self._cancel_rejoin(procs, seen, "the survivors stopped before it joined", retry=False)
+            return
+        if getattr(self.launcher, "stop_requested", None) is not None:  # SIGTERM/Ctrl-C: the survivors
+            # checkpoint and stop at the end of their step; a repaired process waiting to join stops now
+            self._cancel_rejoin(procs, seen, "the run is stopping", retry=False)
+            return
+        store = self.launcher.store
+        if all(is_ready(store, r["generation"], r["attempt"], i) for i in r["pids"]):
+            decide_rejoin(store, r["generation"], r["announced"], join=True)
+            r["decided"] = True
+            return
+        bound = self.timeouts.startup_s if self.timeouts is not None else None
+        if bound is not None and time.time() - r["t"] > bound:
+            self._cancel_rejoin(procs, seen, f"not ready to join {time.time() - r['t']:.0f} s after their "
+                                f"start (fault.startup_timeout_s={bound:g})")
+
+    def _cancel_rejoin(self, procs, seen: set[int], why: str, retry: bool = True) -> None:
+        """A failed rejoin stops the repaired processes only (SIGKILL: no traceback, nothing of theirs to
+        save): the survivors are told to go on in their generation, and with `retry` the repair is tried
+        again `fault.repair_after_steps` steps later."""
+        r, self._rejoin = self._rejoin, None
+        assert r is not None
+        for i in r["pids"]:
+            p = procs[i]
+            if p.exitcode is None and p.pid is not None:
+                kill_worker(p.pid)
+                p.join(5)
+        seen.update(r["pids"])
+        self.launcher.lost.update(r["pids"])
+        if r.get("decided"):  # too late to cancel: the survivors are gone
+            print(f"failover | live: {why}: stopping the repaired process(es) {r['pids']}", flush=True)
+            return
+        decide_rejoin(self.launcher.store, r["generation"], r["announced"], join=False)
+        self.generation = r["generation"]  # the survivors stay in it
+        self._degraded_at = self._max_step() if retry else None
+        if not retry:
+            print(f"failover | live: {why}: the rejoin of process(es) {r['pids']} is cancelled", flush=True)
+            return
+        print(f"failover | live: the rejoin of process(es) {r['pids']} failed ({why}); the survivors go on "
+              "without them", flush=True)
+
+    def _seal_holds(self, seal: str) -> bool:
+        try:
+            return seal_intact(self.launcher.store, seal)
+        except Exception:  # noqa: BLE001 - a store that does not answer is no wiped store
+            return True
 
     def _max_step(self) -> int:
         beats = read_beats(self.heartbeat_dir, self.world_size) if self.heartbeat_dir is not None else {}
@@ -283,7 +372,8 @@ class LiveMonitor(threading.Thread):
         """`fault.repair_after_steps` steps after a live recovery, start a repaired process for every
         process that is gone (lost, or left idle by the new layout) and announce that they join before a
         step no survivor has started yet; the survivors return to the original layout there."""
-        if self.repair_after_steps is None or self._degraded_at is None or self.layout is None:
+        if self.repair_after_steps is None or self._degraded_at is None or self.layout is None \
+                or getattr(self.launcher, "stop_requested", None) is not None:
             return
         step = self._max_step()
         if step < self._degraded_at + self.repair_after_steps:
@@ -297,10 +387,18 @@ class LiveMonitor(threading.Thread):
             self._degraded_at = None  # too close to the end: the run finishes on the degraded layout
             return
         source = min(i for i in range(len(procs)) if i not in gone)
+        self._attempts += 1
+        wait_s = self.timeouts.rejoin_s if self.timeouts is not None else 600.0
+        announced = {"step": join_at, "members": list(range(self.layout.world_size)), "source": source,
+                     "attempt": self._attempts}
+        publish_rejoin(self.launcher.store, self.generation, join_at, range(self.layout.world_size), source,
+                       attempt=self._attempts)
         for i in gone:
-            self.launcher.respawn(i, self.generation + 1, self.layout, source)
+            self.launcher.respawn(i, self.generation + 1, self.layout, source, timeout_s=wait_s,
+                                  attempt=self._attempts)
             seen.discard(i)
-        publish_rejoin(self.launcher.store, self.generation, join_at, range(self.layout.world_size), source)
+        self._rejoin = {"generation": self.generation, "attempt": self._attempts, "pids": list(gone),
+                        "announced": announced, "t": time.time()}
         self.generation += 1
         self._degraded_at = None
         print(f"failover | live: repaired process(es) {gone} start and rejoin before step {join_at}",
@@ -329,9 +427,12 @@ class LiveRecovery(Callback):
     """Worker side of `fault.recovery=live` (see the module docstring)."""
 
     def __init__(self, policy: str, min_replica_tp: int = 1, timeout_s: float = 60.0,
-                 repair: bool = False, link: Any = None) -> None:
+                 repair: bool = False, link: Any = None, decision_s: float = 660.0) -> None:
+        """`timeout_s`: every wait of a recovery or a rejoin (the store, the rendezvous:
+        `fault.collective_timeout_s`); `decision_s`: how long the survivors wait at an announced rejoin
+        for the launcher's word that the repaired processes are ready, or that the rejoin is cancelled."""
         self.policy = make_policy(policy, min_replica_tp)
-        self.timeout_s = timeout_s
+        self.timeout_s, self.decision_s = timeout_s, decision_s
         self.repair = repair  # repaired processes may rejoin (fault.repair_after_steps, or a cluster job)
         # A task of a cluster job: its link to ntp-coordinator (resilience/cluster_task.py), which hosts the
         # store and says who is lost; None under ntp-train (the launching process does)
@@ -490,13 +591,32 @@ class LiveRecovery(Callback):
             if self.link is not None and self.link.lost_coordinator(2.0):
                 return
             raise
-        if announced is None or trainer.global_step + 1 < announced["step"]:
+        if announced is None or announced.get("decision") == "cancel" \
+                or trainer.global_step + 1 < announced["step"]:
             return
         if trainer.global_step + 1 > announced["step"]:
             _give_up(self.pid, RuntimeError(f"the rejoin before step {announced['step']} was announced after "
                                             f"this process started step {trainer.global_step + 1}"),
                      None, self.link)
+        if "attempt" in announced and not self._rejoin_decided(trainer):
+            return  # cancelled: the repaired processes failed to start; this generation goes on
         self._grow(trainer.strategy, int(announced["source"]))
+
+    def _rejoin_decided(self, trainer: Any) -> bool:
+        """Wait for the launcher's decision on the announced rejoin: True to join, False if cancelled."""
+        deadline = time.monotonic() + self.decision_s
+        while True:
+            announced = read_rejoin(self.store, self.generation.index) or {}
+            if announced.get("decision") in ("join", "cancel"):
+                break
+            if time.monotonic() > deadline:
+                _give_up(self.pid, TimeoutError(f"no word from the launcher on the rejoin in "
+                                                f"{self.decision_s:g} s"), self.launcher_pid, self.link)
+            time.sleep(0.02)
+        if announced["decision"] == "cancel" and trainer.is_global_zero:
+            print(f"failover | live: the rejoin before step {announced['step']} was cancelled; going on with "
+                  f"layout {self.generation.layout.describe()}", flush=True)
+        return announced["decision"] == "join"
 
     def _grow(self, strategy: Any, source: int) -> None:
         """Rejoin at this step boundary; process `source` (a survivor, rank `source` of the original
@@ -554,11 +674,14 @@ class Rejoining:
 
     def __init__(self, open_store: Callable[[], JobStore], layout: ResolvedLayout, pid: int, *,
                  index: int | None = None, source: int | None = None,
-                 announce: Callable[[], tuple[int, int]] | None = None, timeout_s: float = 60.0) -> None:
+                 announce: Callable[[], tuple[int, int]] | None = None, timeout_s: float,
+                 attempt: int | None = None) -> None:
         """`open_store()`: the job's store; `index`, `source`: the generation to join and the survivor
         that sends Lightning's state, or None until `announce()` returns them (a cluster replacement
-        learns them from the coordinator once it is ready to join)."""
+        learns them from the coordinator once it is ready to join); `timeout_s`: how long it waits for
+        the survivors; `attempt`: the launcher's number of this rejoin (it says it is ready under it)."""
         self.open_store, self.layout, self.pid, self.timeout_s = open_store, layout, pid, timeout_s
+        self.attempt = attempt
         self.index, self.source, self.announce = index, source, announce
         self.active = True
 
@@ -568,7 +691,10 @@ class Rejoining:
         if self.index is None:
             assert self.announce is not None
             self.index, self.source = self.announce()
-        join(self.open_store(), self.index, self.pid, self.layout.world_size,
+        store = self.open_store()
+        if self.attempt is not None:  # the launcher tells the survivors to take it in once it is ready
+            publish_ready(store, self.index - 1, self.attempt, self.pid)
+        join(store, self.index, self.pid, self.layout.world_size,
              backend=strategy.process_group_backend or "gloo", timeout_s=self.timeout_s)
 
     def receive(self, strategy: Any) -> dict:
@@ -606,6 +732,11 @@ def _rejoin_main(launcher: LiveLauncher, idx: int, joining: Rejoining, trainer: 
     """Entry of a repaired process (forked by the launching process)."""
     import inspect
 
+    from ntp_nemo.resilience.faults import FaultInjector
+
+    for cb in trainer.callbacks:  # a fault injected into the rejoin itself (kill_rank, phase rejoin)
+        if isinstance(cb, FaultInjector):
+            cb.strike_rejoin(idx)
     prepare_rejoin(trainer, joining)
     args = list(args)
     names = list(inspect.signature(function).parameters)

@@ -137,6 +137,21 @@ def leave(store: JobStore | None = None) -> None:
         dist.destroy_process_group()
 
 
+SEAL_KEY = "job/seal"  # set by the launcher when it hosts the store: a wiped or overwritten store loses it
+
+
+def seal_store(store: JobStore) -> str:
+    """Mark a freshly hosted store as this job's (a fresh value, signed); returns the value."""
+    seal = new_secret().hex()
+    store.put(SEAL_KEY, seal)
+    return seal
+
+
+def seal_intact(store: JobStore, seal: str) -> bool:
+    """The job's keys are still its own: the seal is there, unchanged (one store round trip)."""
+    return store.read(SEAL_KEY) == seal
+
+
 def failed_key(generation: int) -> str:
     """Store key under which the launcher lists the ranks of `generation` it saw die."""
     return f"failed/gen{generation}"
@@ -158,11 +173,34 @@ def rejoin_key(generation: int) -> str:
 
 
 def publish_rejoin(store: JobStore, generation: int, step: int, members: Sequence[int],
-                   source: int) -> None:
+                   source: int, *, attempt: int | None = None) -> None:
     """Announce a rejoin: before (1-based) step `step`, generation `generation + 1` has `members`;
-    `source` (a survivor's process id) hands the repaired processes the state a checkpoint would."""
-    store.put(rejoin_key(generation), json.dumps({"step": int(step), "members": [int(m) for m in members],
-                                                  "source": int(source)}))
+    `source` (a survivor's process id) hands the repaired processes the state a checkpoint would.
+    With `attempt` (a number of the launcher's), the survivors wait at step `step` for the launcher's
+    decision (`decide_rejoin`): join once every repaired process is ready, or cancel and go on."""
+    doc = {"step": int(step), "members": [int(m) for m in members], "source": int(source)}
+    if attempt is not None:
+        doc["attempt"] = int(attempt)
+    store.put(rejoin_key(generation), json.dumps(doc))
+
+
+def ready_key(generation: int, attempt: int, pid: int) -> str:
+    """Store key a repaired process sets when it is about to join (rejoin `attempt` after `generation`)."""
+    return f"rejoin/gen{generation}/{attempt}/ready/{pid}"
+
+
+def publish_ready(store: JobStore, generation: int, attempt: int, pid: int) -> None:
+    store.put(ready_key(generation, attempt, pid), "1")
+
+
+def is_ready(store: JobStore, generation: int, attempt: int, pid: int) -> bool:
+    return store.read(ready_key(generation, attempt, pid)) is not None
+
+
+def decide_rejoin(store: JobStore, generation: int, announced: dict, join: bool) -> None:
+    """The launcher's word on an announced rejoin: `join` (every repaired process is ready) or cancel
+    (one failed: the survivors go on in their generation, which stays the current one)."""
+    store.put(rejoin_key(generation), json.dumps({**announced, "decision": "join" if join else "cancel"}))
 
 
 def read_rejoin(store: JobStore, generation: int) -> dict | None:

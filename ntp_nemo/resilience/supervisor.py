@@ -46,6 +46,7 @@ from ntp_nemo.resilience.worker import SupervisedWorker
 from ntp_nemo.topology.layout import ResolvedLayout
 
 FAILOVER_DIR = "failover"
+STORE_WIPED = "store wiped"  # LiveMonitor's verdict when the job's keys vanish or change
 ATTEMPTS_FILE = "attempts.jsonl"
 
 # build(layout, extra_callbacks, cuda_devices, stop_at_step) -> (trainer, module, strategy); cuda_devices:
@@ -142,7 +143,9 @@ class Supervisor:
             from ntp_nemo.resilience.live_training import LiveRecovery
 
             out.append(LiveRecovery(self.policy.name, self.spec.min_replica_tp,
-                                    repair=self.spec.fault.repair_after_steps is not None))
+                                    timeout_s=self.timeouts.collective_s,
+                                    repair=self.spec.fault.repair_after_steps is not None,
+                                    decision_s=self.timeouts.startup_s + self.timeouts.heartbeat_s))
         return out
 
     def build_first(self) -> tuple[Any, Any, Any]:
@@ -165,6 +168,7 @@ class Supervisor:
                 + "; ".join(
                     f"{f.kind} rank {f.rank} at step {f.step}"
                     + (f" (+{f.seconds}s/step)" if f.kind == "slow" else "")
+                    + (f" ({f.phase})" if f.phase != "step_start" else "")
                     for f in self.faults
                 )
                 + f"; policy {self.policy.name}; recovery {self.recovery} ({self.recovery_why})",
@@ -280,10 +284,14 @@ class Supervisor:
                     flush=True,
                 )
                 if restarts > int(self.spec.fault.max_restarts):
+                    what = (f"the job's coordination keys vanished or changed under it ({lost.detail}); "
+                            "find what deletes or writes keys on the job's store (not the machine)"
+                            if lost.reason == STORE_WIPED else
+                            f"rank(s) {ranks} lost ({lost.reason}: {lost.detail}). Raise "
+                            "fault.max_restarts or check the machine")
                     raise FailoverError(
                         f"{restarts} failures exceed fault.max_restarts={self.spec.fault.max_restarts};"
-                        f" last: rank(s) {ranks} lost ({lost.reason}). Raise fault.max_restarts or "
-                        "check the machine."
+                        f" last: {what}."
                     )
                 plan_layout, reason = plan.new, "failover"
                 new_devices = self.relaunch_devices(layout, plan, lost.ranks)
@@ -338,7 +346,11 @@ class Supervisor:
 
     def _replan(self, layout: ResolvedLayout, lost: LostRanks) -> Replan:
         policy = self.policy
-        if not lost.ranks and policy.name != "restart":
+        if lost.reason == STORE_WIPED:
+            print("failover | the job's store lost its keys: relaunching on the same layout, fresh store",
+                  flush=True)
+            policy = make_policy("restart")
+        elif not lost.ranks and policy.name != "restart":
             print("failover | the lost rank cannot be told; relaunching on the same layout", flush=True)
             policy = make_policy("restart")
         try:
