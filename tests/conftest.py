@@ -1,4 +1,8 @@
-"""Shared fixtures: composing real configs and running the real CLI."""
+"""Shared fixtures: composing real configs, running the real CLI, one `ntp-train -m` sweep for many
+cases, and the failure-free reference curves every comparison reads (computed once per session).
+
+The suite's budget is 15 minutes on 2 cores (tests/README.md): a test that compares a loss curve reads
+`reference_losses`, and layout cases of one module run as one sweep (`sweep_cases`)."""
 
 from __future__ import annotations
 
@@ -6,7 +10,9 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -35,9 +41,13 @@ SINGLE = ["mesh.dp=1", "mesh.tp=1", "ntp.replica_tp=null"]
 
 @pytest.fixture(scope="session", autouse=True)
 def _shared_cache(tmp_path_factory):
-    """One corpus/token cache for the whole session (the embedded corpus is tokenised once)."""
+    """One corpus/token cache for the whole session (the embedded corpus is tokenised once), and one
+    intra-op thread per process started: a one-process run keeps torch's default (every core), which
+    the ranks of a layout do not (each sets 1), and on a busy machine its threads wait on each other
+    for seconds a step."""
     if "NTP_NEMO_CACHE" not in os.environ:
         os.environ["NTP_NEMO_CACHE"] = str(tmp_path_factory.mktemp("ntp_cache"))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def run_cli(
@@ -68,3 +78,80 @@ def compose(overrides: list[str]):
     register_configs()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
         return hydra_compose(config_name="config", overrides=overrides)
+
+
+def case_file(root: Path, name: str, overrides: list[str]) -> None:
+    """Write `overrides` (`key=value`, no config groups) as the option `name` of the test-only config
+    group `tests/case` under `root`, applied last (`# @package _global_`): one job's settings of a sweep."""
+    from omegaconf import OmegaConf
+
+    assert all("=" in o and not o.startswith(("+", "~", "recipe=")) for o in overrides), overrides
+    folder = root / "tests" / "case"
+    folder.mkdir(parents=True, exist_ok=True)
+    body = OmegaConf.to_yaml(OmegaConf.from_dotlist(overrides))
+    (folder / f"{name}.yaml").write_text("# @package _global_\n" + body)
+
+
+class Sweep(NamedTuple):
+    """A finished `ntp-train -m` sweep: the process and each case's job directory (by case name)."""
+
+    proc: subprocess.CompletedProcess
+    dirs: dict[str, Path]
+
+    def run_dir(self, name: str) -> Path:
+        """The job directory of case `name`, with the sweep's output when that job left no metrics."""
+        run = self.dirs[name]
+        assert (run / "metrics.jsonl").is_file(), (name, self.proc.stdout[-2000:], self.proc.stderr[-3000:])
+        return run
+
+
+def sweep_cases(cases: dict[str, list[str]], common: list[str], root: Path, timeout: int = 900) -> Sweep:
+    """Run every case (name -> overrides on top of `common`) as one job of one `ntp-train -m` sweep: one
+    interpreter and one import of Lightning for all of them; jobs run in the order of `cases`, each in
+    its own run directory (`root/sweep/<job number>`). Each case becomes an option of a config group on
+    `hydra.searchpath` (`+tests/case=a,b,...`), so one swept value sets several keys at once."""
+    names = list(cases)
+    for name in names:
+        case_file(root / "cases", name, cases[name])
+    sweep_dir = root / "sweep"
+    proc = run_cli(
+        ["-m", *common, f"hydra.searchpath=[file://{root / 'cases'}]", f"+tests/case={','.join(names)}",
+         f"hydra.sweep.dir={sweep_dir}"],
+        cwd=root,
+        timeout=timeout,
+    )
+    return Sweep(proc, {name: sweep_dir / str(i) for i, name in enumerate(names)})
+
+
+# The failure-free curves of TINY that comparisons read: one process (every layout follows the same curve
+# to 1e-5 relative, tests/test_train_cli.py), per run length (the schedule depends on trainer.max_steps);
+# NTP (2,1) at 20 steps for the resume tests' 1e-6 comparisons (same layout, same reduction order).
+NTP21 = ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]"]
+REFERENCES = {
+    "single-5": [*SINGLE, "trainer.max_steps=5"],
+    "single-8": [*SINGLE, "trainer.max_steps=8"],
+    "single-12": [*SINGLE, "trainer.max_steps=12"],
+    "single-20": [*SINGLE, "trainer.max_steps=20"],
+    "single-40": [*SINGLE, "trainer.max_steps=40"],
+    "ntp21-20": [*NTP21, "trainer.max_steps=20"],
+}
+
+
+@pytest.fixture(scope="session")
+def reference_losses(tmp_path_factory) -> Callable[[str], dict[int, float]]:
+    """`reference_losses(name)`: {step: loss} of the failure-free run REFERENCES[name] (TINY, no
+    checkpoints), every reference computed by one sweep the first time any is asked for."""
+    done: dict[str, dict[int, float]] = {}
+
+    def get(name: str) -> dict[int, float]:
+        if not done:
+            result = sweep_cases(REFERENCES, [*TINY], tmp_path_factory.mktemp("references"))
+            assert result.proc.returncode == 0, result.proc.stderr[-3000:]
+            for case in REFERENCES:
+                done[case] = {m["step"]: m["loss"] for m in read_metrics(result.run_dir(case))}
+        losses = done[name]
+        steps = int(REFERENCES[name][-1].split("=")[1])
+        assert sorted(losses) == list(range(1, steps + 1)), (name, sorted(losses))
+        return losses
+
+    return get

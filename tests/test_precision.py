@@ -28,8 +28,8 @@ def _curve(tmp_path, name: str, args: list[str]) -> list[float]:
 
 
 @pytest.mark.slow
-def test_bf16_true_on_an_ntp_layout_tracks_the_float32_curve(tmp_path):
-    fp32 = _curve(tmp_path, "fp32", SINGLE)
+def test_bf16_true_on_an_ntp_layout_tracks_the_float32_curve(tmp_path, reference_losses):
+    fp32 = list(reference_losses(f"single-{STEPS}").values())  # the float32 curve of one process (conftest)
     bf16 = _curve(tmp_path, "bf16", [*NTP_2_1, "trainer.precision=bf16-true"])
     rel = [abs(a - b) / b for a, b in zip(bf16, fp32, strict=True)]
     assert max(rel) < 5e-2, rel
