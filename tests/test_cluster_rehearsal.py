@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.conftest import SINGLE, TINY, read_metrics, run_cli
+from tests.conftest import TINY, read_metrics
 
 STEPS = 8
 BASE = [*TINY, "mesh.tp=2", f"trainer.max_steps={STEPS}", "checkpoint.every_n_steps=2",
@@ -48,11 +48,8 @@ def agents(torchrun_args: list[list[str]], overrides: list[str], cwd, timeout: i
 
 
 @pytest.mark.slow
-def test_two_node_torchrun_loses_a_gpu_and_resumes_on_the_replan(tmp_path):
-    ref = tmp_path / "ref"
-    proc = run_cli([*TINY, *SINGLE, f"trainer.max_steps={STEPS}", f"hydra.run.dir={ref}"], cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    reference = {m["step"]: m["loss"] for m in read_metrics(ref)}
+def test_two_node_torchrun_loses_a_gpu_and_resumes_on_the_replan(tmp_path, reference_losses):
+    reference = reference_losses(f"single-{STEPS}")  # the failure-free curve (conftest)
 
     run = tmp_path / "run"
     endpoint = f"127.0.0.1:{free_port()}"

@@ -57,11 +57,10 @@ def references(tmp_path_factory, reference):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """Losses of the failure-free run of BASE."""
-    losses = _last_losses(_run(tmp_path_factory.mktemp("live"), "reference")[0])
-    assert sorted(losses) == STEPS
-    return losses
+def reference(reference_losses):
+    """Losses of the failure-free run of BASE (conftest's one-process run of TINY, 8 steps: every layout
+    follows it, (2,2) included)."""
+    return reference_losses("single-8")
 
 
 def _on_reference_curve(run, reference) -> None:
