@@ -80,3 +80,37 @@ def test_stop_without_a_checkpoint_does_not_say_saved(tmp_path, capsys):
     (tmp_path / "checkpoints" / "step_000005").mkdir()
     print_summary({**summary, "stopped_early": "SIGINT"}, tmp_path, checkpoint_dir=tmp_path / "checkpoints")
     assert "(Ctrl-C); checkpoint saved (step_000005)" in capsys.readouterr().out
+
+
+def test_ctrl_c_while_the_workers_fork_reaches_them_as_ctrl_c():
+    """A Ctrl-C that reaches the launcher before its workers exist is passed on to them as SIGINT (they
+    report an interrupt), not as the SIGTERM of a preemption; once they exist (and got the terminal's
+    SIGINT themselves) it is passed on as SIGTERM, so one Ctrl-C never counts twice."""
+    import os
+    import signal
+
+    from ntp_nemo.lightning.strategy import _ForkLauncher
+
+    launcher = _ForkLauncher.__new__(_ForkLauncher)  # only its signal forwarding is exercised
+    with launcher.forwarding_signals():
+        os.kill(os.getpid(), signal.SIGINT)  # no worker forked yet
+    assert launcher._pending_signal == signal.SIGINT and launcher.stop_requested is not None
+
+    class Worker:
+        pid = os.getpid()
+
+        @staticmethod
+        def is_alive():
+            return True
+
+    got = []
+    launcher = _ForkLauncher.__new__(_ForkLauncher)
+    launcher._procs = [Worker()]
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    try:
+        with launcher.forwarding_signals():
+            signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))  # the "worker"
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert got == [signal.SIGTERM] and launcher._pending_signal is None

@@ -91,7 +91,10 @@ class _ForkLauncher(_MultiProcessingLauncher):
                 return
             interrupts.append(signum)
             if len(interrupts) == 1:
-                forward(signal.SIGTERM, frame)  # a terminal's Ctrl-C reaches them too: the stop is the same
+                # A terminal's Ctrl-C reaches the workers that exist too: they get SIGTERM, the same stop
+                # (a second SIGINT would stop them at once). While they are still being forked the rest
+                # never saw it: they get SIGINT as they start, so the run says Ctrl-C, not preemption.
+                forward(signal.SIGTERM if self.procs else signal.SIGINT, frame)
                 return
             for proc in self.procs or []:
                 if proc.is_alive():
