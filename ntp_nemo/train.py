@@ -392,11 +392,23 @@ def _interrupted(signum, frame) -> None:  # noqa: ANN001 - signal handler signat
     inside Hydra's or OmegaConf's code, which turns it into a bogus config error) keeps it clean."""
     print("interrupted (Ctrl-C) while no training step runs: nothing to save; stopped", file=sys.stderr,
           flush=True)
-    try:
-        _drop_empty_run_dir()
-    except Exception:  # noqa: BLE001 - no Hydra job yet: no run directory to tidy
-        pass
+    for then in (_drop_empty_run_dir, _say_resume):
+        try:
+            then()
+        except Exception:  # noqa: BLE001 - no Hydra job yet: no run directory to tidy or resume
+            pass
     os._exit(0)
+
+
+def _say_resume() -> None:
+    """A Ctrl-C between two attempts of a run that has checkpoints: the command that continues it."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from ntp_nemo.cli.console import resume_command
+
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    if any(p.is_dir() for p in (run_dir / "checkpoints").glob("step_*")):
+        print(f"to resume: {resume_command(run_dir)}", file=sys.stderr, flush=True)
 
 
 def main() -> None:

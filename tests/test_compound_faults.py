@@ -157,3 +157,77 @@ def test_a_wiped_or_overwritten_store_is_named_not_blamed_on_the_machine(tmp_pat
         p.join(5)
     assert [p.exitcode for p in procs] == [-9, -9]
 
+
+
+def test_a_step_whose_generation_was_aborted_is_never_applied(monkeypatch):
+    """NCCL stand-in: after its generation is aborted, a collective may return garbage without raising.
+    The step checks the generation before its optimizer step (as `GPTLightningModule.training_step`
+    does): the garbage is never applied, and the step is redone on the next generation."""
+    import threading
+
+    import ntp_nemo.resilience.rendezvous as rendezvous
+    from ntp_nemo.resilience.live_training import GenerationAborted, LiveRecovery, is_collective_failure
+
+    aborted = threading.Event()
+    monkeypatch.setattr(rendezvous, "sever", lambda store: aborted.set())  # the stand-in abort
+    rec = LiveRecovery("ntp")
+    rec.store, rec.generation = object(), SimpleNamespace(index=0)  # a live job in generation 0
+
+    def all_reduce(x: float) -> float:  # the stand-in group: garbage, no error, once aborted
+        return 1e30 if aborted.is_set() else x
+
+    runs, applied, recoveries = [], [], []
+
+    def training_step(batch: dict) -> float:
+        epoch = rec.abort_epoch()
+        runs.append(batch["step"])
+        if len(runs) == 1:  # the launcher's word arrives while the step's collective is in flight
+            threading.Thread(target=rec.interrupt, args=(0, [1])).start()
+            aborted.wait(5)
+        value = all_reduce(2.0)
+        rec.check_generation(epoch)  # before the optimizer step
+        applied.append(value)  # the optimizer step
+        return value
+
+    def recover(strategy, step: int) -> None:  # the next generation: sound collectives again
+        aborted.clear()
+        recoveries.append(step)
+
+    rec._recover = recover
+    assert rec.run_step(None, training_step, {"step": 4}) == 2.0
+    assert runs == [4, 4] and recoveries == [4] and applied == [2.0]  # redone once; garbage never applied
+    assert is_collective_failure(GenerationAborted("x"))
+
+
+def test_ctrl_c_between_restart_attempts_prints_the_resume_command(tmp_path):
+    """Ctrl-C while no worker trains (the supervisor between two attempts) stops at once, and a run that
+    has checkpoints says how to continue it."""
+    import os
+    import sys
+
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000004").mkdir(parents=True)
+    (run / "checkpoints" / "step_000004" / "manifest.json").write_text("{}")  # an earlier attempt's
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the command's process, where the handler runs
+        try:
+            sys.stderr = os.fdopen(write, "w")  # where the handler prints (pytest captures the real one)
+            job = OmegaConf.create({"runtime": {"output_dir": str(run)},
+                                    "overrides": {"task": ["trainer.max_steps=8"]}})
+            HydraConfig.get = staticmethod(lambda: job)  # the Hydra job of the command (in this fork only)
+            from ntp_nemo.train import _interrupted
+
+            _interrupted(signal.SIGINT, None)  # exits
+        finally:
+            os._exit(3)
+    os.close(write)
+    with os.fdopen(read) as fh:
+        err = fh.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, err
+    assert "nothing to save; stopped" in err
+    assert f"to resume: ntp-train trainer.max_steps=8 hydra.run.dir={run}" in err, err

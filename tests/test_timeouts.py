@@ -157,8 +157,14 @@ def test_rendezvous_row(tmp_path):
 
 def test_stop_row(tmp_path):
     """A stop signal (SIGTERM, Ctrl-C) to workers that cannot checkpoint: killed after the grace."""
-    asked = time.time()
-    monitor, took, codes = _watch(tmp_path, ["steps", "steps"], stop_requested=lambda: asked)
+    asked: list[float] = []
+
+    def stop_requested() -> float:  # the signal reaches the launcher once the monitor watches
+        if not asked:
+            asked.append(time.time())
+        return asked[0]
+
+    monitor, took, codes = _watch(tmp_path, ["steps", "steps"], stop_requested=stop_requested)
     v = monitor.verdict
     assert v.reason == "stop timeout" and "stop signal" in v.detail
     assert T.stop_grace_s <= took < T.stop_grace_s + 1.5

@@ -141,6 +141,9 @@ class NTPLanguageModule(pl.LightningModule):
         t0 = time.perf_counter()
         opt = self.optimizers()
         sched = self.lr_schedulers()
+        # live recovery's hook (`NTPStrategy.recovery`), None without it
+        recovery = getattr(getattr(self._trainer, "strategy", None), "recovery", None)
+        epoch = recovery.abort_epoch() if recovery is not None else 0
         global_tokens = int(batch["global_tokens"])
         rt = self.runtime
         self.grad_path.begin_step(len(batch["micro"]))
@@ -153,6 +156,8 @@ class NTPLanguageModule(pl.LightningModule):
         sync.clip_to_norm_(fused[1].sqrt(), self.optim_cfg["grad_clip"])
         lr = sched.get_last_lr()[0]
         values = rt.read_step_scalars(fused)  # the step's one host read
+        if recovery is not None:  # a generation aborted meanwhile (NCCL): its results are never applied
+            recovery.check_generation(epoch)
         skipped = values["nonfinite"] > 0
         if skipped:  # no update, but Lightning still counts the step (global_step stays the batch step)
             opt._on_before_step()

@@ -55,6 +55,7 @@ from ntp_nemo.resilience.detection import (
     stop_overdue,
 )
 from ntp_nemo.resilience.fault_config import Timeouts
+from ntp_nemo.resilience.nccl_abort import uses_nccl
 from ntp_nemo.resilience.policies import make_policy
 from ntp_nemo.resilience.recovery import Generation, grow, recover
 from ntp_nemo.resilience.rendezvous import (
@@ -78,11 +79,18 @@ from ntp_nemo.topology.layout import ResolvedLayout
 _COLLECTIVE_ERRORS = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout")
 
 
+class GenerationAborted(RuntimeError):
+    """The step's collectives ran on a generation whose communicators were aborted meanwhile: what they
+    returned may be garbage (an aborted NCCL collective can return without raising), so the step is not
+    applied; it is redone on the next generation like any step a lost peer interrupted."""
+
+
 def is_collective_failure(err: BaseException) -> bool:
-    """A collective that failed because a peer is gone (gloo's closed connection) or timed out."""
+    """A collective that failed because a peer is gone (gloo's closed connection) or timed out, or whose
+    generation was aborted under it (`GenerationAborted`)."""
     import torch.distributed as dist
 
-    if isinstance(err, dist.DistError):
+    if isinstance(err, (dist.DistError, GenerationAborted)):
         return True
     return isinstance(err, RuntimeError) and any(s in str(err).lower() for s in _COLLECTIVE_ERRORS)
 
@@ -439,11 +447,13 @@ class LiveRecovery(Callback):
         self.link = link
         self._lock = threading.Lock()
         self._recovering = False
+        self._aborts = 0  # generations aborted under this process so far (`interrupt`): the step guard
         self.generation: Generation | None = None
         self.nominal: ResolvedLayout | None = None
         self.pid = 0
         self.store = None
         self.rebuild_through = -1  # batches of steps up to this one were split for an older layout
+        self.backend = "gloo"  # the job's process-group backend (set at setup)
         self.launcher_pid = os.getpid()  # built in the launching process, which hosts the store
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -461,7 +471,10 @@ class LiveRecovery(Callback):
                                   trainer.strategy.launcher.secret)
         self.nominal = trainer.strategy.layout
         self.generation = Generation.first(self.nominal)  # a repaired process's: set by `Rejoining.receive`
+        self.backend = trainer.strategy.process_group_backend or "gloo"  # every generation keeps it
         trainer.strategy.recovery = self
+        if self.link is None and uses_nccl(self.backend):
+            threading.Thread(target=self._watch_failures, name="ntp-live-abort", daemon=True).start()
 
     def interrupt(self, generation: int, failed: list[int]) -> None:
         """The coordinator published the loss of `failed` in `generation` (called from the link's
@@ -473,12 +486,43 @@ class LiveRecovery(Callback):
         with self._lock:
             if self._recovering or self.generation is None or self.generation.index != generation:
                 return
+            self._aborts += 1  # before the abort: a step that read its scalars after it is not applied
             if dist.is_initialized() and dist.get_backend() != "gloo":
                 from ntp_nemo.resilience.nccl_abort import abort_generation
 
                 abort_generation(self.store)
             else:
                 sever(self.store)
+
+    def abort_epoch(self) -> int:
+        """How many generations were aborted under this process so far; a step takes it at its start and
+        hands it to `check_generation` before its optimizer step."""
+        return self._aborts
+
+    def check_generation(self, epoch: int) -> None:
+        """Raise `GenerationAborted` if a generation was aborted since `abort_epoch()` returned `epoch`:
+        the step's collectives may have returned garbage, so it must not be applied."""
+        if self._aborts != epoch:
+            raise GenerationAborted(f"generation {self.generation.index if self.generation else '?'} was "
+                                    "aborted during this step; it is not applied and is redone")
+
+    def _watch_failures(self) -> None:
+        """NCCL under ntp-train: a collective blocked on a lost peer neither fails nor returns, so a thread
+        waits for the launcher's word on the store (`failed/gen{g}`) and aborts the generation
+        (`interrupt`), as a cluster task's link does with the coordinator's."""
+        from ntp_nemo.resilience.rendezvous import failed_key
+
+        while True:
+            gen = self.generation
+            try:
+                payload = self.store.read(failed_key(gen.index)) if gen is not None else None
+            except Exception:  # noqa: BLE001 - the launching process (and its store) is gone
+                return
+            if payload is not None:
+                import json
+
+                self.interrupt(gen.index, json.loads(payload))
+            time.sleep(0.2)
 
     # -- the strategy's hook ------------------------------------------------------------------------
     def run_step(self, strategy: Any, step_fn: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -548,7 +592,8 @@ class LiveRecovery(Callback):
             self._recovering = True
         try:
             rec = recover(self.store, self.generation, self.pid, trainer.global_step, (module.model, opt),
-                          self._builder(strategy), self.policy, timeout_s=self.timeout_s)
+                          self._builder(strategy), self.policy, backend=self.backend,
+                          timeout_s=self.timeout_s)
         except Exception as err:  # noqa: BLE001 - any failure of the live path means the restart path
             _give_up(self.pid, err, self.launcher_pid, self.link)
         if rec is None:  # left idle by the new layout
@@ -641,7 +686,7 @@ class LiveRecovery(Callback):
         try:
             rec = grow(self.store, self.generation, self.nominal, self.pid, step,
                        (module.model, strategy._optimizer()), self._builder(strategy),
-                       timeout_s=self.timeout_s)
+                       backend=self.backend, timeout_s=self.timeout_s)
             box = [payload]
             dist.broadcast_object_list(box, src=source)
         except Exception as err:  # noqa: BLE001 - the restart path takes over
