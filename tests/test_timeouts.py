@@ -23,7 +23,7 @@ from ntp_nemo.resilience.detection import WorkerMonitor, classify
 from ntp_nemo.resilience.fault_config import Timeouts
 
 FORK = mp.get_context("fork")
-T = Timeouts(heartbeat_s=0.6, collective_s=1.2, step_s=2.5, startup_s=1.8)
+T = Timeouts(heartbeat_s=0.6, collective_s=1.2, step_s=3.0, startup_s=2.2)
 
 
 def _beat(directory: Path, rank: int, phase: str, step: int = 0) -> None:
@@ -131,7 +131,7 @@ def test_step_row(tmp_path):
     """fault.step_timeout_s: heartbeats advance but no step completes: the step bound names it."""
     monitor, took, codes = _watch(tmp_path, ["busy", "busy"])
     v = monitor.verdict
-    assert v.reason == "step timeout" and "fault.step_timeout_s=2.5" in v.detail
+    assert v.reason == "step timeout" and "fault.step_timeout_s=3" in v.detail
     assert T.step_s <= took < T.step_s + 2.0
     assert codes == [-9, -9]
 
@@ -140,7 +140,7 @@ def test_startup_row(tmp_path):
     """fault.startup_timeout_s: a worker that joined but does not start training is blamed."""
     monitor, took, codes = _watch(tmp_path, ["steps", "setup"])
     v = monitor.verdict
-    assert v.reason == "startup timeout" and v.ranks == (1,) and "fault.startup_timeout_s=1.8" in v.detail
+    assert v.reason == "startup timeout" and v.ranks == (1,) and "fault.startup_timeout_s=2.2" in v.detail
     assert T.startup_s <= took < T.step_s + 1.0
     assert codes == [-9, -9]
 
@@ -151,7 +151,7 @@ def test_rendezvous_row(tmp_path):
     monitor, took, codes = _watch(tmp_path, ["silent", "silent"])
     v = monitor.verdict
     assert v.reason == "rendezvous timeout" and v.ranks == () and "fault.collective_timeout_s" in v.detail
-    assert T.collective_s <= took < T.startup_s + 1.0
+    assert T.collective_s + T.heartbeat_s <= took < T.startup_s + 1.0
     assert codes == [-9, -9]
 
 

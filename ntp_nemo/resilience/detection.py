@@ -11,7 +11,8 @@ Timeout hierarchy (`fault.*`), each level catching what the one below cannot:
    included) means a stall, whatever the heartbeats say; the last resort.
 
 While the workers start, the supervisor also bounds the rendezvous (a worker with no heartbeat
-`collective_timeout_s` after its start: the first one is written once it has joined) and the start-up
+`collective_timeout_s + heartbeat_timeout_s` after its start: the first one is written once it has joined;
+the workers' own rendezvous gives up at `collective_timeout_s`) and the start-up
 (`startup_timeout_s`: a worker not training this long after its start).  After a stop signal (SIGTERM,
 Ctrl-C) the workers have `Timeouts.stop_grace_s` to checkpoint and exit before they are killed.
 
@@ -224,16 +225,18 @@ def step_verdict(beats: dict[int, Beat], world_size: int, launched: float, now: 
 
 def start_verdict(beats: dict[int, Beat], ranks: Sequence[int], launched: float, now: float,
                   timeouts: Timeouts) -> Verdict | None:
-    """A worker of `ranks` still in its rendezvous `fault.collective_timeout_s` after the launch (no
-    heartbeat yet: the first is written once it has joined), or not yet training
-    `fault.startup_timeout_s` after it.  The ranks blamed are those behind (none when all are)."""
+    """A worker of `ranks` still in its rendezvous `fault.collective_timeout_s` (plus a heartbeat
+    timeout: the workers' own rendezvous gives up first) after the launch (no heartbeat yet: the first
+    is written once it has joined), or not yet training `fault.startup_timeout_s` after it.  The ranks
+    blamed are those behind (none when all are)."""
     waited = now - launched
     ranks = list(ranks)
     missing = [r for r in ranks if r not in beats]
-    if missing and waited > timeouts.collective_s:
+    if missing and waited > timeouts.collective_s + timeouts.heartbeat_s:
         return Verdict("rendezvous timeout", tuple(missing) if len(missing) < len(ranks) else (), None, now,
                        f"rank(s) {missing} not past the rendezvous {waited:.1f}s after their start "
-                       f"(fault.collective_timeout_s={timeouts.collective_s:g})")
+                       f"(fault.collective_timeout_s={timeouts.collective_s:g} + "
+                       f"fault.heartbeat_timeout_s={timeouts.heartbeat_s:g})")
     starting = [r for r in ranks if r not in beats or beats[r].phase == "setup"]
     if starting and waited > timeouts.startup_s:
         return Verdict("startup timeout", tuple(starting) if len(starting) < len(ranks) else (), None, now,
