@@ -355,7 +355,8 @@ def cached_text_tokens(path: str | os.PathLike, spec: str, eos_token: str | None
             "file, or leave it empty to use the built-in corpus.",
         )
     tok = build_tokenizer(spec, eos_token=eos_token)
-    key = fingerprint({"files": inputs_record(files), "tokenizer": tok.identity, "v": 2})
+    # v3: pieces cut where whitespace begins, judged by characters (v2 files may differ at cuts)
+    key = fingerprint({"files": inputs_record(files), "tokenizer": tok.identity, "v": 3})
     out = cache_dir("tokens") / f"text-{tok.name.replace(':', '_').replace('/', '_')}-{key}.bin"
     if not sidecar_path(out).exists():
         try:
