@@ -81,15 +81,24 @@ def compose(overrides: list[str]):
 
 
 def case_file(root: Path, name: str, overrides: list[str]) -> None:
-    """Write `overrides` (`key=value`, no config groups) as the option `name` of the test-only config
-    group `tests/case` under `root`, applied last (`# @package _global_`): one job's settings of a sweep."""
+    """Write `overrides` as the option `name` of the test-only config group `tests/case` under `root`,
+    applied last (`# @package _global_`): one job's settings of a sweep. `key=value` sets a value; a
+    group choice such as `fault=hang` becomes an `override /fault: hang` entry of its defaults list."""
     from omegaconf import OmegaConf
 
+    from ntp_nemo.config.paths import conf_dir
+
     assert all("=" in o and not o.startswith(("+", "~", "recipe=")) for o in overrides), overrides
+    groups = [o.split("=", 1) for o in overrides if (conf_dir() / o.split("=", 1)[0]).is_dir()]
+    values = [o for o in overrides if not (conf_dir() / o.split("=", 1)[0]).is_dir()]
+    text = "# @package _global_\n"
+    if groups:
+        text += "defaults:\n" + "".join(f"  - override /{group}: {choice}\n" for group, choice in groups)
+    if values:
+        text += OmegaConf.to_yaml(OmegaConf.from_dotlist(values))
     folder = root / "tests" / "case"
     folder.mkdir(parents=True, exist_ok=True)
-    body = OmegaConf.to_yaml(OmegaConf.from_dotlist(overrides))
-    (folder / f"{name}.yaml").write_text("# @package _global_\n" + body)
+    (folder / f"{name}.yaml").write_text(text)
 
 
 class Sweep(NamedTuple):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import SINGLE, TINY, read_metrics, run_cli
+from tests.conftest import SINGLE, TINY, read_metrics, run_cli, sweep_cases
 
 OPTIONS = ["model.recompute=full", "optim.distributed=true", "ntp.overlap_grad_sync=true",
            "ntp.grad_bucket_mb=0.01", "mesh.pp=2", "layout.schedule=interleaved_1f1b",
@@ -17,15 +17,16 @@ STEPS = 4
 
 @pytest.mark.slow
 def test_all_options_on_pp2_replicas_2_1_follow_the_plain_single_process_curve(tmp_path):
-    ref, run = tmp_path / "ref", tmp_path / "run"
-    proc = run_cli([*TINY, *LAYERS, *SINGLE, f"trainer.max_steps={STEPS}", f"hydra.run.dir={ref}"],
-                   cwd=tmp_path)
+    # The plain one-process run and the run with every option: two jobs of one `ntp-train -m` sweep.
+    sweep = sweep_cases({"ref": SINGLE, "run": ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]", *OPTIONS]},
+                        [*TINY, *LAYERS, f"trainer.max_steps={STEPS}"], tmp_path)
+    proc = sweep.proc
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = run_cli([*TINY, *LAYERS, "mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]", *OPTIONS,
-                    f"trainer.max_steps={STEPS}", f"hydra.run.dir={run}"], cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert ("memory options: recompute=full, optimizer=DistributedAdamW, gradient sync=overlapped with the "
-            "backward") in proc.stdout, proc.stdout[-2000:]
+    said = ("memory options: recompute=full, optimizer=DistributedAdamW, gradient sync=overlapped with the "
+            "backward")
+    assert said in proc.stdout, proc.stdout[-2000:]
+    ref, run = sweep.run_dir("ref"), sweep.run_dir("run")
+    assert said in (run / "train.log").read_text() and said not in (ref / "train.log").read_text()
     want = [m["loss"] for m in read_metrics(ref)]
     got = [m["loss"] for m in read_metrics(run)]
     assert len(got) == len(want) == STEPS

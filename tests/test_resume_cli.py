@@ -10,9 +10,8 @@ import time
 
 import pytest
 
-from tests.conftest import SINGLE, TINY, read_metrics, run_cli
+from tests.conftest import NTP21, SINGLE, TINY, read_metrics, run_cli, sweep_cases
 
-NTP21 = ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]"]
 CKPT = ["checkpoint.every_n_steps=5", "trainer.max_steps=20"]
 
 
@@ -21,60 +20,75 @@ def losses(run):
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    """Uninterrupted 20-step runs (single process and NTP (2,1)), the references."""
-    tmp = tmp_path_factory.mktemp("straight")
-    out = {}
-    for name, layout in (("single", SINGLE), ("ntp", NTP21)):
-        proc = run_cli([*TINY, *layout, *CKPT, f"hydra.run.dir={tmp / name}"], cwd=tmp)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        out[name] = losses(tmp / name)
-    return out
+def straight(reference_losses):
+    """Uninterrupted 20-step runs (single process and NTP (2,1)), the references (conftest: checkpoints
+    do not change the numbers, so the session's runs without them serve)."""
+    return {"single": reference_losses("single-20"), "ntp": reference_losses("ntp21-20")}
+
+
+LAYOUTS = {"single": SINGLE, "ntp": NTP21}
+
+
+@pytest.fixture(scope="module")
+def stopped_then_resumed(tmp_path_factory):
+    """Each layout of LAYOUTS stopped at step 10, resumed (`resume=auto`) and run once more: three
+    `ntp-train -m` sweeps over the same job directories (one per layout), in that order."""
+    tmp = tmp_path_factory.mktemp("stop_resume")
+    first = sweep_cases(LAYOUTS, [*TINY, *CKPT, "trainer.stop_at_step=10"], tmp)
+    saved = {name: (run / "checkpoints" / "step_000010" / "manifest.json").exists()
+             for name, run in first.dirs.items()}
+    second = sweep_cases(LAYOUTS, [*TINY, *CKPT], tmp)
+    metrics = {name: losses(run) for name, run in second.dirs.items() if (run / "metrics.jsonl").exists()}
+    again = sweep_cases(LAYOUTS, [*TINY, *CKPT], tmp)
+    return first, saved, second, metrics, again
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,layout", [("single", SINGLE), ("ntp", NTP21)])
-def test_stop_and_resume_equals_straight_run(tmp_path, straight, name, layout):
-    run = tmp_path / "run"
-    first = run_cli([*TINY, *layout, *CKPT, "trainer.stop_at_step=10", f"hydra.run.dir={run}"], cwd=tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert (run / "checkpoints" / "step_000010" / "manifest.json").exists()
-    second = run_cli([*TINY, *layout, *CKPT, f"hydra.run.dir={run}"], cwd=tmp_path)
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "resuming from" in second.stdout
-    got = losses(run)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_stop_and_resume_equals_straight_run(stopped_then_resumed, straight, name):
+    first, saved, second, metrics, again = stopped_then_resumed
+    assert first.proc.returncode == 0, first.proc.stderr[-3000:]
+    assert saved[name]
+    assert second.proc.returncode == 0, second.proc.stderr[-3000:]
+    run = second.run_dir(name)
+    assert "resuming from" in second.proc.stdout and "resuming from" in (run / "train.log").read_text()
+    got = metrics[name]
     assert sorted(got) == list(range(1, 21))
     for step, ref in straight[name].items():
         assert abs(got[step] - ref) <= 1e-6 * abs(ref), (step, got[step], ref)
-    again = run_cli([*TINY, *layout, *CKPT, f"hydra.run.dir={run}"], cwd=tmp_path)
-    assert again.returncode == 0 and "already complete" in again.stdout
+    assert again.proc.returncode == 0, again.proc.stderr[-3000:]
+    assert "already complete" in again.proc.stdout
+    assert "already complete" in (run / "train.log").read_text()  # this job said so
     assert len(read_metrics(run)) == 20  # nothing trained twice
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "target",
-    [
-        SINGLE,
-        ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,2]"],
-        ["mesh.dp=1", "mesh.tp=3", "ntp.replica_tp=[3]"],
-        ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]", "mesh.pp=2"],
-    ],
-    ids=["to-single", "to-2-2", "to-tp3", "to-pp2"],
-)
-def test_resume_on_another_layout_follows_the_curve(tmp_path, straight, target):
-    src = tmp_path / "src"
-    proc = run_cli([*TINY, *NTP21, *CKPT, "trainer.stop_at_step=10", f"hydra.run.dir={src}"], cwd=tmp_path)
+TARGETS = {
+    "to-single": SINGLE,
+    "to-2-2": ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,2]"],
+    "to-tp3": ["mesh.dp=1", "mesh.tp=3", "ntp.replica_tp=[3]"],
+    "to-pp2": ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]", "mesh.pp=2"],
+}
+
+
+@pytest.fixture(scope="module")
+def resumed_elsewhere(tmp_path_factory):
+    """A (2,1) run stopped at step 10, then its checkpoint resumed on every layout of TARGETS: one
+    `ntp-train -m` sweep (`resume=PATH`), each target in its own run directory."""
+    tmp = tmp_path_factory.mktemp("resume_elsewhere")
+    src = tmp / "src"
+    proc = run_cli([*TINY, *NTP21, *CKPT, "trainer.stop_at_step=10", f"hydra.run.dir={src}"], cwd=tmp)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    dst = tmp_path / "dst"
-    proc = run_cli(
-        [*TINY, *target, *CKPT, f"resume={src / 'checkpoints' / 'step_000010'}", f"hydra.run.dir={dst}"],
-        cwd=tmp_path,
-    )
+    return sweep_cases(TARGETS, [*TINY, *CKPT, f"resume={src / 'checkpoints' / 'step_000010'}"], tmp)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_resume_on_another_layout_follows_the_curve(resumed_elsewhere, straight, target):
+    proc = resumed_elsewhere.proc
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Another run's checkpoint: no warning from Lightning's checkpoint callback about the directory.
     assert "dirpath has changed" not in proc.stdout + proc.stderr
-    got = losses(dst)
+    got = losses(resumed_elsewhere.run_dir(target))
     assert sorted(got) == list(range(11, 21))
     for step in range(11, 21):
         ref = straight["ntp"][step]

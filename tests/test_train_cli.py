@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.conftest import SINGLE, TINY, read_metrics, run_cli
+from tests.conftest import SINGLE, TINY, read_metrics, run_cli, sweep_cases
 
 
 @pytest.mark.slow
@@ -80,23 +80,29 @@ LAYOUTS = {
 }
 
 
+# bf16 autocast on (2,1): one more job of the same sweep.
+BF16 = [*LAYOUTS["ntp-2-1"], "trainer.precision=bf16-mixed"]
+STEPS = 8  # equality of curves shows from the first steps; the schedule is that of an 8-step run
+
+
 @pytest.fixture(scope="module")
-def single_process_curve(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ref")
-    proc = run_cli([*TINY, *SINGLE, "trainer.max_steps=20", f"hydra.run.dir={tmp / 'run'}"], cwd=tmp)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [m["loss"] for m in read_metrics(tmp / "run")]
+def layout_sweep(tmp_path_factory):
+    """Every layout of LAYOUTS (and bf16 on (2,1)), 8 steps each: one `ntp-train -m` sweep."""
+    return sweep_cases({**LAYOUTS, "bf16": BF16}, [*TINY, f"trainer.max_steps={STEPS}"],
+                       tmp_path_factory.mktemp("layouts"))
+
+
+@pytest.fixture(scope="module")
+def single_process_curve(reference_losses):
+    return list(reference_losses("single-8").values())
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_ntp_layout_follows_single_process_loss_curve(tmp_path, single_process_curve, layout):
-    run = tmp_path / "run"
-    proc = run_cli([*TINY, *LAYOUTS[layout], "trainer.max_steps=20", f"hydra.run.dir={run}"], cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    metrics = read_metrics(run)
+def test_ntp_layout_follows_single_process_loss_curve(layout_sweep, single_process_curve, layout):
+    metrics = read_metrics(layout_sweep.run_dir(layout))
     curve = [m["loss"] for m in metrics]
-    assert len(curve) == 20
+    assert len(curve) == STEPS
     for step, (a, b) in enumerate(zip(curve, single_process_curve, strict=True), 1):
         assert abs(a - b) <= 1e-5 * abs(b), f"{layout} step {step}: {a} vs {b}"
     expected = "(" + LAYOUTS[layout][2].split("[")[1].rstrip("]") + ")"
@@ -118,24 +124,18 @@ LLAMA_LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def single_process_llama_curve(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("llama_ref")
-    proc = run_cli([*LLAMA_TINY, *SINGLE, f"hydra.run.dir={tmp / 'run'}"], cwd=tmp)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [m["loss"] for m in read_metrics(tmp / "run")]
+def llama_sweep(tmp_path_factory):
+    """The one-process reference and every LLAMA_LAYOUTS case: one `ntp-train -m` sweep."""
+    return sweep_cases({"single": SINGLE, **LLAMA_LAYOUTS}, LLAMA_TINY, tmp_path_factory.mktemp("llama"))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LLAMA_LAYOUTS))
-def test_llama_tiny_with_shared_kv_heads_follows_single_process_curve(
-    tmp_path, single_process_llama_curve, layout
-):
-    run = tmp_path / "run"
-    proc = run_cli([*LLAMA_TINY, *LLAMA_LAYOUTS[layout], f"hydra.run.dir={run}"], cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    curve = [m["loss"] for m in read_metrics(run)]
-    assert len(curve) == len(single_process_llama_curve) == 6
-    for step, (a, b) in enumerate(zip(curve, single_process_llama_curve, strict=True), 1):
+def test_llama_tiny_with_shared_kv_heads_follows_single_process_curve(llama_sweep, layout):
+    reference = [m["loss"] for m in read_metrics(llama_sweep.run_dir("single"))]
+    curve = [m["loss"] for m in read_metrics(llama_sweep.run_dir(layout))]
+    assert len(curve) == len(reference) == 6
+    for step, (a, b) in enumerate(zip(curve, reference, strict=True), 1):
         assert abs(a - b) <= 1e-4 * abs(b), f"{layout} step {step}: {a} vs {b}"
 
 
@@ -159,7 +159,7 @@ def test_torchrun_launch_follows_the_same_curve(tmp_path, single_process_curve):
         "ntp_nemo.train",
         *TINY,
         *LAYOUTS["ntp-2-1"],
-        "trainer.max_steps=20",
+        f"trainer.max_steps={STEPS}",
         f"hydra.run.dir={run}",
     ]
     proc = subprocess.run(
@@ -181,27 +181,15 @@ def test_torchrun_launch_follows_the_same_curve(tmp_path, single_process_curve):
     assert all(" / " in line and "max RSS" in line for line in rank_lines)
     assert sum(" train / " in line for line in out.splitlines()) == 1  # the header, once
     curve = [m["loss"] for m in read_metrics(run)]
-    assert len(curve) == 20
+    assert len(curve) == STEPS
     for step, (a, b) in enumerate(zip(curve, single_process_curve, strict=True), 1):
         assert abs(a - b) <= 1e-5 * abs(b), f"torchrun step {step}: {a} vs {b}"
 
 
 @pytest.mark.slow
-def test_bf16_mixed_precision_tracks_float32(tmp_path, single_process_curve):
-    run = tmp_path / "run"
-    proc = run_cli(
-        [
-            *TINY,
-            *LAYOUTS["ntp-2-1"],
-            "trainer.max_steps=20",
-            "trainer.precision=bf16-mixed",
-            f"hydra.run.dir={run}",
-        ],
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    curve = [m["loss"] for m in read_metrics(run)]
-    assert len(curve) == 20
+def test_bf16_mixed_precision_tracks_float32(layout_sweep, single_process_curve):
+    curve = [m["loss"] for m in read_metrics(layout_sweep.run_dir("bf16"))]
+    assert len(curve) == STEPS
     # bf16 autocast rounds activations to 8 mantissa bits: close to, but not equal to, the float32 curve
     assert max(abs(a - b) / b for a, b in zip(curve, single_process_curve, strict=True)) < 0.05
     assert curve != single_process_curve
