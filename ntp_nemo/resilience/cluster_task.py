@@ -68,6 +68,9 @@ class ClusterLink:
         self.coordinator_lost = threading.Event()
         self._announced: queue.Queue = queue.Queue()
         self._said_bye = False
+        self._inbox: list[dict] = []  # messages read with the hello's last one, for the watcher
+        self._joined = False  # a replacement that got its rejoin announcement
+        self._ended = False  # a replacement told to stop before it joined (the link then closes)
         self._beat: tuple[int, str] | None = None
         self._sent: tuple[int, str] | None = None
         self._halt = threading.Event()
@@ -114,6 +117,8 @@ class ClusterLink:
     def _next(self) -> dict:
         assert self.line is not None
         while True:
+            if self._inbox:
+                return self._inbox.pop(0)
             msgs = self.line.receive()
             if msgs is None:
                 plain = self.line.last_rejected or {}
@@ -123,8 +128,7 @@ class ClusterLink:
                                       "secret differs, or something else answers on its port)")
                 why = f" ({self.line.error})" if self.line.error else ""
                 raise LinkRefused(f"the coordinator at {self.where} closed the link during the hello{why}")
-            if msgs:
-                return msgs[0]
+            self._inbox.extend(msgs)  # one read may bring several (`wait`, then the place at once)
 
     def ready(self) -> tuple[int, int]:
         """A replacement, about to join: tell the coordinator and wait for the generation to join and
@@ -163,9 +167,9 @@ class ClusterLink:
     def _watch(self) -> None:
         assert self.line is not None
         while True:
-            msgs = self.line.receive()
+            msgs, self._inbox = (self._inbox, []) if self._inbox else (self.line.receive(), [])
             if msgs is None:
-                if not self._said_bye:
+                if not self._said_bye and not self._ended:
                     self._lost_coordinator()
                 return
             if self.line.rejected > self.ignored:
@@ -183,9 +187,11 @@ class ClusterLink:
                         self._lost_coordinator()
                         return
                 elif "rejoin" in msg:
+                    self._joined = True  # a later `end` stops it as any task
                     self._announced.put(msg)
                 elif "end" in msg:
-                    if self.mode == "rejoin" and self._announced.empty():
+                    if self.mode == "rejoin" and not self._joined:  # `ready` says it and exits 0
+                        self._ended = True
                         self._announced.put(msg)
                         continue
                     self.say(f"failover | coordinator: {msg['end']}; stopping with exit {FALLBACK_EXIT} "

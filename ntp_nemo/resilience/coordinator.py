@@ -58,7 +58,7 @@ HELLO_LIMIT = 2048  # bytes an unauthenticated connection may send
 @dataclass
 class Place:
     pid: int
-    state: str = "free"  # free | active | lost | idle | done | fallback | replacing | error
+    state: str = "free"  # free | active | lost | idle | done | fallback | replacing | error | ended
     line: Line | None = None
     ready: bool = False  # a replacement waiting to join
     beat: tuple[int, str] | None = None  # last (step, phase) it sent
@@ -565,7 +565,17 @@ class Coordinator:
 
     def _maybe_rejoin(self) -> None:
         replacing = [p for p in self.places if p.state == "replacing"]
-        if not replacing or not all(p.ready for p in replacing) or self._losses:
+        if not replacing:
+            return
+        if not self._losses and not any(p.state == "active" for p in self.places):
+            for p in replacing:  # nobody trains any more: there is nothing to join (else both wait forever)
+                p.line.send({"end": "the job ended before this replacement could join"})
+                self._drop(p.line)
+                p.line, p.state = None, "ended"
+            pids = [p.pid for p in replacing]
+            self.say(f"coordinator: the job ended before process(es) {pids} could rejoin")
+            return
+        if not all(p.ready for p in replacing) or self._losses:
             return
         if self._store_quiet_since is not None:
             return
