@@ -1,7 +1,7 @@
 """Progress beats, the data: each rank's latest (step, phase) and who is behind (`suspects`).
 
-Written by `heartbeat.Heartbeat` (files, under `ntp-train`) or by a cluster task's link (the
-coordinator's store); read by the monitors.  No Lightning here: the coordinator imports this.
+Written by `heartbeat.Heartbeat` (files, under `ntp-train`) or sent by a cluster task on its link to
+the coordinator (sealed, with a tick); read by the monitors.  No Lightning here: the coordinator imports this.
 """
 
 from __future__ import annotations
