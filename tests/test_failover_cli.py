@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 
 from ntp_nemo.goodput import compute_goodput, load_events
-from tests.conftest import TINY, read_metrics, run_cli
+from tests.conftest import TINY, read_metrics, run_cli, sweep_cases
 
 BASE = [
     *TINY,
@@ -38,18 +38,10 @@ def attempts(run):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("reference")
-    proc = run_cli([*BASE, f"hydra.run.dir={tmp / 'run'}"], cwd=tmp)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return last_losses(tmp / "run")
-
-
-def run_with_faults(tmp_path, *overrides):
-    run = tmp_path / "run"
-    proc = run_cli([*BASE, *overrides, f"hydra.run.dir={run}"], cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return run, proc
+def reference(reference_losses):
+    """Losses of the failure-free run of BASE (conftest's one-process run of TINY, 12 steps: every layout
+    follows it, (2,1) included)."""
+    return reference_losses("single-12")
 
 
 def assert_same_curve(run, reference):
@@ -79,15 +71,40 @@ def assert_goodput_consistent(run, failures):
     return rep
 
 
+POLICIES = {"ntp": "(1,1)", "dp_drop": "(1)", "restart": "(2,1)"}
+# Every run with a fault that recovers: one `ntp-train -m` sweep, a run directory per case (its console
+# in that directory's train.log; the sweep's stdout is the console of all of them).
+FAULTS = {
+    **{f"kill-{policy}": ["fault=kill_rank", "fault.rank=1", "fault.step=6", f"fault.policy={policy}"]
+       for policy in POLICIES},
+    "hang": ["fault=hang", "fault.rank=2", "fault.step=5", *FAST_TIMEOUTS],
+    # Synchronous saves: each kill then follows a committed checkpoint, so the boundaries are fixed (an
+    # asynchronous save still in flight when a rank dies is lost, and the attempt resumes further back).
+    "two-failures": ["fault=two_failures", "fault.repair_after_steps=3", "checkpoint.async_save=false"],
+    "kill-during-save": ["fault=kill_during_save", "fault.rank=1", "fault.step=6"],
+    "corrupt": ["fault=corrupt_checkpoint"],
+    "straggler": ["fault=slow", "fault.rank=2", "fault.step=3", "fault.steps=2", "fault.seconds=1.5"],
+}
+
+
+@pytest.fixture(scope="module")
+def fault_runs(tmp_path_factory):
+    return sweep_cases(FAULTS, BASE, tmp_path_factory.mktemp("faults"))
+
+
+def run_with_faults(fault_runs, case):
+    """The run directory of FAULTS[case] and its console (train.log), the sweep having succeeded."""
+    proc = fault_runs.proc
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    run = fault_runs.run_dir(case)
+    return run, (run / "train.log").read_text()
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "policy,after",
-    [("ntp", "(1,1)"), ("dp_drop", "(1)"), ("restart", "(2,1)")],
-)
-def test_kill_rank_recovers_on_the_planned_layout(tmp_path, reference, policy, after):
-    run, proc = run_with_faults(
-        tmp_path, "fault=kill_rank", "fault.rank=1", "fault.step=6", f"fault.policy={policy}"
-    )
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_kill_rank_recovers_on_the_planned_layout(fault_runs, reference, policy):
+    after = POLICIES[policy]
+    run, log = run_with_faults(fault_runs, f"kill-{policy}")
     assert_same_curve(run, reference)
     layouts = [(m["step"], m["layout"]) for m in read_metrics(run)]
     assert layouts[0] == (1, "(2,1)") and layouts[-1] == (12, after)
@@ -96,15 +113,16 @@ def test_kill_rank_recovers_on_the_planned_layout(tmp_path, reference, policy, a
     assert [a["outcome"] for a in tries] == ["failed", "ok"]
     assert tries[0]["failure"]["ranks"] == [1] and tries[0]["failure"]["reason"] == "exit status"
     assert tries[1]["resume"].endswith("step_000003")  # steps 4 and 5 redone, 6 was cut short
-    assert f"-> {after}" in proc.stdout
+    # Said on the console (the sweep's stdout), by this job (its train.log).
+    assert f"-> {after}" in fault_runs.proc.stdout and f"-> {after}" in log
     rep = assert_goodput_consistent(run, failures=1)
     assert rep.steps_redone == 2
     assert set(rep.productive_by_layout) == {"(2,1)", after}
 
 
 @pytest.mark.slow
-def test_hang_is_caught_by_heartbeats_and_recovered(tmp_path, reference):
-    run, proc = run_with_faults(tmp_path, "fault=hang", "fault.rank=2", "fault.step=5", *FAST_TIMEOUTS)
+def test_hang_is_caught_by_heartbeats_and_recovered(fault_runs, reference):
+    run, _ = run_with_faults(fault_runs, "hang")
     assert_same_curve(run, reference)
     failure = attempts(run)[0]["failure"]
     assert failure["reason"] == "heartbeat" and failure["ranks"] == [2]
@@ -113,14 +131,10 @@ def test_hang_is_caught_by_heartbeats_and_recovered(tmp_path, reference):
 
 
 @pytest.mark.slow
-def test_two_failures_each_followed_by_repair(tmp_path, reference):
+def test_two_failures_each_followed_by_repair(fault_runs, reference):
     """Rank 1 dies at step 4 and rank 0 (of the repaired layout) at step 8; after 3 steps on (1,1) the lost
     GPU is back and the run returns to (2,1) at the next checkpoint boundary."""
-    # Synchronous saves: each kill then follows a committed checkpoint, so the boundaries are fixed (an
-    # asynchronous save still in flight when a rank dies is lost, and the attempt resumes further back).
-    run, proc = run_with_faults(
-        tmp_path, "fault=two_failures", "fault.repair_after_steps=3", "checkpoint.async_save=false"
-    )
+    run, _ = run_with_faults(fault_runs, "two-failures")
     assert_same_curve(run, reference)
     tries = attempts(run)
     assert [(a["layout"], a["outcome"]) for a in tries] == [
@@ -139,8 +153,8 @@ def test_two_failures_each_followed_by_repair(tmp_path, reference):
 
 
 @pytest.mark.slow
-def test_kill_during_save_resumes_from_the_previous_checkpoint(tmp_path, reference):
-    run, proc = run_with_faults(tmp_path, "fault=kill_during_save", "fault.rank=1", "fault.step=6")
+def test_kill_during_save_resumes_from_the_previous_checkpoint(fault_runs, reference):
+    run, _ = run_with_faults(fault_runs, "kill-during-save")
     assert_same_curve(run, reference)
     tries = attempts(run)
     assert tries[0]["failure"]["ranks"] == [1]
@@ -150,12 +164,20 @@ def test_kill_during_save_resumes_from_the_previous_checkpoint(tmp_path, referen
 
 
 @pytest.mark.slow
-def test_corrupt_checkpoint_is_skipped_on_recovery(tmp_path, reference):
-    run, proc = run_with_faults(tmp_path, "fault=corrupt_checkpoint")
+def test_corrupt_checkpoint_is_skipped_on_recovery(fault_runs, reference):
+    run, log = run_with_faults(fault_runs, "corrupt")
     assert_same_curve(run, reference)
-    assert "step_000006" in proc.stdout and "corrupted" in proc.stdout
+    # The console (the sweep's stdout; this job's train.log) names the checkpoint used and the one it
+    # replaced; the warning (stderr) why.
+    ckpts = run / "checkpoints"
+    announced = (f"resuming from {ckpts / 'step_000003'} (step 3; data checked as it loaded; instead of "
+                 f"{ckpts / 'step_000006'}, whose data failed its check)")
+    assert announced in fault_runs.proc.stdout and announced in log, log[-3000:]
+    skipped = f"warning: skipping checkpoint {ckpts / 'step_000006'}: file "
+    assert skipped in fault_runs.proc.stderr and skipped in log
+    assert "corrupted); using " in log.split(skipped, 1)[1].splitlines()[0]
     # The pre-launch check reads no data: the workers find the flipped byte and fall back together.
-    assert attempts(run)[1]["resume"].endswith("step_000006") and "step_000003 instead" in proc.stdout
+    assert attempts(run)[1]["resume"].endswith("step_000006")
     rep = assert_goodput_consistent(run, failures=1)
     assert rep.steps_redone == 4  # steps 4..7 again
 
@@ -179,10 +201,8 @@ def test_failures_beyond_max_restarts_exit_1(tmp_path):
 
 
 @pytest.mark.slow
-def test_straggler_slows_the_job_without_failing_it(tmp_path, reference):
-    run, proc = run_with_faults(
-        tmp_path, "fault=slow", "fault.rank=2", "fault.step=3", "fault.steps=2", "fault.seconds=1.5"
-    )
+def test_straggler_slows_the_job_without_failing_it(fault_runs, reference):
+    run, _ = run_with_faults(fault_runs, "straggler")
     assert_same_curve(run, reference)
     times = {m["step"]: m["step_time_s"] for m in read_metrics(run)}
     assert len(read_metrics(run)) == 12  # nothing redone
