@@ -347,13 +347,13 @@ class LiveMonitor(threading.Thread):
         again `fault.repair_after_steps` steps later."""
         r, self._rejoin = self._rejoin, None
         assert r is not None
+        seen.update(r["pids"])
+        self.launcher.lost.update(r["pids"])  # before the kill: the launcher then never counts them as lost
         for i in r["pids"]:
             p = procs[i]
             if p.exitcode is None and p.pid is not None:
                 kill_worker(p.pid)
                 p.join(5)
-        seen.update(r["pids"])
-        self.launcher.lost.update(r["pids"])
         if r.get("decided"):  # too late to cancel: the survivors are gone
             print(f"failover | live: {why}: stopping the repaired process(es) {r['pids']}", flush=True)
             return
