@@ -14,7 +14,7 @@ import pytest
 from ntp_nemo.checkpoint.manifest import latest_valid_checkpoint, read_manifest
 from ntp_nemo.resilience.cluster_protocol import COORDINATOR_LOST_EXIT, DECLARED_LOST_EXIT
 from ntp_nemo.resilience.rehearsal import free_port, start_coordinator, start_task
-from tests.conftest import SINGLE, TINY, read_metrics, run_cli
+from tests.conftest import TINY, read_metrics
 
 STEPS = 40
 SECRET = "rehearsal-secret-0123456789"
@@ -24,12 +24,9 @@ LAYOUT = ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,2]"]
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(reference_losses):
     """The failure-free losses of the job (one process: the same math as any layout)."""
-    run = tmp_path_factory.mktemp("cluster") / "reference"
-    proc = run_cli([*COMMON, *SINGLE, "checkpoint.every_n_steps=0", f"hydra.run.dir={run}"], cwd=run.parent)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return {m["step"]: m["loss"] for m in read_metrics(run)}
+    return reference_losses(f"single-{STEPS}")
 
 
 def _step(run) -> int:
