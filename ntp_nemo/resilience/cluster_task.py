@@ -23,6 +23,7 @@ on is sealed by the coordinator for this connection (`cluster_protocol`); any ot
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import os
 import queue
@@ -100,6 +101,10 @@ class ClusterLink:
         reply = self._next()
         if "wait" in reply:
             self.say(f"coordinator {self.where}: {reply['wait']}; this task waits as a spare for a place")
+            # A spare builds its trainer the moment it gets a place, while the survivors keep training:
+            # load Lightning (~10 s) during the wait, not after it.
+            threading.Thread(target=importlib.import_module, args=("lightning.pytorch",),
+                             name="ntp-spare-imports", daemon=True).start()
             reply = self._next()
             if "end" in reply:
                 self.say(f"coordinator {self.where}: {reply['end']}; this spare exits")
