@@ -16,6 +16,8 @@ seconds. Each scenario draws 2-3 faults from:
 - `launcher`  kill -9 of the launching process; the scenario then reruns the command with resume=auto;
 - `term`      SIGTERM to the launcher (a scheduler's preemption): checkpoint, stop; rerun with resume=auto;
 - `rejoin`    the first lost worker is repaired after 2 steps and rejoins (a fault may land during it);
+- `wipe`      an outsider on the machine deletes or overwrites every key of the launcher's store (found
+  among the launcher's listening ports; the store lists its keys to anyone);
 - `damage-all` every checkpoint truncated after the run, then a rerun with resume=auto must stop with
   exit 2 naming them and delete nothing.
 
@@ -66,7 +68,8 @@ TINY = [
     "callbacks=none",
 ]
 TIMEOUTS = {"heartbeat": 4.0, "collective": 12.0, "step": 45.0}
-KINDS = ("kill", "save-kill", "corrupt", "hang", "slow", "stop", "launcher", "term", "rejoin", "damage-all")
+KINDS = ("kill", "save-kill", "corrupt", "hang", "slow", "stop", "launcher", "term", "rejoin", "wipe",
+         "damage-all")
 DOCUMENTED_EXITS = {0, 1, 2, 75, 76, 77}
 
 
@@ -131,7 +134,7 @@ def _draw(rng: random.Random, index: int, seed: int, steps: int) -> Scenario:
             secs = round(rng.uniform(1.0, 3.0), 1)
             more.append({"kind": "slow", "rank": rank, "step": step, "seconds": secs, "steps": 2})
             sc.faults.append({"what": f"slow({secs}s)", "rank": rank, "step": step})
-        elif kind in ("stop", "launcher", "term"):
+        elif kind in ("stop", "launcher", "term", "wipe"):
             sc.external.append({"what": kind, "step": step, "rank": rank})
         elif kind == "rejoin":
             sc.overrides += ["fault.repair_after_steps=2", "fault.recovery=live"]
@@ -239,6 +242,9 @@ def launch(args: list[str], run_dir: Path, bound: float, external: list[dict]) -
                     killed = True
                 elif ev["what"] == "term":
                     os.kill(proc.pid, signal.SIGTERM)
+                elif ev["what"] == "wipe":
+                    reached = wipe_store(proc.pid, overwrite=ev["rank"] % 2 == 1)
+                    print(f"fault_campaign: {reached} key(s) of the job's store wiped", file=err, flush=True)
                 elif ev["what"] == "stop" and kids:
                     victim = kids[ev["rank"] % len(kids)]
                     os.kill(victim, signal.SIGSTOP)
@@ -270,6 +276,33 @@ def _since(path: Path, offset: int) -> str:
     with path.open("rb") as fh:
         fh.seek(offset)
         return fh.read().decode(errors="replace")
+
+
+def wipe_store(launcher: int, overwrite: bool) -> int:
+    """Delete (or overwrite) every key of every store the launcher listens on, as any process of the
+    machine can (torch's store has no authentication and lists its keys). Returns the keys hit."""
+    from datetime import timedelta
+
+    import psutil
+    import torch.distributed as dist
+
+    hit = 0
+    try:
+        conns = psutil.Process(launcher).net_connections(kind="tcp")
+    except psutil.Error:
+        return 0
+    for port in sorted({c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN}):
+        try:
+            store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=2))
+            for key in store.list_keys():
+                if overwrite:
+                    store.set(key, b"not the job's")
+                else:
+                    store.delete_key(key)
+                hit += 1
+        except Exception:  # not a store, or gone already
+            continue
+    return hit
 
 
 def checkpoints(run_dir: Path) -> list[Path]:
