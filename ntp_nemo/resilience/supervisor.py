@@ -278,11 +278,9 @@ class Supervisor:
                 rec.replan = plan.describe()
                 self._log(rec)
                 ranks = list(lost.ranks) or "unknown"
-                print(
-                    f"failover | rank(s) {ranks} lost at step {lost.step} ({lost.reason}: {lost.detail}) -> "
-                    f"{plan.describe()}",
-                    flush=True,
-                )
+                what = (f"{lost.reason}: {lost.detail}" if not lost.ranks and lost.step is None else
+                        f"rank(s) {ranks} lost at step {lost.step} ({lost.reason}: {lost.detail})")
+                print(f"failover | {what} -> {plan.describe()}", flush=True)
                 if restarts > int(self.spec.fault.max_restarts):
                     what = (f"the job's coordination keys vanished or changed under it ({lost.detail}); "
                             "find what deletes or writes keys on the job's store (not the machine)"
