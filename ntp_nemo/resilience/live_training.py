@@ -569,6 +569,10 @@ class LiveRecovery(Callback):
 
         module = strategy.lightning_module
         keep = (strategy._optimizer(), module.model)
+        # The parameters' dtype as training has them: at start-up Lightning's precision plugin casts the
+        # model after `assemble` (64-true: float64, bf16-true: bfloat16); a rebuilt model must match the
+        # optimizer state it inherits.
+        param_dtype = next((p.dtype for p in module.model.parameters()), None)
 
         # The re-planned layout as it is: it keeps sequence parallelism (SP holds no state: the new
         # layout's sequence split follows its degrees), the shard alignment, the work model and the
@@ -576,7 +580,7 @@ class LiveRecovery(Callback):
         def build(layout: ResolvedLayout, rank: int):
             return assemble(layout, rank, module.model_cfg, module.optim_cfg, strategy.root_device,
                             seed=module.seed, bucket_mb=strategy.bucket_mb,
-                            overlap_grad_sync=module.overlap_grad_sync, keep=keep)
+                            overlap_grad_sync=module.overlap_grad_sync, keep=keep, param_dtype=param_dtype)
 
         return build
 
