@@ -51,18 +51,21 @@ def test_every_subgroup_of_a_mixed_world_is_device_only(monkeypatch, schedule):
         rt = NTPRuntime(layout, 0, device="meta")
         rt.attach(rt.build_model(TINY, 0), descriptors=descriptors)
     kinds = {len(r) for r, _ in asked}
-    assert kinds == {2, 3}, asked  # pairs (TP, links, holder pairs) and the replicated vectors' triples
+    # pairs (TP, holder pairs, replica 1's stage pair), the replicated vectors' triples, and replica 0's
+    # stage pair (0, 1 | 2, 3): one link group per stage pair and direction
+    assert kinds == {2, 3, 4}, asked
     assert len(asked) >= 10 and {b for _, b in asked} == {"cuda:nccl"}, asked
 
 
 def test_dry_run_counts_gloo_sockets_per_rank():
     """Replicas (2, 1) x PP 2: ranks 0, 1 | 2, 3 are replica 0's stages, 4 | 5 replica 1's.  Rank 0 is in
-    TP group (0, 1), holder sets (0, 4) (its shards) and (0, 1, 4) (the norms), and two link groups to
-    rank 2: 1 + 1 + 2 + 2 = 6 peers; every rank has the same by symmetry (rank 4: (0, 4), (1, 4),
-    (0, 1, 4) and two links to 5)."""
+    TP group (0, 1), holder sets (0, 4) (its shards) and (0, 1, 4) (the norms), and the two link groups
+    of its stage pair, one per direction, each (0, 1, 2, 3): 1 + 1 + 2 + 3 + 3 = 10 peers; ranks 1-3 the
+    same by symmetry; rank 4: (0, 4), (1, 4), (0, 1, 4) and the two link groups (4, 5): 1 + 1 + 2 + 1 + 1
+    = 6, and rank 5 the same."""
     layout = ResolvedLayout.make(Topology(2, [2, 1], [2] * 6, pp=2), num_microbatches=6)
     result = dry_run(layout, TINY, StepShape(seq_len=32, micro_batch_size=2), measure_options=False)
-    assert [r.subgroup_peers for r in result.ranks] == [6] * 6
+    assert [r.subgroup_peers for r in result.ranks] == [10, 10, 10, 10, 6, 6]
     # gloo on the world (5 peers) and the checkpoint writer's group (5 peers); on CPU the subgroups too.
     assert gloo_sockets(6, 6, gloo_subgroups=False, checkpoint_group=True) == 10
     assert gloo_sockets(6, 6, gloo_subgroups=True, checkpoint_group=True) == 16
