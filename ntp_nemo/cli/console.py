@@ -67,16 +67,7 @@ def quiet_libraries() -> None:
 
 def invocation_stats(run_dir: Path, since: float) -> dict:
     """Steps, losses and tokens/s of this command's steps in metrics.jsonl (all its attempts)."""
-    path = run_dir / "metrics.jsonl"
-    recs = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if rec.get("time", 0) >= since:
-                recs.append(rec)
+    recs = [rec for rec in _records(run_dir / "metrics.jsonl") if rec.get("time", 0) >= since]
     if not recs:
         return {}
     steady = recs[1:] or recs  # the first step carries one-time warm-up work
@@ -99,20 +90,28 @@ def invocation_stats(run_dir: Path, since: float) -> dict:
 def job_started_at(run_dir: Path) -> float | None:
     """When the run's current job started: its last `job_start` event in goodput.jsonl (a process that
     rejoins a running job records none), or None without one."""
-    path = run_dir / "goodput.jsonl"
     started = None
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if not isinstance(rec, dict):
-                continue
-            t = rec.get("t")
-            if rec.get("event") == "job_start" and isinstance(t, (int, float)):
-                started = float(t)
+    for rec in _records(run_dir / "goodput.jsonl"):
+        t = rec.get("t")
+        if rec.get("event") == "job_start" and isinstance(t, (int, float)):
+            started = float(t)
     return started
+
+
+def _records(path: Path) -> list[dict]:
+    """The JSON objects of a JSONL file, in order (none when it is missing; a line cut short by a crash,
+    or one that is not an object, is skipped)."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
 
 
 def _percent(x: float | None) -> float | None:
