@@ -44,8 +44,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import ntp_nemo.goodput.events as ev
 from ntp_nemo.errors import ConfigError
-from ntp_nemo.goodput import events as ev
 from ntp_nemo.goodput.recorder import goodput_path
 
 

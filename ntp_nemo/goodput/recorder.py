@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ntp_nemo.goodput import events as ev
+import ntp_nemo.goodput.events as ev
 
 # Events whose loss would change the figures (a lifetime without its end, a failure not seen, a
 # save that never ended): each is on disk before `record` returns.

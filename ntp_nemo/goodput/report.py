@@ -16,8 +16,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+import ntp_nemo.goodput.events as ev
 from ntp_nemo.errors import ConfigError, cli_main
-from ntp_nemo.goodput import events as ev
 from ntp_nemo.goodput.calculator import (
     Failure,
     GoodputReport,
