@@ -25,7 +25,14 @@ import torch.distributed as dist
 
 from ntp_nemo.parallel.loopback import LOOPBACK, host_loopback_store
 from ntp_nemo.resilience.nccl_abort import abort_generation, prepare_nccl_env, uses_nccl
-from ntp_nemo.resilience.store_auth import JobStore, job_secret, new_secret
+from ntp_nemo.resilience.store_auth import (
+    JobStore,
+    SignedStore,
+    UnauthenticatedPeerError,
+    authenticate_group,
+    job_secret,
+    new_secret,
+)
 
 STORE_HOST = LOOPBACK
 
@@ -56,11 +63,24 @@ def local_secret() -> bytes:
 
 def join(store: JobStore, generation: int, rank: int, world_size: int, *, backend: str = "gloo",
          timeout_s: float = 60.0) -> None:
-    """Initialise the default process group of `generation` (collective over its `world_size` ranks)."""
+    """Initialise the default process group of `generation` (collective over its `world_size` ranks) on
+    the job's store with torch's rendezvous keys signed (`SignedStore`), then make every rank prove the
+    job's secret over the new group (`authenticate_group`) before anything else runs on it; a group that
+    fails the proof is dropped and UnauthenticatedPeerError raised."""
     if uses_nccl(backend):
         prepare_nccl_env()  # a lost peer must not make NCCL's watchdog end this survivor
-    dist.init_process_group(backend, store=dist.PrefixStore(f"gen{generation}", store.store), rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    signed = SignedStore(store, f"gen{generation}", timeout_s)
+    store.rendezvous_stores[f"gen{generation}"] = signed
+    dist.init_process_group(backend, store=signed, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+    device = "cpu"
+    if uses_nccl(backend) and "gloo" not in backend:  # an NCCL-only world all-gathers CUDA tensors
+        device = torch.device("cuda", torch.cuda.current_device())
+    try:
+        authenticate_group(store, f"gen{generation}", device)
+    except UnauthenticatedPeerError:
+        leave(store)
+        raise
 
 
 def sever(store: JobStore | None) -> int:

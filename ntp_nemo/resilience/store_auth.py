@@ -15,9 +15,15 @@ The secret comes from `NTP_JOB_SECRET` (exported by the batch script or the coor
 line argument, never logged or written to the run directory); a run launched on one machine without it
 uses one generated in memory by the launching process, which its forked workers inherit.
 
-Not covered: counters (`add`, the store barriers) and the keys torch's own rendezvous writes for a
-generation's process groups are not signed, and gloo/NCCL traffic is not authenticated.  A process that
-reaches the store can still stall a run or make a rendezvous fail; keep jobs on a trusted network.
+torch's own rendezvous of a generation's process groups (every rank's gloo address, the groups' keys)
+goes through a `SignedStore`: values signed on `set`, and a value without a valid signature read as not
+there yet, so a process without the secret cannot point a rank at its own listener by pre-writing an
+address.  `authenticate_group` then makes every rank of a freshly formed group prove the secret over the
+group itself (tensors only, nothing unpickled) before the job exchanges any Python object on it.
+
+Not covered: counters (`add`, the store barriers) are not signed, and gloo/NCCL traffic is neither
+authenticated nor encrypted after the proof.  A process that reaches the store can still stall a run or
+make a rendezvous fail; keep jobs on a trusted network.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import os
 import secrets
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
@@ -83,12 +90,16 @@ class JobStore:
         # Sockets of the job's own that severing a generation leaves open (a cluster task's link to its
         # coordinator: `rendezvous.sever`).
         self.keep_fds: set[int] = set()
+        # Each generation's `SignedStore`, held for the job's life: torch's process groups keep only the
+        # C++ half of a Python store, which cannot call back into Python once the Python object is gone.
+        self.rendezvous_stores: dict[str, SignedStore] = {}
 
     def bound(self, instance: str) -> JobStore:
         """The same keys, with notices signed for (and read only from) the job instance `instance`."""
         other = JobStore.__new__(JobStore)
         other.store, other._secret, other.instance, other.keep_fds = (self.store, self._secret, str(instance),
                                                                       self.keep_fds)
+        other.rendezvous_stores = self.rendezvous_stores
         return other
 
     @property
@@ -139,6 +150,115 @@ class JobStore:
     def add(self, key: str, amount: int) -> int:
         """A counter under the job's prefix (not signed: see the module docstring)."""
         return int(self.store.add(key, amount))
+
+
+class SignedStore(dist.Store):
+    """The store torch's rendezvous of one generation uses: `job`'s keys under `prefix`, every value
+    signed with the job's secret on `set` and checked on `get`.  A forged or unsigned value is waited
+    past until the job's own writer's value is there, for at most the store's timeout (then the
+    rendezvous fails: the failure an outsider can still cause, not a peer it can plant)."""
+
+    def __init__(self, job: JobStore, prefix: str, timeout_s: float) -> None:
+        super().__init__()
+        self._job, self._prefix, self._timeout_s = job, prefix, float(timeout_s)
+        self._inner = dist.PrefixStore(prefix, job.store)
+        self._clones: list[SignedStore] = []  # kept alive with this one (see JobStore.rendezvous_stores)
+
+    def _signed(self, key: str, value: bytes) -> bytes:
+        return self._job._tag(f"{self._prefix}/{key}", value) + _SEP + value
+
+    def set(self, key: str, value: bytes | str) -> None:
+        data = value.encode() if isinstance(value, str) else bytes(value)
+        self._inner.set(key, self._signed(key, data))
+
+    def get(self, key: str) -> bytes:
+        deadline = time.monotonic() + self._timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no value signed with the job's secret under the rendezvous key "
+                                   f"{self._prefix}/{key!r} in {self._timeout_s:.0f} s (an outsider's value, "
+                                   "or a peer that never wrote it)")
+            try:
+                self._inner.wait([key], timedelta(seconds=left))
+            except dist.DistStoreError:  # not written in time: said above, with the key and the cause
+                continue
+            tag, sep, data = bytes(self._inner.get(key)).partition(_SEP)
+            if sep and hmac.compare_digest(tag, self._job._tag(f"{self._prefix}/{key}", data)):
+                return data
+            time.sleep(0.01)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self.get(k) for k in keys]
+
+    def multi_set(self, keys: list[str], values: list[bytes]) -> None:
+        for k, v in zip(keys, values, strict=True):
+            self.set(k, v)
+
+    def clone(self) -> SignedStore:
+        """Another client on the same keys (process groups take their own: gloo's connection setup)."""
+        twin = SignedStore(self._job, self._prefix, self._timeout_s)
+        twin._inner = self._inner.clone()
+        self._clones.append(twin)
+        return twin
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._inner.add(key, amount))
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self._inner.check(keys))
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        if timeout is None:
+            self._inner.wait(keys)
+        else:
+            self._inner.wait(keys, timeout)
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self._inner.delete_key(key))
+
+    def num_keys(self) -> int:
+        return int(self._inner.num_keys())
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._timeout_s = timeout.total_seconds()
+        self._inner.set_timeout(timeout)
+
+
+class UnauthenticatedPeerError(RuntimeError):
+    """A rank of a freshly formed process group could not prove that it holds the job's secret."""
+
+
+def group_proof(secret: bytes, context: bytes, nonces: bytes, rank: int) -> bytes:
+    """Rank `rank`'s proof (32 bytes) over every rank's nonce, for the group named by `context`."""
+    msg = context + b"\0" + str(rank).encode() + b"\0" + nonces
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def authenticate_group(job: JobStore, context: str, device: Any = "cpu", group: Any = None) -> None:
+    """Every rank of `group` (default: the world) proves the job's secret to every other: each draws a
+    16-byte nonce, the nonces are all-gathered, each rank all-gathers its HMAC over all of them, and each
+    checks every other rank's.  Tensors only: nothing is unpickled before every peer proved itself.
+    Raises UnauthenticatedPeerError naming the ranks that did not (the caller drops the group)."""
+    import torch
+
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    mine = torch.frombuffer(bytearray(secrets.token_bytes(16)), dtype=torch.uint8).to(device)
+    nonces = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(nonces, mine, group=group)
+    joined = b"".join(bytes(n.cpu().tolist()) for n in nonces)
+    ctx = (job.instance + "\0" + context).encode()
+    proof = torch.frombuffer(bytearray(group_proof(job.secret, ctx, joined, rank)), dtype=torch.uint8)
+    proofs = [torch.empty_like(proof, device=device) for _ in range(world)]
+    dist.all_gather(proofs, proof.to(device), group=group)
+    bad = [r for r, p in enumerate(proofs)
+           if not hmac.compare_digest(bytes(p.cpu().tolist()), group_proof(job.secret, ctx, joined, r))]
+    if bad:
+        raise UnauthenticatedPeerError(
+            f"rank(s) {bad} of the process group {context} did not prove that they hold the job's secret: "
+            "a process outside the job took part in its rendezvous; the group is dropped before anything "
+            "is exchanged on it")
 
 
 def host_cluster_store(port: int, *, required_by: str, timeout_s: float = 300.0) -> JobStore:
