@@ -205,9 +205,13 @@ def gpus_on_node(env: Mapping[str, str] | None = None) -> int | None:
 
 def local_node_facts(visible_gpus: int, env: Mapping[str, str] | None = None,
                      host: str | None = None) -> NodeFacts:
+    """This process's facts; its node is `host`, else SLURM's name for it (SLURMD_NODENAME, set in every
+    task of a job step), else the host name."""
     import socket
 
-    return NodeFacts(host or socket.gethostname(), int(visible_gpus), gpus_on_node(env))
+    env = os.environ if env is None else env
+    node = host or env.get("SLURMD_NODENAME", "").strip() or socket.gethostname()
+    return NodeFacts(node, int(visible_gpus), gpus_on_node(env))
 
 
 def exchange_node_facts(mine: NodeFacts) -> list[NodeFacts]:
