@@ -4,6 +4,10 @@ the figures worked out by hand below for each recovery mode."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import sys
+
 import pytest
 
 from ntp_nemo.goodput.sim.replay import (
@@ -19,6 +23,7 @@ from ntp_nemo.goodput.sim.replay import (
     generate_trace,
     replay,
 )
+from tests.conftest import ROOT
 
 
 def test_trace_is_seeded_and_has_the_four_events():
@@ -112,3 +117,56 @@ def test_a_repair_past_the_last_step_never_lands():
     # Relaunched from the checkpoint of step 4 (steps 5-6 redone); a repair at step 8 would land
     # before the end: it does (4 + 3, rounded up to the boundary 8 < 10).
     assert (restart.steps_redone, restart.repairs, restart.degraded_steps) == (2, 1, 4)
+
+
+# ---- the bench's reading of real runs -----------------------------------------------------------------
+# Files two real `ntp-train` runs wrote (bench/failure_trace.py --steps 60 --repair-after 6 --every 3, seed
+# 1; the layout (2,2) of the tiny model): NTP-PW (live) and NTP by restart.  The command's start is taken
+# at the first `job_start` (these runs predate the bench's record of it).
+FIXTURES = ROOT / "tests" / "fixtures" / "failure_trace"
+SMOKE = FailureTrace(60, 6, 3, (TraceEvent(LOSE, 6, 3), TraceEvent(HANG, 23, 3),
+                                TraceEvent(SLOW, 47, 3, 0.5, 4), TraceEvent(LOSE, 58, 0)))
+
+
+def _bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("failure_trace", ROOT / "bench" / "failure_trace.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "failure_trace", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _measured(ft, name: str):
+    doc = json.loads((FIXTURES / f"{name}.commands.json").read_text())
+    run = ft.Run(name, FIXTURES / name, [ft.Command(**c) for c in doc["commands"]], doc["repair_wait_s"])
+    m = ft.measure(run, SMOKE, None, "(2,2)")
+    _, mode, rule = ft.POLICIES[name]
+    return m, replay(SMOKE, ReplayPolicy(name, mode, ft.shrink(rule)), m.costs)
+
+
+def test_bench_reads_a_restart_run_and_the_replay_predicts_it(monkeypatch):
+    ft = _bench(monkeypatch)
+    m, p = _measured(ft, "ntp-restart")
+    # Three failures, each a relaunch: the hang seen by the 4 s heartbeat, the kills within a second.
+    assert m.failures == 3 and m.fallbacks == 0
+    assert 4.0 <= m.costs.detect_s[HANG] < 8.0 and m.costs.detect_s[LOSE] < 1.0
+    assert m.costs.restart_s > 0 and m.costs.repair_relaunch_s > 0 and m.costs.commit_s > 0
+    assert set(m.costs.step_s) == {FULL, "(2,1)", "(1,2)"}
+    # Steps redone: 4-5 after the loss at 6 (checkpoint 3), 22 after the hang at 23 (checkpoint 21), and
+    # 55-57 after the loss at 58: the save of step 57 was still committing when rank 0 died, so the
+    # relaunch resumed from step 54.  The replay counts the same.
+    assert m.steps_redone == 6 == p.steps_redone
+    assert m.repairs == 2 == p.repairs
+    assert abs(p.time_to_last_step_s / m.time_to_last_step_s - 1) <= 0.10
+
+
+def test_bench_reads_a_live_run_and_the_replay_predicts_it(monkeypatch):
+    ft = _bench(monkeypatch)
+    m, p = _measured(ft, "ntp-pw")
+    assert m.failures == 3 and m.fallbacks == 0 and m.steps_redone == 0 == p.steps_redone
+    assert m.costs.reshard_s > 0 and m.costs.rejoin_s > 0
+    # Degraded after the loss at 6 until the rejoin at 15, after the hang at 23 until 32, after 58 to the end.
+    assert m.degraded_steps == 21 == p.degraded_steps and m.repairs == 2 == p.repairs
+    assert m.batch_kept
+    assert abs(p.time_to_last_step_s / m.time_to_last_step_s - 1) <= 0.10

@@ -10,9 +10,10 @@ finish under each policy?*  It walks the steps one by one, as the project's reco
   `REJOIN_LEAD` steps later, and the step it joins at pays the rejoin; a repair announced past the
   last step never happens (the run ends degraded).
 - `restart` (NTP by restart): every worker stops and the job relaunches on the shrunk layout from
-  the last checkpoint, redoing the steps since it; the degraded attempt stops at the first checkpoint
-  boundary at least `repair_after_steps` steps after it resumed, and the job relaunches on the full
-  layout from that checkpoint (nothing redone).
+  the last committed checkpoint, redoing the steps since it (an asynchronous save of the step just
+  before a loss never commits: the lost process's writer dies with it); the degraded attempt stops
+  at the first checkpoint boundary at least `repair_after_steps` steps after it resumed, and the job
+  relaunches on the full layout from that checkpoint (nothing redone).
 - `spare` (checkpoint-restart with a spare, `fault.policy=restart`): relaunch at once on the full
   layout from the last checkpoint.
 - `wait` (checkpoint-restart that waits for the repair): the job stops; it is started again on the
@@ -136,7 +137,8 @@ class ReplayCosts:
     (wait mode: the start of the command run again to its first step); `repair_relaunch_s`: restart
     path, the end of the degraded attempt's last step to the first step on the repaired layout;
     `stop_s`: wait mode, detection to the end of the stopped command; `repair_wait_s`: wait mode, the
-    repair's duration."""
+    repair's duration; `commit_s`: an asynchronous checkpoint's commit, after its blocking part (0:
+    saves are synchronous)."""
 
     step_s: Mapping[str, float]
     startup_s: float
@@ -147,6 +149,7 @@ class ReplayCosts:
     repair_relaunch_s: float = 0.0
     stop_s: float = 0.0
     repair_wait_s: float = 0.0
+    commit_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -194,8 +197,15 @@ def replay(trace: FailureTrace, policy: ReplayPolicy, costs: ReplayCosts) -> Rep
     repair_stop: int | None = None  # restart: the last step of the degraded attempt
     c, r, n = trace.checkpoint_every, trace.repair_after_steps, trace.steps
 
-    def last_checkpoint(before: int) -> int:
-        return (before // c) * c if c > 0 else 0
+    def last_checkpoint(before: int, kind: str) -> int:
+        """The checkpoint a relaunch resumes from when step `before + 1` fails.  A lost process kills its
+        own checkpoint writer: an asynchronous save of the step just before the loss is still committing
+        (a loss strikes as the next step starts) and never completes, so the one before it is used.  A
+        hung process's writer thread keeps running, and its save commits during the detection."""
+        last = (before // c) * c if c > 0 else 0
+        if kind == LOSE and last == before and last > 0 and costs.commit_s > 0:
+            last -= c
+        return last
 
     while step <= n:
         # A live repair: announced once the survivors reach `degraded_since + r`, joining REJOIN_LEAD
@@ -231,7 +241,7 @@ def replay(trace: FailureTrace, policy: ReplayPolicy, costs: ReplayCosts) -> Rep
                 else:
                     t += costs.stop_s + costs.repair_wait_s + costs.restart_s
                     repairs += 1
-                resume = last_checkpoint(step - 1)
+                resume = last_checkpoint(step - 1, ev.kind)
                 redone += step - 1 - resume
                 step = resume + 1
                 if policy.mode == "restart":

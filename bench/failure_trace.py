@@ -1,0 +1,443 @@
+"""One seeded failure trace replayed under every recovery policy, side by side, and the simulator's
+prediction of each policy's time to the last step next to the measured one.
+
+    python bench/failure_trace.py [--steps 200] [--seed 1] [--repair-after 30] [--every 10]
+                                  [--policies live-ntp,ntp-pw,...] [--keep DIR] [overrides ...]
+
+The job: the real `ntp-train` CLI (`python -m ntp_nemo.train`), the tiny model of the tests, 2 DP
+replicas of TP 2 (4 forked gloo workers), global batch 12 in micro-batches of 1 (so that NTP-PW's boost
+changes the split), checkpoints every `--every` steps, heartbeat timeout 4 s.  The trace
+(`ntp_nemo.goodput.sim.replay.generate_trace`, seeded): a lost rank repaired `--repair-after` steps
+later, a hung rank (caught by the heartbeats) repaired likewise, a straggler for a few steps, and a late
+lost rank the run ends before repairing.  Policies (rows), all on the same data, seed and layout:
+
+- `live-ntp`   fault.policy=ntp fault.recovery=live: the survivors reshard in memory, the repaired rank
+               rejoins live;
+- `ntp-pw`     the same with ntp.power_boost=1.3: the degraded replica takes a larger share of the
+               micro-batches (on a CPU there is no clock to boost: its ranks simply do more work);
+- `ntp-restart` fault.policy=ntp fault.recovery=restart: relaunch on the shrunk layout from the last
+               checkpoint, back to the full layout at the first checkpoint boundary after the repair;
+- `dp-drop`    fault.policy=dp_drop fault.recovery=live: the whole replica leaves (as torchft does) and
+               comes back live when repaired.  Unlike torchft, the project's DP-drop keeps the global
+               batch (the remaining replica takes the dropped one's micro-batches);
+- `spare`      fault.policy=restart: checkpoint-restart with a spare in the lost GPU's place at once;
+- `wait-repair` checkpoint-restart that waits for the repair on the full layout.  No `fault.*` key makes
+               a job idle until a repair, so it is run as a scheduler would: fault.max_restarts=0 (a lost
+               rank stops the command, exit 1), a wait of the repair's duration (`--repair-after` steps
+               of the failure-free run), then the same command again with resume=auto (the faults that
+               fired do not fire again).
+
+Per policy: time from the command's start to the end of the last step, goodput
+(`ntp_nemo.goodput.compute_goodput`), steps redone, time on a degraded layout, and the largest relative
+difference of the loss (last execution of every step) from the failure-free run.  Every policy here keeps
+the global batch (tokens per step are checked), so every curve must be the failure-free one.
+
+Then the simulator (`ntp_nemo.goodput.sim.replay`) replays the same trace under each policy with the
+per-event costs measured in that policy's run (startup, step time per layout, detection per kind, live
+reshard, rejoin, restart, repair relaunch) and prints its time to the last step next to the measured
+one.  The last line: `failure trace: live NTP time-to-N / failure-free R0, restart R1, DP-drop R2,
+wait-for-repair R3`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from _common import ROOT, load_average, thread_env
+
+from ntp_nemo.goodput import compute_goodput
+from ntp_nemo.goodput.sim.replay import (
+    FULL,
+    HANG,
+    LOSE,
+    SLOW,
+    FailureTrace,
+    ReplayCosts,
+    ReplayPolicy,
+    generate_trace,
+    replay,
+)
+
+TINY = [
+    "model.hidden_size=64",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.ffn_hidden_size=128",
+    "model.max_seq_len=64",
+    "data.seq_len=32",
+    "data.global_batch_size=12",
+    "data.micro_batch_size=1",
+    "optim.warmup_steps=2",
+    "optim.lr=3e-3",
+    "trainer.val_every_n_steps=1000000",
+    "trainer.progress_bar=false",
+    "logger=none",
+    "callbacks=none",
+]
+DP, TP = 2, 2
+# Heartbeats catch the hang in seconds; the step timeout stays out of the way of the straggler.
+TIMEOUTS = ["fault.heartbeat_timeout_s=4", "fault.collective_timeout_s=30", "fault.step_timeout_s=600"]
+POLICIES = {
+    "live-ntp": (["fault.policy=ntp", "fault.recovery=live"], "live", "ntp"),
+    "ntp-pw": (["fault.policy=ntp", "fault.recovery=live", "ntp.power_boost=1.3"], "live", "ntp"),
+    "ntp-restart": (["fault.policy=ntp", "fault.recovery=restart"], "restart", "ntp"),
+    "dp-drop": (["fault.policy=dp_drop", "fault.recovery=live"], "live", "dp_drop"),
+    "spare": (["fault.policy=restart", "fault.recovery=restart"], "spare", "restart"),
+    "wait-repair": (["fault.policy=restart", "fault.recovery=restart", "fault.max_restarts=0"], "wait",
+                    "restart"),
+}
+
+
+def shrink(rule: str):
+    """Layout after losing `lost` (global ranks of the full layout) under `rule`, as
+    `ntp_nemo.resilience.policies` re-plans it, written as `ResolvedLayout.describe()` writes it."""
+
+    def layout(lost: frozenset[int]) -> str:
+        if not lost or rule == "restart":
+            return FULL
+        sizes = [TP] * DP
+        for r in lost:
+            sizes[r // TP] -= 1 if rule == "ntp" else TP
+        kept = [max(0, s) for s in sizes if s > 0]
+        return "(" + ",".join(str(s) for s in kept) + ")"
+
+    return layout
+
+
+# ---- running -----------------------------------------------------------------------------------------
+@dataclass
+class Command:
+    start: float
+    end: float
+    rc: int
+
+
+@dataclass
+class Run:
+    name: str
+    run_dir: Path
+    commands: list[Command] = field(default_factory=list)
+    repair_wait_s: float = 0.0
+
+
+def launch(args: list[str], run_dir: Path, log: Path, timeout: float) -> Command:
+    t0 = time.time()
+    with log.open("a") as out:
+        proc = subprocess.run([sys.executable, "-m", "ntp_nemo.train", *args, f"hydra.run.dir={run_dir}"],
+                              cwd=run_dir.parent, env=thread_env(1), stdout=out, stderr=subprocess.STDOUT,
+                              timeout=timeout)
+    return Command(t0, time.time(), proc.returncode)
+
+
+def run_policy(name: str, job: list[str], trace: FailureTrace, work: Path, repair_wait_s: float,
+               timeout: float, reuse: bool = False) -> Run:
+    """Run one row (or, with `reuse`, read the one a previous `--keep` run left in `work`)."""
+    extra, mode, _ = POLICIES[name] if name in POLICIES else ([], "none", "")
+    run_dir = work / name
+    log = work / f"{name}.log"
+    record = work / f"{name}.commands.json"
+    if reuse and record.exists():
+        doc = json.loads(record.read_text())
+        return Run(name, run_dir, [Command(**c) for c in doc["commands"]], doc["repair_wait_s"])
+    faults = trace.fault_overrides() if name != "failure-free" else [
+        "fault=none", f"checkpoint.every_n_steps={trace.checkpoint_every}"]
+    args = [*job, *faults, *extra]
+    run = Run(name, run_dir)
+    run.commands.append(launch(args, run_dir, log, timeout))
+    while mode == "wait" and run.commands[-1].rc != 0 and len(run.commands) <= len(trace.losses()):
+        time.sleep(repair_wait_s)  # the repair; then the scheduler starts the job again
+        run.repair_wait_s = repair_wait_s
+        run.commands.append(launch([*args, "resume=auto"], run_dir, log, timeout))
+    record.write_text(json.dumps({"commands": [vars(c) for c in run.commands],
+                                  "repair_wait_s": run.repair_wait_s}))
+    if run.commands[-1].rc != 0:
+        raise RuntimeError(f"{name}: ntp-train exited {run.commands[-1].rc}; see {log}:\n"
+                           + log.read_text()[-3000:])
+    return run
+
+
+# ---- reading a run's files ---------------------------------------------------------------------------
+def read_jsonl(path: Path) -> list[dict]:
+    out = []
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a killed writer
+        if isinstance(doc, dict):
+            out.append(doc)
+    return out
+
+
+def fired_faults(run_dir: Path) -> list[dict]:
+    return sorted((json.loads(p.read_text()) for p in (run_dir / "failover" / "faults").glob("fired_*.json")),
+                  key=lambda f: f["t"]) if (run_dir / "failover" / "faults").exists() else []
+
+
+@dataclass
+class Measured:
+    time_to_last_step_s: float
+    goodput: float
+    steps_redone: int
+    degraded_s: float
+    degraded_steps: int
+    max_rel_loss_diff: float
+    batch_kept: bool
+    repairs: int
+    costs: ReplayCosts
+    layouts: dict[str, int]
+    failures: int  # failures detected (the trace's losses and hangs, plus any the recovery caused)
+    fallbacks: int  # live recoveries that fell back to the restart path
+
+    @property
+    def in_steps(self) -> float:
+        """Time to the last step in this run's own full-layout steps: the machine's load divides out."""
+        return self.time_to_last_step_s / self.costs.step_s[FULL]
+
+
+def _mean(xs: list[float], default: float = 0.0) -> float:
+    return statistics.fmean(xs) if xs else default
+
+
+def measure(run: Run, trace: FailureTrace, reference: dict[int, float] | None,
+            full_layout: str) -> Measured:
+    """Figures and per-event costs of one run, from its metrics.jsonl, goodput.jsonl, fault markers and
+    the commands' start and end times."""
+    recs = read_jsonl(run.run_dir / "metrics.jsonl")
+    events = read_jsonl(run.run_dir / "goodput.jsonl")
+    fired = fired_faults(run.run_dir)
+    t0 = run.commands[0].start
+    last_end = max(r["time"] for r in recs if r["step"] == trace.steps)
+    report = compute_goodput(events)
+    last_loss = {r["step"]: r["loss"] for r in recs}
+    tokens = {r["tokens"] for r in recs}
+    diff = max((abs(last_loss[s] - v) / abs(v) for s, v in reference.items()), default=0.0) \
+        if reference else 0.0
+    # Times where something other than a step happened: a step ending after one is no plain step.
+    marks = sorted([f["t"] for f in fired if f["kind"] != "slow"]
+                   + [e["t"] for e in events
+                      if e["event"] in ("failure_detected", "recovery_done", "job_start")])
+    slow = [e for e in trace.events if e.kind == SLOW]
+
+    def key(r: dict) -> str:
+        return FULL if r["layout"] == full_layout else r["layout"]
+
+    periods: dict[str, list[float]] = {}
+    rejoin_steps: list[float] = []
+    prev = None
+    for r in recs:
+        if prev is not None and r["step"] == prev["step"] + 1:
+            between = [m for m in marks if prev["time"] < m <= r["time"]]
+            slowed = any(e.step <= r["step"] < e.step + e.steps for e in slow)
+            if not between and not slowed:
+                periods.setdefault(key(r), []).append(r["time"] - prev["time"])
+        prev = r
+    step_s = {k: _mean(v) for k, v in periods.items()}
+    # Detection: fault fired -> the next failure_detected.
+    detect: dict[str, list[float]] = {}
+    detected = [e for e in events if e["event"] == "failure_detected"]
+    for f in fired:
+        if f["kind"] == "slow":
+            continue
+        after = [e["t"] for e in detected if e["t"] >= f["t"] - 0.5]
+        if after:
+            detect.setdefault(LOSE if f["kind"] == "kill_rank" else HANG, []).append(min(after) - f["t"])
+    reshard, restart, relaunch, stop = [], [], [], []
+    starts = [e for e in events if e["event"] == "step_start"]
+    for d in detected:
+        done = [e for e in events
+                if e["event"] == "recovery_done" and e["t"] >= d["t"] and not e.get("rejoin")]
+        if done and done[0].get("mode") == "live":
+            reshard.append(done[0]["t"] - d["t"])
+        else:
+            nxt = [s["t"] for s in starts if s["t"] > d["t"]]
+            ended = [c.end for c in run.commands if c.end >= d["t"]]
+            if len(run.commands) > 1 and ended:  # wait mode: the command stops; the next one starts
+                stop.append(min(ended) - d["t"])
+                later = [c for c in run.commands if c.start > d["t"]]
+                if later and nxt:
+                    restart.append(min(nxt) - later[0].start)
+            elif nxt:
+                restart.append(min(nxt) - d["t"])
+    # Live rejoin: the step it runs at, beyond a full-layout step.
+    for e in events:
+        if e["event"] == "recovery_done" and e.get("rejoin"):
+            at = [r for r in recs if r["time"] >= e["t"]]
+            before = [r for r in recs if r["time"] < e["t"]]
+            if at and before:
+                rejoin_steps.append(at[0]["time"] - before[-1]["time"] - step_s.get(FULL, 0.0))
+    # Restart path repair: the degraded attempt's last step -> the first step on the repaired layout.
+    attempts = read_jsonl(run.run_dir / "failover" / "attempts.jsonl")
+    for a in attempts:
+        if a.get("outcome") == "repair_stop" and a.get("end_t"):
+            end = [r["time"] for r in recs if r["step"] == a["stop_at_step"] and r["time"] <= a["end_t"] + 1]
+            nxt = [s["t"] for s in starts if s["t"] > a["end_t"]]
+            if end and nxt:
+                relaunch.append(min(nxt) - max(end))
+    first_start = min(s["t"] for s in starts)
+    saves = {(e["pid"], e.get("step")): e["t"] for e in events if e["event"] == "ckpt_save_start"}
+    commits = [e["t"] - saves[e["pid"], e.get("step")] for e in events
+               if e["event"] == "ckpt_commit" and (e["pid"], e.get("step")) in saves]
+    costs = ReplayCosts(
+        step_s=step_s,
+        startup_s=first_start - t0,
+        detect_s={k: _mean(v) for k, v in detect.items()},
+        reshard_s=_mean(reshard),
+        rejoin_s=_mean(rejoin_steps),
+        restart_s=_mean(restart),
+        repair_relaunch_s=_mean(relaunch),
+        stop_s=_mean(stop),
+        repair_wait_s=run.repair_wait_s,
+        commit_s=_mean(commits),
+    )
+    degraded = [r for r in recs if key(r) != FULL]
+    layouts: dict[str, int] = {}
+    for r in recs:
+        layouts[key(r)] = layouts.get(key(r), 0) + 1
+    repairs = sum(1 for e in events if e["event"] == "recovery_done" and e.get("rejoin")) + \
+        sum(1 for a in attempts if a.get("reason") == "repair") + max(0, len(run.commands) - 1)
+    return Measured(
+        time_to_last_step_s=last_end - t0,
+        goodput=report.goodput,
+        steps_redone=report.steps_redone,
+        degraded_s=sum(r["step_time_s"] for r in degraded),
+        degraded_steps=len(degraded),
+        max_rel_loss_diff=diff,
+        batch_kept=len(tokens) == 1,
+        repairs=repairs,
+        costs=costs,
+        layouts=layouts,
+        failures=len(detected),
+        fallbacks=sum(1 for e in events if e["event"] == "recovery_done" and e.get("mode") == "restart"
+                      and any(d.get("detail") == "live recovery" for d in detected)),
+    )
+
+
+# ---- printing ----------------------------------------------------------------------------------------
+def table(header: tuple[str, ...], rows: list[tuple]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def costs_row(name: str, c: ReplayCosts) -> tuple:
+    steps = ", ".join(f"{k} {v:.3f}" for k, v in sorted(c.step_s.items()))
+    det = ", ".join(f"{k} {v:.2f}" for k, v in sorted(c.detect_s.items())) or "-"
+
+    def s(v: float) -> str:
+        return f"{v:.2f}" if v else "-"
+
+    return (name, f"{c.startup_s:.2f}", steps, det, s(c.reshard_s), s(c.rejoin_s), s(c.restart_s),
+            s(c.repair_relaunch_s), s(c.stop_s), s(c.repair_wait_s))
+
+
+def summary_line(steps: int, times: dict[str, float]) -> str:
+    live = times["live-ntp"]
+
+    def ratio(k: str) -> str:
+        return f"{live / times[k]:.2f}" if k in times else "n/a"
+
+    return (f"failure trace: live NTP time-to-{steps} / failure-free {ratio('failure-free')}, restart "
+            f"{ratio('ntp-restart')}, DP-drop {ratio('dp-drop')}, wait-for-repair {ratio('wait-repair')}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--repair-after", type=int, default=30, help="fault.repair_after_steps")
+    ap.add_argument("--every", type=int, default=10, help="checkpoint.every_n_steps")
+    ap.add_argument("--policies", default=",".join(POLICIES), help="comma-separated rows to run")
+    ap.add_argument("--keep", type=Path, help="keep the run directories here")
+    ap.add_argument("--reuse", action="store_true",
+                    help="with --keep: read the runs a previous run left there instead of running them again")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="bound on each ntp-train command (s)")
+    ap.add_argument("overrides", nargs="*", help="extra ntp-train overrides for every run")
+    args = ap.parse_args()
+    names = [p for p in args.policies.split(",") if p]
+    unknown = [p for p in names if p not in POLICIES]
+    if unknown or "live-ntp" not in names:
+        sys.exit(f"--policies: {unknown or 'live-ntp missing'}; choose from {', '.join(POLICIES)} "
+                 "(live-ntp is required: the last line compares against it)")
+    try:
+        trace = generate_trace(args.seed, args.steps, DP * TP, args.repair_after, args.every)
+    except ValueError as err:
+        sys.exit(f"--steps: {err}")
+    job = [*TINY, f"mesh.dp={DP}", f"mesh.tp={TP}", f"ntp.replica_tp=[{TP},{TP}]",
+           f"trainer.max_steps={args.steps}", f"seed={args.seed}", *TIMEOUTS, *args.overrides]
+    full_layout = f"({TP},{TP})"
+    print(f"failure trace (seed {args.seed}, {args.steps} steps, checkpoints every {args.every}, repair "
+          f"after {args.repair_after} steps): {trace.describe()}", flush=True)
+    print(f"job: ntp-train {' '.join(job)} {' '.join(trace.fault_overrides())} POLICY; load average "
+          f"{load_average()}; repository {ROOT}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = args.keep or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        ref_run = run_policy("failure-free", job, trace, work, 0.0, args.timeout, args.reuse)
+        ref_recs = read_jsonl(ref_run.run_dir / "metrics.jsonl")
+        reference = {r["step"]: r["loss"] for r in ref_recs}
+        measured = {"failure-free": measure(ref_run, trace, None, full_layout)}
+        full_step = measured["failure-free"].costs.step_s[FULL]
+        repair_wait = args.repair_after * full_step
+        print(f"  failure-free: {measured['failure-free'].time_to_last_step_s:.1f} s to step {args.steps} "
+              f"({full_step:.3f} s/step); a repair takes {args.repair_after} steps = {repair_wait:.1f} s",
+              flush=True)
+        predicted = {}
+        for name in names:
+            run = run_policy(name, job, trace, work, repair_wait, args.timeout, args.reuse)
+            m = measured[name] = measure(run, trace, reference, full_layout)
+            _, mode, rule = POLICIES[name]
+            predicted[name] = replay(trace, ReplayPolicy(name, mode, shrink(rule)), m.costs)
+            print(f"  {name}: {m.time_to_last_step_s:.1f} s measured, "
+                  f"{predicted[name].time_to_last_step_s:.1f} s predicted; load average {load_average()}",
+                  flush=True)
+    rows = []
+    expected = len(trace.losses())
+    for name, m in measured.items():
+        p = predicted.get(name)
+        notes = []
+        if name != "failure-free" and m.failures != expected:
+            notes.append(f"{m.failures} failures detected for the trace's {expected}")
+        if m.fallbacks:
+            notes.append(f"{m.fallbacks} live recovery(ies) fell back to a restart")
+        if name != "failure-free" and m.max_rel_loss_diff > 1e-4:
+            notes.append("loss OFF the failure-free curve (> 1e-4)")
+        rows.append((
+            name, f"{m.time_to_last_step_s:.1f}", f"{m.in_steps:.0f}",
+            f"{p.time_to_last_step_s:.1f}" if p else "-",
+            f"{p.time_to_last_step_s / m.time_to_last_step_s:.3f}" if p else "-", f"{m.goodput:.3f}",
+            f"{m.steps_redone}" + (f" ({p.steps_redone})" if p else ""),
+            f"{m.degraded_s:.1f} s / {m.degraded_steps}" + (f" ({p.degraded_steps})" if p else ""),
+            f"{m.repairs}" + (f" ({p.repairs})" if p else ""),
+            f"{m.max_rel_loss_diff:.1e}" if name != "failure-free" else "-",
+            "yes" if m.batch_kept else "NO", "; ".join(notes) or "-",
+        ))
+    print("\n" + table(("policy", f"time to step {args.steps} s", "in own full steps", "predicted s",
+                        "predicted / measured",
+                        "goodput", "steps redone (pred.)", "degraded time / steps (pred. steps)",
+                        "repairs (pred.)", "max rel loss diff", "global batch kept", "notes"), rows))
+    print("\nmeasured per-event costs fed to the simulator (s):\n" + table(
+        ("policy", "startup", "step per layout", "detect", "reshard", "rejoin", "restart",
+         "repair relaunch", "stop", "repair wait"),
+        [costs_row(n, m.costs) for n, m in measured.items()]))
+    worst = max(abs(p.time_to_last_step_s / measured[n].time_to_last_step_s - 1)
+                for n, p in predicted.items())
+    print(f"\nsimulator: every policy's time to step {args.steps} predicted within {worst * 100:.1f}% "
+          f"({'inside' if worst <= 0.10 else 'OUTSIDE'} the 10% bound); load average {load_average()}")
+    print("load-normalised (each run's time to the last step in its own full-layout step time): "
+          + summary_line(args.steps, {n: m.in_steps for n, m in measured.items()}).split(": ", 1)[1])
+    print(summary_line(args.steps, {n: m.time_to_last_step_s for n, m in measured.items()}))
+
+
+if __name__ == "__main__":
+    main()
