@@ -31,6 +31,7 @@ from ntp_nemo.parallel.layers import (
     vocab_parallel_cross_entropy,
 )
 from ntp_nemo.parallel.sequence import (
+    ReplicatedGradReducer,
     gather_and_project,
     replicated_grad_sum,
     resplit_sequence,
@@ -49,12 +50,13 @@ class Norm(nn.Module):
         self.rms, self.eps, self.tp = rms, eps, tp
         self.weight = replicated_param((dim,), tp, ("ones",))
         self.bias = replicated_param((dim,), tp, ("zeros",)) if bias else None
+        self.grad_reducer = None  # the model's ReplicatedGradReducer under SP (set by the model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = replicated_grad_sum(self.weight, self.tp)
+        weight = replicated_grad_sum(self.weight, self.tp, self.grad_reducer)
         if self.rms:
             return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
-        bias = replicated_grad_sum(self.bias, self.tp) if self.bias is not None else None
+        bias = replicated_grad_sum(self.bias, self.tp, self.grad_reducer) if self.bias is not None else None
         return F.layer_norm(x, (x.shape[-1],), weight, bias, self.eps)
 
 
@@ -271,6 +273,13 @@ class DecoderLM(nn.Module):
                     cfg.hidden_size, cfg.vocab_size, head_tp, bias=False, std=cfg.init_std
                 )
         self._rope_cache: dict = {}
+        # Under SP the replicated parameters' gradient sums over the TP group travel together, once per
+        # backward pass (one all-reduce per group instead of one per parameter).
+        self.grad_reducer = (ReplicatedGradReducer(list(self.named_parameters()))
+                             if self.sequence_parallel else None)
+        for module in self.modules():
+            if module is not self and hasattr(module, "grad_reducer"):
+                module.grad_reducer = self.grad_reducer
 
     def _rope(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         if not self.llama:
@@ -301,7 +310,7 @@ class DecoderLM(nn.Module):
         if not self.llama:
             seq_len = ids.shape[1]
             lo, hi = seq_interval(self.emb_tp, seq_len)
-            x = x + replicated_grad_sum(self.pos_embed, self.emb_tp)[lo:hi]
+            x = x + replicated_grad_sum(self.pos_embed, self.emb_tp, self.grad_reducer)[lo:hi]
         return x
 
     def recomputes_layer(self, index: int) -> bool:

@@ -103,10 +103,13 @@ class RowParallelLinear(nn.Module):
             ShardSpec.split((out_features, in_features), 1, unit_size, lo, hi), tp.copies, ("normal", std)
         )
         self.bias = replicated_param((out_features,), tp, ("zeros",)) if bias else None
+        self.grad_reducer = None  # the model's ReplicatedGradReducer under SP (set by the model)
 
     def forward(self, x_local: torch.Tensor) -> torch.Tensor:
         y = exit_tp_region(F.linear(x_local, self.weight), self.tp)
-        return y + replicated_grad_sum(self.bias, self.tp) if self.bias is not None else y
+        if self.bias is None:
+            return y
+        return y + replicated_grad_sum(self.bias, self.tp, self.grad_reducer)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -136,28 +139,39 @@ def _upcast(x: torch.Tensor) -> torch.Tensor:
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross entropy of vocabulary-sharded logits with one collective: every rank all-gathers each token's
+    (local max, local sum of exp(logit - local max), target logit or 0), then combines them as a
+    log-sum-exp, `M = max_r m_r`, `S = sum_r s_r exp(m_r - M)`, `loss = log S + M - target`: the value of
+    the unsharded softmax (a max all-reduce then a sum all-reduce would be two collectives)."""
+
     @staticmethod
     def forward(ctx, logits, target, vocab_start, group):  # type: ignore[override]
         import torch.distributed as dist
 
         logits = _upcast(logits)
-        logits_max = logits.max(dim=-1).values
-        if group is not None:
-            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - logits_max.unsqueeze(-1)
+        local_max = logits.max(dim=-1).values
+        shifted = logits - local_max.unsqueeze(-1)
         local_vocab = logits.shape[-1]
         inside = (target >= vocab_start) & (target < vocab_start + local_vocab)
         local_target = torch.where(inside, target - vocab_start, torch.zeros_like(target))
-        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) * inside
+        target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) * inside
         exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
+        mine = torch.stack([local_max, exp.sum(dim=-1), target_logit])
         if group is not None:
-            # One fused all-reduce for the two per-token sums.
-            both = torch.stack([sum_exp, target_logit])
-            dist.all_reduce(both, group=group)
-            sum_exp, target_logit = both[0], both[1]
-        loss = sum_exp.log() - target_logit
-        exp.div_(sum_exp.unsqueeze(-1))
+            n = dist.get_world_size(group)
+            every = mine.new_empty((n * mine.shape[0], *mine.shape[1:]))
+            dist.all_gather_single(every, mine, group=group)
+            every = every.view(n, *mine.shape)
+            maxes = every[:, 0]
+            global_max = maxes.max(dim=0).values
+            sum_exp = (every[:, 1] * (maxes - global_max).exp()).sum(dim=0)
+            target_logit = every[:, 2].sum(dim=0)
+            scale = (local_max - global_max).exp() / sum_exp
+        else:
+            global_max, sum_exp = local_max, mine[1]
+            scale = 1.0 / sum_exp
+        loss = sum_exp.log() + global_max - target_logit
+        exp.mul_(scale.unsqueeze(-1))
         ctx.save_for_backward(exp, inside, local_target)
         return loss
 

@@ -86,6 +86,8 @@ class OverlappedGradSync:
 
     def _hook(self, name: str):
         def hook(p: torch.Tensor) -> None:
+            if getattr(p, "ntp_grad_deferred", False):
+                return  # summed over the TP group at the end of the pass (ReplicatedGradReducer)
             self.grad_accumulated(name)
 
         return hook
