@@ -118,8 +118,15 @@ def sweep_cases(cases: dict[str, list[str]], common: list[str], root: Path, time
     """Run every case (name -> overrides on top of `common`) as one job of one `ntp-train -m` sweep: one
     interpreter and one import of Lightning for all of them; jobs run in the order of `cases`, each in
     its own run directory (`root/sweep/<job number>`). Each case becomes an option of a config group on
-    `hydra.searchpath` (`+tests/case=a,b,...`), so one swept value sets several keys at once."""
+    `hydra.searchpath` (`+tests/case=a,b,...`), so one swept value sets several keys at once.
+
+    A case with `hydra.sweep.subdir=NAME` runs in `root/sweep/NAME` instead: cases naming the same
+    subdir continue one run directory in turn (a stop, then its resume, as two commands would), and a
+    case may resume from a checkpoint an earlier job of the sweep wrote."""
     names = list(cases)
+    given = {o.split("=", 1)[0] for o in common}
+    both = sorted({o.split("=", 1)[0] for name in names for o in cases[name]} & given)
+    assert not both, f"set in `common` and in a case (the command line would win over the case): {both}"
     for name in names:
         case_file(root / "cases", name, cases[name])
     sweep_dir = root / "sweep"
@@ -129,7 +136,9 @@ def sweep_cases(cases: dict[str, list[str]], common: list[str], root: Path, time
         cwd=root,
         timeout=timeout,
     )
-    return Sweep(proc, {name: sweep_dir / str(i) for i, name in enumerate(names)})
+    subdirs = {name: next((o.split("=", 1)[1] for o in cases[name] if o.startswith("hydra.sweep.subdir=")),
+                          str(i)) for i, name in enumerate(names)}
+    return Sweep(proc, {name: sweep_dir / subdirs[name] for name in names})
 
 
 # The failure-free curves of TINY that comparisons read: one process (every layout follows the same curve

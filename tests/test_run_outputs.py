@@ -6,28 +6,32 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import SINGLE, TINY, run_cli
+from tests.conftest import SINGLE, TINY, run_cli, sweep_cases
 
 BASE = [a for a in TINY if a != "logger=none"]
 
 
 @pytest.mark.slow
 def test_logger_folder_and_previous_record(tmp_path):
-    run = tmp_path / "run"
-    res = run_cli([*BASE, *SINGLE, "logger=tensorboard", "trainer.max_steps=3", f"hydra.run.dir={run}"],
-                  cwd=tmp_path)
+    # Two jobs of one `ntp-train -m` sweep in one run directory, in order: a run with the TensorBoard
+    # logger, then the same directory continued with another config (more steps, no logger).
+    sweep = sweep_cases({"tb": ["logger=tensorboard", "trainer.max_steps=3", "hydra.sweep.subdir=run"],
+                         "more": ["logger=none", "trainer.max_steps=4", "hydra.sweep.subdir=run"]},
+                        [*BASE, *SINGLE], tmp_path)
+    res = sweep.proc
     assert res.returncode == 0, res.stderr[-3000:]
-    outputs = next(line for line in res.stdout.splitlines() if line.startswith(" outputs"))
+    run = sweep.run_dir("more")
+    # train.log: the first job's console, its summary, then the second job's console and summary.
+    before, first_summary = (run / "train.log").read_text().split("ntp_nemo run summary")[:2]
+    outputs = next(line for line in first_summary.splitlines() if line.startswith(" outputs"))
     assert "tb/" in outputs and "logs/" not in outputs and (run / "tb").is_dir()
-    assert "another config" not in res.stdout
-    # The same directory continued with another config (here more steps, no logger): the old record
-    # is kept and the console says where.
-    old = (run / ".hydra" / "config.yaml").read_text()
-    res = run_cli([*TINY, *SINGLE, "trainer.max_steps=4", f"hydra.run.dir={run}"], cwd=tmp_path)
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert "another config" not in before
+    # The continued run: the old record is kept and the console says where.
     assert "started with another config" in res.stdout and ".hydra/previous/1/" in res.stdout
-    assert (run / ".hydra" / "previous" / "1" / "config.yaml").read_text() == old
-    assert (run / ".hydra" / "config.yaml").read_text() != old
+    old = (run / ".hydra" / "previous" / "1" / "config.yaml").read_text()
+    assert "tensorboard" in old.lower() and "max_steps: 3" in old
+    new = (run / ".hydra" / "config.yaml").read_text()
+    assert new != old and "max_steps: 4" in new
 
 
 def test_unwritable_run_dir_exits_2_without_traceback(tmp_path):
