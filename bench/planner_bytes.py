@@ -12,10 +12,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ntp_nemo.models import families
 from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.planner.cost import item_cost, item_kinds
-from ntp_nemo.planner.shapes import DeviceModel, LinkModel, ModelShape
+from ntp_nemo.planner.shapes import DeviceModel, LinkModel
 from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout, Topology, effective_degree
 
@@ -59,7 +60,7 @@ def worker(rank: int, world: int, arch: str, layer_tp: list[int], replica_tp: li
 
 
 def modelled(arch: str, layer_tp: list[int], n: int) -> tuple[float, int]:
-    shape = ModelShape.of_model_config(model_config(arch))
+    shape = families.model_shape(model_config(arch))
     total, calls = 0.0, 0
     for kind, t in zip(item_kinds(shape), layer_tp, strict=True):
         cost = item_cost(shape, kind, effective_degree(t, n), SEQ, MB, DeviceModel(act_bytes=4), LinkModel())

@@ -236,10 +236,11 @@ def _data(spec: RunSpec):
 def _describe(spec: RunSpec, data) -> None:
     """The run's opening lines: model, data, the rank table and the batch split."""
     from ntp_nemo.models import flops_per_token, param_count
+    from ntp_nemo.models.families import family_of
 
     m, layout = spec.model, spec.layout
     say(
-        f"ntp_nemo | recipe {spec.recipe} | model {m.name} ({m.arch}) "
+        f"ntp_nemo | recipe {spec.recipe} | model {m.name} ({family_of(m).name}) "
         f"{param_count(m) / 1e6:.2f}M params, "
         f"{flops_per_token(m, spec.data.seq_len) / 1e6:.1f} MFLOP/token | data "
         f"{spec.data.path or 'embedded corpus (Python standard library)'} "

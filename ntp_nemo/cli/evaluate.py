@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ntp_nemo.errors import ConfigError, cli_main
+from ntp_nemo.models.families import family_of
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ def evaluate(path: str | os.PathLike, tokens_path: str | os.PathLike, seq_len: i
     if seq_len is None:
         raise ConfigError("--seq-len", f"no run record (.hydra/config.yaml) beside {str(ckpt)!r} says the "
                                        "run's data.seq_len: pass --seq-len N.")
-    if seq_len < 1 or (cfg.arch == "gpt2" and seq_len > cfg.max_seq_len):
+    if seq_len < 1 or (family_of(cfg).learned_positions and seq_len > cfg.max_seq_len):
         raise ConfigError("--seq-len", f"{seq_len} is not a sequence length this model takes (1 to "
                                        f"model.max_seq_len={cfg.max_seq_len}).")
     try:

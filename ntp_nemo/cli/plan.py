@@ -42,6 +42,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ntp_nemo.config.paths import conf_dir, recipes_dir
 from ntp_nemo.errors import ConfigError, cli_main
+from ntp_nemo.models import families
 from ntp_nemo.planner.plan import Plan, Ranking, rank_layouts, run_length
 from ntp_nemo.planner.shapes import DeviceModel, LinkModel, ModelShape
 
@@ -197,7 +198,7 @@ def rank_from_config(cfg: DictConfig, train_model: DictConfig | None = None) -> 
     if train_model is None:
         model = ModelShape.from_dict(raw["model"])
     else:
-        model = ModelShape.of_model_config(train_model)
+        model = families.model_shape(train_model)
     device = DeviceModel.from_dict(raw["hardware"]["device"], "hardware.device")
     links = LinkModel.from_dict(raw["hardware"]["links"], "hardware.links")
     mesh, data = raw["mesh"], raw["data"]
@@ -398,7 +399,7 @@ def print_patterns(cfg: DictConfig, train_model: DictConfig | None, fmt: str) ->
     raw = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(raw, dict)
     model = (ModelShape.from_dict(raw["model"]) if train_model is None
-             else ModelShape.of_model_config(train_model))
+             else families.model_shape(train_model))
     device = DeviceModel.from_dict(raw["hardware"]["device"], "hardware.device")
     links = LinkModel.from_dict(raw["hardware"]["links"], "hardware.links")
     p = raw["mesh"]["tp"]

@@ -13,6 +13,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from ntp_nemo.errors import ConfigError
+from ntp_nemo.models import families
 from ntp_nemo.planner.shapes import SIZE_FIELDS
 from ntp_nemo.topology.layout import ResolvedLayout
 
@@ -160,10 +161,9 @@ def check_resume_model(cfg: DictConfig, ckpt: Path) -> None:
     model = OmegaConf.to_container(cfg.model, resolve=True)
     if model.get("init_from"):
         return  # sizes come from the Hugging Face directory; compared when the weights load
-    if model.get("arch") == "gpt2":
-        fields = (*SHAPE_FIELDS, "max_seq_len")  # learned position embeddings
-    else:
-        fields = SHAPE_FIELDS
+    fields = SHAPE_FIELDS
+    if families.family_of(model).learned_positions:
+        fields = (*SHAPE_FIELDS, "max_seq_len")  # a table of max_seq_len learned positions
     diff = [f for f in fields if f in saved and f in model and saved[f] != model[f]]
     if diff:
         pairs = ", ".join(f"model.{f}={saved[f]} in the checkpoint vs {model[f]} configured" for f in diff)

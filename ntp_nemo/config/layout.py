@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
+from ntp_nemo.models import families
 from ntp_nemo.topology.layout import ResolvedLayout
 from ntp_nemo.topology.topology import Topology
 from ntp_nemo.topology.work import WorkShape
@@ -13,13 +14,7 @@ from ntp_nemo.topology.work import WorkShape
 
 def work_shape(cfg: DictConfig) -> WorkShape:
     """The model and sequence shape the per-rank work model (batch shares) reads."""
-    m = cfg.model
-    return WorkShape(
-        hidden_size=int(m.hidden_size), num_layers=int(m.num_layers), num_heads=int(m.num_heads),
-        num_kv_heads=int(m.num_kv_heads or m.num_heads), ffn_hidden_size=int(m.ffn_hidden_size),
-        vocab_size=int(m.vocab_size), seq_len=int(cfg.data.seq_len), gated_mlp=str(m.arch) == "llama",
-        tie_embeddings=bool(m.tie_embeddings),
-    )
+    return families.work_shape(cfg.model, int(cfg.data.seq_len))
 
 
 def resolve_layout(cfg: DictConfig, layer_tp: Sequence[int] | None = None) -> ResolvedLayout:
@@ -63,7 +58,6 @@ def resolve_stage_layers(cfg: DictConfig, layer_tp: Sequence[int] | None = None)
     Call after `validate_pipeline(cfg)`; the balanced split needs the resolved per-slot degrees
     `layer_tp` (`resolve_layout` passes them)."""
     from ntp_nemo.pipeline.partition import balanced_partition, item_costs
-    from ntp_nemo.planner.shapes import ModelShape
 
     pp, num_layers = int(cfg.mesh.pp), int(cfg.model.num_layers)
     explicit = cfg.layout.get("stage_layers")
@@ -73,6 +67,6 @@ def resolve_stage_layers(cfg: DictConfig, layer_tp: Sequence[int] | None = None)
         return [num_layers]
     if layer_tp is None:
         raise ValueError("the cost-balanced pipeline split needs the resolved per-slot degrees (layer_tp)")
-    costs = item_costs(ModelShape.of_model_config(cfg.model), layer_tp, int(cfg.data.seq_len),
+    costs = item_costs(families.model_shape(cfg.model), layer_tp, int(cfg.data.seq_len),
                        int(cfg.data.micro_batch_size))
     return balanced_partition(costs, pp)

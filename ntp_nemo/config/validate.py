@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from ntp_nemo.config.memory_keys import validate_memory_options
 from ntp_nemo.config.quant_keys import validate_quant
 from ntp_nemo.errors import ConfigError
+from ntp_nemo.models import families
 
 PRECISIONS = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true")  # 16-mixed: refused below
 DEFAULT_MODEL_TARGET = "ntp_nemo.models.build_model"
@@ -39,12 +40,9 @@ def validate_model(m: DictConfig) -> None:
             "model._target_",
             f"{target!r} is not supported: every rank builds its own slice of the NTP decoder "
             f"({DEFAULT_MODEL_TARGET}), so a custom model class cannot be sharded. Drop the key (or set "
-            f"model._target_={DEFAULT_MODEL_TARGET}) and choose the architecture with model.arch=gpt2|llama.",
+            f"model._target_={DEFAULT_MODEL_TARGET}) and choose the architecture with {families.choices()}.",
         )
-    if m.arch not in ("gpt2", "llama"):
-        raise ConfigError(
-            "model.arch", f"unknown architecture {m.arch!r}. Use model.arch=gpt2 or model.arch=llama."
-        )
+    fam = families.family_of(m)
     for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size", "max_seq_len"):
         if m[key] is None or int(m[key]) < 1:
             raise ConfigError(f"model.{key}", f"must be a positive integer, got {m[key]!r}.")
@@ -61,12 +59,7 @@ def validate_model(m: DictConfig) -> None:
             f"model.num_heads={m.num_heads} must be a multiple of "
             f"model.num_kv_heads={m.num_kv_heads} (grouped-query attention); use a divisor of it.",
         )
-    if m.arch == "llama" and (m.hidden_size // m.num_heads) % 2:
-        raise ConfigError(
-            "model.hidden_size",
-            f"rotary embeddings need an even head dim, got "
-            f"{m.hidden_size}/{m.num_heads}={m.hidden_size // m.num_heads}.",
-        )
+    fam.validate(m)
 
 
 def resolve_init_from(cfg: DictConfig) -> None:
@@ -294,12 +287,11 @@ def _validate_shard_align(cfg: DictConfig, tp: int) -> None:
 def resolve_layer_tp(cfg: DictConfig) -> list[int]:
     """Per-slot degrees (embedding, each layer, head), validated against the model and mesh."""
     from ntp_nemo.planner.layout import parse_layer_tp, validate_layer_tp
-    from ntp_nemo.planner.shapes import ModelShape
 
     tp = int(cfg.mesh.tp)
     spec = cfg.layout.layer_tp
     m = cfg.model
-    shape = ModelShape.of_model_config(m)
+    shape = families.model_shape(m)
     if spec == "auto":
         from ntp_nemo.planner import plan_layout
 

@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.models.families import family_of
 
 
 def param_count(cfg: ModelConfig) -> int:
     h, f, L, V = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers, cfg.vocab_size
     nkv = cfg.num_kv_heads or cfg.num_heads
     d = h // cfg.num_heads
-    llama = cfg.arch == "llama"
+    fam = family_of(cfg)
+    qkv_bias, o_bias = fam.attention_bias
+    norm = h * (2 if fam.norm_bias else 1)
     attn = h * cfg.num_heads * d * 2 + h * nkv * d * 2
-    mlp = (3 if llama else 2) * h * f
-    norms = 2 * h * (1 if llama else 2)
-    biases = 0 if llama else (cfg.num_heads * d + 2 * nkv * d + h) + (f + h)
-    per_layer = attn + mlp + norms + biases
-    emb = V * h + (0 if llama else cfg.max_seq_len * h)
+    mlp = (3 if fam.gated_mlp else 2) * h * f
+    biases = ((cfg.num_heads * d + 2 * nkv * d) if qkv_bias else 0) + (h if o_bias else 0)
+    biases += (f + h) if fam.linear_bias else 0
+    per_layer = attn + mlp + 2 * norm + biases
+    emb = V * h + (cfg.max_seq_len * h if fam.learned_positions else 0)
     head = 0 if cfg.tie_embeddings else V * h
-    final_norm = h * (1 if llama else 2)
+    final_norm = norm
     return L * per_layer + emb + head + final_norm
 
 
@@ -32,9 +35,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     h, f, L, V = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers, cfg.vocab_size
     nkv = cfg.num_kv_heads or cfg.num_heads
     d = h // cfg.num_heads
-    matmul = (
-        L * (2 * h * cfg.num_heads * d + 2 * h * nkv * d + (3 if cfg.arch == "llama" else 2) * h * f) + V * h
-    )
+    mlp = (3 if family_of(cfg).gated_mlp else 2) * h * f
+    matmul = L * (2 * h * cfg.num_heads * d + 2 * h * nkv * d + mlp) + V * h
     # s·h multiply-adds each for QK^T and AV per layer, counted like parameters (x6): full, non-causal
     attention = L * 2 * cfg.num_heads * d * seq_len
     return 6.0 * matmul + 6.0 * attention

@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.models.families import family_of
 from ntp_nemo.models.plan import SingleDevicePlan, TPPlan
 from ntp_nemo.parallel.comm import copy_to_tp
 from ntp_nemo.parallel.layers import (
@@ -118,8 +119,7 @@ class Attention(nn.Module):
         nkv = cfg.num_kv_heads or nh
         self.head_dim = h // nh
         self.group = nh // nkv
-        self.llama = cfg.arch == "llama"
-        bias = not self.llama
+        bias, o_bias = family_of(cfg).attention_bias  # (q/k/v, o): biases column-sharded with their rows
         (qlo, qhi), (klo, khi) = attention_head_intervals(nh, nkv, tp)
         self.q_lo, self.kv_lo = qlo, klo
         d = self.head_dim
@@ -133,7 +133,7 @@ class Attention(nn.Module):
             h, nkv * d, tp, unit_size=d, interval=(klo, khi), bias=bias, std=cfg.init_std, copy_input=False
         )
         self.o_proj = RowParallelLinear(
-            nh * d, h, tp, unit_size=d, interval=(qlo, qhi), bias=bias, std=out_std
+            nh * d, h, tp, unit_size=d, interval=(qlo, qhi), bias=o_bias, std=out_std
         )
         # Local KV head each local query head reads.
         kv_of_q = torch.tensor([q // self.group - klo for q in range(qlo, qhi)], dtype=torch.long)
@@ -176,8 +176,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPContext, out_std: float) -> None:
         super().__init__()
         h, f = cfg.hidden_size, cfg.ffn_hidden_size
-        self.gated = cfg.arch == "llama"
-        bias = not self.gated
+        self.gated = family_of(cfg).gated_mlp
+        bias = family_of(cfg).linear_bias
         if self.gated:
             self.gate_proj = ColumnParallelLinear(h, f, tp, bias=False, std=cfg.init_std, copy_input=False)
         self.up_proj = ColumnParallelLinear(h, f, tp, bias=bias, std=cfg.init_std, copy_input=False)
@@ -196,7 +196,7 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPContext) -> None:
         super().__init__()
-        rms = cfg.arch == "llama"
+        rms = family_of(cfg).rms_norm
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.attn_norm = Norm(cfg.hidden_size, tp, rms=rms, eps=cfg.norm_eps, bias=not rms)
         self.attn = Attention(cfg, tp, out_std)
@@ -245,7 +245,8 @@ class DecoderLM(nn.Module):
         plan = plan or SingleDevicePlan()
         self.cfg = cfg
         self.layer_range = layers if layers is not None else range(cfg.num_layers)
-        self.llama = cfg.arch == "llama"
+        fam = family_of(cfg)
+        self.uses_rope, self.learned_positions, self.rms_norm = fam.rope, fam.learned_positions, fam.rms_norm
         # Every slot's context (also of layers held by other stages: their groups on this stage give the
         # sequence split of the hidden state a pipeline send carries).
         self.contexts = [plan.context(slot) for slot in range(cfg.num_layers + 2)]
@@ -259,14 +260,14 @@ class DecoderLM(nn.Module):
             else None
         )
         self.has_embedding, self.has_head = has_embedding, has_head
-        if has_embedding and not self.llama:
+        if has_embedding and self.learned_positions:
             self.pos_embed = replicated_param((cfg.max_seq_len, cfg.hidden_size), emb_tp, ("normal", 0.01))
         # Keyed by global layer index so parameter names do not depend on the pipeline split.
         self.blocks = nn.ModuleDict({str(i): Block(cfg, plan.context(i + 1)) for i in self.layer_range})
         if has_head:
             self.head_tp = emb_tp if self.tied else head_tp
             self.final_norm = Norm(
-                cfg.hidden_size, self.head_tp, rms=self.llama, eps=cfg.norm_eps, bias=not self.llama
+                cfg.hidden_size, self.head_tp, rms=self.rms_norm, eps=cfg.norm_eps, bias=not self.rms_norm
             )
             if not self.tied:
                 self.head = ColumnParallelLinear(
@@ -282,7 +283,7 @@ class DecoderLM(nn.Module):
                 module.grad_reducer = self.grad_reducer
 
     def _rope(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if not self.llama:
+        if not self.uses_rope:
             return None
         key = (x.device, rope_dtype(x.dtype))
         if key not in self._rope_cache:
@@ -307,7 +308,7 @@ class DecoderLM(nn.Module):
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """Embeddings of `ids` ([b, S]); under sequence parallelism this rank's slice of them."""
         x = self.embed(ids)
-        if not self.llama:
+        if self.learned_positions:
             seq_len = ids.shape[1]
             lo, hi = seq_interval(self.emb_tp, seq_len)
             x = x + replicated_grad_sum(self.pos_embed, self.emb_tp, self.grad_reducer)[lo:hi]

@@ -157,7 +157,7 @@ class PipelineEngine:
         backward = backward or _default_backward
         p = self._param
         wire, device = p.dtype, p.device
-        if getattr(self.model, "llama", False):  # build the rotary tables now: they are not activations
+        if getattr(self.model, "uses_rope", False):  # build the rotary tables now: they are not activations
             self.model._rope(torch.empty(0, dtype=wire, device=device))
         self.meter.exclude(list(self.model.parameters()) + list(self.model.buffers())
                            + [t for pair in getattr(self.model, "_rope_cache", {}).values() for t in pair])

@@ -48,8 +48,10 @@ def activation_bytes_per_microbatch(model: nn.Module, micro_batch_size: int, seq
     t = micro_batch_size * seq_len
     h = cfg.hidden_size
     e = next(model.parameters()).element_size()
-    llama = cfg.arch == "llama"
-    norm = (3 * t * h + t) if llama else (2 * t * h + 2 * t)  # input, stats, output (+ normalised x for RMS)
+
+    def norm(module: nn.Module) -> int:  # input, stats, output (+ normalised x for RMS)
+        return (3 * t * h + t) if module.rms else (2 * t * h + 2 * t)
+
     total = 0
     for block in model.blocks.values():
         qd = block.attn.q_proj.weight.shape[0]
@@ -59,14 +61,15 @@ def activation_bytes_per_microbatch(model: nn.Module, micro_batch_size: int, seq
         kvd = block.attn.k_proj.weight.shape[0] if block.attn.regular_gqa else qd
         f = block.mlp.up_proj.weight.shape[0]
         attention = 2 * t * qd + 2 * t * kvd + t * heads  # q, k, v, output; logsumexp
-        mlp = 4 * t * f if llama else 2 * t * f
-        total += 2 * norm + attention + mlp
+        mlp = 4 * t * f if block.mlp.gated else 2 * t * f  # SwiGLU keeps gate, up, their product, SiLU
+        total += norm(block.attn_norm) + norm(block.mlp_norm) + attention + mlp
     total *= e
     if model.has_embedding:
         total += t * 8 + (t * e if model.embed.tp.sharded else 0)  # token ids (+ the vocabulary mask)
     if model.has_head:
         vocab = model.embed.weight.shape[0] if model.tied else model.head.weight.shape[0]
-        total += e * (norm + t * vocab) + t * 8  # final norm, softmax of the local logits, targets
+        # final norm, softmax of the local logits, targets
+        total += e * (norm(model.final_norm) + t * vocab) + t * 8
     else:
         total += t * h * e  # the stage output kept for the backward
     return total

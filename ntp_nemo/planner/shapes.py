@@ -40,7 +40,8 @@ class ModelShape:
     """Shape of a GPT-style decoder: everything the FLOP, byte and memory counts depend on.
 
     `num_kv_heads` (GQA groups) defaults to `num_heads`, `ffn_hidden_size` to 4 x hidden.
-    `gated_mlp` marks a SwiGLU MLP (three FFN matrices instead of two).
+    `gated_mlp` marks a SwiGLU MLP (three FFN matrices instead of two).  A training model config's
+    shape comes from its architecture family (`models.families.model_shape`).
     """
 
     vocab_size: int
@@ -75,14 +76,6 @@ class ModelShape:
                 f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}; "
                 "each GQA group must hold the same number of query heads.",
             )
-
-    @classmethod
-    def of_model_config(cls, m: Any) -> ModelShape:
-        """The shape of a training model config (`ModelConfig` or the `model` DictConfig)."""
-        return cls(vocab_size=int(m.vocab_size), hidden_size=int(m.hidden_size), num_layers=int(m.num_layers),
-                   num_heads=int(m.num_heads), num_kv_heads=int(m.num_kv_heads or m.num_heads),
-                   ffn_hidden_size=int(m.ffn_hidden_size), tie_embeddings=bool(m.tie_embeddings),
-                   gated_mlp=m.arch == "llama")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], key: str = "model") -> ModelShape:

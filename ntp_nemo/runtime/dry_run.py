@@ -435,7 +435,7 @@ def fake_world(rank: int, world_size: int):
 def _state_exclusions(model: nn.Module) -> list[torch.Tensor]:
     """Parameters, buffers and the cached rotary tables: long-lived, not activations."""
     p = next(model.parameters())
-    if getattr(model, "llama", False):
+    if getattr(model, "uses_rope", False):
         model._rope(torch.empty(0, dtype=p.dtype, device=p.device))  # the engine builds them up front too
     rope = [t for pair in getattr(model, "_rope_cache", {}).values() for t in pair]
     return list(model.parameters()) + list(model.buffers()) + rope
