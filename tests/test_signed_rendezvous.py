@@ -156,3 +156,39 @@ def test_the_group_proof_names_the_rank_that_does_not_hold_the_secret():
         else:
             assert got[0].startswith("UnauthenticatedPeerError: rank(s) [1] of the process group plain"), got
             assert got[1].startswith("UnauthenticatedPeerError: rank(s) [0]"), got
+
+
+def _join_alone(port: int, out) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    job = JobStore(dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=90)), SECRET)
+    t = time.monotonic()
+    try:
+        join(job, 5, 0, 2, timeout_s=60)
+        out.put(("formed", time.monotonic() - t, ""))
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        out.put((type(err).__name__, time.monotonic() - t, str(err)))
+
+
+def test_a_generation_whose_member_died_while_forming_stops_waiting_at_the_launchers_notice():
+    """Rank 0 forms generation 5 with a 60 s timeout; its peer never comes (it died while the generation
+    formed, e.g. a repaired process killed after the rejoin was decided).  The launcher publishes its
+    signed notice of the loss (`failed/gen5`), and rank 0's rendezvous ends within a second of it,
+    naming the lost process, instead of waiting out the 60 s."""
+    from ntp_nemo.resilience.rendezvous import publish_failed
+
+    server = host_store(free_port(), timeout_s=90)
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_join_alone, args=(server.port, out))
+    proc.start()
+    time.sleep(2.0)  # rank 0 waits in torch's rendezvous
+    noticed = time.monotonic()
+    publish_failed(JobStore(server, SECRET), 5, [1])
+    kind, waited, text = out.get(timeout=30)
+    took = time.monotonic() - noticed
+    proc.join(10)
+    assert kind == "RendezvousAborted", (kind, text)
+    assert "gen5 cannot form: the launcher saw process(es) [1] of it exit while it formed" in text, text
+    assert took < 5.0 and waited < 20.0, (took, waited)

@@ -69,7 +69,7 @@ def join(store: JobStore, generation: int, rank: int, world_size: int, *, backen
     fails the proof is dropped and UnauthenticatedPeerError raised."""
     if uses_nccl(backend):
         prepare_nccl_env()  # a lost peer must not make NCCL's watchdog end this survivor
-    signed = SignedStore(store, f"gen{generation}", timeout_s)
+    signed = SignedStore(store, f"gen{generation}", timeout_s, abort_key=failed_key(generation))
     store.rendezvous_stores[f"gen{generation}"] = signed
     dist.init_process_group(backend, store=signed, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))

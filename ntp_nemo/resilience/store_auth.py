@@ -158,9 +158,15 @@ class SignedStore(dist.Store):
     past until the job's own writer's value is there, for at most the store's timeout (then the
     rendezvous fails: the failure an outsider can still cause, not a peer it can plant)."""
 
-    def __init__(self, job: JobStore, prefix: str, timeout_s: float) -> None:
+    SLICE_S = 0.25  # how often a wait looks for the abort notice
+
+    def __init__(self, job: JobStore, prefix: str, timeout_s: float, abort_key: str | None = None) -> None:
+        """`abort_key`: a signed notice (the launcher's list of this generation's lost processes) that
+        ends every wait of this rendezvous at once with RendezvousAborted: a process of the generation
+        died while it formed, and the others need not wait out the timeout for it."""
         super().__init__()
         self._job, self._prefix, self._timeout_s = job, prefix, float(timeout_s)
+        self._abort_key = abort_key
         self._inner = dist.PrefixStore(prefix, job.store)
         self._clones: list[SignedStore] = []  # kept alive with this one (see JobStore.rendezvous_stores)
 
@@ -179,9 +185,7 @@ class SignedStore(dist.Store):
                 raise TimeoutError(f"no value signed with the job's secret under the rendezvous key "
                                    f"{self._prefix}/{key!r} in {self._timeout_s:.0f} s (an outsider's value, "
                                    "or a peer that never wrote it)")
-            try:
-                self._inner.wait([key], timedelta(seconds=left))
-            except dist.DistStoreError:  # not written in time: said above, with the key and the cause
+            if not self._wait_slice(key, left):
                 continue
             tag, sep, data = bytes(self._inner.get(key)).partition(_SEP)
             if sep and hmac.compare_digest(tag, self._job._tag(f"{self._prefix}/{key}", data)):
@@ -197,7 +201,7 @@ class SignedStore(dist.Store):
 
     def clone(self) -> SignedStore:
         """Another client on the same keys (process groups take their own: gloo's connection setup)."""
-        twin = SignedStore(self._job, self._prefix, self._timeout_s)
+        twin = SignedStore(self._job, self._prefix, self._timeout_s, self._abort_key)
         twin._inner = self._inner.clone()
         self._clones.append(twin)
         return twin
@@ -209,10 +213,36 @@ class SignedStore(dist.Store):
         return bool(self._inner.check(keys))
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        if timeout is None:
-            self._inner.wait(keys)
-        else:
-            self._inner.wait(keys, timeout)
+        if self._abort_key is None:
+            if timeout is None:
+                self._inner.wait(keys)
+            else:
+                self._inner.wait(keys, timeout)
+            return
+        total = self._timeout_s if timeout is None else timeout.total_seconds()
+        deadline = time.monotonic() + total
+        for key in keys:
+            while not self._wait_slice(key, deadline - time.monotonic()):
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"rendezvous keys {keys} of {self._prefix} not written in "
+                                       f"{total:.0f} s")
+
+    def _wait_slice(self, key: str, left: float) -> bool:
+        """Wait up to one slice (at most `left` s) for `key`; True once it exists.  Raises
+        RendezvousAborted when the abort notice is there."""
+        if self._abort_key is not None:
+            lost = self._job.read(self._abort_key)
+            if lost is not None:
+                raise RendezvousAborted(f"{self._prefix} cannot form: the launcher saw process(es) {lost} of "
+                                        "it exit while it formed")
+        step = left if self._abort_key is None else min(left, self.SLICE_S)
+        if step <= 0:
+            return False
+        try:
+            self._inner.wait([key], timedelta(seconds=step))
+        except dist.DistStoreError:  # not written yet
+            return False
+        return True
 
     def delete_key(self, key: str) -> bool:
         return bool(self._inner.delete_key(key))
@@ -223,6 +253,10 @@ class SignedStore(dist.Store):
     def set_timeout(self, timeout: timedelta) -> None:
         self._timeout_s = timeout.total_seconds()
         self._inner.set_timeout(timeout)
+
+
+class RendezvousAborted(RuntimeError):
+    """A process of a generation that was still forming was seen to exit: the rendezvous ends now."""
 
 
 class UnauthenticatedPeerError(RuntimeError):
