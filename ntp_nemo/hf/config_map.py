@@ -1,12 +1,13 @@
 """Hugging Face `config.json` <-> `ModelConfig`.
 
-Only two HF families map onto the decoder without approximation: GPT-2 (`model_type: gpt2`) and
-Llama (`model_type: llama`, default rotary embeddings).  Anything else, or an option of those two
-whose forward differs from ours (cross-attention, scaled rotary embeddings, biases in Llama
-projections, ...), is refused up front rather than imported into a model that computes something
-else.  When a run starts from a HF directory, the architecture fields come from its `config.json`;
-the run's model config chooses only the family (`model.arch`) and may pad the vocabulary
-(`model.vocab_size` >= the HF vocabulary), since the vocabulary belongs to the data.
+The HF families that map onto the decoder without approximation are those of `models.families`:
+GPT-2 (`model_type: gpt2`), Llama (`model_type: llama`, default rotary embeddings) and Qwen2
+(`model_type: qwen2`: Llama with q/k/v biases, no sliding window).  Anything else, or an option of
+those whose forward differs from ours (cross-attention, scaled rotary embeddings, biases in Llama
+projections, sliding-window attention, ...), is refused up front rather than imported into a model
+that computes something else.  When a run starts from a HF directory, the architecture fields come
+from its `config.json`; the run's model config chooses only the family (`model.arch`) and may pad the
+vocabulary (`model.vocab_size` >= the HF vocabulary), since the vocabulary belongs to the data.
 """
 
 from __future__ import annotations
@@ -14,14 +15,15 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from ntp_nemo.data.bounded_json import read_json
 from ntp_nemo.errors import ConfigError
 from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.models.families import by_hf_model_type, family_of
 
 KEY = "model.init_from"
-SUPPORTED = {"gpt2": "gpt2", "llama": "llama"}  # HF model_type -> model.arch
 # Fields of ModelConfig that a HF config.json determines.
 ARCH_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size", "max_seq_len",
                "tie_embeddings", "norm_eps", "rope_theta")
@@ -29,8 +31,9 @@ ARCH_FIELDS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hi
 
 def _unsupported(path: str, what: str) -> ConfigError:
     return ConfigError(KEY, f"{path!r} holds a model this version cannot import: {what}. Supported are "
-                            "GPT-2 (model_type gpt2) and Llama (model_type llama with default rotary "
-                            "embeddings, no projection biases) checkpoints in safetensors format.")
+                            "GPT-2 (model_type gpt2), Llama (model_type llama with default rotary "
+                            "embeddings, no projection biases) and Qwen2 (model_type qwen2 with default "
+                            "rotary embeddings, no sliding window) checkpoints in safetensors format.")
 
 
 def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
@@ -88,6 +91,20 @@ def _llama_fields(hf: dict, path: str) -> dict[str, Any]:
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             raise _unsupported(path, f"Llama with {flag}=true")
+    return _rotary_decoder_fields(hf, path)
+
+
+def _qwen2_fields(hf: dict, path: str) -> dict[str, Any]:
+    if hf.get("hidden_act", "silu") != "silu":
+        raise _unsupported(path, f"Qwen2 activation {hf['hidden_act']!r} (SwiGLU with SiLU is implemented)")
+    sliding = [t for t in hf.get("layer_types") or [] if t != "full_attention"]
+    if hf.get("use_sliding_window") or sliding:
+        raise _unsupported(path, "Qwen2 with sliding-window attention (full causal attention is implemented)")
+    return _rotary_decoder_fields(hf, path)
+
+
+def _rotary_decoder_fields(hf: dict, path: str) -> dict[str, Any]:
+    """The sizes of a Llama-layout config.json (Llama, Qwen2)."""
     h, nh = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     head_dim = hf.get("head_dim")
     if head_dim is not None and int(head_dim) * nh != h:
@@ -101,20 +118,24 @@ def _llama_fields(hf: dict, path: str) -> dict[str, Any]:
             "norm_eps": float(hf.get("rms_norm_eps", 1e-6)), "rope_theta": _rope_theta(hf, path)}
 
 
+# Each family's reading of a config.json's sizes.
+_FIELDS = MappingProxyType({"gpt2": _gpt2_fields, "llama": _llama_fields, "qwen2": _qwen2_fields})
+
+
 def arch_of(hf: dict, path: str = "<config>") -> str:
     """`model.arch` of a HF config; unsupported families raise ConfigError."""
-    model_type = hf.get("model_type")
-    if model_type not in SUPPORTED:
+    fam = by_hf_model_type(hf.get("model_type"))
+    if fam is None or fam.name not in _FIELDS:
         names = ", ".join(hf.get("architectures") or []) or "unknown architecture"
-        raise _unsupported(path, f"model_type {model_type!r} ({names})")
-    return SUPPORTED[model_type]
+        raise _unsupported(path, f"model_type {hf.get('model_type')!r} ({names})")
+    return fam.name
 
 
 def hf_fields(hf: dict, path: str = "<config>") -> dict[str, Any]:
     """The ModelConfig fields a HF config determines (arch, vocab_size and ARCH_FIELDS)."""
     arch = arch_of(hf, path)
     try:
-        fields = _gpt2_fields(hf, path) if arch == "gpt2" else _llama_fields(hf, path)
+        fields = _FIELDS[arch](hf, path)
         vocab = int(hf["vocab_size"])
     except (KeyError, TypeError, ValueError) as err:
         raise ConfigError(KEY, f"{path!r}: config.json lacks or garbles field {err} that a {arch} model "
@@ -172,22 +193,29 @@ def hf_config(cfg: ModelConfig, vocab_size: int | None = None, dtype: str = "flo
     common = {"vocab_size": vocab, "tie_word_embeddings": cfg.tie_embeddings, "bos_token_id": bos_token_id,
               "eos_token_id": eos_token_id, "initializer_range": cfg.init_std, "dtype": dtype,
               "use_cache": True}
-    if cfg.arch == "gpt2":
-        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": cfg.hidden_size,
+    fam = family_of(cfg)
+    if fam.name == "gpt2":
+        return {"architectures": [fam.hf_architecture], "model_type": fam.hf_model_type,
+                "n_embd": cfg.hidden_size,
                 "n_layer": cfg.num_layers, "n_head": cfg.num_heads, "n_inner": cfg.ffn_hidden_size,
                 "n_positions": cfg.max_seq_len, "activation_function": "gelu_new",
                 "layer_norm_epsilon": cfg.norm_eps, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
                 "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
                 "reorder_and_upcast_attn": False, **common}
     nh = cfg.num_heads
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.hidden_size,
-            "num_hidden_layers": cfg.num_layers, "num_attention_heads": nh,
-            "num_key_value_heads": cfg.num_kv_heads or nh, "head_dim": cfg.hidden_size // nh,
-            "intermediate_size": cfg.ffn_hidden_size, "max_position_embeddings": cfg.max_seq_len,
-            "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-            "attention_dropout": 0.0, "pretraining_tp": 1,
-            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-            "rope_theta": cfg.rope_theta, **common}
+    doc = {"architectures": [fam.hf_architecture], "model_type": fam.hf_model_type,
+           "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers, "num_attention_heads": nh,
+           "num_key_value_heads": cfg.num_kv_heads or nh, "head_dim": cfg.hidden_size // nh,
+           "intermediate_size": cfg.ffn_hidden_size, "max_position_embeddings": cfg.max_seq_len,
+           "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu", "attention_dropout": 0.0,
+           "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+           "rope_theta": cfg.rope_theta, **common}
+    if fam.qkv_bias:  # Qwen2: the biases are implied by the family; full attention in every layer
+        doc.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers,
+                   layer_types=["full_attention"] * cfg.num_layers)
+    else:
+        doc.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    return doc
 
 
 def generation_config(bos_token_id: int | None, eos_token_id: int | None) -> dict[str, Any]:

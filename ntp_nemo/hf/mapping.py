@@ -9,10 +9,13 @@ embedding uses the rotate-half layout that HF Llama weights are stored for.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from ntp_nemo.errors import ConfigError
 from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.models.families import family_of
 
 
 @dataclass(frozen=True)
@@ -69,16 +72,19 @@ def _gpt2(cfg: ModelConfig) -> list[HFTensor]:
 
 
 def _llama(cfg: ModelConfig) -> list[HFTensor]:
+    """Llama's names; also Qwen2's, whose q, k and v projections add a bias each."""
     h, f, v = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size
     kv = (cfg.num_kv_heads or cfg.num_heads) * (h // cfg.num_heads)
+    qkv_bias, _ = family_of(cfg).attention_bias
     out = [HFTensor("model.embed_tokens.weight", ("embed.weight",), (v,), vocab=True)]
     for i in range(cfg.num_layers):
         hp, b = f"model.layers.{i}.", f"blocks.{i}."
+        out.append(HFTensor(hp + "input_layernorm.weight", (b + "attn_norm.weight",), (h,)))
+        for p, rows in (("q", h), ("k", kv), ("v", kv)):
+            out.append(HFTensor(f"{hp}self_attn.{p}_proj.weight", (f"{b}attn.{p}_proj.weight",), (rows,)))
+            if qkv_bias:
+                out.append(HFTensor(f"{hp}self_attn.{p}_proj.bias", (f"{b}attn.{p}_proj.bias",), (rows,)))
         out += [
-            HFTensor(hp + "input_layernorm.weight", (b + "attn_norm.weight",), (h,)),
-            HFTensor(hp + "self_attn.q_proj.weight", (b + "attn.q_proj.weight",), (h,)),
-            HFTensor(hp + "self_attn.k_proj.weight", (b + "attn.k_proj.weight",), (kv,)),
-            HFTensor(hp + "self_attn.v_proj.weight", (b + "attn.v_proj.weight",), (kv,)),
             HFTensor(hp + "self_attn.o_proj.weight", (b + "attn.o_proj.weight",), (h,)),
             HFTensor(hp + "post_attention_layernorm.weight", (b + "mlp_norm.weight",), (h,)),
             HFTensor(hp + "mlp.gate_proj.weight", (b + "mlp.gate_proj.weight",), (f,)),
@@ -89,13 +95,23 @@ def _llama(cfg: ModelConfig) -> list[HFTensor]:
     return out
 
 
+# Each family's HF tensor names and the prefix of its bare model's tensors.
+TABLES: Mapping[str, tuple[Callable[[ModelConfig], list[HFTensor]], str]] = MappingProxyType({
+    "gpt2": (_gpt2, "transformer."),
+    "llama": (_llama, "model."),
+    "qwen2": (_llama, "model."),
+})
+
+
 def weight_map(cfg: ModelConfig) -> WeightMap:
     """The HF tensors of `cfg` (the output head only when untied, as HF stores tied models)."""
-    if cfg.arch == "gpt2" and cfg.num_kv_heads not in (None, cfg.num_heads):
-        raise ConfigError("model.num_kv_heads", f"a GPT-2 model with {cfg.num_kv_heads} KV heads for "
-                                                f"{cfg.num_heads} query heads has no Hugging Face GPT-2 "
-                                                "form (GPT-2 has no grouped-query attention).")
-    tensors = _gpt2(cfg) if cfg.arch == "gpt2" else _llama(cfg)
+    fam = family_of(cfg)
+    if not fam.gqa and cfg.num_kv_heads not in (None, cfg.num_heads):
+        raise ConfigError("model.num_kv_heads", f"a {fam.name} model with {cfg.num_kv_heads} KV heads for "
+                                                f"{cfg.num_heads} query heads has no Hugging Face "
+                                                f"{fam.hf_architecture} form (no grouped-query attention).")
+    table, prefix = TABLES[fam.name]
+    tensors = table(cfg)
     if not cfg.tie_embeddings:
         tensors.append(HFTensor("lm_head.weight", ("head.weight",), (cfg.vocab_size,), vocab=True))
-    return WeightMap(tuple(tensors), "transformer." if cfg.arch == "gpt2" else "model.")
+    return WeightMap(tuple(tensors), prefix)

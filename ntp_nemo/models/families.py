@@ -19,7 +19,8 @@ from ntp_nemo.errors import ConfigError
 @dataclass(frozen=True)
 class Family:
     """One architecture family's traits (the decoder's skeleton is shared: pre-norm blocks of
-    attention and MLP, with GQA available to every family that allows it)."""
+    attention and MLP; every family trains with grouped-query attention, `gqa` says whether it exports
+    with it)."""
 
     name: str  # the value of `model.arch`
     rms_norm: bool  # RMSNorm (a weight) rather than LayerNorm (a weight and a bias)
@@ -28,7 +29,7 @@ class Family:
     learned_positions: bool  # a learned table of `max_seq_len` positions (the longest input it takes)
     linear_bias: bool  # every attention and MLP projection has a bias
     qkv_bias: bool  # the q, k and v projections have a bias (implied by `linear_bias`)
-    gqa: bool  # grouped-query attention (num_kv_heads < num_heads) has a form in this family
+    gqa: bool  # the family's Hugging Face form has grouped-query attention (num_kv_heads < num_heads)
     hf_model_type: str  # Hugging Face `model_type`
     hf_architecture: str  # Hugging Face class (`architectures[0]` of its config.json)
 
@@ -51,13 +52,6 @@ class Family:
                 f"rotary embeddings (model.arch={self.name}) need an even head dim, got "
                 f"{m.hidden_size}/{m.num_heads}={head_dim}. Choose model.hidden_size and model.num_heads "
                 "so that hidden_size / num_heads is even.",
-            )
-        kv = m.num_kv_heads
-        if not self.gqa and kv is not None and int(kv) != int(m.num_heads):
-            raise ConfigError(
-                "model.num_kv_heads",
-                f"model.arch={self.name} has no grouped-query attention, got model.num_kv_heads={kv} for "
-                f"model.num_heads={m.num_heads}. Set model.num_kv_heads=null.",
             )
 
 
