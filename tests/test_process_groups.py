@@ -61,14 +61,16 @@ def test_every_group_the_runtime_creates_has_the_run_timeout(tp, replica_tp, pp,
 def test_groups_are_destroyed_at_exit_on_every_backend_string(monkeypatch):
     import atexit
 
-    from ntp_nemo.lightning import strategy
+    from lightning.fabric.utilities.distributed import _destroy_dist_connection
+
+    from ntp_nemo.lightning import adapter
 
     registered = []
     monkeypatch.setattr(atexit, "register", registered.append)
     for backend in ("gloo", "cpu:gloo,cuda:nccl", "cuda:nccl,cpu:gloo"):
-        assert strategy.destroy_groups_at_exit(backend)
-    assert not strategy.destroy_groups_at_exit("nccl")  # Lightning's own `_init_dist_connection` does
-    assert registered == [strategy._destroy_dist_connection] * 3
+        assert adapter.destroy_groups_at_exit(backend)
+    assert not adapter.destroy_groups_at_exit("nccl")  # Lightning's own `_init_dist_connection` does
+    assert registered == [_destroy_dist_connection] * 3
 
 
 def test_group_timeout_of_a_world_1_group(tmp_path):

@@ -11,6 +11,8 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 
+from ntp_nemo.lightning.signals import STOP_SIGNALS
+
 
 class MetricsJSONL(Callback):
     """Appends `{step, loss, tokens, step_time_s, layout, ...}` per optimizer step (global rank 0 only)."""
@@ -178,13 +180,10 @@ class StepCheckpoint(ModelCheckpoint):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if launcher_gone(trainer):
             return
-        if (
-            self.save_on_end
-            and trainer.global_step > 0
-            and self._last_global_step_saved != trainer.global_step
-        ):
-            self._save_checkpoint(trainer, self.format_checkpoint_name({"step": trainer.global_step}))
-            self._last_global_step_saved = trainer.global_step
+        if self.save_on_end and trainer.global_step > 0:
+            from ntp_nemo.lightning.adapter import save_step_checkpoint
+
+            save_step_checkpoint(self, trainer)
 
 
 class FinalValidation(Callback):
@@ -220,18 +219,6 @@ class StopAtStep(Callback):
 
 
 # Stop requests a worker answers by checkpointing and stopping together with the other ranks.
-STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
-
-
-def hold_stop_signals() -> None:
-    """Hold stop signals in a freshly forked worker until `PreemptionCheckpoint` answers them at the
-    start of training: a Ctrl-C during the rendezvous or the setup then neither interrupts a
-    TCPStore call ("Interrupted system call") nor raises KeyboardInterrupt there."""
-    import signal
-
-    signal.pthread_sigmask(signal.SIG_BLOCK, [getattr(signal, n) for n in STOP_SIGNALS])
-
-
 def parent_gone(launcher_pid: int) -> bool:
     """The process that forked this one (`launcher_pid`) is gone or going: this process has another parent
     now, or the launcher's main thread has exited (state Z in /proc). The second case matters after
@@ -376,6 +363,8 @@ class MemoryReport(Callback):
         self._state: Any = None  # the rank's state then
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if getattr(getattr(trainer.strategy, "recovery", None), "rejoining", False):
+            return  # a repaired process: the survivors set theirs up long ago and skip it
         self._at = int(trainer.global_step) + self.after
         self._state = getattr(trainer.strategy, "state", None)
 

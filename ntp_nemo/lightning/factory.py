@@ -25,6 +25,7 @@ from ntp_nemo.lightning.callbacks import (
 )
 from ntp_nemo.lightning.cluster import cluster_environment, launcher_layout
 from ntp_nemo.lightning.goodput_callback import GoodputCallback
+from ntp_nemo.lightning.hooks import RecoveryHooks
 from ntp_nemo.lightning.module import NTPLanguageModule
 from ntp_nemo.lightning.strategy import NTPStrategy
 from ntp_nemo.topology.layout import ResolvedLayout
@@ -53,35 +54,42 @@ def build_trainer(
     """`layout`: the attempt's layout (default the run's, `spec.layout`; the supervisor passes a
     re-planned one). `cuda_devices`: the CUDA ordinal each local rank binds (the supervisor's relaunch
     after a lost GPU); default ranks 0..n-1 on ordinals 0..n-1.  `stop_at_step`: where this attempt
-    stops (default `trainer.stop_at_step`). `job_started`: the caller records the lifetime's
-    `job_start` in goodput.jsonl (else the goodput callback does)."""
+    stops (default `trainer.stop_at_step`). `extra_callbacks`: added to the Trainer's; one that is a
+    `RecoveryHooks` (live recovery's) is also the strategy's recovery. `job_started`: the caller
+    records the lifetime's `job_start` in goodput.jsonl (else the goodput callback does)."""
     t, ckpt = spec.trainer, spec.checkpoint
-    strategy = NTPStrategy(
-        layout if layout is not None else spec.layout,
-        bucket_mb=float(spec.ntp.grad_bucket_mb),
-        start_method=t.start_method,
-        process_group_backend=t.process_group_backend,
-        timeout=timedelta(seconds=float(spec.failover.fault.collective_timeout_s)),
-    )
-    devices, nodes = process_layout(strategy.topology.world_size)
+    layout = layout if layout is not None else spec.layout
+    devices, nodes = process_layout(layout.world_size)
     gpu = t.accelerator in ("gpu", "cuda")
+    parallel_devices = None  # Lightning's choice: ranks 0..n-1 on devices 0..n-1
     if gpu and cuda_devices is None and launcher_layout() is not None:
         from ntp_nemo.parallel.devices import local_cuda_ordinals
 
         ordinals = local_cuda_ordinals(devices)  # one GPU per task: every rank binds cuda:0
-        strategy.parallel_devices = [torch.device("cuda", i) for i in ordinals]
+        parallel_devices = [torch.device("cuda", i) for i in ordinals]
         devices = sorted(set(ordinals))  # the GPUs Lightning checks exist
     elif gpu and cuda_devices is not None:
         if len(cuda_devices) != devices or nodes != 1:
             raise ValueError(f"{len(cuda_devices)} CUDA devices for {devices} processes on {nodes} nodes")
         # Local rank i binds cuda:cuda_devices[i] (ranks may share a GPU: gloo only, NCCL refuses that).
-        strategy.parallel_devices = [torch.device("cuda", int(i)) for i in cuda_devices]
+        parallel_devices = [torch.device("cuda", int(i)) for i in cuda_devices]
         devices = sorted(set(int(i) for i in cuda_devices))  # the GPUs Lightning checks exist
+    # Live recovery's hooks come with the callbacks (ntp_nemo.resilience's LiveRecovery is both).
+    recovery = next((cb for cb in extra_callbacks if isinstance(cb, RecoveryHooks)), None)
+    strategy = NTPStrategy(
+        layout,
+        bucket_mb=float(spec.ntp.grad_bucket_mb),
+        start_method=t.start_method,
+        process_group_backend=t.process_group_backend,
+        timeout=timedelta(seconds=float(spec.failover.fault.collective_timeout_s)),
+        keep_last=int(ckpt.keep_last),
+        async_save=bool(ckpt.async_save),
+        allow_cross_node_tp=bool(spec.ntp.allow_cross_node_tp),
+        recovery=recovery,
+        parallel_devices=parallel_devices,
+    )
     env = cluster_environment(launcher_layout())
     metrics = MetricsJSONL(run_dir)
-    strategy.keep_last = int(ckpt.keep_last)
-    strategy.async_save = bool(ckpt.async_save)
-    strategy.allow_cross_node_tp = bool(spec.ntp.allow_cross_node_tp)
     goodput = GoodputCallback(str(run_dir), job_started=job_started)
     callbacks: list[Any] = [metrics, goodput, RunSummary(run_dir, metrics)]
     if ckpt.every_n_steps or ckpt.save_on_end:

@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ntp_nemo.data.module import DataBundle
+from ntp_nemo.lightning.adapter import count_skipped_step
 from ntp_nemo.lightning.data import StepBatches, ValBatches
 from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.schedules import warmup_cosine
@@ -105,6 +106,12 @@ class NTPLanguageModule(pl.LightningModule):
         self._train_set.start_step = self.trainer.global_step
         return DataLoader(self._train_set, batch_size=None, shuffle=False, num_workers=0)
 
+    def batch_of_step(self, step: int, device: torch.device) -> dict:
+        """The batch of training step index `step` (0-based) as the loader gives it now, on `device`:
+        after live recovery changed the layout, the split of a step the loader fetched before."""
+        ds = self._train_set
+        return self.transfer_batch_to_device(ds[step - ds.start_step], device, 0)
+
     def val_dataloader(self) -> DataLoader:
         ds = ValBatches(self.data.val, self.val_batches, self.micro_batch_size, self.my_microbatches)
         return DataLoader(ds, batch_size=None, num_workers=0)
@@ -141,8 +148,8 @@ class NTPLanguageModule(pl.LightningModule):
         t0 = time.perf_counter()
         opt = self.optimizers()
         sched = self.lr_schedulers()
-        # live recovery's hook (`NTPStrategy.recovery`), None without it
-        recovery = getattr(getattr(self._trainer, "strategy", None), "recovery", None)
+        # the strategy's recovery hooks (`NTPStrategy.recovery`), None under another strategy
+        recovery = getattr(getattr(self.trainer, "strategy", None), "recovery", None)
         epoch = recovery.abort_epoch() if recovery is not None else 0
         global_tokens = int(batch["global_tokens"])
         rt = self.runtime
@@ -160,8 +167,7 @@ class NTPLanguageModule(pl.LightningModule):
             recovery.check_generation(epoch)
         skipped = values["nonfinite"] > 0
         if skipped:  # no update, but Lightning still counts the step (global_step stays the batch step)
-            opt._on_before_step()
-            opt._on_after_step()
+            count_skipped_step(opt)
         else:
             opt.step()
         opt.zero_grad(set_to_none=False)

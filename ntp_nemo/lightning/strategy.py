@@ -11,7 +11,6 @@ replicas of unequal TP.
 from __future__ import annotations
 
 import os
-import time
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -21,132 +20,27 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import LightningEnvironment
-from lightning.fabric.utilities.distributed import (
-    _destroy_dist_connection,
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
 from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
-from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from ntp_nemo.parallel.loopback import host_loopback_store, loopback_children_env
+from ntp_nemo.lightning.adapter import (
+    ForkLauncher,
+    StrategyAdapter,
+    default_process_group_backend,
+    destroy_groups_at_exit,
+    distributed_is_initialized,
+    init_process_group,
+    quiet_sigterm_broadcast,
+    sync_ddp_if_available,
+    unwrap_optimizer,
+    warn_if_unsupported_lightning,
+)
+from ntp_nemo.lightning.hooks import RecoveryHooks
+from ntp_nemo.parallel.loopback import host_loopback_store
 from ntp_nemo.quant.state import quant_state
 from ntp_nemo.runtime.assemble import RankState
 from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout
-
-
-class _ForkLauncher(_MultiProcessingLauncher):
-    """Lightning's multiprocessing launcher without shipping rank 0's weights back to the parent
-    (the model is sharded; checkpoints and run-directory files carry the results)."""
-
-    _procs: Any = None
-    _pending_signal: int | None = None
-    stop_requested: float | None = None  # when (time.time()) the first stop signal was forwarded
-
-    @property
-    def procs(self) -> Any:
-        return self._procs
-
-    @procs.setter
-    def procs(self, value: Any) -> None:
-        """The workers, once forked; a stop signal that reached the parent while it forked them follows."""
-        self._procs = value
-        pending, self._pending_signal = self._pending_signal, None
-        for proc in (value or []) if pending is not None else []:
-            if proc.is_alive():
-                os.kill(proc.pid, pending)
-
-    def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
-        """Forward SIGTERM/SIGUSR1 sent to the parent to every worker (they checkpoint and stop together);
-        the workers rendezvous and listen on loopback only."""
-        with self.forwarding_signals(), loopback_children_env():
-            return super().launch(function, *args, trainer=trainer, **kwargs)
-
-    @contextmanager
-    def forwarding_signals(self):
-        """While the workers run: SIGTERM/SIGUSR1 to the parent reach every worker; a first Ctrl-C makes
-        them checkpoint and stop (as SIGTERM does), a second one kills them."""
-        import signal
-
-        interrupts, parent = [], os.getpid()
-
-        def forward(signum, frame):  # noqa: ANN001 - signal handler signature
-            if os.getpid() != parent:
-                return
-            if self.stop_requested is None:  # the supervisor bounds the stop from here
-                self.stop_requested = time.time()
-            if not self.procs:  # still forking: the workers get it as soon as they exist
-                self._pending_signal = signum
-            for proc in self.procs or []:
-                if proc.is_alive():
-                    os.kill(proc.pid, signum)
-
-        def interrupt(signum, frame):  # noqa: ANN001 - Ctrl-C: the workers checkpoint; a second one kills
-            if os.getpid() != parent:  # a worker between the fork and `hold_stop_signals`: held there
-                return
-            interrupts.append(signum)
-            if len(interrupts) == 1:
-                # A terminal's Ctrl-C reaches the workers that exist too: they get SIGTERM, the same stop
-                # (a second SIGINT would stop them at once). While they are still being forked the rest
-                # never saw it: they get SIGINT as they start, so the run says Ctrl-C, not preemption.
-                forward(signal.SIGTERM if self.procs else signal.SIGINT, frame)
-                return
-            for proc in self.procs or []:
-                if proc.is_alive():
-                    os.kill(proc.pid, signal.SIGKILL)
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGINT)
-
-        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-        previous[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-    def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
-        """A worker's first code: hold stop signals until training starts (see `hold_stop_signals`).
-        A forked worker exits through `os._exit` (no atexit handlers): it destroys its process groups
-        here once its work is done (a worker that failed leaves them to the process's end, as a peer
-        may be gone)."""
-        from ntp_nemo.lightning.callbacks import hold_stop_signals
-
-        hold_stop_signals()
-        super()._wrapping_function(process_idx, *args, **kwargs)
-        _destroy_dist_connection()
-
-    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
-        if self._strategy.local_rank != 0:
-            return None
-        return _WorkerOutput(None, None, trainer.state, results, self.get_extra_results(trainer))
-
-
-def quiet_sigterm_broadcast(trainer: pl.Trainer) -> None:
-    """Stop Lightning's per-step SIGTERM broadcast (Lightning >= 2.5 broadcasts a flag from rank 0 and
-    reads it on the host before every training step: a collective and a host sync outside the step's
-    one fused all-reduce).  Here a stop request (SIGTERM, SIGUSR1, Ctrl-C) already rides in that fused
-    all-reduce (`PreemptionCheckpoint`), so the broadcast only costs a sync per step."""
-    loop = trainer.fit_loop.epoch_loop
-    if hasattr(loop, "_broadcast_sigterm_tensor"):
-        loop._broadcast_sigterm_tensor = lambda: None
-
-
-def destroy_groups_at_exit(backend: str) -> bool:
-    """Destroy the process groups when the process exits, whatever the backend string: Lightning
-    registers it only for exactly "nccl", so `cpu:gloo,cuda:nccl` (the GPU default) and gloo runs
-    under torchrun or srun would exit with live communicators.  Returns whether it registered here."""
-    if backend == "nccl":
-        return False  # Lightning's `_init_dist_connection` did
-    import atexit
-
-    atexit.register(_destroy_dist_connection)
-    return True
 
 
 def default_backend(device: torch.device) -> str:
@@ -154,10 +48,13 @@ def default_backend(device: torch.device) -> str:
     flag); gloo alone on CPU."""
     if device.type == "cuda":
         return "cpu:gloo,cuda:nccl"
-    return _get_default_process_group_backend_for_device(device)
+    return default_process_group_backend(device)
 
 
-class NTPStrategy(ParallelStrategy):
+class NTPStrategy(StrategyAdapter):
+    """Options come with the constructor; recovery behaviour with one `RecoveryHooks` object
+    (`ntp_nemo.lightning.hooks`: which hook runs when), the base class's (none) by default."""
+
     strategy_name = "ntp"
 
     def __init__(
@@ -167,10 +64,19 @@ class NTPStrategy(ParallelStrategy):
         start_method: str = "fork",
         process_group_backend: str | None = None,
         timeout: timedelta = timedelta(minutes=10),
+        *,
+        keep_last: int | None = None,
+        async_save: bool = False,
+        allow_cross_node_tp: bool = False,
+        recovery: RecoveryHooks | None = None,
         **kwargs: Any,
     ) -> None:
         """`layout`: the run's layout, resolved once from the config before launch
-        (`ntp_nemo.config.layout.resolve_layout`)."""
+        (`ntp_nemo.config.layout.resolve_layout`).  `keep_last`, `async_save`: `checkpoint.keep_last`,
+        `checkpoint.async_save`; `allow_cross_node_tp`: `ntp.allow_cross_node_tp`; `recovery`: live
+        recovery's hooks (None: none).  Other keywords go to Lightning's `ParallelStrategy`
+        (`parallel_devices`: the device of each local rank)."""
+        warn_if_unsupported_lightning()
         super().__init__(**kwargs)
         if not isinstance(layout, ResolvedLayout):
             raise TypeError(f"NTPStrategy takes a ResolvedLayout, got {type(layout).__name__}")
@@ -180,6 +86,11 @@ class NTPStrategy(ParallelStrategy):
         self._start_method = start_method
         self._process_group_backend = process_group_backend
         self._timeout = timeout
+        self.keep_last = keep_last
+        self.async_save = async_save
+        self.allow_cross_node_tp = allow_cross_node_tp
+        self.recovery = recovery if recovery is not None else RecoveryHooks()
+        self._saver: Any = None  # the asynchronous checkpoint saver (async_save), made at setup
         self.runtime: NTPRuntime | None = None  # the current state's (kept as an attribute: read per step)
         self.state: RankState | None = None
         self._launch_devices: list[torch.device] | None = None  # every process's device, as launched
@@ -205,10 +116,15 @@ class NTPStrategy(ParallelStrategy):
     def process_group_backend(self) -> str | None:
         return self._process_group_backend
 
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _ForkLauncher(self, start_method=self._start_method)
+    @property
+    def collective_timeout_s(self) -> float:
+        """The bound of every collective and rendezvous (`fault.collective_timeout_s`)."""
+        return self._timeout.total_seconds()
+
+    def make_launcher(self) -> ForkLauncher:
+        """The launcher of the workers this strategy forks: the recovery's, else a `ForkLauncher`."""
+        launcher = self.recovery.make_launcher(self)
+        return launcher if launcher is not None else ForkLauncher(self, start_method=self._start_method)
 
     def setup_environment(self) -> None:
         super().setup_environment()  # in the worker: torch.cuda.set_device(its own device) on GPU
@@ -228,14 +144,12 @@ class NTPStrategy(ParallelStrategy):
 
             world = self.topology.world_size  # gloo's sockets: refused here, not at the first save
             raise_open_file_limit(open_files_needed(world), world)
-            if self.joining is not None:  # a repaired process: it joins the running job's generation
-                self.joining.init_process_group(self)
-            elif self.rendezvous is not None:  # a cluster task: generation 0 on the coordinator's store
-                self.rendezvous(self)
-            else:
+            # A repaired process joins the running job's generation; a cluster task, generation 0 on the
+            # coordinator's store (the recovery's rendezvous); else env://.
+            if not self.recovery.init_process_group(self):
                 self._rendezvous_server = self._loopback_rendezvous_store()
                 try:
-                    _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+                    init_process_group(self.cluster_environment, self._process_group_backend, **kwargs)
                 except RuntimeError as err:  # DistNetworkError: MASTER_PORT held by another process
                     from ntp_nemo.lightning.cluster import port_taken_error
 
@@ -244,12 +158,10 @@ class NTPStrategy(ParallelStrategy):
                         raise
                     raise taken from None
             destroy_groups_at_exit(self._process_group_backend)
-            if self.joining is None and self.cluster_environment.creates_processes_externally:
+            if not self.recovery.rejoining and self.cluster_environment.creates_processes_externally:
                 self._check_placement()
         # The rank's runtime, model and optimizer come with its RankState (the module's configure_model
         # assembles it; `adopt` installs it).
-
-    allow_cross_node_tp = False  # ntp.allow_cross_node_tp
 
     def _check_placement(self) -> None:
         """Collective, once at start-up of a launcher-started job: every TP group inside one node (else
@@ -301,7 +213,7 @@ class NTPStrategy(ParallelStrategy):
         rendezvous store's server, bound to loopback; torch's rendezvous, asking for a multi-tenant
         server on the same port, serves from it instead of binding every interface."""
         # Not `creates_processes_externally`: Lightning sets LOCAL_RANK in the workers it forks too.
-        if (self._launcher is None or self.global_rank != 0
+        if (self.launcher is None or self.global_rank != 0
                 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
             return None
         return host_loopback_store(self.cluster_environment.main_port, multi_tenant=True,
@@ -343,7 +255,7 @@ class NTPStrategy(ParallelStrategy):
     def _local(self) -> bool:
         """No collective: not distributed, or a repaired process still starting up (the survivors are
         not running Lightning's start-up with it)."""
-        return not _distributed_is_initialized() or (self.joining is not None and self.joining.active)
+        return not distributed_is_initialized() or self.recovery.collectives_local()
 
     def barrier(self, name: str | None = None) -> None:
         if not self._local():
@@ -365,7 +277,7 @@ class NTPStrategy(ParallelStrategy):
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         if isinstance(tensor, torch.Tensor) and not self._local():
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     def all_gather(
@@ -407,9 +319,24 @@ class NTPStrategy(ParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         pass
 
-    def _optimizer(self):
-        opt = self.optimizers[0] if self.optimizers else None
-        return getattr(opt, "_optimizer", opt)
+    @property
+    def torch_optimizer(self) -> Any:
+        """The rank's torch optimizer (None before `setup`)."""
+        return unwrap_optimizer(self.optimizers[0]) if self.optimizers else None
+
+    @property
+    def saver(self) -> Any:
+        """The asynchronous checkpoint saver (None without `async_save`, or before the first save); its
+        `wait()` returns once the save in flight has committed."""
+        return self._saver
+
+    def follow_scheduler_lr(self) -> None:
+        """Set every parameter group's learning rate to the one the (restored) LR scheduler gives: a
+        repaired process's optimizer was built afresh, its scheduler restored from the survivors."""
+        opt = self.torch_optimizer
+        for group, lr in zip(opt.param_groups, self.lr_scheduler_configs[0].scheduler.get_last_lr(),
+                             strict=True):
+            group["lr"] = lr
 
     def _goodput(self, event: str, **fields: Any) -> None:
         from ntp_nemo.lightning.goodput_callback import GoodputCallback
@@ -449,8 +376,8 @@ class NTPStrategy(ParallelStrategy):
             if self.async_save and self._saver is None:
                 self._saver = AsyncCheckpointSaver()
             save = self._saver.save if self.async_save else save_checkpoint
-            done = save(path, self.lightning_module.model, self._optimizer(), extra, step=step, layout=layout,
-                        keep_last=self.keep_last)
+            done = save(path, self.lightning_module.model, self.torch_optimizer, extra, step=step,
+                        layout=layout, keep_last=self.keep_last)
         except BaseException as err:  # a lost peer, a full disk, Ctrl-C: the save has an end either way
             self._goodput("ckpt_save_abort", step=step, reason=f"{type(err).__name__}: {err}"[:300])
             raise
@@ -459,11 +386,7 @@ class NTPStrategy(ParallelStrategy):
             done.add_done_callback(
                 lambda f: self._goodput("ckpt_commit", step=step, ok=f.exception() is None))
 
-    async_save: bool = False
-    _saver: Any = None
     records_checkpoint_events = True  # GoodputCallback leaves save start/end to `_save_checkpoint`
-
-    keep_last: int | None = None
 
     def load_checkpoint(
         self, checkpoint_path: str | Path, weights_only: bool | None = None
@@ -484,8 +407,9 @@ class NTPStrategy(ParallelStrategy):
         from ntp_nemo.checkpoint import CheckpointSkippedWarning, load_with_fallback, read_manifest
         from ntp_nemo.checkpoint.rng import set_rng_state
 
-        if self.joining is not None:  # a repaired process: the state comes from the survivors' memory
-            return self.joining.receive(self)
+        restored = self.recovery.restore_state(self)  # a repaired process: from the survivors' memory
+        if restored is not None:
+            return restored
         path = Path(self.broadcast(str(checkpoint_path)))
         trainer = self.lightning_module.trainer
         own_dir = getattr(trainer.checkpoint_callback, "dirpath", None)
@@ -494,7 +418,7 @@ class NTPStrategy(ParallelStrategy):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", CheckpointSkippedWarning)
             loaded = load_with_fallback(
-                path, self.lightning_module.model, self._optimizer(), fallback=fallback, saver=self._saver
+                path, self.lightning_module.model, self.torch_optimizer, fallback=fallback, saver=self._saver
             )
         for w in caught:
             if not issubclass(w.category, CheckpointSkippedWarning):
@@ -531,28 +455,17 @@ class NTPStrategy(ParallelStrategy):
             elif path.exists():
                 os.remove(path)
 
-    # ---- live recovery (fault.recovery=live) ----------------------------------------------------
-    recovery: Any = None  # set in the workers by ntp_nemo.resilience.live_training.LiveRecovery
-    joining: Any = None  # a repaired process rejoining the running job (live_training.Rejoining)
-    # rendezvous(strategy): initialises the default process group in place of env:// (a task of a cluster
-    # job joins generation 0 on the coordinator's store: resilience/cluster_run.py)
-    rendezvous: Any = None
-
+    # ---- live recovery (fault.recovery=live): `self.recovery`, a RecoveryHooks --------------------------
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The one hook of live recovery: with `recovery` set, it runs the step, and on a lost peer
-        replaces this strategy's runtime and layout in place and redoes the step."""
-        if self.joining is not None and self.joining.active:
-            self.joining.finish(self)
-        if self.recovery is None:
-            return super().training_step(*args, **kwargs)
+        """The step under the recovery's hooks: live recovery runs it, and on a lost peer replaces this
+        strategy's runtime and layout in place (`adopt`) and redoes the step."""
+        self.recovery.before_step(self)
         return self.recovery.run_step(self, super().training_step, *args, **kwargs)
 
     def _between_steps(self, fn: Any, *args: Any, what: str | None = None) -> Any:
-        """A collective outside the training step (barrier, broadcast, checkpoint save): with `recovery`
-        set, a lost peer is recovered from before the next step and `fn` is not redone (None): a peer
+        """A collective outside the training step (barrier, broadcast, checkpoint save): under live
+        recovery a lost peer is recovered from before the next step and `fn` is not redone (None): a peer
         may have passed the collective before the loss and be recovering inside the next training step."""
-        if self.recovery is None:
-            return fn(*args)
         return self.recovery.run_between_steps(self, fn, *args, what=what)
 
     # ---- reporting ------------------------------------------------------------------------------

@@ -303,11 +303,11 @@ def run_task(link: ClusterLink, trainer: Any, module: Any, resume: Any, result: 
     (or, for a replacement, the rejoin the coordinator announces), live recovery on a lost peer, and a
     goodbye at the end.  `result.exit_code` becomes `COORDINATOR_LOST_EXIT` when the coordinator died."""
     from ntp_nemo.lightning.callbacks import PreemptionCheckpoint
-    from ntp_nemo.resilience.live_training import Rejoining, prepare_rejoin
+    from ntp_nemo.resilience.live_training import Rejoining, prepare_rejoin, use_rendezvous
     from ntp_nemo.resilience.rendezvous import join
 
     strategy = trainer.strategy
-    timeout_s = strategy._timeout.total_seconds()
+    timeout_s = strategy.collective_timeout_s
     stop = next((cb for cb in trainer.callbacks if isinstance(cb, PreemptionCheckpoint)), None)
     if stop is not None:
         link.on_coordinator_lost = lambda: stop.store_lost(f"the coordinator at {link.where}")
@@ -316,8 +316,9 @@ def run_task(link: ClusterLink, trainer: Any, module: Any, resume: Any, result: 
                                           announce=link.ready, timeout_s=timeout_s))
         ckpt_path: str | None = Rejoining.CKPT_PATH
     else:
-        strategy.rendezvous = lambda s: join(link.job, 0, s.global_rank, s.topology.world_size,
-                                             backend=s.process_group_backend or "gloo", timeout_s=timeout_s)
+        use_rendezvous(trainer, lambda s: join(link.job, 0, s.global_rank, s.topology.world_size,
+                                               backend=s.process_group_backend or "gloo",
+                                               timeout_s=timeout_s))
         ckpt_path = str(resume) if resume else None
     try:
         trainer.fit(module, ckpt_path=ckpt_path)

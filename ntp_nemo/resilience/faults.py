@@ -123,7 +123,7 @@ class FaultInjector(Callback):
                 continue
             if f.kind == "corrupt_checkpoint":
                 if step > f.step and self._claim(f, step):
-                    saver = getattr(trainer.strategy, "_saver", None)
+                    saver = getattr(trainer.strategy, "saver", None)
                     if saver is not None:  # an asynchronous save of `step` may still be committing
                         saver.wait()
                     hit = corrupt_latest_checkpoint(self.ckpt_dir, f.step)
@@ -159,7 +159,7 @@ class FaultInjector(Callback):
             param = next(p for p in pl_module.model.parameters() if p.requires_grad)
             handles.append(param.register_hook(lambda grad: die()))
         else:
-            opt = trainer.strategy._optimizer()
+            opt = trainer.strategy.torch_optimizer
             handles.append(opt.register_step_post_hook(lambda *_: die()))
         # Disarmed at the step's end if it never fired (e.g. no backward reached this parameter).
         self._armed = handles

@@ -41,7 +41,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch import Callback
 
-from ntp_nemo.lightning.strategy import _ForkLauncher
+from ntp_nemo.lightning.adapter import ForkLauncher, lightning_state, reset_validation_loader
+from ntp_nemo.lightning.hooks import RecoveryHooks
 from ntp_nemo.parallel.loopback import environment, loopback_children_env
 from ntp_nemo.resilience.beats import read_beats, suspects
 from ntp_nemo.resilience.cluster_protocol import COORDINATOR_LOST_EXIT
@@ -96,7 +97,7 @@ def is_collective_failure(err: BaseException) -> bool:
 
 
 # ---- launching process ---------------------------------------------------------------------------------
-class LiveLauncher(_ForkLauncher):
+class LiveLauncher(ForkLauncher):
     """Fork launcher whose workers rendezvous on a store hosted here and may lose a peer."""
 
     def __init__(self, strategy: Any) -> None:
@@ -105,23 +106,20 @@ class LiveLauncher(_ForkLauncher):
         self.seal: str | None = None  # `rendezvous.seal_store`'s value on the store hosted here
         self.secret: bytes | None = None  # the job's store secret, drawn before the fork (workers inherit it)
         self.lost: set[int] = set()  # process indices the monitor handed to the survivors
-        self._spawn: tuple | None = None  # what the workers were started with (for repaired processes)
+        self.port: int | None = None  # the store's, while the workers run (repaired processes connect)
 
     def respawn(self, idx: int, generation: int, layout: ResolvedLayout, source: int, *,
                 timeout_s: float, attempt: int | None = None) -> None:
         """Start a repaired process in place of process `idx`: it joins `generation` (a rejoin), waiting
         up to `timeout_s` for the survivors (`Timeouts.rejoin_s`); `attempt`: the rejoin's number, under
         which it says it is ready (`rendezvous.publish_ready`)."""
-        assert self._spawn is not None
-        port, trainer, function, args, kwargs, return_queue = self._spawn
-        secret = self.secret
+        assert self.port is not None
+        port, secret = self.port, self.secret
         joining = Rejoining(lambda: JobStore(connect(port, timeout_s), secret), layout, idx,
                             index=generation, source=source, timeout_s=timeout_s, attempt=attempt)
-        proc = mp.get_context("fork").Process(
-            target=_rejoin_main, args=(self, idx, joining, trainer, function, args, kwargs, return_queue),
+        self.procs[idx] = self.start_replacement(
+            idx, lambda trainer: _prepare_repaired(trainer, idx, joining), Rejoining.CKPT_PATH,
             name=f"ntp-rejoin-{idx}")
-        proc.start()
-        self.procs[idx] = proc
         self.lost.discard(idx)
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
@@ -133,7 +131,8 @@ class LiveLauncher(_ForkLauncher):
         """Stop hosting the job's store, here in the launching process (the attempt is over).  A store
         whose server thread runs here must never be destroyed in a forked child, where that thread does
         not exist and the destructor's join never returns."""
-        self.store, self._spawn = None, None
+        self.store, self.port = None, None
+        self.forget_workers()
 
     def _launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         port, self.secret = free_port(), local_secret()
@@ -143,13 +142,8 @@ class LiveLauncher(_ForkLauncher):
         gc.collect()
         # every rank a client of the store below
         with environment({"MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}):
-            context = mp.get_context("fork")
-            return_queue = context.SimpleQueue()
-            process_context = mp.start_processes(
-                self._wrapping_function, args=[trainer, function, args, kwargs, return_queue],
-                nprocs=self._strategy.num_processes, start_method="fork", join=False)
-            self.procs = process_context.processes
-            self._spawn = (port, trainer, function, args, kwargs, return_queue)
+            process_context = self.start_workers(function, args, kwargs, trainer)
+            self.port = port
             # after the fork: no server thread is copied into a worker
             store = JobStore(host_store(port), self.secret)
             self.seal = seal_store(store)  # the monitor checks that the job's keys stay its own
@@ -174,13 +168,7 @@ class LiveLauncher(_ForkLauncher):
             i, p = bad[0]
             raise mp.ProcessExitedException(f"process {i} terminated with exit code {p.exitcode}",
                                             error_index=i, error_pid=p.pid, exit_code=p.exitcode)
-        if return_queue.empty():
-            return None
-        worker_output = return_queue.get()
-        if trainer is None:
-            return worker_output
-        self._recover_results_in_main_process(worker_output, trainer)
-        return worker_output.trainer_results
+        return self.worker_results(trainer)
 
 
 class LiveMonitor(threading.Thread):
@@ -431,14 +419,22 @@ class LiveMonitor(threading.Thread):
 
 
 # ---- worker process -------------------------------------------------------------------------------------
-class LiveRecovery(Callback):
-    """Worker side of `fault.recovery=live` (see the module docstring)."""
+class LiveRecovery(Callback, RecoveryHooks):
+    """Worker side of `fault.recovery=live` (see the module docstring): a callback, and the strategy's
+    `RecoveryHooks` (`lightning/factory.py` hands it to the strategy it builds)."""
 
     def __init__(self, policy: str, min_replica_tp: int = 1, timeout_s: float = 60.0,
-                 repair: bool = False, link: Any = None, decision_s: float = 660.0) -> None:
+                 repair: bool = False, link: Any = None, decision_s: float = 660.0,
+                 launcher: Callable[[Any], Any] | None = None) -> None:
         """`timeout_s`: every wait of a recovery or a rejoin (the store, the rendezvous:
         `fault.collective_timeout_s`); `decision_s`: how long the survivors wait at an announced rejoin
-        for the launcher's word that the repaired processes are ready, or that the rejoin is cancelled."""
+        for the launcher's word that the repaired processes are ready, or that the rejoin is cancelled;
+        `launcher(strategy)`: the launcher of the workers (ntp-train's `LiveLauncher`), None for the
+        strategy's own (a cluster task: nothing is launched)."""
+        self.launcher = launcher
+        self.joining: Rejoining | None = None  # a repaired process's start-up (`prepare_rejoin`)
+        # rendezvous(strategy): generation 0 of a cluster task on the coordinator's store (`use_rendezvous`)
+        self.rendezvous: Callable[[Any], None] | None = None
         self.policy = make_policy(policy, min_replica_tp)
         self.timeout_s, self.decision_s = timeout_s, decision_s
         self.repair = repair  # repaired processes may rejoin (fault.repair_after_steps, or a cluster job)
@@ -472,7 +468,6 @@ class LiveRecovery(Callback):
         self.nominal = trainer.strategy.layout
         self.generation = Generation.first(self.nominal)  # a repaired process's: set by `Rejoining.receive`
         self.backend = trainer.strategy.process_group_backend or "gloo"  # every generation keeps it
-        trainer.strategy.recovery = self
         if self.link is None and uses_nccl(self.backend):
             threading.Thread(target=self._watch_failures, name="ntp-live-abort", daemon=True).start()
 
@@ -524,13 +519,47 @@ class LiveRecovery(Callback):
                 self.interrupt(gen.index, json.loads(payload))
             time.sleep(0.2)
 
-    # -- the strategy's hook ------------------------------------------------------------------------
+    # -- the strategy's hooks (RecoveryHooks) --------------------------------------------------------
+    def make_launcher(self, strategy: Any) -> Any | None:
+        return self.launcher(strategy) if self.launcher is not None else None
+
+    def init_process_group(self, strategy: Any) -> bool:
+        if self.joining is not None:  # a repaired process: it joins the running job's generation
+            self.joining.init_process_group(strategy)
+            return True
+        if self.rendezvous is not None:  # a cluster task: generation 0 on the coordinator's store
+            self.rendezvous(strategy)
+            return True
+        return False
+
+    @property
+    def rejoining(self) -> bool:
+        return self.joining is not None
+
+    def collectives_local(self) -> bool:
+        return self.joining is not None and self.joining.active
+
+    def restore_state(self, strategy: Any) -> dict | None:
+        """A repaired process: its shards, Lightning's state and the RNG states from the survivors; it
+        then takes part in the generation it joined."""
+        if self.joining is None:
+            return None
+        state = self.joining.receive(strategy)
+        layout = self.joining.layout
+        self.generation = Generation(self.joining.index, layout, tuple(range(layout.world_size)))
+        self.pid = self.joining.pid
+        return state
+
+    def before_step(self, strategy: Any) -> None:
+        if self.joining is not None and self.joining.active:
+            self.joining.finish(strategy)
+
     def run_step(self, strategy: Any, step_fn: Callable, *args: Any, **kwargs: Any) -> Any:
         """Run one training step (`step_fn(batch, ...)`); on a lost peer recover and redo it."""
         args = list(args)
         while True:
             if self.rebuild_through >= 0 and int(args[0]["step"]) <= self.rebuild_through:
-                args[0] = self._rebatch(strategy, args[0])
+                args[0] = strategy.lightning_module.batch_of_step(int(args[0]["step"]), strategy.root_device)
             try:
                 return step_fn(*args, **kwargs)
             except Exception as err:
@@ -555,12 +584,6 @@ class LiveRecovery(Callback):
                 print(f"failover | live: {what} was interrupted by the loss and is not redone", flush=True)
             return None
 
-    def _rebatch(self, strategy: Any, batch: dict) -> dict:
-        module = strategy.lightning_module
-        ds = module._train_set
-        fresh = ds[int(batch["step"]) - ds.start_step]
-        return module.transfer_batch_to_device(fresh, strategy.root_device, 0)
-
     def _builder(self, strategy: Any) -> Callable:
         """build(layout, rank) -> RankState (`runtime.assemble`, as at start-up) on the current default
         group; the optimizer object is kept, pointed at the new parameters (the LR scheduler and
@@ -568,7 +591,7 @@ class LiveRecovery(Callback):
         from ntp_nemo.runtime.assemble import assemble
 
         module = strategy.lightning_module
-        keep = (strategy._optimizer(), module.model)
+        keep = (strategy.torch_optimizer, module.model)
         # The parameters' dtype as training has them: at start-up Lightning's precision plugin casts the
         # model after `assemble` (64-true: float64, bf16-true: bfloat16); a rebuilt model must match the
         # optimizer state it inherits.
@@ -590,7 +613,7 @@ class LiveRecovery(Callback):
 
         module = strategy.lightning_module
         trainer = module.trainer
-        opt = strategy._optimizer()
+        opt = strategy.torch_optimizer
         goodput = GoodputCallback.of(trainer)
         with self._lock:
             self._recovering = True
@@ -676,20 +699,17 @@ class LiveRecovery(Callback):
         module = strategy.lightning_module
         trainer = module.trainer
         step = trainer.global_step  # the batch index of the step about to run
-        if strategy._saver is not None:  # its collectives run on the generation about to be dropped
-            strategy._saver.wait()
+        if strategy.saver is not None:  # its collectives run on the generation about to be dropped
+            strategy.saver.wait()
         payload = None
         if self.pid == source:  # what a checkpoint would hand Lightning, for the repaired ranks
-            state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-            state.pop("state_dict", None)
-            state.pop("optimizer_states", None)
-            payload = {"lightning": state, "rng": rng_state()}
+            payload = {"lightning": lightning_state(trainer), "rng": rng_state()}
         old_layout = self.generation.layout
         with self._lock:
             self._recovering = True
         try:
             rec = grow(self.store, self.generation, self.nominal, self.pid, step,
-                       (module.model, strategy._optimizer()), self._builder(strategy),
+                       (module.model, strategy.torch_optimizer), self._builder(strategy),
                        backend=self.backend, timeout_s=self.timeout_s)
             box = [payload]
             dist.broadcast_object_list(box, src=source)
@@ -709,14 +729,14 @@ class LiveRecovery(Callback):
         self._install(strategy, rec, step)
         # The validation loader was checked (a collective) before the repaired ranks existed: every rank
         # sets it up again at the next validation.
-        trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
+        reset_validation_loader(trainer)
 
 
 class Rejoining:
-    """A repaired process's side of a rejoin (set as `NTPStrategy.joining` in the process the launcher
-    forks): it joins generation `index` from start-up, builds the original layout with Lightning as any
-    worker does (the strategy's barriers, broadcasts and reductions stay local meanwhile: the survivors
-    are not running Lightning's start-up), receives its shards and Lightning's state from the survivors
+    """A repaired process's side of a rejoin (handed to its `LiveRecovery` by `prepare_rejoin`): it joins
+    generation `index` from start-up, builds the original layout with Lightning as any worker does (the
+    strategy's barriers, broadcasts and reductions stay local meanwhile: the survivors are not running
+    Lightning's start-up), receives its shards and Lightning's state from the survivors
     where a resume would read a checkpoint, and takes part in every collective from its first step on."""
 
     CKPT_PATH = "<live rejoin>"  # what Lightning is given as the checkpoint to resume from
@@ -754,56 +774,50 @@ class Rejoining:
 
         module = strategy.lightning_module
         replica = strategy.topology.coord(strategy.global_rank).replica
-        arrive(module.model, strategy._optimizer(), replica)
+        arrive(module.model, strategy.torch_optimizer, replica)
         box: list = [None]
         dist.broadcast_object_list(box, src=self.source)
         set_rng_state(box[0]["rng"])  # every rank draws the same dropout masks as its replica peers
-        recovery = strategy.recovery
-        if recovery is not None:
-            recovery.generation = Generation(self.index, self.layout, tuple(range(self.layout.world_size)))
-            recovery.pid = self.pid
         return box[0]["lightning"]
 
     def finish(self, strategy: Any) -> None:
         """At the first training step: the learning rates the restored scheduler gives; collectives on."""
-        opt = strategy._optimizer()
-        for group, lr in zip(opt.param_groups, strategy.lr_scheduler_configs[0].scheduler.get_last_lr(),
-                             strict=True):
-            group["lr"] = lr
+        strategy.follow_scheduler_lr()
         self.active = False
         # Its validation loader was set up while its collectives were local: set up again at the next
         # validation, with the collective the survivors run then (`_grow` resets theirs).
-        strategy.lightning_module.trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
+        reset_validation_loader(strategy.lightning_module.trainer)
 
 
-def _rejoin_main(launcher: LiveLauncher, idx: int, joining: Rejoining, trainer: Any, function: Callable,
-                 args: tuple, kwargs: dict, return_queue: Any) -> None:
-    """Entry of a repaired process (forked by the launching process)."""
-    import inspect
-
+def _prepare_repaired(trainer: Any, idx: int, joining: Rejoining) -> None:
+    """First code of a repaired process (forked by the launching process in place of process `idx`)."""
     from ntp_nemo.resilience.faults import FaultInjector
 
     for cb in trainer.callbacks:  # a fault injected into the rejoin itself (kill_rank, phase rejoin)
         if isinstance(cb, FaultInjector):
             cb.strike_rejoin(idx)
     prepare_rejoin(trainer, joining)
-    args = list(args)
-    names = list(inspect.signature(function).parameters)
-    if "ckpt_path" in names:
-        args[names.index("ckpt_path")] = Rejoining.CKPT_PATH
-    else:
-        kwargs = {**kwargs, "ckpt_path": Rejoining.CKPT_PATH}
-    launcher._wrapping_function(idx, trainer, function, args, kwargs, return_queue)
+
+
+def live_recovery(trainer: Any) -> LiveRecovery:
+    """The trainer's `LiveRecovery` (its strategy's recovery hooks)."""
+    hooks = getattr(trainer.strategy, "recovery", None)
+    if not isinstance(hooks, LiveRecovery):
+        raise RuntimeError(f"the strategy's recovery is {type(hooks).__name__}, not LiveRecovery: build the "
+                           "trainer with a LiveRecovery among its callbacks")
+    return hooks
 
 
 def prepare_rejoin(trainer: Any, joining: Rejoining) -> None:
-    """Make the trainer of a repaired process rejoin (`joining`) instead of starting afresh."""
-    from ntp_nemo.lightning.callbacks import MemoryReport
+    """Make the trainer of a repaired process rejoin (`joining`) instead of starting afresh (its memory
+    report is skipped: the survivors set theirs up long ago and skip it)."""
+    live_recovery(trainer).joining = joining
 
-    trainer.strategy.joining = joining
-    for cb in trainer.callbacks:  # no memory report: the survivors set theirs up long ago and skip it
-        if isinstance(cb, MemoryReport):
-            cb.on_train_start = lambda *a, **k: None
+
+def use_rendezvous(trainer: Any, rendezvous: Callable[[Any], None]) -> None:
+    """Make the trainer's workers form their first process group with `rendezvous(strategy)` in place of
+    env:// (a cluster task: generation 0 on the coordinator's store)."""
+    live_recovery(trainer).rendezvous = rendezvous
 
 
 def _give_up(pid: int, err: BaseException, launcher_pid: int | None = None, link: Any = None) -> None:

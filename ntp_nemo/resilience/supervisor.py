@@ -139,13 +139,14 @@ class Supervisor:
                     LiveRecovery(self.policy.name, self.spec.min_replica_tp, repair=True, link=self.link)]
         out.append(Heartbeat(self.heartbeat_dir))
         out.append(SupervisedWorker(recovering, attempt))
-        if self.live:
-            from ntp_nemo.resilience.live_training import LiveRecovery
+        if self.live:  # the workers' hooks, and their launcher (the strategy asks for it)
+            from ntp_nemo.resilience.live_training import LiveLauncher, LiveRecovery
 
             out.append(LiveRecovery(self.policy.name, self.spec.min_replica_tp,
                                     timeout_s=self.timeouts.collective_s,
                                     repair=self.spec.fault.repair_after_steps is not None,
-                                    decision_s=self.timeouts.startup_s + self.timeouts.heartbeat_s))
+                                    decision_s=self.timeouts.startup_s + self.timeouts.heartbeat_s,
+                                    launcher=LiveLauncher))
         return out
 
     def build_first(self) -> tuple[Any, Any, Any]:
@@ -370,7 +371,9 @@ class Supervisor:
         if self.live:  # survivors recover in place; the monitor tells them who is gone
             from ntp_nemo.resilience.live_training import LiveLauncher, LiveMonitor
 
-            trainer.strategy._launcher = LiveLauncher(trainer.strategy)
+            if not isinstance(trainer.strategy.launcher, LiveLauncher):
+                raise RuntimeError("a live attempt's trainer must be built with the attempt's callbacks "
+                                   "(`Supervisor.callbacks`: its LiveRecovery names the LiveLauncher)")
             repair = self.spec.fault.repair_after_steps
             monitor = LiveMonitor(trainer.strategy.launcher, layout.world_size, self.heartbeat_dir,
                                   self.timeouts.heartbeat_s, layout=layout,
