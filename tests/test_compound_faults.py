@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ntp_nemo.resilience.live_training import LiveLauncher
+from ntp_nemo.resilience.live_launcher import LiveLauncher
 from tests.conftest import TINY, read_metrics, run_cli
 
 
@@ -118,7 +118,7 @@ def test_a_wiped_or_overwritten_store_is_named_not_blamed_on_the_machine(tmp_pat
     import time
 
     from ntp_nemo.resilience.fault_config import Timeouts
-    from ntp_nemo.resilience.live_training import LiveMonitor
+    from ntp_nemo.resilience.live_launcher import LiveMonitor
     from ntp_nemo.resilience.rendezvous import (
         SEAL_KEY,
         connect,
@@ -163,7 +163,7 @@ def test_a_step_whose_generation_was_aborted_is_never_applied(monkeypatch):
     import threading
 
     import ntp_nemo.resilience.rendezvous as rendezvous
-    from ntp_nemo.resilience.live_training import GenerationAborted, LiveRecovery, is_collective_failure
+    from ntp_nemo.resilience.live_worker import GenerationAborted, LiveRecovery, is_collective_failure
 
     aborted = threading.Event()
     monkeypatch.setattr(rendezvous, "sever", lambda store: aborted.set())  # the stand-in abort

@@ -173,7 +173,7 @@ def test_stop_row(tmp_path):
 
 def test_live_monitor_enforces_the_step_and_startup_bounds(tmp_path):
     """The live path's monitor enforces the same bounds (it enforced only the heartbeats)."""
-    from ntp_nemo.resilience.live_training import LiveMonitor
+    from ntp_nemo.resilience.live_launcher import LiveMonitor
 
     for scripts, reason in ((["busy", "busy"], "step timeout"), (["steps", "setup"], "startup timeout")):
         d = tmp_path / reason.replace(" ", "_")

@@ -303,7 +303,7 @@ def run_task(link: ClusterLink, trainer: Any, module: Any, resume: Any, result: 
     (or, for a replacement, the rejoin the coordinator announces), live recovery on a lost peer, and a
     goodbye at the end.  `result.exit_code` becomes `COORDINATOR_LOST_EXIT` when the coordinator died."""
     from ntp_nemo.lightning.callbacks import PreemptionCheckpoint
-    from ntp_nemo.resilience.live_training import Rejoining, prepare_rejoin, use_rendezvous
+    from ntp_nemo.resilience.live_worker import Rejoining, prepare_rejoin, use_rendezvous
     from ntp_nemo.resilience.rendezvous import join
 
     strategy = trainer.strategy

@@ -49,7 +49,7 @@ from ntp_nemo.resilience.cluster_protocol import LINK_KEY, MAX_LINE, Line, auth_
 from ntp_nemo.resilience.rendezvous import publish_failed, publish_rejoin
 from ntp_nemo.resilience.store_auth import JobStore
 
-FALLBACK_EXIT = 75  # as a survivor that could not recover live (resilience/live_training.py)
+FALLBACK_EXIT = 75  # as a survivor that could not recover live (resilience/live_worker.py)
 REJOIN_AHEAD = 4  # steps between the announcement of a rejoin and the step it happens before
 PROBE_KEY = "coordinator/probe"  # the coordinator's own round trips to its store
 HELLO_LIMIT = 2048  # bytes an unauthenticated connection may send

@@ -114,7 +114,7 @@ class Supervisor:
         self.context = LaunchContext.from_env() if context is None else context
         self.recovery, self.recovery_why = recovery_mode(spec, self.context.launcher,
                                                          self.context.coordinator)
-        self.live = self.recovery == "live"  # resilience/live_training.py
+        self.live = self.recovery == "live"  # resilience/live_launcher.py, live_worker.py
         self.timeouts = Timeouts.from_config(spec.fault)
         self.faults = resolve_faults(spec, self.nominal.world_size)
         self.end_step = spec.end_step
@@ -133,14 +133,15 @@ class Supervisor:
             out.append(FaultInjector(self.faults, self.fault_dir, self.ckpt_dir))
         if self.link is not None:  # a cluster task: heartbeats to the coordinator, which replaces the monitor
             from ntp_nemo.resilience.cluster_task import LinkHeartbeat
-            from ntp_nemo.resilience.live_training import LiveRecovery
+            from ntp_nemo.resilience.live_worker import LiveRecovery
 
             return [*out, LinkHeartbeat(self.link),
                     LiveRecovery(self.policy.name, self.spec.min_replica_tp, repair=True, link=self.link)]
         out.append(Heartbeat(self.heartbeat_dir))
         out.append(SupervisedWorker(recovering, attempt))
         if self.live:  # the workers' hooks, and their launcher (the strategy asks for it)
-            from ntp_nemo.resilience.live_training import LiveLauncher, LiveRecovery
+            from ntp_nemo.resilience.live_launcher import LiveLauncher
+            from ntp_nemo.resilience.live_worker import LiveRecovery
 
             out.append(LiveRecovery(self.policy.name, self.spec.min_replica_tp,
                                     timeout_s=self.timeouts.collective_s,
@@ -369,7 +370,7 @@ class Supervisor:
         shutil.rmtree(self.heartbeat_dir, ignore_errors=True)
         self.heartbeat_dir.mkdir(parents=True, exist_ok=True)
         if self.live:  # survivors recover in place; the monitor tells them who is gone
-            from ntp_nemo.resilience.live_training import LiveLauncher, LiveMonitor
+            from ntp_nemo.resilience.live_launcher import LiveLauncher, LiveMonitor
 
             if not isinstance(trainer.strategy.launcher, LiveLauncher):
                 raise RuntimeError("a live attempt's trainer must be built with the attempt's callbacks "

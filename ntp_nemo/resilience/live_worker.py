@@ -1,79 +1,43 @@
-"""Live recovery inside `ntp-train` (`fault.recovery=live`): the Lightning side of `recovery.py`.
+"""Live recovery inside the workers (`fault.recovery=live`): the Lightning side of `recovery.py`.
 
-The pieces, used by the supervisor when `fault.recovery` resolves to live:
+- `LiveRecovery`, a worker callback and the strategy's `RecoveryHooks` (`lightning/hooks.py`; the
+  factory hands it to the `NTPStrategy` it builds): it runs each training step (and the strategy's
+  collectives between steps); when a collective fails it runs the recovery protocol, builds the rank's
+  state on the re-planned layout with `runtime.assemble` (as at start-up; the optimizer object is kept,
+  pointed at the new parameters, so the LR scheduler goes on) and hands it to `NTPStrategy.adopt` (the
+  rank numbering and rank 0's duties move with it; the datasets read the new split from the strategy),
+  then redoes the step with the same global batch; at an announced rejoin it runs the survivors' side
+  (`recovery.grow`).  Goodput: `failure_detected` at detection, `recovery_done` with `mode: live`,
+  `moved_bytes`, `minimum_bytes` and `recovery_s` (detection to resharded state; `rejoin: true` for a
+  rejoin).  It also names the launcher of the workers (`live_launcher.LiveLauncher` under `ntp-train`)
+  and, in a cluster task, the first rendezvous on the coordinator's store (`use_rendezvous`);
+- `Rejoining`, a repaired process's side of a rejoin, handed to its `LiveRecovery` (`prepare_rejoin`)
+  in the process the launcher forks, or in a cluster job's replacement task.
 
-- `LiveLauncher` forks the workers like NTPStrategy's launcher, but makes them rendezvous on a store the
-  launching process hosts (`TORCHELASTIC_USE_AGENT_STORE`: every rank is a client of `MASTER_PORT`), so
-  the store outlives any worker, and waits for them without stopping the others when one exits; it
-  also starts repaired processes in place of lost ones (`respawn`);
-- `LiveMonitor` (in the launching process, in place of the restart path's `WorkerMonitor`) publishes a
-  lost worker on the store (`failed/gen{g}`, the survivors' cue) instead of killing the attempt, and
-  with `fault.repair_after_steps` starts the repaired processes and announces their rejoin; when the
-  survivors give up (they exit with `FALLBACK_EXIT`) it stops every worker and the supervisor takes the
-  restart path;
-- `LiveRecovery`, a worker callback, owns the strategy's recovery hook (`NTPStrategy.recovery`): it runs
-  each training step (and the strategy's collectives between steps); when a collective fails it runs
-  the recovery protocol, builds the rank's state on the re-planned layout with `runtime.assemble` (as
-  at start-up; the optimizer object is kept, pointed at the new parameters, so the LR scheduler goes on)
-  and hands it to `NTPStrategy.adopt` (the rank numbering and rank 0's duties move with it; the datasets
-  read the new split from the strategy), then redoes the step with the same global batch; at an
-  announced rejoin it runs the survivors' side (`recovery.grow`).  Goodput: `failure_detected` at
-  detection, `recovery_done` with `mode: live`, `moved_bytes`, `minimum_bytes` and `recovery_s`
-  (detection to resharded state; `rejoin: true` for a rejoin);
-- `Rejoining`, the repaired process's side, set as `NTPStrategy.joining` in the process `respawn` forks.
-
-A hung rank (heartbeat older than `fault.heartbeat_timeout_s`, behind the others) is killed by the monitor
-and then handled as a lost one.  Limit: CPU/gloo only (sockets are severed to stop a broken generation).
+The launching process's side (forking, watching, respawning) is `live_launcher.py`.  Limit: CPU/gloo
+only (sockets are severed to stop a broken generation).
 """
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from lightning.pytorch import Callback
 
-from ntp_nemo.lightning.adapter import ForkLauncher, lightning_state, reset_validation_loader
+from ntp_nemo.lightning.adapter import lightning_state, reset_validation_loader
 from ntp_nemo.lightning.hooks import RecoveryHooks
-from ntp_nemo.parallel.loopback import environment, loopback_children_env
-from ntp_nemo.resilience.beats import read_beats, suspects
 from ntp_nemo.resilience.cluster_protocol import COORDINATOR_LOST_EXIT
-from ntp_nemo.resilience.coordinator import FALLBACK_EXIT  # noqa: F401 - the survivors' word for "restart"
-from ntp_nemo.resilience.detection import (
-    Verdict,
-    is_lost_status,
-    kill_worker,
-    start_verdict,
-    step_verdict,
-    stop_overdue,
-)
-from ntp_nemo.resilience.fault_config import Timeouts
+from ntp_nemo.resilience.coordinator import FALLBACK_EXIT
 from ntp_nemo.resilience.nccl_abort import uses_nccl
 from ntp_nemo.resilience.policies import make_policy
 from ntp_nemo.resilience.recovery import Generation, grow, recover
-from ntp_nemo.resilience.rendezvous import (
-    SEAL_KEY,
-    connect,
-    decide_rejoin,
-    free_port,
-    host_store,
-    is_ready,
-    local_secret,
-    publish_failed,
-    publish_ready,
-    publish_rejoin,
-    read_rejoin,
-    seal_intact,
-    seal_store,
-)
+from ntp_nemo.resilience.rendezvous import connect, publish_ready, read_rejoin
 from ntp_nemo.resilience.store_auth import JobStore
 from ntp_nemo.topology.layout import ResolvedLayout
 
@@ -96,329 +60,6 @@ def is_collective_failure(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and any(s in str(err).lower() for s in _COLLECTIVE_ERRORS)
 
 
-# ---- launching process ---------------------------------------------------------------------------------
-class LiveLauncher(ForkLauncher):
-    """Fork launcher whose workers rendezvous on a store hosted here and may lose a peer."""
-
-    def __init__(self, strategy: Any) -> None:
-        super().__init__(strategy, start_method="fork")
-        self.store: JobStore | None = None
-        self.seal: str | None = None  # `rendezvous.seal_store`'s value on the store hosted here
-        self.secret: bytes | None = None  # the job's store secret, drawn before the fork (workers inherit it)
-        self.lost: set[int] = set()  # process indices the monitor handed to the survivors
-        self.port: int | None = None  # the store's, while the workers run (repaired processes connect)
-
-    def respawn(self, idx: int, generation: int, layout: ResolvedLayout, source: int, *,
-                timeout_s: float, attempt: int | None = None) -> None:
-        """Start a repaired process in place of process `idx`: it joins `generation` (a rejoin), waiting
-        up to `timeout_s` for the survivors (`Timeouts.rejoin_s`); `attempt`: the rejoin's number, under
-        which it says it is ready (`rendezvous.publish_ready`)."""
-        assert self.port is not None
-        port, secret = self.port, self.secret
-        joining = Rejoining(lambda: JobStore(connect(port, timeout_s), secret), layout, idx,
-                            index=generation, source=source, timeout_s=timeout_s, attempt=attempt)
-        self.procs[idx] = self.start_replacement(
-            idx, lambda trainer: _prepare_repaired(trainer, idx, joining), Rejoining.CKPT_PATH,
-            name=f"ntp-rejoin-{idx}")
-        self.lost.discard(idx)
-
-    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        # SIGTERM/Ctrl-C: the workers checkpoint and stop, as without live; they listen on loopback only
-        with self.forwarding_signals(), loopback_children_env():
-            return self._launch(function, *args, trainer=trainer, **kwargs)
-
-    def close(self) -> None:
-        """Stop hosting the job's store, here in the launching process (the attempt is over).  A store
-        whose server thread runs here must never be destroyed in a forked child, where that thread does
-        not exist and the destructor's join never returns."""
-        self.store, self.port = None, None
-        self.forget_workers()
-
-    def _launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        port, self.secret = free_port(), local_secret()
-        # An earlier attempt's store may still sit in unreachable objects (a trainer's reference cycles):
-        # collect it here, where its server thread lives, not in a worker's garbage collection after the
-        # fork (its destructor would wait forever there for a thread the fork did not copy).
-        gc.collect()
-        # every rank a client of the store below
-        with environment({"MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}):
-            process_context = self.start_workers(function, args, kwargs, trainer)
-            self.port = port
-            # after the fork: no server thread is copied into a worker
-            store = JobStore(host_store(port), self.secret)
-            self.seal = seal_store(store)  # the monitor checks that the job's keys stay its own
-            self.store = store
-            # Until every process has exited, including repaired ones started meanwhile in place of a
-            # lost one.  (The monitor thread polls the same children: a join that loses the race to reap
-            # one returns before its exit status is recorded, so the status is what is waited for.)
-            while any(p.exitcode is None for p in list(self.procs)):
-                for p in list(self.procs):
-                    p.join(0.05)
-        bad = [(i, p) for i, p in enumerate(self.procs) if p.exitcode != 0 and i not in self.lost]
-        raised = [(i, p) for i, p in bad if p.exitcode == 1]
-        if raised:  # a Python exception in a worker: its traceback, as torch's own join reports it
-            i, p = raised[0]
-            trace = _traceback(process_context.error_files[i])
-            print(f"failover | live: process {i} raised:\n{trace}", file=sys.stderr, flush=True)
-            raise mp.ProcessRaisedException(f"\n\n-- Process {i} terminated with this error:\n{trace}",
-                                            error_index=i, error_pid=p.pid)
-        if bad:
-            codes = ", ".join(f"{i}: {p.exitcode}" for i, p in enumerate(self.procs))
-            print(f"failover | live: workers ended with exit status {codes}", file=sys.stderr, flush=True)
-            i, p = bad[0]
-            raise mp.ProcessExitedException(f"process {i} terminated with exit code {p.exitcode}",
-                                            error_index=i, error_pid=p.pid, exit_code=p.exitcode)
-        return self.worker_results(trainer)
-
-
-class LiveMonitor(threading.Thread):
-    """Watches the workers of a live attempt: a lost one is published on the store for the survivors;
-    survivors falling back, a lost process 0 or a Python error in a worker stop the attempt."""
-
-    def __init__(self, launcher: LiveLauncher, world_size: int, heartbeat_dir: Path | None = None,
-                 heartbeat_s: float | None = None, poll_s: float = 0.05, grace_s: float = 0.1,
-                 repair_after_steps: int | None = None, layout: ResolvedLayout | None = None,
-                 end_step: int | None = None, timeouts: Timeouts | None = None) -> None:
-        """`timeouts`: the bounds this monitor enforces besides the heartbeats (a rendezvous, the start-up,
-        a step, a stop; `detection`), None for none."""
-        super().__init__(name="ntp-live-monitor", daemon=True)
-        self.launcher = launcher
-        self.world_size = world_size
-        self.heartbeat_dir, self.heartbeat_s = heartbeat_dir, heartbeat_s
-        self._hung: set[int] = set()
-        self.poll_s, self.grace_s = poll_s, grace_s
-        self.verdict: Verdict | None = None
-        self.killed: set[int] = set()
-        self.generation = 0
-        self._halt = threading.Event()
-        self.repair_after_steps, self.layout, self.end_step = repair_after_steps, layout, end_step
-        self._degraded_at: int | None = None  # the step the survivors had reached at the last failure
-        self.timeouts = timeouts
-        self._rejoin: dict | None = None  # the announced rejoin awaiting the launcher's decision
-        self._sealed_t = 0.0  # when the store's seal was last checked
-        self._attempts = 0  # rejoins announced so far (each one's number keys its ready marks)
-        self._launched = time.time()
-        self._all_trained = False  # every process has reached training once (the start-up bound is over)
-
-    def stop(self) -> None:
-        """Stop watching; survivors that fell back are never blamed, even if they exited after the last
-        poll (the launcher returns as soon as every worker has exited)."""
-        self._halt.set()
-        if self.is_alive() and threading.current_thread() is not self:
-            self.join(timeout=5)
-        procs = getattr(self.launcher, "procs", None) or []
-        fallback = {i for i, p in enumerate(procs) if p.exitcode == FALLBACK_EXIT}
-        self.killed |= fallback
-        if fallback and self.verdict is None:
-            print("failover | live: the survivors could not recover live; falling back to the restart path",
-                  flush=True)
-            self.verdict = Verdict("worker exit", tuple(sorted(self.launcher.lost)), None, time.time(),
-                                   "the survivors could not recover live")
-
-    def _stop_all(self, procs, reason: str, ranks: tuple[int, ...]) -> None:
-        self.verdict = Verdict("worker exit", ranks, None, time.time(), reason)
-        for i, p in enumerate(procs):
-            if p.pid is not None and p.is_alive():
-                kill_worker(p.pid)
-                self.killed.add(i)
-
-    def run(self) -> None:
-        while not self._halt.is_set():
-            procs = getattr(self.launcher, "procs", None) or []
-            if len(procs) == self.world_size and self.launcher.store is not None:
-                break
-            time.sleep(self.poll_s)
-        self._launched = time.time()
-        seen: set[int] = set()
-        while not self._halt.wait(self.poll_s):
-            exited = [i for i, p in enumerate(procs) if i not in seen and p.exitcode is not None]
-            if not exited:
-                verdict = self._overdue()
-                if verdict is not None:
-                    print(f"failover | live: {verdict.reason}: {verdict.detail}; stopping the workers",
-                          flush=True)
-                    self._stop_all(procs, verdict.detail, verdict.ranks)
-                    self.verdict = verdict
-                    return
-                self._kill_hung(procs, self.world_size - len(self.launcher.lost))
-                self._watch_rejoin(procs, seen)
-                self._maybe_rejoin(procs, seen)
-                continue
-            time.sleep(self.grace_s)  # a failure taking several ranks: collect them all
-            exited = [i for i, p in enumerate(procs) if i not in seen and p.exitcode is not None]
-            r = self._rejoin
-            joining = [i for i in exited if r is not None and not r.get("decided") and i in r["pids"]]
-            if joining:  # a repaired process failed before it joined: the rejoin is cancelled, not the job
-                code = ", ".join(str(procs[i].exitcode) for i in joining)
-                self._cancel_rejoin(procs, seen, f"process(es) {joining} exited with status {code}")
-                continue
-            seen.update(exited)
-            lost = [i for i in exited
-                    if is_lost_status(procs[i].exitcode) and procs[i].exitcode != FALLBACK_EXIT]
-            fallback = [i for i in exited if procs[i].exitcode == FALLBACK_EXIT]
-            errors = [i for i in exited if procs[i].exitcode == 1]
-            if lost and not fallback and not errors:
-                self.launcher.lost.update(lost)
-                publish_failed(self.launcher.store, self.generation, lost)
-                self.generation += 1
-                self._degraded_at = self._max_step()
-                print(f"failover | live: process(es) {lost} lost (exit status "
-                      f"{', '.join(str(procs[i].exitcode) for i in lost)}); the survivors reshard in place",
-                      flush=True)
-                continue
-            if fallback:
-                self.killed.update(fallback)
-                why = "the survivors could not recover live"
-                print(f"failover | live: {why}; falling back to the restart path", flush=True)
-                self._stop_all(procs, why, tuple(sorted(self.launcher.lost | set(lost))))
-                return
-            if errors:  # a Python exception: a bug or bad input, reported by the supervisor
-                self._stop_all(procs, "a worker raised", ())
-                self.verdict = None
-                return
-
-
-    def _overdue(self) -> Verdict | None:
-        """A bound of `detection` passed: the stop after a stop signal, the rendezvous or the start-up
-        (until every process has trained once), a step."""
-        seal = getattr(self.launcher, "seal", None)
-        now = time.time()
-        if seal is not None and now - self._sealed_t >= 1.0:
-            self._sealed_t = now
-            if not self._seal_holds(seal):
-                return Verdict("store wiped", (), None, now,  # supervisor.STORE_WIPED
-                               f"the job's coordination keys vanished or changed under it (its seal "
-                               f"{SEAL_KEY!r} on the job's store, hosted by this process, is gone or "
-                               "different): something else deleted or overwrote them")
-        if self.timeouts is None or self.heartbeat_dir is None:
-            return None
-        beats = read_beats(self.heartbeat_dir, self.world_size)
-        verdict = stop_overdue(getattr(self.launcher, "stop_requested", None), now, self.timeouts)
-        if verdict is None and not self._all_trained:
-            verdict = start_verdict(beats, range(self.world_size), self._launched, now, self.timeouts)
-            self._all_trained = verdict is None and all(r in beats and beats[r].phase != "setup"
-                                                    for r in range(self.world_size))
-        return verdict or step_verdict(beats, self.world_size, self._launched, now, self.timeouts)
-
-    def _watch_rejoin(self, procs, seen: set[int]) -> None:
-        """The announced rejoin: join once every repaired process is ready; cancel it when they are not
-        within `fault.startup_timeout_s` of their start."""
-        r = self._rejoin
-        if r is None:
-            return
-        if r.get("decided"):  # told to join: watched until the repaired processes train
-            beats = read_beats(self.heartbeat_dir, self.world_size) if self.heartbeat_dir is not None else {}
-            if all(i in beats and beats[i].pid == procs[i].pid and beats[i].phase != "setup"
-                   for i in r["pids"]):
-                self._rejoin = None
-            elif all(p.exitcode is not None for i, p in enumerate(procs) if i not in r["pids"]):
-                # the survivors stopped (a stop signal) before taking them in: nobody is left to join
-                self._cancel_rejoin(procs, seen, "the survivors stopped before it joined", retry=False)
-            return
-        if getattr(self.launcher, "stop_requested", None) is not None:  # SIGTERM/Ctrl-C: the survivors
-            # checkpoint and stop at the end of their step; a repaired process waiting to join stops now
-            self._cancel_rejoin(procs, seen, "the run is stopping", retry=False)
-            return
-        store = self.launcher.store
-        if all(is_ready(store, r["generation"], r["attempt"], i) for i in r["pids"]):
-            decide_rejoin(store, r["generation"], r["announced"], join=True)
-            r["decided"] = True
-            return
-        bound = self.timeouts.startup_s if self.timeouts is not None else None
-        if bound is not None and time.time() - r["t"] > bound:
-            self._cancel_rejoin(procs, seen, f"not ready to join {time.time() - r['t']:.0f} s after their "
-                                f"start (fault.startup_timeout_s={bound:g})")
-
-    def _cancel_rejoin(self, procs, seen: set[int], why: str, retry: bool = True) -> None:
-        """A failed rejoin stops the repaired processes only (SIGKILL: no traceback, nothing of theirs to
-        save): the survivors are told to go on in their generation, and with `retry` the repair is tried
-        again `fault.repair_after_steps` steps later."""
-        r, self._rejoin = self._rejoin, None
-        assert r is not None
-        seen.update(r["pids"])
-        self.launcher.lost.update(r["pids"])  # before the kill: the launcher then never counts them as lost
-        for i in r["pids"]:
-            p = procs[i]
-            if p.exitcode is None and p.pid is not None:
-                kill_worker(p.pid)
-                p.join(5)
-        if r.get("decided"):  # too late to cancel: the survivors are gone
-            print(f"failover | live: {why}: stopping the repaired process(es) {r['pids']}", flush=True)
-            return
-        decide_rejoin(self.launcher.store, r["generation"], r["announced"], join=False)
-        self.generation = r["generation"]  # the survivors stay in it
-        self._degraded_at = self._max_step() if retry else None
-        if not retry:
-            print(f"failover | live: {why}: the rejoin of process(es) {r['pids']} is cancelled", flush=True)
-            return
-        print(f"failover | live: the rejoin of process(es) {r['pids']} failed ({why}); the survivors go on "
-              "without them", flush=True)
-
-    def _seal_holds(self, seal: str) -> bool:
-        try:
-            return seal_intact(self.launcher.store, seal)
-        except Exception:  # noqa: BLE001 - a store that does not answer is no wiped store
-            return True
-
-    def _max_step(self) -> int:
-        beats = read_beats(self.heartbeat_dir, self.world_size) if self.heartbeat_dir is not None else {}
-        return max((b.step for b in beats.values()), default=0)
-
-    def _maybe_rejoin(self, procs, seen: set[int]) -> None:
-        """`fault.repair_after_steps` steps after a live recovery, start a repaired process for every
-        process that is gone (lost, or left idle by the new layout) and announce that they join before a
-        step no survivor has started yet; the survivors return to the original layout there."""
-        if self.repair_after_steps is None or self._degraded_at is None or self.layout is None \
-                or getattr(self.launcher, "stop_requested", None) is not None:
-            return
-        step = self._max_step()
-        if step < self._degraded_at + self.repair_after_steps:
-            return
-        gone = [i for i, p in enumerate(procs) if p.exitcode is not None]
-        if not gone or len(gone) == len(procs):
-            self._degraded_at = None
-            return
-        join_at = step + 3  # beats are written at each step's start: no survivor is past `step + 1` yet
-        if self.end_step is not None and join_at > self.end_step:
-            self._degraded_at = None  # too close to the end: the run finishes on the degraded layout
-            return
-        source = min(i for i in range(len(procs)) if i not in gone)
-        self._attempts += 1
-        wait_s = self.timeouts.rejoin_s if self.timeouts is not None else 600.0
-        announced = {"step": join_at, "members": list(range(self.layout.world_size)), "source": source,
-                     "attempt": self._attempts}
-        publish_rejoin(self.launcher.store, self.generation, join_at, range(self.layout.world_size), source,
-                       attempt=self._attempts)
-        for i in gone:
-            self.launcher.respawn(i, self.generation + 1, self.layout, source, timeout_s=wait_s,
-                                  attempt=self._attempts)
-            seen.discard(i)
-        self._rejoin = {"generation": self.generation, "attempt": self._attempts, "pids": list(gone),
-                        "announced": announced, "t": time.time()}
-        self.generation += 1
-        self._degraded_at = None
-        print(f"failover | live: repaired process(es) {gone} start and rejoin before step {join_at}",
-              flush=True)
-
-    def _kill_hung(self, procs, world: int) -> None:
-        """A rank whose heartbeat is older than the heartbeat timeout while it trains, and behind the
-        others, is hung: kill it, so that it is handled as a lost rank (its peers' collectives fail)."""
-        if self.heartbeat_dir is None or self.heartbeat_s is None:
-            return
-        beats = read_beats(self.heartbeat_dir, world)
-        now = time.time()
-        if len(beats) < world or not any(b.training and now - b.t > self.heartbeat_s for b in beats.values()):
-            return
-        pids = {beats[r].pid for r in suspects(beats, world)}
-        for i, p in enumerate(procs):
-            if p.pid in pids and p.exitcode is None and i not in self._hung:
-                self._hung.add(i)
-                print(f"failover | live: process {i} hung (no heartbeat for {self.heartbeat_s:.0f} s); "
-                      "killing it to recover without it", flush=True)
-                kill_worker(p.pid)
-
-
-# ---- worker process -------------------------------------------------------------------------------------
 class LiveRecovery(Callback, RecoveryHooks):
     """Worker side of `fault.recovery=live` (see the module docstring): a callback, and the strategy's
     `RecoveryHooks` (`lightning/factory.py` hands it to the strategy it builds)."""
@@ -789,16 +430,6 @@ class Rejoining:
         reset_validation_loader(strategy.lightning_module.trainer)
 
 
-def _prepare_repaired(trainer: Any, idx: int, joining: Rejoining) -> None:
-    """First code of a repaired process (forked by the launching process in place of process `idx`)."""
-    from ntp_nemo.resilience.faults import FaultInjector
-
-    for cb in trainer.callbacks:  # a fault injected into the rejoin itself (kill_rank, phase rejoin)
-        if isinstance(cb, FaultInjector):
-            cb.strike_rejoin(idx)
-    prepare_rejoin(trainer, joining)
-
-
 def live_recovery(trainer: Any) -> LiveRecovery:
     """The trainer's `LiveRecovery` (its strategy's recovery hooks)."""
     hooks = getattr(trainer.strategy, "recovery", None)
@@ -841,13 +472,3 @@ def _give_up(pid: int, err: BaseException, launcher_pid: int | None = None, link
           "falling back to the restart path", file=sys.stderr, flush=True)
     sys.stderr.flush()
     os._exit(FALLBACK_EXIT)
-
-
-def _traceback(path: str | None) -> str:
-    import pickle
-
-    try:
-        with open(path, "rb") as fh:  # written by torch.multiprocessing's worker wrapper
-            return str(pickle.load(fh))
-    except (OSError, TypeError, pickle.UnpicklingError, EOFError):
-        return "(no traceback recorded)"
