@@ -48,7 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from _common import ROOT, load_average, thread_env
@@ -199,10 +199,7 @@ class Measured:
     failures: int  # failures detected (the trace's losses and hangs, plus any the recovery caused)
     fallbacks: int  # live recoveries that fell back to the restart path
 
-    @property
-    def in_steps(self) -> float:
-        """Time to the last step in this run's own full-layout steps: the machine's load divides out."""
-        return self.time_to_last_step_s / self.costs.step_s[FULL]
+    work: dict[str, float]  # per layout key: the busiest rank's micro-batches per step (see `rank_work`)
 
 
 def _mean(xs: list[float], default: float = 0.0) -> float:
@@ -210,9 +207,9 @@ def _mean(xs: list[float], default: float = 0.0) -> float:
 
 
 def measure(run: Run, trace: FailureTrace, reference: dict[int, float] | None,
-            full_layout: str) -> Measured:
+            full_layout: str, boost: float = 1.0) -> Measured:
     """Figures and per-event costs of one run, from its metrics.jsonl, goodput.jsonl, fault markers and
-    the commands' start and end times."""
+    the commands' start and end times; `boost`: the run's ntp.power_boost."""
     recs = read_jsonl(run.run_dir / "metrics.jsonl")
     events = read_jsonl(run.run_dir / "goodput.jsonl")
     fired = fired_faults(run.run_dir)
@@ -317,6 +314,7 @@ def measure(run: Run, trace: FailureTrace, reference: dict[int, float] | None,
         repairs=repairs,
         costs=costs,
         layouts=layouts,
+        work={key(r): rank_work(r["layout"], r["microbatches"], boost) for r in recs},
         failures=len(detected),
         fallbacks=sum(1 for e in events if e["event"] == "recovery_done" and e.get("mode") == "restart"
                       and any(d.get("detail") == "live recovery" for d in detected)),
@@ -339,6 +337,39 @@ def costs_row(name: str, c: ReplayCosts) -> tuple:
 
     return (name, f"{c.startup_s:.2f}", steps, det, s(c.reshard_s), s(c.rejoin_s), s(c.restart_s),
             s(c.repair_relaunch_s), s(c.stop_s), s(c.repair_wait_s))
+
+
+def rank_work(layout: str, microbatches: list[int], boost: float) -> float:
+    """Micro-batches per step of the busiest rank of `layout` (e.g. `(1,2)`) splitting `microbatches`
+    over its replicas: a replica of `n` ranks shares its micro-batches `n` ways (the tensor-parallel
+    split), and a boosted degraded replica's ranks run `boost` times as fast (NTP-PW)."""
+    sizes = [int(x) for x in layout.strip("()").split(",")]
+    return max(mb / (n * (boost if n < TP else 1.0)) for mb, n in zip(microbatches, sizes, strict=True))
+
+
+def at_common_load(trace: FailureTrace, measured: dict[str, Measured], names: list[str],
+                   by_work: bool = False) -> dict[str, float]:
+    """Each policy's time to the last step replayed with the step time of every layout and the start-up
+    taken as the median over all runs (the runs ran one after another on a shared machine whose load
+    changed), and its own event costs: the comparison at one load.  `by_work`: every layout's step time
+    is instead the full layout's scaled by its busiest rank's work (`rank_work`): what a machine whose
+    ranks do not share cores would give (on 2 shared cores, fewer processes run each step faster)."""
+    by_layout: dict[str, list[float]] = {}
+    for m in measured.values():
+        for k, v in m.costs.step_s.items():
+            by_layout.setdefault(k, []).append(v)
+    step_s = {k: statistics.median(v) for k, v in by_layout.items()}
+    startup = statistics.median(m.costs.startup_s for m in measured.values())
+    out = {"failure-free": startup + trace.steps * step_s[FULL]}
+    for name in names:
+        _, mode, rule = POLICIES[name]
+        steps = step_s
+        if by_work:
+            work = measured[name].work
+            steps = {k: step_s[FULL] * w / work[FULL] for k, w in work.items()}
+        costs = replace(measured[name].costs, step_s=steps, startup_s=startup)
+        out[name] = replay(trace, ReplayPolicy(name, mode, shrink(rule)), costs).time_to_last_step_s
+    return out
 
 
 def summary_line(steps: int, times: dict[str, float]) -> str:
@@ -395,7 +426,9 @@ def main() -> None:
         predicted = {}
         for name in names:
             run = run_policy(name, job, trace, work, repair_wait, args.timeout, args.reuse)
-            m = measured[name] = measure(run, trace, reference, full_layout)
+            boost = next((float(o.split("=")[1]) for o in POLICIES[name][0]
+                          if o.startswith("ntp.power_boost=")), 1.0)
+            m = measured[name] = measure(run, trace, reference, full_layout, boost)
             _, mode, rule = POLICIES[name]
             predicted[name] = replay(trace, ReplayPolicy(name, mode, shrink(rule)), m.costs)
             print(f"  {name}: {m.time_to_last_step_s:.1f} s measured, "
@@ -413,7 +446,7 @@ def main() -> None:
         if name != "failure-free" and m.max_rel_loss_diff > 1e-4:
             notes.append("loss OFF the failure-free curve (> 1e-4)")
         rows.append((
-            name, f"{m.time_to_last_step_s:.1f}", f"{m.in_steps:.0f}",
+            name, f"{m.time_to_last_step_s:.1f}",
             f"{p.time_to_last_step_s:.1f}" if p else "-",
             f"{p.time_to_last_step_s / m.time_to_last_step_s:.3f}" if p else "-", f"{m.goodput:.3f}",
             f"{m.steps_redone}" + (f" ({p.steps_redone})" if p else ""),
@@ -422,7 +455,7 @@ def main() -> None:
             f"{m.max_rel_loss_diff:.1e}" if name != "failure-free" else "-",
             "yes" if m.batch_kept else "NO", "; ".join(notes) or "-",
         ))
-    print("\n" + table(("policy", f"time to step {args.steps} s", "in own full steps", "predicted s",
+    print("\n" + table(("policy", f"time to step {args.steps} s", "predicted s",
                         "predicted / measured",
                         "goodput", "steps redone (pred.)", "degraded time / steps (pred. steps)",
                         "repairs (pred.)", "max rel loss diff", "global batch kept", "notes"), rows))
@@ -434,8 +467,12 @@ def main() -> None:
                 for n, p in predicted.items())
     print(f"\nsimulator: every policy's time to step {args.steps} predicted within {worst * 100:.1f}% "
           f"({'inside' if worst <= 0.10 else 'OUTSIDE'} the 10% bound); load average {load_average()}")
-    print("load-normalised (each run's time to the last step in its own full-layout step time): "
-          + summary_line(args.steps, {n: m.in_steps for n, m in measured.items()}).split(": ", 1)[1])
+    common = at_common_load(trace, measured, names)
+    print("simulator at one load (every policy's step times and start-up the median over the runs, its "
+          "event costs its own): " + summary_line(args.steps, common).split(": ", 1)[1])
+    ideal = at_common_load(trace, measured, names, by_work=True)
+    print("simulator at one load, each layout's step time from its busiest rank's work (a degraded rank "
+          "as fast as a healthy one, as on GPUs): " + summary_line(args.steps, ideal).split(": ", 1)[1])
     print(summary_line(args.steps, {n: m.time_to_last_step_s for n, m in measured.items()}))
 
 
