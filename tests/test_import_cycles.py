@@ -22,10 +22,6 @@ KNOWN: dict[frozenset[str], str] = {
         "manifest's validation checks the index (`index_problem`); breaking it means moving `Index.read` "
         "to manifest.py and its callers with it"
     ),
-    frozenset({"ntp_nemo.resilience.nccl_abort", "ntp_nemo.resilience.rendezvous"}): (
-        "`abort_generation` severs the gloo half of a mixed world with `rendezvous.sever` (a deferred "
-        "import); moving `sever` below both modules breaks it"
-    ),
 }
 
 

@@ -1,6 +1,6 @@
 """Ending a generation's NCCL communicators at once, so that the survivors of a lost rank stop waiting.
 
-On gloo a broken generation is stopped by shutting its sockets down (`rendezvous.sever`).  NCCL
+On gloo a broken generation is stopped by shutting its sockets down (`sockets.sever`).  NCCL
 communicators are not sockets: a collective whose peer is gone waits in a CUDA kernel until its
 communicator is aborted (`ncclCommAbort`), and only then does the collective, or the wait on its work,
 fail.  `abort_generation` does that for every process group of the current generation:
@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ntp_nemo.resilience.sockets import sever
 
 SHRINK_MIN_NCCL = (2, 27, 0)  # ncclCommShrink
 # ProcessGroupNCCL's watchdog: 2 = on an error or timeout abort the communicators and let the process
@@ -99,7 +101,7 @@ def can_shrink() -> bool:
 def abort_generation(store: Any = None, lost: Sequence[int] | None = None) -> str:
     """Abort every NCCL process group of the current generation; returns the path taken.
 
-    `none`: the default group's backend has no NCCL (gloo: `rendezvous.sever` stops it) or no group
+    `none`: the default group's backend has no NCCL (gloo: `sockets.sever` stops it) or no group
     exists; nothing is touched.  `abort`: every group aborted and forgotten (`dist.is_initialized()` is
     then False).  `shrink`: with `lost` (ranks of the default group that are gone) where `can_shrink()`,
     the survivors' shrunk default group remains (see the module docstring).  `store` (the job's store):
@@ -109,8 +111,6 @@ def abort_generation(store: Any = None, lost: Sequence[int] | None = None) -> st
     if not uses_nccl(backend):
         return "none"
     if store is not None and "gloo" in str(backend):
-        from ntp_nemo.resilience.rendezvous import sever  # rendezvous.leave calls this module
-
         sever(store)
     if lost and can_shrink():
         dist.shrink_group(sorted({int(r) for r in lost}), shrink_flags=dist.distributed_c10d.SHRINK_ABORT)
