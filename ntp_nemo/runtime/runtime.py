@@ -95,7 +95,8 @@ class NTPRuntime:
         model = make()
         if dtype is not None:
             model.to(dtype)
-        initialize_(model, seed)
+        if not cfg.init_from:  # HF weights overwrite every parameter (padded vocabulary rows with zeros)
+            initialize_(model, seed)
         if cfg.init_from:
             from ntp_nemo.hf import load_hf_into
 
