@@ -170,3 +170,30 @@ def test_bench_reads_a_live_run_and_the_replay_predicts_it(monkeypatch):
     assert m.degraded_steps == 21 == p.degraded_steps and m.repairs == 2 == p.repairs
     assert m.batch_kept
     assert abs(p.time_to_last_step_s / m.time_to_last_step_s - 1) <= 0.10
+
+
+# ---- the step timeout over a long run (found by this bench) -------------------------------------------
+def test_a_run_in_the_middle_of_a_step_is_no_step_timeout(tmp_path):
+    """A rank's heartbeat says `step_start` for the whole of each step, so a monitor polling during a step
+    saw no completed step at all and, once the run had lasted `fault.step_timeout_s`, stopped a healthy
+    run.  The beats carry the end of the last completed step; a real stall is still caught."""
+    from types import SimpleNamespace
+
+    from ntp_nemo.resilience.beats import read_beats
+    from ntp_nemo.resilience.detection import step_verdict
+    from ntp_nemo.resilience.fault_config import Timeouts
+    from ntp_nemo.resilience.heartbeat import Heartbeat
+
+    for rank in (0, 1):
+        hb = Heartbeat(tmp_path)
+        hb.on_train_batch_start(SimpleNamespace(global_rank=rank, global_step=0), None, None, 0)
+        hb.on_train_batch_end(SimpleNamespace(global_rank=rank, global_step=1), None, None, None, 0)
+        hb.on_train_batch_start(SimpleNamespace(global_rank=rank, global_step=1), None, None, 1)
+    beats = read_beats(tmp_path, 2)
+    assert {b.phase for b in beats.values()} == {"step_start"}
+    done = max(b.done_t for b in beats.values())
+    timeouts = Timeouts(1.0, 2.0, 8.0)
+    # The run started 100 s ago; its last step ended a moment ago: no verdict.
+    assert step_verdict(beats, 2, done - 100.0, done + 0.5, timeouts) is None
+    stalled = step_verdict(beats, 2, done - 100.0, done + 9.0, timeouts)
+    assert stalled is not None and stalled.reason == "step timeout" and "9.0s" in stalled.detail

@@ -30,6 +30,7 @@ class Beat:
     phase: str
     t: float
     pid: int
+    done_t: float | None = None  # when this rank last completed a step in its current process, if it did
 
     @property
     def progress(self) -> tuple[int, int]:
@@ -51,7 +52,9 @@ def read_beats(directory: Path, world_size: int) -> dict[int, Beat]:
     for rank in range(world_size):
         try:
             doc = json.loads(beat_path(directory, rank).read_text())
-            out[rank] = Beat(rank, int(doc["step"]), str(doc["phase"]), float(doc["t"]), int(doc["pid"]))
+            done = doc.get("done_t")
+            out[rank] = Beat(rank, int(doc["step"]), str(doc["phase"]), float(doc["t"]), int(doc["pid"]),
+                             None if done is None else float(done))
         except (OSError, ValueError, KeyError):
             continue
     return out

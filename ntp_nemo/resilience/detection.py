@@ -211,8 +211,11 @@ class WorkerMonitor(threading.Thread):
 
 def step_verdict(beats: dict[int, Beat], world_size: int, launched: float, now: float,
                  timeouts: Timeouts) -> Verdict | None:
-    """No step completed for `fault.step_timeout_s` (counted from the launch before the first one)."""
+    """No step completed for `fault.step_timeout_s` (counted from the launch before the first one).  A
+    rank's beat says `step_start` for the whole of a step, so the time of its last completed step is the
+    one its beats carry (`done_t`), not only a `step_end` beat a poll may never see."""
     done = [b.t for b in beats.values() if b.phase in ("step_end", "end")]
+    done += [b.done_t for b in beats.values() if b.done_t is not None]
     since = max(done, default=launched)
     if now - since <= timeouts.step_s:
         return None

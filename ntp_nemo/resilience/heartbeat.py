@@ -30,12 +30,15 @@ class Heartbeat(Callback):
         self.directory = Path(directory)
         self._path: Path | None = None
         self._tmp: Path | None = None
+        self._done_t: float | None = None  # the end of this process's last completed step
 
     def beat(self, trainer: Trainer, phase: str, step: int) -> None:
         if self._path is None:
             self._path = beat_path(self.directory, trainer.global_rank)
             self._tmp = self._path.with_suffix(".tmp")
         doc: dict[str, Any] = {"step": step, "phase": phase, "t": time.time(), "pid": os.getpid()}
+        if self._done_t is not None:  # kept in every later beat: a step's start replaces its end's beat
+            doc["done_t"] = self._done_t
         assert self._tmp is not None
         self._tmp.write_text(json.dumps(doc))
         os.replace(self._tmp, self._path)
@@ -57,6 +60,7 @@ class Heartbeat(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._done_t = time.time()
         self.beat(trainer, "step_end", trainer.global_step)
 
     def on_save_checkpoint(
