@@ -2,7 +2,7 @@
 prediction of each policy's time to the last step next to the measured one.
 
     python bench/failure_trace.py [--steps 200] [--seed 1] [--repair-after 30] [--every 10]
-                                  [--policies live-ntp,ntp-pw,...] [--keep DIR] [overrides ...]
+                                  [--policies live-ntp,ntp-pw,...] [--keep DIR [--reuse]] [overrides ...]
 
 The job: the real `ntp-train` CLI (`python -m ntp_nemo.train`), the tiny model of the tests, 2 DP
 replicas of TP 2 (4 forked gloo workers), global batch 12 in micro-batches of 1 (so that NTP-PW's boost
@@ -35,8 +35,12 @@ the global batch (tokens per step are checked), so every curve must be the failu
 Then the simulator (`ntp_nemo.goodput.sim.replay`) replays the same trace under each policy with the
 per-event costs measured in that policy's run (startup, step time per layout, detection per kind, live
 reshard, rejoin, restart, repair relaunch) and prints its time to the last step next to the measured
-one.  The last line: `failure trace: live NTP time-to-N / failure-free R0, restart R1, DP-drop R2,
-wait-for-repair R3`.
+one.  The rows run one after another, so on a shared machine their times differ by load as much as by
+policy: two more lines replay every policy with the same step times and start-up (the median over the
+runs), and with each layout's step time from its busiest rank's work (`rank_work`: a degraded rank as
+fast as a healthy one).  `--keep DIR --reuse` reads the runs a previous `--keep DIR` left instead of
+running them.  The last line: `failure trace: live NTP time-to-N / failure-free R0, restart R1,
+DP-drop R2, wait-for-repair R3` (measured times; restart is NTP by restart).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The failure trace and the simulator's replay of it (`ntp_nemo.goodput.sim.replay`, used by
-`bench/failure_trace.py`): the trace is seeded and deterministic, and the replay of a small trace gives
-the figures worked out by hand below for each recovery mode."""
+`bench/failure_trace.py`): the trace is seeded and deterministic, the replay of a small trace gives the
+figures worked out by hand below for each recovery mode, the bench reads the files real runs wrote and
+the replay predicts them; and the false step timeout the bench ran into (a run mid-step)."""
 
 from __future__ import annotations
 
