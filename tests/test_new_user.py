@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from tests.conftest import ROOT, SINGLE, TINY, read_metrics, run_cli
 
 CKPT_ON_END = ["checkpoint.save_on_end=true"]
@@ -42,7 +44,7 @@ def _wait_for_steps(proc: subprocess.Popen, run: Path, n: int, timeout: float = 
     raise AssertionError(f"no {n} steps in {timeout}s")
 
 
-def test_ctrl_c_checkpoints_then_resume_has_no_duplicate_steps(tmp_path):
+def test_ctrl_c_checkpoints_then_resume_has_no_duplicate_steps(tmp_path, monkeypatch, capsys):
     run = tmp_path / "run"
     args = [*TINY, *SINGLE, *CKPT_ON_END, f"hydra.run.dir={run}"]
     proc = _start([*args, "trainer.max_steps=400"], tmp_path)
@@ -81,17 +83,28 @@ def test_ctrl_c_checkpoints_then_resume_has_no_duplicate_steps(tmp_path):
     events = [json.loads(line) for line in (run / "goodput.jsonl").read_text().splitlines()]
     ends = [e for e in events if e["event"] == "step_end"]
     assert ends and all(e["tokens"] == 12 * 32 for e in ends)
-    # The console, summary.json and ntp-goodput agree on the goodput.
-    report = run_cli([str(run), "--json", "--no-plot"], tmp_path, module="ntp_nemo.goodput.report")
-    assert report.returncode == 0, report.stderr
-    goodput = json.loads(report.stdout)["goodput"]
+    # The console, summary.json and ntp-goodput agree on the goodput (ntp-goodput and ntp-plan are
+    # called in this process, as their console scripts call them).
+    from ntp_nemo.cli import plan
+    from ntp_nemo.goodput import report
+
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "argv", ["ntp-goodput", str(run), "--json", "--no-plot"])
+    with pytest.raises(SystemExit) as exc:
+        report.main()
+    out, err = capsys.readouterr()
+    assert exc.value.code == 0, err
+    goodput = json.loads(out)["goodput"]
     assert json.loads((run / "summary.json").read_text())["goodput"] == goodput
     assert f" goodput       {100 * goodput:.1f}%" in res.stdout
     # ntp-plan takes the run's own model, mesh and data shape.
-    plan = run_cli([f"run={run}", "hardware=h100"], tmp_path, module="ntp_nemo.cli.plan")
-    assert plan.returncode == 0, plan.stderr
-    assert plan.stdout.startswith("gpt_tiny: 2 layers, hidden 64, seq 32, micro-batch 2;"), plan.stdout
-    assert "replica_tp=[1]" in plan.stdout and "\"layout.layer_tp='1,1*2,1'\"" in plan.stdout
+    monkeypatch.setattr(sys, "argv", ["ntp-plan", f"run={run}", "hardware=h100"])
+    with pytest.raises(SystemExit) as exc:
+        plan.main()
+    out, err = capsys.readouterr()
+    assert exc.value.code == 0, err
+    assert out.startswith("gpt_tiny: 2 layers, hidden 64, seq 32, micro-batch 2;"), out
+    assert "replica_tp=[1]" in out and "\"layout.layer_tp='1,1*2,1'\"" in out
     # train.log holds what the console showed, for both invocations.
     log = (run / "train.log").read_text()
     assert final in log and "interrupted (Ctrl-C)" in log and log.count("ntp_nemo run summary") == 2

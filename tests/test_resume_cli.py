@@ -27,72 +27,100 @@ def straight(reference_losses):
 
 
 LAYOUTS = {"single": SINGLE, "ntp": NTP21}
-
-
-@pytest.fixture(scope="module")
-def stopped_then_resumed(tmp_path_factory):
-    """Each layout of LAYOUTS stopped at step 10, resumed (`resume=auto`) and run once more: three
-    `ntp-train -m` sweeps over the same job directories (one per layout), in that order."""
-    tmp = tmp_path_factory.mktemp("stop_resume")
-    first = sweep_cases(LAYOUTS, [*TINY, *CKPT, "trainer.stop_at_step=10"], tmp)
-    saved = {name: (run / "checkpoints" / "step_000010" / "manifest.json").exists()
-             for name, run in first.dirs.items()}
-    second = sweep_cases(LAYOUTS, [*TINY, *CKPT], tmp)
-    metrics = {name: losses(run) for name, run in second.dirs.items() if (run / "metrics.jsonl").exists()}
-    again = sweep_cases(LAYOUTS, [*TINY, *CKPT], tmp)
-    return first, saved, second, metrics, again
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_stop_and_resume_equals_straight_run(stopped_then_resumed, straight, name):
-    first, saved, second, metrics, again = stopped_then_resumed
-    assert first.proc.returncode == 0, first.proc.stderr[-3000:]
-    assert saved[name]
-    assert second.proc.returncode == 0, second.proc.stderr[-3000:]
-    run = second.run_dir(name)
-    assert "resuming from" in second.proc.stdout and "resuming from" in (run / "train.log").read_text()
-    got = metrics[name]
-    assert sorted(got) == list(range(1, 21))
-    for step, ref in straight[name].items():
-        assert abs(got[step] - ref) <= 1e-6 * abs(ref), (step, got[step], ref)
-    assert again.proc.returncode == 0, again.proc.stderr[-3000:]
-    assert "already complete" in again.proc.stdout
-    assert "already complete" in (run / "train.log").read_text()  # this job said so
-    assert len(read_metrics(run)) == 20  # nothing trained twice
-
-
 TARGETS = {
     "to-single": SINGLE,
     "to-2-2": ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,2]"],
     "to-tp3": ["mesh.dp=1", "mesh.tp=3", "ntp.replica_tp=[3]"],
     "to-pp2": ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]", "mesh.pp=2"],
 }
+# One-process run keeping three checkpoints, whose latest one (step 10) is damaged before it resumes.
+CORRUPT = [*SINGLE, "checkpoint.keep_last=3"]
+
+
+def _in(name: str) -> list[str]:
+    """The case runs in the sweep's directory `name`: cases naming the same one continue that run."""
+    return [f"hydra.sweep.subdir={name}"]
 
 
 @pytest.fixture(scope="module")
-def resumed_elsewhere(tmp_path_factory):
-    """A (2,1) run stopped at step 10, then its checkpoint resumed on every layout of TARGETS: one
-    `ntp-train -m` sweep (`resume=PATH`), each target in its own run directory."""
-    tmp = tmp_path_factory.mktemp("resume_elsewhere")
-    src = tmp / "src"
-    proc = run_cli([*TINY, *NTP21, *CKPT, "trainer.stop_at_step=10", f"hydra.run.dir={src}"], cwd=tmp)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return sweep_cases(TARGETS, [*TINY, *CKPT, f"resume={src / 'checkpoints' / 'step_000010'}"], tmp)
+def resume_sweeps(tmp_path_factory):
+    """Every run of this module's resume cases, as two `ntp-train -m` sweeps over the same directories.
+
+    First sweep: each layout of LAYOUTS and CORRUPT, stopped at step 10 (checkpoints every 5 steps).
+    Then the data of CORRUPT's step-10 checkpoint is damaged. Second sweep, in this order: the (2,1)
+    run's step-10 checkpoint resumed (`resume=PATH`) on every layout of TARGETS, each in its own
+    directory; each stopped run resumed (`resume=auto`, its own directory), CORRUPT included; each
+    layout's run once more (already complete). Returns (first sweep, whether each run had its step-10
+    checkpoint after it, second sweep)."""
+    tmp = tmp_path_factory.mktemp("resume")
+    stop = ["trainer.stop_at_step=10"]
+    first = sweep_cases({**{f"{name}-stop": [*layout, *stop, *_in(name)] for name, layout in LAYOUTS.items()},
+                         "corrupt-stop": [*CORRUPT, *stop, *_in("corrupt")]}, [*TINY, *CKPT], tmp)
+    saved = {name: (tmp / "sweep" / name / "checkpoints" / "step_000010" / "manifest.json").is_file()
+             for name in [*LAYOUTS, "corrupt"]}
+    if saved["corrupt"]:
+        data = sorted((tmp / "sweep" / "corrupt" / "checkpoints" / "step_000010").glob("data_*.bin"))[0]
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    src = tmp / "sweep" / "ntp" / "checkpoints" / "step_000010"
+    second = sweep_cases({
+        **{target: [*layout, f"resume={src}", *_in(target)] for target, layout in TARGETS.items()},
+        **{f"{name}-resume": [*layout, *_in(name)] for name, layout in LAYOUTS.items()},
+        "corrupt-resume": [*CORRUPT, *_in("corrupt")],
+        **{f"{name}-again": [*layout, *_in(name)] for name, layout in LAYOUTS.items()},
+    }, [*TINY, *CKPT], tmp)
+    return first, saved, second
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_stop_and_resume_equals_straight_run(resume_sweeps, straight, name):
+    first, saved, second = resume_sweeps
+    assert first.proc.returncode == 0, first.proc.stderr[-3000:]
+    assert saved[name]
+    assert second.proc.returncode == 0, second.proc.stderr[-3000:]
+    run = second.run_dir(f"{name}-resume")
+    log = (run / "train.log").read_text()  # what each of the three commands printed, in turn
+    assert f"resuming from {run / 'checkpoints' / 'step_000010'}" in log
+    got = losses(run)
+    assert sorted(got) == list(range(1, 21))
+    for step, ref in straight[name].items():
+        assert abs(got[step] - ref) <= 1e-6 * abs(ref), (step, got[step], ref)
+    assert "already complete" in log.split("resuming from", 1)[1]  # the third command said so
+    assert len(read_metrics(run)) == 20  # nothing trained twice
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("target", list(TARGETS))
-def test_resume_on_another_layout_follows_the_curve(resumed_elsewhere, straight, target):
-    proc = resumed_elsewhere.proc
+def test_resume_on_another_layout_follows_the_curve(resume_sweeps, straight, target):
+    _, saved, second = resume_sweeps
+    assert saved["ntp"]
+    proc = second.proc
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Another run's checkpoint: no warning from Lightning's checkpoint callback about the directory.
     assert "dirpath has changed" not in proc.stdout + proc.stderr
-    got = losses(resumed_elsewhere.run_dir(target))
+    got = losses(second.run_dir(target))
     assert sorted(got) == list(range(11, 21))
     for step in range(11, 21):
         ref = straight["ntp"][step]
         assert abs(got[step] - ref) <= 1e-5 * abs(ref), (step, got[step], ref)
+
+
+@pytest.mark.slow
+def test_corrupt_latest_checkpoint_is_skipped(resume_sweeps, straight):
+    _, saved, second = resume_sweeps
+    assert saved["corrupt"]
+    run = second.run_dir("corrupt-resume")
+    latest, previous = run / "checkpoints" / "step_000010", run / "checkpoints" / "step_000005"
+    assert f"skipping checkpoint {latest}: " in second.proc.stderr, second.proc.stderr[-3000:]
+    log = (run / "train.log").read_text()
+    assert f"skipping checkpoint {latest}: " in log  # this run's own warning
+    assert f"resuming from {previous}" in log  # resumed from the previous valid one
+    got = losses(run)
+    assert sorted(got) == list(range(1, 21))
+    for step, ref in straight["single"].items():
+        assert abs(got[step] - ref) <= 1e-6 * abs(ref), (step, got[step], ref)
 
 
 @pytest.mark.slow
@@ -116,28 +144,6 @@ def test_sigkill_mid_run_then_auto_resume_matches(tmp_path, straight):
     got = losses(run)  # the redone steps overwrite the dict entries: the last execution of each step
     assert sorted(got) == list(range(1, 21))
     for step, ref in straight["ntp"].items():
-        assert abs(got[step] - ref) <= 1e-6 * abs(ref), (step, got[step], ref)
-
-
-@pytest.mark.slow
-def test_corrupt_latest_checkpoint_is_skipped(tmp_path, straight):
-    run = tmp_path / "run"
-    proc = run_cli(
-        [*TINY, *SINGLE, *CKPT, "trainer.stop_at_step=10", "checkpoint.keep_last=3", f"hydra.run.dir={run}"],
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    latest = run / "checkpoints" / "step_000010"
-    data = sorted(latest.glob("data_*.bin"))[0]
-    raw = bytearray(data.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
-    data.write_bytes(bytes(raw))
-    proc = run_cli([*TINY, *SINGLE, *CKPT, f"hydra.run.dir={run}"], cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "step_000010" in proc.stderr and "skipping" in proc.stderr
-    assert "step_000005" in proc.stdout  # resumed from the previous valid one
-    got = losses(run)
-    for step, ref in straight["single"].items():
         assert abs(got[step] - ref) <= 1e-6 * abs(ref), (step, got[step], ref)
 
 
