@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ntp_nemo.models.config import ModelConfig
-from ntp_nemo.models.families import family_of
+from ntp_nemo.models.families import family_of, model_shape
 
 
 def param_count(cfg: ModelConfig) -> int:
@@ -32,11 +32,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     MFU, so figures compare with published ones.  A causal kernel skips about half of it (6·L·h·s):
     the attention share of an MFU from this count is twice the work such a kernel does.
     """
-    h, f, L, V = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers, cfg.vocab_size
-    nkv = cfg.num_kv_heads or cfg.num_heads
-    d = h // cfg.num_heads
-    mlp = (3 if family_of(cfg).gated_mlp else 2) * h * f
-    matmul = L * (2 * h * cfg.num_heads * d + 2 * h * nkv * d + mlp) + V * h
+    shape = model_shape(cfg)  # the planner's shape: one count of the matmul parameters
+    matmul = shape.num_layers * shape.layer_params + shape.embedding_params
+    d = shape.head_dim
     # s·h multiply-adds each for QK^T and AV per layer, counted like parameters (x6): full, non-causal
-    attention = L * 2 * cfg.num_heads * d * seq_len
+    attention = shape.num_layers * 2 * cfg.num_heads * d * seq_len
     return 6.0 * matmul + 6.0 * attention
