@@ -1,4 +1,4 @@
-"""GPT-2- and Llama-style decoders built from config.
+"""GPT-2-, Llama- and Qwen2-style decoders built from config; `families` says what differs between them.
 
 `ModelConfig` imports nothing heavy; the torch-backed names load on first use, so the config layer can
 use the model's schema before any worker (or `import torch`) starts.
