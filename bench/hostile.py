@@ -7,8 +7,11 @@ MASTER_PORT, `ntp_nemo.resilience.rehearsal.start_coordinator`), layout (2,2).  
 *lightweight*: threads of this process speaking the real link protocol (`cluster_protocol`: the hello,
 sealed heartbeats every 0.1 s whose step moves, the goodbye), without training; the attacks come from an
 outsider that does not hold the job's secret, on the link port and the store port, and from something
-on the path of one task's link.  A task that dies while the job forms is rehearsed against a second
-coordinator.
+on the path of one task's link.  Two attacks go at a generation's rendezvous on the coordinator's store,
+with two real ranks (spawned processes running `rendezvous.join`, as a task's recovery does): an outsider
+that learnt the job's key prefix joins as a rank, and the keys torch's rendezvous wrote for one generation
+are copied under the next one's prefix before it forms.  A task that dies while the job forms is
+rehearsed against a second coordinator.
 
 An attack is withstood when, after it, the coordinator still runs, every task still holds its place and
 none was told it was lost, woken for a failure or told to stop, plus the check of the attack itself.
@@ -129,6 +132,50 @@ def _drain(sock: socket.socket) -> None:
     sock.close()
 
 
+def _rank(port: int, rank: int, secret: bytes, generation: int, timeout_s: float, out) -> None:
+    """A rank forming `generation` on the coordinator's store through the project's rendezvous
+    (`rendezvous.join`: signed keys, then the proof of the secret), then one all-reduce and one pickled
+    object from rank 0.  An outsider is a rank that signs with a secret it guessed (it learnt the job's
+    key prefix by listing the store)."""
+    import torch
+
+    from ntp_nemo.resilience.rendezvous import join
+
+    torch.set_num_threads(1)
+    job = JobStore(dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30)),
+                   SECRET.encode())
+    job._secret = secret  # the job's secret, or an outsider's guess under the job's listed prefix
+    try:
+        join(job, generation, rank, 2, timeout_s=timeout_s)
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        box = [{"from": "rank 0"}] if rank == 0 else [None]
+        dist.broadcast_object_list(box, src=0)
+        out.put((rank, "formed", f"sum {t.item():g}, object {box[0]}"))
+        dist.destroy_process_group()
+    except Exception as err:  # noqa: BLE001 - reported as the row's outcome
+        out.put((rank, type(err).__name__, str(err).splitlines()[0][:160]))
+
+
+def _ranks(port: int, secrets: list[bytes], generation: int, timeout_s: float = 30.0
+           ) -> dict[int, tuple[str, str]]:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # a fork would share the lightweight tasks' link sockets
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(port, r, secrets[r], generation, timeout_s, out))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    got = {}
+    for _ in procs:
+        rank, kind, detail = out.get(timeout=120)
+        got[rank] = (kind, detail)
+    for p in procs:
+        p.join(10)
+    return got
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--heartbeat", type=float, default=2.0, help="fault.heartbeat_timeout_s")
@@ -246,6 +293,28 @@ def main() -> int:
         assert tasks[3].line.rejected >= 4 and len(tasks[3].heard) == before
         return f"{tasks[3].line.rejected} unsealed lines dropped by the task"
 
+    def outsider_rank() -> str:
+        got = _ranks(port, [SECRET.encode(), b"an outsider's guess at the secret"], 900, timeout_s=10)
+        assert got[0][0] != "formed" and got[1][0] != "formed", got
+        return f"rank 0 never formed a group with it: {got[0][0]}: {got[0][1][:110]}"
+
+    def prewritten_keys() -> str:
+        first = _ranks(port, [SECRET.encode()] * 2, 901)
+        assert all(k == "formed" for k, _ in first.values()), first
+        from ntp_nemo.resilience.store_auth import key_prefix
+
+        # the outsider copies generation 901's rendezvous keys (stale gloo addresses) to generation 902's
+
+        outsider = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+        prefix = key_prefix(SECRET.encode()) + "/gen901/"
+        keys = [k for k in outsider.list_keys() if k.startswith(prefix)]
+        for k in keys:
+            outsider.set(k.replace("/gen901/", "/gen902/"), outsider.get(k))
+        second = _ranks(port, [SECRET.encode()] * 2, 902)
+        assert all(k == "formed" for k, _ in second.values()), second
+        return (f"{len(keys)} gloo address key(s) pre-written for the next generation; it formed between "
+                f"the job's ranks ({second[0][1]})")
+
     def store_flood() -> str:
         idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(200)]
         time.sleep(args.hold)
@@ -258,7 +327,9 @@ def main() -> int:
                ("1,200 idle link connections", idle_1200), ("connection churn on the link", churn),
                ("replayed heartbeats on the store", replayed_beat),
                ("unsealed lines on a task's link (on path)", on_path),
-               ("200 idle store connections", store_flood)]
+               ("200 idle store connections", store_flood),
+               ("an outsider joins a generation's rendezvous", outsider_rank),
+               ("gloo address keys pre-written on the store", prewritten_keys)]
     rows: list[tuple[str, bool, str]] = []
     for name, attack in attacks:
         t = time.time()
