@@ -27,7 +27,7 @@ from ntp_nemo.checkpoint import load_checkpoint, save_checkpoint
 from ntp_nemo.config.validate import validate_model
 from ntp_nemo.errors import ConfigError
 from ntp_nemo.hf import load_hf_into
-from ntp_nemo.hf.config_map import hf_fields, resolve_model_config
+from ntp_nemo.hf.config_map import hf_config, hf_fields, resolve_model_config
 from ntp_nemo.hf.export import export_model, main
 from ntp_nemo.hf.mapping import weight_map
 from ntp_nemo.models import build_model, param_count
@@ -84,8 +84,9 @@ def test_architecture_names_appear_only_in_models_and_hf():
     assert not hits, "architecture named outside models/ and hf/:\n" + "\n".join(hits)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2"])
+@pytest.mark.parametrize("arch", names())
 def test_traits_shape_the_model_and_its_hf_names(arch):
+    """Every registered family builds, counts its parameters and has Hugging Face names and config."""
     cfg = tiny(arch)
     fam = family(arch)
     model = build_model(cfg)
@@ -101,6 +102,10 @@ def test_traits_shape_the_model_and_its_hf_names(arch):
     # The HF table covers every parameter exactly once.
     parts = [part for t in weight_map(cfg).tensors for part in t.parts]
     assert sorted(parts) == sorted(params)
+    doc = hf_config(cfg)
+    assert (doc["model_type"], doc["architectures"]) == (fam.hf_model_type, [fam.hf_architecture])
+    back = hf_fields(doc)
+    assert back["arch"] == arch and all(back[k] == getattr(cfg, k) for k in ("hidden_size", "num_layers"))
 
 
 def test_qwen2_has_llama_traits_plus_qkv_bias():
