@@ -1,7 +1,7 @@
 """Every checkpoint of a run damaged: resume=auto stops (exit 2) naming each one, deletes nothing, and
 never starts over silently; resume=never starts over on purpose and still keeps the damaged ones
-(checkpoint.keep_last deletes only checkpoints it can read).  One real CLI run, the rest in-process
-on checkpoints written by `save_checkpoint`."""
+(checkpoint.keep_last deletes only checkpoints it can read).  The CLI runs start from one
+sweep's runs; the rest in-process on checkpoints written by `save_checkpoint`."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from ntp_nemo.checkpoint import (
 )
 from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout, Topology
-from tests.conftest import SINGLE, TINY, read_metrics, run_cli
+from tests.conftest import SINGLE, TINY, read_metrics, run_cli, sweep_cases
 from tests.ntp_cases import GPT, SEED
 
 
@@ -38,13 +38,24 @@ def _listing(directory):
             if p.is_file()}
 
 
+FIRST = [*TINY, *SINGLE, "checkpoint.every_n_steps=2", "checkpoint.async_save=false"]
+
+
+@pytest.fixture(scope="module")
+def first_runs(tmp_path_factory):
+    """The 4-step runs (checkpoints at steps 2 and 4) the two CLI tests below damage and resume, each in
+    its own directory: two jobs of one `ntp-train -m` sweep."""
+    return sweep_cases({"all": ["checkpoint.keep_last=2", "hydra.sweep.subdir=all"],
+                        "flipped": ["hydra.sweep.subdir=flipped"]},
+                       [*FIRST, "trainer.max_steps=4"], tmp_path_factory.mktemp("first_runs"))
+
+
 @pytest.mark.slow
-def test_cli_every_checkpoint_damaged_stops_naming_them_and_keeps_them(tmp_path):
-    run = tmp_path / "run"
-    args = [*TINY, *SINGLE, "checkpoint.every_n_steps=2", "trainer.max_steps=4", "checkpoint.keep_last=2",
-            "checkpoint.async_save=false", f"hydra.run.dir={run}"]
-    first = run_cli(args, cwd=tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
+def test_cli_every_checkpoint_damaged_stops_naming_them_and_keeps_them(first_runs, tmp_path):
+    assert first_runs.proc.returncode == 0, first_runs.proc.stderr[-3000:]
+    run = first_runs.run_dir("all")
+    args = [*FIRST, "trainer.max_steps=4", "checkpoint.keep_last=2", f"hydra.run.dir={run}"]
+    assert len(read_metrics(run)) == 4
     ckpts = run / "checkpoints"
     names = {checkpoint_name(2): _truncate(ckpts / checkpoint_name(2)),
              checkpoint_name(4): _truncate(ckpts / checkpoint_name(4))}
@@ -134,14 +145,13 @@ def test_a_new_save_sets_an_unreadable_checkpoint_of_the_same_name_aside(ckpts, 
 
 
 @pytest.mark.slow
-def test_cli_resume_is_announced_only_after_the_data_passed_its_check(tmp_path):
+def test_cli_resume_is_announced_only_after_the_data_passed_its_check(first_runs, tmp_path):
     """The newest checkpoint's data flipped (the pre-launch check reads no data): one announcement,
     of the checkpoint actually used, never first the damaged one and then another."""
-    run = tmp_path / "run"
-    args = [*TINY, *SINGLE, "checkpoint.every_n_steps=2", "checkpoint.async_save=false",
-            f"hydra.run.dir={run}"]
-    first = run_cli([*args, "trainer.max_steps=4"], cwd=tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
+    assert first_runs.proc.returncode == 0, first_runs.proc.stderr[-3000:]
+    run = first_runs.run_dir("flipped")
+    args = [*FIRST, f"hydra.run.dir={run}"]
+    assert len(read_metrics(run)) == 4
     newest = run / "checkpoints" / checkpoint_name(4)
     victim = max(newest.glob("data_*.bin"), key=lambda f: f.stat().st_size)
     raw = bytearray(victim.read_bytes())
