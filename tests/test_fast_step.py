@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -83,3 +84,102 @@ def test_sequence_parallel_uneven_layout_still_matches_unsharded():
     for rank, worst in enumerate(results):
         for key, err in worst.items():
             assert err < 1e-10, f"rank {rank}: {key} rel error {err:.2e}"
+
+
+def _wire(rank: int, world: int, cfg, sp: bool, mode: str) -> dict:
+    """(kind, dtype) -> [calls, bytes] of one micro-batch's TP collectives on TP `world`: `mixed` = float32
+    parameters with the forward under bf16 autocast and the backward outside it; `bf16` = an all-bf16
+    model (what the dry run steps under bf16-mixed)."""
+    torch.set_num_threads(1)
+    topology = Topology(world, [world], [world] * (cfg.num_layers + 2))
+    rt = NTPRuntime(ResolvedLayout.make(topology, sequence_parallel=sp), rank)
+    model = rt.build_model(cfg, SEED, dtype=torch.bfloat16 if mode == "bf16" else None)
+    wire: dict = {}
+    for name in COLLECTIVES:
+        fn = getattr(dist, name)
+
+        def wrapped(*args, _fn=fn, _name=name, **kwargs):
+            t = args[1] if _name != "all_reduce" else args[0]  # the payload: the input of a gather/scatter
+            rec = wire.setdefault(f"{_name} {str(t.dtype).removeprefix('torch.')}", [0, 0])
+            rec[0] += 1
+            rec[1] += t.numel() * t.element_size()
+            return _fn(*args, **kwargs)
+
+        setattr(dist, name, wrapped)
+    toks = tokens(cfg)[:2]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "mixed"):
+        loss = model.loss_sum(toks)
+    loss.backward()  # outside autocast
+    grads_finite = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+    return {"wire": wire, "finite": grads_finite, "grad_dtypes": sorted({str(p.grad.dtype) for p in
+                                                                       model.parameters()})}
+
+
+def test_bf16_mixed_sends_what_the_all_bf16_model_sends_and_runs_its_backward_outside_autocast():
+    """Under bf16-mixed the norms' float32 outputs are cast at the TP region boundary: the SP all-gathers,
+    reduce-scatters and the input-gradient all-reduces move bf16, the same calls and bytes as the all-bf16
+    model the dry run steps (float32 in both: see below).  A
+    backward outside autocast (SP's fused gather-and-project used to raise a dtype mismatch) works, and the
+    gradients stay in the parameters' float32."""
+    for sp in (True, False):
+        mixed = run_workers(_wire, 2, LLAMA, sp, "mixed")
+        bf16 = run_workers(_wire, 2, LLAMA, sp, "bf16")
+        for m, b in zip(mixed, bf16, strict=True):
+            assert m["finite"] and m["grad_dtypes"] == ["torch.float32"], m
+            assert m["wire"] == b["wire"], (sp, m["wire"], b["wire"])
+            # float32 in both: the cross entropy's per-token statistics, and under SP the replicated
+            # parameters' gradient sums (a gradient reduction, in at least float32).
+            float32 = {"all_gather_single float32"} | ({"all_reduce float32"} if sp else set())
+            assert {k for k in m["wire"] if "float32" in k} == float32, m["wire"]
+
+
+def test_slice_init_draws_the_numbers_of_the_full_draw():
+    """A rank's slice of a row-split parameter comes from a prefix of the generator's stream, and equals
+    the slice of the full draw bit for bit, for every rank of every split (uneven, aligned, by heads, the
+    redrawn tail of a size that is not a multiple of 16), and for splits along other dims (full draw)."""
+    from ntp_nemo.models.init import full_init, normal_prefix_length, slice_init
+    from ntp_nemo.topology.shard import ShardSpec, aligned_interval
+
+    cases = [((257, 40), 1, 1), ((67, 40), 1, 1), ((84, 40), 1, 4), ((40, 40), 8, 1), ((13, 3), 1, 1),
+             ((1, 17), 1, 1), ((257, 40), 1, 8)]
+    for shape, unit, align in cases:
+        for n in range(1, 8):
+            units = shape[0] // unit
+            if n > units:
+                continue
+            for i in range(n):
+                lo, hi = aligned_interval(i, n, units, align if unit == 1 else 1)
+                spec = ShardSpec.split(shape, 0, unit, lo, hi)
+                for dtype in (torch.float32, torch.float64):
+                    want = spec.narrow(full_init("w", shape, ("normal", 0.02), 3, dtype))
+                    assert torch.equal(slice_init("w", spec, ("normal", 0.02), 3, dtype), want), (shape, n, i)
+        spec = ShardSpec.split(shape, 1, 1, 0, 1)  # a column split draws the whole tensor
+        assert torch.equal(slice_init("w", spec, ("normal", 0.02), 3, torch.float32),
+                           spec.narrow(full_init("w", shape, ("normal", 0.02), 3, torch.float32)))
+    assert normal_prefix_length(257 * 40, 40) == 48  # rank 0 of a vocabulary split: its rows, rounded
+    assert normal_prefix_length(100, 90) == 100  # reaches the redrawn tail: everything
+    assert normal_prefix_length(10, 1) == 10
+
+
+def test_init_from_draws_no_initial_weights(tmp_path, monkeypatch):
+    """With `model.init_from` every parameter comes from the HF files: nothing is drawn first."""
+    import ntp_nemo.models.init as init
+
+    pytest.importorskip("transformers")
+    from tests.test_hf_import import make_hf_dir, resolved
+
+    path = make_hf_dir(tmp_path / "hf", "llama")
+    cfg = resolved(path)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an initial weight was drawn")
+
+    monkeypatch.setattr(init, "slice_init", refuse)
+    monkeypatch.setattr(init, "full_init", refuse)
+    rt = NTPRuntime(ResolvedLayout.make(Topology(1, [1], [1] * (cfg.num_layers + 2))), 0)
+    model = rt.build_model(cfg, SEED)
+    from safetensors.torch import load_file
+
+    stored = load_file(str(next(path.glob("*.safetensors"))))
+    assert torch.equal(model.blocks["0"].attn.q_proj.weight, stored["model.layers.0.self_attn.q_proj.weight"])
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())

@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.models.families import family_of
 from ntp_nemo.models.plan import SingleDevicePlan, TPPlan
-from ntp_nemo.parallel.comm import copy_to_tp
+from ntp_nemo.parallel.comm import copy_to_tp, to_compute_dtype
 from ntp_nemo.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -354,7 +354,7 @@ class DecoderLM(nn.Module):
         if seq_split(self.head_tp) > 1:  # gathered once, only the slice saved for the backward
             return gather_and_project(x, self.head_tp, seq_len, (self.embed if self.tied else self.head,))[0]
         if self.tied:
-            return F.linear(copy_to_tp(x, self.head_tp), self.embed.weight)
+            return F.linear(copy_to_tp(to_compute_dtype(x), self.head_tp), self.embed.weight)
         return self.head(x)
 
     @property

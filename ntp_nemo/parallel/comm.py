@@ -38,6 +38,24 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a TP region computes in: autocast's where autocast is on for `x`'s device, else `x`'s."""
+    device = x.device.type
+    autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+    if x.is_floating_point() and autocast:
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
+def to_compute_dtype(x: torch.Tensor) -> torch.Tensor:
+    """`x` cast to the region's compute dtype at the region boundary (as Megatron does under mixed
+    precision): the norms keep their outputs in float32 under autocast, and without the cast the
+    collectives of the region (the SP all-gathers, the input-gradient all-reduces) would move float32
+    where the GEMMs read bfloat16.  Identity outside autocast."""
+    dtype = compute_dtype(x)
+    return x if dtype == x.dtype else x.to(dtype)
+
+
 def copy_to_tp(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
     return _CopyToTP.apply(x, tp.group) if tp.sharded else x
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ntp_nemo.parallel.comm import to_compute_dtype
 from ntp_nemo.parallel.sequence import enter_tp_region, exit_tp_region, replicated_grad_sum
 from ntp_nemo.topology.shard import ShardSpec, aligned_interval
 from ntp_nemo.topology.tp_context import TPContext
@@ -77,7 +78,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
         """`seq_len`: the whole sequence's length, needed to gather `x`'s slices under SP."""
         if self.copy_input:
-            x = enter_tp_region(x, self.tp, x.shape[1] if seq_len is None else seq_len)
+            x = enter_tp_region(to_compute_dtype(x), self.tp, x.shape[1] if seq_len is None else seq_len)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -126,11 +127,14 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if not self.tp.sharded:
-            return F.embedding(ids, self.weight)
+            out = F.embedding(ids, self.weight)
+            return to_compute_dtype(out).to(out.dtype)  # rounded as the sharded rows are (identity in fp32)
         inside = (ids >= self.vocab_start) & (ids < self.vocab_end)
         local = torch.where(inside, ids - self.vocab_start, torch.zeros_like(ids))
         out = F.embedding(local, self.weight) * inside.unsqueeze(-1).to(self.weight.dtype)
-        return exit_tp_region(out, self.tp)
+        # Under autocast the partial rows cross the wire in the compute dtype: each token's row comes from
+        # one rank (the others send zeros), so the sum is that row rounded once, as at TP 1 (below).
+        return exit_tp_region(to_compute_dtype(out), self.tp).to(out.dtype)
 
 
 def _upcast(x: torch.Tensor) -> torch.Tensor:

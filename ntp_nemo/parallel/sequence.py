@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ntp_nemo.parallel.comm import copy_to_tp, reduce_from_tp
+from ntp_nemo.parallel.comm import copy_to_tp, reduce_from_tp, to_compute_dtype
 from ntp_nemo.topology.shard import unit_interval
 from ntp_nemo.topology.tp_context import TPContext
 
@@ -48,9 +48,12 @@ def _all_gather_seq(x: torch.Tensor, tp: TPContext, seq_len: int) -> torch.Tenso
     n = tp.size
     lengths = seq_lengths(n, seq_len)
     m = max(lengths)
+    out = x.new_empty((n * m, x.shape[0], *x.shape[2:]))
+    if seq_len == n * m:  # the degree divides the sequence: no padding, no copies around the wire
+        dist.all_gather_single(out, x.transpose(0, 1).contiguous(), group=tp.group)
+        return out.transpose(0, 1).contiguous()
     piece = x.new_zeros((m, x.shape[0], *x.shape[2:]))
     piece[: x.shape[1]] = x.transpose(0, 1)
-    out = x.new_empty((n * m, x.shape[0], *x.shape[2:]))
     dist.all_gather_single(out, piece, group=tp.group)
     parts = [out[i * m : i * m + lengths[i]] for i in range(n)]
     return torch.cat(parts, dim=0).transpose(0, 1).contiguous()
@@ -60,10 +63,13 @@ def _reduce_scatter_seq(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
     """[b, S, ...] partial sums -> this rank's [b, s_i, ...] slice of their sum over the group."""
     n, seq_len = tp.size, x.shape[1]
     m = max(seq_lengths(n, seq_len))
-    buf = x.new_zeros((n * m, x.shape[0], *x.shape[2:]))
-    for i in range(n):
-        lo, hi = unit_interval(i, n, seq_len)
-        buf[i * m : i * m + hi - lo] = x[:, lo:hi].transpose(0, 1)
+    if seq_len == n * m:  # the degree divides the sequence: the pieces are the sequence in order
+        buf = x.transpose(0, 1).contiguous()
+    else:
+        buf = x.new_zeros((n * m, x.shape[0], *x.shape[2:]))
+        for i in range(n):
+            lo, hi = unit_interval(i, n, seq_len)
+            buf[i * m : i * m + hi - lo] = x[:, lo:hi].transpose(0, 1)
     out = x.new_empty((m, x.shape[0], *x.shape[2:]))
     dist.reduce_scatter_single(out, buf, group=tp.group)
     lo, hi = unit_interval(tp.rank, n, seq_len)
@@ -172,8 +178,9 @@ class ReplicatedGradReducer:
     would have run them; a hook skips the call autograd makes before, see `ntp_grad_deferred`), so after
     the backward every gradient is what the per-parameter path gives.
 
-    The order is the same on every rank: groups by their first parameter name, parameters by name
-    (`names`: parameter -> name, from the model that owns the reducer)."""
+    The sums are taken in at least float32 (a bf16 model's too: it is a gradient reduction, not an
+    activation).  The order is the same on every rank: groups by their first parameter name, parameters
+    by name (`names`: parameter -> name, from the model that owns the reducer)."""
 
     def __init__(self, named_params: Sequence[tuple[str, torch.Tensor]]) -> None:
         self._names = {id(p): n for n, p in named_params}
@@ -191,8 +198,8 @@ class ReplicatedGradReducer:
         groups = sorted(pending.values(), key=lambda te: min(name for name, _, _ in te[1]))
         for tp, entries in groups:
             entries.sort(key=lambda e: e[0])
-            dtype = entries[0][2].dtype
-            for _, _, g in entries[1:]:
+            dtype = torch.float32  # summed in at least float32, as the DP sync sums float32 gradients
+            for _, _, g in entries:
                 dtype = torch.promote_types(dtype, g.dtype)
             flat = torch.cat([g.reshape(-1).to(dtype) for _, _, g in entries])
             dist.all_reduce(flat, group=tp.group)
@@ -247,11 +254,15 @@ class _GatherProject(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, tp, seq_len, *weights_and_biases):  # type: ignore[override]
+        # `x` arrives in the compute dtype (cast at the region boundary): the GEMMs run in it, with the
+        # weights cast as autocast would, so the backward needs no autocast around it.
         full = _all_gather_seq(x, tp, seq_len)
         pairs = list(zip(weights_and_biases[::2], weights_and_biases[1::2], strict=True))
         ctx.tp, ctx.seq_len, ctx.has_bias = tp, seq_len, [b is not None for _, b in pairs]
         ctx.save_for_backward(x, *(w for w, _ in pairs))
-        return tuple(torch.nn.functional.linear(full, w, b) for w, b in pairs)
+        dt = x.dtype
+        return tuple(torch.nn.functional.linear(full, w.to(dt), None if b is None else b.to(dt))
+                     for w, b in pairs)
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
@@ -260,8 +271,8 @@ class _GatherProject(torch.autograd.Function):
         grad_full = None
         out: list[torch.Tensor | None] = []
         for g, w, has_bias in zip(grads, weights, ctx.has_bias, strict=True):
-            g2 = g.flatten(0, -2)
-            part = g2 @ w
+            g2 = g.flatten(0, -2).to(x.dtype)
+            part = g2 @ w.to(x.dtype)
             grad_full = part if grad_full is None else grad_full + part
             out += [g2.t() @ full, g2.sum(0) if has_bias else None]
         grad_x = _reduce_scatter_seq(grad_full.view(*grads[0].shape[:-1], -1), ctx.tp)
@@ -274,6 +285,7 @@ def gather_and_project(x: torch.Tensor, tp: TPContext, seq_len: int,
     entry of their own) of one input entering the TP region.  Under SP: one all-gather forward, one
     all-gather and one reduce-scatter backward, only the slice saved; without SP the usual region entry
     (the gradient all-reduced once for all of them) and each module called."""
+    x = to_compute_dtype(x)  # what crosses the wire (forward and backward) is in the compute dtype
     if seq_split(tp) > 1:
         args = [t for layer in layers for t in (layer.weight, getattr(layer, "bias", None))]
         return list(_GatherProject.apply(x, tp, seq_len, *args))

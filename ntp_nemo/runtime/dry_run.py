@@ -33,9 +33,14 @@ for each class's rank).  Forward/backward communication is measured for one micr
 by the replica's micro-batch count (every micro-batch has the same shapes).
 
 Mixed precision: autocast has no meta backend, so under `bf16-mixed` the forward and backward run on
-a copy of the slice in bf16 (activations and TP/PP messages in bf16, as under autocast, though autocast
-keeps a few ops such as the norms in float32) while parameters, gradients and optimizer state stay in
-float32.  `scaled_dot_product_attention` is sent to the fused kernel's meta implementation
+a copy of the slice in bf16 while parameters, gradients and optimizer state stay in float32.  The TP
+bytes counted on that copy are the bytes the mixed-precision step sends: autocast keeps the norms'
+outputs in float32, but every TP region entry casts its input to the compute dtype before the wire
+(`parallel.comm.to_compute_dtype`, as Megatron does), the vocabulary-parallel embedding sends its rows
+in it, and the two float32 exchanges (the cross entropy's per-token statistics, SP's replicated-gradient
+sums) are float32 on the copy too (`tests/test_fast_step.py` compares the two on CPU with real autocast).
+Pipeline messages (the residual stream between stages) stay float32 under autocast and are counted in
+bf16 here.  `scaled_dot_product_attention` is sent to the fused kernel's meta implementation
 (`flash_attention_on_meta`), which saves what the CPU and GPU kernels save.
 """
 
