@@ -401,7 +401,9 @@ class Rejoining:
         if self.index is None:
             assert self.announce is not None
             self.index, self.source = self.announce()
-        store = self.open_store()
+        # Kept for the process's life: the generation's rendezvous store (`JobStore.rendezvous_stores`)
+        # must outlive every group created on it, or torch's later `new_group` cannot call back into it.
+        self.store = store = self.open_store()
         if self.attempt is not None:  # the launcher tells the survivors to take it in once it is ready
             publish_ready(store, self.index - 1, self.attempt, self.pid)
         join(store, self.index, self.pid, self.layout.world_size,
