@@ -9,13 +9,23 @@ import pytest
 from tests.conftest import SINGLE, TINY, read_metrics, run_cli, sweep_cases
 
 
+@pytest.fixture(scope="module")
+def lr_sweep(tmp_path_factory):
+    """`ntp-train -m optim.lr=1e-3,3e-3`, 30 steps each, one process, the CSV logger: the sweep of the test
+    below, and (its job 1, TINY's own learning rate) the single-process run the test after it checks."""
+    tmp = tmp_path_factory.mktemp("lr_sweep")
+    sweep = tmp / "sweep"
+    proc = run_cli(["-m", *TINY, *SINGLE, "trainer.max_steps=30", "logger=csv", "optim.lr=1e-3,3e-3",
+                    f"hydra.sweep.dir={sweep}"], cwd=tmp)
+    return proc, sweep
+
+
 @pytest.mark.slow
-def test_single_process_run_learns_and_writes_run_dir(tmp_path):
-    run = tmp_path / "run"
-    proc = run_cli(
-        [*TINY, *SINGLE, "trainer.max_steps=30", "logger=csv", f"hydra.run.dir={run}"], cwd=tmp_path
-    )
+def test_single_process_run_learns_and_writes_run_dir(lr_sweep):
+    proc, sweep = lr_sweep
     assert proc.returncode == 0, proc.stderr[-3000:]
+    run = sweep / "1"
+    assert "optim.lr=0.003" in (run / ".hydra" / "overrides.yaml").read_text()
     metrics = read_metrics(run)
     assert [m["step"] for m in metrics] == list(range(1, 31))
     for key in ("step", "loss", "tokens", "step_time_s", "layout"):
@@ -26,22 +36,19 @@ def test_single_process_run_learns_and_writes_run_dir(tmp_path):
     assert summary["steps"] == 30 and summary["final_loss"] == metrics[-1]["loss"]
     assert (run / "goodput.jsonl").exists() and (run / ".hydra" / "config.yaml").exists()
     assert list((run / "logs").rglob("metrics.csv")), "CSV logger wrote nothing"
-    assert "run summary" in proc.stdout and "tokens/s" in proc.stdout
-    # Launch to the first step, from the process start (interpreter and imports included).
-    assert 0 < summary["startup_s"] < 300 and " s from the command to the first step" in proc.stdout
+    log = (run / "train.log").read_text()  # this job's console
+    assert "run summary" in log and "tokens/s" in log
+    # Launch to the first step, from the job's start.
+    assert 0 < summary["startup_s"] < 300 and " s from the command to the first step" in log
     # 30 steps, validation every 1000: validated after the last step all the same.
     assert summary["val_loss"] is not None
     # The data's sizes once, in the header (no log line repeating it).
-    assert sum(" train / " in line for line in proc.stdout.splitlines()) == 1
+    assert sum(" train / " in line for line in log.splitlines()) == 1
 
 
 @pytest.mark.slow
-def test_multirun_sweep_makes_one_run_dir_per_job(tmp_path):
-    sweep = tmp_path / "sweep"
-    proc = run_cli(
-        ["-m", *TINY, *SINGLE, "trainer.max_steps=3", "optim.lr=1e-3,3e-3", f"hydra.sweep.dir={sweep}"],
-        cwd=tmp_path,
-    )
+def test_multirun_sweep_makes_one_run_dir_per_job(lr_sweep):
+    proc, sweep = lr_sweep
     assert proc.returncode == 0, proc.stderr[-3000:]
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and (p / "metrics.jsonl").exists())
     assert [p.name for p in jobs] == ["0", "1"]
@@ -57,6 +64,7 @@ def test_multirun_sweep_makes_one_run_dir_per_job(tmp_path):
     table = (sweep / "sweep_summary.md").read_text()
     assert "optim.lr=0.001" in table and "optim.lr=0.003" in table
     assert (sweep / "sweep_summary.csv").exists()
+    assert proc.stdout.count("run summary") == 2  # each job's, on the sweep's console
 
 
 LAYOUTS = {
