@@ -4,6 +4,7 @@ turns the run directory back into a HF directory: the real commands, end to end.
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ def _hf_llama(path) -> None:
 
 
 @pytest.mark.slow
-def test_recipe_continues_from_hf_and_exports(tmp_path):
+def test_recipe_continues_from_hf_and_exports(tmp_path, monkeypatch, capsys):
     hf_dir, run_dir, out_dir = tmp_path / "hf_llama", tmp_path / "run", tmp_path / "exported"
     _hf_llama(hf_dir)
     train = run_cli(["recipe=llama_tiny_from_hf", f"model.init_from={hf_dir}", f"hydra.run.dir={run_dir}",
@@ -39,8 +40,12 @@ def test_recipe_continues_from_hf_and_exports(tmp_path):
                      "checkpoint.every_n_steps=0", "checkpoint.save_on_end=true", "logger=none",
                      "callbacks=none"], cwd=tmp_path)
     assert train.returncode == 0, train.stderr[-3000:]
-    export = run_cli([str(run_dir), str(out_dir)], cwd=tmp_path, module="ntp_nemo.hf.export")
-    assert export.returncode == 0, export.stderr[-3000:]
+    from ntp_nemo.hf.export import main  # ntp-export, called in this process as its console script does
+
+    monkeypatch.setattr(sys, "argv", ["ntp-export", str(run_dir), str(out_dir)])
+    with pytest.raises(SystemExit) as done:
+        main()
+    assert done.value.code == 0, capsys.readouterr().err[-3000:]
 
     mine, theirs = (json.loads((d / "config.json").read_text()) for d in (out_dir, hf_dir))
     assert hf_fields(mine) == hf_fields(theirs)
