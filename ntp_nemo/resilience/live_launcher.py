@@ -158,6 +158,10 @@ class LiveMonitor(threading.Thread):
         self._rejoin: dict | None = None  # the announced rejoin awaiting the launcher's decision
         self._sealed_t = 0.0  # when the store's seal was last checked
         self._attempts = 0  # rejoins announced so far (each one's number keys its ready marks)
+        # When the last change of generation began (a loss published, a rejoin announced): a beat written
+        # before it is aged from it, so that no survivor is judged hung by a beat of the step the failure
+        # interrupted while it recovers (a recovery's own waits are bounded by the collective timeout).
+        self._window_t = 0.0
         self._launched = time.time()
         self._all_trained = False  # every process has reached training once (the start-up bound is over)
 
@@ -221,6 +225,7 @@ class LiveMonitor(threading.Thread):
             if lost and not fallback and not errors:
                 self.launcher.lost.update(lost)
                 publish_failed(self.launcher.store, self.generation, lost)
+                self.fresh_window()
                 self.generation += 1
                 self._degraded_at = self._max_step()
                 print(f"failover | live: process(es) {lost} lost (exit status "
@@ -348,6 +353,7 @@ class LiveMonitor(threading.Thread):
         wait_s = self.timeouts.rejoin_s if self.timeouts is not None else 600.0
         announced = {"step": join_at, "members": list(range(self.layout.world_size)), "source": source,
                      "attempt": self._attempts}
+        self.fresh_window()
         publish_rejoin(self.launcher.store, self.generation, join_at, range(self.layout.world_size), source,
                        attempt=self._attempts)
         for i in gone:
@@ -361,6 +367,10 @@ class LiveMonitor(threading.Thread):
         print(f"failover | live: repaired process(es) {gone} start and rejoin before step {join_at}",
               flush=True)
 
+    def fresh_window(self) -> None:
+        """A change of generation begins now: every rank gets a full heartbeat timeout from here."""
+        self._window_t = time.time()
+
     def _kill_hung(self, procs, world: int) -> None:
         """A rank whose heartbeat is older than the heartbeat timeout while it trains, and behind the
         others, is hung: kill it, so that it is handled as a lost rank (its peers' collectives fail)."""
@@ -368,7 +378,8 @@ class LiveMonitor(threading.Thread):
             return
         beats = read_beats(self.heartbeat_dir, world)
         now = time.time()
-        if len(beats) < world or not any(b.training and now - b.t > self.heartbeat_s for b in beats.values()):
+        if len(beats) < world or not any(b.training and now - max(b.t, self._window_t) > self.heartbeat_s
+                                         for b in beats.values()):
             return
         pids = {beats[r].pid for r in suspects(beats, world)}
         for i, p in enumerate(procs):

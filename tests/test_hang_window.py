@@ -1,0 +1,63 @@
+"""Hang detection across a change of generation: beats follow a rank's new number, and a survivor is not
+judged hung by a beat of the step the failure interrupted while it recovers."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from types import SimpleNamespace
+
+from ntp_nemo.resilience.beats import read_beats
+from ntp_nemo.resilience.heartbeat import Heartbeat
+from ntp_nemo.resilience.live_launcher import LiveMonitor
+
+
+def test_a_renumbered_rank_beats_under_its_new_number(tmp_path):
+    """Process 3 becomes rank 2 of the next generation (rank 2 was lost): its beats must land in rank 2's
+    file, which the monitor reads for a world of 3 (before, it kept writing rank 3's file, and rank 2's
+    held the lost process's stale beat for the rest of the run)."""
+    hb = Heartbeat(tmp_path)
+    trainer = SimpleNamespace(global_rank=3, global_step=4)
+    hb.beat(trainer, "step_start", 5)
+    trainer.global_rank = 2  # live recovery renumbered it
+    hb.beat(trainer, "step_start", 5)
+    hb.beat(trainer, "step_end", 5)
+    beats = read_beats(tmp_path, 3)
+    assert beats[2].phase == "step_end" and beats[2].step == 5
+
+
+def _rank(directory, rank: int, phase: str, step: int) -> None:
+    """A survivor: its last beat (written by the real Heartbeat, with this process's pid), then silence."""
+    Heartbeat(directory).beat(SimpleNamespace(global_rank=rank, global_step=step), phase, step)
+    time.sleep(60)
+
+
+def test_no_survivor_is_judged_hung_by_a_beat_from_before_its_recovery(tmp_path):
+    """Three survivors' last beats come from the interrupted step, one a phase behind the others, and are
+    older than the heartbeat timeout when the recovery is slow.  From the loss's publication on, each
+    gets a full heartbeat timeout: nobody is killed at once; one that stays silent past it still is."""
+    ctx = mp.get_context("fork")
+    progress = [("step_start", 5), ("step_end", 4), ("step_start", 5)]
+    procs = [ctx.Process(target=_rank, args=(tmp_path, r, ph, st)) for r, (ph, st) in enumerate(progress)]
+    for p in procs:
+        p.start()
+    try:
+        deadline = time.time() + 20
+        while len(read_beats(tmp_path, 3)) < 3 and time.time() < deadline:
+            time.sleep(0.05)
+        launcher = SimpleNamespace(procs=procs, store=object(), lost=set(), stop_requested=None)
+        monitor = LiveMonitor(launcher, 3, tmp_path, 0.5)
+        time.sleep(0.7)  # every beat is now older than the heartbeat timeout
+        monitor.fresh_window()  # a loss was published: the survivors recover
+        monitor._kill_hung(procs, 3)
+        time.sleep(0.2)
+        assert [p.exitcode for p in procs] == [None, None, None]  # nobody killed by a stale beat
+        time.sleep(0.5)  # no fresh beat a full heartbeat timeout after the recovery began
+        monitor._kill_hung(procs, 3)
+        procs[1].join(5)
+        assert procs[1].exitcode == -9  # the one behind
+        assert [procs[0].exitcode, procs[2].exitcode] == [None, None]
+    finally:
+        for p in procs:
+            p.kill()
+            p.join(5)
