@@ -4,8 +4,10 @@ How each command is treated is decided by `plan()`, in this order (each rule say
 
 - run: the commands that make and use files (the README's resume-on-another-layout pair, the
   Hugging Face import/train/export chain, `ntp-goodput`, the re-planning CLI) run as written in one
-  scratch directory, in document order, with two mechanical changes: step counts are divided by
-  `SCALE` (`trainer.max_steps=300` -> 6, `step_000300` -> `step_000006`; a recipe's own
+  scratch directory, in document order (a simple command of a project program other than `ntp-train`
+  and `ntp-sim` is called in this process, with its words as `sys.argv`, as its console script calls
+  it: it then pays no interpreter and torch start-up of its own), with two mechanical changes: step
+  counts are divided by `SCALE` (`trainer.max_steps=300` -> 6, `step_000300` -> `step_000006`; a recipe's own
   `trainer.max_steps` is scaled the same way) and the small model and batch of `TINY` are appended
   (not for `model.init_from` runs, whose sizes come from the Hugging Face directory). `<time>` and
   `...` placeholders of run directories are replaced by a run directory made earlier.
@@ -50,6 +52,8 @@ PROGRAMS = {
     *("ntp-train", "ntp-sim", "ntp-goodput", "ntp-export", "ntp-plan", "ntp-preprocess"),
     *("python", "pip", "pytest", *CLUSTER),
 }
+# Programs called in the test process (`ntp-train` starts workers; `ntp-sim` is a Hydra application).
+IN_PROCESS = ("ntp-plan", "ntp-goodput", "ntp-export", "ntp-eval", "ntp-preprocess")
 # Files only the user has (their own model, data): left out of the config check.
 USER_FILES = ("model.init_from=", "data.path=", "data.tokenizer=hf:")
 PLACEHOLDERS = {"outputs/failover_demo/<time>": "runs/a", "outputs/...": "runs/a"}
@@ -196,6 +200,41 @@ def check_config(args: list[str]) -> None:
     checks.check_batch_split(resolve_layout(cfg), int(cfg.data.micro_batch_size))
 
 
+def run_in_process(cmd: str, cwd: Path, monkeypatch, capsys):
+    """A simple command (no shell syntax) of a project program called in this process: its console
+    script's function (or `python -m MODULE`'s `__main__`) with the command's words as `sys.argv`, in
+    `cwd`. Returns (exit code, stdout, stderr); None when the command is not one of those."""
+    import importlib
+    import runpy
+
+    words = shlex.split(cmd)
+    if re.search(r"[|&;<>$`]", cmd) or not words:
+        return None
+    if words[0] in IN_PROCESS:  # the checkout's own console scripts ([project.scripts] of pyproject.toml)
+        text = (ROOT / "pyproject.toml").read_text()
+        scripts = dict(re.findall(r'^(ntp-[\w-]+) = "([\w.]+:\w+)"', text, flags=re.M))
+        module, _, name = scripts[words[0]].partition(":")
+        call = getattr(importlib.import_module(module), name)
+    elif words[:2] == ["python", "-m"] and words[2].startswith("ntp_nemo."):
+        module, words = words[2], [words[2], *words[3:]]
+
+        def call():
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+    else:
+        return None
+    capsys.readouterr()
+    with monkeypatch.context() as patch:
+        patch.chdir(cwd)
+        patch.setattr(sys, "argv", words)
+        try:
+            call()
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def test_documents_have_commands():
     cmds = all_commands()
     assert len(cmds) >= 25
@@ -204,7 +243,7 @@ def test_documents_have_commands():
 
 
 @pytest.mark.slow
-def test_every_documented_command(tmp_path):
+def test_every_documented_command(tmp_path, monkeypatch, capsys):
     from ntp_nemo.data.tokenizer import ByteTokenizer
 
     exported_ids = None
@@ -228,9 +267,13 @@ def test_every_documented_command(tmp_path):
             recipe = next((a.split("=", 1)[1] for a in cmd.split() if a.startswith("recipe=")), None)
             steps = int(compose([f"recipe={recipe}"] if recipe else []).trainer.max_steps)
             run = scaled(cmd, steps)
-            res = subprocess.run(
-                ["bash", "-c", run], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
-            )
+            called = run_in_process(run, tmp_path, monkeypatch, capsys)
+            if called is not None:
+                res = subprocess.CompletedProcess(run, *called)
+            else:
+                res = subprocess.run(
+                    ["bash", "-c", run], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+                )
             assert res.returncode == 0, (doc, run, res.stdout[-2000:], res.stderr[-3000:])
             assert "Traceback" not in res.stderr, (doc, run, res.stderr[-3000:])
             if run.startswith("ntp-export"):
