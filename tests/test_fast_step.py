@@ -183,3 +183,41 @@ def test_init_from_draws_no_initial_weights(tmp_path, monkeypatch):
     stored = load_file(str(next(path.glob("*.safetensors"))))
     assert torch.equal(model.blocks["0"].attn.q_proj.weight, stored["model.layers.0.self_attn.q_proj.weight"])
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def _after_failed_backward(rank: int, world: int, cfg) -> dict:
+    """A backward that raises part-way (after some replicated gradients were collected), then a full one:
+    the second pass's gradients, with the fused reduction and with the per-parameter path."""
+    torch.set_num_threads(1)
+    topology = Topology(world, [world], [world] * (cfg.num_layers + 2))
+    out = {}
+    for fused in (True, False):
+        rt = NTPRuntime(ResolvedLayout.make(topology, sequence_parallel=True), rank)
+        model = rt.build_model(cfg, SEED, dtype=torch.float64)
+        if not fused:
+            for module in model.modules():
+                if hasattr(module, "grad_reducer"):
+                    module.grad_reducer = None
+        toks = tokens(cfg)[:2]
+
+        def fail(grad):
+            raise RuntimeError("injected")
+
+        def on_embedding(module, inputs, output) -> None:
+            output.register_hook(fail)  # raises in the backward, after the layers' gradients
+
+        handle = model.embed.register_forward_hook(on_embedding)
+        try:
+            model.loss_sum(toks).backward()
+        except RuntimeError as e:
+            assert "injected" in str(e)
+        handle.remove()
+        model.zero_grad(set_to_none=True)
+        model.loss_sum(toks).backward()
+        out[fused] = {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
+    return {n: float(abs(out[True][n] - g).max() / max(abs(g).max(), 1e-6)) for n, g in out[False].items()}
+
+
+def test_a_backward_that_raises_leaves_no_stale_replicated_gradients():
+    for errors in run_workers(_after_failed_backward, 2, GPT):
+        assert max(errors.values()) <= 1e-10, errors

@@ -185,16 +185,19 @@ class ReplicatedGradReducer:
     def __init__(self, named_params: Sequence[tuple[str, torch.Tensor]]) -> None:
         self._names = {id(p): n for n, p in named_params}
         self._pending: dict[int, tuple[TPContext, list[tuple[str, torch.Tensor, torch.Tensor]]]] = {}
+        self._task: int | None = None  # the autograd graph task whose gradients are pending
 
     def add(self, param: torch.Tensor, tp: TPContext, grad: torch.Tensor) -> None:
-        if not self._pending:
+        task = torch._C._current_graph_task_id()
+        if task != self._task:  # the first of this pass (a pass that raised left its entries: dropped)
+            self._task, self._pending = task, {}
             torch.autograd.Variable._execution_engine.queue_callback(self.flush)
         entries = self._pending.setdefault(id(tp.group), (tp, []))[1]
         entries.append((self._names.get(id(param), ""), param, grad))
 
     @torch.no_grad()
     def flush(self) -> None:
-        pending, self._pending = self._pending, {}
+        pending, self._pending, self._task = self._pending, {}, None
         groups = sorted(pending.values(), key=lambda te: min(name for name, _, _ in te[1]))
         for tp, entries in groups:
             entries.sort(key=lambda e: e[0])
