@@ -82,8 +82,10 @@ def compose(overrides: list[str]):
 
 def case_file(root: Path, name: str, overrides: list[str]) -> None:
     """Write `overrides` as the option `name` of the test-only config group `tests/case` under `root`,
-    applied last (`# @package _global_`): one job's settings of a sweep. `key=value` sets a value; a
+    applied last (`# @package _global_`): one job's settings of a sweep. `key=value` sets a value (read
+    as the command line reads it: `fault.more=[{kind:kill_rank,step:6}]` is a list of one mapping); a
     group choice such as `fault=hang` becomes an `override /fault: hang` entry of its defaults list."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
 
     from ntp_nemo.config.paths import conf_dir
@@ -95,7 +97,10 @@ def case_file(root: Path, name: str, overrides: list[str]) -> None:
     if groups:
         text += "defaults:\n" + "".join(f"  - override /{group}: {choice}\n" for group, choice in groups)
     if values:
-        text += OmegaConf.to_yaml(OmegaConf.from_dotlist(values))
+        cfg = OmegaConf.create()
+        for override in OverridesParser.create().parse_overrides(values):
+            OmegaConf.update(cfg, override.key_or_group, override.value(), force_add=True)
+        text += OmegaConf.to_yaml(cfg)
     folder = root / "tests" / "case"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"{name}.yaml").write_text(text)
