@@ -179,8 +179,12 @@ def test_a_hang_then_a_second_failure_in_one_run(tmp_path):
                                                                         ("live", "(1,1)", 2)]
     assert (run / "failover" / "attempts.jsonl").read_text().count("\n") == 1
     saved = sorted(p.name for p in (run / "checkpoints").iterdir())
-    assert saved[-3:] == ["step_000004", "step_000006", "step_000008"]
-    assert all(is_valid_checkpoint(run / "checkpoints" / name) for name in saved[-3:])
+    # Steps 6 and 8 are saved on generation 2's groups and commit.  The step-4 save (generation 1) runs in
+    # the background while steps 5 and 6 train: when it is still writing as rank 1 dies at step 6, it never
+    # commits (docs/failover.md) and leaves nothing behind; when it finished first, it is a valid checkpoint.
+    assert saved[-2:] == ["step_000006", "step_000008"], saved
+    assert set(saved) <= {"step_000002", "step_000004", "step_000006", "step_000008"}, saved
+    assert all(is_valid_checkpoint(run / "checkpoints" / name) for name in saved)
 
 
 @pytest.mark.slow
