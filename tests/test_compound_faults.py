@@ -156,6 +156,41 @@ def test_a_wiped_or_overwritten_store_is_named_not_blamed_on_the_machine(tmp_pat
 
 
 
+def test_a_flooded_store_is_named_before_it_exhausts_the_launcher(tmp_path):
+    """Something else on the machine writes 64 MiB of values to the store the launcher hosts (the job's
+    own keys take a few KiB; before, a flood grew the launcher without bound).  Past the bound on the
+    hosting process's growth (32 MiB here, 512 MiB by default), the attempt stops at once, naming it."""
+    import multiprocessing as mp
+    import time
+
+    from ntp_nemo.resilience.live_launcher import LiveMonitor
+    from ntp_nemo.resilience.rendezvous import connect, free_port, host_store, local_secret, seal_store
+    from ntp_nemo.resilience.store_auth import JobStore
+
+    port = free_port()
+    store = JobStore(host_store(port), local_secret())
+    seal = seal_store(store)
+    procs = [mp.get_context("fork").Process(target=time.sleep, args=(60,), daemon=True) for _ in range(2)]
+    for p in procs:
+        p.start()
+    launcher = SimpleNamespace(procs=procs, store=store, seal=seal, lost=set(), stop_requested=None)
+    monitor = LiveMonitor(launcher, 2, tmp_path, 30.0, store_growth_mb=32)
+    monitor.start()
+    time.sleep(1.5)
+    assert monitor.is_alive() and monitor.verdict is None  # the job's own use: nothing to say
+    outsider = connect(port)  # no secret needed to write to a TCPStore
+    for i in range(64):
+        outsider.set(f"flood/{i}", b"x" * 2**20)
+    t0 = time.time()
+    monitor.join(10)
+    assert not monitor.is_alive() and time.time() - t0 < 5
+    v = monitor.verdict
+    assert v.reason == "store flooded" and "something else is writing to the store" in v.detail, v
+    for p in procs:
+        p.join(5)
+    assert [p.exitcode for p in procs] == [-9, -9]
+
+
 def test_a_step_whose_generation_was_aborted_is_never_applied(monkeypatch):
     """NCCL stand-in: after its generation is aborted, a collective may return garbage without raising.
     The step checks the generation before its optimizer step (as `GPTLightningModule.training_step`

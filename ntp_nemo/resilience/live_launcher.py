@@ -18,6 +18,7 @@ and then handled as a lost one.  The workers' side is `live_worker.py`.
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import threading
 import time
@@ -132,6 +133,18 @@ class LiveLauncher(ForkLauncher):
         return self.worker_results(trainer)
 
 
+STORE_GROWTH_MB = 512.0  # growth of the store-hosting process that counts as a flood of its store
+
+
+def resident_mb() -> float:
+    """This process's resident memory in MiB (Linux /proc; 0 where it cannot be read)."""
+    try:
+        pages = int(open("/proc/self/statm").read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 class LiveMonitor(threading.Thread):
     """Watches the workers of a live attempt: a lost one is published on the store for the survivors;
     survivors falling back, a lost process 0 or a Python error in a worker stop the attempt."""
@@ -139,9 +152,11 @@ class LiveMonitor(threading.Thread):
     def __init__(self, launcher: LiveLauncher, world_size: int, heartbeat_dir: Path | None = None,
                  heartbeat_s: float | None = None, poll_s: float = 0.05, grace_s: float = 0.1,
                  repair_after_steps: int | None = None, layout: ResolvedLayout | None = None,
-                 end_step: int | None = None, timeouts: Timeouts | None = None) -> None:
+                 end_step: int | None = None, timeouts: Timeouts | None = None,
+                 store_growth_mb: float = STORE_GROWTH_MB) -> None:
         """`timeouts`: the bounds this monitor enforces besides the heartbeats (a rendezvous, the start-up,
-        a step, a stop; `detection`), None for none."""
+        a step, a stop; `detection`), None for none; `store_growth_mb`: how much this process (which hosts
+        the job's store when it sealed it) may grow before the store counts as flooded."""
         super().__init__(name="ntp-live-monitor", daemon=True)
         self.launcher = launcher
         self.world_size = world_size
@@ -157,6 +172,8 @@ class LiveMonitor(threading.Thread):
         self.timeouts = timeouts
         self._rejoin: dict | None = None  # the announced rejoin awaiting the launcher's decision
         self._sealed_t = 0.0  # when the store's seal was last checked
+        self.store_growth_mb = float(store_growth_mb)
+        self._rss0: float | None = None  # this process's resident memory when the monitor started
         self._attempts = 0  # rejoins announced so far (each one's number keys its ready marks)
         # When the last change of generation began (a loss published, a rejoin announced): a beat written
         # before it is aged from it, so that no survivor is judged hung by a beat of the step the failure
@@ -194,6 +211,7 @@ class LiveMonitor(threading.Thread):
                 break
             time.sleep(self.poll_s)
         self._launched = time.time()
+        self._rss0 = resident_mb()
         seen: set[int] = set()
         while not self._halt.wait(self.poll_s):
             exited = [i for i, p in enumerate(procs) if i not in seen and p.exitcode is not None]
@@ -256,6 +274,13 @@ class LiveMonitor(threading.Thread):
                                f"the job's coordination keys vanished or changed under it (its seal "
                                f"{SEAL_KEY!r} on the job's store, hosted by this process, is gone or "
                                "different): something else deleted or overwrote them")
+            grown = resident_mb() - (self._rss0 if self._rss0 is not None else resident_mb())
+            if grown > self.store_growth_mb:
+                return Verdict("store flooded", (), None, now,  # supervisor.STORE_FLOODED
+                               f"the process hosting the job's store grew by {grown:.0f} MiB since the "
+                               f"launch (bound {self.store_growth_mb:.0f} MiB; the job's own keys take a few "
+                               "KiB): "
+                               "something else is writing to the store")
         if self.timeouts is None or self.heartbeat_dir is None:
             return None
         beats = read_beats(self.heartbeat_dir, self.world_size)

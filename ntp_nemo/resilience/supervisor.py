@@ -47,6 +47,7 @@ from ntp_nemo.topology.layout import ResolvedLayout
 
 FAILOVER_DIR = "failover"
 STORE_WIPED = "store wiped"  # LiveMonitor's verdict when the job's keys vanish or change
+STORE_FLOODED = "store flooded"  # LiveMonitor's verdict when its process grows past the bound
 ATTEMPTS_FILE = "attempts.jsonl"
 
 # build(layout, extra_callbacks, cuda_devices, stop_at_step) -> (trainer, module, strategy); cuda_devices:
@@ -287,6 +288,8 @@ class Supervisor:
                     what = (f"the job's coordination keys vanished or changed under it ({lost.detail}); "
                             "find what deletes or writes keys on the job's store (not the machine)"
                             if lost.reason == STORE_WIPED else
+                            f"{lost.detail}; find what writes to the job's store (not the machine)"
+                            if lost.reason == STORE_FLOODED else
                             f"rank(s) {ranks} lost ({lost.reason}: {lost.detail}). Raise "
                             "fault.max_restarts or check the machine")
                     raise FailoverError(
@@ -346,8 +349,9 @@ class Supervisor:
 
     def _replan(self, layout: ResolvedLayout, lost: LostRanks) -> Replan:
         policy = self.policy
-        if lost.reason == STORE_WIPED:
-            print("failover | the job's store lost its keys: relaunching on the same layout, fresh store",
+        if lost.reason in (STORE_WIPED, STORE_FLOODED):
+            what = "lost its keys" if lost.reason == STORE_WIPED else "is being flooded"
+            print(f"failover | the job's store {what}: relaunching on the same layout, fresh store",
                   flush=True)
             policy = make_policy("restart")
         elif not lost.ranks and policy.name != "restart":
