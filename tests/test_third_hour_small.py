@@ -89,9 +89,9 @@ def test_ctrl_c_while_the_workers_fork_reaches_them_as_ctrl_c():
     import os
     import signal
 
-    from ntp_nemo.lightning.strategy import _ForkLauncher
+    from ntp_nemo.lightning.adapter import ForkLauncher
 
-    launcher = _ForkLauncher.__new__(_ForkLauncher)  # only its signal forwarding is exercised
+    launcher = ForkLauncher.__new__(ForkLauncher)  # only its signal forwarding is exercised
     with launcher.forwarding_signals():
         os.kill(os.getpid(), signal.SIGINT)  # no worker forked yet
     assert launcher._pending_signal == signal.SIGINT and launcher.stop_requested is not None
@@ -104,7 +104,7 @@ def test_ctrl_c_while_the_workers_fork_reaches_them_as_ctrl_c():
             return True
 
     got = []
-    launcher = _ForkLauncher.__new__(_ForkLauncher)
+    launcher = ForkLauncher.__new__(ForkLauncher)
     launcher._procs = [Worker()]
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
     try:
