@@ -33,9 +33,10 @@ class Heartbeat(Callback):
         self._done_t: float | None = None  # the end of this process's last completed step
 
     def beat(self, trainer: Trainer, phase: str, step: int) -> None:
-        path = beat_path(self.directory, trainer.global_rank)  # the rank now: live recovery renumbers
-        if path != self._path:
-            self._path, self._tmp = path, path.with_suffix(".tmp")
+        if self._path is None:  # one file per process, named by its rank at its first beat: the monitor
+            # maps a beat to its process by pid (live recovery renumbers ranks and leaves some idle)
+            self._path = beat_path(self.directory, trainer.global_rank)
+            self._tmp = self._path.with_suffix(".tmp")
         doc: dict[str, Any] = {"step": step, "phase": phase, "t": time.time(), "pid": os.getpid()}
         if self._done_t is not None:  # kept in every later beat: a step's start replaces its end's beat
             doc["done_t"] = self._done_t
