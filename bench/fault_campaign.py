@@ -49,24 +49,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from _common import ROOT, load_average, thread_env
+from _common import ROOT, TOY_JOB, load_average, thread_env
 
-TINY = [
-    "model.hidden_size=64",
-    "model.num_layers=2",
-    "model.num_heads=4",
-    "model.ffn_hidden_size=128",
-    "model.max_seq_len=64",
-    "data.seq_len=32",
-    "data.global_batch_size=12",
-    "data.micro_batch_size=2",
-    "optim.warmup_steps=2",
-    "optim.lr=3e-3",
-    "trainer.val_every_n_steps=1000000",
-    "trainer.progress_bar=false",
-    "logger=none",
-    "callbacks=none",
-]
+TINY = TOY_JOB
 TIMEOUTS = {"heartbeat": 4.0, "collective": 12.0, "step": 45.0}
 KINDS = ("kill", "save-kill", "corrupt", "hang", "slow", "stop", "launcher", "term", "rejoin", "wipe",
          "damage-all")
