@@ -144,6 +144,8 @@ def test_open_file_limit_raised_to_the_hard_one_or_refused(world, expected):
 
 
 def _writer_group_worker(rank: int, world: int):
+    import torch.distributed as dist
+
     from ntp_nemo.checkpoint import AsyncCheckpointSaver
     from ntp_nemo.topology.groups import counting_new_groups
 
@@ -152,6 +154,9 @@ def _writer_group_worker(rank: int, world: int):
         saver.prepare()
     with counting_new_groups() as again:
         saver.prepare()
+    # gloo may finish connecting on one rank first: closing before the other has connected would cut
+    # its half-made connection (no save ever happens in this test to keep both ranks together).
+    dist.barrier()
     saver.close()
     return first, again
 

@@ -133,15 +133,20 @@ class JobStore:
 
     def wait_for(self, key: str, timeout_s: float) -> str:
         """Block until `key` holds a payload signed with the job's secret (an unsigned or forged value is
-        waited past: the job's own writer overwrites it).  After `timeout_s`: TimeoutError, or the store's
-        own timeout error while the key does not exist at all."""
+        waited past: the job's own writer overwrites it).  After `timeout_s`: TimeoutError, whether the key
+        was never written or holds only unsigned values."""
         deadline = time.monotonic() + timeout_s
+        expired = TimeoutError(f"no notice signed with the job's secret under {key!r} in {timeout_s:.0f} s")
         while True:
             left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"no notice signed with the job's secret under {key!r} "
-                                   f"in {timeout_s:.0f} s")
-            self.store.wait([key], timedelta(seconds=left))
+            if left < 0.001:  # the store counts whole milliseconds: less would be a wait of 0 ms
+                raise expired
+            try:
+                self.store.wait([key], timedelta(seconds=left))
+            except dist.DistStoreError as err:
+                if "timeout" not in str(err).lower():
+                    raise  # the store itself failed: not a timeout
+                raise expired from err
             payload = self._verified(key, self.store.get(key))
             if payload is not None:
                 return payload
