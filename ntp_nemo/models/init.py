@@ -3,12 +3,15 @@
 Each logical parameter is generated whole from a generator seeded by (seed, parameter name), one
 parameter at a time, and the rank keeps only its slice; so every layout starts from exactly the
 same unsharded model and no rank ever materialises more than one full parameter.  A slice of leading
-rows draws only the stream's prefix that reaches it (`slice_init`), the same numbers.
+rows draws only the stream's prefix that reaches it (`slice_init`), the same numbers.  `build_slice`
+allocates a rank's parameters (already slice-shaped) directly on its device and draws only when the
+values are not coming from elsewhere (Hugging Face weights, a checkpoint about to be loaded).
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -76,3 +79,23 @@ def initialize_(model: nn.Module, seed: int) -> None:
             p.fill_(0.0 if p.ntp_init[0] == "zeros" else 1.0)
             continue
         p.copy_(slice_init(name, spec, p.ntp_init, seed, p.dtype))
+
+
+def build_slice(
+    make: Callable[[], nn.Module], device: torch.device, dtype: torch.dtype | None, seed: int | None
+) -> nn.Module:
+    """`make()` (a rank's model slice: its parameters have their local shapes) allocated directly on
+    `device` in `dtype`, filled with `initialize_(model, seed)`, or left unset (`torch.empty`) when
+    `seed` is None: the caller overwrites every value (`model.init_from`, a checkpoint being resumed), so
+    nothing is drawn.  Building under the device context puts the parameters and the buffers the
+    constructors compute (`kv_of_q`) on the device at once: no host copy of the slice is made and moved.
+    (Not the meta device: the constructors' buffers would have to be computed a second time, and the
+    parameters hold only the rank's slice already.)"""
+    device = torch.device(device)
+    with torch.device(device):
+        model = make()
+    if dtype is not None:
+        model.to(dtype)
+    if seed is not None:
+        initialize_(model, seed)  # draws on the host generator (layout-invariant), copies each slice in
+    return model

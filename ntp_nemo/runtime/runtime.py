@@ -72,10 +72,13 @@ class NTPRuntime:
         return [i for r in interleaved_layers(num_layers, self.topology.pp, self.layout.virtual_stages, stage)
                 for i in r]
 
-    def build_model(self, cfg: ModelConfig, seed: int, dtype: torch.dtype | None = None) -> nn.Module:
+    def build_model(self, cfg: ModelConfig, seed: int, dtype: torch.dtype | None = None, *,
+                    initialize: bool = True) -> nn.Module:
         """This rank's slice of the model (its pipeline stage), initialised layout-independently and
-        placed on the runtime's device.  On `meta` only shapes exist (no initialisation, no import)."""
-        from ntp_nemo.models import DecoderLM, initialize_
+        placed on the runtime's device.  On `meta` only shapes exist (no initialisation, no import).
+        `initialize=False` draws nothing (a checkpoint about to be loaded overwrites every value)."""
+        from ntp_nemo.models import DecoderLM
+        from ntp_nemo.models.init import build_slice
 
         stage, last = self.coord.stage, self.topology.pp - 1
 
@@ -92,16 +95,13 @@ class NTPRuntime:
             with torch.device("meta"):
                 model = make()
             return model.to(dtype) if dtype is not None else model
-        model = make()
-        if dtype is not None:
-            model.to(dtype)
-        if not cfg.init_from:  # HF weights overwrite every parameter (padded vocabulary rows with zeros)
-            initialize_(model, seed)
+        # HF weights overwrite every parameter (padded vocabulary rows with zeros): nothing is drawn then
+        model = build_slice(make, self.device, dtype, seed if initialize and not cfg.init_from else None)
         if cfg.init_from:
             from ntp_nemo.hf import load_hf_into
 
             load_hf_into(model, cfg.init_from)  # each rank reads only its slices
-        return model.to(self.device)
+        return model
 
     def attach(
         self, model: nn.Module, bucket_mb: float = 25.0, descriptors: Sequence[dict] | None = None,
