@@ -53,17 +53,25 @@ def _losses(run: Path) -> dict[int, float]:
 @pytest.mark.slow
 def test_a_failed_rejoin_cancels_the_rejoin_not_the_job(tmp_path, reference_losses):
     """Rank 1 is lost at step 3 and the survivor goes on alone; the repaired process started in its place
-    dies before it joins (`kill_rank` phase `rejoin`).  The rejoin is cancelled, the survivor goes on, a
-    later repair joins, and every step lands once on the failure-free loss curve (no checkpoint exists:
-    only the survivor's memory carried the run)."""
+    dies before it joins (`kill_rank` phase `rejoin`): the rejoin is cancelled, the survivor goes on.  The
+    next repaired process dies after the launcher decided to take it in, while the rejoin's generation
+    forms (phase `joining`): the survivor re-forms its layout without it, live.  A third repair joins, and
+    every step lands once on the failure-free loss curve (no checkpoint exists: only the survivor's memory
+    carried the run)."""
     run = tmp_path / "run"
     proc = run_cli([*REJOIN_BASE, "fault=kill_rank", "fault.rank=1", "fault.step=3",
-                    "fault.repair_after_steps=1", "+fault.more=[{kind:kill_rank,rank:1,step:1,phase:rejoin}]",
+                    "fault.repair_after_steps=1",
+                    "+fault.more=[{kind:kill_rank,rank:1,step:1,phase:rejoin},"
+                    "{kind:kill_rank,rank:1,step:1,phase:joining}]",
                     f"hydra.run.dir={run}"], cwd=tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert ("the rejoin of process(es) [1] failed (process(es) [1] exited with status 137); the survivors "
             "go on without them") in out
+    assert ("the rejoin of process(es) [1] failed after it was decided (process(es) [1] died): the "
+            "survivors re-form without them") in out
+    assert "the rejoin failed (RendezvousAborted); processes [1] lost: the survivors re-form layout (1)" in out
+    assert "falling back" not in out
     assert "repaired process(es) rejoined: layout (1) -> (1,1)" in out
     metrics = read_metrics(run)
     assert [m["step"] for m in metrics] == list(range(1, 21))  # every step once

@@ -21,7 +21,7 @@ from ntp_nemo.parallel.cluster import launcher_layout
 from ntp_nemo.resilience.policies import make_policy
 
 FAULT_KINDS = ("kill_rank", "hang", "slow", "kill_during_save", "corrupt_checkpoint")
-KILL_PHASES = ("step_start", "backward", "optimizer", "rejoin")
+KILL_PHASES = ("step_start", "backward", "optimizer", "rejoin", "joining")
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,9 @@ Kinds (each strikes global rank `rank` of the layout running at the time, at opt
   `backward` (inside the first micro-batch's backward, when the gradient of this rank's first
   parameter is computed: before any gradient sync completes) or `optimizer` (right after this rank's
   optimizer step updated its weights, before the step ends) or `rejoin` (live recovery: the repaired
-  process started in place of rank `rank` dies during its start-up, before it joins the survivors).
+  process started in place of rank `rank` dies during its start-up, before it joins the survivors) or
+  `joining` (the repaired process dies once the launcher has decided to take it in, while the rejoin's
+  generation forms: the survivors re-form without it).
 - `hang`: the process stops making progress (sleeps forever); only heartbeats or timeouts reveal it.
 - `slow`: a straggler: `seconds` of extra time per step for `steps` steps (None: to the end).
 - `kill_during_save`: the rank dies while the checkpoint of the first save at or after `step` is
@@ -27,6 +29,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -109,6 +112,15 @@ class FaultInjector(Callback):
             if f.kind == "kill_rank" and f.phase == "rejoin" and f.rank == rank and self._claim(f, -1):
                 os._exit(KILL_EXIT_CODE)
 
+    def strike_joining(self, rank: int) -> Callable[[Any, int, float], None] | None:
+        """In a repaired process starting in place of `rank`: for a `kill_rank` fault of phase `joining`
+        on that rank (once per run), what the process runs once it has said it is ready: it waits for
+        the launcher's decision to take it in, then dies."""
+        for f in self.faults:
+            if f.kind == "kill_rank" and f.phase == "joining" and f.rank == rank and self._claim(f, -1):
+                return _die_once_decided
+        return None
+
     def _mine(self, trainer: Trainer, kinds: tuple[str, ...]) -> list[Fault]:
         return [f for f in self.faults if f.kind in kinds and f.rank == trainer.global_rank]
 
@@ -132,7 +144,7 @@ class FaultInjector(Callback):
                         flush=True,
                     )
                 continue
-            if f.kind == "kill_rank" and f.phase == "rejoin":  # strikes a repaired process (strike_rejoin)
+            if f.kind == "kill_rank" and f.phase in ("rejoin", "joining"):  # strikes a repaired process
                 continue
             if f.kind == "kill_rank" and f.phase != "step_start":
                 if step >= f.step and not marker_path(self.fault_dir, f).exists():
@@ -187,3 +199,14 @@ class FaultInjector(Callback):
         while not tmp.exists() and time.monotonic() < deadline:
             time.sleep(0.0005)
         os._exit(KILL_EXIT_CODE)
+
+
+def _die_once_decided(store: Any, generation: int, timeout_s: float) -> None:
+    """Wait (at most `timeout_s`) for the launcher's decision to take the repaired processes of the rejoin
+    after `generation` in, then die as a lost GPU does (`kill_rank`, phase `joining`)."""
+    from ntp_nemo.resilience.rendezvous import read_rejoin
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and (read_rejoin(store, generation) or {}).get("decision") != "join":
+        time.sleep(0.02)
+    os._exit(KILL_EXIT_CODE)

@@ -241,6 +241,8 @@ class LiveMonitor(threading.Thread):
             fallback = [i for i in exited if procs[i].exitcode == FALLBACK_EXIT]
             errors = [i for i in exited if procs[i].exitcode == 1]
             if lost and not fallback and not errors:
+                if r is not None and r.get("decided"):  # the rejoin into this generation failed
+                    lost = self._abandon_rejoin(procs, seen, lost)
                 self.launcher.lost.update(lost)
                 publish_failed(self.launcher.store, self.generation, lost)
                 self.fresh_window()
@@ -345,6 +347,22 @@ class LiveMonitor(threading.Thread):
         print(f"failover | live: the rejoin of process(es) {r['pids']} failed ({why}); the survivors go on "
               "without them", flush=True)
 
+    def _abandon_rejoin(self, procs, seen: set[int], lost: list[int]) -> list[int]:
+        """A process died while the decided rejoin formed its generation (`g + 1`): the repaired
+        processes still alive are stopped too, and all of them are listed lost with `lost`, so that the
+        survivors re-form generation `g + 2` without them (`LiveRecovery._grow`) and the repair is tried
+        again later.  Returns the processes to list as lost."""
+        r, self._rejoin = self._rejoin, None
+        for i in r["pids"]:
+            p = procs[i]
+            if p.exitcode is None and p.pid is not None:
+                kill_worker(p.pid)
+                p.join(5)
+        seen.update(r["pids"])
+        print(f"failover | live: the rejoin of process(es) {r['pids']} failed after it was decided "
+              f"(process(es) {lost} died): the survivors re-form without them", flush=True)
+        return sorted(set(lost) | set(r["pids"]))
+
     def _seal_holds(self, seal: str) -> bool:
         try:
             return seal_intact(self.launcher.store, seal)
@@ -419,9 +437,10 @@ def _prepare_repaired(trainer: Any, idx: int, joining: Rejoining) -> None:
     """First code of a repaired process (forked by the launching process in place of process `idx`)."""
     from ntp_nemo.resilience.faults import FaultInjector
 
-    for cb in trainer.callbacks:  # a fault injected into the rejoin itself (kill_rank, phase rejoin)
+    for cb in trainer.callbacks:  # a fault injected into the rejoin itself (kill_rank, phase rejoin/joining)
         if isinstance(cb, FaultInjector):
             cb.strike_rejoin(idx)
+            joining.after_ready = joining.after_ready or cb.strike_joining(idx)
     prepare_rejoin(trainer, joining)
 
 

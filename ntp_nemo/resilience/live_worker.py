@@ -34,6 +34,7 @@ from ntp_nemo.lightning.adapter import lightning_state, reset_validation_loader
 from ntp_nemo.lightning.hooks import RecoveryHooks
 from ntp_nemo.resilience.cluster_protocol import COORDINATOR_LOST_EXIT
 from ntp_nemo.resilience.coordinator import FALLBACK_EXIT
+from ntp_nemo.resilience.live import capture
 from ntp_nemo.resilience.nccl_abort import uses_nccl
 from ntp_nemo.resilience.policies import make_policy
 from ntp_nemo.resilience.recovery import Generation, grow, recover
@@ -248,8 +249,11 @@ class LiveRecovery(Callback, RecoveryHooks):
 
         return build
 
-    def _recover(self, strategy: Any, step: int) -> None:
-        """Recover before (re)running the step of batch index `step` (0-based: step `step + 1`)."""
+    def _recover(self, strategy: Any, step: int,
+                 failed_rejoin: tuple[BaseException, Any] | None = None) -> None:
+        """Recover before (re)running the step of batch index `step` (0-based: step `step + 1`).
+        `failed_rejoin`: (the error, the snapshot `_grow` took) when the rejoin into generation `g + 1`
+        failed: the survivors re-form generation `g + 2` from the snapshot (`recover(notice=g + 1)`)."""
         from ntp_nemo.lightning.goodput_callback import GoodputCallback
 
         module = strategy.lightning_module
@@ -258,11 +262,16 @@ class LiveRecovery(Callback, RecoveryHooks):
         goodput = GoodputCallback.of(trainer)
         with self._lock:
             self._recovering = True
+        notice, snapshot = (None, None) if failed_rejoin is None \
+            else (self.generation.index + 1, failed_rejoin[1])
         try:
             rec = recover(self.store, self.generation, self.pid, trainer.global_step, (module.model, opt),
                           self._builder(strategy), self.policy, backend=self.backend,
-                          timeout_s=self.timeout_s)
+                          timeout_s=self.timeout_s, notice=notice, snapshot=snapshot)
         except Exception as err:  # noqa: BLE001 - any failure of the live path means the restart path
+            if failed_rejoin is not None:
+                err = RuntimeError(f"{failed_rejoin[0]}; re-forming without the repaired processes failed "
+                                   f"too: {type(err).__name__}: {err}")
             _give_up(self.pid, err, self.launcher_pid, self.link)
         if rec is None:  # left idle by the new layout
             if self.link is not None:
@@ -274,14 +283,17 @@ class LiveRecovery(Callback, RecoveryHooks):
             goodput.record("failure_detected", t=rec.detect_t, rank=lost_ranks[0] if lost_ranks else None,
                            ranks=lost_ranks, process=rec.failed[0] if rec.failed else None,
                            processes=list(rec.failed), reason="collective error", step=step + 1,
-                           detail="live recovery")
+                           detail="live recovery" if failed_rejoin is None else "a rejoin failed")
             goodput.record("recovery_done", layout=rec.generation.layout.describe(), step=step + 1,
                            mode="live", moved_bytes=rec.reshard.moved_bytes,
                            minimum_bytes=rec.reshard.needed_bytes, recovery_s=rec.seconds,
                            generation=rec.generation.index)
         if rec.rank == 0:
             moved, minimum = rec.reshard.moved_bytes, rec.reshard.needed_bytes
-            print(f"failover | live: {rec.replan.describe()}; step {step + 1} runs on it; moved {moved} "
+            what = rec.replan.describe() if failed_rejoin is None else (
+                f"the rejoin failed ({type(failed_rejoin[0]).__name__}); processes {list(rec.failed)} lost: "
+                f"the survivors re-form layout {rec.generation.layout.describe()}")
+            print(f"failover | live: {what}; step {step + 1} runs on it; moved {moved} "
                   f"bytes (minimum {minimum}) in {rec.seconds:.2f} s", flush=True)
 
     def _install(self, strategy: Any, rec: Any, step: int) -> None:
@@ -348,14 +360,17 @@ class LiveRecovery(Callback, RecoveryHooks):
         old_layout = self.generation.layout
         with self._lock:
             self._recovering = True
+        # What to re-form from if the rejoin fails: the building of the new layout rebinds the optimizer
+        snapshot = capture(module.model, strategy.torch_optimizer)
         try:
             rec = grow(self.store, self.generation, self.nominal, self.pid, step,
                        (module.model, strategy.torch_optimizer), self._builder(strategy),
-                       backend=self.backend, timeout_s=self.timeout_s)
+                       backend=self.backend, timeout_s=self.timeout_s, snapshot=snapshot)
             box = [payload]
             dist.broadcast_object_list(box, src=source)
-        except Exception as err:  # noqa: BLE001 - the restart path takes over
-            _give_up(self.pid, err, self.launcher_pid, self.link)
+        except Exception as err:  # noqa: BLE001 - re-formed without the repaired processes, or restarted
+            self._recover(strategy, step, failed_rejoin=(err, snapshot))
+            return
         # Said by the degraded layout's rank 0, before the ranks change (a repaired process 0 takes rank 0).
         goodput = GoodputCallback.of(trainer)
         if goodput is not None:
@@ -394,6 +409,8 @@ class Rejoining:
         self.attempt = attempt
         self.index, self.source, self.announce = index, source, announce
         self.active = True
+        # after_ready(store, generation, timeout_s): run once the process said it is ready (a fault)
+        self.after_ready: Callable[[JobStore, int, float], None] | None = None
 
     def init_process_group(self, strategy: Any) -> None:
         from ntp_nemo.resilience.rendezvous import join
@@ -406,6 +423,8 @@ class Rejoining:
         self.store = store = self.open_store()
         if self.attempt is not None:  # the launcher tells the survivors to take it in once it is ready
             publish_ready(store, self.index - 1, self.attempt, self.pid)
+            if self.after_ready is not None:
+                self.after_ready(store, self.index - 1, self.timeout_s)
         join(store, self.index, self.pid, self.layout.world_size,
              backend=strategy.process_group_backend or "gloo", timeout_s=self.timeout_s)
 

@@ -36,12 +36,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch.distributed as dist
 
-from ntp_nemo.resilience.live import ReshardResult, capture, reshard_snapshot
+from ntp_nemo.resilience.live import Captured, ReshardResult, capture, reshard_snapshot
 from ntp_nemo.resilience.policies import Policy, Replan, replan
 from ntp_nemo.resilience.rendezvous import join, leave, store_barrier, wait_failed
 from ntp_nemo.topology.layout import ResolvedLayout
@@ -114,17 +114,27 @@ def recover(
     *,
     backend: str = "gloo",
     timeout_s: float = 60.0,
+    notice: int | None = None,
+    snapshot: Captured | None = None,
 ) -> Recovery | None:
     """Run the protocol above on one survivor; None for a survivor the new layout leaves idle.
 
     `completed_steps` is the number of optimizer steps this process has applied, `old` its (model,
-    optimizer) on `generation`'s layout.  Collective over the survivors (through the store)."""
+    optimizer) on `generation`'s layout.  Collective over the survivors (through the store).
+
+    A rejoin that failed (`grow` raised: a process died while generation `g + 1` formed or resharded)
+    is re-formed with `notice=g + 1` and `snapshot` (what `grow` captured of `old` before building): the
+    launcher's list of generation `g + 1`'s lost processes is read, and the survivors form generation
+    `g + 2` from `generation`'s layout without those of its members on the list (the same layout when
+    only repaired processes died), filled from the snapshot."""
     detect_t = time.time()
     marks = [detect_t]
     leave(store)
-    failed = wait_failed(store, generation.index, timeout_s)
+    failed = wait_failed(store, generation.index if notice is None else notice, timeout_s)
     marks.append(time.time())
     new_gen, plan = generation.next(failed, policy)
+    if notice is not None:
+        new_gen = replace(new_gen, index=notice + 1)
     rank = new_gen.rank_of(pid)
     if rank is None:
         return None
@@ -134,7 +144,8 @@ def recover(
     step = max(steps)
     marks.append(time.time())
     old_replica = generation.layout.replica_of(generation.rank_of(pid))
-    snapshot = capture(*old)  # references, no copy; `build` may rebind the old optimizer
+    if snapshot is None:
+        snapshot = capture(*old)  # references, no copy; `build` may rebind the old optimizer
     state = build(new_gen.layout, rank)
     marks.append(time.time())
     result = reshard_snapshot(snapshot, state.model, state.optimizer, old_replica,
@@ -147,8 +158,10 @@ def recover(
 
 
 def grow(store: dist.Store, generation: Generation, layout: ResolvedLayout, pid: int, completed_steps: int,
-         old: tuple[Any, Any], build: BuildFn, *, backend: str = "gloo", timeout_s: float = 60.0) -> Recovery:
-    """A survivor's side of a rejoin (see the module docstring); collective with `arrive`."""
+         old: tuple[Any, Any], build: BuildFn, *, backend: str = "gloo", timeout_s: float = 60.0,
+         snapshot: Captured | None = None) -> Recovery:
+    """A survivor's side of a rejoin (see the module docstring); collective with `arrive`.  `snapshot`:
+    `capture(*old)`, taken by the caller to re-form from if the rejoin fails (`recover(notice=...)`)."""
     start = time.time()
     marks = [start]
     store_barrier(store, f"rejoin/gen{generation.index}/left", len(generation.members), timeout_s)
@@ -158,7 +171,8 @@ def grow(store: dist.Store, generation: Generation, layout: ResolvedLayout, pid:
     join(store, new_gen.index, rank, layout.world_size, backend=backend, timeout_s=timeout_s)
     marks.append(time.time())
     old_replica = generation.layout.replica_of(generation.rank_of(pid))
-    snapshot = capture(*old)
+    if snapshot is None:
+        snapshot = capture(*old)
     state = build(layout, rank)
     marks.append(time.time())
     steps: list = [None] * layout.world_size
