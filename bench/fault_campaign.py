@@ -97,6 +97,7 @@ def _draw(rng: random.Random, index: int, seed: int, steps: int) -> Scenario:
     sc = Scenario(index, seed, [])
     world = 4
     more: list[dict] = []
+    repair_strike = None  # a `rejoin` whose repaired process dies too (kill_rank phase rejoin/joining)
     for kind, step in zip(kinds, fault_steps, strict=False):
         rank = rng.randrange(world)
         if kind == "kill":
@@ -123,11 +124,17 @@ def _draw(rng: random.Random, index: int, seed: int, steps: int) -> Scenario:
             sc.external.append({"what": kind, "step": step, "rank": rank})
         elif kind == "rejoin":
             sc.overrides += ["fault.repair_after_steps=2", "fault.recovery=live"]
-            sc.faults.append({"what": "rejoin-after-2"})
+            # the repaired process itself may die: before it is ready, or once it is to be taken in
+            repair_strike = rng.choice((None, "rejoin", "joining"))
+            dies = f"({repair_strike} dies)" if repair_strike else ""
+            sc.faults.append({"what": f"rejoin-after-2{dies}"})
         elif kind == "damage-all":
             sc.damage_all = True
         if world < 1:
             break
+    lost = [f["rank"] for f in more if f["kind"] in ("kill_rank", "hang", "kill_during_save")]
+    if repair_strike is not None and lost:  # strikes the first repaired process of the first lost rank
+        more.append({"kind": "kill_rank", "rank": lost[0], "step": 1, "phase": repair_strike})
     # Every drawn fault goes in `fault.more` (the `fault` group itself stays `none`).
     if more:
         sc.overrides.append("++fault.more=" + json.dumps(more).replace('"', "").replace(" ", ""))
@@ -135,7 +142,7 @@ def _draw(rng: random.Random, index: int, seed: int, steps: int) -> Scenario:
                                                               for f in more):
         sc.overrides = [o for o in sc.overrides
                         if o not in ("fault.repair_after_steps=2", "fault.recovery=live")]
-        sc.faults = [f for f in sc.faults if f["what"] != "rejoin-after-2"]
+        sc.faults = [f for f in sc.faults if not f["what"].startswith("rejoin-after-2")]
     return sc
 
 
