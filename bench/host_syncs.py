@@ -178,7 +178,8 @@ def run_rank(cfg: Config, rank: int, steps: int) -> dict:
     from lightning.pytorch.core.module import LightningModule
 
     from ntp_nemo.lightning.module import NTPLanguageModule
-    from ntp_nemo.parallel.step_path import GradientPath, build_optimizer
+    from ntp_nemo.parallel.grad_sync import build_sync_plan
+    from ntp_nemo.runtime.assemble import assemble
     from ntp_nemo.runtime.dry_run import fake_world, flash_attention_on_meta
     from ntp_nemo.schedules import warmup_cosine
     from ntp_nemo.topology import ResolvedLayout, Topology
@@ -186,16 +187,13 @@ def run_rank(cfg: Config, rank: int, steps: int) -> dict:
     tp = max(cfg.replica_tp)
     topo = Topology(tp, list(cfg.replica_tp), [tp] * (MODEL.num_layers + 2), pp=cfg.pp)
     layout = ResolvedLayout.make(topo, cfg.schedule, virtual_stages=cfg.virtual)
-    from ntp_nemo.runtime.runtime import NTPRuntime
 
     with fake_world(rank, layout.world_size), flash_attention_on_meta():
         descriptors = _descriptors(layout, MODEL)  # every rank's, as attach would gather them
-        rt = NTPRuntime(layout, rank, device="meta")
-        model = rt.build_model(MODEL, seed=0)
-        rt.attach(model, descriptors=descriptors)
-        opt = build_optimizer(model, rt.sync, lr=OPTIM["lr"], betas=(OPTIM["beta1"], OPTIM["beta2"]),
-                              eps=OPTIM["eps"], weight_decay=OPTIM["weight_decay"],
-                              distributed=cfg.distributed)
+        plan = build_sync_plan(rank, descriptors, [c.replica for c in topo.coords])
+        state = assemble(layout, rank, MODEL, dict(OPTIM, distributed=cfg.distributed), "meta", seed=0,
+                         overlap_grad_sync=cfg.overlap, sync_plan=plan)
+        rt, model, opt = state.runtime, state.model, state.optimizer
         sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(2, 10, 0.1))
         module = NTPLanguageModule(MODEL, dict(OPTIM, distributed=cfg.distributed),
                                    types.SimpleNamespace(sampler=types.SimpleNamespace(
@@ -203,7 +201,6 @@ def run_rank(cfg: Config, rank: int, steps: int) -> dict:
                                    seed=0, micro_batch_size=MICRO, val_batches=1, max_steps=10,
                                    overlap_grad_sync=cfg.overlap)
         module.model = model
-        state = types.SimpleNamespace(grad_path=GradientPath(model, rt.sync, opt, overlap=cfg.overlap))
         module._trainer = types.SimpleNamespace(strategy=types.SimpleNamespace(runtime=rt, state=state),
                                                 callbacks=[])
         module._device = torch.device("meta")

@@ -1,9 +1,10 @@
 """Training runs with the memory/overlap options against the same layout without them (float32, gloo).
 
-One worker runs several variants one after another in the same process group: each builds the model,
-attaches it (fragment sync plan), and trains `STEPS` optimizer steps through the real runtime path
-(`train_microbatches` for the micro-batches of this replica, `GradientPath` for the sync and clipping,
-the optimizer, the warmup-cosine LR schedule), as the Lightning module does.
+One worker runs several variants one after another in the same process group: each assembles the rank
+as a run does (`runtime.assemble`: model slice, fragment sync plan, optimizer, gradient path) and trains
+`STEPS` optimizer steps through `runtime.step.train_step` (the step of the Lightning module: this
+replica's micro-batches, the sync, the fused step scalars, the clipping, the optimizer) with the
+warmup-cosine LR schedule.
 """
 
 from __future__ import annotations
@@ -12,14 +13,16 @@ import dataclasses
 
 import torch
 
-from ntp_nemo.parallel.step_path import GradientPath, build_optimizer
+import ntp_nemo.runtime.step as one_step
+from ntp_nemo.parallel.step_path import GradientPath
+from ntp_nemo.runtime.assemble import RankState, assemble
 from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.schedules import warmup_cosine
 from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.ntp_cases import GLOBAL_BATCH, SEED, SEQ
 
 STEPS = 5
-OPTIM = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+OPTIM = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 CLIP = 1.0
 BUCKET_MB = 0.002  # small buckets: several per holder set, launched one by one during the backward
 
@@ -41,35 +44,43 @@ def step_tokens(cfg, step: int) -> torch.Tensor:
 
 @dataclasses.dataclass
 class Run:
-    model: torch.nn.Module
-    opt: torch.optim.Optimizer
+    state: RankState
     sched: torch.optim.lr_scheduler.LRScheduler
-    path: GradientPath
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.state.model
+
+    @property
+    def opt(self) -> torch.optim.Optimizer:
+        return self.state.optimizer
+
+    @property
+    def path(self) -> GradientPath:
+        return self.state.grad_path
 
 
 def setup(rt: NTPRuntime, cfg, recompute: str = "none", distributed: bool = False, overlap: bool = False,
           *, bucket_mb: float = BUCKET_MB, dtype: torch.dtype = torch.float32) -> Run:
-    """Model, optimizer, LR schedule and gradient path of one run on this rank."""
-    model = rt.build_model(dataclasses.replace(cfg, recompute=recompute), SEED, dtype=dtype)
-    sync = rt.attach(model, bucket_mb)
-    opt = build_optimizer(model, sync, distributed=distributed, **OPTIM)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(2, STEPS, 0.1))
-    return Run(model, opt, sched, GradientPath(model, sync, opt, overlap=overlap))
+    """Rank `rt.rank`'s state on `rt.layout`, assembled as a run assembles it, and its LR schedule."""
+    state = assemble(rt.layout, rt.rank, dataclasses.replace(cfg, recompute=recompute),
+                     {**OPTIM, "distributed": distributed}, rt.device, seed=SEED, bucket_mb=bucket_mb,
+                     overlap_grad_sync=overlap, param_dtype=dtype)
+    sched = torch.optim.lr_scheduler.LambdaLR(state.optimizer, warmup_cosine(2, STEPS, 0.1))
+    return Run(state, sched)
 
 
 def run_steps(rt: NTPRuntime, run: Run, cfg, start: int, stop: int) -> tuple[list[float], list[float]]:
-    """Optimizer steps `start..stop-1` (each on its own global batch); per-step loss and grad norm."""
+    """Optimizer steps `start..stop-1` (each on its own global batch) through `train_step`; per-step loss
+    and grad norm (before clipping)."""
     losses, norms = [], []
     for step in range(start, stop):
         toks = step_tokens(cfg, step)
-        micro = [toks[i : i + 1] for i in rt.my_microbatches(GLOBAL_BATCH)]
-        run.path.begin_step(len(micro))
-        total = rt.train_microbatches(run.model, micro, toks[:, 1:].numel())
-        norms.append(float(run.path.sync_and_clip(CLIP)))
-        run.opt.step()
-        run.opt.zero_grad(set_to_none=False)
-        run.sched.step()
-        losses.append(float(rt.global_sum(total)) / toks[:, 1:].numel())
+        micro = [toks[i : i + 1] for i in run.state.my_microbatches(GLOBAL_BATCH)]
+        result = one_step.train_step(run.state, micro, toks[:, 1:].numel(), max_norm=CLIP,
+                                     scheduler=run.sched)
+        losses.append(result.loss)
+        norms.append(result.grad_norm)
     return losses, norms
 
 

@@ -8,7 +8,6 @@ fragment gradient sync, the TP-aware clipping, the optimizer and the LR schedule
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
@@ -145,6 +144,8 @@ class NTPLanguageModule(pl.LightningModule):
         """One optimizer step.  Device work only, except one host read of the fused step scalars
         (loss, gradient norm, non-finite and stop flags: one all-reduce), which decides, identically
         on every rank, whether the optimizer steps (a non-finite gradient skips it)."""
+        from ntp_nemo.runtime.step import train_step
+
         t0 = time.perf_counter()
         opt = self.optimizers()
         sched = self.lr_schedulers()
@@ -153,28 +154,17 @@ class NTPLanguageModule(pl.LightningModule):
         epoch = recovery.abort_epoch() if recovery is not None else 0
         global_tokens = int(batch["global_tokens"])
         rt = self.runtime
-        self.grad_path.begin_step(len(batch["micro"]))
-        loss_sum = rt.train_microbatches(
-            self.model, list(batch["micro"]), global_tokens, backward=self.manual_backward
-        )
-        sync = self.grad_path
-        sync.finish_sync()
-        fused = rt.step_scalars(loss_sum, sync.grad_norm_sq_local(), stop=self._stop_requested())
-        sync.clip_to_norm_(fused[1].sqrt(), self.optim_cfg["grad_clip"])
         lr = sched.get_last_lr()[0]
-        values = rt.read_step_scalars(fused)  # the step's one host read
-        if recovery is not None:  # a generation aborted meanwhile (NCCL): its results are never applied
-            recovery.check_generation(epoch)
-        skipped = values["nonfinite"] > 0
-        if skipped:  # no update, but Lightning still counts the step (global_step stays the batch step)
-            count_skipped_step(opt)
-        else:
-            opt.step()
-        opt.zero_grad(set_to_none=False)
-        sched.step()
-        self.stop_agreed = values["stop"] > 0  # read by PreemptionCheckpoint at the end of the batch
-        loss = values["loss_sum"] / global_tokens
-        grad_norm = math.sqrt(values["grad_norm_sq"]) if values["grad_norm_sq"] >= 0 else float("nan")
+        # A generation aborted meanwhile (NCCL): its results are never applied.
+        check = (lambda: recovery.check_generation(epoch)) if recovery is not None else None
+        # no update on a skipped step, but Lightning still counts it (global_step stays the batch step)
+        result = train_step(self.trainer.strategy.state, batch["micro"], global_tokens,
+                            max_norm=self.optim_cfg["grad_clip"], optimizer=opt, scheduler=sched,
+                            backward=self.manual_backward, stop=self._stop_requested,
+                            before_update=check, on_skip=count_skipped_step)
+        skipped = result.skipped
+        self.stop_agreed = result.stop  # read by PreemptionCheckpoint at the end of the batch
+        loss, grad_norm = result.loss, result.grad_norm
         # Host values logged as CPU tensors: a float would become a device tensor (a host-to-device copy,
         # read back for the loggers), twice a step.
         self.log("train/loss", torch.tensor(loss), prog_bar=True, rank_zero_only=True, batch_size=1)

@@ -550,11 +550,12 @@ def _build_slice(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: Ste
 def _class_step(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: StepShape, plan: SyncPlan,
                 descriptors: dict[str, tuple], global_tokens: int, grad_norm: bool = True,
                 cache: MetaKernelCache | None = None) -> _ClassStep:
-    """Inside a fake world as `rank`: one micro-batch's forward and backward through
-    `NTPRuntime.train_microbatches` (the pipeline engine when pp > 1) with its saved tensors and
+    """Inside a fake world as `rank`: one training step through `train_step` (the step of a run): one
+    micro-batch's forward and backward (the pipeline engine when pp > 1) with its saved tensors and
     communication counted, the gradient sync of the rank's own plan, the fused step scalars, the
     clipping and an AdamW step.  `grad_norm=False` hands the fused scalars a zero squared norm instead
     of the per-fragment norm (no figure comes from it; the dry run runs it for its first class)."""
+    from ntp_nemo.runtime.step import train_step
     from ntp_nemo.topology.groups import counting_new_groups
 
     with counting_new_groups() as new_groups:
@@ -575,31 +576,39 @@ def _class_step(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: Step
         runtime.pipeline.meter = _EngineMeter(meter)
     tokens = torch.zeros((shape.micro_batch_size, shape.seq_len + 1), dtype=torch.long, device=META)
     comm = CommMeter(META, cache)
-    with comm:
+    counted: dict[str, dict[str, int]] = {}
+
+    @contextmanager
+    def microbatches():
         with meter.recording(), flash_attention_on_meta():
-            loss_sum = runtime.train_microbatches(step_model, [tokens], global_tokens)
-        per_mb = {k: comm.bytes[k] for k in ("tp", "pp")}
-        per_mb_calls = {k: comm.calls[k] for k in ("tp", "pp")}
-        groups = {k: len(comm.groups[k]) for k in ("tp", "pp")}
+            yield
+        counted["bytes"] = {k: comm.bytes[k] for k in ("tp", "pp")}
+        counted["calls"] = {k: comm.calls[k] for k in ("tp", "pp")}
+        counted["groups"] = {k: len(comm.groups[k]) for k in ("tp", "pp")}
         if mixed:
             for p in model.parameters():  # autocast's gradients: in the parameters' dtype
                 p.grad = torch.zeros_like(p)
-        with comm.labelled("dp"):
-            sync.sync()
-        sq = sync.grad_norm_sq_local() if grad_norm else torch.zeros((), dtype=sync.acc_dtype, device=META)
-        with comm.labelled("world"):
-            scalars = runtime.step_scalars(loss_sum, sq)
-        sync.clip_to_norm_(scalars[1].sqrt(), shape.grad_clip)
+
+    def phase(name: str):
+        if name == "microbatches":
+            return microbatches()
+        if name == "optimizer":  # plain AdamW: no collective (its meta kernels go through the cache)
+            return nullcontext()
+        return comm.labelled({"grad_sync": "dp", "scalars": "world"}[name])
+
+    opt = state.optimizer
+    if isinstance(opt, torch.optim.AdamW):
+        for group in opt.param_groups:  # the multi-tensor step: the same state, fewer meta-tensor calls
+            group["foreach"] = True
+    with comm:
+        train_step(dataclasses.replace(state, model=step_model), [tokens], global_tokens,
+                   max_norm=shape.grad_clip, phase=phase, grad_norm=grad_norm, read_scalars=False)
+    per_mb, per_mb_calls, groups = counted["bytes"], counted["calls"], counted["groups"]
     element = next(model.parameters()).element_size()
     expected = plan_traffic(plan, descriptors, element, sync.bucket_bytes)
     if expected != (comm.bytes["dp"], comm.calls["dp"]):
         raise RuntimeError(f"rank {rank}: gradient sync sent {comm.bytes['dp']} bytes in {comm.calls['dp']} "
                            f"calls, its plan gives {expected}")
-    opt = state.optimizer
-    if isinstance(opt, torch.optim.AdamW):
-        for group in opt.param_groups:  # the multi-tensor step: the same state, fewer meta-tensor calls
-            group["foreach"] = True
-    opt.step()
     return _ClassStep(
         grad_bytes=sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()),
         optimizer_bytes=sum(
