@@ -155,7 +155,6 @@ REFERENCES = {
     "single-8": [*SINGLE, "trainer.max_steps=8"],
     "single-12": [*SINGLE, "trainer.max_steps=12"],
     "single-20": [*SINGLE, "trainer.max_steps=20"],
-    "single-40": [*SINGLE, "trainer.max_steps=40"],
     # float64: a 40-step curve through three layout changes, compared tightly (float32 rounding grows
     # past 1e-4 relative at a loss spike late in such a run)
     "single-40-f64": [*SINGLE, "trainer.precision=64-true", "trainer.max_steps=40"],
