@@ -6,6 +6,7 @@ import torch
 
 from ntp_nemo.models import build_model
 from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.runtime.assemble import assemble
 from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout, Topology
 
@@ -44,6 +45,16 @@ LLAMA_KV4 = ModelConfig(
     tie_embeddings=False,
 )
 SEQ, GLOBAL_BATCH, SEED = 8, 6, 7
+OPTIM = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
+
+
+def assembled(layout: ResolvedLayout, rank: int, cfg: ModelConfig, seed: int = SEED,
+              dtype: torch.dtype | None = torch.float64, bucket_mb: float = 25.0
+              ) -> tuple[NTPRuntime, torch.nn.Module]:
+    """Rank `rank`'s runtime and model slice on `layout`, assembled as a run assembles them
+    (`runtime.assemble`: process groups, fragment sync plan, pipeline engine, optimizer)."""
+    state = assemble(layout, rank, cfg, OPTIM, None, seed=seed, param_dtype=dtype, bucket_mb=bucket_mb)
+    return state.runtime, state.model
 
 
 def tokens(cfg: ModelConfig, seq: int = SEQ) -> torch.Tensor:
@@ -84,9 +95,7 @@ def exactness_worker(
     shard_align: int = 1, seq: int = SEQ, sequence_parallel: bool = False,
 ) -> dict:
     topo = Topology(tp, replica_tp, layer_tp, shard_align=shard_align)
-    rt = NTPRuntime(ResolvedLayout.make(topo, sequence_parallel=sequence_parallel), rank)
-    model = rt.build_model(cfg, SEED, dtype=torch.float64)
-    rt.attach(model)
+    rt, model = assembled(ResolvedLayout.make(topo, sequence_parallel=sequence_parallel), rank, cfg)
     mine, worst = step_against_reference(rt, model, cfg, seq)
     if len(mine):
         toks, ref_logits = tokens(cfg, seq), reference(cfg, seq)[2]

@@ -36,6 +36,7 @@ from ntp_nemo.models.families import family, model_shape, names
 from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout, Topology
+from tests.ntp_cases import assembled
 from tests.test_hf_export import assert_bit_exact, hf_state
 from tests.test_hf_import import HF_VOCAB, TOL, _one_thread, _rel, hf_logits, tokens
 
@@ -190,9 +191,7 @@ def _batch(step: int) -> torch.Tensor:
 
 def _setup(rank: int, layout: tuple, seed: int, lr: float = LR):
     torch.set_num_threads(1)
-    rt = NTPRuntime(ResolvedLayout.make(Topology(*layout)), rank)
-    model = rt.build_model(QWEN, seed, dtype=torch.float64)
-    rt.attach(model)
+    rt, model = assembled(ResolvedLayout.make(Topology(*layout)), rank, QWEN, seed)
     return rt, model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
 
 

@@ -10,13 +10,19 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
 from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.pipeline.memory import estimate_memory
-from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout, Topology
-from tests.ntp_cases import GLOBAL_BATCH, GPT, LLAMA, SEED, reference, step_against_reference, tokens
+from tests.ntp_cases import (
+    GLOBAL_BATCH,
+    GPT,
+    LLAMA,
+    assembled,
+    reference,
+    step_against_reference,
+    tokens,
+)
 
 GPT4 = dataclasses.replace(GPT, num_layers=4)
 LLAMA4 = dataclasses.replace(LLAMA, num_layers=4)
@@ -35,9 +41,7 @@ LAYOUTS = {
 def pipeline_worker(rank: int, world: int, cfg, tp, replica_tp, pp, stage_layers, schedule, layer_tp) -> dict:
     layer_tp = layer_tp or [tp] * (cfg.num_layers + 2)
     topo = Topology(tp, replica_tp, layer_tp, pp=pp, stage_layers=stage_layers)
-    rt = NTPRuntime(ResolvedLayout.make(topo, schedule), rank)
-    model = rt.build_model(cfg, SEED, dtype=torch.float64)
-    rt.attach(model)
+    rt, model = assembled(ResolvedLayout.make(topo, schedule), rank, cfg)
     mine, errors = step_against_reference(rt, model, cfg)
     est = estimate_memory(model, stage=rt.coord.stage, pp=pp, schedule=schedule, microbatches=len(mine),
                           micro_batch_size=1, seq_len=tokens(cfg).shape[1] - 1)

@@ -15,7 +15,7 @@ from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout, Topology
 from ntp_nemo.topology.tp_context import TPContext
 from tests.conftest import TINY, run_cli
-from tests.ntp_cases import GPT, LLAMA, SEED, reference, step_against_reference, tokens
+from tests.ntp_cases import GPT, LLAMA, SEED, assembled, reference, step_against_reference, tokens
 from tests.option_cases import STEPS, VARIANTS, run_steps, setup
 
 SEQ_LEN = 100  # 3 does not divide it: slices of 33, 33 and 34 tokens
@@ -43,9 +43,8 @@ LAYOUTS = {
 
 def sp_worker(rank: int, world: int, cfg, tp: int, replica_tp: list[int], layer_tp: list[int], seq: int):
     torch.set_num_threads(1)
-    rt = NTPRuntime(ResolvedLayout.make(Topology(tp, replica_tp, layer_tp), sequence_parallel=True), rank)
-    model = rt.build_model(cfg, SEED, dtype=torch.float64)
-    rt.attach(model)
+    layout = ResolvedLayout.make(Topology(tp, replica_tp, layer_tp), sequence_parallel=True)
+    rt, model = assembled(layout, rank, cfg)
     _, worst = step_against_reference(rt, model, cfg, seq)
     with torch.no_grad():
         held = model.embed_tokens(tokens(cfg, seq)[:1, :-1]).shape[1]
@@ -80,9 +79,7 @@ def dropout_worker(rank: int, world: int, cfg, tp: int, replica_tp: list[int], s
     out = {}
     for sp in (False, True):
         topo = Topology(tp, replica_tp, [tp] * (cfg.num_layers + 2))
-        rt = NTPRuntime(ResolvedLayout.make(topo, sequence_parallel=sp), rank)
-        model = rt.build_model(cfg, SEED, dtype=torch.float64)
-        rt.attach(model)
+        rt, model = assembled(ResolvedLayout.make(topo, sequence_parallel=sp), rank, cfg)
         toks = tokens(cfg, seq)
         torch.manual_seed(5)
         total = rt.train_microbatches(model, [toks[i : i + 1] for i in rt.my_microbatches(len(toks))],
@@ -120,9 +117,7 @@ def pp_worker(rank: int, world: int, cfg, replica_tp: list[int], layer_tp: list[
     torch.set_num_threads(1)
     layout = ResolvedLayout.make(Topology(2, replica_tp, layer_tp, pp=2), schedule=schedule, virtual_stages=v,
                                  sequence_parallel=True)
-    rt = NTPRuntime(layout, rank)
-    model = rt.build_model(cfg, SEED, dtype=torch.float64)
-    rt.attach(model)
+    rt, model = assembled(layout, rank, cfg)
     _, worst = step_against_reference(rt, model, cfg, 99)
     first = min(int(k) for k in model.blocks.keys())
     lo, hi = model.hidden_interval(first, 99)
