@@ -1,16 +1,17 @@
 """Where a tensor-parallel training step's CPU goes: compute, collectives, Python.
 
-    python bench/step_profile.py [--tp 2] [--steps 8] [--warmup 2] [--sp] [--precision 32|bf16-mixed]
+    python bench/step_profile.py [--tp 2] [--dp 1] [--steps 8] [--warmup 2] [--sp] [--precision 32|bf16-mixed]
 
 Runs the training step of `NTPLanguageModule.training_step` (micro-batch forward/backward through
 `NTPRuntime.train_microbatches`, the gradient path's sync, the fused step scalars, clipping, AdamW) on the
 default recipe's model (gpt_tiny: 4 layers, hidden 256, sequence 128, 12 sequences per step in
-micro-batches of 2) with `--tp` forked gloo processes (one DP replica, one torch thread each), without
-Lightning.  Every `torch.distributed` collective the step calls is wrapped: counted by kind and by the
-code that called it, and its wall and CPU time summed (a collective's CPU includes the gloo work it does
-on the calling thread; its wall includes waiting for the peer).  Printed per step, medians over the
-timed steps of rank 0: wall, process CPU, collectives (count, wall, CPU), and the rest (compute and
-Python) = wall - collective wall.
+micro-batches of 2) with `--tp` x `--dp` forked gloo processes (`--dp` replicas of TP `--tp`, one torch
+thread each), without Lightning.  Every `torch.distributed` collective the step calls is wrapped:
+counted by kind and by the code that called it, and its wall and CPU time summed (a collective's CPU
+includes the gloo work it does on the calling thread; its wall includes waiting for the peer).  Printed
+per step, medians over the timed steps of rank 0: wall, process CPU, collectives (count, wall, CPU),
+the rest (compute and Python) = wall - collective wall, and the CPU of what follows the last backward
+(DP gradient sync, norm, clipping, AdamW, zero_grad).
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ def _batch(step: int, micro: int, mbs: int, seq: int, vocab: int) -> list[torch.
 def worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)
     cfg = LLAMA_TINY if args.model == "llama_tiny" else GPT_TINY
-    topology = Topology(world, [world], [world] * (cfg.num_layers + 2))
+    tp = world // args.dp
+    topology = Topology(tp, [tp] * args.dp, [tp] * (cfg.num_layers + 2))
     layout = ResolvedLayout.make(topology, sequence_parallel=args.sp)
     state = assemble(layout, rank, cfg, OPTIM, "cpu", seed=1234)
     rt, model, opt, path = state.runtime, state.model, state.optimizer, state.grad_path
@@ -115,7 +117,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> dict:
                 loss_sum = rt.train_microbatches(model, mbs, global_tokens)
         else:
             loss_sum = rt.train_microbatches(model, mbs, global_tokens)
-        t_fb = time.perf_counter()
+        t_fb, c_fb = time.perf_counter(), time.process_time()
         path.finish_sync()
         fused = rt.step_scalars(loss_sum, path.grad_norm_sq_local())
         path.clip_to_norm_(fused[1].sqrt(), 1.0)
@@ -125,7 +127,8 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> dict:
         wall, cpu = time.perf_counter() - t, time.process_time() - c
         losses.append(values["loss_sum"] / global_tokens)
         if step >= args.warmup:
-            rows.append({"wall": wall, "cpu": cpu, "fwd_bwd": t_fb - t, "coll_wall": meter.wall,
+            rows.append({"wall": wall, "cpu": cpu, "fwd_bwd": t_fb - t, "after_cpu": c + cpu - c_fb,
+                         "coll_wall": meter.wall,
                          "coll_cpu": meter.cpu, "collectives": sum(meter.count.values()),
                          "bytes": meter.bytes, "kinds": dict(meter.count),
                          "callers": dict(meter.by_caller)})
@@ -135,6 +138,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--dp", type=int, default=1, help="DP replicas (each of TP --tp)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--sp", action="store_true", help="sequence parallelism")
@@ -144,14 +148,15 @@ def main() -> None:
     ap.add_argument("--global-batch", type=int, default=12)
     ap.add_argument("--micro-batch", type=int, default=2)
     args = ap.parse_args()
-    res = run_workers(worker, args.tp, args, timeout_s=300.0)
+    res = run_workers(worker, args.tp * args.dp, args, timeout_s=300.0)
     rows = res[0]["rows"]
 
     def med(key: str) -> float:
         return statistics.median(r[key] for r in rows)
 
     wall, cpu, cw, cc = med("wall"), med("cpu"), med("coll_wall"), med("coll_cpu")
-    print(f"step_profile: {args.model} TP{args.tp}{' SP' if args.sp else ''} precision {args.precision}, "
+    print(f"step_profile: {args.model} TP{args.tp}{f' DP{args.dp}' if args.dp > 1 else ''}"
+          f"{' SP' if args.sp else ''} precision {args.precision}, "
           f"{args.global_batch}x{args.seq} tokens per step in micro-batches of {args.micro_batch}; "
           f"medians over {len(rows)} steps of rank 0")
     print(f"  step wall {wall * 1e3:8.1f} ms   process CPU {cpu * 1e3:8.1f} ms   "
@@ -159,6 +164,8 @@ def main() -> None:
     print(f"  collectives {int(med('collectives')):4d} per step, {med('bytes') / 1e6:.2f} MB sent in: "
           f"wall {cw * 1e3:8.1f} ms ({cw / wall:.0%} of the step), CPU {cc * 1e3:8.1f} ms ({cc / cpu:.0%})")
     print(f"  compute + Python (wall - collective wall) {(wall - cw) * 1e3:8.1f} ms")
+    print(f"  after the last backward (DP sync, norm, clipping, AdamW, zero_grad): CPU "
+          f"{med('after_cpu') * 1e3:8.1f} ms")
     print(f"  by kind: {rows[-1]['kinds']}")
     callers = defaultdict(int, rows[-1]["callers"])
     print("  by caller: " + ", ".join(f"{k} {v}" for k, v in sorted(callers.items(), key=lambda kv: -kv[1])))

@@ -44,7 +44,7 @@ from torch import nn
 from torch.optim.adamw import adamw
 
 from ntp_nemo.parallel.buckets import Bucket, build_buckets, fragment_view, pack, unpack
-from ntp_nemo.parallel.grad_sync import Fragment, SyncPlan
+from ntp_nemo.parallel.grad_sync import Fragment, SyncPlan, weighted_norm_sq
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -197,13 +197,11 @@ class DistributedAdamW(torch.optim.Optimizer):
     def grad_norm_sq_local(self) -> torch.Tensor:
         """This rank's share of the logical gradient's squared norm (sum over ranks = the norm^2): the
         owned chunks (each logical element is owned once) and the un-communicated fragments (weighted
-        by 1 / their holders).  A 0-dim tensor on the device, no communication."""
-        sq = torch.zeros((), dtype=self.acc_dtype, device=self.device)
+        by 1 / their holders).  A 0-dim tensor on the device, no communication; one foreach norm per
+        weight, each taken in the accumulator dtype inside its reduction."""
         nb = len(self.buckets)
-        for i, own in enumerate(self.owned):
-            g = own.grad.to(self.acc_dtype).pow(2).sum()
-            sq += g if i < nb else g * own.segments[0].frag.norm_weight
-        return sq
+        weights = [1.0 if i < nb else own.segments[0].frag.norm_weight for i, own in enumerate(self.owned)]
+        return weighted_norm_sq([own.grad for own in self.owned], weights, self.acc_dtype, self.device)
 
     @torch.no_grad()
     def clip_to_norm_(self, norm: torch.Tensor, max_norm: float | None) -> None:

@@ -11,10 +11,17 @@ replicas this is standard DP: one group per TP slot holding that slot's shard.
 The plan is built once from the ranks' ShardSpecs (exchanged with one `all_gather_object`),
 so any two layouts are handled by the same code: healthy TP T with reduced TP R needs at most
 T+R-1 holder sets per sharded parameter, and no gradient moves inside a replica.
+
+Each bucket has a persistent flat buffer, and a parameter that is one whole fragment (every parameter
+when the replicas are equal) has its `.grad` as a view into it, as torch DDP's `gradient_as_bucket_view`
+and Megatron's grad buffers do: the backward accumulates straight into the buffer and the all-reduce
+runs in place, with no per-step flatten and unflatten copies.  Fragments that are part of a parameter
+(replicas of unequal TP) are copied in and out of their bucket's buffer as before.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -127,11 +134,45 @@ def accumulator_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
+@dataclass
+class _SyncBucket:
+    """A run of one holder set's fragments (same composition and order on every holder) and, when its
+    fragments share a dtype, its persistent flat buffer with one view per fragment."""
+
+    holders: tuple[int, ...]
+    frags: list[Fragment]
+    whole: list[bool]  # the fragment is its whole parameter: the parameter's `.grad` is its view
+    buffer: torch.Tensor | None = None
+    views: list[torch.Tensor] = field(default_factory=list)
+
+
+def _is_whole(p: torch.Tensor, f: Fragment) -> bool:
+    return p.dim() == 0 or (f.start == 0 and f.length == p.shape[f.dim])
+
+
+def weighted_norm_sq(tensors: Sequence[torch.Tensor], weights: Sequence[float], dtype: torch.dtype,
+                     device: torch.device) -> torch.Tensor:
+    """sum_i weights[i] * ||tensors[i]||^2, each norm taken in `dtype` inside its reduction (no `dtype` copy
+    of the tensors): one foreach norm per distinct weight (one multi-tensor kernel on CUDA) and its sum,
+    instead of a norm, a square, a product and an add per tensor.  The weights stay host scalars (no
+    host-to-device copy)."""
+    by_weight: dict[float, list[torch.Tensor]] = defaultdict(list)
+    for t, w in zip(tensors, weights, strict=True):
+        by_weight[w].append(t)
+    total = torch.zeros((), dtype=dtype, device=device)
+    for w, ts in by_weight.items():
+        total += torch.stack(torch._foreach_norm(ts, 2, dtype=dtype)).square().sum() * w
+    return total
+
+
 class GradientSynchronizer:
     """Runs a SyncPlan: bucketed flat all-reduces, one process group per holder set.
 
     Every buffer lives on `device` (the gradients' device; by default the first parameter's) and each
-    collective checks it, so no CPU tensor reaches the group of a GPU (or meta) runtime.
+    collective checks it, so no CPU tensor reaches the group of a GPU (or meta) runtime.  The buckets'
+    buffers are made on first use and again whenever a parameter's dtype or device changed (a precision
+    plugin casts the model after it was assembled); `prepare_grads()` points the whole-fragment
+    parameters' `.grad` at them before a backward.
     """
 
     def __init__(
@@ -154,6 +195,8 @@ class GradientSynchronizer:
         self.device = torch.device(device)
         self.acc_dtype = accumulator_dtype(self.device)
         self.counter: Callable[[str, int, tuple[int, ...]], None] | None = None  # comm accounting hook
+        self._buckets: list[_SyncBucket] | None = None
+        self._made_for: tuple | None = None  # (dtype, device) of every parameter the buffers were made for
 
     def _grad(self, name: str) -> torch.Tensor:
         p = self.params[name]
@@ -161,27 +204,95 @@ class GradientSynchronizer:
             p.grad = torch.zeros_like(p)
         return p.grad
 
-    @torch.no_grad()
-    def sync(self) -> None:
-        for holders in self.plan.all_holder_sets:  # global order: no cross-group deadlock
+    def buckets(self) -> list[_SyncBucket]:
+        """The sync's buckets: holder sets in the plan's global order, each set's fragments in plan
+        order, cut once a bucket reaches `bucket_bytes` (a pure function of the plan and the shapes, so
+        every holder cuts alike); made again when a parameter's dtype or device changed."""
+        made_for = tuple((p.dtype, p.device) for p in self.params.values())
+        if self._buckets is not None and made_for == self._made_for:
+            return self._buckets
+        out: list[_SyncBucket] = []
+        for holders in self.plan.all_holder_sets:
             frags = self.plan.by_holders.get(holders)
             if not frags:
                 continue
-            group = self.group_of(holders)
-            bucket: list[Fragment] = []
+            run: list[Fragment] = []
             size = 0
             for f in frags:
-                g = self._grad(f.name)
-                bucket.append(f)
-                size += _view(g, f).numel() * g.element_size()
+                p = self.params[f.name]
+                run.append(f)
+                size += _view(p, f).numel() * p.element_size()
                 if size >= self.bucket_bytes:
-                    self._reduce(bucket, group, holders)
-                    bucket, size = [], 0
-            if bucket:
-                self._reduce(bucket, group, holders)
+                    out.append(self._make_bucket(holders, run))
+                    run, size = [], 0
+            if run:
+                out.append(self._make_bucket(holders, run))
+        self._buckets, self._made_for = out, made_for
+        return out
+
+    def _make_bucket(self, holders: tuple[int, ...], frags: list[Fragment]) -> _SyncBucket:
+        params = [self.params[f.name] for f in frags]
+        bucket = _SyncBucket(holders, frags, [_is_whole(p, f) for p, f in zip(params, frags, strict=True)])
+        if len({p.dtype for p in params}) != 1 or any(p.device != self.device for p in params):
+            return bucket  # mixed dtypes (a concatenation promotes them) or devices: packed per step
+        shapes = [_view(p, f).shape for p, f in zip(params, frags, strict=True)]
+        sizes = [math.prod(shape) for shape in shapes]
+        bucket.buffer = torch.zeros(sum(sizes), dtype=params[0].dtype, device=self.device)
+        offset = 0
+        for shape, n in zip(shapes, sizes, strict=True):
+            bucket.views.append(bucket.buffer[offset : offset + n].view(shape))
+            offset += n
+        return bucket
+
+    @torch.no_grad()
+    def prepare_grads(self) -> None:
+        """Point every whole-fragment parameter's `.grad` at its view of its bucket (keeping what it
+        holds), so the coming backward accumulates into the buffer; call before the first backward of a
+        step (`GradientPath.begin_step`).  A `.grad` set to None or replaced since is taken back."""
+        for b in self.buckets():
+            for f, whole, v in zip(b.frags, b.whole, b.views, strict=False):
+                if whole:
+                    self._adopt(f.name, v)
+
+    def _adopt(self, name: str, view: torch.Tensor) -> None:
+        p = self.params[name]
+        g = p.grad
+        if g is view:
+            return
+        if g is None:
+            view.zero_()
+        else:
+            view.copy_(g)
+        p.grad = view
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        for b in self.buckets():  # global order: no cross-group deadlock
+            group = self.group_of(b.holders)
+            if b.buffer is None:
+                self._reduce(b.frags, group, b.holders)
+            else:
+                self._reduce_in_place(b, group)
         for f in self.plan.local_only:
             if f.weight != 1.0:
                 _view(self._grad(f.name), f).mul_(f.weight)
+
+    def _reduce_in_place(self, b: _SyncBucket, group) -> None:
+        """The bucket's buffer all-reduced where it lies: whole-fragment gradients are views of it (made
+        so here if they were not), part-of-a-parameter fragments are copied in and back out."""
+        for f, whole, v in zip(b.frags, b.whole, b.views, strict=True):
+            if whole:
+                self._adopt(f.name, v)
+            else:
+                v.copy_(_view(self._grad(f.name), f))
+            if f.weight != 1.0:
+                v.mul_(f.weight)
+        if self.counter is not None:
+            self.counter("dp_all_reduce", b.buffer.numel() * b.buffer.element_size(), b.holders)
+        all_reduce_on(b.buffer, self.device, group, what="gradient bucket")
+        for f, whole, v in zip(b.frags, b.whole, b.views, strict=True):
+            if not whole:
+                _view(self._grad(f.name), f).copy_(v)
 
     def _reduce(self, frags: list[Fragment], group, holders: tuple[int, ...]) -> None:
         views = [_view(self._grad(f.name), f) for f in frags]
@@ -200,13 +311,14 @@ class GradientSynchronizer:
         """This rank's share of the global squared gradient norm (sum over ranks = the full norm^2),
         a 0-dim tensor on the gradients' device; non-finite when any local gradient is.  Each fragment's
         norm accumulates in `acc_dtype` inside the reduction (no float64 copy of the gradients)."""
-        total = torch.zeros((), dtype=self.acc_dtype, device=self.device)
+        views, weights = [], []
         for f in self.plan.fragments():
             g = self.params[f.name].grad
             if g is not None:
                 check_device(g, self.device, f"gradient of {f.name}")
-                total += torch.linalg.vector_norm(_view(g, f), dtype=self.acc_dtype).square() * f.norm_weight
-        return total
+                views.append(_view(g, f))
+                weights.append(f.norm_weight)
+        return weighted_norm_sq(views, weights, self.acc_dtype, self.device)
 
     @torch.no_grad()
     def clip_to_norm_(self, norm: torch.Tensor, max_norm: float | None) -> None:

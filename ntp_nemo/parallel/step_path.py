@@ -25,13 +25,29 @@ from ntp_nemo.parallel.dist_optimizer import DistributedAdamW, adamw_param_group
 from ntp_nemo.parallel.grad_sync import GradientSynchronizer
 from ntp_nemo.parallel.overlap import OverlappedGradSync
 
+# Devices whose fused AdamW kernel torch ships for every floating dtype (not `meta`: the dry run).
+FUSED_ADAMW_DEVICES = ("cpu", "cuda")
+
+
+def fused_adamw_supported(model: nn.Module) -> bool:
+    """Every parameter floating-point and on a device of `FUSED_ADAMW_DEVICES`."""
+    params = list(model.parameters())
+    return bool(params) and all(p.device.type in FUSED_ADAMW_DEVICES and p.is_floating_point()
+                                for p in params)
+
 
 def build_optimizer(model: nn.Module, sync: GradientSynchronizer, *, lr: float, betas: tuple[float, float],
                     eps: float, weight_decay: float, distributed: bool = False) -> torch.optim.Optimizer:
-    """AdamW with the decay (matrices) / no-decay (vectors) groups; sharded when `distributed`."""
+    """AdamW with the decay (matrices) / no-decay (vectors) groups; sharded when `distributed`.
+
+    The plain AdamW is torch's fused one (one kernel per parameter group instead of a dozen foreach
+    passes; ~4x less optimizer CPU time on this machine) where the device has it: it reorders the
+    update's arithmetic, so its parameters differ from the foreach AdamW's by rounding (a few units in the
+    last place over 5 steps: float64 within 1e-14, float32 within 1e-5, relative; the test pins it)."""
     groups = adamw_param_groups(model, weight_decay)
     if not distributed:
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps,
+                                 fused=True if fused_adamw_supported(model) else None)
     return DistributedAdamW(model, sync.plan, sync.group_of, groups, lr=lr, betas=betas, eps=eps,
                             weight_decay=weight_decay, bucket_bytes=sync.bucket_bytes,
                             world_group=getattr(sync, "world_group", None),
@@ -52,6 +68,8 @@ class GradientPath:
     def begin_step(self, backward_passes: int) -> None:
         if self.overlap is not None:
             self.overlap.begin_step(backward_passes)
+        elif not self.distributed:
+            self.sync.prepare_grads()  # the backward accumulates into the sync's bucket buffers
 
     def finish_sync(self) -> None:
         """After the last backward: the whole DP sync (blocking, overlapped, or reduce-scatter)."""

@@ -1,0 +1,147 @@
+"""Gradients as views into the DP sync's persistent bucket buffers, and the foreach clipping norm: the same
+numbers as the per-step pack/unpack path (float64 within 1e-10), with no flatten copy for a parameter that is
+one whole fragment.  One small forked gloo world of replicas of unequal TP (2 + 1 ranks), so both kinds of
+fragment occur: the TP-2 ranks hold whole-parameter fragments, the TP-1 rank parts of its parameters."""
+
+from __future__ import annotations
+
+import torch
+
+from ntp_nemo.parallel.grad_sync import _SyncBucket
+from ntp_nemo.parallel.launch import run_workers
+from ntp_nemo.runtime.runtime import NTPRuntime
+from ntp_nemo.topology import ResolvedLayout, Topology
+from tests.ntp_cases import GPT, LLAMA, SEED, tokens
+
+
+def _norm_sq_by_fragment(sync) -> float:
+    """The squared-norm share as the former code took it: one norm per fragment, weighted, summed."""
+    total = 0.0
+    for f in sync.plan.fragments():
+        g = sync.params[f.name].grad
+        v = g if g.dim() == 0 else g.narrow(f.dim, f.start, f.length)
+        total += float(torch.linalg.vector_norm(v, dtype=torch.float64)) ** 2 * f.norm_weight
+    return total
+
+
+def _passes(rank: int, world: int, cfg) -> dict:
+    torch.set_num_threads(1)
+    topology = Topology(2, [2, 1], [2] * (cfg.num_layers + 2))
+    toks = tokens(cfg)
+    real_cat = torch.cat
+    out: dict = {}
+    for mode in ("views", "packed"):
+        rt = NTPRuntime(ResolvedLayout.make(topology), rank)
+        model = rt.build_model(cfg, SEED, dtype=torch.float32)
+        sync = rt.attach(model)
+        if mode == "packed":  # the per-step pack/unpack path for every bucket (no persistent buffer)
+            sync._make_bucket = lambda holders, frags: _SyncBucket(holders, frags, [False] * len(frags))
+        model.to(torch.float64)  # cast after the sync was built, as a precision plugin does
+        mine = list(rt.my_microbatches(6))
+        grads, norms, cats, in_buffer = [], [], [], []
+        for step, reset in enumerate(("none", "zero", "none")):
+            if reset == "zero":
+                for p in model.parameters():
+                    p.grad.zero_()  # zero_grad(set_to_none=False)
+            else:
+                model.zero_grad(set_to_none=True)
+            sync.prepare_grads()
+            for i in mine[step % 2 :: 2] or mine:
+                (model.loss_sum(toks[i : i + 1]) / toks[:, 1:].numel()).backward()
+            buffers = {b.buffer.untyped_storage().data_ptr() for b in sync.buckets() if b.buffer is not None}
+            whole = {f.name for b in sync.buckets() for f, w in zip(b.frags, b.whole, strict=True) if w}
+            in_buffer.append(all(sync.params[n].grad.untyped_storage().data_ptr() in buffers for n in whole)
+                             and (mode == "packed" or bool(whole) == bool(buffers)))
+            calls = []
+
+            def counting_cat(*args, _calls=calls, **kwargs):
+                _calls.append(1)
+                return real_cat(*args, **kwargs)
+
+            torch.cat = counting_cat
+            try:
+                sync.sync()
+            finally:
+                torch.cat = real_cat
+            cats.append(len(calls))
+            grads.append({n: p.grad.numpy().copy() for n, p in model.named_parameters()})  # by value
+            norms.append((float(sync.grad_norm_sq_local()), _norm_sq_by_fragment(sync)))
+        partial = sum(not w for b in sync.buckets() for w in b.whole)
+        out[mode] = {"grads": grads, "norms": norms, "cats": cats, "in_buffer": in_buffer,
+                     "whole": sum(w for b in sync.buckets() for w in b.whole), "partial": partial,
+                     "dtype": {str(p.grad.dtype) for p in model.parameters()}}
+    return out
+
+
+def _check(cfg) -> None:
+    results = run_workers(_passes, 3, cfg)
+    kinds = {"whole": 0, "partial": 0}
+    for rank, res in enumerate(results):
+        views, packed = res["views"], res["packed"]
+        assert views["dtype"] == {"torch.float64"}
+        kinds["whole"] += views["whole"]
+        kinds["partial"] += views["partial"]
+        for step, (a, b) in enumerate(zip(views["grads"], packed["grads"], strict=True)):
+            assert a.keys() == b.keys()
+            for name in a:
+                a[name], b[name] = torch.from_numpy(a[name]), torch.from_numpy(b[name])
+                scale = max(float(b[name].abs().max()), 1e-12)
+                assert float((a[name] - b[name]).abs().max()) / scale <= 1e-10, (rank, step, name)
+        for foreach, by_fragment in views["norms"] + packed["norms"]:
+            assert abs(foreach - by_fragment) <= 1e-10 * by_fragment, (rank, foreach, by_fragment)
+        assert all(views["in_buffer"]), rank  # the backward accumulated into the bucket buffers
+        assert min(packed["cats"]) > 0 or packed["whole"] + packed["partial"] == 0
+        if views["partial"] == 0:
+            assert views["cats"] == [0, 0, 0], rank  # no flatten copy at all: the buffer is the gradients
+    assert kinds["whole"] > 0 and kinds["partial"] > 0  # both kinds of fragment were exercised
+
+
+def test_bucket_view_gradients_match_the_packed_sync_gpt():
+    _check(GPT)
+
+
+def test_bucket_view_gradients_match_the_packed_sync_llama():
+    _check(LLAMA)
+
+
+def _adamw_against_foreach(dtype: torch.dtype, steps: int = 5) -> tuple[bool, float]:
+    """`build_optimizer`'s AdamW against torch's foreach AdamW with the same groups, same gradients."""
+    from ntp_nemo.models import build_model
+    from ntp_nemo.parallel.dist_optimizer import adamw_param_groups
+    from ntp_nemo.parallel.step_path import build_optimizer
+
+    fused_model = build_model(LLAMA, seed=SEED).to(dtype)
+    plain_model = build_model(LLAMA, seed=SEED).to(dtype)
+    hyper = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8}
+    fused = build_optimizer(fused_model, None, weight_decay=0.1, **hyper)
+    plain = torch.optim.AdamW(adamw_param_groups(plain_model, 0.1), foreach=True, **hyper)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(steps):
+        for p, q in zip(fused_model.parameters(), plain_model.parameters(), strict=True):
+            g = torch.randn(p.shape, generator=gen, dtype=torch.float64).to(dtype)
+            p.grad, q.grad = g.clone(), g.clone()
+        fused.step()
+        plain.step()
+    worst = max(float(((p - q).abs() / q.abs().clamp(min=1e-3)).max().detach())
+                for p, q in zip(fused_model.parameters(), plain_model.parameters(), strict=True))
+    return bool(fused.defaults["fused"]), worst
+
+
+def test_adamw_is_fused_on_cpu_within_the_stated_tolerance_of_foreach():
+    fused64, err64 = _adamw_against_foreach(torch.float64)
+    fused32, err32 = _adamw_against_foreach(torch.float32)
+    assert fused64 and fused32
+    assert err64 <= 1e-14 and err32 <= 1e-5, (err64, err32)  # 5 steps: a few units in the last place
+
+
+def test_adamw_on_meta_parameters_is_not_fused():
+    """The dry run's meta parameters have no fused kernel: the foreach AdamW is built (and steps)."""
+    from ntp_nemo.parallel.step_path import build_optimizer
+
+    with torch.device("meta"):
+        model = torch.nn.Linear(4, 3)
+    opt = build_optimizer(model, None, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    assert not opt.defaults["fused"]
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
