@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from ntp_nemo.resilience.replan import cli as replan_cli
 from tests.conftest import TINY, read_metrics
 
 STEPS = 8
@@ -48,7 +49,8 @@ def agents(torchrun_args: list[list[str]], overrides: list[str], cwd, timeout: i
 
 
 @pytest.mark.slow
-def test_two_node_torchrun_loses_a_gpu_and_resumes_on_the_replan(tmp_path, reference_losses):
+def test_two_node_torchrun_loses_a_gpu_and_resumes_on_the_replan(tmp_path, reference_losses, monkeypatch,
+                                                                capsys):
     reference = reference_losses(f"single-{STEPS}")  # the failure-free curve (conftest)
 
     run = tmp_path / "run"
@@ -73,14 +75,16 @@ def test_two_node_torchrun_loses_a_gpu_and_resumes_on_the_replan(tmp_path, refer
     assert committed[-1] in ("step_000002", "step_000004"), committed
     resumed = int(committed[-1].split("_")[1])
 
-    plan = subprocess.run(
-        [sys.executable, "-m", "ntp_nemo.resilience.replan", "--tp", "2", "--replica-tp", "2,2",
-         "--failed", "3", "--policy", "ntp", "--gpus-per-node", "2",
-         f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--json"],
-        capture_output=True, text=True, timeout=60,
-    )
-    assert plan.returncode == 0, plan.stderr
-    doc = json.loads(plan.stdout)
+    # The replan's console function, called in this process with its words as sys.argv (its process
+    # and exit codes are tested end to end in tests/test_failover_plan.py).
+    monkeypatch.setattr(sys, "argv", [
+        "python -m ntp_nemo.resilience.replan", "--tp", "2", "--replica-tp", "2,2", "--failed", "3",
+        "--policy", "ntp", "--gpus-per-node", "2", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--json"])
+    with pytest.raises(SystemExit) as exited:
+        replan_cli()
+    plan = capsys.readouterr()
+    assert exited.value.code == 0, plan.err
+    doc = json.loads(plan.out)
     assert doc["new_layout"] == "(2,1)"
     nodes = list(doc["nodes"].values())
     assert [len(n["devices"]) for n in nodes] == [2, 1]
