@@ -19,7 +19,7 @@ from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout, Topology
-from tests.ntp_cases import GPT, LLAMA, LLAMA_KV4
+from tests.ntp_cases import GPT, LLAMA, LLAMA_KV4, assembled
 
 SEED, SEQ, GLOBAL_BATCH, LR = 7, 8, 6, 1e-2
 STEPS_BEFORE, STEPS_AFTER = 1, 2
@@ -32,9 +32,7 @@ def _batch(cfg: ModelConfig, step: int) -> torch.Tensor:
 
 
 def _setup(rank: int, layout: tuple, cfg: ModelConfig, seed: int, dtype: torch.dtype, lr: float = LR):
-    rt = NTPRuntime(ResolvedLayout.make(Topology(*layout)), rank)
-    model = rt.build_model(cfg, seed, dtype=dtype)
-    rt.attach(model)
+    rt, model = assembled(ResolvedLayout.make(Topology(*layout)), rank, cfg, seed, dtype)
     return rt, model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
 
 

@@ -94,12 +94,10 @@ def test_a_cpu_tensor_reaching_a_collective_of_a_meta_runtime_fails(fake_world):
 
 def _fused_worker(rank: int, world: int) -> dict:
     """gloo, CPU: the fused scalars equal the separate reductions; one rank's flags reach every rank."""
-    from tests.ntp_cases import GPT, tokens
+    from tests.ntp_cases import GPT, assembled, tokens
 
     lay = ResolvedLayout.make(Topology(tp=2, replica_tp=[2, 1], layer_tp=[2] * 4), num_microbatches=4)
-    rt = NTPRuntime(lay, rank)
-    model = rt.build_model(GPT, seed=3, dtype=torch.float64)
-    rt.attach(model)
+    rt, model = assembled(lay, rank, GPT, seed=3)
     toks = tokens(GPT)[:4]
     mine = rt.my_microbatches(4)
     loss_sum = rt.train_microbatches(model, [toks[i: i + 1] for i in mine], toks[:, 1:].numel())

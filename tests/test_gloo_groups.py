@@ -48,8 +48,12 @@ def test_every_subgroup_of_a_mixed_world_is_device_only(monkeypatch, schedule):
 
             descriptors.append(param_descriptors(NTPRuntime(layout, r, device="meta").build_model(TINY, 0)))
     with fake_world(0, layout.world_size):
-        rt = NTPRuntime(layout, 0, device="meta")
-        rt.attach(rt.build_model(TINY, 0), descriptors=descriptors)
+        from ntp_nemo.parallel.grad_sync import build_sync_plan
+        from ntp_nemo.runtime.assemble import assemble
+        from tests.ntp_cases import OPTIM
+
+        plan = build_sync_plan(0, descriptors, [c.replica for c in layout.topology().coords])
+        assemble(layout, 0, TINY, OPTIM, "meta", seed=0, sync_plan=plan)
     kinds = {len(r) for r, _ in asked}
     # pairs (TP, holder pairs, replica 1's stage pair), the replicated vectors' triples, and replica 0's
     # stage pair (0, 1 | 2, 3): one link group per stage pair and direction

@@ -19,8 +19,10 @@ from ntp_nemo.hf.export import export_checkpoint, export_model, main, parse_size
 from ntp_nemo.hf.files import HFWeightsReader
 from ntp_nemo.models import build_model
 from ntp_nemo.parallel.launch import run_workers
+from ntp_nemo.runtime.assemble import assemble
 from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout, Topology
+from tests.ntp_cases import OPTIM
 from tests.test_hf_import import HF_VOCAB, PADDED_VOCAB, TOL, _rel, hf_logits, make_hf_dir, resolved, tokens
 
 transformers = pytest.importorskip("transformers")
@@ -81,12 +83,15 @@ def test_padded_vocabulary_exports_back_to_the_hf_size(hf_dirs, tmp_path):
 def train_worker(rank: int, world: int, cfg, path: str, root: str, ids: torch.Tensor) -> dict:
     """Import on layout (2,1), checkpoint it, train 3 AdamW steps, checkpoint again, return logits."""
     layout = ResolvedLayout.make(Topology(2, [2, 1], [2] * (cfg.num_layers + 2)))
-    rt = NTPRuntime(layout, rank)
-    topo = rt.topology
-    model = rt.build_model(cfg, seed=0, dtype=torch.float32)
-    load_hf_into(model, path)
+
+    def imported(rt: NTPRuntime) -> torch.nn.Module:
+        model = rt.build_model(cfg, seed=0, dtype=torch.float32)
+        load_hf_into(model, path)
+        return model
+
+    state = assemble(layout, rank, cfg, OPTIM, None, seed=0, make_model=imported)
+    rt, model, topo = state.runtime, state.model, state.runtime.topology
     save_checkpoint(f"{root}/imported/checkpoints/step_000000", model, step=0, layout=layout.to_dict())
-    rt.attach(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(3)
     for _ in range(3):

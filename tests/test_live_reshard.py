@@ -23,10 +23,9 @@ from ntp_nemo.resilience.policies import make_policy, replan
 from ntp_nemo.resilience.recovery import Generation, recover
 from ntp_nemo.resilience.rendezvous import join, leave, run_elastic
 from ntp_nemo.runtime.assemble import rebind_optimizer
-from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout, Topology
 from ntp_nemo.topology.shard import ShardSpec
-from tests.ntp_cases import GPT, LLAMA
+from tests.ntp_cases import GPT, LLAMA, assembled
 
 SEED, SEQ, GLOBAL_BATCH, LR, STEPS = 7, 8, 6, 1e-2, 2
 
@@ -37,9 +36,7 @@ def _batch(cfg, step: int) -> torch.Tensor:
 
 
 def _setup(layout: ResolvedLayout, rank: int, cfg, seed: int, lr: float):
-    rt = NTPRuntime(layout, rank)
-    model = rt.build_model(cfg, seed, dtype=torch.float32)
-    rt.attach(model)
+    rt, model = assembled(layout, rank, cfg, seed, torch.float32)
     return rt, model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
 
 

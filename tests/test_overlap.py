@@ -14,9 +14,8 @@ import torch
 
 from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.parallel.overlap import OverlappedGradSync
-from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout, Topology
-from tests.ntp_cases import GLOBAL_BATCH, GPT, SEED, tokens
+from tests.ntp_cases import GLOBAL_BATCH, GPT, assembled, tokens
 
 
 def _grads(model) -> dict[str, torch.Tensor]:
@@ -24,9 +23,9 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 
 def overlap_worker(rank: int, world: int) -> dict:
-    rt = NTPRuntime(ResolvedLayout.make(Topology(2, [2, 1], [2] * (GPT.num_layers + 2))), rank)
-    model = rt.build_model(GPT, SEED, dtype=torch.float64)
-    sync = rt.attach(model, bucket_mb=0.002)
+    layout = ResolvedLayout.make(Topology(2, [2, 1], [2] * (GPT.num_layers + 2)))
+    rt, model = assembled(layout, rank, GPT, bucket_mb=0.002)
+    sync = rt.sync
     ov = OverlappedGradSync(model, sync.plan, sync.group_of, sync.bucket_bytes)
     toks = tokens(GPT)
     out = {"buckets": len(ov.buckets)}

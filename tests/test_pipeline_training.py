@@ -9,7 +9,8 @@ import torch
 
 from ntp_nemo.models import build_model
 from ntp_nemo.parallel.launch import run_workers
-from ntp_nemo.runtime.runtime import NTPRuntime
+from ntp_nemo.runtime.assemble import assemble
+from ntp_nemo.runtime.step import train_step
 from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.ntp_cases import GPT
 
@@ -50,20 +51,14 @@ def reference_curve(cfg) -> list[float]:
 
 def training_worker(rank: int, world: int, cfg, tp, replica_tp, pp, schedule) -> dict:
     topo = Topology(tp, replica_tp, [tp] * (cfg.num_layers + 2), pp=pp)
-    rt = NTPRuntime(ResolvedLayout.make(topo, schedule), rank)
-    model = rt.build_model(cfg, SEED)
-    rt.attach(model)
-    opt = adamw(model.parameters())
+    optim = {"lr": LR, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}  # as `adamw`
+    state = assemble(ResolvedLayout.make(topo, schedule), rank, cfg, optim, None, seed=SEED)
+    rt, model = state.runtime, state.model
     losses = []
     for step in range(STEPS):
         toks = step_tokens(cfg, step)
-        micro = [toks[i * MICRO : (i + 1) * MICRO] for i in rt.my_microbatches(NUM_MICRO)]
-        total = rt.train_microbatches(model, micro, toks[:, 1:].numel())
-        rt.sync.sync()
-        rt.sync.clip_grad_norm_(CLIP)
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        losses.append(float(rt.global_sum(total)) / toks[:, 1:].numel())
+        micro = [toks[i * MICRO : (i + 1) * MICRO] for i in state.my_microbatches(NUM_MICRO)]
+        losses.append(train_step(state, micro, toks[:, 1:].numel(), max_norm=CLIP).loss)
     embed = model.embed.weight.detach().clone() if model.embed is not None else None
     return {"losses": losses, "embed": embed, "coord": (rt.coord.replica, rt.coord.stage, rt.coord.slot)}
 

@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from ntp_nemo.parallel.launch import run_workers
-from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout, Topology
-from tests.ntp_cases import GPT
+from tests.ntp_cases import GPT, assembled
 
 TIMEOUT_S = 77.0  # neither torch's default (1800 s) nor run_workers' own (120 s)
 
@@ -29,9 +28,7 @@ def groups_worker(rank: int, world: int, tp: int, replica_tp: list[int], pp: int
     cfg = dataclasses.replace(GPT, num_layers=4)
     topo = Topology(tp, replica_tp, [tp] * (cfg.num_layers + 2), pp=pp)
     layout = ResolvedLayout.make(topo, schedule, virtual_stages=virtual)
-    rt = NTPRuntime(layout, rank)
-    model = rt.build_model(cfg, seed=0, dtype=torch.float32)
-    rt.attach(model)  # DP fragment holder sets and the pipeline links
+    rt, model = assembled(layout, rank, cfg, 0, torch.float32)  # DP fragment holder sets, pipeline links
     saver = AsyncCheckpointSaver()
     saver._checkpoint_group()  # the checkpoint writers' gloo group
     saver.close()

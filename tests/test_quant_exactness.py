@@ -15,7 +15,7 @@ import torch
 from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout, Topology
-from tests.ntp_cases import GLOBAL_BATCH, GPT, LLAMA, SEED, tokens
+from tests.ntp_cases import GLOBAL_BATCH, GPT, LLAMA, SEED, assembled, tokens
 
 # float32: reduction order differs between layouts (~1e-7).  Fake quantisation is discontinuous, so such
 # a difference can move an element across a rounding boundary; it does not for int8 on these inputs,
@@ -86,9 +86,7 @@ def _compare(rt: NTPRuntime, model, cfg, ref: dict) -> dict:
 
 def _runtime(tp: int, replica_tp: list[int], layer_tp: list[int] | None, rank: int, cfg, dtype: torch.dtype):
     topo = Topology(tp, replica_tp, layer_tp or [tp] * (cfg.num_layers + 2))
-    rt = NTPRuntime(ResolvedLayout.make(topo), rank)
-    model = rt.build_model(cfg, SEED, dtype=dtype)
-    rt.attach(model)
+    rt, model = assembled(ResolvedLayout.make(topo), rank, cfg, SEED, dtype)
     return rt, model
 
 
