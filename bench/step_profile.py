@@ -1,6 +1,7 @@
 """Where a tensor-parallel training step's CPU goes: compute, collectives, Python.
 
-    python bench/step_profile.py [--tp 2] [--dp 1] [--steps 8] [--warmup 2] [--sp] [--precision 32|bf16-mixed]
+    python bench/step_profile.py [--tp 2] [--dp 1] [--overlap] [--steps 8] [--warmup 2] [--sp]
+                                 [--precision 32|bf16-mixed]
 
 Runs the training step of `NTPLanguageModule.training_step` (micro-batch forward/backward through
 `NTPRuntime.train_microbatches`, the gradient path's sync, the fused step scalars, clipping, AdamW) on the
@@ -99,7 +100,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     tp = world // args.dp
     topology = Topology(tp, [tp] * args.dp, [tp] * (cfg.num_layers + 2))
     layout = ResolvedLayout.make(topology, sequence_parallel=args.sp)
-    state = assemble(layout, rank, cfg, OPTIM, "cpu", seed=1234)
+    state = assemble(layout, rank, cfg, OPTIM, "cpu", seed=1234, overlap_grad_sync=args.overlap)
     rt, model, opt, path = state.runtime, state.model, state.optimizer, state.grad_path
     meter = CollectiveMeter()
     micro = args.global_batch // args.micro_batch
@@ -139,6 +140,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--dp", type=int, default=1, help="DP replicas (each of TP --tp)")
+    ap.add_argument("--overlap", action="store_true", help="DP gradient sync overlapped with the backward")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--sp", action="store_true", help="sequence parallelism")
@@ -156,7 +158,8 @@ def main() -> None:
 
     wall, cpu, cw, cc = med("wall"), med("cpu"), med("coll_wall"), med("coll_cpu")
     print(f"step_profile: {args.model} TP{args.tp}{f' DP{args.dp}' if args.dp > 1 else ''}"
-          f"{' SP' if args.sp else ''} precision {args.precision}, "
+          f"{' SP' if args.sp else ''}{' overlapped sync' if args.overlap else ''}"
+          f" precision {args.precision}, "
           f"{args.global_batch}x{args.seq} tokens per step in micro-batches of {args.micro_batch}; "
           f"medians over {len(rows)} steps of rank 0")
     print(f"  step wall {wall * 1e3:8.1f} ms   process CPU {cpu * 1e3:8.1f} ms   "

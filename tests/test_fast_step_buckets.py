@@ -104,6 +104,50 @@ def test_bucket_view_gradients_match_the_packed_sync_llama():
     _check(LLAMA)
 
 
+def _overlapped(rank: int, world: int, cfg) -> dict:
+    """The overlapped sync (small buckets: several per holder set) with its bucket views, against the
+    packed blocking sync on the same model and micro-batches, two steps."""
+    from ntp_nemo.parallel.overlap import OverlappedGradSync
+    from tests.ntp_cases import assembled
+
+    torch.set_num_threads(1)
+    layout = ResolvedLayout.make(Topology(2, [2, 1], [2] * (cfg.num_layers + 2)))
+    rt, model = assembled(layout, rank, cfg, bucket_mb=0.002)
+    packed = rt.sync
+    packed._make_bucket = lambda holders, frags: _SyncBucket(holders, frags, [False] * len(frags))
+    ov = OverlappedGradSync(model, packed.plan, packed.group_of, packed.bucket_bytes)
+    toks = tokens(cfg)
+    errs, in_buffer = [], []
+    for step in range(2):
+        micro = [toks[i : i + 1] for i in rt.my_microbatches(6)][step:]
+        model.zero_grad(set_to_none=step == 0)
+        ov.begin_step(len(micro))
+        rt.train_microbatches(model, micro, 6 * (toks.shape[1] - 1))
+        storages = {buf.untyped_storage().data_ptr() for buf, _, _ in ov._bucket_buffers()}
+        whole = [f.name for b, (_, _, w) in zip(ov.buckets, ov._bucket_buffers(), strict=True)
+                 for f, x in zip(b.frags, w, strict=True) if x]
+        in_buffer.append(all(model.get_parameter(n).grad.untyped_storage().data_ptr() in storages
+                             for n in whole))
+        ov.finish()
+        got = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        rt.train_microbatches(model, micro, 6 * (toks.shape[1] - 1))
+        packed.sync()
+        errs.append(max(float((got[n] - p.grad).abs().max()) / max(float(p.grad.abs().max()), 1e-12)
+                        for n, p in model.named_parameters()))
+    ov.remove()
+    return {"errs": errs, "in_buffer": in_buffer, "whole": len(whole), "buckets": len(ov.buckets)}
+
+
+def test_overlapped_sync_with_bucket_views_matches_the_packed_sync():
+    results = run_workers(_overlapped, 3, GPT)
+    for rank, res in enumerate(results):
+        assert res["buckets"] >= 3, res
+        assert max(res["errs"]) <= 1e-10, (rank, res)
+        assert all(res["in_buffer"]), (rank, res)
+    assert sum(r["whole"] for r in results) > 0
+
+
 def _adamw_against_foreach(dtype: torch.dtype, steps: int = 5) -> tuple[bool, float]:
     """`build_optimizer`'s AdamW against torch's foreach AdamW with the same groups, same gradients."""
     from ntp_nemo.models import build_model
