@@ -15,6 +15,7 @@ from ntp_nemo.checkpoint import load_checkpoint, save_checkpoint
 from ntp_nemo.checkpoint.state import group_options, sharded_state
 from ntp_nemo.resilience.rendezvous import join, run_elastic
 from ntp_nemo.runtime.assemble import assemble
+from ntp_nemo.runtime.step import train_step
 from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.ntp_cases import GPT
 
@@ -44,11 +45,7 @@ def assemble_worker(rank: int, world: int, store, cfg, path: str) -> dict:
         toks = torch.randint(0, cfg.vocab_size, (GLOBAL_BATCH, SEQ + 1),
                              generator=torch.Generator().manual_seed(100 + step))
         mine = a.my_microbatches(GLOBAL_BATCH)
-        a.grad_path.begin_step(len(mine))
-        a.runtime.train_microbatches(a.model, [toks[i : i + 1] for i in mine], toks[:, 1:].numel())
-        a.grad_path.finish_sync()
-        a.optimizer.step()
-        a.optimizer.zero_grad()
+        train_step(a, [toks[i : i + 1] for i in mine], toks[:, 1:].numel(), max_norm=None)
     save_checkpoint(path, a.model, a.optimizer, {"step": STEPS}, step=STEPS, layout=layout.to_dict())
     b = assemble(layout, rank, cfg, OPTIM, "cpu", seed=SEED + 1)
     before = _differences(a, b)
