@@ -33,16 +33,19 @@ import torch.distributed as dist
 from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.parallel.overlap import OverlappedGradSync
-from ntp_nemo.runtime.runtime import NTPRuntime
+from ntp_nemo.runtime.assemble import assemble
 from ntp_nemo.topology import ResolvedLayout, Topology
+
+# The optimizer's hyperparameters change nothing this bench measures: its ranks are assembled with these.
+OPTIM = {"lr": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0}
 
 
 def overlap_worker(rank: int, world: int, cfg: ModelConfig, replica_tp: list[int], m: int, mbs: int, seq: int,
                    bucket_mb: float, steps: int) -> dict:
     tp = max(replica_tp)
-    rt = NTPRuntime(ResolvedLayout.make(Topology(tp, replica_tp, [tp] * (cfg.num_layers + 2))), rank)
-    model = rt.build_model(cfg, 0)
-    sync = rt.attach(model, bucket_mb)
+    layout = ResolvedLayout.make(Topology(tp, replica_tp, [tp] * (cfg.num_layers + 2)))
+    state = assemble(layout, rank, cfg, OPTIM, None, seed=0, bucket_mb=bucket_mb)
+    rt, model, sync = state.runtime, state.model, state.grad_path.sync
     ov = OverlappedGradSync(model, sync.plan, sync.group_of, sync.bucket_bytes)
     gen = torch.Generator().manual_seed(0)
     total_mb = m * len(replica_tp)
