@@ -49,13 +49,14 @@ from ntp_nemo.checkpoint.sharded import take_snapshot
 from ntp_nemo.models import build_model
 from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.parallel.launch import run_workers
-from ntp_nemo.parallel.step_path import GradientPath, build_optimizer
 from ntp_nemo.pipeline.engine import ActivationMeter
+from ntp_nemo.runtime.assemble import assemble
 from ntp_nemo.runtime.runtime import NTPRuntime
+from ntp_nemo.runtime.step import train_step
 from ntp_nemo.topology import ResolvedLayout, Topology
 
 MiB = float(1 << 20)
-OPTIM = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+OPTIM = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
 
 def saved_bytes(cfg: ModelConfig, tokens: torch.Tensor) -> tuple[int, dict[str, torch.Tensor]]:
@@ -100,19 +101,15 @@ def activation_table(base: ModelConfig, mbs: int, seq: int) -> list[dict]:
 
 def optimizer_worker(rank: int, world: int, cfg: ModelConfig, replica_tp: list[int]) -> dict:
     tp = max(replica_tp)
-    rt = NTPRuntime(ResolvedLayout.make(Topology(tp, replica_tp, [tp] * (cfg.num_layers + 2))), rank)
+    layout = ResolvedLayout.make(Topology(tp, replica_tp, [tp] * (cfg.num_layers + 2)))
     gen = torch.Generator().manual_seed(0)
     toks = torch.randint(0, cfg.vocab_size, (2 * len(replica_tp), 33), generator=gen)
     out = {}
     for distributed in (False, True):
-        model = rt.build_model(cfg, 0)
-        sync = rt.attach(model)
-        opt = build_optimizer(model, sync, distributed=distributed, **OPTIM)
-        path = GradientPath(model, sync, opt)
-        micro = [toks[i : i + 1] for i in rt.my_microbatches(toks.shape[0])]
-        rt.train_microbatches(model, micro, toks[:, 1:].numel())
-        path.sync_and_clip(1.0)
-        opt.step()
+        state = assemble(layout, rank, cfg, {**OPTIM, "distributed": distributed}, None, seed=0)
+        model, opt = state.model, state.optimizer
+        micro = [toks[i : i + 1] for i in state.my_microbatches(toks.shape[0])]
+        train_step(state, micro, toks[:, 1:].numel(), max_norm=1.0)
         if distributed:
             out["distributed"] = opt.state_bytes()
         else:
@@ -164,20 +161,17 @@ def save_memory_worker(rank: int, world: int, cfg: ModelConfig, replica_tp: list
     """Per optimizer kind: (device state bytes, extra bytes the snapshot allocates at its peak on the
     device, bytes of those still alive after it)."""
     tp = max(replica_tp)
-    rt = NTPRuntime(ResolvedLayout.make(Topology(tp, replica_tp, [tp] * (cfg.num_layers + 2))), rank)
+    layout = ResolvedLayout.make(Topology(tp, replica_tp, [tp] * (cfg.num_layers + 2)))
     gen = torch.Generator().manual_seed(0)
     seq = min(32, cfg.max_seq_len)
     toks = torch.randint(0, cfg.vocab_size, (2 * len(replica_tp), seq + 1), generator=gen)
     out = {}
     for distributed in (False, True):
-        model = rt.build_model(cfg, 0)
-        sync = rt.attach(model, bucket_mb=bucket_mb)
-        opt = build_optimizer(model, sync, distributed=distributed, **OPTIM)
-        path = GradientPath(model, sync, opt)
-        rt.train_microbatches(model, [toks[i : i + 1] for i in rt.my_microbatches(toks.shape[0])],
-                              toks[:, 1:].numel())
-        path.sync_and_clip(1.0)
-        opt.step()
+        st = assemble(layout, rank, cfg, {**OPTIM, "distributed": distributed}, None, seed=0,
+                      bucket_mb=bucket_mb)
+        model, opt = st.model, st.optimizer
+        train_step(st, [toks[i : i + 1] for i in st.my_microbatches(toks.shape[0])], toks[:, 1:].numel(),
+                   max_norm=1.0)
         if distributed:
             state = opt.state_bytes()
             opt.host = torch.device("meta")  # count the device's side only (see the module doc)

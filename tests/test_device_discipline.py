@@ -16,10 +16,12 @@ import torch
 import torch.distributed as dist
 
 from ntp_nemo.models.config import ModelConfig
-from ntp_nemo.parallel.grad_sync import param_descriptors
+from ntp_nemo.parallel.grad_sync import build_sync_plan, param_descriptors
 from ntp_nemo.parallel.launch import run_workers
+from ntp_nemo.runtime.assemble import assemble
 from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout, Topology
+from tests.ntp_cases import OPTIM
 
 CFG = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                   ffn_hidden_size=64, max_seq_len=16)
@@ -39,12 +41,19 @@ def fake_world():
         dist.destroy_process_group()
 
 
-def _meta_runtime(rank: int = 0) -> tuple[NTPRuntime, torch.nn.Module]:
-    rt = NTPRuntime(LAYOUT, rank, device=META)
-    model = rt.build_model(CFG, seed=0)
+def _assembled(make_model=None) -> tuple[NTPRuntime, torch.nn.Module]:
+    """Rank 0's state on a meta runtime, through `assemble`; `make_model` builds its model slice."""
+    model = (make_model or (lambda rt: rt.build_model(CFG, seed=0)))(NTPRuntime(LAYOUT, 0, device=META))
     # Every rank's parameter descriptors, from its own meta model (a fake group cannot exchange them).
-    rt.attach(model, descriptors=[param_descriptors(model)] + _others_descriptors())
-    return rt, model
+    descriptors = [param_descriptors(model)] + _others_descriptors()
+    plan = build_sync_plan(0, descriptors, [c.replica for c in LAYOUT.topology().coords])
+    state = assemble(LAYOUT, 0, CFG, OPTIM, META, seed=0, sync_plan=plan, make_model=make_model)
+    return state.runtime, state.model
+
+
+def _meta_runtime(rank: int = 0) -> tuple[NTPRuntime, torch.nn.Module]:
+    assert rank == 0
+    return _assembled()
 
 
 def _others_descriptors() -> list[dict]:
@@ -82,8 +91,7 @@ def test_a_cpu_tensor_reaching_a_collective_of_a_meta_runtime_fails(fake_world):
     # A model left on the CPU under a meta (or GPU) runtime: its gradients are caught by the gradient
     # sync's bucket all-reduce and by the norm, before any collective takes them.
     _meta_step(rt, model)
-    cpu_model = NTPRuntime(LAYOUT, 0).build_model(CFG, seed=0)
-    rt.attach(cpu_model, descriptors=[param_descriptors(cpu_model)] + _others_descriptors())
+    rt, cpu_model = _assembled(lambda _rt: NTPRuntime(LAYOUT, 0).build_model(CFG, seed=0))
     for p in cpu_model.parameters():
         p.grad = torch.zeros_like(p)
     with pytest.raises(RuntimeError, match="gradient bucket is on cpu but the runtime's device is meta"):
