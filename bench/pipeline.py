@@ -26,30 +26,22 @@ import statistics
 
 import torch
 
-from ntp_nemo.models import DecoderLM, initialize_
 from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.parallel.launch import run_workers
-from ntp_nemo.pipeline.interleaved import InterleavedPipelineEngine, stage_layers
 from ntp_nemo.pipeline.schedule import INTERLEAVED, analytical_bubble, simulate
-from ntp_nemo.runtime.runtime import NTPRuntime
+from ntp_nemo.runtime.assemble import assemble
 from ntp_nemo.topology import ResolvedLayout, Topology
+
+# The optimizer's hyperparameters change nothing this bench measures: its ranks are assembled with these.
+OPTIM = {"lr": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0}
 
 
 def bench_worker(rank: int, world: int, cfg: ModelConfig, schedule: str, m: int, mbs: int, seq: int,
                  steps: int, v: int = 1) -> dict:
     topo = Topology(1, [1], [1] * (cfg.num_layers + 2), pp=world)
-    if schedule == INTERLEAVED:
-        rt = NTPRuntime(ResolvedLayout.make(topo), rank)
-        stage = rt.coord.stage
-        model = DecoderLM(cfg, rt.plan, layers=stage_layers(cfg.num_layers, world, v, stage),
-                          has_embedding=stage == 0, has_head=stage == world - 1)
-        initialize_(model, 0)
-        rt.attach(model)
-        rt.pipeline = InterleavedPipelineEngine(model, topo, rank, v)
-    else:
-        rt = NTPRuntime(ResolvedLayout.make(topo, schedule), rank)
-        model = rt.build_model(cfg, seed=0)
-        rt.attach(model)
+    layout = ResolvedLayout.make(topo, schedule, virtual_stages=v if schedule == INTERLEAVED else 1)
+    state = assemble(layout, rank, cfg, OPTIM, None, seed=0)
+    rt, model = state.runtime, state.model
     gen = torch.Generator().manual_seed(0)
     micro = [torch.randint(0, cfg.vocab_size, (mbs, seq + 1), generator=gen) for _ in range(m)]
     rows = []

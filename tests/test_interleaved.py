@@ -9,15 +9,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
-from ntp_nemo.models import DecoderLM, initialize_
 from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.pipeline.interleaved import InterleavedPipelineEngine, chunk_layers, stage_layers
 from ntp_nemo.pipeline.schedule import BACKWARD, FORWARD, analytical_bubble, schedule_order, simulate
-from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout, Topology
-from tests.ntp_cases import GPT, LLAMA, SEED, step_against_reference
+from tests.ntp_cases import GPT, LLAMA, assembled, step_against_reference
 
 GPT4 = dataclasses.replace(GPT, num_layers=4)
 LLAMA4 = dataclasses.replace(LLAMA, num_layers=4)
@@ -45,13 +42,8 @@ def test_chunks_split_the_layers():
 
 def interleaved_worker(rank: int, world: int, cfg, tp: int, replica_tp: list[int], pp: int, v: int) -> dict:
     topo = Topology(tp, replica_tp, [tp] * (cfg.num_layers + 2), pp=pp)
-    rt = NTPRuntime(ResolvedLayout.make(topo), rank)
-    stage = rt.coord.stage
-    model = DecoderLM(cfg, rt.plan, layers=stage_layers(cfg.num_layers, pp, v, stage),
-                      has_embedding=stage == 0, has_head=stage == pp - 1).to(torch.float64)
-    initialize_(model, SEED)
-    rt.attach(model)
-    rt.pipeline = InterleavedPipelineEngine(model, topo, rank, v)
+    rt, model = assembled(ResolvedLayout.make(topo, "interleaved_1f1b", virtual_stages=v), rank, cfg)
+    assert isinstance(rt.pipeline, InterleavedPipelineEngine)
     _, errors = step_against_reference(rt, model, cfg)
     return {**errors, "params": sorted(n for n, _ in model.named_parameters())}
 
