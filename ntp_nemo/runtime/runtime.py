@@ -107,7 +107,10 @@ class NTPRuntime:
         self, model: nn.Module, bucket_mb: float = 25.0, descriptors: Sequence[dict] | None = None,
         plan: SyncPlan | None = None,
     ) -> GradientSynchronizer:
-        """Build the fragment sync plan and its process groups.
+        """Build the fragment sync plan and its process groups (and the pipeline engine when pp > 1).
+
+        `runtime.assemble` calls it: build a rank through `assemble`, which returns the runtime with its
+        model, optimizer and gradient path, rather than attaching a model by hand.
 
         `descriptors` (every rank's `param_descriptors`, index = global rank) skips the exchange (one
         `all_gather_object`), and `plan` (this rank's, computed up front) the planning too; the dry run
