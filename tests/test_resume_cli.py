@@ -10,9 +10,12 @@ import time
 
 import pytest
 
-from tests.conftest import NTP21, SINGLE, TINY, read_metrics, run_cli, sweep_cases
+from tests.conftest import NTP21, SINGLE, TINY, read_metrics, sweep_cases
 
 CKPT = ["checkpoint.every_n_steps=5", "trainer.max_steps=20"]
+SAVE5, NO_SAVES = CKPT[:1], ["checkpoint.every_n_steps=0"]
+# The sweeps' common settings; each case sets its checkpoint interval (the SIGTERM run's resume has none).
+COMMON = [*(o for o in TINY if not o.startswith("checkpoint.every_n_steps=")), *CKPT[1:]]
 
 
 def losses(run):
@@ -42,20 +45,69 @@ def _in(name: str) -> list[str]:
     return [f"hydra.sweep.subdir={name}"]
 
 
+def _stopped_from_outside(sweep_dir) -> dict:
+    """Two NTP (2,1) runs of 20 steps, each its own `ntp-train` process stopped from outside, in the
+    directories `sigkill` and `sigterm` of `sweep_dir` (where the second sweep resumes them): SIGKILL to
+    the whole process group once step 10's checkpoint is committed and 12 steps are done (checkpoints
+    every 5 steps); SIGTERM to the launcher alone once 4 steps are done (no periodic checkpoints, async
+    saves). Returns what each left: steps done, and for SIGTERM its exit code, output and checkpoints."""
+    def done(run) -> int:
+        return len(read_metrics(run)) if (run / "metrics.jsonl").is_file() else 0
+
+    run = sweep_dir / "sigkill"
+    args = [sys.executable, "-m", "ntp_nemo.train", *TINY, *NTP21, *CKPT, f"hydra.run.dir={run}"]
+    proc = subprocess.Popen(
+        args, cwd=sweep_dir.parent, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        if (run / "checkpoints" / "step_000010" / "manifest.json").exists() and len(read_metrics(run)) >= 12:
+            break
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)  # every process of the job, no chance to clean up
+    proc.wait()
+    sigkill = {"done": done(run)}
+
+    run = sweep_dir / "sigterm"
+    args = [sys.executable, "-m", "ntp_nemo.train", *TINY, *NTP21, *NO_SAVES, "trainer.max_steps=20",
+            "checkpoint.async_save=true", f"hydra.run.dir={run}"]
+    proc = subprocess.Popen(args, cwd=sweep_dir.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and not ((run / "metrics.jsonl").exists() and len(read_metrics(run)) >= 4):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)  # to the parent only: it forwards to the workers
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    ckpts = sorted(p.name for p in (run / "checkpoints").iterdir()) if (run / "checkpoints").is_dir() else []
+    sigterm = {"done": done(run), "returncode": proc.returncode, "out": out, "checkpoints": ckpts}
+    return {"sigkill": sigkill, "sigterm": sigterm}
+
+
 @pytest.fixture(scope="module")
 def resume_sweeps(tmp_path_factory):
     """Every run of this module's resume cases, as two `ntp-train -m` sweeps over the same directories.
 
-    First sweep: each layout of LAYOUTS and CORRUPT, stopped at step 10 (checkpoints every 5 steps).
-    Then the data of CORRUPT's step-10 checkpoint is damaged. Second sweep, in this order: the (2,1)
-    run's step-10 checkpoint resumed (`resume=PATH`) on every layout of TARGETS, each in its own
+    First, the two runs stopped from outside (`_stopped_from_outside`, a process each: the signal is the
+    point). First sweep: each layout of LAYOUTS and CORRUPT, stopped at step 10 (checkpoints every 5
+    steps). Then the data of CORRUPT's step-10 checkpoint is damaged. Second sweep, in this order: the
+    (2,1) run's step-10 checkpoint resumed (`resume=PATH`) on every layout of TARGETS, each in its own
     directory; each stopped run resumed (`resume=auto`, its own directory), CORRUPT included; each
-    layout's run once more (already complete). Returns (first sweep, whether each run had its step-10
-    checkpoint after it, second sweep)."""
+    layout's run once more (already complete); the SIGKILL and SIGTERM runs resumed (`resume=auto`,
+    with the checkpoint interval each ran with). Returns (first sweep, whether each run had its step-10
+    checkpoint after it, second sweep, what the runs stopped from outside left)."""
     tmp = tmp_path_factory.mktemp("resume")
+    (tmp / "sweep").mkdir()
+    stopped = _stopped_from_outside(tmp / "sweep")
     stop = ["trainer.stop_at_step=10"]
-    first = sweep_cases({**{f"{name}-stop": [*layout, *stop, *_in(name)] for name, layout in LAYOUTS.items()},
-                         "corrupt-stop": [*CORRUPT, *stop, *_in("corrupt")]}, [*TINY, *CKPT], tmp)
+    first = sweep_cases({
+        **{f"{name}-stop": [*layout, *SAVE5, *stop, *_in(name)] for name, layout in LAYOUTS.items()},
+        "corrupt-stop": [*CORRUPT, *SAVE5, *stop, *_in("corrupt")],
+    }, COMMON, tmp)
     saved = {name: (tmp / "sweep" / name / "checkpoints" / "step_000010" / "manifest.json").is_file()
              for name in [*LAYOUTS, "corrupt"]}
     if saved["corrupt"]:
@@ -65,18 +117,20 @@ def resume_sweeps(tmp_path_factory):
         data.write_bytes(bytes(raw))
     src = tmp / "sweep" / "ntp" / "checkpoints" / "step_000010"
     second = sweep_cases({
-        **{target: [*layout, f"resume={src}", *_in(target)] for target, layout in TARGETS.items()},
-        **{f"{name}-resume": [*layout, *_in(name)] for name, layout in LAYOUTS.items()},
-        "corrupt-resume": [*CORRUPT, *_in("corrupt")],
-        **{f"{name}-again": [*layout, *_in(name)] for name, layout in LAYOUTS.items()},
-    }, [*TINY, *CKPT], tmp)
-    return first, saved, second
+        **{target: [*layout, *SAVE5, f"resume={src}", *_in(target)] for target, layout in TARGETS.items()},
+        **{f"{name}-resume": [*layout, *SAVE5, *_in(name)] for name, layout in LAYOUTS.items()},
+        "corrupt-resume": [*CORRUPT, *SAVE5, *_in("corrupt")],
+        **{f"{name}-again": [*layout, *SAVE5, *_in(name)] for name, layout in LAYOUTS.items()},
+        "sigkill-resume": [*NTP21, *SAVE5, *_in("sigkill")],
+        "sigterm-resume": [*NTP21, *NO_SAVES, *_in("sigterm")],
+    }, COMMON, tmp)
+    return first, saved, second, stopped
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_stop_and_resume_equals_straight_run(resume_sweeps, straight, name):
-    first, saved, second = resume_sweeps
+    first, saved, second, _ = resume_sweeps
     assert first.proc.returncode == 0, first.proc.stderr[-3000:]
     assert saved[name]
     assert second.proc.returncode == 0, second.proc.stderr[-3000:]
@@ -94,7 +148,7 @@ def test_stop_and_resume_equals_straight_run(resume_sweeps, straight, name):
 @pytest.mark.slow
 @pytest.mark.parametrize("target", list(TARGETS))
 def test_resume_on_another_layout_follows_the_curve(resume_sweeps, straight, target):
-    _, saved, second = resume_sweeps
+    _, saved, second, _ = resume_sweeps
     assert saved["ntp"]
     proc = second.proc
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -109,7 +163,7 @@ def test_resume_on_another_layout_follows_the_curve(resume_sweeps, straight, tar
 
 @pytest.mark.slow
 def test_corrupt_latest_checkpoint_is_skipped(resume_sweeps, straight):
-    _, saved, second = resume_sweeps
+    _, saved, second, _ = resume_sweeps
     assert saved["corrupt"]
     run = second.run_dir("corrupt-resume")
     latest, previous = run / "checkpoints" / "step_000010", run / "checkpoints" / "step_000005"
@@ -124,61 +178,33 @@ def test_corrupt_latest_checkpoint_is_skipped(resume_sweeps, straight):
 
 
 @pytest.mark.slow
-def test_sigkill_mid_run_then_auto_resume_matches(tmp_path, straight):
-    run = tmp_path / "run"
-    args = [sys.executable, "-m", "ntp_nemo.train", *TINY, *NTP21, *CKPT, f"hydra.run.dir={run}"]
-    proc = subprocess.Popen(
-        args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        if (run / "checkpoints" / "step_000010" / "manifest.json").exists() and len(read_metrics(run)) >= 12:
-            break
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)  # every process of the job, no chance to clean up
-    proc.wait()
-    done_before = len(read_metrics(run))
-    assert 12 <= done_before < 20
-    proc = run_cli([*TINY, *NTP21, *CKPT, f"hydra.run.dir={run}"], cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = losses(run)  # the redone steps overwrite the dict entries: the last execution of each step
+def test_sigkill_mid_run_then_auto_resume_matches(resume_sweeps, straight):
+    """SIGKILL of every process of the job after step 12, then the same command (resume=auto, a job of
+    the second sweep) resumes from step 10 and ends on the uninterrupted curve."""
+    _, _, second, stopped = resume_sweeps
+    done_before = stopped["sigkill"]["done"]
+    assert 12 <= done_before < 20, done_before
+    assert second.proc.returncode == 0, second.proc.stderr[-3000:]
+    got = losses(second.run_dir("sigkill-resume"))  # the redone steps overwrite the entries: the last run
     assert sorted(got) == list(range(1, 21))
     for step, ref in straight["ntp"].items():
         assert abs(got[step] - ref) <= 1e-6 * abs(ref), (step, got[step], ref)
 
 
 @pytest.mark.slow
-def test_sigterm_checkpoints_and_resume_continues(tmp_path, straight):
-    run = tmp_path / "run"
-    args = [
-        sys.executable,
-        "-m",
-        "ntp_nemo.train",
-        *TINY,
-        *NTP21,
-        "checkpoint.every_n_steps=0",
-        "trainer.max_steps=20",
-        "checkpoint.async_save=true",
-        f"hydra.run.dir={run}",
-    ]
-    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 240
-    while time.time() < deadline and not ((run / "metrics.jsonl").exists() and len(read_metrics(run)) >= 4):
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGTERM)  # to the parent only: it forwards to the workers
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, out[-3000:]
+def test_sigterm_checkpoints_and_resume_continues(resume_sweeps, straight):
+    """SIGTERM to the launcher alone after step 4: it checkpoints the step it reached and exits 0; the
+    same command (a job of the second sweep) continues to step 20 on the uninterrupted curve."""
+    _, _, second, stopped = resume_sweeps
+    term = stopped["sigterm"]
+    out = term["out"]
+    assert term["returncode"] == 0, out[-3000:]
     assert "preemption signal received" in out
-    stopped = len(read_metrics(run))
-    assert 4 <= stopped < 20
-    ckpts = sorted((run / "checkpoints").iterdir())
-    assert [p.name for p in ckpts] == [f"step_{stopped:06d}"]
-    proc2 = run_cli(
-        [*TINY, *NTP21, "checkpoint.every_n_steps=0", "trainer.max_steps=20", f"hydra.run.dir={run}"],
-        cwd=tmp_path,
-    )
-    assert proc2.returncode == 0, proc2.stderr[-3000:]
-    got = losses(run)
+    stopped_at = term["done"]
+    assert 4 <= stopped_at < 20
+    assert term["checkpoints"] == [f"step_{stopped_at:06d}"]
+    assert second.proc.returncode == 0, second.proc.stderr[-3000:]
+    got = losses(second.run_dir("sigterm-resume"))
     assert sorted(got) == list(range(1, 21))
     for step, ref in straight["ntp"].items():
         assert abs(got[step] - ref) <= 1e-6 * abs(ref), (step, got[step], ref)
