@@ -173,3 +173,19 @@ def test_the_lightning_module_steps_through_train_step(calls):
     assert calls == ["cpu"] * 4
     pairs = zip(state.model.parameters(), twin.model.parameters(), strict=True)
     assert all(torch.equal(p, q) for p, q in pairs)
+
+
+def test_a_pipeline_runtime_without_its_engine_refuses_to_train():
+    """A runtime built by hand on a pipeline layout (no `assemble`) would run a stage's slice as if it
+    were the model: it says so instead."""
+    from ntp_nemo.runtime.dry_run import fake_world
+
+    layout = ResolvedLayout.make(Topology(1, [1], [1] * (GPT.num_layers + 2), pp=2))
+    with fake_world(0, 2):
+        rt = NTPRuntime(layout, 0, device="meta")
+        model = rt.build_model(GPT, SEED)
+        toks = torch.zeros((1, SEQ + 1), dtype=torch.long, device="meta")
+        with pytest.raises(RuntimeError, match="2 pipeline stages but no pipeline engine.*runtime.assemble"):
+            rt.train_microbatches(model, [toks], SEQ)
+        with pytest.raises(RuntimeError, match="no pipeline engine"):
+            rt.eval_microbatches(model, [toks])

@@ -208,6 +208,13 @@ class NTPRuntime:
         return dict(zip(STEP_SCALARS, buf.tolist(), strict=True))
 
     # ---- micro-batches ----------------------------------------------------------------------------
+    def _check_pipeline(self) -> None:
+        """A stage's slice alone is not the model: with pp > 1 the micro-batches go through the engine."""
+        if self.pipeline is None and self.topology.pp > 1:
+            raise RuntimeError(
+                f"rank {self.rank}: this runtime has {self.topology.pp} pipeline stages but no pipeline "
+                "engine; build the rank with runtime.assemble (which builds the engine with the model)")
+
     def train_microbatches(
         self, model: nn.Module, microbatches: Sequence[torch.Tensor], global_tokens: int, backward=None
     ) -> torch.Tensor:
@@ -216,6 +223,7 @@ class NTPRuntime:
         Returns the replica's summed token loss (not normalised), a 0-dim tensor on the device; no
         host synchronisation happens here.
         """
+        self._check_pipeline()
         microbatches = [mb.to(self.device, non_blocking=True) for mb in microbatches]
         if self.pipeline is not None:
             return self.pipeline.train(microbatches, global_tokens, backward)
@@ -230,6 +238,7 @@ class NTPRuntime:
 
     def eval_microbatches(self, model: nn.Module, microbatches: Sequence[torch.Tensor]) -> torch.Tensor:
         """Forward-only summed token loss of this replica's micro-batches (0 on non-last pipeline stages)."""
+        self._check_pipeline()
         microbatches = [mb.to(self.device, non_blocking=True) for mb in microbatches]
         if self.pipeline is not None:
             return self.pipeline.evaluate(microbatches)
