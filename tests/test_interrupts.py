@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY, read_metrics
+from tests.conftest import SINGLE, TINY, read_metrics
 
 TWO = ["mesh.dp=2", "mesh.tp=1", "ntp.replica_tp=null", "checkpoint.every_n_steps=0",
        "checkpoint.save_on_end=true", "trainer.progress_bar=true"]
@@ -184,8 +184,11 @@ def test_kill_9_of_the_launcher(tmp_path):
     reached = _steps(fresh)[-1]
     summary = fresh / "summary.json"
     stopped = json.loads(summary.read_text()).get("stopped_early") if summary.exists() else None
-    res = subprocess.run([sys.executable, "-m", "ntp_nemo.train", *TINY, *TWO, f"hydra.run.dir={fresh}",
-                          "trainer.max_steps=1"], cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    # The rerun's note comes from the launching process before any worker starts: one process (the
+    # killed run's settings on the one-process layout) says it without forking two workers.
+    res = subprocess.run([sys.executable, "-m", "ntp_nemo.train", *TINY, *SINGLE, *TWO[3:],
+                          f"hydra.run.dir={fresh}", "trainer.max_steps=1"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stderr[-3000:]
     said = (f"no checkpoint in {fresh / 'checkpoints'}: starting from step 1. The previous run in this "
             f"directory reached step {reached} and saved none: ")
