@@ -9,9 +9,8 @@ import torch
 
 from ntp_nemo.parallel.grad_sync import _SyncBucket
 from ntp_nemo.parallel.launch import run_workers
-from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout, Topology
-from tests.ntp_cases import GPT, LLAMA, SEED, tokens
+from tests.ntp_cases import GPT, LLAMA, SEED, assembled, tokens
 
 
 def _norm_sq_by_fragment(sync) -> float:
@@ -31,9 +30,8 @@ def _passes(rank: int, world: int, cfg) -> dict:
     real_cat = torch.cat
     out: dict = {}
     for mode in ("views", "packed"):
-        rt = NTPRuntime(ResolvedLayout.make(topology), rank)
-        model = rt.build_model(cfg, SEED, dtype=torch.float32)
-        sync = rt.attach(model)
+        rt, model = assembled(ResolvedLayout.make(topology), rank, cfg, dtype=torch.float32)
+        sync = rt.sync
         if mode == "packed":  # the per-step pack/unpack path for every bucket (no persistent buffer)
             sync._make_bucket = lambda holders, frags: _SyncBucket(holders, frags, [False] * len(frags))
         model.to(torch.float64)  # cast after the sync was built, as a precision plugin does
@@ -108,7 +106,6 @@ def _overlapped(rank: int, world: int, cfg) -> dict:
     """The overlapped sync (small buckets: several per holder set) with its bucket views, against the
     packed blocking sync on the same model and micro-batches, two steps."""
     from ntp_nemo.parallel.overlap import OverlappedGradSync
-    from tests.ntp_cases import assembled
 
     torch.set_num_threads(1)
     layout = ResolvedLayout.make(Topology(2, [2, 1], [2] * (cfg.num_layers + 2)))
