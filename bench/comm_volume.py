@@ -58,6 +58,7 @@ SITES = {
     ("comm.py", "backward"): "tp_bwd",
     ("layers.py", "forward"): "tp_ce",
     ("grad_sync.py", "_reduce"): "dp",
+    ("grad_sync.py", "_reduce_in_place"): "dp",
     ("grad_sync.py", "clip_grad_norm_"): "scalar",
     ("runtime.py", "global_sum"): "scalar",
     ("comm_volume.py", "gather_to_core"): "g2c",
@@ -118,6 +119,8 @@ class CommLog:
 
         def counted(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
             caller = sys._getframe(1).f_code
+            if caller.co_name == "all_reduce_on":  # comm.py's device-checked all-reduce: its caller counts
+                caller = sys._getframe(2).f_code
             site = SITES.get(
                 (os.path.basename(caller.co_filename), caller.co_name), f"other:{caller.co_name}"
             )
