@@ -18,6 +18,20 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist with `--dist loadgroup` (the README's test command), the tests of a module that
+    read a module-scoped fixture run on one worker, so the fixture (often a whole sweep of runs) is
+    computed once instead of once per worker; every other test goes to whichever worker is free."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None:
+            continue
+        if any(fd.scope == "module" for defs in info.name2fixturedefs.values() for fd in defs):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
 # Small enough for 2 cores, big enough to learn: used by CLI tests unless they override it.
 TINY = [
     "model.hidden_size=64",
