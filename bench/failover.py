@@ -36,7 +36,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 from _common import ROOT, load_average, thread_env
 
@@ -185,21 +184,16 @@ def _harness_worker(pid, world, store, mode, model_cfg, layout, first_step, step
     from ntp_nemo.resilience.policies import make_policy
     from ntp_nemo.resilience.recovery import Generation, recover
     from ntp_nemo.resilience.rendezvous import join
-    from ntp_nemo.runtime.runtime import NTPRuntime
+    from ntp_nemo.runtime.assemble import assemble
+
+    optim = {"lr": lr, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.1}
 
     def build(lay, rank, init=True):
-        rt = NTPRuntime(lay, rank)
-        if init:
-            model = rt.build_model(model_cfg, 1234, dtype=torch.float32)
-        else:  # every value comes from the survivors: runtime.build_model without the initialisation
-            from ntp_nemo.models import DecoderLM
-
-            stage = rt.coord.stage
-            model = DecoderLM(model_cfg, rt.plan, layers=rt.topology.stage_layer_range(stage),
-                              has_embedding=stage == 0, has_head=stage == rt.topology.pp - 1)
-        rt.attach(model)
-        return SimpleNamespace(runtime=rt, model=model,
-                               optimizer=torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1))
+        """The rank as a run builds it (`runtime.assemble`: model slice, sync, optimizer); a rank whose
+        every value comes from the survivors is built without drawing initial weights."""
+        return assemble(lay, rank, model_cfg, optim, None, seed=1234, param_dtype=torch.float32,
+                        make_model=None if init else (
+                            lambda rt: rt.build_model(model_cfg, 1234, torch.float32, initialize=False)))
 
     gen = Generation.first(layout)
     join(store, 0, pid, world)

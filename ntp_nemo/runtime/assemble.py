@@ -77,7 +77,7 @@ def assemble(
         model = make_model(runtime)
     else:
         model = runtime.build_model(model_cfg, seed, param_dtype)
-    sync = runtime.attach(model, bucket_mb, plan=sync_plan)
+    sync = runtime._attach(model, bucket_mb, plan=sync_plan)
     if keep is not None:
         optimizer, old_model = keep
         rebind_optimizer(optimizer, old_model, model)

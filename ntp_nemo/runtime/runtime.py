@@ -29,7 +29,15 @@ STEP_SCALARS = ("loss_sum", "grad_norm_sq", "nonfinite", "stop")
 
 
 class NTPRuntime:
-    """`NTPRuntime(layout, rank, device=...)`.
+    """`NTPRuntime(layout, rank, device=...)`: a rank's place (coordinates, process groups, device, TP
+    plan), from which its model slice is built (`build_model`).
+
+    A runtime that trains or evaluates also holds its model's gradient sync and, when pp > 1, its
+    pipeline engine; both depend on the model, which is built from the runtime, so `runtime.assemble`
+    (the one way a rank is built) constructs the runtime, builds the slice and completes the runtime
+    with them; no public method completes a runtime afterwards.  A runtime constructed alone is a place
+    only: its `sync` (and, when pp > 1, its micro-batch methods) refuse with a message naming `assemble`
+    instead of running half-wired.
 
     `layout` is the run's `ResolvedLayout`, the only description of who runs what.  `device` defaults
     to the layout's device of this rank, else CPU; `torch.device("meta")` builds shapes only (dry run).
@@ -48,8 +56,8 @@ class NTPRuntime:
         self.device = torch.device(device or layout.device_of(rank) or "cpu")
         self.acc_dtype = accumulator_dtype(self.device)
         self.world_group = None  # the default group: on CUDA it may be NCCL-only, so its tensors are CUDA
-        self.sync: GradientSynchronizer | None = None
-        self.pipeline = None  # PipelineEngine, built by attach() when pp > 1
+        self._sync: GradientSynchronizer | None = None  # set by runtime.assemble (`_attach`)
+        self.pipeline = None  # PipelineEngine, built with the sync when pp > 1
         if self.topology.world_size > 1:
             self.topology.build_groups()
         self.plan = self.topology.plan_for(rank)
@@ -57,6 +65,18 @@ class NTPRuntime:
             from ntp_nemo.parallel.sequence import SequenceParallelPlan
 
             self.plan = SequenceParallelPlan(self.plan)
+
+    @property
+    def sync(self) -> GradientSynchronizer:
+        """The model's fragment gradient sync (built by `runtime.assemble`)."""
+        if self._sync is None:
+            raise RuntimeError(self._not_assembled("no gradient sync"))
+        return self._sync
+
+    def _not_assembled(self, what: str) -> str:
+        return (f"rank {self.rank}: this runtime has {what}: it was constructed alone, which gives a "
+                "rank's place only; build the rank with runtime.assemble (which builds the model slice, "
+                "the gradient sync and the pipeline engine together)")
 
     @property
     def is_meta(self) -> bool:
@@ -103,14 +123,14 @@ class NTPRuntime:
             load_hf_into(model, cfg.init_from)  # each rank reads only its slices
         return model
 
-    def attach(
+    def _attach(
         self, model: nn.Module, bucket_mb: float = 25.0, descriptors: Sequence[dict] | None = None,
         plan: SyncPlan | None = None,
     ) -> GradientSynchronizer:
         """Build the fragment sync plan and its process groups (and the pipeline engine when pp > 1).
 
-        `runtime.assemble` calls it: build a rank through `assemble`, which returns the runtime with its
-        model, optimizer and gradient path, rather than attaching a model by hand.
+        Private to `runtime.assemble`, which builds the model slice from this runtime and completes the
+        runtime with it; nothing else calls it, so no runtime outside `assemble` is left half-wired.
 
         `descriptors` (every rank's `param_descriptors`, index = global rank) skips the exchange (one
         `all_gather_object`), and `plan` (this rank's, computed up front) the planning too; the dry run
@@ -127,7 +147,7 @@ class NTPRuntime:
             plan = build_sync_plan(self.rank, everyone, replica_of)
         if self.topology.world_size > 1:
             self.topology.build_groups(extra=plan.all_holder_sets)
-        self.sync = GradientSynchronizer(
+        self._sync = GradientSynchronizer(
             model, plan, self.topology.group, int(bucket_mb * (1 << 20)), self.world_group, self.device
         )
         if self.topology.pp > 1 and self.schedule == "interleaved_1f1b":
@@ -140,7 +160,7 @@ class NTPRuntime:
 
             self.pipeline = PipelineEngine(model, self.topology, self.rank, self.schedule,
                                            acc_dtype=self.acc_dtype)
-        return self.sync
+        return self._sync
 
     # ---- batch share ----------------------------------------------------------------------------
     def microbatch_counts(self, num_microbatches: int) -> list[int]:

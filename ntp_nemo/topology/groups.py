@@ -13,7 +13,7 @@ backend a gloo side too.  At about 1,000 ranks the world's mesh plus the meshes 
 fragment holder set and pipeline link reach the default open-file limit (1,024).  So gloo groups exist
 only where objects travel:
 
-- the world group: `all_gather_object` of the parameter descriptors (`NTPRuntime.attach`), the
+- the world group: `all_gather_object` of the parameter descriptors (`runtime.assemble`), the
   checkpoint records and metadata, the recovery step agreement, the log lines of the callbacks;
 - the checkpoint writer's own world-sized group (`checkpoint.async_save`: the background save gathers
   its records there, beside the training thread's collectives).
