@@ -89,6 +89,54 @@ def test_one_gpu_per_task_on_a_larger_node_warns_once_naming_the_nodes():
     assert isolated_gpu_warning([NodeFacts("cpu0", 0, None)] * 3) is None  # CPU job
 
 
+@pytest.mark.parametrize("value, count", [
+    ("3", 1),  # srun --gpus-per-task=1: one id per task
+    ("0,1,2,3", 4),
+    ("1,-1,2", 1),  # CUDA stops at the first invalid entry
+    ("0,0", 0),  # a repeated id hides every device
+    ("", 0),
+    (None, 0),  # unset on a CPU run: no CUDA query, nothing counted
+])
+def test_a_cpu_task_counts_the_gpus_cuda_visible_devices_names(monkeypatch, value, count):
+    from ntp_nemo.parallel import devices
+
+    if value is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", value)
+    monkeypatch.setattr(devices, "cuda_device_count", lambda: pytest.fail("a CUDA query on a CPU run"))
+    assert devices.visible_gpus(on_cuda=False) == count
+
+
+def test_cuda_visible_devices_alone_does_not_make_a_cpu_machine_a_gpu_one(monkeypatch):
+    """The accelerator check reads CUDA's own count, not the variable the placement report reads."""
+    import torch
+
+    from ntp_nemo.parallel import devices
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    expected = torch.cuda.device_count() > 0  # what CUDA says on this machine, not the variable
+    assert devices.cuda_available() is expected
+
+
+def _refused_placement_worker(rank: int, world: int) -> tuple[list[str], str | None]:
+    seen: list[str] = []
+    try:
+        check_placement(Topology(2, [2], [2, 2, 2, 2]), allow_cross_node_tp=False, visible_gpus=1,
+                        env={"SLURM_GPUS_ON_NODE": "8"}, host=["a", "b"][rank], warn=seen.append)
+    except ConfigError as err:
+        return seen, err.key
+    return seen, None
+
+
+def test_a_refused_placement_still_warns_of_isolated_gpus_first():
+    """A job refused for a TP group across nodes hears of its one-GPU tasks in the same start-up."""
+    out = run_workers(_refused_placement_worker, 2, timeout_s=60)
+    assert [key for _, key in out] == ["ntp.allow_cross_node_tp"] * 2
+    assert all(len(w) == 1 and w[0].startswith("each task sees one GPU on 2 node(s) with more: a (8 GPUs), "
+                                               "b (8 GPUs)") for w, _ in out), out
+
+
 def test_readme_recommends_every_gpu_of_a_node_visible():
     section = (ROOT / "README.md").read_text().split("## On GPUs and clusters")[1].split("\n## ")[0]
     assert "--gpus-per-node`, not `--gpus-per-task=1`" in section and "NVLink" in section

@@ -167,13 +167,14 @@ class NTPStrategy(StrategyAdapter):
         """Collective, once at start-up of a launcher-started job: every TP group inside one node (else
         ConfigError), and a warning from rank 0 for tasks that each see one GPU of a larger node."""
         from ntp_nemo.parallel.cluster import check_placement
-        from ntp_nemo.parallel.devices import cuda_device_count
+        from ntp_nemo.parallel.devices import visible_gpus
 
-        visible = cuda_device_count() if self.root_device.type == "cuda" else 0
-        for warning in check_placement(self.topology, allow_cross_node_tp=self.allow_cross_node_tp,
-                                       visible_gpus=visible):
+        def warn(text: str) -> None:  # printed before a refusal too (check_placement)
             if self.global_rank == 0:
-                print(f"warning: {warning}", flush=True)
+                print(f"warning: {text}", flush=True)
+
+        check_placement(self.topology, allow_cross_node_tp=self.allow_cross_node_tp,
+                        visible_gpus=visible_gpus(self.root_device.type == "cuda"), warn=warn)
 
     def adopt(self, state: RankState) -> None:
         """Make `state` this rank's: the only place a rank's layout, runtime, model, optimizer and gradient

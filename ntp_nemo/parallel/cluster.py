@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ntp_nemo.errors import ConfigError
@@ -291,17 +291,24 @@ def isolated_gpu_warning(facts: Sequence[NodeFacts]) -> str | None:
 
 
 def check_placement(topology, *, allow_cross_node_tp: bool, visible_gpus: int,
-                    env: Mapping[str, str] | None = None, host: str | None = None) -> list[str]:
+                    env: Mapping[str, str] | None = None, host: str | None = None,
+                    warn: Callable[[str], None] | None = None) -> list[str]:
     """Where the ranks of a launcher-started job landed, checked once at start-up (collective: one
     `all_gather_object` of every rank's host, visible GPUs and the node's GPU count).  Raises
     ConfigError when a TP group spans nodes (unless `allow_cross_node_tp`); returns the warnings, the
-    same on every rank: a TP group across nodes (allowed), tasks each seeing one GPU of a larger node."""
+    same on every rank: a TP group across nodes (allowed), tasks each seeing one GPU of a larger node.
+    `warn` receives each warning as it is found, the isolated-GPU one before a refusal too, so that a
+    refused job learns of both of its placement problems at once."""
     facts = exchange_node_facts(local_node_facts(visible_gpus, env, host))
-    warnings = []
-    spanning = check_tp_within_nodes([f.host for f in facts], topology, allow_cross_node_tp)
-    if spanning:
-        warnings.append(spanning)
     isolated = isolated_gpu_warning(facts)
-    if isolated:
-        warnings.append(isolated)
+    try:
+        spanning = check_tp_within_nodes([f.host for f in facts], topology, allow_cross_node_tp)
+    except ConfigError:
+        if isolated and warn is not None:
+            warn(isolated)
+        raise
+    warnings = [w for w in (spanning, isolated) if w]
+    for w in warnings:
+        if warn is not None:
+            warn(w)
     return warnings

@@ -68,6 +68,23 @@ def local_cuda_ordinals(local_processes: int, visible: int | None = None) -> lis
     )
 
 
+def visible_gpus(on_cuda: bool) -> int:
+    """The GPUs this process sees, as the start-up placement check reports them (`NodeFacts.visible_gpus`).
+
+    A CUDA run counts as CUDA does (`cuda_device_count`: NVML, which honours CUDA_VISIBLE_DEVICES).  Any
+    other run makes no CUDA query: it counts the devices CUDA_VISIBLE_DEVICES names, parsed by CUDA's
+    rules (torch's parser: entries up to the first invalid one, none when one repeats; `srun
+    --gpus-per-task=1` sets one id per task), or 0 when the variable is unset.  Only this report reads
+    the variable: the accelerator is chosen by `cuda_available`, so a CPU run with CUDA_VISIBLE_DEVICES
+    set still trains on the CPU.
+    """
+    if on_cuda:
+        return cuda_device_count()
+    if os.environ.get("CUDA_VISIBLE_DEVICES") is None:
+        return 0
+    return len(torch.cuda._parse_visible_devices())
+
+
 def cuda_available() -> bool:
     """`torch.cuda.is_available()` for the launching parent (see `cuda_device_count`)."""
     return cuda_device_count() > 0
