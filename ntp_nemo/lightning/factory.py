@@ -31,6 +31,20 @@ from ntp_nemo.lightning.strategy import NTPStrategy
 from ntp_nemo.topology.layout import ResolvedLayout
 
 
+class NTPTrainer(pl.Trainer):
+    """Lightning's Trainer, recording the checkpoint `fit` resumes from before Lightning builds the model
+    (Lightning sets `ckpt_path` only as it reads the checkpoint, after `configure_model`): the module then
+    draws no initial weight that the checkpoint overwrites (`NTPLanguageModule.weights_restored`)."""
+
+    resume_from: str | None = None  # the checkpoint directory of the current `fit`, else None
+
+    def fit(self, model: pl.LightningModule, train_dataloaders: Any = None, val_dataloaders: Any = None,
+            datamodule: Any = None, ckpt_path: Any = None, weights_only: bool | None = None) -> None:
+        # Only a directory (the project's checkpoints): Lightning's keywords ("last", "hpc") may find none.
+        self.resume_from = str(ckpt_path) if ckpt_path is not None and Path(ckpt_path).is_dir() else None
+        super().fit(model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, weights_only)
+
+
 def process_layout(world_size: int) -> tuple[int, int]:
     """(devices on this node, nodes) for Lightning: from torchrun/SLURM when they launched us (nodes may
     run unequal process counts; see ntp_nemo.lightning.cluster), else all on this machine."""
@@ -50,7 +64,7 @@ def build_trainer(
     cuda_devices: Sequence[int] | None = None,
     stop_at_step: int | None = None,
     job_started: bool = False,
-) -> tuple[pl.Trainer, NTPLanguageModule, NTPStrategy]:
+) -> tuple[NTPTrainer, NTPLanguageModule, NTPStrategy]:
     """`layout`: the attempt's layout (default the run's, `spec.layout`; the supervisor passes a
     re-planned one). `cuda_devices`: the CUDA ordinal each local rank binds (the supervisor's relaunch
     after a lost GPU); default ranks 0..n-1 on ordinals 0..n-1.  `stop_at_step`: where this attempt
@@ -109,7 +123,7 @@ def build_trainer(
         callbacks.append(instantiate(dataclasses.asdict(spec.quant)))
     callbacks += list(extra_callbacks)  # failure injection and heartbeats (ntp_nemo.resilience)
     loggers = [instantiate(lg) for lg in spec.loggers]
-    trainer = pl.Trainer(
+    trainer = NTPTrainer(
         accelerator="gpu" if gpu else t.accelerator,
         devices=devices,
         num_nodes=nodes,

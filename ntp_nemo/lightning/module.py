@@ -49,6 +49,7 @@ class NTPLanguageModule(pl.LightningModule):
         self.last_step: dict[str, Any] = {}
         self.stop_agreed = False  # some rank asked to stop (from the last step's fused all-reduce)
         self.overlap_grad_sync = overlap_grad_sync
+        self.weights_drawn = True  # False: `configure_model` built the model for a checkpoint to fill
 
     @property
     def runtime(self):
@@ -66,15 +67,26 @@ class NTPLanguageModule(pl.LightningModule):
         return self.trainer.strategy.runtime.my_microbatches(num_microbatches)
 
     # ---- model and optimizer --------------------------------------------------------------------
+    def weights_restored(self) -> bool:
+        """Every weight is overwritten before the first step, so `configure_model` draws none: `fit` was
+        given a checkpoint directory (`resume`, a restart-path relaunch: `NTPTrainer.resume_from`), or
+        this process rejoins a running job (its shards come from the survivors: the strategy's recovery
+        hooks say `rejoining`).  A plain Lightning Trainer, or one of Lightning's checkpoint keywords
+        (`"last"`, which may find nothing), draws them."""
+        trainer = self.trainer
+        recovery = getattr(trainer.strategy, "recovery", None)
+        return bool(getattr(trainer, "resume_from", None)) or bool(getattr(recovery, "rejoining", False))
+
     def configure_model(self) -> None:
         if self.model is not None:
             return
         from ntp_nemo.runtime.assemble import assemble
 
         strategy = self.trainer.strategy
+        self.weights_drawn = not self.weights_restored()  # else every value is overwritten: none is drawn
         strategy.adopt(assemble(strategy.layout, strategy.global_rank, self.model_cfg, self.optim_cfg,
                                 strategy.root_device, seed=self.seed, bucket_mb=strategy.bucket_mb,
-                                overlap_grad_sync=self.overlap_grad_sync))
+                                overlap_grad_sync=self.overlap_grad_sync, initialize=self.weights_drawn))
         # Dropout draws from the global generator: seed it from the run's seed, the same on every rank
         # (the TP ranks of a replica must draw the same masks); a resume restores the saved states.
         torch.manual_seed(self.seed)
@@ -116,6 +128,10 @@ class NTPLanguageModule(pl.LightningModule):
         return DataLoader(ds, batch_size=None, num_workers=0)
 
     def on_train_start(self) -> None:
+        if not self.weights_drawn and not self.trainer.ckpt_path:  # Lightning read no checkpoint
+            raise RuntimeError(
+                "the model was built without initial weights for a checkpoint to overwrite them, but no "
+                "checkpoint was loaded: pass fit a checkpoint directory, or build the module drawing them")
         # The loops are restored before the first batch is fetched: start from the restored step.
         if self._train_set is not None:
             self._train_set.start_step = self.trainer.global_step

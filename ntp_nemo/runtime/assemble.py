@@ -63,6 +63,7 @@ def assemble(
     make_model: Callable[[NTPRuntime], nn.Module] | None = None,
     param_dtype: torch.dtype | None = None,
     sync_plan: SyncPlan | None = None,
+    initialize: bool = True,
 ) -> RankState:
     """Build rank `rank`'s state on `layout` (collective over the layout's ranks: process groups and the
     sync plan).  `optim_cfg` holds the `optim` keys (lr, beta1, beta2, eps, weight_decay, distributed).
@@ -71,12 +72,15 @@ def assemble(
     building one (live recovery: the LR scheduler and Lightning hold that object); `make_model` builds
     the model slice in place of `runtime.build_model(model_cfg, seed)` (a model whose every value comes
     from elsewhere need not be initialised); `param_dtype` casts the parameters; `sync_plan` is this
-    rank's gradient-sync plan computed up front (the dry run's fake process group moves no data)."""
+    rank's gradient-sync plan computed up front (the dry run's fake process group moves no data);
+    `initialize=False` draws no initial weight (`runtime.build_model(..., initialize=False)`): the
+    caller overwrites every value before the first step (a checkpoint being resumed, the survivors'
+    shards of a rejoin)."""
     runtime = NTPRuntime(layout, rank, device=device)
     if make_model is not None:
         model = make_model(runtime)
     else:
-        model = runtime.build_model(model_cfg, seed, param_dtype)
+        model = runtime.build_model(model_cfg, seed, param_dtype, initialize=initialize)
     sync = runtime._attach(model, bucket_mb, plan=sync_plan)
     if keep is not None:
         optimizer, old_model = keep
