@@ -1,6 +1,6 @@
 """Pipeline x TP x DP layouts reproduce the unsharded model's loss and every gradient (float64, gloo).
 
-Each case runs the real runtime path: stage-aware `build_model`, `attach` (fragment holder-set sync,
+Each case runs the real runtime path: `runtime.assemble` (stage-aware model slice, fragment holder-set sync,
 which also ties the first and last stage's embedding), the GPipe/1F1B schedule on point-to-point
 ops with a different micro-batch count per replica, then the gradient sync.
 """
