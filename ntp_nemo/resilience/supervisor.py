@@ -60,21 +60,6 @@ class FailoverError(RuntimeError):
     """Training could not be recovered (restarts exhausted, no replica left, invalid re-planned layout)."""
 
 
-def relaunch_checkpoint(ckpt_dir: Path, initial: Path | None) -> Path | None:
-    """The checkpoint a relaunch resumes from: the run's latest one whose every byte passes its check
-    (the relaunch reads them all anyway), a damaged newer one skipped with a warning; `initial` (the
-    run's own `resume=`) when the run saved none.  When the run saved checkpoints and none is usable:
-    `NoUsableCheckpointError` (exit 2, each named, none deleted), not a worker's traceback at load."""
-    from ntp_nemo.checkpoint.manifest import latest_valid_checkpoint
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        found = latest_valid_checkpoint(ckpt_dir, verify_data=True)
-    for w in caught:
-        print(f"warning: {w.message}", flush=True)
-    return found if found is not None else initial
-
-
 @dataclass
 class AttemptRecord:
     index: int
@@ -205,7 +190,14 @@ class Supervisor:
             rec.record(event, **fields)
 
     def _latest_checkpoint(self) -> Path | None:
-        return relaunch_checkpoint(self.ckpt_dir, self.initial_resume)
+        from ntp_nemo.checkpoint.manifest import latest_valid_checkpoint
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            found = latest_valid_checkpoint(self.ckpt_dir)
+        for w in caught:
+            print(f"warning: {w.message}", flush=True)
+        return found if found is not None else self.initial_resume
 
     @staticmethod
     def _step_of(ckpt: Path | None) -> int:
