@@ -69,6 +69,25 @@ TOY_JOB = [
 
 
 # ---- config ---------------------------------------------------------------------------------------
+def llama_1b_slice(layers: int, tp: int, rank: int) -> Callable[[], nn.Module]:
+    """`make()`: TP rank `rank`'s slice of a Llama of the ~1.2B recipe's widths (hidden 2048, 16 heads /
+    8 KV heads, MLP 5632, vocabulary 128256, untied head) with `layers` layers, built without a process
+    group (the rank's TP context made by hand): what the start-up benches time."""
+    from ntp_nemo.models.config import ModelConfig
+    from ntp_nemo.models.transformer import DecoderLM
+    from ntp_nemo.topology.tp_context import TPContext
+
+    cfg = ModelConfig(arch="llama", vocab_size=128256, hidden_size=2048, num_layers=layers, num_heads=16,
+                      num_kv_heads=8, ffn_hidden_size=5632, max_seq_len=4096, tie_embeddings=False)
+    ctx = TPContext(size=tp, rank=rank, group=None)
+
+    class _Plan:  # every slot of the rank's one stage has the same TP context
+        def context(self, slot: int) -> TPContext:
+            return ctx
+
+    return lambda: DecoderLM(cfg, _Plan())
+
+
 def compose(overrides: Sequence[str]):
     """The DictConfig `ntp-train OVERRIDES` would run with."""
     from hydra import compose as hydra_compose

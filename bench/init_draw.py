@@ -20,18 +20,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ntp_nemo.models.config import ModelConfig  # noqa: E402
+from _common import llama_1b_slice  # noqa: E402
+
 from ntp_nemo.models.init import full_init, initialize_  # noqa: E402
-from ntp_nemo.models.transformer import DecoderLM  # noqa: E402
-from ntp_nemo.topology.tp_context import TPContext  # noqa: E402
-
-
-class _Plan:
-    def __init__(self, ctx: TPContext) -> None:
-        self.ctx = ctx
-
-    def context(self, slot: int) -> TPContext:
-        return self.ctx
 
 
 def main() -> None:
@@ -40,11 +31,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    cfg = ModelConfig(arch="llama", vocab_size=128256, hidden_size=2048, num_layers=args.layers, num_heads=16,
-                      num_kv_heads=8, ffn_hidden_size=5632, max_seq_len=4096, tie_embeddings=False)
     print(f"init_draw: Llama widths of the 1.2B recipe, {args.layers} layers, TP {args.tp}, one thread")
     for rank in (0, args.tp - 1):
-        model = DecoderLM(cfg, _Plan(TPContext(size=args.tp, rank=rank, group=None)))
+        model = llama_1b_slice(args.layers, args.tp, rank)()
         t = time.process_time()
         initialize_(model, 1234)
         new = time.process_time() - t

@@ -28,18 +28,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ntp_nemo.models.config import ModelConfig  # noqa: E402
+from _common import llama_1b_slice  # noqa: E402
+
 from ntp_nemo.models.init import build_slice, initialize_  # noqa: E402
-from ntp_nemo.models.transformer import DecoderLM  # noqa: E402
-from ntp_nemo.topology.tp_context import TPContext  # noqa: E402
-
-
-class _Plan:
-    def __init__(self, ctx: TPContext) -> None:
-        self.ctx = ctx
-
-    def context(self, slot: int) -> TPContext:
-        return self.ctx
 
 
 def _former(make, device, seed):
@@ -61,20 +52,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    cfg = ModelConfig(arch="llama", vocab_size=128256, hidden_size=2048, num_layers=args.layers, num_heads=16,
-                      num_kv_heads=8, ffn_hidden_size=5632, max_seq_len=4096, tie_embeddings=False)
     device, seed = torch.device("cpu"), 1234
     print(f"init_on_resume: Llama widths of the 1.2B recipe, {args.layers} layers, TP {args.tp}, one thread, "
           f"medians of {args.rounds} rounds")
     print(f" {'rank':>4}  {'params':>10}  {'former CPU-s':>12}  {'fresh CPU-s':>11}  {'resume CPU-s':>12}"
           f"  {'resume/former':>13}  {'former wall-s':>13}  {'resume wall-s':>13}  fresh == former")
     for rank in (0, args.tp - 1):
-        def make(rank=rank):
-            return DecoderLM(cfg, _Plan(TPContext(size=args.tp, rank=rank, group=None)))
-
-        cases = {"former": lambda: _former(make, device, seed),
-                 "fresh": lambda: build_slice(make, device, None, seed),
-                 "resume": lambda: build_slice(make, device, None, None)}
+        make = llama_1b_slice(args.layers, args.tp, rank)
+        cases = {"former": lambda make=make: _former(make, device, seed),
+                 "fresh": lambda make=make: build_slice(make, device, None, seed),
+                 "resume": lambda make=make: build_slice(make, device, None, None)}
         cpu: dict[str, list[float]] = {k: [] for k in cases}
         wall: dict[str, list[float]] = {k: [] for k in cases}
         same = True

@@ -330,11 +330,7 @@ class LiveMonitor(threading.Thread):
         assert r is not None
         seen.update(r["pids"])
         self.launcher.lost.update(r["pids"])  # before the kill: the launcher then never counts them as lost
-        for i in r["pids"]:
-            p = procs[i]
-            if p.exitcode is None and p.pid is not None:
-                kill_worker(p.pid)
-                p.join(5)
+        _stop(procs, r["pids"])
         if r.get("decided"):  # too late to cancel: the survivors are gone
             print(f"failover | live: {why}: stopping the repaired process(es) {r['pids']}", flush=True)
             return
@@ -353,11 +349,7 @@ class LiveMonitor(threading.Thread):
         survivors re-form generation `g + 2` without them (`LiveRecovery._grow`) and the repair is tried
         again later.  Returns the processes to list as lost."""
         r, self._rejoin = self._rejoin, None
-        for i in r["pids"]:
-            p = procs[i]
-            if p.exitcode is None and p.pid is not None:
-                kill_worker(p.pid)
-                p.join(5)
+        _stop(procs, r["pids"])
         seen.update(r["pids"])
         print(f"failover | live: the rejoin of process(es) {r['pids']} failed after it was decided "
               f"(process(es) {lost} died): the survivors re-form without them", flush=True)
@@ -431,6 +423,16 @@ class LiveMonitor(threading.Thread):
                 print(f"failover | live: process {i} hung (no heartbeat for {self.heartbeat_s:.0f} s); "
                       "killing it to recover without it", flush=True)
                 kill_worker(p.pid)
+
+
+def _stop(procs, indices) -> None:
+    """SIGKILL the processes `indices` of `procs` still running (repaired processes of a failed rejoin:
+    nothing of theirs to save), and reap them."""
+    for i in indices:
+        p = procs[i]
+        if p.exitcode is None and p.pid is not None:
+            kill_worker(p.pid)
+            p.join(5)
 
 
 def _prepare_repaired(trainer: Any, idx: int, joining: Rejoining) -> None:
