@@ -142,12 +142,16 @@ class Attention(nn.Module):
         self.regular_gqa = qlo % self.group == 0 and qhi % self.group == 0
         self.tp = tp
         self.recompute_core = getattr(cfg, "recompute", "none") == "selective"
+        # q, k and v as one GEMM over their stacked local rows (`gather_and_project`); the parameters stay
+        # three, so checkpoints and Hugging Face names do not change.  False: one GEMM each (benchmarks).
+        self.fuse_projections = True
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, seq_len: int
     ) -> torch.Tensor:
         # One TP region entry for q, k and v (under SP: one all-gather to the whole sequence).
-        q, k, v = gather_and_project(x, self.tp, seq_len, (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = gather_and_project(x, self.tp, seq_len, (self.q_proj, self.k_proj, self.v_proj),
+                                     fuse=self.fuse_projections)
         b, s, d = x.shape[0], seq_len, self.head_dim
         q = q.view(b, s, -1, d).transpose(1, 2)
         k = k.view(b, s, -1, d).transpose(1, 2)
@@ -183,11 +187,13 @@ class MLP(nn.Module):
         self.up_proj = ColumnParallelLinear(h, f, tp, bias=bias, std=cfg.init_std, copy_input=False)
         self.tp = tp
         self.down_proj = RowParallelLinear(f, h, tp, bias=bias, std=out_std)
+        self.fuse_projections = True  # gate and up as one GEMM (see `Attention.fuse_projections`)
 
     def forward(self, x: torch.Tensor, seq_len: int) -> torch.Tensor:
         # One TP region entry for the MLP input.
         if self.gated:
-            gate, up = gather_and_project(x, self.tp, seq_len, (self.gate_proj, self.up_proj))
+            gate, up = gather_and_project(x, self.tp, seq_len, (self.gate_proj, self.up_proj),
+                                          fuse=self.fuse_projections)
             return self.down_proj(F.silu(gate) * up)
         (up,) = gather_and_project(x, self.tp, seq_len, (self.up_proj,))
         return self.down_proj(F.gelu(up, approximate="tanh"))

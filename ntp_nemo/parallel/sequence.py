@@ -282,13 +282,76 @@ class _GatherProject(torch.autograd.Function):
         return (grad_x, None, None, *out)
 
 
+def fusable(layers: Sequence[torch.nn.Module]) -> bool:
+    """Whether `layers` can run as one GEMM over their concatenated weights: more than one, all with a
+    bias or none with one, and none quantised (a modelopt quantiser wraps the layer's own forward, which
+    the fused GEMM would bypass)."""
+    if len(layers) < 2 or any(hasattr(layer, "weight_quantizer") for layer in layers):
+        return False
+    return len({getattr(layer, "bias", None) is not None for layer in layers}) == 1
+
+
+def _cat_rows(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    return torch.cat([t.to(dtype) for t in tensors])
+
+
+class _FusedProject(torch.autograd.Function):
+    """Several column-parallel projections of one input as one GEMM over their local weights stacked
+    along the output rows (q/k/v: `[q_local; k_local; v_local]`), optionally after the SP all-gather.
+
+    The parameters are the inputs (each keeps its own name, shape and gradient), and only they and the
+    input are saved for the backward: the stacked weight is made again there (a copy of the local weights,
+    a `1 / tokens` fraction of the GEMM's work) rather than kept per micro-batch in flight.  The GEMMs run
+    in the input's dtype (the compute dtype: cast at the region boundary), the weights cast as autocast
+    would, so the backward needs no autocast around it.  Backward: one GEMM for the input's gradient and
+    one for the stacked weights' (split back into each parameter's rows), instead of one each per layer.
+    Under SP (`gather`) the input is this rank's sequence slice: gathered forward and again backward,
+    the input gradient reduce-scattered; without it the caller's `copy_to_tp` all-reduces it."""
+
+    @staticmethod
+    def forward(ctx, x, tp, seq_len, gather, num_weights, *weights_and_biases):  # type: ignore[override]
+        weights, biases = weights_and_biases[:num_weights], weights_and_biases[num_weights:]
+        full = _all_gather_seq(x, tp, seq_len) if gather else x
+        ctx.tp, ctx.seq_len, ctx.gather, ctx.has_bias = tp, seq_len, gather, bool(biases)
+        ctx.save_for_backward(x, *weights)
+        dt = x.dtype
+        bias = _cat_rows(biases, dt) if biases else None
+        return torch.nn.functional.linear(full, _cat_rows(weights, dt), bias)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        x, *weights = ctx.saved_tensors
+        full = _all_gather_seq(x, ctx.tp, ctx.seq_len) if ctx.gather else x
+        full = full.flatten(0, -2)
+        g2 = grad.flatten(0, -2).to(x.dtype)
+        grad_full = (g2 @ _cat_rows(weights, x.dtype)).view(*grad.shape[:-1], -1)
+        rows = [w.shape[0] for w in weights]
+        grad_w = list((g2.t() @ full).split(rows))
+        grad_b = list(g2.sum(0).split(rows)) if ctx.has_bias else []
+        grad_x = _reduce_scatter_seq(grad_full, ctx.tp) if ctx.gather else grad_full
+        return (grad_x, None, None, None, None, *grad_w, *grad_b)
+
+
 def gather_and_project(x: torch.Tensor, tp: TPContext, seq_len: int,
-                       layers: Sequence[torch.nn.Module]) -> list[torch.Tensor]:
+                       layers: Sequence[torch.nn.Module], *, fuse: bool = True) -> list[torch.Tensor]:
     """Column-parallel projections (`layers`: modules with a `weight`, an optional `bias`, and no region
     entry of their own) of one input entering the TP region.  Under SP: one all-gather forward, one
     all-gather and one reduce-scatter backward, only the slice saved; without SP the usual region entry
-    (the gradient all-reduced once for all of them) and each module called."""
+    (the gradient all-reduced once for all of them).
+
+    With `fuse` (and `fusable(layers)`: q/k/v, gate/up) the projections are one GEMM over the layers'
+    local weights concatenated along the output rows, and its output is split back into one view per
+    layer: one GEMM forward and one per gradient backward instead of one per layer, the same values.
+    The parameters stay the layers' own (checkpoints, Hugging Face names, initial draws and the gradient
+    sync see the same tensors); `_FusedProject` stacks their local rows for each GEMM."""
     x = to_compute_dtype(x)  # what crosses the wire (forward and backward) is in the compute dtype
+    if fuse and fusable(layers):
+        gather = seq_split(tp) > 1
+        weights = [layer.weight for layer in layers]
+        biases = [layer.bias for layer in layers] if getattr(layers[0], "bias", None) is not None else []
+        y = _FusedProject.apply(x if gather else copy_to_tp(x, tp), tp, seq_len, gather, len(weights),
+                                *weights, *biases)
+        return list(y.split([w.shape[0] for w in weights], dim=-1))
     if seq_split(tp) > 1:
         args = [t for layer in layers for t in (layer.weight, getattr(layer, "bias", None))]
         return list(_GatherProject.apply(x, tp, seq_len, *args))
