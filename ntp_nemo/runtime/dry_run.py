@@ -95,11 +95,20 @@ class MetaKernelCache:
     strides, dtypes and the other arguments, so the second call with equal metadata allocates an empty
     tensor of the recorded layout instead (`torch.empty_strided`: a fresh storage of the same size, as
     the kernel's).  Only ops that neither mutate nor alias (no alias annotation in their schema), whose
-    every output is a new dense tensor, are kept; everything else runs as before."""
+    every output is a new dense tensor, are kept this way.
+
+    In-place ops (`add_`, `copy_`, `lerp_`, ...: tagged `inplace`, writing only their first argument and
+    returning it) change no metadata (`inplace_view` ops such as `transpose_` and the `resize` family are
+    left out) and, on meta, no data: their kernel only checks the arguments.  A second call with the
+    same metadata as one that passed returns the first argument without running it (the optimizer's
+    update repeats the same few in-place kernels on every parameter of every layer).  Everything else
+    runs as before."""
+
+    FUNCTIONAL, INPLACE = 1, 2
 
     def __init__(self) -> None:
         self._outputs: dict[tuple, tuple | None] = {}
-        self._functional: dict[Any, bool] = {}
+        self._kinds: dict[Any, int] = {}
         self.hits = 0
 
     @staticmethod
@@ -121,26 +130,40 @@ class MetaKernelCache:
 
     def _key(self, func, args, kwargs) -> tuple | None:
         key: list[Any] = [func, len(args)]
-        if not all(self._add(key, a) for a in args):
-            return None
+        add = self._add
+        for a in args:
+            if not add(key, a):
+                return None
         for name, value in kwargs.items():
             key.append(name)
-            if not self._add(key, value):
+            if not add(key, value):
                 return None
         return tuple(key)
 
-    def _cacheable(self, func) -> bool:
-        ok = self._functional.get(func)
-        if ok is None:
-            schema = func._schema
-            ok = self._functional[func] = (
-                func.namespace == "aten" and not schema.is_mutable
-                and all(r.alias_info is None for r in schema.returns)
-                and all(a.alias_info is None for a in schema.arguments))
-        return ok
+    @classmethod
+    def _classify(cls, func) -> int:
+        """FUNCTIONAL, INPLACE or 0 (not cached)."""
+        if func.namespace != "aten":
+            return 0
+        schema = func._schema
+        args, rets = schema.arguments, schema.returns
+        if (not schema.is_mutable and all(r.alias_info is None for r in rets)
+                and all(a.alias_info is None for a in args)):
+            return cls.FUNCTIONAL
+        first = args[0].alias_info if args else None
+        if (torch.Tag.inplace in func.tags and torch.Tag.inplace_view not in func.tags
+                and "resize" not in func.__name__ and first is not None and first.is_write
+                and len(rets) == 1 and rets[0].alias_info is not None
+                and set(rets[0].alias_info.before_set) == set(first.before_set)
+                and all(a.alias_info is None for a in args[1:])):
+            return cls.INPLACE
+        return 0
 
     def call(self, func, args, kwargs):
-        if not self._cacheable(func):
+        kind = self._kinds.get(func)
+        if kind is None:
+            kind = self._kinds[func] = self._classify(func)
+        if not kind:
             return func(*args, **kwargs)
         key = self._key(func, args, kwargs)
         if key is None:
@@ -148,11 +171,15 @@ class MetaKernelCache:
         layout = self._outputs.get(key, ())
         if layout:
             self.hits += 1
+            if kind == self.INPLACE:
+                return args[0]
             outs = [torch.empty_strided(shape, stride, dtype=dtype, device=META)
                     for shape, stride, dtype in layout[1]]
             return outs[0] if layout[0] else tuple(outs)
         out = func(*args, **kwargs)
-        if layout == ():  # first call: record the layout when every output is a new dense tensor
+        if layout == () and kind == self.INPLACE:  # it passed its checks: equal metadata passes again
+            self._outputs[key] = (True, None) if out is args[0] else None
+        elif layout == ():  # first call: record the layout when every output is a new dense tensor
             single = isinstance(out, torch.Tensor)
             outs = [out] if single else out
             keep = isinstance(outs, (tuple, list)) and all(
@@ -185,6 +212,10 @@ class CommMeter(TorchDispatchMode):
         self.groups: dict[str, set[tuple[int, ...]]] = {k: set() for k in COMM_KINDS}
         # (kind, collective) -> [calls, payload bytes, ring-model bytes on the rank's link]
         self.ops: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0])
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
 
     @contextmanager
     def labelled(self, kind: str):
@@ -598,8 +629,10 @@ def _class_step(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: Step
 
     opt = state.optimizer
     if isinstance(opt, torch.optim.AdamW):
-        for group in opt.param_groups:  # the multi-tensor step: the same state, fewer meta-tensor calls
-            group["foreach"] = True
+        # The per-tensor step: the same state as the multi-tensor one, and its in-place kernels repeat
+        # on equal shapes (the cache skips them); on meta the multi-tensor kernels are Python loops.
+        for group in opt.param_groups:
+            group["foreach"] = False
     with comm:
         train_step(dataclasses.replace(state, model=step_model), [tokens], global_tokens,
                    max_norm=shape.grad_clip, phase=phase, grad_norm=grad_norm, read_scalars=False)
@@ -646,14 +679,70 @@ def _saved_bytes(runtime: NTPRuntime, cfg: ModelConfig, shape: StepShape, global
 
 
 def _tp_ops(comm: CommMeter) -> dict[str, dict[str, float]]:
+    return _ops_figures({op: v for (kind, op), v in comm.ops.items() if kind == "tp"})
+
+
+def _ops_figures(ops: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """{collective: [calls, payload, ring-model bytes]} -> the report's figures, by collective name."""
     return {op: {"calls": int(v[0]), "bytes": int(v[1]), "ring_bytes": int(round(v[2]))}
-            for (kind, op), v in sorted(comm.ops.items()) if kind == "tp"}
+            for op, v in sorted(ops.items())}
+
+
+def _microbatch(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: StepShape, global_tokens: int,
+                cache: MetaKernelCache | None) -> tuple[int, dict[str, list[float]]]:
+    """Inside a fake world as `rank`: (activation bytes, TP collectives {op: [calls, payload, ring bytes]})
+    of one micro-batch through `rank`'s stage of `layout` with the model `cfg`."""
+    comm = CommMeter(META, cache)
+    act = _saved_bytes(NTPRuntime(layout, rank, device=META), cfg, shape, global_tokens, comm)
+    return act, {op: list(v) for (kind, op), v in comm.ops.items() if kind == "tp"}
+
+
+# Layers per stage of the two short builds `_microbatch_scaled` measures a long stage from.
+_SHORT_STAGES = (2, 3)
+
+
+def _short_layout(layout: ResolvedLayout, cfg: ModelConfig, rank: int,
+                  layers: int) -> tuple[ResolvedLayout, ModelConfig] | None:
+    """`layout` and `cfg` with `layers` transformer layers in every stage, or None where the layers of
+    `rank`'s stage are not all alike (so that the stage's figures are not affine in its layer count):
+    per-layer degrees that differ, `model.recompute=full` on every k-th layer only (k > 1), model
+    chunks interleaved over the stages, or a stage no longer than the short builds."""
+    inner = set(layout.layer_tp[1:-1])
+    stage = layout.topology().coord(rank).stage
+    every = int(getattr(cfg, "recompute_every", 1)) if getattr(cfg, "recompute", "none") == "full" else 1
+    if (len(inner) != 1 or layout.schedule == "interleaved_1f1b" or layout.virtual_stages != 1
+            or layout.stage_layers[stage] <= max(_SHORT_STAGES) or every != 1):
+        return None
+    n = layers * layout.pp
+    degrees = (layout.layer_tp[0], *[inner.pop()] * n, layout.layer_tp[-1])
+    short = dataclasses.replace(layout, layer_tp=degrees, stage_layers=(layers,) * layout.pp)
+    return short, dataclasses.replace(cfg, num_layers=n)
+
+
+def _microbatch_scaled(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: StepShape,
+                       global_tokens: int,
+                       cache: MetaKernelCache | None) -> tuple[int, dict[str, list[float]]]:
+    """`_microbatch`'s figures, measured on two short builds of the stage and extended to its length.
+
+    Where the layers of the stage are alike (`_short_layout`), every layer saves the same tensors and
+    sends the same collectives, so each figure of a stage of L layers is f(2) + (L - 2)(f(3) - f(2)),
+    exactly: the embedding, the head and the stage's ends are in both short builds, and each added
+    layer adds the same.  Elsewhere the stage runs as it is (`_microbatch`)."""
+    shorts = [_short_layout(layout, cfg, rank, k) for k in _SHORT_STAGES]
+    if shorts[0] is None or shorts[1] is None:
+        return _microbatch(layout, rank, cfg, shape, global_tokens, cache)
+    (a2, ops2), (a3, ops3) = (_microbatch(lay, rank, c, shape, global_tokens, cache) for lay, c in shorts)
+    extra = layout.stage_layers[layout.topology().coord(rank).stage] - _SHORT_STAGES[0]
+    zero = [0, 0, 0.0]
+    ops = {op: [x2 + extra * (x3 - x2) for x2, x3 in zip(ops2.get(op, zero), ops3.get(op, zero), strict=True)]
+           for op in sorted(set(ops2) | set(ops3))}
+    return a2 + extra * (a3 - a2), ops
 
 
 def option_savings(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: StepShape, plan: SyncPlan,
                    global_tokens: int, optimizer_bytes: int, activation_bytes: int,
                    tp_ops: dict[str, dict[str, float]] | None = None,
-                   cache: MetaKernelCache | None = None) -> dict[str, Any]:
+                   cache: MetaKernelCache | None = None, scale_layers: bool = True) -> dict[str, Any]:
     """Memory each optional saving would bring on `rank` (the dry run passes its largest rank).
 
     One entry per option, each `{"rank", <what it changes>: {setting: bytes}, "saved_bytes": ...}`:
@@ -665,27 +754,29 @@ def option_savings(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: S
     - `sequence_parallel` (`ntp.sequence_parallel`): activation bytes per micro-batch with SP off / on,
       and the TP collectives of one micro-batch per kind (calls, payload, ring-model bytes on the link).
     `tp_ops`: the TP collectives the step measured on `rank` itself (with the layout's own SP
-    setting), which is then not run again.  A new option adds its entry here.
+    setting), which is then not run again.  `scale_layers`: each other setting's micro-batch is
+    measured on two short builds of the stage and extended to its length where its layers are alike
+    (`_microbatch_scaled`, the same figures); False runs every one on the whole stage.  A new option
+    adds its entry here.
     """
+    measure = _microbatch_scaled if scale_layers else _microbatch
     out: dict[str, Any] = {}
     names = {f.name for f in dataclasses.fields(cfg)}
     with fake_world(rank, layout.world_size):
         sp_act, sp_ops = {}, {}
         for on in (False, True):
+            key = "on" if on else "off"
             if on == layout.sequence_parallel and tp_ops is not None:  # measured by the step on this rank
-                sp_act["on" if on else "off"], sp_ops["on" if on else "off"] = activation_bytes, tp_ops
+                sp_act[key], sp_ops[key] = activation_bytes, tp_ops
                 continue
-            comm = CommMeter(META, cache)
             sp_layout = dataclasses.replace(layout, sequence_parallel=on)
-            sp_act["on" if on else "off"] = _saved_bytes(NTPRuntime(sp_layout, rank, device=META), cfg, shape,
-                                                         global_tokens, comm)
-            sp_ops["on" if on else "off"] = _tp_ops(comm)
+            sp_act[key], ops = measure(sp_layout, rank, cfg, shape, global_tokens, cache)
+            sp_ops[key] = _ops_figures(ops)
         out["sequence_parallel"] = {"rank": rank, "activation_bytes": sp_act, "tp_collectives": sp_ops,
                                     "saved_bytes": sp_act["off"] - sp_act["on"]}
-        runtime = NTPRuntime(layout, rank, device=META)
         if "recompute" in names:
-            measured = {mode: activation_bytes if mode == cfg.recompute else _saved_bytes(
-                runtime, dataclasses.replace(cfg, recompute=mode), shape, global_tokens, cache=cache)
+            measured = {mode: activation_bytes if mode == cfg.recompute else measure(
+                layout, rank, dataclasses.replace(cfg, recompute=mode), shape, global_tokens, cache)[0]
                 for mode in ("none", "selective", "full")}  # the configured one ran in the step
             out["recompute"] = {"rank": rank, "activation_bytes": measured,
                                 "saved_bytes": {m: measured["none"] - b for m, b in measured.items()
