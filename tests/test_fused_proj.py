@@ -171,3 +171,39 @@ def test_fused_run_follows_the_separate_run_in_float32():
     assert losses[-1] < losses[0]  # it trains
     for a, b in zip(*curves, strict=True):
         assert abs(a - b) <= 1e-6 * abs(b), curves
+
+
+def _saved_bytes(rank: int, world: int, cfg, tp: int, tp_rank: int) -> dict[bool, int]:
+    """Bytes autograd saves for one layer's forward (each storage once, parameters excluded, as the
+    pipeline engine's meter counts them) as TP rank `tp_rank` of `tp` holds the layer, fused and not."""
+    from ntp_nemo.models.transformer import Block, rope_tables
+    from ntp_nemo.topology.tp_context import TPContext
+
+    out = {}
+    for fuse in (False, True):
+        block = Block(cfg, TPContext(size=tp, rank=tp_rank, group=dist.group.WORLD)).double()
+        set_fused(block, fuse)
+        params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+        seen: dict[int, int] = {}
+
+        def pack(t, _seen=seen, _params=params):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in _params:
+                _seen[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        x = torch.randn(1, 8, cfg.hidden_size, dtype=torch.float64, requires_grad=True)
+        rope = rope_tables(16, cfg.hidden_size // cfg.num_heads, cfg.rope_theta, "cpu", torch.float64)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            block(x, rope)
+        out[fuse] = sum(seen.values())
+    return out
+
+
+def test_fused_projections_keep_no_more_activations_than_separate_ones():
+    """q, k and v are views of one GEMM output; were v saved as such a view, the whole output (q and k
+    rows too) would live until the backward.  Same saved bytes as one GEMM per projection, at TP 1 and as
+    rank 0 of TP 2 (its collectives on a one-process group)."""
+    for tp in (1, 2):
+        (saved,) = run_workers(_saved_bytes, 1, LLAMA, tp, 0)
+        assert saved[True] == saved[False], (tp, saved)

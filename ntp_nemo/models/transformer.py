@@ -152,6 +152,10 @@ class Attention(nn.Module):
         # One TP region entry for q, k and v (under SP: one all-gather to the whole sequence).
         q, k, v = gather_and_project(x, self.tp, seq_len, (self.q_proj, self.k_proj, self.v_proj),
                                      fuse=self.fuse_projections)
+        if rope is not None and not self.recompute_core:
+            # Fused, q, k and v are views of one output; RoPE saves neither q nor k, so a copy of v (what
+            # attention saves) lets the rest of that output go instead of living until the backward.
+            v = v.contiguous()
         b, s, d = x.shape[0], seq_len, self.head_dim
         q = q.view(b, s, -1, d).transpose(1, 2)
         k = k.view(b, s, -1, d).transpose(1, 2)
