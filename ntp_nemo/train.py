@@ -95,6 +95,8 @@ def train(cfg: DictConfig, start_t: float | None = None, console=None) -> dict:
         _raise_if_found_corrupt(ckpt_path)
         print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(EXIT_RUNTIME)
+    except ConfigError:  # bad data found on the way (no usable checkpoint at a relaunch): its own message
+        raise
     except Exception as exc:
         _raise_if_found_corrupt(ckpt_path)
         _exit_if_save_failed(exc)

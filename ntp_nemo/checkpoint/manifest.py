@@ -349,10 +349,18 @@ def _looks_like_checkpoint(path: Path) -> bool:
 class NoUsableCheckpointError(ConfigError):
     """A checkpoint directory holds checkpoints and none of them can be read."""
 
-    def __init__(self, key: str, directory: str | os.PathLike, damaged: list[tuple[Path, str]]) -> None:
+    def __init__(self, key: str, directory: str | os.PathLike, damaged: list[tuple[Path, str]],
+                 stopped: str | None = None) -> None:
+        """`stopped`: what a running job was doing when it found them (a relaunch after a failure), None
+        when nothing has started yet."""
         told = "; ".join(f"{p.name}: {why}" for p, why in damaged[:8])
         more = f"; and {len(damaged) - 8} more" if len(damaged) > 8 else ""
-        if key == "resume":
+        if stopped is not None:
+            fix = (f"{stopped}; nothing was deleted. Repair or restore them and rerun the same command with "
+                   f"{key}=auto, pass {key}=PATH to resume from a good copy elsewhere, or start over on "
+                   f"purpose with {key}=never (or after moving them out of {directory}); "
+                   "checkpoint.keep_last never deletes a checkpoint it cannot read.")
+        elif key == "resume":
             fix = (f"Nothing was started and nothing was deleted. Repair or restore them, pass {key}=PATH to "
                    f"resume from a good copy elsewhere, or start over on purpose with {key}=never (or after "
                    f"moving them out of {directory}); checkpoint.keep_last never deletes a checkpoint it "

@@ -16,6 +16,11 @@ the workers' own rendezvous gives up at `collective_timeout_s`) and the start-up
 (`startup_timeout_s`: a worker not training this long after its start).  After a stop signal (SIGTERM,
 Ctrl-C) the workers have `Timeouts.stop_grace_s` to checkpoint and exit before they are killed.
 
+Whom a stall blames (`blame`): a worker whose process is stopped (SIGSTOP, a debugger: state `T`/`t` in
+`/proc/<pid>/stat`) provably makes no progress, and its peers blocked on it in the same step report the
+same progress as it does; when any training rank's process is stopped, those are blamed alone, else the
+ranks furthest behind (`beats.suspects`).
+
 A worker that exits while training is classified from the exit statuses: status 1 is a Python
 exception (torch's convention); a signal or any other status is a lost rank (a fault-injected kill
 exits 137).  Ranks the supervisor itself killed are not blamed.
@@ -35,6 +40,31 @@ from typing import Any
 
 from ntp_nemo.resilience.beats import Beat, read_beats, suspects
 from ntp_nemo.resilience.fault_config import Timeouts
+
+STOPPED_STATES = frozenset("Tt")  # /proc/<pid>/stat: stopped by a signal, stopped by a tracer
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of process `pid` (`R`, `S`, `D`, `T`, `t`, `Z`, ...; Linux /proc), None when it
+    cannot be read (gone, or no /proc)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (OSError, ValueError):
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()  # the command name in parentheses may hold anything
+    return fields[0] if fields else None
+
+
+def blame(beats: dict[int, Beat], world_size: int,
+          state: Callable[[int], str | None] = process_state) -> tuple[int, ...]:
+    """The ranks a stall is blamed on: the training ranks whose process is stopped (`state(pid)` in
+    `STOPPED_STATES`) when some but not all are, else `suspects` (the ranks furthest behind).  Peers
+    blocked on a stopped rank in the same step report the same progress as it does: progress alone
+    cannot tell them apart, the state of the process can.  `state`: the process-state reader."""
+    stopped = tuple(sorted(r for r, b in beats.items() if b.training and state(b.pid) in STOPPED_STATES))
+    if stopped and len(stopped) < world_size:
+        return stopped
+    return suspects(beats, world_size)  # every rank stopped (the whole job was, e.g. Ctrl-Z): cannot tell
 
 
 @dataclass(frozen=True)
@@ -130,8 +160,10 @@ class WorkerMonitor(threading.Thread):
         poll_s: float = 0.2,
         grace_s: float = 0.5,
         stop_requested: Callable[[], float | None] = lambda: None,
+        state: Callable[[int], str | None] = process_state,
     ) -> None:
-        """`stop_requested()`: when (time.time()) a stop signal reached the launcher, None if none has."""
+        """`stop_requested()`: when (time.time()) a stop signal reached the launcher, None if none has;
+        `state`: the process-state reader a stall's blame consults (`blame`)."""
         super().__init__(name="ntp-worker-monitor", daemon=True)
         self._procs = procs
         self.heartbeat_dir = heartbeat_dir
@@ -143,6 +175,7 @@ class WorkerMonitor(threading.Thread):
         self.killed: set[int] = set()
         self.last_beats: dict[int, Beat] = {}
         self.stop_requested = stop_requested
+        self.state = state
         self._halt = threading.Event()
 
     def stop(self) -> None:
@@ -196,7 +229,7 @@ class WorkerMonitor(threading.Thread):
         if len(beats) == self.world_size and training:
             stale = [b for b in training if now - b.t > self.timeouts.heartbeat_s]
             if stale:
-                behind = suspects(beats, self.world_size)
+                behind = blame(beats, self.world_size, self.state)
                 oldest = min(stale, key=lambda b: b.t)
                 return Verdict(
                     "heartbeat",
@@ -206,11 +239,11 @@ class WorkerMonitor(threading.Thread):
                     f"rank {oldest.rank} silent for {now - oldest.t:.1f}s at step {oldest.step} "
                     f"({oldest.phase}); ranks behind: {list(behind) or 'none (all equal)'}",
                 )
-        return step_verdict(beats, self.world_size, launched, now, self.timeouts)
+        return step_verdict(beats, self.world_size, launched, now, self.timeouts, self.state)
 
 
 def step_verdict(beats: dict[int, Beat], world_size: int, launched: float, now: float,
-                 timeouts: Timeouts) -> Verdict | None:
+                 timeouts: Timeouts, state: Callable[[int], str | None] = process_state) -> Verdict | None:
     """No step completed for `fault.step_timeout_s` (counted from the launch before the first one).  A
     rank's beat says `step_start` for the whole of a step, so the time of its last completed step is the
     one its beats carry (`done_t`), not only a `step_end` beat a poll may never see."""
@@ -219,7 +252,7 @@ def step_verdict(beats: dict[int, Beat], world_size: int, launched: float, now: 
     since = max(done, default=launched)
     if now - since <= timeouts.step_s:
         return None
-    behind = suspects(beats, world_size)
+    behind = blame(beats, world_size, state)
     step = max((b.step for b in beats.values()), default=None)
     return Verdict("step timeout", behind, step, now,
                    f"no step completed for {now - since:.1f}s (fault.step_timeout_s={timeouts.step_s:g}); "

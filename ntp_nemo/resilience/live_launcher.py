@@ -30,12 +30,15 @@ import torch.multiprocessing as mp
 
 from ntp_nemo.lightning.adapter import ForkLauncher
 from ntp_nemo.parallel.loopback import environment, loopback_children_env
-from ntp_nemo.resilience.beats import read_beats, suspects
+from ntp_nemo.resilience.beats import read_beats
 from ntp_nemo.resilience.coordinator import FALLBACK_EXIT
 from ntp_nemo.resilience.detection import (
+    STOPPED_STATES,
     Verdict,
+    blame,
     is_lost_status,
     kill_worker,
+    process_state,
     start_verdict,
     step_verdict,
     stop_overdue,
@@ -118,10 +121,10 @@ class LiveLauncher(ForkLauncher):
                     p.join(0.05)
         bad = [(i, p) for i, p in enumerate(self.procs) if p.exitcode != 0 and i not in self.lost]
         raised = [(i, p) for i, p in bad if p.exitcode == 1]
-        if raised:  # a Python exception in a worker: its traceback, as torch's own join reports it
+        if raised:  # a Python exception in a worker: its traceback, as torch's own join reports it (the
+            # supervisor prints it, or stops quietly when the workers found no usable checkpoint)
             i, p = raised[0]
             trace = _traceback(process_context.error_files[i])
-            print(f"failover | live: process {i} raised:\n{trace}", file=sys.stderr, flush=True)
             raise mp.ProcessRaisedException(f"\n\n-- Process {i} terminated with this error:\n{trace}",
                                             error_index=i, error_pid=p.pid)
         if bad:
@@ -153,15 +156,18 @@ class LiveMonitor(threading.Thread):
                  heartbeat_s: float | None = None, poll_s: float = 0.05, grace_s: float = 0.1,
                  repair_after_steps: int | None = None, layout: ResolvedLayout | None = None,
                  end_step: int | None = None, timeouts: Timeouts | None = None,
-                 store_growth_mb: float = STORE_GROWTH_MB) -> None:
+                 store_growth_mb: float = STORE_GROWTH_MB,
+                 state: Callable[[int], str | None] = process_state) -> None:
         """`timeouts`: the bounds this monitor enforces besides the heartbeats (a rendezvous, the start-up,
         a step, a stop; `detection`), None for none; `store_growth_mb`: how much this process (which hosts
-        the job's store when it sealed it) may grow before the store counts as flooded."""
+        the job's store when it sealed it) may grow before the store counts as flooded; `state`: the
+        process-state reader a hang's blame consults (`detection.blame`)."""
         super().__init__(name="ntp-live-monitor", daemon=True)
         self.launcher = launcher
         self.world_size = world_size
         self.heartbeat_dir, self.heartbeat_s = heartbeat_dir, heartbeat_s
         self._hung: set[int] = set()
+        self.state = state
         self.poll_s, self.grace_s = poll_s, grace_s
         self.verdict: Verdict | None = None
         self.killed: set[int] = set()
@@ -291,7 +297,7 @@ class LiveMonitor(threading.Thread):
             verdict = start_verdict(beats, range(self.world_size), self._launched, now, self.timeouts)
             self._all_trained = verdict is None and all(r in beats and beats[r].phase != "setup"
                                                     for r in range(self.world_size))
-        return verdict or step_verdict(beats, self.world_size, self._launched, now, self.timeouts)
+        return verdict or step_verdict(beats, self.world_size, self._launched, now, self.timeouts, self.state)
 
     def _watch_rejoin(self, procs, seen: set[int]) -> None:
         """The announced rejoin: join once every repaired process is ready; cancel it when they are not
@@ -407,8 +413,10 @@ class LiveMonitor(threading.Thread):
         self._window_t = time.time()
 
     def _kill_hung(self, procs, world: int) -> None:
-        """A rank whose heartbeat is older than the heartbeat timeout while it trains, and behind the
-        others, is hung: kill it, so that it is handled as a lost rank (its peers' collectives fail)."""
+        """A rank whose heartbeat is older than the heartbeat timeout while it trains, and whose process is
+        stopped or (none being stopped) is behind the others (`detection.blame`), is hung: kill it, so
+        that it is handled as a lost rank (its peers' collectives fail).  The ranks left get a fresh
+        heartbeat window from the kill: their beats still carry the time of the step the hang held up."""
         if self.heartbeat_dir is None or self.heartbeat_s is None:
             return
         beats = read_beats(self.heartbeat_dir, world)
@@ -416,13 +424,15 @@ class LiveMonitor(threading.Thread):
         if len(beats) < world or not any(b.training and now - max(b.t, self._window_t) > self.heartbeat_s
                                          for b in beats.values()):
             return
-        pids = {beats[r].pid for r in suspects(beats, world)}
+        pids = {beats[r].pid for r in blame(beats, world, self.state)}
         for i, p in enumerate(procs):
             if p.pid in pids and p.exitcode is None and i not in self._hung:
                 self._hung.add(i)
-                print(f"failover | live: process {i} hung (no heartbeat for {self.heartbeat_s:.0f} s); "
-                      "killing it to recover without it", flush=True)
+                stopped = " and its process is stopped" if self.state(p.pid) in STOPPED_STATES else ""
+                print(f"failover | live: process {i} hung (no heartbeat for {self.heartbeat_s:.0f} s"
+                      f"{stopped}); killing it to recover without it", flush=True)
                 kill_worker(p.pid)
+                self.fresh_window()
 
 
 def _stop(procs, indices) -> None:

@@ -6,6 +6,12 @@ configured policy (`ntp`, `dp_drop`, `restart`), validates the new config like a
 relaunches with the latest valid checkpoint, resharded onto the new layout.  The global batch of a
 step depends only on (seed, step), so the relaunched run follows the failure-free loss curve.
 
+The launching process reads no checkpoint data: the workers check it as they load and fall back to an
+older checkpoint together, marking each damaged one (`corrupt.json`).  When a relaunch finds no usable
+checkpoint left (the launcher's cheap check of every one, or the workers' marks after they found the
+last one damaged and raised), the run stops with `NoUsableCheckpointError` (exit 2, each checkpoint
+named with what is wrong with it, nothing deleted): a stop on bad data, not a failure to retry.
+
 With `fault.repair_after_steps=N`, an attempt on a degraded layout stops (with a checkpoint) at the
 first checkpoint boundary at least N steps after it resumed, and the next attempt runs on the
 original layout again: the lost GPU came back.
@@ -22,6 +28,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -30,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ntp_nemo.config.failover import FailoverSpec
+from ntp_nemo.errors import ConfigError
 from ntp_nemo.resilience.beats import read_beats, suspects
 from ntp_nemo.resilience.detection import LostRanks, Timeouts, WorkerMonitor, classify, kill_worker
 from ntp_nemo.resilience.fault_config import (  # noqa: F401 - re-exported: the run-time side uses them here
@@ -189,6 +197,49 @@ class Supervisor:
         with GoodputRecorder(self.run_dir) as rec:
             rec.record(event, **fields)
 
+    def _relaunch_checkpoint(self, why: str) -> Path | None:
+        """The checkpoint a relaunch resumes from; `why`: what made the relaunch necessary.  A run whose
+        checkpoints are all damaged stops here (`NoUsableCheckpointError`), never starts over."""
+        from ntp_nemo.checkpoint.manifest import NoUsableCheckpointError
+
+        try:
+            return self._latest_checkpoint()
+        except NoUsableCheckpointError as err:
+            self._record("job_end", status="failed", reason="no usable checkpoint")  # no worker says it
+            raise self._no_usable(err.damaged, why) from None
+
+    def _workers_found_none(self, resume: Path | None, why: str) -> Exception | None:
+        """After a relaunch's workers raised: whether they raised because no checkpoint of the run was
+        usable.  Loading `resume` (a checkpoint of the run's own directory), they mark every checkpoint
+        whose data fails its check (`corrupt.json`) and fall back to the one before; with none left they
+        raise.  Their marks then make the cheap check find none usable (markers, sizes and metadata
+        only: this process reads no checkpoint data).  Returns the error to stop with, or None."""
+        from ntp_nemo.checkpoint.manifest import (
+            CORRUPT_MARKER,
+            NoUsableCheckpointError,
+            latest_valid_checkpoint,
+        )
+
+        if resume is None or not (resume / CORRUPT_MARKER).is_file():
+            return None
+        if resume.parent.resolve() != self.ckpt_dir.resolve():
+            return None  # resume=PATH from elsewhere: the entry point names that one (train.py)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                latest_valid_checkpoint(self.ckpt_dir)
+        except NoUsableCheckpointError as err:
+            return self._no_usable(err.damaged, why)
+        return None
+
+    def _no_usable(self, damaged: list[tuple[Path, str]], why: str) -> Exception:
+        from ntp_nemo.checkpoint.manifest import NoUsableCheckpointError
+
+        return NoUsableCheckpointError(
+            "resume", self.ckpt_dir, damaged,
+            stopped=f"The run stopped: it was relaunched after {why}, and no checkpoint was left to resume "
+                    "from")
+
     def _latest_checkpoint(self) -> Path | None:
         from ntp_nemo.checkpoint.manifest import latest_valid_checkpoint
 
@@ -230,6 +281,7 @@ class Supervisor:
             return self.result
         layout, reason, stop_at = self.nominal, "start", None
         restarts = 0
+        why = ""  # what made the running attempt a relaunch ("" for the first)
         while True:
             rec = AttemptRecord(
                 len(self.result.attempts),
@@ -241,7 +293,12 @@ class Supervisor:
                 devices=self.devices,
             )
             self.result.attempts.append(rec)
-            lost = self._execute(trainer, module, layout, resume)
+            try:
+                lost = self._execute(trainer, module, layout, resume, why)
+            except ConfigError:  # the relaunch's workers found no usable checkpoint: a stop, not a failure
+                rec.end_t, rec.outcome = time.time(), "no usable checkpoint"
+                self._log(rec)
+                raise
             rec.end_t = time.time()
             if lost is None:
                 rec.outcome = "repair_stop" if rec.stop_at_step is not None else "ok"
@@ -256,6 +313,7 @@ class Supervisor:
                     f"relaunching on the original layout {self.nominal.describe()}",
                     flush=True,
                 )
+                why = f"the repair stop at step {rec.stop_at_step}"
             else:
                 restarts += 1
                 rec.outcome = "failed"
@@ -284,6 +342,7 @@ class Supervisor:
                 what = (f"{lost.reason}: {lost.detail}" if not lost.ranks and lost.step is None else
                         f"rank(s) {ranks} lost at step {lost.step} ({lost.reason}: {lost.detail})")
                 print(f"failover | {what} -> {plan.describe()}", flush=True)
+                why = what
                 if restarts > int(self.spec.fault.max_restarts):
                     what = (f"the job's coordination keys vanished or changed under it ({lost.detail}); "
                             "find what deletes or writes keys on the job's store (not the machine)"
@@ -298,7 +357,7 @@ class Supervisor:
                     )
                 plan_layout, reason = plan.new, "failover"
                 new_devices = self.relaunch_devices(layout, plan, lost.ranks)
-            resume = self._latest_checkpoint()
+            resume = self._relaunch_checkpoint(why)
             stop_at = self._repair_stop(plan_layout, self._step_of(resume))
             layout = plan_layout  # as re-planned: every option of the run's layout carries over
             self.devices = new_devices
@@ -319,7 +378,16 @@ class Supervisor:
 
     def _stop_message(self, lost: LostRanks) -> str:
         """The run was asked to stop and its workers did not all stop cleanly."""
-        latest = self._latest_checkpoint()
+        from ntp_nemo.checkpoint.manifest import NoUsableCheckpointError
+
+        try:
+            latest = self._latest_checkpoint()
+        except NoUsableCheckpointError as err:
+            told = "; ".join(f"{p.name}: {problem}" for p, problem in err.damaged[:8])
+            return (f"stopped on a stop signal (SIGTERM/Ctrl-C); the workers did not all checkpoint and exit "
+                    f"({lost.reason}: {lost.detail}) and were killed; no checkpoint of {self.ckpt_dir} is "
+                    f"usable ({told}) and none was deleted: repair or restore them, then rerun the same "
+                    "command with resume=auto.")
         where = (f"the latest valid checkpoint is {latest}; rerun the same command with resume=auto to "
                  "continue from it" if latest is not None else "no checkpoint was written; a rerun starts "
                  "over")
@@ -365,10 +433,11 @@ class Supervisor:
             raise FailoverError(f"the re-planned layout is not valid: {err}") from None
 
     def _execute(
-        self, trainer: Any, module: Any, layout: ResolvedLayout, resume: Path | None
+        self, trainer: Any, module: Any, layout: ResolvedLayout, resume: Path | None, why: str = ""
     ) -> LostRanks | None:
         """One attempt: None when it ended normally, LostRanks for a recoverable failure; other errors
-        propagate."""
+        propagate.  `why`: what made this attempt a relaunch ("" for the first: a resume the run started
+        with is the entry point's to judge)."""
         from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
         shutil.rmtree(self.heartbeat_dir, ignore_errors=True)
@@ -398,6 +467,9 @@ class Supervisor:
             return None
         except (ProcessExitedException, ProcessRaisedException) as exc:
             monitor.stop()
+            stop = self._workers_found_none(resume, why) if why else None
+            if stop is not None and isinstance(exc, ProcessRaisedException):
+                raise stop from None
             procs = trainer.strategy.launcher.procs
             beats = read_beats(self.heartbeat_dir, layout.world_size)
             step = max((b.step for b in beats.values()), default=None)
@@ -411,6 +483,8 @@ class Supervisor:
             )
             if lost is None:
                 raise
+            if self.live and isinstance(exc, ProcessRaisedException):  # what the worker raised, kept
+                print(f"failover | live: a worker raised:{exc}", file=sys.stderr, flush=True)
             return lost
         finally:
             monitor.stop()

@@ -1,0 +1,139 @@
+"""Faults on top of faults, found by the fault campaign: a relaunch whose every checkpoint is damaged, and
+the healthy peers of a stopped rank blamed for its hang."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from ntp_nemo.resilience.beats import Beat, read_beats, suspects
+from ntp_nemo.resilience.detection import blame, process_state, step_verdict
+from ntp_nemo.resilience.fault_config import Timeouts
+from tests.conftest import TINY, run_cli
+
+
+@pytest.mark.slow
+def test_a_relaunch_whose_every_checkpoint_is_damaged_stops_with_exit_2(tmp_path):
+    """The run's only checkpoint (step 2) gets a flipped data byte as step 3 starts (`corrupt_checkpoint`,
+    once the save has committed; the size intact: the launcher's cheap check passes it), then rank 1 dies
+    at step 4 (at step 3 it could die before its part of the step-2 save, which would then never commit).
+    Live recovery has no copy (one replica), so the restart path relaunches from step 2; its workers
+    find the damage as they load, and nothing older is left.  The job stops as `resume=auto` does at
+    start when every checkpoint is damaged: exit 2, the checkpoint named with what is wrong with it, the
+    fix, no traceback, nothing deleted (it used to exit 1 with each worker's CorruptCheckpointError
+    traceback)."""
+    run = tmp_path / "run"
+    proc = run_cli([*TINY, "mesh.dp=1", "mesh.tp=2", "ntp.replica_tp=[2]", "trainer.max_steps=4",
+                    "checkpoint.every_n_steps=2", "fault=kill_rank", "fault.rank=1", "fault.step=4",
+                    "fault.recovery=live", "+fault.more=[{kind:corrupt_checkpoint,rank:0,step:2}]",
+                    f"hydra.run.dir={run}"], cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    ckpts = run / "checkpoints"
+    damaged = ckpts / "step_000002"
+    flipped = out.split(f"fault: corrupted {damaged}/", 1)[1].split()[0]  # the file the fault flipped
+    assert "failover | attempt 1 on layout (1); resuming from step_000002" in out
+    assert (f"error: invalid configuration: resume: {ckpts} holds 1 checkpoint(s) and none is usable "
+            f"(step_000002: file {flipped} fails its xxh3_64 check at byte ") in proc.stderr
+    assert ("The run stopped: it was relaunched after rank(s) [1] lost at step 4 (exit status: rank 1: 137), "
+            "and no checkpoint was left to resume from; nothing was deleted. Repair or restore them and "
+            "rerun the same command with resume=auto") in proc.stderr
+    assert (damaged / "manifest.json").is_file() and (damaged / flipped).is_file()  # nothing deleted
+    attempts = [json.loads(line) for line in (run / "failover" / "attempts.jsonl").read_text().splitlines()]
+    assert [a["outcome"] for a in attempts] == ["failed", "no usable checkpoint"]  # not a failure retried
+
+
+# ---- blaming a hang ------------------------------------------------------------------------------------
+def test_the_process_state_reader_sees_a_stopped_process(tmp_path):
+    """`process_state` reads what the kernel says of a real process: `T` once it is SIGSTOPped, running or
+    sleeping again after SIGCONT, None once it is gone."""
+    child = mp.get_context("fork").Process(target=time.sleep, args=(60,))
+    child.start()
+    try:
+        assert process_state(child.pid) in ("R", "S")
+        os.kill(child.pid, signal.SIGSTOP)
+        deadline = time.time() + 10
+        while process_state(child.pid) != "T" and time.time() < deadline:
+            time.sleep(0.01)
+        assert process_state(child.pid) == "T"
+        os.kill(child.pid, signal.SIGCONT)
+        while process_state(child.pid) == "T" and time.time() < deadline:
+            time.sleep(0.01)
+        assert process_state(child.pid) in ("R", "S")
+    finally:
+        child.kill()
+        child.join(5)
+    assert process_state(child.pid) is None
+
+
+def _beats(progress: list[tuple[str, int]]) -> dict[int, Beat]:
+    return {r: Beat(r, step, phase, 100.0, 1000 + r) for r, (phase, step) in enumerate(progress)}
+
+
+def test_a_stall_is_blamed_on_the_stopped_rank_not_its_peers_in_the_same_step():
+    """Ranks 0-2 wait in step 5 (rank 0 stopped, 1 and 2 blocked on it); rank 3 finished step 5's compute
+    and reported it.  Progress alone blames 0, 1 and 2; the state of the processes blames rank 0 alone."""
+    beats = _beats([("step_start", 5)] * 3 + [("step_end", 5)])
+    stopped = {1000: "T", 1001: "S", 1002: "S", 1003: "R"}.get
+    assert suspects(beats, 4) == (0, 1, 2)
+    assert blame(beats, 4, stopped) == (0,)
+    assert blame(beats, 4, lambda pid: "S") == (0, 1, 2)  # nobody stopped: the ranks behind
+    assert blame(beats, 4, lambda pid: None) == (0, 1, 2)  # no /proc to read: the same
+    assert blame(beats, 4, lambda pid: "T") == (0, 1, 2)  # the whole job stopped (Ctrl-Z): cannot tell
+    traced = {1000: "S", 1001: "S", 1002: "S", 1003: "t"}.get  # a debugger holds rank 3, ahead of the rest
+    assert blame(beats, 4, traced) == (3,)
+    finished = {**beats, 3: Beat(3, 5, "end", 100.0, 1003)}  # a rank past training is never blamed
+    assert blame(finished, 4, lambda pid: "T" if pid == 1003 else "S") == (0, 1, 2)
+    timeouts = Timeouts(heartbeat_s=1.0, collective_s=2.0, step_s=10.0, startup_s=10.0)
+    verdict = step_verdict(beats, 4, launched=0.0, now=200.0, timeouts=timeouts, state=stopped)
+    assert verdict is not None and verdict.ranks == (0,)
+
+
+def _rank(directory: Path, rank: int, phase: str, step: int) -> None:
+    """A worker: its last beat (written by the real Heartbeat, with this process's pid), then silence."""
+    from ntp_nemo.resilience.heartbeat import Heartbeat
+
+    Heartbeat(directory).beat(SimpleNamespace(global_rank=rank, global_step=step), phase, step)
+    time.sleep(60)
+
+
+def test_the_live_monitor_kills_the_stopped_rank_alone_and_gives_the_others_a_fresh_window(tmp_path):
+    """Three real workers: 0 and 1 in step 5 (1 SIGSTOPped), 2 a phase ahead; every beat is older than
+    the heartbeat timeout.  The live monitor kills process 1 only (by progress alone it killed 0 as
+    well), and the beats of the others, still from before the hang, are held against nobody for a full
+    heartbeat timeout from that kill."""
+    from ntp_nemo.resilience.live_launcher import LiveMonitor
+
+    ctx = mp.get_context("fork")
+    progress = [("step_start", 5), ("step_start", 5), ("step_end", 5)]
+    procs = [ctx.Process(target=_rank, args=(tmp_path, r, ph, st)) for r, (ph, st) in enumerate(progress)]
+    for p in procs:
+        p.start()
+    try:
+        deadline = time.time() + 20
+        while len(read_beats(tmp_path, 3)) < 3 and time.time() < deadline:
+            time.sleep(0.05)
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        while process_state(procs[1].pid) != "T" and time.time() < deadline:
+            time.sleep(0.01)
+        launcher = SimpleNamespace(procs=procs, store=object(), lost=set(), stop_requested=None)
+        monitor = LiveMonitor(launcher, 3, tmp_path, 0.5)
+        time.sleep(0.7)  # every beat is now older than the heartbeat timeout
+        monitor._kill_hung(procs, 3)
+        procs[1].join(5)
+        assert procs[1].exitcode == -9
+        monitor._kill_hung(procs, 3)  # the same stale beats, before the loss is published
+        time.sleep(0.2)
+        assert [procs[0].exitcode, procs[2].exitcode] == [None, None]
+    finally:
+        for p in procs:
+            p.kill()  # SIGKILL ends a stopped process too
+            p.join(5)
