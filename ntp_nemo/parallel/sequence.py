@@ -292,7 +292,13 @@ def fusable(layers: Sequence[torch.nn.Module]) -> bool:
 
 
 def _cat_rows(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    return torch.cat([t.to(dtype) for t in tensors])
+    """`tensors` stacked along dim 0 in `dtype`: each cast as it is copied in (one pass, no cast copy)."""
+    out = tensors[0].new_empty((sum(t.shape[0] for t in tensors), *tensors[0].shape[1:]), dtype=dtype)
+    row = 0
+    for t in tensors:
+        out[row : row + t.shape[0]].copy_(t)
+        row += t.shape[0]
+    return out
 
 
 class _FusedProject(torch.autograd.Function):
