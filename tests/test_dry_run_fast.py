@@ -1,7 +1,8 @@
 """The dry run's shortcuts give the figures of the straightforward path.
 
-- `option_savings` measures each other setting's micro-batch on two short builds of the stage and
-  extends them to its length (`scale_layers=True`, the default); the reference runs the whole stage.
+- `dry_run` runs each step shape on two short builds of the stages (2 and 3 layers) and extends the
+  figures to the stages' length, and `option_savings` measures each other setting's micro-batch the
+  same way (`scale_layers=True`, the default); the reference runs every step on the whole stage.
 - `MetaKernelCache` skips a repeated in-place meta kernel (and reuses functional outputs); the reference
   runs every kernel (a cache that keeps nothing).
 """
@@ -78,6 +79,25 @@ def test_short_builds_are_not_used_where_layers_differ(monkeypatch):
     plans = _plans(even, cfg)
     args = (even, 0, cfg, SHAPE, plans[0], 2 * 32, 1000, 2000)
     assert option_savings(*args) == option_savings(*args, scale_layers=False)
+
+
+@pytest.mark.parametrize("replica_tp,pp,layers,sp,recompute", [
+    ([3, 2], 1, 6, True, "none"),  # uneven TP 2 and 3 (sequence 32 over 3: slices 11, 11, 10), SP on
+    ([2, 1], 2, 10, False, "selective"),  # PP 2 (5 + 5 layers), a degraded replica, recompute configured
+])
+def test_step_shapes_on_short_builds_give_every_rank_the_whole_stage_figures(replica_tp, pp, layers, sp,
+                                                                             recompute):
+    cfg = dataclasses.replace(LLAMA, num_layers=layers, recompute=recompute)
+    topology = Topology(max(replica_tp), replica_tp, [max(replica_tp)] * (layers + 2), pp=pp)
+    layout = ResolvedLayout.make(topology, num_microbatches=6, sequence_parallel=sp)
+    said: list[str] = []
+    fast = dry_run(layout, cfg, SHAPE, progress=said.append)
+    reference = dry_run(layout, cfg, SHAPE, scale_layers=False)
+    assert [m for m in said if m.startswith("step shape")] and all(
+        m.endswith("(on 2 and 3 layers per stage)") for m in said if m.startswith("step shape"))
+    assert [dataclasses.asdict(r) for r in fast.ranks] == [dataclasses.asdict(r) for r in reference.ranks]
+    assert fast.options == reference.options and fast.splits == reference.splits
+    assert fast.model_params == reference.model_params
 
 
 class _NoCache(MetaKernelCache):

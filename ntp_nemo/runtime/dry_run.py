@@ -555,7 +555,12 @@ class _ClassStep:
     world_bytes: int
     world_calls: int
     new_groups: int  # `new_group` calls of the rank's assembly (every rank makes the same ones)
-    tp_ops: dict[str, dict[str, float]] = field(default_factory=dict)  # TP collectives of one micro-batch
+    # TP collectives of one micro-batch: {op: [calls, payload bytes, ring-model bytes]}
+    tp_raw: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def tp_ops(self) -> dict[str, dict[str, float]]:
+        return _ops_figures(self.tp_raw)
 
 
 def _slice_key(model: nn.Module) -> tuple:
@@ -655,7 +660,7 @@ def _class_step(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: Step
         world_bytes=comm.bytes["world"],
         world_calls=comm.calls["world"],
         new_groups=len(new_groups),
-        tp_ops=_tp_ops(comm),
+        tp_raw={op: list(v) for (kind, op), v in comm.ops.items() if kind == "tp"},
     )
 
 
@@ -678,10 +683,6 @@ def _saved_bytes(runtime: NTPRuntime, cfg: ModelConfig, shape: StepShape, global
     return meter.bytes
 
 
-def _tp_ops(comm: CommMeter) -> dict[str, dict[str, float]]:
-    return _ops_figures({op: v for (kind, op), v in comm.ops.items() if kind == "tp"})
-
-
 def _ops_figures(ops: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     """{collective: [calls, payload, ring-model bytes]} -> the report's figures, by collective name."""
     return {op: {"calls": int(v[0]), "bytes": int(v[1]), "ring_bytes": int(round(v[2]))}
@@ -701,22 +702,36 @@ def _microbatch(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: Step
 _SHORT_STAGES = (2, 3)
 
 
-def _short_layout(layout: ResolvedLayout, cfg: ModelConfig, rank: int,
+def _short_layout(layout: ResolvedLayout, cfg: ModelConfig, rank: int | None,
                   layers: int) -> tuple[ResolvedLayout, ModelConfig] | None:
     """`layout` and `cfg` with `layers` transformer layers in every stage, or None where the layers of
-    `rank`'s stage are not all alike (so that the stage's figures are not affine in its layer count):
-    per-layer degrees that differ, `model.recompute=full` on every k-th layer only (k > 1), model
-    chunks interleaved over the stages, or a stage no longer than the short builds."""
+    `rank`'s stage (every stage: `rank=None`) are not all alike, so that its figures would not be
+    affine in its layer count: per-layer degrees that differ, `model.recompute=full` on every k-th layer
+    only (k > 1), model chunks interleaved over the stages; or where a stage is no longer than the
+    short builds."""
     inner = set(layout.layer_tp[1:-1])
-    stage = layout.topology().coord(rank).stage
+    lengths = layout.stage_layers if rank is None else [
+        layout.stage_layers[layout.topology().coord(rank).stage]]
     every = int(getattr(cfg, "recompute_every", 1)) if getattr(cfg, "recompute", "none") == "full" else 1
     if (len(inner) != 1 or layout.schedule == "interleaved_1f1b" or layout.virtual_stages != 1
-            or layout.stage_layers[stage] <= max(_SHORT_STAGES) or every != 1):
+            or min(lengths) <= max(_SHORT_STAGES) or every != 1):
         return None
     n = layers * layout.pp
     degrees = (layout.layer_tp[0], *[inner.pop()] * n, layout.layer_tp[-1])
     short = dataclasses.replace(layout, layer_tp=degrees, stage_layers=(layers,) * layout.pp)
     return short, dataclasses.replace(cfg, num_layers=n)
+
+
+def _extended(a: float, b: float, extra: int) -> float:
+    """A figure of a stage `extra` layers longer than the first short build: f(2) + extra (f(3) - f(2))."""
+    return a + extra * (b - a)
+
+
+def _extended_ops(a: dict[str, list[float]], b: dict[str, list[float]],
+                  extra: int) -> dict[str, list[float]]:
+    zero = [0, 0, 0.0]
+    return {op: [_extended(x, y, extra) for x, y in zip(a.get(op, zero), b.get(op, zero), strict=True)]
+            for op in sorted(set(a) | set(b))}
 
 
 def _microbatch_scaled(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: StepShape,
@@ -733,10 +748,84 @@ def _microbatch_scaled(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shap
         return _microbatch(layout, rank, cfg, shape, global_tokens, cache)
     (a2, ops2), (a3, ops3) = (_microbatch(lay, rank, c, shape, global_tokens, cache) for lay, c in shorts)
     extra = layout.stage_layers[layout.topology().coord(rank).stage] - _SHORT_STAGES[0]
-    zero = [0, 0, 0.0]
-    ops = {op: [x2 + extra * (x3 - x2) for x2, x3 in zip(ops2.get(op, zero), ops3.get(op, zero), strict=True)]
-           for op in sorted(set(ops2) | set(ops3))}
-    return a2 + extra * (a3 - a2), ops
+    return int(_extended(a2, a3, extra)), _extended_ops(ops2, ops3, extra)
+
+
+@dataclass
+class _ShortBuild:
+    """The layout and model with a few layers in every stage (`_short_layout`), every rank's parameter
+    descriptors and sync plan on it, and the process groups an assembly creates on it."""
+
+    layout: ResolvedLayout
+    cfg: ModelConfig
+    descriptors: list[dict[str, tuple]]
+    plans: list[SyncPlan]
+    made: int
+
+
+def _short_builds(layout: ResolvedLayout, cfg: ModelConfig, shape: StepShape,
+                  by_signature: dict[tuple[int, int, int], list[int]],
+                  checkpoint_group: bool) -> list[_ShortBuild] | None:
+    """One `_ShortBuild` per length of `_SHORT_STAGES`, or None where the stages' layers are not alike."""
+    out = []
+    for k in _SHORT_STAGES:
+        short = _short_layout(layout, cfg, None, k)
+        if short is None:
+            return None
+        lay, c = short
+        topo = lay.topology()
+        desc: dict[tuple[int, int, int], dict[str, tuple]] = {}
+        for sig, ranks in by_signature.items():
+            with fake_world(ranks[0], topo.world_size):
+                model = NTPRuntime(lay, ranks[0], device=META).build_model(c, shape.seed, shape.param_dtype)
+                desc[sig] = param_descriptors(model)
+        descriptors = [desc[signature(topo, r)] for r in range(topo.world_size)]
+        plans = build_sync_plans(descriptors, [co.replica for co in topo.coords])
+        splits = communicator_splits(topo, plans, lay.schedule, False)
+        out.append(_ShortBuild(lay, c, descriptors, plans,
+                               splits["tp"] + splits["holder_sets"] + splits["pipeline_links"]))
+    return out
+
+
+def _class_step_scaled(shorts: list[_ShortBuild], layout: ResolvedLayout, rank: int, shape: StepShape,
+                       global_tokens: int, grad_norm: bool,
+                       cache: MetaKernelCache | None) -> _ClassStep | None:
+    """`_class_step`'s figures for `rank` on `layout`, from its steps on the two short builds: bytes and
+    calls per micro-batch, activations, gradients and optimizer state extended to the stage's length
+    (`_extended`: every layer of the stage adds the same), the groups used and the step scalars taken as
+    they are (equal in both).  None where those two differ (the caller runs the whole stage).  Each
+    short step checks its gradient sync against its plan and its assembly's groups against the count
+    of its layout, as the whole step does."""
+    runs = []
+    for sb in shorts:
+        with fake_world(rank, sb.layout.world_size):
+            step = _class_step(sb.layout, rank, sb.cfg, shape, sb.plans[rank], sb.descriptors[rank],
+                               global_tokens, grad_norm=grad_norm, cache=cache)
+        if step.new_groups != sb.made:
+            raise RuntimeError(f"rank {rank}: its assembly created {step.new_groups} process groups, "
+                               f"the dry run counts {sb.made}")
+        runs.append(step)
+    a, b = runs
+    if (a.groups, a.world_bytes, a.world_calls) != (b.groups, b.world_bytes, b.world_calls):
+        return None
+    extra = layout.stage_layers[layout.topology().coord(rank).stage] - _SHORT_STAGES[0]
+
+    def ext(x: int, y: int) -> int:
+        return int(_extended(x, y, extra))
+
+    return _ClassStep(
+        grad_bytes=ext(a.grad_bytes, b.grad_bytes),
+        optimizer_bytes=ext(a.optimizer_bytes, b.optimizer_bytes),
+        activation_bytes=ext(a.activation_bytes, b.activation_bytes),
+        per_microbatch={k: ext(v, b.per_microbatch[k]) for k, v in a.per_microbatch.items()},
+        per_microbatch_calls={k: ext(v, b.per_microbatch_calls[k])
+                              for k, v in a.per_microbatch_calls.items()},
+        groups=b.groups,
+        world_bytes=b.world_bytes,
+        world_calls=b.world_calls,
+        new_groups=b.new_groups,
+        tp_raw=_extended_ops(a.tp_raw, b.tp_raw, extra),
+    )
 
 
 def option_savings(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: StepShape, plan: SyncPlan,
@@ -800,12 +889,17 @@ def dry_run(
     measure_options: bool = True,
     group_ranks: bool = True,
     checkpoint_group: bool = False,
+    scale_layers: bool = True,
 ) -> DryRunResult:
     """One training step of every rank of `layout` on meta tensors and a fake process group; with
     `measure_options`, also what each memory-saving option would save on the largest rank.
     `group_ranks=False` runs every rank's step and derives every rank's sync plan on its own (the
     baseline `bench/dry_run.py` compares against; same results, slower).  `checkpoint_group`: saves
-    are asynchronous (`checkpoint.async_save`), so the checkpoint writer's group is one more split."""
+    are asynchronous (`checkpoint.async_save`), so the checkpoint writer's group is one more split.
+    `scale_layers` (with `group_ranks`): where the layers of every stage are alike, each step shape runs
+    on two short builds (2 and 3 layers per stage) and its figures are extended to the stage's length
+    (`_class_step_scaled`; the option report likewise); False runs every step on the whole stage (the
+    reference, same figures)."""
     from ntp_nemo.pipeline.memory import in_flight
 
     say = progress or (lambda _msg: None)
@@ -842,16 +936,22 @@ def dry_run(
     cache = MetaKernelCache()  # the classes' layers repeat the same kernels on the same shapes
     global_tokens = layout.num_microbatches * shape.micro_batch_size * shape.seq_len
     steps: dict[Any, _ClassStep] = {}
+    shorts = _short_builds(layout, cfg, shape, by_signature, checkpoint_group) if (
+        group_ranks and scale_layers) else None
     for i, (key, ranks) in enumerate(classes.items()):
         r = ranks[0]
-        with fake_world(r, world):
-            steps[key] = _class_step(layout, r, cfg, shape, plans[r], descriptors[r], global_tokens,
-                                     grad_norm=i == 0, cache=cache)
-        made = splits["tp"] + splits["holder_sets"] + splits["pipeline_links"]
-        if steps[key].new_groups != made:
-            raise RuntimeError(f"rank {r}: its assembly created {steps[key].new_groups} process groups, "
-                               f"the dry run counts {made}")
-        say(f"step shape {i + 1}/{len(classes)} ({len(ranks)} ranks): ran on rank {r}")
+        step = _class_step_scaled(shorts, layout, r, shape, global_tokens, i == 0, cache) if shorts else None
+        how = f"on {' and '.join(map(str, _SHORT_STAGES))} layers per stage" if step else "whole stage"
+        if step is None:
+            with fake_world(r, world):
+                step = _class_step(layout, r, cfg, shape, plans[r], descriptors[r], global_tokens,
+                                   grad_norm=i == 0, cache=cache)
+            made = splits["tp"] + splits["holder_sets"] + splits["pipeline_links"]
+            if step.new_groups != made:
+                raise RuntimeError(f"rank {r}: its assembly created {step.new_groups} process groups, "
+                                   f"the dry run counts {made}")
+        steps[key] = step
+        say(f"step shape {i + 1}/{len(classes)} ({len(ranks)} ranks): ran on rank {r} ({how})")
     timings["steps_s"] = time.perf_counter() - t2
 
     t3 = time.perf_counter()
@@ -906,7 +1006,8 @@ def dry_run(
         ran = next(k for k, ranks in classes.items() if big in ranks)
         options = option_savings(layout, big, cfg, shape, plans[big], global_tokens,
                                  results[big].optimizer_bytes, results[big].activation_bytes,
-                                 tp_ops=steps[ran].tp_ops if classes[ran][0] == big else None, cache=cache)
+                                 tp_ops=steps[ran].tp_ops if classes[ran][0] == big else None, cache=cache,
+                                 scale_layers=scale_layers)
     timings["options_s"] = time.perf_counter() - t4
     t4 = time.perf_counter()
     model_params = unsharded_param_count(cfg)
