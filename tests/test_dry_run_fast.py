@@ -139,3 +139,16 @@ def test_inplace_kernels_are_checked_once_per_metadata():
     assert cache._classify(torch.ops.aten.resize_.default) == 0
     cache.call(torch.ops.aten.transpose_.default, (t, 0, 1), {})
     assert t.shape == (3, 4)
+
+
+@pytest.mark.parametrize("replica_tp,layer_tp,pp", [
+    ([8] * 63 + [7], [8] * 34, 2),  # the 1,022-rank layout
+    ([4, 3, 2, 1], [4, 2, 1, 4, 3, 2], 1),  # per-layer degrees, replicas of every size
+    ([6, 5, 4], [6, 3, 2, 6, 1, 4, 6, 5], 2),
+])
+def test_tp_groups_are_every_ranks_group_of_every_slot(replica_tp, layer_tp, pp):
+    """`Topology.tp_group_tuples` (enumerated per stage and degree) against each rank's group of each
+    layout slot, as `layer_group_ranks` gives it."""
+    topo = Topology(max(replica_tp), replica_tp, layer_tp, pp=pp)
+    every = {topo.layer_group_ranks(r, slot) for r in range(topo.world_size) for slot in range(len(layer_tp))}
+    assert topo.tp_group_tuples() == sorted(g for g in every if len(g) > 1)

@@ -111,13 +111,14 @@ class Topology:
     # ---- process groups ----------------------------------------------------------------------
     def tp_group_tuples(self) -> list[tuple[int, ...]]:
         """Every per-layer TP subgroup of size > 1, deterministic order (all ranks create them alike)."""
-        seen: dict[tuple[int, ...], None] = {}
-        for rank in range(self.world_size):
-            for slot in range(len(self.layer_tp)):
-                g = self.layer_group_ranks(rank, slot)
-                if len(g) > 1:
-                    seen[g] = None
-        return sorted(seen)
+        seen: set[tuple[int, ...]] = set()
+        for replica in range(self.dp):  # a stage's ranks in chunks of each degree its slots take
+            degrees = {self.degree(replica, slot) for slot in range(len(self.layer_tp))}
+            for stage in range(self.pp):
+                ranks = self.stage_ranks(replica, stage)
+                for t in degrees:
+                    seen.update(tuple(ranks[k * t : (k + 1) * t]) for k in range((len(ranks) - 1) // t + 1))
+        return sorted(g for g in seen if len(g) > 1)
 
     def build_groups(self, extra: Sequence[tuple[int, ...]] = (), new_group: Callable | None = None) -> None:
         """Create every process group this topology and `extra` (e.g. DP fragment holder sets) need.
