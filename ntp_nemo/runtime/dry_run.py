@@ -759,14 +759,15 @@ class _ShortBuild:
     layout: ResolvedLayout
     cfg: ModelConfig
     descriptors: list[dict[str, tuple]]
-    plans: list[SyncPlan]
+    plans: dict[int, SyncPlan]  # of the ranks that run a step
     made: int
 
 
 def _short_builds(layout: ResolvedLayout, cfg: ModelConfig, shape: StepShape,
                   by_signature: dict[tuple[int, int, int], list[int]],
-                  checkpoint_group: bool) -> list[_ShortBuild] | None:
-    """One `_ShortBuild` per length of `_SHORT_STAGES`, or None where the stages' layers are not alike."""
+                  leaders: Sequence[int]) -> list[_ShortBuild] | None:
+    """One `_ShortBuild` per length of `_SHORT_STAGES` (sync plans for the ranks `leaders`), or None
+    where the stages' layers are not alike."""
     out = []
     for k in _SHORT_STAGES:
         short = _short_layout(layout, cfg, None, k)
@@ -780,9 +781,9 @@ def _short_builds(layout: ResolvedLayout, cfg: ModelConfig, shape: StepShape,
                 model = NTPRuntime(lay, ranks[0], device=META).build_model(c, shape.seed, shape.param_dtype)
                 desc[sig] = param_descriptors(model)
         descriptors = [desc[signature(topo, r)] for r in range(topo.world_size)]
-        plans = build_sync_plans(descriptors, [co.replica for co in topo.coords])
+        plans = build_sync_plans(descriptors, [co.replica for co in topo.coords], ranks=leaders)
         splits = communicator_splits(topo, plans, lay.schedule, False)
-        out.append(_ShortBuild(lay, c, descriptors, plans,
+        out.append(_ShortBuild(lay, c, descriptors, dict(zip(leaders, plans, strict=True)),
                                splits["tp"] + splits["holder_sets"] + splits["pipeline_links"]))
     return out
 
@@ -936,7 +937,7 @@ def dry_run(
     cache = MetaKernelCache()  # the classes' layers repeat the same kernels on the same shapes
     global_tokens = layout.num_microbatches * shape.micro_batch_size * shape.seq_len
     steps: dict[Any, _ClassStep] = {}
-    shorts = _short_builds(layout, cfg, shape, by_signature, checkpoint_group) if (
+    shorts = _short_builds(layout, cfg, shape, by_signature, [ranks[0] for ranks in classes.values()]) if (
         group_ranks and scale_layers) else None
     for i, (key, ranks) in enumerate(classes.items()):
         r = ranks[0]
