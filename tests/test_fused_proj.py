@@ -43,8 +43,9 @@ def _fused_against_separate(rank: int, world: int, cfg, align: int, sp: bool) ->
     torch.set_num_threads(1)
     topology = Topology(world, [world], [world] * (cfg.num_layers + 2), shard_align=align)
     rt, model = assembled(ResolvedLayout.make(topology, sequence_parallel=sp), rank, cfg)
-    # The global batch's loss and gradients, summed over the TP holders of shared KV heads by the gradient
-    # sync, against the unsharded model (the fused path is the default).
+    # The global batch's loss and gradients of the fused model, summed over the TP holders of shared KV
+    # heads by the gradient sync, against the unsharded model (one GEMM per projection: the CPU default).
+    set_fused(model, True)
     _, against_unsharded = step_against_reference(rt, model, cfg)
     toks = tokens(cfg)[:2]
     calls: dict[bool, Counter] = {}
@@ -125,9 +126,10 @@ class _GemmCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _gemms(fuse: bool) -> tuple[int, int]:
+def _gemms(fuse: bool | None) -> tuple[int, int]:
     model = build_model(LLAMA, seed=SEED).double()
-    set_fused(model, fuse)
+    if fuse is not None:
+        set_fused(model, fuse)
     toks = tokens(LLAMA)[:2]
     with _GemmCounter() as fwd:
         loss = model.loss_sum(toks)
@@ -138,9 +140,10 @@ def _gemms(fuse: bool) -> tuple[int, int]:
 
 def test_fused_projections_issue_one_gemm_per_group():
     """Per Llama layer: forward q/k/v 3 -> 1 GEMM and gate/up 2 -> 1; backward (input and weight
-    gradients) 6 -> 2 and 4 -> 2."""
+    gradients) 6 -> 2 and 4 -> 2.  On CPU the default is one GEMM per projection."""
     fwd_f, bwd_f = _gemms(True)
     fwd_s, bwd_s = _gemms(False)
+    assert _gemms(None) == (fwd_s, bwd_s)
     layers = LLAMA.num_layers
     assert fwd_s - fwd_f == 3 * layers
     assert bwd_s - bwd_f == 6 * layers

@@ -112,6 +112,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (xc * cos + rotated * sin).to(x.dtype)
 
 
+def fused_here(setting: bool | None, x: torch.Tensor) -> bool:
+    """Whether a layer's column-parallel projections run as one GEMM: `setting`, or by default on CUDA."""
+    return x.is_cuda if setting is None else setting
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPContext, out_std: float) -> None:
         super().__init__()
@@ -143,16 +148,18 @@ class Attention(nn.Module):
         self.tp = tp
         self.recompute_core = getattr(cfg, "recompute", "none") == "selective"
         # q, k and v as one GEMM over their stacked local rows (`gather_and_project`); the parameters stay
-        # three, so checkpoints and Hugging Face names do not change.  False: one GEMM each (benchmarks).
-        self.fuse_projections = True
+        # three, so checkpoints and Hugging Face names do not change.  None: fused on CUDA (larger GEMMs
+        # for tensor cores, fewer launches: Megatron's layout), one GEMM each on CPU, where the fused
+        # step measured slower (`bench/fused_proj.py`, docs/performance.md); True/False force it.
+        self.fuse_projections: bool | None = None
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, seq_len: int
     ) -> torch.Tensor:
         # One TP region entry for q, k and v (under SP: one all-gather to the whole sequence).
-        q, k, v = gather_and_project(x, self.tp, seq_len, (self.q_proj, self.k_proj, self.v_proj),
-                                     fuse=self.fuse_projections)
-        if rope is not None and not self.recompute_core:
+        fuse = fused_here(self.fuse_projections, x)
+        q, k, v = gather_and_project(x, self.tp, seq_len, (self.q_proj, self.k_proj, self.v_proj), fuse=fuse)
+        if fuse and rope is not None and not self.recompute_core:
             # Fused, q, k and v are views of one output; RoPE saves neither q nor k, so a copy of v (what
             # attention saves) lets the rest of that output go instead of living until the backward.
             v = v.contiguous()
@@ -191,13 +198,13 @@ class MLP(nn.Module):
         self.up_proj = ColumnParallelLinear(h, f, tp, bias=bias, std=cfg.init_std, copy_input=False)
         self.tp = tp
         self.down_proj = RowParallelLinear(f, h, tp, bias=bias, std=out_std)
-        self.fuse_projections = True  # gate and up as one GEMM (see `Attention.fuse_projections`)
+        self.fuse_projections: bool | None = None  # gate and up as one GEMM (see `Attention`'s)
 
     def forward(self, x: torch.Tensor, seq_len: int) -> torch.Tensor:
         # One TP region entry for the MLP input.
         if self.gated:
             gate, up = gather_and_project(x, self.tp, seq_len, (self.gate_proj, self.up_proj),
-                                          fuse=self.fuse_projections)
+                                          fuse=fused_here(self.fuse_projections, x))
             return self.down_proj(F.silu(gate) * up)
         (up,) = gather_and_project(x, self.tp, seq_len, (self.up_proj,))
         return self.down_proj(F.gelu(up, approximate="tanh"))
