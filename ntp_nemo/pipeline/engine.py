@@ -23,11 +23,21 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ntp_nemo.parallel.comm import compute_dtype
 from ntp_nemo.pipeline.p2p import StageLinks
 from ntp_nemo.pipeline.schedule import FORWARD, Action, schedule_order
 from ntp_nemo.topology import Topology
 
 Backward = Callable[..., None]  # backward(tensor) for a loss, backward(tensor, grad) for a stage output
+
+
+def wire_dtype(param: torch.Tensor) -> torch.dtype:
+    """The dtype of the messages between stages: the compute dtype (`parallel.comm.compute_dtype`: under
+    autocast its dtype, else the parameters').  Under bf16-mixed the residual stream is float32 (the norms
+    and residual adds run in it), and sending it as such would move twice the bytes; as Megatron does,
+    activations and their gradients cross in the compute dtype, and the receiving stage takes them back
+    into the parameters' dtype (one rounding of the residual stream per stage boundary)."""
+    return compute_dtype(param)
 
 
 def _default_backward(tensor: torch.Tensor, grad: torch.Tensor | None = None) -> None:
@@ -156,7 +166,7 @@ class PipelineEngine:
         last stage, 0 elsewhere."""
         backward = backward or _default_backward
         p = self._param
-        wire, device = p.dtype, p.device
+        wire, device = wire_dtype(p), p.device
         if getattr(self.model, "uses_rope", False):  # build the rotary tables now: they are not activations
             self.model._rope(torch.empty(0, dtype=wire, device=device))
         self.meter.exclude(list(self.model.parameters()) + list(self.model.buffers())
@@ -174,7 +184,8 @@ class PipelineEngine:
                 x = None
                 if not starts:
                     shape = self._in_shape(a.chunk, tokens)
-                    x = self.links.recv_activation(shape, wire, device).requires_grad_()
+                    # back in the parameters' dtype: the residual stream of an autocast model is float32
+                    x = self.links.recv_activation(shape, wire, device).to(p.dtype).requires_grad_()
                 start = time.perf_counter()
                 with self.meter.recording(key):
                     out = self._chunk_forward(a.chunk, tokens, x)
@@ -195,7 +206,7 @@ class PipelineEngine:
                     backward(out, grad.to(out.dtype))
                 x = inputs.pop(key)
                 if x is not None:
-                    self.links.send_gradient(x.grad)
+                    self.links.send_gradient(x.grad.to(wire))
                 self.meter.release(key)
             self.trace.actions.append((a.kind, a.microbatch, start - t0, time.perf_counter() - t0))
         self.links.flush()
@@ -207,6 +218,7 @@ class PipelineEngine:
         """Forward-only pass (validation) in the order's forwards: summed token loss on the last stage,
         0 elsewhere."""
         p = self._param
+        wire = wire_dtype(p)
         total = torch.zeros((), dtype=self.acc_dtype, device=p.device)
         for a in self._order(len(microbatches)):
             if a.kind != FORWARD:
@@ -214,11 +226,11 @@ class PipelineEngine:
             tokens = microbatches[a.microbatch]
             starts, ends = self._ends(a.chunk)
             shape = None if starts else self._in_shape(a.chunk, tokens)
-            x = None if starts else self.links.recv_activation(shape, p.dtype, p.device)
+            x = None if starts else self.links.recv_activation(shape, wire, p.device).to(p.dtype)
             out = self._chunk_forward(a.chunk, tokens, x)
             if ends:
                 total += out.to(self.acc_dtype)
             else:
-                self.links.send_activation(out.to(p.dtype))
+                self.links.send_activation(out.to(wire))
         self.links.flush()
         return total
