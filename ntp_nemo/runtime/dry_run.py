@@ -25,12 +25,20 @@ per-rank numbers come from the tensors that code creates:
 Speed: a rank's model slice depends only on its signature (active ranks of its replica, stage, slot),
 so each signature's slice is built once (as its first rank, giving its parameter descriptors); the
 forward and backward depend only on the slice's local shapes and TP group sizes, so they run once per
-distinct shape class (llama3_8b on (8,...,8,7): 15 signatures, 4 classes), as the class's first rank,
+distinct shape class (llama3_8b on (8,...,8,7): 15 signatures, 6 classes), as the class's first rank,
 which also runs its gradient sync, fused scalars, clipping and optimizer through the fake group.  Every
 rank's sync plan comes from one pass over all ranks' descriptors (`build_sync_plans`), and every rank's
 DP bytes and calls from its own plan (`plan_traffic`; checked against the bytes the sync actually sent
 for each class's rank).  Forward/backward communication is measured for one micro-batch and multiplied
-by the replica's micro-batch count (every micro-batch has the same shapes).
+by the replica's micro-batch count (every micro-batch has the same shapes).  Where the layers of every
+stage are alike (one degree for every layer, no interleaved chunks, recomputation of every layer or
+none) and every stage holds more than 3, each class's step runs on two short builds of the layout (2
+and 3 layers per stage, every rank's slice and sync plan on them) and each figure f is extended to a
+stage of L layers as f(2) + (L - 2)(f(3) - f(2)): every added layer saves the same tensors, holds the
+same parameters and sends the same collectives (`dry_run(scale_layers=False)` runs the whole stages;
+the tests compare the two).  The option report measures its other settings the same way.  On meta, most
+kernels are Python reference implementations: `MetaKernelCache` reuses the outputs of repeated
+functional kernels and skips repeated in-place ones.
 
 Mixed precision: autocast has no meta backend, so under `bf16-mixed` the forward and backward run on
 a copy of the slice in bf16 while parameters, gradients and optimizer state stay in float32.  The TP
@@ -215,6 +223,8 @@ class CommMeter(TorchDispatchMode):
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
+        # Nothing is compiled in a dry run: torch would otherwise wrap every dispatch in dynamo's
+        # `disable` (a frame-evaluation switch per aten call).
         return False
 
     @contextmanager
