@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from ntp_nemo.resilience.beats import Beat, read_beats, suspects
-from ntp_nemo.resilience.detection import blame, process_state, step_verdict
+from ntp_nemo.resilience.detection import WorkerMonitor, blame, process_state, step_verdict
 from ntp_nemo.resilience.fault_config import Timeouts
 from tests.conftest import TINY, run_cli
 
@@ -95,6 +95,9 @@ def test_a_stall_is_blamed_on_the_stopped_rank_not_its_peers_in_the_same_step():
     timeouts = Timeouts(heartbeat_s=1.0, collective_s=2.0, step_s=10.0, startup_s=10.0)
     verdict = step_verdict(beats, 4, launched=0.0, now=200.0, timeouts=timeouts, state=stopped)
     assert verdict is not None and verdict.ranks == (0,)
+    monitor = WorkerMonitor(lambda: [], Path("unused"), 4, timeouts, state=stopped)  # the restart path
+    verdict = monitor._stall(beats, now=102.0, launched=0.0)  # every beat 2 s old: a heartbeat stall
+    assert verdict is not None and verdict.reason == "heartbeat" and verdict.ranks == (0,)
 
 
 def _rank(directory: Path, rank: int, phase: str, step: int) -> None:
