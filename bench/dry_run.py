@@ -21,10 +21,10 @@ command-line dry run of this tree against the tree before its speed-up.
    ntp.replica_tp=[8 x 63, 7]`, the recipe's PP 2), each a process of its own: "after" runs the
    committed tree (`git archive HEAD`), "before" the same tree with the dry run's files as they were at
    `--before` (default 6e7767c, the commit before the dry-run speed-up: `ntp_nemo/runtime/dry_run.py`,
-   `ntp_nemo/topology/topology.py`), so the two differ by the speed-up alone.  Printed: user + system
-   CPU seconds of each process (interpreter, Hydra and imports included) and whether the two
-   `dry_run.json` files hold the same figures (every field but `timings_s`).  Both read the config tree
-   of the installed package.  `--cli ''` skips part 4.
+   `ntp_nemo/topology/topology.py`), so the two differ by the speed-up alone (both byte-compiled before
+   the timed runs).  Printed: user + system CPU seconds of each process (interpreter, Hydra and imports
+   included) and whether the two `dry_run.json` files hold the same figures (every field but
+   `timings_s`).  Both read the config tree of the installed package.  `--cli ''` skips part 4.
 
 Load from other processes changes wall time; CPU time (`time.process_time`) is printed next to it.
 """
@@ -79,6 +79,8 @@ def committed_tree(dest: Path, before: str | None = None) -> Path:
     for f in SPEEDUP_FILES if before else ():
         old = subprocess.run(["git", "show", f"{before}:{f}"], cwd=ROOT, capture_output=True, check=True)
         (dest / f).write_bytes(old.stdout)
+    # Byte-compiled once, as an installed tree is: the timed runs do not compile the package.
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(dest / "ntp_nemo")], check=True)
     return dest
 
 
