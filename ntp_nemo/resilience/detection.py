@@ -3,7 +3,8 @@
 Timeout hierarchy (`fault.*`), each level catching what the one below cannot:
 
 1. `heartbeat_timeout_s` (supervisor): a training rank whose heartbeat has not advanced for this
-   long stalls the job; the supervisor kills the workers and blames the rank(s) furthest behind.
+   long stalls the job; the supervisor kills the workers and blames the rank(s) whose process is
+   stopped, or else those furthest behind (`blame`).
 2. `collective_timeout_s` (every collective, passed to NTPStrategy): a rank waiting this long in a
    collective raises, so that without a supervisor (torchrun/SLURM) a hang still turns into a crash.
    It exceeds the heartbeat timeout so that the supervisor, which knows who stopped first, acts first.
