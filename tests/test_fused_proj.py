@@ -210,3 +210,46 @@ def test_fused_projections_keep_no_more_activations_than_separate_ones():
     for tp in (1, 2):
         (saved,) = run_workers(_saved_bytes, 1, LLAMA, tp, 0)
         assert saved[True] == saved[False], (tp, saved)
+
+
+def _mixed_backward_outside_autocast(rank: int, world: int, sp: bool) -> dict:
+    """Float32 parameters, forward under bf16 autocast, backward outside it (as a caller may run it):
+    the fused and the separate paths' TP messages (kind, dtype, bytes) and gradients."""
+    from ntp_nemo.runtime.runtime import NTPRuntime
+
+    torch.set_num_threads(1)
+    topology = Topology(world, [world], [world] * (LLAMA.num_layers + 2))
+    rt = NTPRuntime(ResolvedLayout.make(topology, sequence_parallel=sp), rank)
+    out = {}
+    for fuse in (True, False):
+        model = rt.build_model(LLAMA, SEED)
+        set_fused(model, fuse)
+        wire: Counter = Counter()
+        originals = {name: getattr(dist, name) for name in COLLECTIVES}
+        for name, fn in originals.items():
+            def wrapped(*args, _fn=fn, _name=name, _wire=wire, **kwargs):
+                t = args[1] if _name != "all_reduce" else args[0]
+                _wire[f"{_name} {t.dtype}"] += t.numel() * t.element_size()
+                return _fn(*args, **kwargs)
+            setattr(dist, name, wrapped)
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model.loss_sum(tokens(LLAMA)[:2])
+            loss.backward()
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
+        grads = [p.grad for p in model.parameters()]
+        out[fuse] = {"wire": dict(wire), "dtypes": sorted({str(g.dtype) for g in grads}),
+                     "finite": all(bool(torch.isfinite(g).all()) for g in grads),
+                     "loss": float(loss.detach())}
+    return out
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_fused_bf16_mixed_sends_what_separate_gemms_send_with_the_backward_outside_autocast(sp):
+    for r in run_workers(_mixed_backward_outside_autocast, 2, sp):
+        fused, separate = r[True], r[False]
+        assert fused["wire"] == separate["wire"], (fused["wire"], separate["wire"])
+        assert fused["finite"] and fused["dtypes"] == ["torch.float32"], fused
+        assert abs(fused["loss"] - separate["loss"]) <= 1e-2 * abs(separate["loss"])
