@@ -8,6 +8,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -140,3 +141,119 @@ def test_the_live_monitor_kills_the_stopped_rank_alone_and_gives_the_others_a_fr
         for p in procs:
             p.kill()  # SIGKILL ends a stopped process too
             p.join(5)
+
+
+# ---- the supervisor's side of a relaunch with no usable checkpoint, in process ---------------------------
+class _Proc:
+    def __init__(self, code: int) -> None:
+        self.exitcode, self.pid, self.sentinel = code, None, None
+
+    def is_alive(self) -> bool:
+        return False
+
+
+class _Attempt:
+    """Stands in for one attempt's Lightning Trainer: `fit` runs `work(ckpt_path)` as every worker would,
+    then fails the way torch's join reports it: a worker killed (exit 137), or a worker that raised."""
+
+    def __init__(self, work) -> None:
+        self.work = work
+        self.strategy = SimpleNamespace(launcher=SimpleNamespace(procs=[]))
+        self.resumed_from: str | None = None
+
+    def fit(self, module, ckpt_path=None) -> None:
+        from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+
+        self.resumed_from = ckpt_path
+        try:
+            self.work(ckpt_path)
+        except Exception as err:  # noqa: BLE001 - what a worker raises reaches the launcher as its text
+            self.strategy.launcher.procs = [_Proc(1)]
+            raise ProcessRaisedException(f"\n\n-- Process 0 terminated with the following error:\n{err!r}",
+                                         0, 0) from None
+        self.strategy.launcher.procs = [_Proc(137)]
+        raise ProcessExitedException("process 0 terminated with exit code 137", 0, 0, 137)
+
+
+def _supervised_run(tmp_path, first_attempt):
+    """A one-rank run with checkpoints at steps 1 and 2 (written by `save_checkpoint`); attempt 0 runs
+    `first_attempt(ckpt_dir)` and loses its rank; the relaunch loads its checkpoint as a worker does
+    (`load_with_fallback` within the run's directory).  Returns the supervisor, the attempts and the error
+    the run stopped with."""
+    from ntp_nemo.checkpoint import checkpoint_name, load_with_fallback, save_checkpoint
+    from ntp_nemo.config.failover import failover_spec
+    from ntp_nemo.config.layout import resolve_layout
+    from ntp_nemo.resilience.supervisor import Supervisor
+    from ntp_nemo.runtime.runtime import NTPRuntime
+    from ntp_nemo.topology import ResolvedLayout, Topology
+    from tests.conftest import SINGLE, compose
+    from tests.ntp_cases import GPT, SEED
+
+    cfg = compose([*TINY, *SINGLE, "trainer.max_steps=4", "checkpoint.every_n_steps=1",
+                   "fault.policy=restart"])
+    model = NTPRuntime(ResolvedLayout.make(Topology(1, [1], [1] * 4)), 0).build_model(GPT, SEED)
+    run_dir = tmp_path / "run"
+    attempts: list[_Attempt] = []
+
+    def build(layout, extra, devices, stop_at):
+        def load(path):  # a worker's resume: the warnings of its fallback are not this test's
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                load_with_fallback(path, model, None, fallback=True)
+
+        work = (lambda path: first_attempt(sup.ckpt_dir)) if not attempts else load
+        attempts.append(_Attempt(work))
+        return attempts[-1], None, None
+
+    sup = Supervisor(failover_spec(cfg), resolve_layout(cfg), run_dir, build)
+    for step in (1, 2):
+        save_checkpoint(sup.ckpt_dir / checkpoint_name(step), model, None, {"n": step}, step=step)
+    with pytest.raises(Exception) as stopped:
+        sup.run(sup.build_first(), None)
+    return sup, attempts, stopped.value
+
+
+def test_a_relaunch_stops_when_its_workers_find_every_checkpoint_damaged(tmp_path):
+    """Both checkpoints get a flipped data byte during attempt 0 (the `corrupt_checkpoint` fault's own
+    function): the launcher's check, which reads no data, passes the newest, so the relaunch resumes from
+    it; its worker marks both corrupt as it falls back and raises.  The supervisor stops with
+    NoUsableCheckpointError naming both (not the worker's error, not a failure to relaunch again)."""
+    from ntp_nemo.checkpoint import NoUsableCheckpointError
+    from ntp_nemo.resilience.faults import corrupt_latest_checkpoint
+
+    def damage(ckpt_dir: Path) -> None:
+        for step in (1, 2):
+            corrupt_latest_checkpoint(ckpt_dir, step)
+
+    sup, attempts, err = _supervised_run(tmp_path, damage)
+    assert isinstance(err, NoUsableCheckpointError), repr(err)
+    assert attempts[1].resumed_from == str(sup.ckpt_dir / "step_000002")  # no data read before the launch
+    assert len(attempts) == 2  # not relaunched again
+    msg = str(err)
+    assert "holds 2 checkpoint(s) and none is usable (step_000002: file data_" in msg
+    assert "; step_000001: file data_" in msg and "xxh3_64 check" in msg
+    assert "The run stopped: it was relaunched after rank(s) [0] lost at step " in msg
+    assert "(exit status: rank 0: 137), and no checkpoint was left to resume from; nothing was deleted" in msg
+    assert all((sup.ckpt_dir / f"step_00000{s}" / "corrupt.json").is_file() for s in (1, 2))  # kept, marked
+    outcomes = [json.loads(line)["outcome"] for line in (sup.dir / "attempts.jsonl").read_text().splitlines()]
+    assert outcomes == ["failed", "no usable checkpoint"]
+
+
+def test_a_relaunch_stops_when_the_launchers_check_finds_every_checkpoint_damaged(tmp_path):
+    """Both checkpoints truncated during attempt 0: the launcher's check (sizes against the manifest)
+    finds none usable and the run stops before any relaunch, with a job_end in goodput.jsonl."""
+    from ntp_nemo.checkpoint import NoUsableCheckpointError
+
+    def truncate(ckpt_dir: Path) -> None:
+        for ckpt in ckpt_dir.glob("step_*"):
+            victim = max(ckpt.glob("data_*.bin"), key=lambda f: f.stat().st_size)
+            victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+
+    sup, attempts, err = _supervised_run(tmp_path, truncate)
+    assert isinstance(err, NoUsableCheckpointError), repr(err)
+    assert len(attempts) == 1
+    assert "holds 2 checkpoint(s) and none is usable" in str(err) and "truncated" in str(err)
+    assert "The run stopped: it was relaunched after rank(s) [0] lost" in str(err)
+    events = [json.loads(line) for line in (sup.run_dir / "goodput.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events][-2:] == ["failure_detected", "job_end"]
+    assert events[-1]["reason"] == "no usable checkpoint"
