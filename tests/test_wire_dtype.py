@@ -36,11 +36,13 @@ def _two_stages(rank: int, world: int, mode: str) -> dict:
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "mixed"):
             total = rt.train_microbatches(model, [toks[:1], toks[1:2]], toks[:, 1:].numel())
+            trained = len(sent)
+            evaluated = float(rt.eval_microbatches(model, [toks[:1], toks[1:2]]))
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
     grads = {n: p.grad for n, p in model.named_parameters()}
-    return {"sent": sent, "loss": float(total),
+    return {"sent": sent[:trained], "eval_sent": sent[trained:], "loss": float(total), "eval_loss": evaluated,
             "grad_dtypes": sorted({str(g.dtype) for g in grads.values()}),
             "finite": all(bool(torch.isfinite(g).all()) for g in grads.values()),
             "grad_norm": float(torch.sqrt(sum(g.double().square().sum() for g in grads.values())))}
@@ -60,8 +62,12 @@ def test_bf16_mixed_pipeline_sends_bf16_like_the_all_bf16_model():
         # Without autocast the messages stay in the parameters' dtype.
         assert {(d, n) for _, d, n in f["sent"]} == {("float32", 4 * hidden_bytes)}, f["sent"]
         assert m["finite"] and m["grad_dtypes"] == ["torch.float32"], m
+        # Validation (forward only) sends its activations in the compute dtype too.
+        assert {(d, n) for _, d, n in m["eval_sent"]} == {("bfloat16", 2 * hidden_bytes)}, m["eval_sent"]
+        assert len(m["eval_sent"]) == 2 and m["eval_sent"] == b["eval_sent"]
     # The last stage's loss under bf16-mixed follows float32 to bf16 rounding (one rounding of the
     # residual stream at the stage boundary, on top of autocast's own), and so do the gradients.
     assert abs(mixed[1]["loss"] - fp32[1]["loss"]) <= 2e-2 * abs(fp32[1]["loss"])
+    assert abs(mixed[1]["eval_loss"] - fp32[1]["eval_loss"]) <= 2e-2 * abs(fp32[1]["eval_loss"])
     for m, f in zip(mixed, fp32, strict=True):
         assert abs(m["grad_norm"] - f["grad_norm"]) <= 5e-2 * f["grad_norm"], (m["grad_norm"], f["grad_norm"])
