@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -19,10 +23,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist with `--dist loadgroup` (the README's test command), the tests of a module that
     read a module-scoped fixture run on one worker, so the fixture (often a whole sweep of runs) is
-    computed once instead of once per worker; every other test goes to whichever worker is free."""
+    computed once instead of once per worker; every other test goes to whichever worker is free.  First
+    among the hooks: xdist's own (on each worker) reads the groups to name the scheduling units, and
+    marks added after it would be ignored."""
     if not config.pluginmanager.hasplugin("xdist"):
         return
     for item in items:
@@ -31,6 +38,10 @@ def pytest_collection_modifyitems(config, items):
             continue
         if any(fd.scope == "module" for defs in info.name2fixturedefs.values() for fd in defs):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    # xdist sends the groups first (most tests first), then single tests in this order: the slow ones
+    # first, so that the last tests of the run are short and both workers finish together.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
 
 # Small enough for 2 cores, big enough to learn: used by CLI tests unless they override it.
 TINY = [
@@ -176,21 +187,89 @@ REFERENCES = {
 }
 
 
+def reference_sweep(root: Path) -> None:
+    """Run every REFERENCES case as one sweep under `root` and write `root/losses.json` ({case: {step:
+    loss}}, or {"error": ...} when the sweep failed) in one atomic replace: what `reference_losses` reads."""
+    result = sweep_cases(REFERENCES, [*TINY], root)
+    if result.proc.returncode != 0:
+        doc = {"error": f"exit {result.proc.returncode}\n{result.proc.stderr[-3000:]}"}
+    else:
+        doc = {case: {m["step"]: m["loss"] for m in read_metrics(result.run_dir(case))}
+               for case in REFERENCES}
+    tmp = root / "losses.json.tmp"
+    tmp.write_text(json.dumps(doc))
+    os.replace(tmp, root / "losses.json")
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, the controlling process starts the reference sweep at once in the background
+    (`python -m tests.conftest <dir>`) and hands its directory and one shared data cache to the workers
+    (through the environment they inherit): the sweep runs once per session, beside the first tests,
+    instead of once per worker in the setup of the first test that reads it."""
+    if hasattr(config, "workerinput") or not config.pluginmanager.hasplugin("xdist"):
+        return
+    if not config.getoption("numprocesses", None) or os.environ.get("NTP_TEST_REFERENCES"):
+        return
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    if config.getoption("dist") == "loadgroup" and Version(version("pytest")) >= Version("9.2") \
+            and Version(version("pytest-xdist")) <= Version("3.8"):
+        pytest.exit("pytest-xdist <= 3.8 cannot group tests under pytest 9.2 (`--dist loadgroup` then runs "
+                    "every module fixture on each worker): install the pytest pyproject.toml names "
+                    "(`pip install 'pytest<9.2'`)", 4)
+    root = Path(tempfile.mkdtemp(prefix="ntp-test-references-"))
+    os.environ.setdefault("NTP_NEMO_CACHE", str(root / "cache"))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ["NTP_TEST_REFERENCES"] = str(root)
+    config.stash[_REFERENCE_SWEEP] = subprocess.Popen(
+        [sys.executable, "-m", "tests.conftest", str(root)], cwd=ROOT,
+        stdout=(root / "sweep.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+    )
+
+
+def pytest_unconfigure(config):
+    proc = config.stash.get(_REFERENCE_SWEEP, None)
+    if proc is None:
+        return
+    if proc.poll() is None:  # a short session: the sweep and the processes it started
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    shutil.rmtree(os.environ.pop("NTP_TEST_REFERENCES"), ignore_errors=True)
+
+
+_REFERENCE_SWEEP = pytest.StashKey[subprocess.Popen]()
+REFERENCE_WAIT_S = 1200  # the sweep's own timeout (sweep_cases) plus its start
+
+
 @pytest.fixture(scope="session")
 def reference_losses(tmp_path_factory) -> Callable[[str], dict[int, float]]:
     """`reference_losses(name)`: {step: loss} of the failure-free run REFERENCES[name] (TINY, no
-    checkpoints), every reference computed by one sweep the first time any is asked for."""
+    checkpoints), every reference computed by one sweep: the one the xdist controller started
+    (`NTP_TEST_REFERENCES`), else one run here the first time any is asked for."""
     done: dict[str, dict[int, float]] = {}
 
     def get(name: str) -> dict[int, float]:
         if not done:
-            result = sweep_cases(REFERENCES, [*TINY], tmp_path_factory.mktemp("references"))
-            assert result.proc.returncode == 0, result.proc.stderr[-3000:]
-            for case in REFERENCES:
-                done[case] = {m["step"]: m["loss"] for m in read_metrics(result.run_dir(case))}
+            shared = os.environ.get("NTP_TEST_REFERENCES")
+            root = Path(shared) if shared else tmp_path_factory.mktemp("references")
+            if not shared:
+                reference_sweep(root)
+            deadline = time.monotonic() + REFERENCE_WAIT_S
+            while not (root / "losses.json").is_file():
+                assert time.monotonic() < deadline, f"no reference sweep in {root} after {REFERENCE_WAIT_S} s"
+                time.sleep(0.5)
+            doc = json.loads((root / "losses.json").read_text())
+            assert "error" not in doc, f"the reference sweep failed: {doc.get('error')}"
+            done.update({case: {int(k): v for k, v in losses.items()} for case, losses in doc.items()})
         losses = done[name]
         steps = int(REFERENCES[name][-1].split("=")[1])
         assert sorted(losses) == list(range(1, steps + 1)), (name, sorted(losses))
         return losses
 
     return get
+
+
+if __name__ == "__main__":  # the background reference sweep of pytest_configure
+    reference_sweep(Path(sys.argv[1]))
