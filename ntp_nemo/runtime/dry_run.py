@@ -892,6 +892,25 @@ def option_savings(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: S
     return out
 
 
+class _PhaseClock:
+    """Wall and CPU seconds of the dry run's phases into `timings` (`<phase>_s`, `<phase>_cpu_s`): on a
+    loaded machine the CPU seconds say where the time goes, the wall seconds how long it took."""
+
+    def __init__(self, timings: dict[str, float]) -> None:
+        self.timings = timings
+        self.start = self.last = (time.perf_counter(), time.process_time())
+
+    def lap(self, phase: str) -> None:
+        now = (time.perf_counter(), time.process_time())
+        self.timings[f"{phase}_s"] = now[0] - self.last[0]
+        self.timings[f"{phase}_cpu_s"] = now[1] - self.last[1]
+        self.last = now
+
+    def total(self) -> None:
+        self.timings["total_s"] = time.perf_counter() - self.start[0]
+        self.timings["total_cpu_s"] = time.process_time() - self.start[1]
+
+
 def dry_run(
     layout: ResolvedLayout,
     cfg: ModelConfig,
@@ -915,7 +934,7 @@ def dry_run(
 
     say = progress or (lambda _msg: None)
     timings: dict[str, float] = {}
-    t0 = time.perf_counter()
+    clock = _PhaseClock(timings)
     topo = layout.topology()
     world = topo.world_size
     by_signature: dict[tuple[int, int, int], list[int]] = defaultdict(list)
@@ -929,20 +948,18 @@ def dry_run(
     for r in range(world):
         classes[slices[signature(topo, r)].key if group_ranks else r].append(r)
     say(f"{world} ranks: {len(by_signature)} distinct model slices, {len(classes)} distinct step shapes")
-    timings["build_s"] = time.perf_counter() - t0
+    clock.lap("build")
 
-    t1 = time.perf_counter()
     descriptors = [slices[signature(topo, r)].descriptors for r in range(world)]
     replica_of = [c.replica for c in topo.coords]
     if group_ranks:
         plans = build_sync_plans(descriptors, replica_of)
     else:
         plans = [build_sync_plan(r, descriptors, replica_of) for r in range(world)]
-    timings["sync_plans_s"] = time.perf_counter() - t1
+    clock.lap("sync_plans")
     splits = communicator_splits(topo, plans, layout.schedule, checkpoint_group)
     say(splits_line(splits))
 
-    t2 = time.perf_counter()
     counts = layout.microbatch_counts()
     cache = MetaKernelCache()  # the classes' layers repeat the same kernels on the same shapes
     global_tokens = layout.num_microbatches * shape.micro_batch_size * shape.seq_len
@@ -963,9 +980,8 @@ def dry_run(
                                    f"the dry run counts {made}")
         steps[key] = step
         say(f"step shape {i + 1}/{len(classes)} ({len(ranks)} ranks): ran on rank {r} ({how})")
-    timings["steps_s"] = time.perf_counter() - t2
+    clock.lap("steps")
 
-    t3 = time.perf_counter()
     element = shape.param_dtype.itemsize
     bucket = int(shape.bucket_mb * (1 << 20))
     results: list[RankResult] = []
@@ -1008,9 +1024,8 @@ def dry_run(
             modelled_work=None if work is None else work[r],
             subgroup_peers=peers[r],
         ))
-    timings["ranks_s"] = time.perf_counter() - t3
+    clock.lap("ranks")
 
-    t4 = time.perf_counter()
     options: dict[str, Any] = {}
     if measure_options:
         big = max(results, key=lambda r: r.memory_bytes).rank
@@ -1019,11 +1034,10 @@ def dry_run(
                                  results[big].optimizer_bytes, results[big].activation_bytes,
                                  tp_ops=steps[ran].tp_ops if classes[ran][0] == big else None, cache=cache,
                                  scale_layers=scale_layers)
-    timings["options_s"] = time.perf_counter() - t4
-    t4 = time.perf_counter()
+    clock.lap("options")
     model_params = unsharded_param_count(cfg)
-    timings["unsharded_s"] = time.perf_counter() - t4
-    timings["total_s"] = time.perf_counter() - t0
+    clock.lap("unsharded")
+    clock.total()
     return DryRunResult(ranks=results, model_params=model_params, signatures=len(by_signature),
                         timings=timings, options=options, splits=splits)
 
