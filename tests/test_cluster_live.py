@@ -98,10 +98,12 @@ def test_cluster_tasks_recover_live_from_a_kill_and_a_hang_and_a_spare_rejoins(t
 @pytest.mark.slow
 def test_coordinator_death_stops_every_task_and_a_resubmission_resumes(tmp_path):
     run = tmp_path / "run"
-    over = [*COMMON, *LAYOUT, "checkpoint.every_n_steps=4", f"hydra.run.dir={run}"]
+    # Two tasks (two TP-1 replicas): every task of the job stops, whatever their number.
+    over = [*COMMON, "mesh.dp=2", "mesh.tp=1", "ntp.replica_tp=[1,1]", "checkpoint.every_n_steps=4",
+            f"hydra.run.dir={run}"]
     port = free_port()
     coordinator = start_coordinator(over, port, SECRET, tmp_path)
-    tasks = [start_task(over, i, 4, port, SECRET, tmp_path) for i in range(4)]
+    tasks = [start_task(over, i, 2, port, SECRET, tmp_path) for i in range(2)]
     try:
         _wait_step(run, 9, tasks)
         killed = time.time()
@@ -111,7 +113,7 @@ def test_coordinator_death_stops_every_task_and_a_resubmission_resumes(tmp_path)
     finally:
         for p in [coordinator, *tasks]:
             p.kill()
-    assert codes == [COORDINATOR_LOST_EXIT] * 4, [t.output[-2000:] for t in tasks]
+    assert codes == [COORDINATOR_LOST_EXIT] * 2, [t.output[-2000:] for t in tasks]
     assert took < 4 + 20, took  # the heartbeat timeout, plus process exit on a loaded machine
     out = tasks[0].output
     assert "the coordinator at 127.0.0.1:" in out and "is gone" in out and "resume=auto" in out, out[-3000:]
@@ -127,9 +129,9 @@ def test_coordinator_death_stops_every_task_and_a_resubmission_resumes(tmp_path)
     again = [*over, "resume=auto", "trainer.max_steps=" + str(read_manifest(latest)["step"] + 2)]
     port = free_port()
     coordinator = start_coordinator(again, port, SECRET, tmp_path)
-    tasks = [start_task(again, i, 4, port, SECRET, tmp_path, step_id=1) for i in range(4)]
+    tasks = [start_task(again, i, 2, port, SECRET, tmp_path, step_id=1) for i in range(2)]
     try:
-        assert [t.wait(300) for t in tasks] == [0] * 4, [t.output[-2000:] for t in tasks]
+        assert [t.wait(300) for t in tasks] == [0] * 2, [t.output[-2000:] for t in tasks]
         assert coordinator.wait(60) == 0
     finally:
         for p in [coordinator, *tasks]:
