@@ -27,6 +27,8 @@ Invariants checked after every scenario (a row fails when one does not hold):
 2. exit: every command's exit status is a documented one for what happened (0 for a recovered run or a
    preemption stop, 2 for "no valid checkpoint", 1 only with a stated reason);
 3. steps: every step 1..N completed, and its last execution's loss equals the failure-free run's (1e-4);
+   a run that stopped with exit 2 because no checkpoint was usable (the scenario damaged them, and every
+   one left fails its check) completes only the steps before that stop;
 4. checkpoints: every checkpoint left in the run directory verifies (except one the scenario damaged on
    purpose), and none a `damage-all` rerun saw was deleted;
 5. goodput: every `failure_detected` in goodput.jsonl is followed by a `recovery_done` or the end of that
@@ -365,19 +367,22 @@ def check(sc: Scenario, work: Path, reference: dict[int, float], steps: int,
             problems.append(f"command {i + 1} exit 1: {r.stderr.strip().splitlines()[-1:]}")
         if "Traceback (most recent call last)" in r.stderr:
             problems.append(f"command {i + 1} printed a traceback")
+    damaged_on_purpose = any(f["what"] == "corrupt" for f in sc.faults)
+    bad = [(c.name, why) for c in checkpoints(run_dir) if (why := verify(c))]
+    # The documented stop of a run whose every checkpoint is damaged (a relaunch found none usable).
+    stopped_unusable = (damaged_on_purpose and len(bad) == len(checkpoints(run_dir))
+                        and any(r.rc == 2 and "none is usable" in r.stderr for r in results))
     recs = metrics(run_dir)
     last_loss = {}
     for r in recs:
         last_loss[r["step"]] = r["loss"]
     missing = sorted(set(range(1, steps + 1)) - set(last_loss))
-    if missing:
+    if missing and not stopped_unusable:
         problems.append(f"steps never completed: {missing}")
     diffs = [abs(last_loss[s] - reference[s]) / abs(reference[s]) for s in reference if s in last_loss]
     worst = max(diffs, default=0.0)
     if worst > 1e-4:
         problems.append(f"loss off the failure-free curve by {worst:.1e}")
-    damaged_on_purpose = any(f["what"] == "corrupt" for f in sc.faults)
-    bad = [(c.name, why) for c in checkpoints(run_dir) if (why := verify(c))]
     if bad and not damaged_on_purpose:
         problems.append(f"checkpoints that do not verify: {bad}")
     if not checkpoints(run_dir):
