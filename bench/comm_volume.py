@@ -560,7 +560,7 @@ def main() -> None:
     args = ap.parse_args()
     from _common import compose, model_config
 
-    from ntp_nemo.parallel.launch import run_workers
+    from ntp_nemo.launch.workers import run_workers
 
     cfg = model_config(compose([f"model={args.model}"]))
     names = _split_names(args.layouts)

@@ -505,7 +505,7 @@ def main() -> int:
         return 0
 
     sys.path.insert(0, str(ROOT))
-    from ntp_nemo.parallel.devices import cuda_device_count  # NVML: no CUDA context in this process
+    from ntp_nemo.launch.devices import cuda_device_count  # NVML: no CUDA context in this process
 
     args.steps = args.steps or (4 if args.rehearse else 20)
     parts = [p for p in args.only.split(",") if p]

@@ -30,8 +30,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.models.config import ModelConfig
-from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.parallel.overlap import OverlappedGradSync
 from ntp_nemo.runtime.assemble import assemble
 from ntp_nemo.topology import ResolvedLayout, Topology

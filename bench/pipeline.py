@@ -26,8 +26,8 @@ import statistics
 
 import torch
 
+from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.models.config import ModelConfig
-from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.pipeline.schedule import INTERLEAVED, analytical_bubble, simulate
 from ntp_nemo.runtime.assemble import assemble
 from ntp_nemo.topology import ResolvedLayout, Topology

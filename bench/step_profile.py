@@ -30,8 +30,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ntp_nemo.launch.workers import run_workers  # noqa: E402
 from ntp_nemo.models.config import ModelConfig  # noqa: E402
-from ntp_nemo.parallel.launch import run_workers  # noqa: E402
 from ntp_nemo.runtime.assemble import assemble  # noqa: E402
 from ntp_nemo.topology import ResolvedLayout, Topology  # noqa: E402
 

@@ -45,7 +45,7 @@ def train(cfg: DictConfig, start_t: float | None = None, console=None) -> dict:
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if cfg.trainer.get("dry_run"):  # validates by itself, reads no data, starts no worker
-        from ntp_nemo.dry_run import run_dry
+        from ntp_nemo.dry_run_report import run_dry
 
         # Under torchrun/SLURM every process gets here: global rank 0 alone runs it and writes the file.
         return run_dry(cfg, run_dir, say) if launcher_rank() == 0 else {}
@@ -131,7 +131,7 @@ def _cluster_link(spec: RunSpec):
 
     if coordinator_address() is None:
         return None
-    from ntp_nemo.parallel.cluster import launcher_layout
+    from ntp_nemo.launch.cluster import launcher_layout
     from ntp_nemo.resilience.fault_config import recovery_mode
 
     proc = launcher_layout()
@@ -195,7 +195,7 @@ def _resolve(cfg: DictConfig, run_dir: Path) -> tuple[RunSpec, Path | None]:
 
     overrides = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
     layout, failover = check_config(cfg, explicit_keys(overrides))
-    from ntp_nemo.parallel.cluster import slurm_batch_without_srun
+    from ntp_nemo.launch.cluster import slurm_batch_without_srun
 
     if slurm_batch_without_srun():
         say(f"note: a SLURM batch script without srun (SLURM_NTASKS={os.environ['SLURM_NTASKS']} is the "

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ntp_nemo.checkpoint import AsyncCheckpointSaver, checkpoint_name, is_valid_checkpoint, load_checkpoint
-from ntp_nemo.parallel.launch import run_workers
+from ntp_nemo.launch.workers import run_workers
 from tests.ntp_cases import LLAMA
 from tests.test_checkpoint_reshard import _one_process, _setup, _slices, _train_step
 

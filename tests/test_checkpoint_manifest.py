@@ -26,8 +26,8 @@ from ntp_nemo.checkpoint import (
     save_checkpoint,
 )
 from ntp_nemo.errors import ConfigError
+from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.models.config import ModelConfig
-from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.ntp_cases import GPT, SEED

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from ntp_nemo.checkpoint import load_checkpoint, save_checkpoint, stored_chunks
+from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.models.config import ModelConfig
-from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.ntp_cases import GPT, LLAMA, LLAMA_KV4, assembled

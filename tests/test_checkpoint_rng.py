@@ -11,7 +11,7 @@ import torch
 
 from ntp_nemo.checkpoint import load, save_checkpoint
 from ntp_nemo.checkpoint.rng import rng_state, set_rng_state
-from ntp_nemo.parallel.launch import run_workers
+from ntp_nemo.launch.workers import run_workers
 from tests.ntp_cases import GPT
 from tests.test_checkpoint_reshard import _setup, _train_step
 

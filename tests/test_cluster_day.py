@@ -17,14 +17,14 @@ import sys
 import pytest
 
 from ntp_nemo.errors import ConfigError
-from ntp_nemo.parallel.cluster import (
+from ntp_nemo.launch.cluster import (
     NodeFacts,
     check_placement,
     check_tp_within_nodes,
     gpus_on_node,
     isolated_gpu_warning,
 )
-from ntp_nemo.parallel.launch import run_workers
+from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.topology import Topology
 from tests.conftest import ROOT
 
@@ -98,7 +98,7 @@ def test_one_gpu_per_task_on_a_larger_node_warns_once_naming_the_nodes():
     (None, 0),  # unset on a CPU run: no CUDA query, nothing counted
 ])
 def test_a_cpu_task_counts_the_gpus_cuda_visible_devices_names(monkeypatch, value, count):
-    from ntp_nemo.parallel import devices
+    from ntp_nemo.launch import devices
 
     if value is None:
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -112,7 +112,7 @@ def test_cuda_visible_devices_alone_does_not_make_a_cpu_machine_a_gpu_one(monkey
     """The accelerator check reads CUDA's own count, not the variable the placement report reads."""
     import torch
 
-    from ntp_nemo.parallel import devices
+    from ntp_nemo.launch import devices
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     expected = torch.cuda.device_count() > 0  # what CUDA says on this machine, not the variable

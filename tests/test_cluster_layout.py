@@ -134,7 +134,7 @@ def test_trainer_on_the_one_process_node_keeps_the_launchers_rank(monkeypatch, t
 
 def test_device_count_leaves_cuda_uninitialised(monkeypatch):
     """The launching parent counts GPUs through NVML: cudaGetDeviceCount (driver init) is never called."""
-    from ntp_nemo.parallel import devices
+    from ntp_nemo.launch import devices
 
     def forbidden():
         raise AssertionError("cudaGetDeviceCount called in the parent")
@@ -218,7 +218,7 @@ def test_supervisor_relaunches_on_the_survivors_devices(tmp_path: Path, monkeypa
     (the devices come from the real re-plan and reach the build function and attempts.jsonl)."""
     from ntp_nemo.config.failover import failover_spec
     from ntp_nemo.config.layout import resolve_layout
-    from ntp_nemo.parallel import devices as devices_mod
+    from ntp_nemo.launch import devices as devices_mod
     from ntp_nemo.resilience.supervisor import ATTEMPTS_FILE, FAILOVER_DIR, Supervisor
 
     monkeypatch.setattr(devices_mod, "cuda_device_count", lambda: 4)

@@ -20,7 +20,7 @@ import pytest
 
 from ntp_nemo.config.layout import resolve_layout
 from ntp_nemo.errors import ConfigError
-from ntp_nemo.parallel.cluster import check_tp_within_nodes
+from ntp_nemo.launch.cluster import check_tp_within_nodes
 from tests.conftest import TINY, compose
 from tests.test_cluster_rehearsal import free_port
 

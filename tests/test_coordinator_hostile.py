@@ -290,7 +290,7 @@ def test_a_notice_of_another_job_instance_reads_as_absent(served):
 
 # ---- 5. the coordinator's words -----------------------------------------------------------------------
 def test_a_task_acts_only_on_lines_its_coordinator_sealed(served, monkeypatch):
-    from ntp_nemo.parallel.cluster import PLACE_ENV, WORLD_ENV
+    from ntp_nemo.launch.cluster import PLACE_ENV, WORLD_ENV
     from ntp_nemo.resilience.cluster_protocol import DECLARED_LOST_EXIT
     from ntp_nemo.resilience.cluster_task import ClusterLink
 
@@ -490,7 +490,7 @@ def test_a_replacement_waiting_to_join_when_the_job_ends_is_told_and_the_coordin
 
 
 def test_a_replacement_told_to_stop_before_it_joins_is_not_a_lost_coordinator(served, monkeypatch):
-    from ntp_nemo.parallel.cluster import PLACE_ENV, WORLD_ENV
+    from ntp_nemo.launch.cluster import PLACE_ENV, WORLD_ENV
     from ntp_nemo.resilience.cluster_task import ClusterLink
 
     s = served()

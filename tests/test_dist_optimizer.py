@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from ntp_nemo.checkpoint import load, save_checkpoint
+from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.models import build_model
-from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.ntp_cases import LLAMA

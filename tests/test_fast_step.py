@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ntp_nemo.parallel.launch import run_workers
+from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.ntp_cases import GPT, LLAMA, SEED, exactness_worker, tokens

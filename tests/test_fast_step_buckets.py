@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.parallel.grad_sync import _SyncBucket
-from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.ntp_cases import GPT, LLAMA, SEED, assembled, tokens
 

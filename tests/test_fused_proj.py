@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.models import build_model
-from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.ntp_cases import LLAMA, SEED, assembled, step_against_reference, tokens
 

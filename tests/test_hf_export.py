@@ -17,8 +17,8 @@ from ntp_nemo.hf.checkpoint_source import iter_logical_tensors
 from ntp_nemo.hf.config_map import hf_fields
 from ntp_nemo.hf.export import export_checkpoint, export_model, main, parse_size
 from ntp_nemo.hf.files import HFWeightsReader
+from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.models import build_model
-from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.runtime.assemble import assemble
 from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout, Topology

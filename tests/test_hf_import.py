@@ -19,9 +19,9 @@ import torch
 
 from ntp_nemo.errors import ConfigError
 from ntp_nemo.hf import load_hf_into, resolve_model_config
+from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.models import build_model
 from ntp_nemo.models.config import ModelConfig
-from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout, Topology
 

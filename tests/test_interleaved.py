@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 
-from ntp_nemo.parallel.launch import run_workers
+from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.pipeline.interleaved import InterleavedPipelineEngine, chunk_layers, stage_layers
 from ntp_nemo.pipeline.schedule import BACKWARD, FORWARD, analytical_bubble, schedule_order, simulate
 from ntp_nemo.topology import ResolvedLayout, Topology

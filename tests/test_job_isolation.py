@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ntp_nemo.checkpoint.manifest import MANIFEST, file_digest
 from ntp_nemo.checkpoint.sharded import META_FILE
 from ntp_nemo.errors import ConfigError
-from ntp_nemo.parallel.loopback import host_loopback_store
+from ntp_nemo.launch.loopback import host_loopback_store
 from ntp_nemo.resilience.rendezvous import publish_failed, wait_failed
 from ntp_nemo.resilience.store_auth import (
     SECRET_ENV,

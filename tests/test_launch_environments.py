@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ntp_nemo.errors import ConfigError
-from ntp_nemo.parallel.cluster import (
+from ntp_nemo.launch.cluster import (
     check_not_batch_of_several_nodes,
     launcher_layout,
     slurm_batch_without_srun,
@@ -93,7 +93,7 @@ def _visible_gpus(monkeypatch, ids: str) -> None:
 
 
 def test_one_visible_gpu_per_task_binds_cuda_0(monkeypatch):
-    from ntp_nemo.parallel.devices import local_cuda_ordinals
+    from ntp_nemo.launch.devices import local_cuda_ordinals
 
     _visible_gpus(monkeypatch, "3")  # srun --gpus-per-task=1: this task's GPU is physical GPU 3
     assert local_cuda_ordinals(4) == [0, 0, 0, 0]

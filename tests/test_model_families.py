@@ -30,10 +30,10 @@ from ntp_nemo.hf import load_hf_into
 from ntp_nemo.hf.config_map import hf_config, hf_fields, resolve_model_config
 from ntp_nemo.hf.export import export_model, main
 from ntp_nemo.hf.mapping import weight_map
+from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.models import build_model, param_count
 from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.models.families import family, model_shape, names
-from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.ntp_cases import assembled

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.models.transformer import attention_head_intervals
-from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.topology.tp_context import TPContext
 from tests.ntp_cases import GPT, LLAMA, LLAMA_KV4, exactness_worker
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import ntp_nemo.runtime.step as one_step
+from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.models import build_model
-from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.runtime.assemble import assemble
 from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout, Topology

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from ntp_nemo.parallel.launch import run_workers
+from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.parallel.overlap import OverlappedGradSync
 from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.ntp_cases import GLOBAL_BATCH, GPT, assembled, tokens

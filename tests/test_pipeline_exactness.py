@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 
-from ntp_nemo.parallel.launch import run_workers
+from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.pipeline.memory import estimate_memory
 from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.ntp_cases import (

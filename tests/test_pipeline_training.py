@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
+from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.models import build_model
-from ntp_nemo.parallel.launch import run_workers
 from ntp_nemo.runtime.assemble import assemble
 from ntp_nemo.runtime.step import train_step
 from ntp_nemo.topology import ResolvedLayout, Topology

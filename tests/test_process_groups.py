@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from ntp_nemo.parallel.launch import run_workers
+from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.ntp_cases import GPT, assembled
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ntp_nemo.parallel.launch import run_workers
+from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.ntp_cases import GLOBAL_BATCH, GPT, LLAMA, SEED, assembled, tokens

@@ -266,7 +266,7 @@ def torch_threads_one():
 
 def test_a_write_error_on_one_rank_stops_every_rank_at_once(tmp_path):
     """Rank 1 cannot write; rank 0 could: both raise the same error, neither waits in a collective."""
-    from ntp_nemo.parallel.launch import run_workers
+    from ntp_nemo.launch.workers import run_workers
 
     msgs = run_workers(_one_rank_fails_to_write, 2, str(tmp_path), timeout_s=60.0)
     assert msgs[0] == msgs[1] and msgs[0] is not None

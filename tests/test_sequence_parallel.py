@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from ntp_nemo.parallel.launch import run_workers
+from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.parallel.sequence import seq_interval, seq_lengths
 from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout, Topology

@@ -9,7 +9,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from ntp_nemo.parallel.launch import run_workers
+from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.ntp_cases import LLAMA, assembled, tokens
 

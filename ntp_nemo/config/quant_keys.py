@@ -25,7 +25,7 @@ def validate_quant(cfg: Any) -> None:
     if fmt == "none":
         return
     if fmt in CUDA_ONLY:
-        from ntp_nemo.parallel.devices import cuda_available  # no CUDA context in the launching parent
+        from ntp_nemo.launch.devices import cuda_available  # no CUDA context in the launching parent
 
         accel = str(_get(_get(cfg, "trainer", {}), "accelerator", "cpu"))
         has_cuda = cuda_available()

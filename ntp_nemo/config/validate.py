@@ -181,11 +181,11 @@ def validate(cfg: DictConfig) -> None:
 
 def check_environment(cfg: DictConfig) -> None:
     """Checks against this machine (not the config's consistency): run just before launching."""
-    from ntp_nemo.parallel.cluster import check_not_batch_of_several_nodes
+    from ntp_nemo.launch.cluster import check_not_batch_of_several_nodes
 
     check_not_batch_of_several_nodes()  # sbatch without srun: one node's ranks only
     if cfg.trainer.accelerator in ("gpu", "cuda"):
-        from ntp_nemo.parallel.devices import cuda_available  # no CUDA context in the launching parent
+        from ntp_nemo.launch.devices import cuda_available  # no CUDA context in the launching parent
 
         if not cuda_available():
             raise ConfigError(

@@ -34,8 +34,8 @@ from lightning.fabric.utilities.distributed import (
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 
+from ntp_nemo.launch.loopback import loopback_children_env
 from ntp_nemo.lightning.signals import hold_stop_signals
-from ntp_nemo.parallel.loopback import loopback_children_env
 
 # Lightning releases (major.minor) whose private names below were checked: the launcher's
 # `_wrapping_function(process_idx, trainer, function, args, kwargs, return_queue)`,

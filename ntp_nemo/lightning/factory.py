@@ -77,7 +77,7 @@ def build_trainer(
     gpu = t.accelerator in ("gpu", "cuda")
     parallel_devices = None  # Lightning's choice: ranks 0..n-1 on devices 0..n-1
     if gpu and cuda_devices is None and launcher_layout() is not None:
-        from ntp_nemo.parallel.devices import local_cuda_ordinals
+        from ntp_nemo.launch.devices import local_cuda_ordinals
 
         ordinals = local_cuda_ordinals(devices)  # one GPU per task: every rank binds cuda:0
         parallel_devices = [torch.device("cuda", i) for i in ordinals]

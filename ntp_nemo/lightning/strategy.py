@@ -23,6 +23,7 @@ from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
+from ntp_nemo.launch.loopback import host_loopback_store
 from ntp_nemo.lightning.adapter import (
     ForkLauncher,
     StrategyAdapter,
@@ -36,7 +37,6 @@ from ntp_nemo.lightning.adapter import (
     warn_if_unsupported_lightning,
 )
 from ntp_nemo.lightning.hooks import RecoveryHooks
-from ntp_nemo.parallel.loopback import host_loopback_store
 from ntp_nemo.quant.state import quant_state
 from ntp_nemo.runtime.assemble import RankState
 from ntp_nemo.runtime.runtime import NTPRuntime
@@ -166,8 +166,8 @@ class NTPStrategy(StrategyAdapter):
     def _check_placement(self) -> None:
         """Collective, once at start-up of a launcher-started job: every TP group inside one node (else
         ConfigError), and a warning from rank 0 for tasks that each see one GPU of a larger node."""
-        from ntp_nemo.parallel.cluster import check_placement
-        from ntp_nemo.parallel.devices import visible_gpus
+        from ntp_nemo.launch.cluster import check_placement
+        from ntp_nemo.launch.devices import visible_gpus
 
         def warn(text: str) -> None:  # printed before a refusal too (check_placement)
             if self.global_rank == 0:

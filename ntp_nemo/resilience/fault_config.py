@@ -17,7 +17,7 @@ from typing import Any
 from ntp_nemo.config.failover import FailoverSpec
 from ntp_nemo.config.schema import FaultConfig
 from ntp_nemo.errors import ConfigError
-from ntp_nemo.parallel.cluster import launcher_layout
+from ntp_nemo.launch.cluster import launcher_layout
 from ntp_nemo.resilience.policies import make_policy
 
 FAULT_KINDS = ("kill_rank", "hang", "slow", "kill_during_save", "corrupt_checkpoint")

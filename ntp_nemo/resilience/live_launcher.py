@@ -28,8 +28,8 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from ntp_nemo.launch.loopback import environment, loopback_children_env
 from ntp_nemo.lightning.adapter import ForkLauncher
-from ntp_nemo.parallel.loopback import environment, loopback_children_env
 from ntp_nemo.resilience.beats import read_beats
 from ntp_nemo.resilience.coordinator import FALLBACK_EXIT
 from ntp_nemo.resilience.detection import (

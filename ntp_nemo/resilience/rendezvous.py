@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ntp_nemo.parallel.loopback import LOOPBACK, host_loopback_store
+from ntp_nemo.launch.loopback import LOOPBACK, host_loopback_store
 from ntp_nemo.resilience.nccl_abort import abort_generation, prepare_nccl_env, uses_nccl
 from ntp_nemo.resilience.sockets import sever
 from ntp_nemo.resilience.store_auth import (

@@ -402,7 +402,7 @@ class Supervisor:
         until a repair."""
         if not self.gpu:
             return None
-        from ntp_nemo.parallel.devices import cuda_device_count
+        from ntp_nemo.launch.devices import cuda_device_count
         from ntp_nemo.resilience.replan import relaunch_devices
 
         current = self.devices if self.devices is not None else list(range(layout.world_size))

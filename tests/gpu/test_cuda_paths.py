@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from ntp_nemo.parallel.devices import cuda_device_count
+from ntp_nemo.launch.devices import cuda_device_count
 from tests.conftest import ROOT
 
 pytestmark = [

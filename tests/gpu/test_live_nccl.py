@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from ntp_nemo.parallel.devices import cuda_device_count
+from ntp_nemo.launch.devices import cuda_device_count
 
 pytestmark = [
     pytest.mark.slow,

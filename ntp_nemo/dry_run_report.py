@@ -1,4 +1,5 @@
-"""`ntp-train ... trainer.dry_run=true`: one training step of every rank of the configured layout, on CPU.
+"""The report of `ntp-train ... trainer.dry_run=true`: checks the config, dry-runs one training step of
+every rank of the configured layout on CPU, writes `dry_run.json` and prints its summary.
 
 No GPU, no peers, no data: every rank's model slice is built on the meta device, the process groups
 live on torch's fake backend, and one step's shapes run through the real runtime
