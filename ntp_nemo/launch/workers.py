@@ -7,6 +7,7 @@ a FileStore avoids port clashes.
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 import traceback
@@ -23,6 +24,9 @@ def _worker(
     rank: int, fn: Callable, world_size: int, store_path: str, backend: str, queue, args: tuple,
     timeout_s: float = 120.0,
 ) -> None:
+    # What the parent left for its garbage collector (a store whose server thread runs there) is never
+    # collected here: its destructor would wait forever for a thread the fork did not copy.
+    gc.freeze()
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group(
@@ -44,6 +48,7 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, backend: st
     `timeout_s`: the default process group's collective timeout."""
     # Fork shares the parent's imports; a parent that already initialised CUDA cannot fork CUDA users.
     ctx = mp.get_context("spawn" if torch.cuda.is_initialized() else "fork")
+    gc.collect()  # earlier unreachable stores are destroyed here, where their server threads run
     queue = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")

@@ -11,6 +11,7 @@ workers (`failed_key`: the ranks the launcher saw die; `rejoin_key`: repaired pr
 
 from __future__ import annotations
 
+import gc
 import json
 import socket
 import time
@@ -188,6 +189,9 @@ def store_barrier(store: JobStore, key: str, count: int, timeout_s: float = 60.0
 
 # ---- forked workers sharing one store (tests, benchmarks) --------------------------------------------
 def _worker(rank: int, fn: Callable, world_size: int, port: int, secret: bytes, queue, args: tuple) -> None:
+    # What the parent left for its garbage collector (a store whose server thread runs there) is never
+    # collected here: its destructor would wait forever for a thread the fork did not copy.
+    gc.freeze()
     torch.set_num_threads(1)
     store = JobStore(connect(port), secret)
     try:
@@ -215,6 +219,7 @@ def run_elastic(fn: Callable[..., Any], world_size: int, *args: Any, watch: bool
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("fork")
+    gc.collect()  # earlier unreachable stores are destroyed here, where their server threads run
     queue = ctx.SimpleQueue()
     port, store, secret = free_port(), None, local_secret()
     procs = [ctx.Process(target=_worker, args=(r, fn, world_size, port, secret, queue, args))
