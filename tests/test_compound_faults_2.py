@@ -14,10 +14,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from ntp_nemo.resilience.beats import Beat, read_beats, suspects
+from ntp_nemo.resilience.beats import Beat, suspects
 from ntp_nemo.resilience.detection import WorkerMonitor, blame, process_state, step_verdict
 from ntp_nemo.resilience.fault_config import Timeouts
 from tests.conftest import TINY, run_cli
+from tests.test_hang_window import silent_ranks
 
 
 @pytest.mark.slow
@@ -101,14 +102,6 @@ def test_a_stall_is_blamed_on_the_stopped_rank_not_its_peers_in_the_same_step():
     assert verdict is not None and verdict.reason == "heartbeat" and verdict.ranks == (0,)
 
 
-def _rank(directory: Path, rank: int, phase: str, step: int) -> None:
-    """A worker: its last beat (written by the real Heartbeat, with this process's pid), then silence."""
-    from ntp_nemo.resilience.heartbeat import Heartbeat
-
-    Heartbeat(directory).beat(SimpleNamespace(global_rank=rank, global_step=step), phase, step)
-    time.sleep(60)
-
-
 def test_the_live_monitor_kills_the_stopped_rank_alone_and_gives_the_others_a_fresh_window(tmp_path):
     """Three real workers: 0 and 1 in step 5 (1 SIGSTOPped), 2 a phase ahead; every beat is older than
     the heartbeat timeout.  The live monitor kills process 1 only (by progress alone it killed 0 as
@@ -116,15 +109,9 @@ def test_the_live_monitor_kills_the_stopped_rank_alone_and_gives_the_others_a_fr
     heartbeat timeout from that kill."""
     from ntp_nemo.resilience.live_launcher import LiveMonitor
 
-    ctx = mp.get_context("fork")
-    progress = [("step_start", 5), ("step_start", 5), ("step_end", 5)]
-    procs = [ctx.Process(target=_rank, args=(tmp_path, r, ph, st)) for r, (ph, st) in enumerate(progress)]
-    for p in procs:
-        p.start()
+    procs = silent_ranks(tmp_path, [("step_start", 5), ("step_start", 5), ("step_end", 5)])
     try:
         deadline = time.time() + 20
-        while len(read_beats(tmp_path, 3)) < 3 and time.time() < deadline:
-            time.sleep(0.05)
         os.kill(procs[1].pid, signal.SIGSTOP)
         while process_state(procs[1].pid) != "T" and time.time() < deadline:
             time.sleep(0.01)

@@ -18,19 +18,24 @@ def _rank(directory, rank: int, phase: str, step: int) -> None:
     time.sleep(60)
 
 
+def silent_ranks(directory, progress: list[tuple[str, int]]) -> list:
+    """Fork one `_rank` per (phase, step) of `progress` and wait (20 s at most) until each has beaten."""
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_rank, args=(directory, r, ph, st)) for r, (ph, st) in enumerate(progress)]
+    for p in procs:
+        p.start()
+    deadline = time.time() + 20
+    while len(read_beats(directory, len(procs))) < len(procs) and time.time() < deadline:
+        time.sleep(0.05)
+    return procs
+
+
 def test_no_survivor_is_judged_hung_by_a_beat_from_before_its_recovery(tmp_path):
     """Three survivors' last beats come from the interrupted step, one a phase behind the others, and are
     older than the heartbeat timeout when the recovery is slow.  From the loss's publication on, each
     gets a full heartbeat timeout: nobody is killed at once; one that stays silent past it still is."""
-    ctx = mp.get_context("fork")
-    progress = [("step_start", 5), ("step_end", 4), ("step_start", 5)]
-    procs = [ctx.Process(target=_rank, args=(tmp_path, r, ph, st)) for r, (ph, st) in enumerate(progress)]
-    for p in procs:
-        p.start()
+    procs = silent_ranks(tmp_path, [("step_start", 5), ("step_end", 4), ("step_start", 5)])
     try:
-        deadline = time.time() + 20
-        while len(read_beats(tmp_path, 3)) < 3 and time.time() < deadline:
-            time.sleep(0.05)
         launcher = SimpleNamespace(procs=procs, store=object(), lost=set(), stop_requested=None)
         monitor = LiveMonitor(launcher, 3, tmp_path, 0.5)
         time.sleep(0.7)  # every beat is now older than the heartbeat timeout
