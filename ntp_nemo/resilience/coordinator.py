@@ -145,6 +145,7 @@ class Coordinator:
         self._spares: list[tuple[Line, str]] = []  # (line, host) of tasks waiting for a place
         self._beats_t = 0.0
         self._store_quiet_since: float | None = None  # the store went silent (said once)
+        self._window_t = float("-inf")  # when the last fresh heartbeat window began (`_fresh_window`)
         self._accept_paused_until = 0.0
         self._said: set[str] = set()
         self.dropped = {"too many unauthenticated": 0, "hello timeout": 0, "protocol": 0, "refused": 0}
@@ -534,6 +535,7 @@ class Coordinator:
         """The survivors recover (or grow) now: their progress was held up by the failure itself, so each
         gets a whole heartbeat timeout from here before it can be called hung."""
         now = time.monotonic()
+        self._window_t = now
         for p in self.places:
             if p.state == "active":
                 p.moved_t = max(p.moved_t, now)
@@ -553,6 +555,13 @@ class Coordinator:
         # runs (a rank stuck in a kernel or a collective), the one behind the others is.  Ranks blocked in
         # a collective with a hung peer report the same progress as it or more.
         frozen = [p for p in active if now - p.alive_t > 0.75 * self.heartbeat_s]
+        if (not frozen and now - self._window_t <= 2 * self.heartbeat_s
+                and any(p.moved_t <= self._window_t for p in active)):
+            # Someone has not reported since the survivors began to recover (or grow): a recovery on a
+            # loaded machine may outlast one heartbeat timeout without a beat, and its slowest survivor
+            # is not the hung one.  For two timeouts from the window's start only a process whose ticks
+            # stopped is hung; then the one behind is, as always.
+            return
         for p in frozen or [active[i] for i in suspects(beats, len(active))]:
             p.declared, p.state = True, "lost"
             p.line.send({"declared": "lost"})  # read when (if) it runs again: it stops then
