@@ -22,15 +22,18 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from typing import TYPE_CHECKING
 
 from ntp_nemo.errors import EXIT_CONFIG, ConfigError, report_config_error
+
+if TYPE_CHECKING:
+    from ntp_nemo.resilience.fault_config import Timeouts
 
 USAGE = __doc__
 
 
-def _settings(overrides: list[str]) -> tuple[int, float, float, int]:
-    """(world size, heartbeat timeout, collective timeout, last step) of the run the tasks start with
-    `overrides`."""
+def _settings(overrides: list[str]) -> tuple[int, Timeouts, int]:
+    """(world size, timeouts, last step) of the run the tasks start with `overrides`."""
     from ntp_nemo.cli.plan import _compose_training
     from ntp_nemo.config import checks
     from ntp_nemo.config.data import explicit_keys
@@ -47,7 +50,7 @@ def _settings(overrides: list[str]) -> tuple[int, float, float, int]:
     validate(cfg)  # a bad value stops the coordinator as it stops the tasks (exit 2)
     layout = resolve_layout(cfg)
     timeouts = Timeouts.from_config(cfg.fault)
-    return layout.world_size, timeouts.heartbeat_s, timeouts.collective_s, int(cfg.trainer.max_steps)
+    return layout.world_size, timeouts, int(cfg.trainer.max_steps)
 
 
 def _raise_open_files() -> None:
@@ -73,7 +76,8 @@ def run(argv: list[str]) -> int:
         raise ConfigError("MASTER_PORT", f"{port_text or 'unset'}: ntp-coordinator serves the job's store on "
                           "MASTER_PORT; export the same MASTER_ADDR/MASTER_PORT the tasks get (e.g. "
                           "`export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))` in the batch script).")
-    world, heartbeat_s, collective_s, end_step = _settings(argv)
+    world, timeouts, end_step = _settings(argv)
+    heartbeat_s = timeouts.heartbeat_s
     _raise_open_files()
     from ntp_nemo.resilience.coordinator import Coordinator
     from ntp_nemo.resilience.store_auth import host_cluster_store, job_secret
@@ -83,9 +87,11 @@ def run(argv: list[str]) -> int:
         job = host_cluster_store(port, required_by=f"ntp-coordinator's store on port {port}")
     except RuntimeError as err:  # the port is taken (another job, or a coordinator already running)
         raise ConfigError("MASTER_PORT", f"cannot listen on port {port} ({err}); pick a free port.") from None
-    # Its own store may stay silent as long as a collective may wait; then the job stops (exit 75).
+    # Its own store may stay silent as long as a collective may wait; then the job stops (exit 75).  A
+    # rejoin may form as long as a repaired task waits for the survivors.
     coordinator = Coordinator(job, job_secret(), world, heartbeat_s, end_step=end_step,
-                              store_timeout_s=collective_s, say=lambda s: print(s, flush=True))
+                              store_timeout_s=timeouts.collective_s, rejoin_s=timeouts.rejoin_s,
+                              say=lambda s: print(s, flush=True))
     host = os.environ.get("MASTER_ADDR") or socket.gethostname()
     print(f"coordinator ready on {host}:{port} ({world} places; heartbeat timeout {heartbeat_s:g} s)",
           flush=True)
