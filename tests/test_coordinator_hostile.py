@@ -445,6 +445,64 @@ def test_200_idle_connections_to_the_store_evict_nobody(served):
             sock.close()
 
 
+
+def _stopped_naming(s: Served, a: Raw, *words: str) -> None:
+    """The coordinator stopped the job (exit 75) and told the task why, naming `words`."""
+    end = a.next()
+    assert "end" in end and all(w in end["end"] for w in words), end
+    _until(lambda: s.code, timeout_s=5)
+    assert s.code == [FALLBACK_EXIT] and s.told("Every task was told to stop"), s.said
+    assert not any(" lost (" in x for x in s.said), s.said  # nobody was blamed for it
+
+
+def test_a_wiped_store_stops_the_job_naming_it(served):
+    """An outsider lists the coordinator's store and deletes every key (no secret needed): before, the
+    coordinator went on serving a job whose failure and rejoin notices, link address and rendezvous keys
+    could vanish under it; now it stops the job within seconds, naming the wipe."""
+    s = served(heartbeat_s=1.0)
+    a, b = Raw(s.job, 0), Raw(s.job, 1)
+    _started(s, a, b)
+    beating = _Beating(a, b)
+    try:
+        time.sleep(1.5)
+        assert not s.code and not s.told("cannot be trusted"), s.said  # the job's own use: nothing to say
+        port = s.job.store.underlying_store.port
+        outsider = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+        keys = outsider.list_keys()
+        assert any(k.endswith("job/seal") for k in keys), keys
+        t = time.monotonic()
+        for k in keys:
+            outsider.delete_key(k)
+        _stopped_naming(s, a, "coordinator's own store", "wiped or overwritten")
+        assert time.monotonic() - t < 5
+    finally:
+        beating.close()
+
+
+def test_a_flooded_store_stops_the_job_before_it_exhausts_the_coordinator(served, monkeypatch):
+    """An outsider writes 64 MiB of values to the store the coordinator hosts (bound 32 MiB here, 512 MiB
+    by default): before, the coordinator grew without bound (until the node's memory ran out and every
+    task lost it); now the job stops, naming the flood."""
+    import ntp_nemo.resilience.coordinator as coordinator
+
+    monkeypatch.setattr(coordinator, "STORE_GROWTH_MB", 32.0)
+    s = served(heartbeat_s=1.0)
+    a, b = Raw(s.job, 0), Raw(s.job, 1)
+    _started(s, a, b)
+    beating = _Beating(a, b)
+    try:
+        time.sleep(1.5)
+        assert not s.code and not s.told("cannot be trusted"), s.said
+        port = s.job.store.underlying_store.port
+        outsider = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+        t = time.monotonic()
+        for i in range(64):
+            outsider.set(f"flood/{i}", b"x" * 2**20)
+        _stopped_naming(s, a, "coordinator's own store", "flooded", "bound 32 MiB")
+        assert time.monotonic() - t < 10
+    finally:
+        beating.close()
+
 # ---- issue 31: a task lost while the job forms ---------------------------------------------------------
 def test_a_task_lost_while_the_job_forms_stops_the_job_at_once(served):
     s = served(world=3)

@@ -46,13 +46,20 @@ from dataclasses import dataclass, field
 
 from ntp_nemo.resilience.beats import PHASES, Beat, suspects
 from ntp_nemo.resilience.cluster_protocol import LINK_KEY, MAX_LINE, Line, auth_ok, session_key
-from ntp_nemo.resilience.rendezvous import publish_failed, publish_rejoin
+from ntp_nemo.resilience.rendezvous import (
+    publish_failed,
+    publish_rejoin,
+    resident_mb,
+    seal_intact,
+    seal_store,
+)
 from ntp_nemo.resilience.store_auth import JobStore
 
 FALLBACK_EXIT = 75  # as a survivor that could not recover live (resilience/live_worker.py)
 REJOIN_AHEAD = 4  # steps between the announcement of a rejoin and the step it happens before
 PROBE_KEY = "coordinator/probe"  # the coordinator's own round trips to its store
 HELLO_LIMIT = 2048  # bytes an unauthenticated connection may send
+STORE_GROWTH_MB = 512.0  # growth of the coordinator (which hosts the store) that counts as a flood of it
 
 
 @dataclass
@@ -80,13 +87,20 @@ class _Pending:
 
 class _StoreProbe:
     """Times a round trip to the coordinator's own store, in a thread (a silent store blocks the caller
-    for the store's whole timeout)."""
+    for the store's whole timeout).  Once a second it also checks that the job's keys are still its own
+    (the store's seal, `rendezvous.seal_store`, there and unchanged) and that the store, hosted in this
+    process, has not grown it by `STORE_GROWTH_MB`: anyone who reaches the port can delete every key or
+    write values until the node runs out of memory.  `interference` then says which, for the job to stop
+    naming it."""
 
     def __init__(self, job: JobStore, every_s: float) -> None:
         self.job, self.every_s = job, every_s
         self.ok_t = time.monotonic()
         self.error: str | None = None
         self.rtt_s = 0.0
+        self.interference: str | None = None
+        self._seal = seal_store(job)
+        self._rss0, self._growth_mb = resident_mb(), STORE_GROWTH_MB
         self._halt = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ntp-store-probe", daemon=True)
         self._thread.start()
@@ -103,6 +117,23 @@ class _StoreProbe:
                 self.error = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
                 continue
             self.ok_t, self.rtt_s, self.error = time.monotonic(), time.monotonic() - t, None
+            if n % max(1, round(1.0 / self.every_s)) == 0 and self.interference is None:
+                self.interference = self._interference()
+
+    def _interference(self) -> str | None:
+        try:
+            if not seal_intact(self.job, self._seal):
+                return ("its keys were wiped or overwritten (the seal the coordinator wrote on its store "
+                        "vanished or changed): something else that reaches the store's port deleted or "
+                        "rewrote the job's coordination keys")
+        except Exception:  # noqa: BLE001 - a store that does not answer is silent, not wiped
+            return None
+        grown = resident_mb() - self._rss0
+        if grown > self._growth_mb:
+            return (f"it was flooded: the coordinator, which hosts it, grew by {grown:.0f} MiB since it "
+                    f"started (bound {self._growth_mb:.0f} MiB; the job's own keys take a few KiB): something "
+                    "else that reaches the store's port is writing to it")
+        return None
 
     def silent_s(self, now: float) -> float:
         """Seconds since the store last answered."""
@@ -501,6 +532,10 @@ class Coordinator:
         """Whether the store's silence has lasted `store_timeout_s` (the job is stopped then).  While it
         is silent nobody is declared hung and losses wait; when it answers again every task gets a fresh
         heartbeat window (the silence held them up)."""
+        if self.probe.interference is not None:
+            self._stop(f"the coordinator's own store {self._store_where()} cannot be trusted any more: "
+                       f"{self.probe.interference}")
+            return True
         silent = self.probe.silent_s(now)
         if silent < self.store_silent_after_s:
             if self._store_quiet_since is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import socket
 import time
 import traceback
@@ -118,6 +119,17 @@ def seal_store(store: JobStore) -> str:
 def seal_intact(store: JobStore, seal: str) -> bool:
     """The job's keys are still its own: the seal is there, unchanged (one store round trip)."""
     return store.read(SEAL_KEY) == seal
+
+
+def resident_mb() -> float:
+    """This process's resident memory in MiB (Linux /proc; 0 where it cannot be read): what a flood of
+    values on a store this process hosts grows."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def failed_key(generation: int) -> str:
