@@ -107,6 +107,69 @@ def test_a_spare_waits_takes_the_lost_place_and_rejoins_ahead_of_the_survivors(s
     assert read_rejoin(job.bound(coordinator.instance), 1) == {"step": 16, "members": [0, 1], "source": 0}
 
 
+def _rejoin_announced(job: JobStore, coordinator) -> tuple[Raw, Raw, int]:
+    """Survivor `a` and the spare that took lost process 1's place, the rejoin announced: (a, spare, step)."""
+    spare = Raw(job, 0, ntasks=1)
+    a, b = Raw(job, 0), Raw(job, 1)
+    a.beat(12), b.beat(12)
+    _until(lambda: coordinator.started)
+    b.line.close()
+    assert spare.next()["mode"] == "rejoin" and a.next() == {"look": 0}
+    spare.line.send({"ready": True})
+    return a, spare, spare.next()["step"]
+
+
+def _ticking(task: Raw, beat: list, stop: threading.Event) -> threading.Thread:
+    """A running process's sender thread: its latest beat (`beat[0]`, changeable) with a fresh tick."""
+    def run() -> None:
+        while not stop.wait(0.1):
+            task.beat(*beat[0])
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_rejoin_slower_than_the_heartbeat_timeout_declares_nobody_hung(served):
+    """The survivors wait at the join step while the replacement's rendezvous and state transfer take
+    longer than a heartbeat timeout (a loaded machine): the replacement, still in setup, is behind
+    everyone but not hung; once every process runs the join step the usual rule is back."""
+    job, coordinator, said, _ = served
+    a, spare, step = _rejoin_announced(job, coordinator)
+    stop = threading.Event()
+    a_beat, spare_beat = [(step - 1, "step_end")], [(0, "setup")]
+    threads = [_ticking(a, a_beat, stop), _ticking(spare, spare_beat, stop)]
+    try:
+        time.sleep(4 * coordinator.heartbeat_s)  # twice the fresh window's two timeouts
+        assert not any("hung" in s for s in said), said
+        assert all(p.state == "active" for p in coordinator.places)
+        spare_beat[0], a_beat[0] = (step, "step_start"), (step, "step_start")  # the rejoin formed
+        _until(lambda: any("joined" in s for s in said))
+        spare_beat[0] = (step - 1, "step_end")  # from here the one behind is hung again (its ticks run)
+        _until(lambda: any("process 1 lost (hung" in s for s in said))
+        assert not any("process 0 lost" in s for s in said), said
+    finally:
+        stop.set()
+        [t.join() for t in threads]
+
+
+def test_a_rejoin_that_never_forms_is_bounded(served):
+    """A replacement that never gets past setup is hung once the rejoin's bound (`rejoin_s`) has passed."""
+    job, coordinator, said, _ = served
+    coordinator.rejoin_s = 2.5
+    a, spare, step = _rejoin_announced(job, coordinator)
+    stop = threading.Event()
+    threads = [_ticking(a, [(step, "step_start")], stop), _ticking(spare, [(0, "setup")], stop)]
+    try:
+        start = time.monotonic()
+        _until(lambda: any("process 1 lost (hung" in s for s in said), timeout_s=15)
+        assert time.monotonic() - start >= 2.0  # not before the bound
+        assert any("has not formed 2.5 s after" in s for s in said), said
+        assert not any("process 0 lost" in s for s in said), said
+    finally:
+        stop.set()
+        [t.join() for t in threads]
+
+
 def test_a_hung_task_is_told_from_a_blocked_one_by_its_ticks(served):
     job, coordinator, said, _ = served
     a, b = Raw(job, 0), Raw(job, 1)

@@ -152,7 +152,7 @@ class Coordinator:
                  host: str = "0.0.0.0", poll_s: float = 0.05, grace_s: float = 0.1,
                  end_step: int | None = None, say: Callable[[str], None] = print,
                  store_timeout_s: float = 600.0, max_pending: int = 64, hello_timeout_s: float = 10.0,
-                 store_silent_s: float | None = None) -> None:
+                 store_silent_s: float | None = None, rejoin_s: float | None = None) -> None:
         self.instance = secrets.token_hex(16)  # this job's: the notices it signs carry it
         self._secret = secret
         self.world = int(world_size)
@@ -164,6 +164,9 @@ class Coordinator:
         self.store_silent_after_s = (float(store_silent_s) if store_silent_s is not None
                                      else max(1.0, min(5.0, self.heartbeat_s / 2)))
         self.max_pending, self.hello_timeout_s = int(max_pending), float(hello_timeout_s)
+        # How long an announced rejoin may take to form (the survivors wait for it at its step; under
+        # `ntp-coordinator`, `Timeouts.rejoin_s`): meanwhile only stopped ticks mark a process hung.
+        self.rejoin_s = float(rejoin_s) if rejoin_s is not None else 2 * self.store_timeout_s
         self.places = [Place(p) for p in range(self.world)]
         self.generation = 0  # the generation the survivors train in
         self.formed = False  # every place was taken once: later tasks are replacements
@@ -177,6 +180,7 @@ class Coordinator:
         self._beats_t = 0.0
         self._store_quiet_since: float | None = None  # the store went silent (said once)
         self._window_t = float("-inf")  # when the last fresh heartbeat window began (`_fresh_window`)
+        self._joining: tuple[int, float, list[int]] | None = None  # (step, deadline, pids) of a rejoin
         self._accept_paused_until = 0.0
         self._said: set[str] = set()
         self.dropped = {"too many unauthenticated": 0, "hello timeout": 0, "protocol": 0, "refused": 0}
@@ -506,6 +510,7 @@ class Coordinator:
         if self._store_quiet_since is not None:
             return  # held until the store answers again (`_store_check`)
         lost, self._losses, self._loss_t = sorted(set(self._losses)), [], None
+        self._joining = None  # a rejoin under way fails with the loss; the fresh window covers the rest
         if not any(p.state == "active" for p in self.places):
             return
         publish_failed(self.job, self.generation, lost)
@@ -590,6 +595,8 @@ class Coordinator:
         # runs (a rank stuck in a kernel or a collective), the one behind the others is.  Ranks blocked in
         # a collective with a hung peer report the same progress as it or more.
         frozen = [p for p in active if now - p.alive_t > 0.75 * self.heartbeat_s]
+        if not frozen and self._rejoin_forming(now, active):
+            return
         if (not frozen and now - self._window_t <= 2 * self.heartbeat_s
                 and any(p.moved_t <= self._window_t for p in active)):
             # Someone has not reported since the survivors began to recover (or grow): a recovery on a
@@ -602,6 +609,26 @@ class Coordinator:
             p.line.send({"declared": "lost"})  # read when (if) it runs again: it stops then
             self._lose(p.pid, f"hung: no heartbeat progress for {self.heartbeat_s:g} s"
                        + (", and its process has stopped running" if frozen else ""))
+
+    def _rejoin_forming(self, now: float, active: list[Place]) -> bool:
+        """Whether an announced rejoin is still forming: not every process has begun its join step yet,
+        and the rejoin's bound (`rejoin_s` from its announcement) has not passed.  While it forms the
+        survivors wait at the join step for the replacement's rendezvous and state transfer, as long as
+        that takes on a loaded machine; the order of their beats says nothing about a hang then."""
+        if self._joining is None:
+            return False
+        step, deadline, pids = self._joining
+        if all(p.beat is not None and (p.beat[0], PHASES[p.beat[1]]) >= (step, PHASES["step_start"])
+               for p in active):
+            self._joining = None  # every process runs the join step: the rejoin formed
+            self.say(f"coordinator: process(es) {pids} joined; every process runs step {step}")
+            return False
+        if now > deadline:
+            self._joining = None
+            self.say(f"coordinator: the rejoin of process(es) {pids} has not formed {self.rejoin_s:g} s after "
+                     "it was announced; a process behind the others is hung again")
+            return False
+        return True
 
     # ---- rejoin -----------------------------------------------------------------------------------
     def _max_step(self) -> int:
@@ -638,6 +665,7 @@ class Coordinator:
         publish_rejoin(self.job, self.generation, join_at, range(self.world), source)
         self.generation += 1
         self._fresh_window()
+        self._joining = (join_at, time.monotonic() + self.rejoin_s, [p.pid for p in replacing])
         for p in replacing:
             p.line.send({"rejoin": self.generation, "source": source, "step": join_at})
             p.state, p.ready, p.moved_t, p.beat = "active", False, time.monotonic(), None
