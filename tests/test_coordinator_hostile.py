@@ -288,6 +288,24 @@ def test_a_notice_of_another_job_instance_reads_as_absent(served):
         other.close()
 
 
+
+def test_a_notice_of_an_earlier_local_launch_reads_as_absent(monkeypatch):
+    """Two launches on one machine with the same `NTP_JOB_SECRET`: the first's failure notice, read off
+    its store (anyone on the machine can) and written under the second's keys, does not verify there
+    (before, both launches signed with the same secret and no instance: the replay read as a real loss)."""
+    from ntp_nemo.resilience.rendezvous import local_secret
+    from ntp_nemo.resilience.store_auth import SECRET_ENV, key_prefix
+
+    monkeypatch.setenv(SECRET_ENV, "the-same-secret-for-every-run-0123")
+    store = dist.HashStore()
+    first, second = local_secret(), local_secret()
+    publish_failed(JobStore(store, first), 0, [1])
+    captured = store.get(f"{key_prefix(first)}/{failed_key(0)}")
+    store.set(f"{key_prefix(second)}/{failed_key(0)}", captured)  # the replay under the next launch's keys
+    assert JobStore(store, second).read(failed_key(0)) is None
+    publish_failed(JobStore(store, second), 0, [3])
+    assert json.loads(JobStore(store, second).read(failed_key(0))) == [3]
+
 # ---- 5. the coordinator's words -----------------------------------------------------------------------
 def test_a_task_acts_only_on_lines_its_coordinator_sealed(served, monkeypatch):
     from ntp_nemo.launch.cluster import PLACE_ENV, WORLD_ENV

@@ -12,6 +12,8 @@ workers (`failed_key`: the ranks the launcher saw die; `rejoin_key`: repaired pr
 from __future__ import annotations
 
 import gc
+import hashlib
+import hmac
 import json
 import os
 import socket
@@ -58,9 +60,14 @@ def connect(port: int, timeout_s: float = 300.0) -> dist.TCPStore:
 
 
 def local_secret() -> bytes:
-    """The secret of a job launched on one machine: `NTP_JOB_SECRET` if set, else a fresh one (the
-    launching process draws it before forking; the workers inherit it in memory)."""
-    return job_secret() or new_secret()
+    """The secret of one launch of a job on one machine, fresh every time (the launching process draws it
+    before forking; the workers inherit it in memory): with `NTP_JOB_SECRET` set, an HMAC of a fresh
+    nonce under it, so that a notice an earlier launch signed (`failed/gen0` of a run that used the same
+    `NTP_JOB_SECRET`, read off its store by anyone on the machine) does not verify in the next one."""
+    fixed = job_secret()
+    if fixed is None:
+        return new_secret()
+    return hmac.new(fixed, b"ntp_nemo local launch\0" + new_secret(), hashlib.sha256).hexdigest().encode()
 
 
 def join(store: JobStore, generation: int, rank: int, world_size: int, *, backend: str = "gloo",
