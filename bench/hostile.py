@@ -1,6 +1,6 @@
 """Hostile clients against a live cluster coordinator, rehearsed on this machine.
 
-    python bench/hostile.py [--heartbeat 2] [--hold 3]
+    python bench/hostile.py [--heartbeat 2] [--hold 3] [--quick]
 
 `ntp-coordinator` runs as the README's batch script starts it (its own process, its own store on
 MASTER_PORT, `ntp_nemo.resilience.rehearsal.start_coordinator`), layout (2,2).  Its four tasks are
@@ -11,12 +11,19 @@ on the path of one task's link.  Two attacks go at a generation's rendezvous on 
 with two real ranks (spawned processes running `rendezvous.join`, as a task's recovery does): an outsider
 that learnt the job's key prefix joins as a rank, and the keys torch's rendezvous wrote for one generation
 are copied under the next one's prefix before it forms.  A task that dies while the job forms is
-rehearsed against a second coordinator.
+rehearsed against a second coordinator.  Two attacks the job cannot train through (every key of the store
+deleted; a flood of values on the store, which the coordinator hosts) each go at a job of their own: the
+job must stop at once, naming the attack (exit 75, every task told why, nobody declared lost).  The stored
+inputs (a checkpoint naming /etc/passwd, a data file linked to /dev/zero, corrupt.json through a link, a
+negative offset and a 1 TiB record, a FIFO in a checkpoint, out-of-range token ids, deeply nested JSON in a
+sidecar and a tokenizer_config.json, a full disk during a save) go at the real checks in this process,
+on a real checkpoint, token file and tokenizer directory (`stored_input_attacks`).
 
 An attack is withstood when, after it, the coordinator still runs, every task still holds its place and
 none was told it was lost, woken for a failure or told to stop, plus the check of the attack itself.
 At the end the tasks finish and the coordinator must exit 0.  One row per attack; last line
-`hostile clients: N/N attacks withstood`.
+`hostile clients: N/N attacks withstood`.  `--quick` leaves out the two rows with real ranks (spawned
+processes, minutes on a loaded machine).
 """
 
 from __future__ import annotations
@@ -99,20 +106,27 @@ class Proxy:
         self.port = self.server.getsockname()[1]
         self.target = (host, port)
         self.to_task: socket.socket | None = None
+        self.up: socket.socket | None = None
+        self.last_up = b""  # the last complete line the task sent (a sealed heartbeat, once it beats)
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
         task, _ = self.server.accept()
         up = socket.create_connection(self.target)
-        self.to_task = task
+        self.to_task, self.up = task, up
         for a, b in ((task, up), (up, task)):
             threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 
-    @staticmethod
-    def _pump(a: socket.socket, b: socket.socket) -> None:
+    def _pump(self, a: socket.socket, b: socket.socket) -> None:
+        pending = b""
         try:
             while data := a.recv(65536):
                 b.sendall(data)
+                if a is self.to_task:
+                    pending += data
+                    if b"\n" in pending:
+                        *lines, pending = pending.split(b"\n")
+                        self.last_up = lines[-1] + b"\n"
         except OSError:
             pass
         for s in (a, b):
@@ -176,11 +190,205 @@ def _ranks(port: int, secrets: list[bytes], generation: int, timeout_s: float = 
     return got
 
 
+# ---- stored inputs: what a crafted checkpoint, token file or tokenizer directory can make a load do -------
+def _attempt(fn, *args, seconds: float = 20.0):
+    """`fn(*args)` in a thread: what it raised (None when it returned); AssertionError when it blocked."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            fn(*args)
+            box["err"] = None
+        except Exception as err:  # noqa: BLE001 - handed to the caller
+            box["err"] = err
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"{getattr(fn, '__name__', fn)} blocked for more than {seconds:g} s"
+    return box["err"]
+
+
+def stored_input_attacks(work: Path) -> list[tuple[str, object]]:
+    """The stored-input attacks, each a (row name, function returning the row's detail) pair, on a real
+    checkpoint (two saves of a small GPT, `save_checkpoint`), a real token file and a real tokenizer
+    directory, rewritten the way an attacker would (digests in the manifest kept right).  Withstood: the
+    real check refuses it before anything is read (a ConfigError naming the file and the problem), within
+    20 s, revealing nothing of the file outside; a save onto a full disk keeps the last checkpoint."""
+    import errno
+    import os
+    import shutil
+
+    import numpy as np
+
+    import ntp_nemo.checkpoint.storage as storage
+    from ntp_nemo.checkpoint import (
+        CheckpointWriteError,
+        checkpoint_name,
+        latest_valid_checkpoint,
+        require_valid_checkpoint,
+        save_checkpoint,
+    )
+    from ntp_nemo.checkpoint.manifest import CORRUPT_MARKER, file_digest, mark_corrupt
+    from ntp_nemo.data.tokenizer import load_tokenizer_json
+    from ntp_nemo.data.tokens import open_token_file, sidecar_path, write_token_file
+    from ntp_nemo.errors import ConfigError
+    from ntp_nemo.models.config import ModelConfig
+    from ntp_nemo.runtime.runtime import NTPRuntime
+    from ntp_nemo.topology import ResolvedLayout, Topology
+
+    work.mkdir(parents=True, exist_ok=True)
+    cfg = ModelConfig(arch="gpt2", vocab_size=67, hidden_size=40, num_layers=2, num_heads=5,
+                      ffn_hidden_size=84, max_seq_len=16, tie_embeddings=True)
+    model = NTPRuntime(ResolvedLayout.make(Topology(1, [1], [1] * 4)), 0).build_model(cfg, 1234)
+    pristine = work / "pristine"
+    for step in (1, 2):
+        save_checkpoint(pristine / checkpoint_name(step), model, None, {"n": step}, step=step)
+    copies = iter(range(1000))
+
+    def fresh() -> Path:
+        directory = work / f"ckpts{next(copies)}"
+        shutil.copytree(pristine, directory)
+        return directory / checkpoint_name(2)
+
+    def manifest(ckpt: Path) -> dict:
+        return json.loads((ckpt / "manifest.json").read_text())
+
+    def rewrite_index(ckpt: Path, change) -> None:
+        doc = json.loads((ckpt / "index.json").read_text())
+        change(next(r for t in doc["tensors"].values() if t["records"] and t["shape"] for r in t["records"]))
+        (ckpt / "index.json").write_text(json.dumps(doc))
+        man = manifest(ckpt)
+        size, digest = file_digest(ckpt / "index.json")
+        man["files"]["index.json"] = {"size": size, "xxh3_64": digest}
+        (ckpt / "manifest.json").write_text(json.dumps(man))
+
+    def refused(ckpt: Path, *words: str) -> str:
+        err = _attempt(require_valid_checkpoint, ckpt)
+        assert isinstance(err, ConfigError) and err.key == "resume", repr(err)
+        assert all(w in str(err) for w in words), str(err)
+        return str(err)
+
+    def outside_file() -> str:
+        ckpt, size = fresh(), str(os.stat("/etc/passwd").st_size)
+        man = manifest(ckpt)
+        man["files"]["../../../../etc/passwd"] = {"size": int(size)}
+        (ckpt / "manifest.json").write_text(json.dumps(man))
+        msg = refused(ckpt, "names a file outside the checkpoint directory")
+        assert size not in msg.replace("/etc/passwd", ""), msg
+        ckpt = fresh()
+        rewrite_index(ckpt, lambda r: r.update(file="/etc/passwd"))
+        msg2 = refused(ckpt, "names a file the manifest does not list")
+        assert size not in msg2, msg2
+        return "manifest and index naming /etc/passwd: both refused, nothing read"
+
+    def dev_zero() -> str:
+        ckpt = fresh()
+        victim = sorted(ckpt.glob("data_*.bin"))[0]
+        victim.unlink()
+        victim.symlink_to("/dev/zero")
+        refused(ckpt, victim.name, "symbolic link")
+        return f"{victim.name} -> /dev/zero: refused (a symbolic link)"
+
+    def corrupt_marker() -> str:
+        ckpt = fresh()
+        link = work / "elsewhere"
+        link.symlink_to(ckpt, target_is_directory=True)
+        mark_corrupt(link, "file x fails")
+        outside = work / "outside.txt"
+        outside.write_text("keep me")
+        (ckpt / CORRUPT_MARKER).symlink_to(outside)
+        mark_corrupt(ckpt, "file x fails")
+        assert outside.read_text() == "keep me", "corrupt.json was written through a link"
+        assert not (ckpt / CORRUPT_MARKER).is_file() or (ckpt / CORRUPT_MARKER).is_symlink()
+        return "marker not written through a linked directory nor through a linked corrupt.json"
+
+    def record_bounds() -> str:
+        ckpt = fresh()
+        rewrite_index(ckpt, lambda r: r.update(offset=-64))
+        refused(ckpt, "index.json", "negative")
+        ckpt = fresh()
+        rewrite_index(ckpt, lambda r: r.update(nbytes=1 << 40))
+        refused(ckpt, "index.json", "1099511627776 bytes")
+        return "offset -64 and a 1 TiB record: refused before reading"
+
+    def fifo() -> str:
+        ckpt = fresh()
+        victim = sorted(ckpt.glob("data_*.bin"))[0]
+        victim.unlink()
+        os.mkfifo(victim)
+        t = time.time()
+        refused(ckpt, victim.name, "not a regular file")
+        return f"{victim.name} a FIFO: refused in {1000 * (time.time() - t):.0f} ms, never opened"
+
+    def token_ids() -> str:
+        ids = np.random.default_rng(0).integers(0, 257, 20_000)
+        path = write_token_file(ids, work / "tokens.bin", "byte", 257)
+        raw = bytearray(path.read_bytes())
+        raw[2 * 12_345:2 * 12_345 + 2] = (65_000).to_bytes(2, "little")  # the sidecar still says 256
+        path.write_bytes(bytes(raw))
+        err = _attempt(open_token_file, path)
+        assert isinstance(err, ConfigError) and err.key == "data.path" and "65000" in str(err), repr(err)
+        return "id 65000 in a 257-id file: refused at open, naming the file and the id"
+
+    def deep_json() -> str:
+        path = write_token_file(np.arange(1000) % 257, work / "deep.bin", "byte", 257)
+        sidecar_path(path).write_text("[" * 100_000 + "]" * 100_000)
+        err = _attempt(open_token_file, path)
+        assert isinstance(err, ConfigError) and "levels deep" in str(err), repr(err)
+        import tokenizers
+
+        tok = work / "tok"
+        tok.mkdir()
+        tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "<eos>": 1}, unk_token="a")).save(
+            str(tok / "tokenizer.json"))
+        (tok / "tokenizer_config.json").write_text('{"eos_token": ' + "[" * 100_000 + "]" * 100_000 + "}")
+        err = _attempt(load_tokenizer_json, str(tok / "tokenizer.json"))
+        assert isinstance(err, ConfigError) and "tokenizer_config.json" in str(err), repr(err)
+        assert "levels deep" in str(err), str(err)
+        return "sidecar and tokenizer_config.json 100,000 levels deep: config errors naming them"
+
+    def full_disk() -> str:
+        directory = fresh().parent
+        real, written = storage._write_all, []
+
+        def full(fd, mv):
+            if written:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            written.append(len(mv))
+            real(fd, mv)
+
+        storage._write_all = full
+        try:
+            err = _attempt(lambda: save_checkpoint(directory / checkpoint_name(3), model, None, {"n": 3},
+                                                   step=3, keep_last=1))
+        finally:
+            storage._write_all = real
+        assert isinstance(err, CheckpointWriteError) and "No space left on device" in str(err), repr(err)
+        assert "\n" not in str(err) and "kept" in str(err), str(err)
+        assert sorted(p.name for p in directory.iterdir()) == [checkpoint_name(1), checkpoint_name(2)]
+        assert latest_valid_checkpoint(directory) == directory / checkpoint_name(2)
+        return "the save failed in one line naming it; step 2 kept and still the latest valid"
+
+    return [("checkpoint naming /etc/passwd", outside_file),
+            ("checkpoint file linked to /dev/zero", dev_zero),
+            ("corrupt.json through a link", corrupt_marker),
+            ("record offset -64 / 1 TiB record size", record_bounds), ("FIFO in a checkpoint", fifo),
+            ("out-of-range token ids", token_ids),
+            ("deep JSON in a sidecar/tokenizer_config.json", deep_json),
+            ("full disk during a save", full_disk)]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--heartbeat", type=float, default=2.0, help="fault.heartbeat_timeout_s")
     ap.add_argument("--hold", type=float, default=3.0, help="seconds each lasting attack is held")
+    ap.add_argument("--quick", action="store_true",
+                    help="leave out the two rows with real ranks (spawned processes: minutes on a loaded "
+                         "machine) and hold each lasting attack 1 s")
     args = ap.parse_args()
+    if args.quick:
+        args.hold = 1.0
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 65536, hard))
     over = [*LAYOUT, f"fault.heartbeat_timeout_s={args.heartbeat:g}", "fault.collective_timeout_s=60",
@@ -293,6 +501,14 @@ def main() -> int:
         assert tasks[3].line.rejected >= 4 and len(tasks[3].heard) == before
         return f"{tasks[3].line.rejected} unsealed lines dropped by the task"
 
+    def replayed_link_beat() -> str:
+        captured = proxy.last_up
+        assert b'"beat"' in captured, captured
+        for _ in range(20):
+            proxy.up.sendall(captured)  # the task's own sealed heartbeat, sent again on its connection
+        coordinator.wait_for("did not seal (forged or replayed) were ignored", 10)
+        return "a captured sealed beat sent 20 times more: dropped (its counter is spent), nobody evicted"
+
     def outsider_rank() -> str:
         got = _ranks(port, [SECRET.encode(), b"an outsider's guess at the secret"], 900, timeout_s=10)
         assert got[0][0] != "formed" and got[1][0] != "formed", got
@@ -326,10 +542,12 @@ def main() -> int:
                ("garbage and malformed hellos", garbage), ("hello with a guessed secret", forged_hello),
                ("1,200 idle link connections", idle_1200), ("connection churn on the link", churn),
                ("replayed heartbeats on the store", replayed_beat),
+               ("a sealed heartbeat replayed on a task's link (on path)", replayed_link_beat),
                ("unsealed lines on a task's link (on path)", on_path),
-               ("200 idle store connections", store_flood),
-               ("an outsider joins a generation's rendezvous", outsider_rank),
-               ("gloo address keys pre-written on the store", prewritten_keys)]
+               ("200 idle store connections", store_flood)]
+    if not args.quick:
+        attacks += [("an outsider joins a generation's rendezvous", outsider_rank),
+                    ("gloo address keys pre-written on the store", prewritten_keys)]
     rows: list[tuple[str, bool, str]] = []
     for name, attack in attacks:
         t = time.time()
@@ -368,6 +586,63 @@ def main() -> int:
     finally:
         second.kill()
     coordinator.kill()
+
+    # Attacks the job cannot train through: it must stop, naming them (exit 75, every task told why,
+    # nobody declared lost).  Each against a job of its own.
+    def stops(attack, words: tuple[str, ...]) -> tuple[bool, str]:
+        port3 = free_port()
+        third = start_coordinator(over, port3, SECRET, work)
+        try:
+            client = dist.TCPStore("127.0.0.1", port3, is_master=False, timeout=timedelta(seconds=30))
+            lp3 = int(JobStore(client, SECRET.encode()).read(LINK_KEY))
+            four = [Task("127.0.0.1", lp3, i, 4) for i in range(4)]
+            time.sleep(1.5)  # every task trains; the coordinator has checked its store at least once
+            outsider = dist.TCPStore("127.0.0.1", port3, is_master=False, timeout=timedelta(seconds=30))
+            t = time.time()
+            did = attack(outsider, third)
+            code3 = third.wait(60)
+            took = time.time() - t
+            time.sleep(0.3)
+            ends = [next((m["end"] for m in x.heard if "end" in m), "") for x in four]
+            blamed = [m for x in four for m in x.heard if "declared" in m]
+            ok = code3 == 75 and all(all(w in e for w in words) for e in ends) and not blamed
+            return ok, f"{did}; exit {code3} after {took:.1f} s, every task told: {ends[0][:150]}..."
+        finally:
+            third.kill()
+
+    def wipe(outsider, _proc) -> str:
+        keys = outsider.list_keys()
+        for k in keys:
+            outsider.delete_key(k)
+        return f"all {len(keys)} keys deleted"
+
+    def flood(outsider, proc) -> str:
+        sent = 0
+        try:
+            while proc.popen.poll() is None and sent < 2048:
+                outsider.set(f"flood/{sent}", b"x" * 2**20)
+                sent += 1
+        except Exception:  # noqa: BLE001 - the store went away with the coordinator
+            pass
+        return f"{sent} MiB written"
+
+    for name, attack, words in (("a store wipe (every key deleted)", wipe, ("wiped or overwritten",)),
+                                ("a store flood (1 MiB values)", flood, ("flooded", "bound 512 MiB"))):
+        t = time.time()
+        try:
+            ok, detail = stops(attack, words)
+        except Exception as err:  # noqa: BLE001 - a failed check is a row
+            ok, detail = False, f"{type(err).__name__}: {err}"
+        rows.append((name, ok, f"{detail} ({time.time() - t:.1f} s)"))
+
+    # Stored inputs, against the real checks in this process.
+    for name, attack in stored_input_attacks(work / "stored"):
+        t = time.time()
+        try:
+            ok, detail = True, attack()
+        except Exception as err:  # noqa: BLE001 - a failed check is a row
+            ok, detail = False, f"{type(err).__name__}: {err}"
+        rows.append((name, ok, f"{detail} ({time.time() - t:.1f} s)"))
 
     width = max(len(r[0]) for r in rows)
     print(f"\n| {'attack':<{width}} | withstood | what happened |")
