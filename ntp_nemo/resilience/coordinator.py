@@ -131,8 +131,8 @@ class _StoreProbe:
         grown = resident_mb() - self._rss0
         if grown > self._growth_mb:
             return (f"it was flooded: the coordinator, which hosts it, grew by {grown:.0f} MiB since it "
-                    f"started (bound {self._growth_mb:.0f} MiB; the job's own keys take a few KiB): something "
-                    "else that reaches the store's port is writing to it")
+                    f"started (bound {self._growth_mb:.0f} MiB; the job's own keys take a few KiB): "
+                    "something else that reaches the store's port is writing to it")
         return None
 
     def silent_s(self, now: float) -> float:
