@@ -306,6 +306,31 @@ def test_a_notice_of_an_earlier_local_launch_reads_as_absent(monkeypatch):
     publish_failed(JobStore(store, second), 0, [3])
     assert json.loads(JobStore(store, second).read(failed_key(0))) == [3]
 
+
+def test_heartbeat_files_from_elsewhere_never_block_or_break_a_monitor(tmp_path):
+    """A local job's monitors read `failover/heartbeats/rank_NNNNN.json` in the run directory: a FIFO
+    there blocked the read forever (a rank's next beat replaces the name, not the FIFO the monitor has
+    open), deeply nested JSON, a list or an unknown phase raised out of it.  Each now reads as a rank
+    that has not reported, and the monitor goes on."""
+    import os
+
+    from ntp_nemo.resilience.beats import beat_path, read_beats, suspects
+
+    good = {"step": 3, "phase": "step_start", "t": 1.0, "pid": 1}
+    beat_path(tmp_path, 0).write_text(json.dumps(good))
+    os.mkfifo(beat_path(tmp_path, 1))
+    beat_path(tmp_path, 2).write_text("[" * 100_000 + "]" * 100_000)
+    beat_path(tmp_path, 3).write_text(json.dumps([good]))
+    beat_path(tmp_path, 4).write_text(json.dumps({**good, "phase": "nonsense"}))
+    beat_path(tmp_path, 5).symlink_to("/dev/zero")
+    out: dict = {}
+    reader = threading.Thread(target=lambda: out.setdefault("beats", read_beats(tmp_path, 6)), daemon=True)
+    reader.start()
+    reader.join(10)
+    assert not reader.is_alive(), "read_beats blocked"
+    assert set(out["beats"]) == {0} and out["beats"][0].progress == (3, 0)
+    assert suspects(out["beats"], 6) == (1, 2, 3, 4, 5)
+
 # ---- 5. the coordinator's words -----------------------------------------------------------------------
 def test_a_task_acts_only_on_lines_its_coordinator_sealed(served, monkeypatch):
     from ntp_nemo.launch.cluster import PLACE_ENV, WORLD_ENV

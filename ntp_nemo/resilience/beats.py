@@ -6,9 +6,10 @@ the coordinator (sealed, with a tick); read by the monitors.  No Lightning here:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from ntp_nemo.data.bounded_json import read_json
 
 # Order of the phases that carry the same step: `step_start` carries the step being run, the others
 # the last completed step, so (step, phase) orders all reports of a run.
@@ -47,16 +48,20 @@ def beat_path(directory: Path, rank: int) -> Path:
 
 
 def read_beats(directory: Path, world_size: int) -> dict[int, Beat]:
-    """Latest heartbeat of every rank that wrote one (unreadable files are skipped)."""
+    """Latest heartbeat of every rank that wrote one (unreadable files are skipped, as never written: a
+    FIFO, a link, a file over 64 KiB, deeply nested JSON or an unknown phase never blocks or breaks the
+    monitor that reads them)."""
     out: dict[int, Beat] = {}
     for rank in range(world_size):
         try:
-            doc = json.loads(beat_path(directory, rank).read_text())
+            doc = read_json(beat_path(directory, rank), 1 << 16, follow_symlinks=False)
             done = doc.get("done_t")
-            out[rank] = Beat(rank, int(doc["step"]), str(doc["phase"]), float(doc["t"]), int(doc["pid"]),
-                             None if done is None else float(done))
-        except (OSError, ValueError, KeyError):
+            beat = Beat(rank, int(doc["step"]), str(doc["phase"]), float(doc["t"]), int(doc["pid"]),
+                        None if done is None else float(done))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue
+        if beat.phase in PHASES:
+            out[rank] = beat
     return out
 
 
