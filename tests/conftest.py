@@ -183,6 +183,8 @@ REFERENCES = {
     # float64: a 40-step curve through three layout changes, compared tightly (float32 rounding grows
     # past 1e-4 relative at a loss spike late in such a run)
     "single-40-f64": [*SINGLE, "trainer.precision=64-true", "trainer.max_steps=40"],
+    # the fault campaign's job (bench/fault_campaign.py: base_job, seed 7) at its 6 steps
+    "single-6-seed7": [*SINGLE, "seed=7", "trainer.max_steps=6"],
     "ntp21-20": [*NTP21, "trainer.max_steps=20"],
 }
 

@@ -86,7 +86,9 @@ def test_a_failed_rejoin_cancels_the_rejoin_not_the_job(tmp_path, reference_loss
 def test_ctrl_c_during_a_live_rejoin_stops_quietly_with_the_resume_command(tmp_path):
     """Ctrl-C while a repaired process waits to join slow survivors: the survivors checkpoint and stop,
     the repaired process is stopped without a traceback, and the command prints the summary and the
-    resume command and exits 0 (a Ctrl-C's code) within a bound."""
+    resume command and exits 0 (a Ctrl-C's code) within a bound.  The repaired process is started after
+    step 4 to rejoin before step 7; the survivor's steps 5 and 6 take 3 s each, so the Ctrl-C, 1 s after
+    the start, finds it starting or waiting."""
     import os
     import subprocess
     import sys
@@ -94,7 +96,7 @@ def test_ctrl_c_during_a_live_rejoin_stops_quietly_with_the_resume_command(tmp_p
 
     run = tmp_path / "run"
     args = [*REJOIN_BASE, "checkpoint.save_on_end=true", "fault=kill_rank", "fault.rank=1", "fault.step=3",
-            "fault.repair_after_steps=1", "+fault.more=[{kind:slow,rank:0,step:4,seconds:4,steps:4}]",
+            "fault.repair_after_steps=1", "+fault.more=[{kind:slow,rank:0,step:5,seconds:3,steps:3}]",
             f"hydra.run.dir={run}"]
     proc = subprocess.Popen([sys.executable, "-m", "ntp_nemo.train", *args], cwd=tmp_path, text=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
