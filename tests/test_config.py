@@ -22,7 +22,7 @@ def test_every_recipe_composes_and_validates(recipe):
 
     if OmegaConf.is_missing(
         cfg.model, "init_from"
-    ):  # needs a Hugging Face directory (tests/test_hf_recipe.py)
+    ):  # needs a Hugging Face directory (tests/test_readme.py runs it)
         with pytest.raises(ConfigError) as err:
             validate(cfg)
         assert err.value.key == "model.init_from"

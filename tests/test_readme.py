@@ -6,7 +6,8 @@ How each command is treated is decided by `plan()`, in this order (each rule say
   Hugging Face import/train/export chain, `ntp-goodput`, the re-planning CLI) run as written in one
   scratch directory, in document order (a simple command of a project program other than `ntp-train`
   and `ntp-sim` is called in this process, with its words as `sys.argv`, as its console script calls
-  it: it then pays no interpreter and torch start-up of its own), with two mechanical changes: step
+  it, and a `python -c CODE` or `python - <<'EOF'` snippet is compiled and run here as `__main__`: they
+  then pay no interpreter, torch or transformers start-up of their own), with two mechanical changes: step
   counts are divided by `SCALE` (`trainer.max_steps=300` -> 6, `step_000300` -> `step_000006`; a recipe's own
   `trainer.max_steps` is scaled the same way) and the small model and batch of `TINY` are appended
   (not for `model.init_from` runs, whose sizes come from the Hugging Face directory). `<time>` and
@@ -203,11 +204,17 @@ def check_config(args: list[str]) -> None:
 def run_in_process(cmd: str, cwd: Path, monkeypatch, capsys):
     """A simple command (no shell syntax) of a project program called in this process: its console
     script's function (or `python -m MODULE`'s `__main__`) with the command's words as `sys.argv`, in
-    `cwd`. Returns (exit code, stdout, stderr); None when the command is not one of those."""
+    `cwd`; or a Python snippet (`python -c CODE`, `python - <<'EOF'`, `_run_python`). Returns (exit code,
+    stdout, stderr); None when the command is not one of those."""
     import importlib
     import runpy
 
+    heredoc = re.fullmatch(r"python - <<'(\w+)'\n(.*)\n\1", cmd, flags=re.S)  # quoted: no expansion
+    if heredoc:
+        return _run_python(heredoc[2], "-", cwd, monkeypatch, capsys)
     words = shlex.split(cmd)
+    if words[:2] == ["python", "-c"] and len(words) == 3 and not re.search(r"[$`]", cmd):
+        return _run_python(words[2], "-c", cwd, monkeypatch, capsys)
     if re.search(r"[|&;<>$`]", cmd) or not words:
         return None
     if words[0] in IN_PROCESS:  # the checkout's own console scripts ([project.scripts] of pyproject.toml)
@@ -235,6 +242,49 @@ def run_in_process(cmd: str, cwd: Path, monkeypatch, capsys):
     return code, out, err
 
 
+def _run_python(code: str, argv0: str, cwd: Path, monkeypatch, capsys):
+    """`python -c CODE` or `python - <<'EOF'` run in this process: the code compiled as the interpreter
+    compiles it, run as `__main__` with fresh globals in `cwd` (the checkout's interpreter is the
+    `python` of the documented command: PATH starts with its directory). An exception is the
+    interpreter's exit 1 with its traceback on stderr. Returns (exit code, stdout, stderr)."""
+    import traceback
+
+    capsys.readouterr()
+    with monkeypatch.context() as patch:
+        patch.chdir(cwd)
+        patch.setattr(sys, "argv", [argv0])
+        try:
+            exec(compile(code, "<string>" if argv0 == "-c" else "<stdin>", "exec"), {"__name__": "__main__"})
+            rc = 0
+        except SystemExit as exc:
+            rc = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        except Exception:  # noqa: BLE001 - what the interpreter prints before exiting 1
+            traceback.print_exc()
+            rc = 1
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _continued_and_exported(hf_dir: Path, out_dir: Path, cfg) -> None:
+    """`ntp-train recipe=llama_tiny_from_hf model.init_from=HF` (its composed config `cfg`) continued
+    from the directory's weights and `ntp-export` wrote them back: the same architecture and tensors,
+    each element moved (training ran) by at most about lr per AdamW step (a fresh initialisation differs
+    from the directory's by ~0.1 at its largest), and `transformers` loads the result."""
+    import transformers
+
+    from ntp_nemo.hf.config_map import hf_fields
+    from tests.test_hf_export import hf_state
+
+    mine, theirs = (json.loads((d / "config.json").read_text()) for d in (out_dir, hf_dir))
+    assert hf_fields(mine) == hf_fields(theirs)
+    start, end = hf_state(hf_dir), hf_state(out_dir)
+    assert sorted(start) == sorted(end)
+    moved = max(float((end[k] - start[k]).abs().max()) for k in start)
+    assert 0.0 < moved <= 1.5 * float(cfg.optim.lr) * int(cfg.trainer.max_steps), moved
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out_dir)
+    assert loaded.config.num_key_value_heads == 2
+
+
 def test_documents_have_commands():
     cmds = all_commands()
     assert len(cmds) >= 25
@@ -246,7 +296,7 @@ def test_documents_have_commands():
 def test_every_documented_command(tmp_path, monkeypatch, capsys):
     from ntp_nemo.data.tokenizer import ByteTokenizer
 
-    exported_ids = None
+    exported_ids = from_hf = None
     env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", PYTHONUNBUFFERED="1")
     done = []
     for doc, cmd in all_commands():
@@ -285,7 +335,9 @@ def test_every_documented_command(tmp_path, monkeypatch, capsys):
                 assert started["eos_token_id"] != ByteTokenizer.eos_id
                 exported = json.loads((tmp_path / "hf_trained" / "config.json").read_text())
                 exported_ids = [exported["bos_token_id"], exported["eos_token_id"]]
+                _continued_and_exported(tmp_path / "hf_llama", tmp_path / "hf_trained", from_hf)
             if "model.init_from=" in run:  # a run from a model says so in its first lines
+                from_hf = compose([a for a in train_args(run) if not a.startswith("hydra.")])
                 head = res.stdout.splitlines()[:3]
                 said = r"model weights: initialised from \S*hf_llama"
                 assert any(re.search(said, line) for line in head), head
