@@ -57,7 +57,7 @@ TINY = TOY_JOB
 TIMEOUTS = {"heartbeat": 4.0, "collective": 12.0, "step": 45.0}
 KINDS = ("kill", "save-kill", "corrupt", "hang", "slow", "stop", "launcher", "term", "rejoin", "wipe",
          "damage-all")
-DOCUMENTED_EXITS = {0, 1, 2, 75, 76, 77}
+DOCUMENTED_EXITS = {0, 1, 2, 75, 76, 77, 78}
 
 
 @dataclass
@@ -353,7 +353,7 @@ def check(sc: Scenario, work: Path, reference: dict[int, float], steps: int,
         last = results[-1]
         if last.timed_out or {r["step"] for r in metrics(run_dir)} >= set(range(1, steps + 1)):
             break
-        if not (last.killed_by_us or last.rc in (0, 76)):
+        if not (last.killed_by_us or last.rc in (0, 76, 78)):  # 78: stopped by SIGTERM, saved
             break
         results.append(launch([*args, "resume=auto"], run_dir, bound, []))
     for i, r in enumerate(results):

@@ -34,9 +34,13 @@ def require_extra(module: str, extra: str, key: str, purpose: str, instead: str)
                                f"{instead}.") from err
 
 
-EXIT_OK = 0
-EXIT_RUNTIME = 1
-EXIT_CONFIG = 2
+EXIT_OK = 0  # trained to trainer.max_steps
+EXIT_RUNTIME = 1  # a failure that could not be recovered
+EXIT_CONFIG = 2  # bad input: nothing trained
+# Stopped by a preemption or time-limit signal (SIGTERM, SIGUSR1) before trainer.max_steps, after saving the
+# checkpoint of the step it stopped at: not trained yet, the same command (resume=auto) continues it.
+# The live-recovery codes (75, 76, 77) are in resilience/coordinator.py and resilience/cluster_protocol.py.
+EXIT_STOPPED = 78
 
 
 def report_config_error(err: ConfigError) -> None:

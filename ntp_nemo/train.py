@@ -1,7 +1,10 @@
 """`ntp-train`: the Hydra entry point (also `python -m ntp_nemo.train`).
 
 Composition errors (unknown key, bad override) and validation errors exit with code 2 and a
-one-paragraph message before any worker starts; runtime failures exit 1.
+one-paragraph message before any worker starts; runtime failures exit 1.  A run stopped by a preemption
+or time-limit signal (SIGTERM, SIGUSR1) before `trainer.max_steps` exits 78 once the checkpoint of the
+step it stopped at is saved (1, saying so, when none was); a run that trained to `trainer.max_steps`, or
+that a Ctrl-C stopped, exits 0 (`stop_exit`).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ntp_nemo.cli.console import (
     invocation_stats,
@@ -25,7 +28,7 @@ from ntp_nemo.cli.console import (
     quiet_libraries,
     say,
 )
-from ntp_nemo.errors import EXIT_CONFIG, EXIT_RUNTIME, ConfigError, report_config_error
+from ntp_nemo.errors import EXIT_CONFIG, EXIT_OK, EXIT_RUNTIME, EXIT_STOPPED, ConfigError, report_config_error
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -101,16 +104,110 @@ def train(cfg: DictConfig, start_t: float | None = None, console=None) -> dict:
         _raise_if_found_corrupt(ckpt_path)
         _exit_if_save_failed(exc)
         raise
-    if launcher_rank() != 0:
-        if result.exit_code:  # a cluster task whose coordinator died: the batch script sees why
-            sys.exit(result.exit_code)
-        return {}  # summary.json has one writer, global rank 0, which also reads and prints it
-    # A process 0 that rejoined a running job reports the whole job's steps, not its own share.
-    since = (job_started_at(run_dir) or t0) if rejoining else t0
-    summary = _report(spec, run_dir, since, result, process_start_time() if start_t is None else start_t)
-    if result.exit_code:
-        sys.exit(result.exit_code)
+    with _LateStops():  # training is over: a stop signal now changes nothing (the report finishes)
+        if launcher_rank() != 0:  # summary.json has one writer, global rank 0, which also reads and prints it
+            # A cluster task whose coordinator died: the batch script sees why (76). Otherwise rank 0's
+            # decision, from this rank's own trainer (the same stop flag, agreed by every rank).
+            code = result.exit_code or stop_exit(trainer_stop(first[0]), run_dir / spec.checkpoint.dir)[0]
+            summary: dict = {}
+        else:
+            # A process 0 that rejoined a running job reports the whole job's steps, not its own share.
+            since = (job_started_at(run_dir) or t0) if rejoining else t0
+            summary, code, note = _report(spec, run_dir, since, result,
+                                          process_start_time() if start_t is None else start_t)
+            if note is not None:
+                print(note, file=sys.stderr if code != EXIT_STOPPED else sys.stdout, flush=True)
+    if code:
+        sys.exit(code)
     return summary
+
+
+class _LateStops:
+    """From the end of training to the end of its report: SIGTERM/SIGUSR1 (a scheduler's stop arriving
+    after the workers exited) are noted, not obeyed, so the summary is written and the exit code says how
+    training ended (0 when it reached trainer.max_steps). The previous handlers come back at the end; in a
+    sweep (`-m`) a noted signal is then delivered to them, as it would have been (the sweep stops)."""
+
+    NAMES = ("SIGTERM", "SIGUSR1")
+
+    def __init__(self) -> None:
+        self.previous: dict[int, Any] = {}
+        self.noted: list[int] = []
+
+    def __enter__(self) -> _LateStops:
+        import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():  # only the main thread has handlers
+            return self
+        for name in self.NAMES:
+            self.previous[getattr(signal, name)] = signal.signal(getattr(signal, name), self._note)
+        return self
+
+    def _note(self, signum, frame) -> None:  # noqa: ANN001 - signal handler signature
+        self.noted.append(signum)
+
+    def __exit__(self, *exc: object) -> None:
+        import os
+        import signal
+
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        if self.noted and _in_sweep():
+            os.kill(os.getpid(), self.noted[0])
+
+
+def _in_sweep() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def trainer_stop(trainer) -> dict:
+    """How this rank's training ended, as summary.json says it (`steps`, `max_steps`, `stopped_early`
+    when a stop signal ended it before trainer.max_steps): for the ranks that write no summary.json."""
+    from ntp_nemo.lightning.callbacks import PreemptionCheckpoint
+
+    stop = next((cb for cb in trainer.callbacks if isinstance(cb, PreemptionCheckpoint)), None)
+    out: dict = {"steps": int(trainer.global_step), "max_steps": int(trainer.max_steps)}
+    if stop is not None and stop.stopped and out["steps"] < out["max_steps"]:
+        out["stopped_early"] = stop.signal_name or "signal"
+    return out
+
+
+def stop_exit(summary: dict, checkpoint_dir: Path) -> tuple[int, str | None]:
+    """The exit code of a run whose training ended without an error, and the line that explains a
+    non-zero one, from what its summary says (`stopped_early`, `steps`, `max_steps`):
+
+    - EXIT_OK: it trained to trainer.max_steps (a signal after the last step changes nothing), or a
+      Ctrl-C stopped it (SIGINT: the user at the terminal asked for the stop and sees the summary);
+    - EXIT_STOPPED (78): a preemption or time-limit signal (SIGTERM, SIGUSR1) stopped it before, and the
+      checkpoint of the step it stopped at is valid (the same command continues from it);
+    - EXIT_RUNTIME (1): such a stop saved no checkpoint of that step (checkpointing off, or the job's
+      store gone): a rerun would not continue from where it stopped, so it is not reported as 78."""
+    why = summary.get("stopped_early")
+    step, end = summary.get("steps"), summary.get("max_steps")
+    if not why or why == "SIGINT" or (isinstance(step, int) and isinstance(end, int) and step >= end):
+        return EXIT_OK, None
+    from ntp_nemo.checkpoint.manifest import checkpoint_name, checkpoint_problem, readable_checkpoints
+
+    checkpoint_dir = Path(checkpoint_dir)
+    if isinstance(step, int):
+        name = checkpoint_name(step)
+        problem = checkpoint_problem(checkpoint_dir / name)
+        if problem is None:
+            return EXIT_STOPPED, (f"stopped by {why} at step {step} of trainer.max_steps={end} with "
+                                  f"checkpoint {name} saved: exit {EXIT_STOPPED} (not trained yet; the same "
+                                  "command continues from it)")
+        what = f"{name}: {problem}"
+    else:
+        what = "the step it stopped at is not known"
+    kept = readable_checkpoints(checkpoint_dir) if checkpoint_dir.is_dir() else []
+    rerun = (f"a rerun with resume=auto continues from {kept[0].name}" if kept
+             else "a rerun starts over")
+    return EXIT_RUNTIME, (f"error: stopped by {why} at step {step} of trainer.max_steps={end}, and no "
+                          f"checkpoint was saved ({what}); {rerun}")
 
 
 def _leave_run_log(console) -> None:
@@ -258,8 +355,10 @@ def _describe(spec: RunSpec, data) -> None:
     )
 
 
-def _report(spec: RunSpec, run_dir: Path, t0: float, result, start_t: float) -> dict:
-    """summary.json completed with this command's numbers (every attempt), printed as the summary."""
+def _report(spec: RunSpec, run_dir: Path, t0: float, result, start_t: float) -> tuple[dict, int, str | None]:
+    """summary.json completed with this command's numbers (every attempt) and the code the command
+    exits with (`exit_code`), printed as the summary; returns (summary, exit code, the line that
+    explains it, if any)."""
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     summary["wall_s"] = time.time() - t0
@@ -282,6 +381,15 @@ def _report(spec: RunSpec, run_dir: Path, t0: float, result, start_t: float) -> 
         recoveries = report.failure_recoveries  # each failure's mode (live | restart) and downtime
     else:
         recoveries = []
+    short = int(summary.get("steps") or 0) < int(spec.trainer.max_steps)
+    if result.stopped and short and not summary.get("stopped_early"):
+        # The stop signal reached the workers after their last step of an attempt on a degraded layout
+        # (its repair stop, checkpointed): the run stops there, short of trainer.max_steps.
+        summary["stopped_early"] = "stop signal"
+    # The code the command exits with: a cluster task's (its coordinator died), else how training ended.
+    code, note = ((result.exit_code, None) if result.exit_code
+                  else stop_exit(summary, run_dir / spec.checkpoint.dir))
+    summary["exit_code"] = code
     tmp = summary_path.with_name(summary_path.name + ".tmp")
     tmp.write_text(json.dumps(summary, indent=2) + "\n")
     os.replace(tmp, summary_path)
@@ -291,7 +399,7 @@ def _report(spec: RunSpec, run_dir: Path, t0: float, result, start_t: float) -> 
                                "layouts": summary.get("layouts") or attempts["layouts"],
                                "recoveries": recoveries}
     print_summary(summary, run_dir, logger_dirs(spec.loggers), run_dir / spec.checkpoint.dir)
-    return summary
+    return summary, code, note
 
 
 def resolve_resume(cfg: DictConfig, run_dir: Path) -> Path | None:

@@ -230,3 +230,50 @@ def test_replan_command_prints_overrides_and_devices():
         timeout=120,
     )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "rank 9" in bad.stderr
+
+
+def test_a_stop_signal_ends_a_degraded_attempt_without_its_repair_relaunch(tmp_path):
+    """In process, with stand-in trainers: attempt 0 loses rank 0, attempt 1 runs on the degraded layout
+    until its repair stop, and a stop signal (the launcher's `stop_requested`) ends it first, the workers
+    having checkpointed: the supervisor returns (outcome `stopped`, `result.stopped` for the exit code)
+    instead of relaunching on the original layout as after a repair stop."""
+    import time
+    from types import SimpleNamespace
+
+    from torch.multiprocessing import ProcessExitedException
+
+    from ntp_nemo.config.layout import resolve_layout
+    from ntp_nemo.resilience.supervisor import Supervisor
+
+    class Proc:
+        exitcode, pid, sentinel = 137, None, None
+
+        def is_alive(self) -> bool:
+            return False
+
+    class Attempt:
+        def __init__(self, stop_at) -> None:
+            self.stop_at = stop_at
+            self.strategy = SimpleNamespace(launcher=SimpleNamespace(procs=[], stop_requested=None))
+
+        def fit(self, module, ckpt_path=None) -> None:
+            if self.stop_at is None:  # attempt 0: rank 0 is lost
+                self.strategy.launcher.procs = [Proc()]
+                raise ProcessExitedException("process 0 terminated with exit code 137", 0, 0, 137)
+            self.strategy.launcher.stop_requested = time.time()  # SIGTERM forwarded; the workers stop
+
+    attempts: list[Attempt] = []
+
+    def build(layout, extra, devices, stop_at):
+        attempts.append(Attempt(stop_at))
+        return attempts[-1], None, None
+
+    cfg = _cfg("fault.recovery=restart", "fault.policy=ntp", "fault.repair_after_steps=2",
+               "checkpoint.every_n_steps=2")
+    sup = Supervisor(_spec("fault.recovery=restart", "fault.policy=ntp", "fault.repair_after_steps=2",
+                           "checkpoint.every_n_steps=2"), resolve_layout(cfg), tmp_path / "run", build)
+    result = sup.run(sup.build_first(), None)
+    assert [a.stop_at for a in attempts] == [None, 2]  # attempt 1 was to stop at step 2 for its repair
+    tries = [json.loads(line) for line in (sup.dir / "attempts.jsonl").read_text().splitlines()]
+    assert [(t["outcome"], t["stop_at_step"]) for t in tries] == [("failed", None), ("stopped", 2)]
+    assert result.stopped and result.exit_code == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -84,7 +85,9 @@ def _stopped_from_outside(sweep_dir) -> dict:
         if proc.poll() is None:
             proc.kill()
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir()) if (run / "checkpoints").is_dir() else []
-    sigterm = {"done": done(run), "returncode": proc.returncode, "out": out, "checkpoints": ckpts}
+    summary = run / "summary.json"
+    sigterm = {"done": done(run), "returncode": proc.returncode, "out": out, "checkpoints": ckpts,
+               "summary": json.loads(summary.read_text()) if summary.is_file() else {}}
     return {"sigkill": sigkill, "sigterm": sigterm}
 
 
@@ -193,18 +196,81 @@ def test_sigkill_mid_run_then_auto_resume_matches(resume_sweeps, straight):
 
 @pytest.mark.slow
 def test_sigterm_checkpoints_and_resume_continues(resume_sweeps, straight):
-    """SIGTERM to the launcher alone after step 4: it checkpoints the step it reached and exits 0; the
-    same command (a job of the second sweep) continues to step 20 on the uninterrupted curve."""
+    """SIGTERM to the launcher alone after step 4: it checkpoints the step it reached and exits 78
+    (stopped before trainer.max_steps, checkpoint saved: not 0, which says trained), as summary.json and
+    the console summary say; the same command (a job of the second sweep) continues to step 20 on the
+    uninterrupted curve."""
     _, _, second, stopped = resume_sweeps
     term = stopped["sigterm"]
     out = term["out"]
-    assert term["returncode"] == 0, out[-3000:]
+    assert term["returncode"] == 78, out[-3000:]
     assert "preemption signal received" in out
     stopped_at = term["done"]
     assert 4 <= stopped_at < 20
     assert term["checkpoints"] == [f"step_{stopped_at:06d}"]
+    summary = term["summary"]
+    assert (summary["stopped_early"], summary["steps"], summary["exit_code"]) == ("SIGTERM", stopped_at, 78)
+    assert f"checkpoint saved (step_{stopped_at:06d})" in out and "exit 78" in out, out[-3000:]
     assert second.proc.returncode == 0, second.proc.stderr[-3000:]
     got = losses(second.run_dir("sigterm-resume"))
     assert sorted(got) == list(range(1, 21))
     for step, ref in straight["ntp"].items():
         assert abs(got[step] - ref) <= 1e-6 * abs(ref), (step, got[step], ref)
+
+
+def test_the_exit_code_of_a_stop(tmp_path):
+    """In process, the decision every launch mode exits by: a preemption or time-limit stop (SIGTERM,
+    SIGUSR1) before trainer.max_steps exits 78 only with the checkpoint of its step valid on disk, else 1
+    with one line saying none was saved and what a rerun resumes from; Ctrl-C and a run that reached
+    trainer.max_steps exit 0.  A rank that writes no summary.json reads the same from its trainer, and
+    ntp-coordinator from the run's summary.json when it was written by this job."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ntp_nemo.checkpoint import save_checkpoint
+    from ntp_nemo.cli.coordinator import _run_dir, tasks_stop_code
+    from ntp_nemo.lightning.callbacks import PreemptionCheckpoint
+    from ntp_nemo.train import stop_exit, trainer_stop
+
+    ckpts = tmp_path / "checkpoints"
+    save_checkpoint(ckpts / "step_000004", torch.nn.Linear(2, 2), None, {}, step=4)
+
+    def code(why, step, end=20):
+        summary = {"steps": step, "max_steps": end, **({"stopped_early": why} if why else {})}
+        return stop_exit(summary, ckpts)
+
+    assert code("SIGTERM", 4) == (78, "stopped by SIGTERM at step 4 of trainer.max_steps=20 with "
+                                      "checkpoint step_000004 saved: exit 78 (not trained yet; the same "
+                                      "command continues from it)")
+    assert code("SIGUSR1", 4)[0] == 78
+    rc, line = code("SIGUSR1", 6)  # stopped after step 6, whose checkpoint is not there
+    assert rc == 1 and line == ("error: stopped by SIGUSR1 at step 6 of trainer.max_steps=20, and no "
+                                "checkpoint was saved (step_000006: does not exist); a rerun with "
+                                "resume=auto continues from step_000004")
+    assert code("SIGINT", 6) == (0, None) and code("SIGINT", 4) == (0, None)  # Ctrl-C: as before
+    assert code(None, 20) == (0, None) and code("SIGTERM", 20) == (0, None)  # trained to max_steps
+    rc, line = stop_exit({"steps": 3, "max_steps": 20, "stopped_early": "SIGTERM"}, tmp_path / "none")
+    assert rc == 1 and line.endswith("no checkpoint was saved (step_000003: does not exist); a rerun starts "
+                                     "over")
+    (ckpts / "step_000004" / "manifest.json").unlink()  # an incomplete save is no checkpoint
+    assert code("SIGTERM", 4)[0] == 1
+
+    stop = PreemptionCheckpoint()
+    trainer = SimpleNamespace(callbacks=[stop], global_step=6, max_steps=20)
+    assert trainer_stop(trainer) == {"steps": 6, "max_steps": 20}
+    stop.stopped, stop.signal_name = True, "SIGUSR1"
+    assert trainer_stop(trainer) == {"steps": 6, "max_steps": 20, "stopped_early": "SIGUSR1"}
+    trainer.global_step = 20  # the stop came with the last step
+    assert trainer_stop(trainer) == {"steps": 20, "max_steps": 20}
+
+    run = tmp_path / "run"
+    assert _run_dir(["mesh.tp=2", f"hydra.run.dir={run}"]) == run
+    assert _run_dir(["mesh.tp=2"]) is None and _run_dir(["hydra.run.dir=out/${now:%H}"]) is None
+    save_checkpoint(run / "ckpt" / "step_000005", torch.nn.Linear(2, 2), None, {}, step=5)
+    (run / "summary.json").write_text(json.dumps({"steps": 5, "max_steps": 20, "stopped_early": "SIGUSR1"}))
+    written = (run / "summary.json").stat().st_mtime
+    assert tasks_stop_code(run, "ckpt", written - 60)[0] == 78
+    assert tasks_stop_code(run, "checkpoints", written - 60)[0] == 1  # not where this run's checkpoints are
+    assert tasks_stop_code(run, "ckpt", written + 60) == (0, None)  # an earlier job's summary
+    assert tasks_stop_code(None, "ckpt", written - 60) == (0, None)

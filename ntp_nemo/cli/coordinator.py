@@ -13,7 +13,11 @@ environment:
 It prints `coordinator ready on HOST:PORT` once it listens, then one line per event (a task lost, a
 published failure, a rejoin), and exits when the job ends: 0 when training finished, 75 when it stopped
 the job (the survivors could not recover live; a task was lost while the job formed; its own store did not
-answer for fault.collective_timeout_s: resubmit with resume=auto), 2 on bad input.  See the README's
+answer for fault.collective_timeout_s: resubmit with resume=auto), 78 when the tasks stopped on a preemption
+or time-limit signal (SIGTERM, SIGUSR1) before trainer.max_steps after saving a checkpoint (resubmit with
+resume=auto; 1, saying so, when that stop saved none), 2 on bad input.  It reads how the tasks stopped
+from the run directory the overrides name (`hydra.run.dir=`, on storage every node sees: the run's
+summary.json and checkpoints); without one it exits 0 when the tasks finished.  See the README's
 "Live failover on a cluster" and docs/failover.md.
 """
 
@@ -22,9 +26,11 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ntp_nemo.errors import EXIT_CONFIG, ConfigError, report_config_error
+from ntp_nemo.errors import EXIT_CONFIG, EXIT_OK, EXIT_STOPPED, ConfigError, report_config_error
 
 if TYPE_CHECKING:
     from ntp_nemo.resilience.fault_config import Timeouts
@@ -32,8 +38,9 @@ if TYPE_CHECKING:
 USAGE = __doc__
 
 
-def _settings(overrides: list[str]) -> tuple[int, Timeouts, int]:
-    """(world size, timeouts, last step) of the run the tasks start with `overrides`."""
+def _settings(overrides: list[str]) -> tuple[int, Timeouts, int, str]:
+    """(world size, timeouts, last step, checkpoint directory relative to the run directory) of the run the
+    tasks start with `overrides`."""
     from ntp_nemo.cli.plan import _compose_training
     from ntp_nemo.config import checks
     from ntp_nemo.config.data import explicit_keys
@@ -50,7 +57,42 @@ def _settings(overrides: list[str]) -> tuple[int, Timeouts, int]:
     validate(cfg)  # a bad value stops the coordinator as it stops the tasks (exit 2)
     layout = resolve_layout(cfg)
     timeouts = Timeouts.from_config(cfg.fault)
-    return layout.world_size, timeouts, int(cfg.trainer.max_steps)
+    return layout.world_size, timeouts, int(cfg.trainer.max_steps), str(cfg.checkpoint.dir)
+
+
+def _run_dir(overrides: list[str]) -> Path | None:
+    """The run directory the tasks write, when the overrides name one (`hydra.run.dir=PATH`, no
+    interpolation: Hydra's default names a directory by each process's own start time)."""
+    for override in reversed(overrides):
+        key, sep, value = override.lstrip("+~").partition("=")
+        if key == "hydra.run.dir" and sep and value and "${" not in value:
+            return Path(value).expanduser()
+    return None
+
+
+def tasks_stop_code(run_dir: Path | None, checkpoint_dir: str, since: float) -> tuple[int, str | None]:
+    """How a job whose tasks finished (the coordinator's code 0) ends: the code `ntp-train` gives the
+    same stop (`ntp_nemo.train.stop_exit`: 78 when a preemption or time-limit signal stopped the tasks
+    before trainer.max_steps with the checkpoint of that step saved), read from the run's summary.json
+    written since `since` (this coordinator's start: an older one is another job's), and the line that
+    says why. EXIT_OK when there is no run directory or no summary of this job to read."""
+    if run_dir is None:
+        return EXIT_OK, None
+    from ntp_nemo.data.bounded_json import JSONInputError, read_json
+
+    path = run_dir / "summary.json"
+    try:
+        if path.stat().st_mtime < since:
+            return EXIT_OK, None
+        summary = read_json(path, 1 << 20)
+    except (OSError, JSONInputError):
+        return EXIT_OK, None
+    if not isinstance(summary, dict):
+        return EXIT_OK, None
+    from ntp_nemo.train import stop_exit
+
+    return stop_exit(summary, run_dir / checkpoint_dir)
+
 
 
 def _raise_open_files() -> None:
@@ -76,7 +118,8 @@ def run(argv: list[str]) -> int:
         raise ConfigError("MASTER_PORT", f"{port_text or 'unset'}: ntp-coordinator serves the job's store on "
                           "MASTER_PORT; export the same MASTER_ADDR/MASTER_PORT the tasks get (e.g. "
                           "`export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))` in the batch script).")
-    world, timeouts, end_step = _settings(argv)
+    started = time.time()
+    world, timeouts, end_step, checkpoint_dir = _settings(argv)
     heartbeat_s = timeouts.heartbeat_s
     _raise_open_files()
     from ntp_nemo.resilience.coordinator import Coordinator
@@ -95,7 +138,15 @@ def run(argv: list[str]) -> int:
     host = os.environ.get("MASTER_ADDR") or socket.gethostname()
     print(f"coordinator ready on {host}:{port} ({world} places; heartbeat timeout {heartbeat_s:g} s)",
           flush=True)
-    return coordinator.serve()
+    code = coordinator.serve()
+    if code != EXIT_OK:
+        return code
+    code, note = tasks_stop_code(_run_dir(argv), checkpoint_dir, started)
+    if note is not None:
+        print(f"coordinator: the tasks {note.removeprefix('error: ')}", flush=True)
+    if code == EXIT_STOPPED:
+        print("coordinator: resubmit the job with resume=auto to continue", flush=True)
+    return code
 
 
 def main() -> None:

@@ -77,7 +77,7 @@ class AttemptRecord:
     stop_at_step: int | None
     start_t: float
     end_t: float | None = None
-    outcome: str | None = None  # ok | repair_stop | failed
+    outcome: str | None = None  # ok | repair_stop | stopped | failed | no usable checkpoint
     failure: dict[str, Any] | None = None
     replan: str | None = None
     devices: list[int] | None = None  # CUDA ordinal per rank (None: CPU, or ranks 0..n-1 on 0..n-1)
@@ -87,6 +87,7 @@ class AttemptRecord:
 class SupervisorResult:
     attempts: list[AttemptRecord] = field(default_factory=list)
     exit_code: int = 0  # a cluster task that stopped because its coordinator died: COORDINATOR_LOST_EXIT
+    stopped: bool = False  # a stop signal ended the last attempt on a degraded layout: no repair relaunch
 
     @property
     def failures(self) -> int:
@@ -301,9 +302,14 @@ class Supervisor:
                 raise
             rec.end_t = time.time()
             if lost is None:
-                rec.outcome = "repair_stop" if rec.stop_at_step is not None else "ok"
+                stopping = getattr(trainer.strategy.launcher, "stop_requested", None) is not None
+                # Asked to stop (SIGTERM, SIGUSR1, Ctrl-C): the workers checkpointed and stopped together;
+                # an attempt on a degraded layout that ended so is not its repair stop (no relaunch).
+                rec.outcome = ("stopped" if stopping and rec.stop_at_step is not None
+                               else "repair_stop" if rec.stop_at_step is not None else "ok")
                 self._log(rec)
-                if rec.outcome == "ok":
+                if rec.outcome != "repair_stop":
+                    self.result.stopped = rec.outcome == "stopped"
                     return self.result
                 plan_layout, reason = self.nominal, "repair"
                 self.lost_devices.clear()  # the lost GPUs are back: the original placement again
