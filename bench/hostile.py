@@ -16,8 +16,9 @@ deleted; a flood of values on the store, which the coordinator hosts) each go at
 job must stop at once, naming the attack (exit 75, every task told why, nobody declared lost).  The stored
 inputs (a checkpoint naming /etc/passwd, a data file linked to /dev/zero, corrupt.json through a link, a
 negative offset and a 1 TiB record, a FIFO in a checkpoint, out-of-range token ids, deeply nested JSON in a
-sidecar and a tokenizer_config.json, a full disk during a save) go at the real checks in this process,
-on a real checkpoint, token file and tokenizer directory (`stored_input_attacks`).
+sidecar and a tokenizer_config.json, a FIFO among a local job's heartbeat files, a full disk during a
+save) go at the real checks in this process, on a real checkpoint, token file, tokenizer directory and
+heartbeat directory (`stored_input_attacks`).
 
 An attack is withstood when, after it, the coordinator still runs, every task still holds its place and
 none was told it was lost, woken for a failure or told to stop, plus the check of the attack itself.
@@ -211,10 +212,11 @@ def _attempt(fn, *args, seconds: float = 20.0):
 
 def stored_input_attacks(work: Path) -> list[tuple[str, object]]:
     """The stored-input attacks, each a (row name, function returning the row's detail) pair, on a real
-    checkpoint (two saves of a small GPT, `save_checkpoint`), a real token file and a real tokenizer
-    directory, rewritten the way an attacker would (digests in the manifest kept right).  Withstood: the
-    real check refuses it before anything is read (a ConfigError naming the file and the problem), within
-    20 s, revealing nothing of the file outside; a save onto a full disk keeps the last checkpoint."""
+    checkpoint (two saves of a small GPT, `save_checkpoint`), a real token file, a real tokenizer
+    directory and a local job's heartbeat files (what its monitors read), rewritten the way an attacker
+    would (digests in the manifest kept right).  Withstood: the real check refuses it before anything is
+    read (a ConfigError naming the file and the problem), within 20 s, revealing nothing of the file
+    outside; a heartbeat file reads as not reported; a save onto a full disk keeps the last checkpoint."""
     import errno
     import os
     import shutil
@@ -348,6 +350,20 @@ def stored_input_attacks(work: Path) -> list[tuple[str, object]]:
         assert "levels deep" in str(err), str(err)
         return "sidecar and tokenizer_config.json 100,000 levels deep: config errors naming them"
 
+    def heartbeat_files() -> str:
+        from ntp_nemo.resilience.beats import beat_path, read_beats
+
+        beats = work / "heartbeats"
+        beats.mkdir()
+        beat_path(beats, 0).write_text(json.dumps({"step": 3, "phase": "step_start", "t": 1.0, "pid": 1}))
+        os.mkfifo(beat_path(beats, 1))
+        beat_path(beats, 2).write_text("[" * 100_000 + "]" * 100_000)
+        beat_path(beats, 3).symlink_to("/dev/zero")
+        box: dict = {}
+        assert _attempt(lambda: box.setdefault("beats", read_beats(beats, 4))) is None
+        assert set(box["beats"]) == {0}, box
+        return "a FIFO, 100,000 levels and a link to /dev/zero as rank files: read as not reported, at once"
+
     def full_disk() -> str:
         directory = fresh().parent
         real, written = storage._write_all, []
@@ -376,6 +392,7 @@ def stored_input_attacks(work: Path) -> list[tuple[str, object]]:
             ("record offset -64 / 1 TiB record size", record_bounds), ("FIFO in a checkpoint", fifo),
             ("out-of-range token ids", token_ids),
             ("deep JSON in a sidecar/tokenizer_config.json", deep_json),
+            ("a local job's heartbeat files (FIFO, deep, /dev/zero)", heartbeat_files),
             ("full disk during a save", full_disk)]
 
 
