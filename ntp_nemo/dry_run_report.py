@@ -13,16 +13,19 @@ vocabulary as configured; a real run sizes it from the tokenizer).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import time
+from collections.abc import Collection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig
 
 from ntp_nemo.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ntp_nemo.config.resolve import RunSpec
 
 # trainer.precision -> (dtype of parameters, gradients and optimizer state; dtype of activations)
 PRECISION_DTYPES = {
@@ -36,27 +39,14 @@ PRECISION_DTYPES = {
 GiB = float(1 << 30)
 
 
-def _checked_config(cfg: DictConfig) -> DictConfig:
-    """The validated config, with everything that needs data files, a GPU or a writable run left out."""
-    from ntp_nemo.config.register import mandatory_keys
-    from ntp_nemo.config.validate import validate
+def _checked_spec(cfg: DictConfig, explicit: Collection[str]) -> RunSpec:
+    """The run as `ntp-train` would resolve it (`resolve`), with nothing that needs data files."""
+    from ntp_nemo.config.resolve import resolve
 
-    for key in mandatory_keys(str(cfg.recipe)):
-        if key.startswith("data."):
-            continue  # the dry run reads no data
-        value = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
-        if value is None or value == "???":
-            raise ConfigError(key, f"recipe={cfg.recipe} needs {key} (it has no default); pass {key}=... "
-                              "on the command line.")
-    checked = copy.deepcopy(cfg)
-    with open_dict(checked):
-        for key in ("path", "blend", "val_path"):
-            if key in checked.data:
-                checked.data[key] = None
-    validate(checked)
-    if checked.model.vocab_size is None:
+    spec = resolve(cfg, explicit, reads_data=False)
+    if spec.model.vocab_size is None:
         raise ConfigError("model.vocab_size", "the dry run reads no tokenizer: give model.vocab_size=N.")
-    return checked
+    return spec
 
 
 def rank_rows(result) -> list[dict[str, Any]]:
@@ -196,39 +186,32 @@ def option_lines(options: dict[str, Any]) -> list[str]:
     return lines
 
 
-def run_dry(cfg: DictConfig, run_dir: Path, say=print) -> dict[str, Any]:
-    """Validate, resolve the layout, run the dry step for every rank, write `dry_run.json`."""
+def run_dry(cfg: DictConfig, run_dir: Path, say=print, explicit: Collection[str] = ()) -> dict[str, Any]:
+    """Validate and resolve the config (`explicit`: the keys set on the command line), run the dry step
+    for every rank, write `dry_run.json`."""
     t0, cpu0 = time.perf_counter(), time.process_time()
-    checked = _checked_config(cfg)
-    from ntp_nemo.config.layout import resolve_layout
-
-    layout = resolve_layout(checked)
-    from ntp_nemo.config.checks import check_batch_split
-
-    check_batch_split(layout, int(checked.data.micro_batch_size))  # every replica gets a micro-batch
+    spec = _checked_spec(cfg, explicit)
+    layout, mcfg = spec.layout, spec.model
     import torch
 
     from ntp_nemo.runtime.dry_run import StepShape, dry_run
 
-    precision = str(checked.trainer.precision)
+    precision = str(spec.trainer.precision)
     param_dtype, compute_dtype = (getattr(torch, n) for n in PRECISION_DTYPES[precision])
-    from ntp_nemo.config.model import model_config
-
-    mcfg = model_config(checked.model)
     shape = StepShape(
-        seq_len=int(checked.data.seq_len),
-        micro_batch_size=int(checked.data.micro_batch_size),
+        seq_len=int(spec.data.seq_len),
+        micro_batch_size=int(spec.data.micro_batch_size),
         param_dtype=param_dtype,
         compute_dtype=compute_dtype,
-        grad_clip=float(checked.optim.grad_clip or 0.0),
-        bucket_mb=float(checked.ntp.grad_bucket_mb),
-        seed=int(checked.seed),
+        grad_clip=float(spec.optim.grad_clip or 0.0),
+        bucket_mb=float(spec.ntp.grad_bucket_mb),
+        seed=int(spec.seed),
     )
     say(f"dry run: {layout.describe()} ({layout.world_size} ranks), model {mcfg.name}, {precision}, "
         f"seq {shape.seq_len} x micro-batch {shape.micro_batch_size}, {layout.num_microbatches} "
         f"micro-batches per step {list(layout.microbatches)}; meta device, fake process group, no data read",
         flush=True)
-    async_save = bool(checked.checkpoint.get("async_save", False))
+    async_save = bool(spec.checkpoint.async_save)
     result = dry_run(layout, mcfg, shape, progress=lambda msg: say(f"  {msg}", flush=True),
                      checkpoint_group=async_save)
     rows = rank_rows(result)
@@ -243,7 +226,7 @@ def run_dry(cfg: DictConfig, run_dir: Path, say=print) -> dict[str, Any]:
         "compute_dtype": str(compute_dtype).removeprefix("torch."),
         "seq_len": shape.seq_len,
         "micro_batch_size": shape.micro_batch_size,
-        "global_batch_size": int(checked.data.global_batch_size),
+        "global_batch_size": int(spec.data.global_batch_size),
         "vocab_size": int(mcfg.vocab_size),
         "distinct_model_slices": result.signatures,
         "ranks": rows,

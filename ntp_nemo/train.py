@@ -51,7 +51,7 @@ def train(cfg: DictConfig, start_t: float | None = None, console=None) -> dict:
         from ntp_nemo.dry_run_report import run_dry
 
         # Under torchrun/SLURM every process gets here: global rank 0 alone runs it and writes the file.
-        return run_dry(cfg, run_dir, say) if launcher_rank() == 0 else {}
+        return run_dry(cfg, run_dir, say, _explicit()) if launcher_rank() == 0 else {}
     spec, ckpt_path = _resolve(cfg, run_dir)  # every check before anything starts: exit 2 on bad input
     if spec.model.init_from:
         say(f"model weights: initialised from {spec.model.init_from} (model.init_from)", flush=True)
@@ -254,44 +254,37 @@ def _cluster_link(spec: RunSpec):
     return link
 
 
-def check_config(cfg: DictConfig, explicit: set[str]):
+def check_config(cfg: DictConfig, explicit: set[str]) -> RunSpec:
     """Every check of a composed config that needs no run directory (a sweep runs it for each job
-    before the first starts); `explicit`: the keys set on the command line. Returns the run's
-    `ResolvedLayout` and `FailoverSpec`; raises ConfigError."""
-    from ntp_nemo.config import checks
-    from ntp_nemo.config.data import resolve_data_config
-    from ntp_nemo.config.failover import failover_spec
-    from ntp_nemo.config.layout import resolve_layout
+    before the first starts); `explicit`: the keys set on the command line. Returns the run's `RunSpec`
+    (`resolve`: `cfg` itself is not changed); raises ConfigError."""
+    from ntp_nemo.config.resolve import resolve
     from ntp_nemo.config.targets import check_targets
-    from ntp_nemo.config.validate import check_environment, validate
+    from ntp_nemo.config.validate import check_environment
     from ntp_nemo.resilience.fault_config import validate_fault_config
 
-    checks.require_mandatory(cfg)
-    checks.adjust(cfg)
-    checks.follow_mesh(cfg, explicit)  # a recipe's replica_tp that a mesh override no longer fits
-    resolve_data_config(cfg, explicit)  # the tokenizer sizes model.vocab_size (unless given)
-    validate(cfg)  # before any heavy import: a bad value answers in well under a second
-    failover = failover_spec(cfg)  # what failover reads
-    validate_fault_config(failover)  # the `fault` group too (no torch, no Lightning)
+    spec = resolve(cfg, explicit)  # before any heavy import: a bad value answers in well under a second
+    validate_fault_config(spec.failover)  # the `fault` group too (no torch, no Lightning)
     check_environment(cfg)
-    layout = resolve_layout(cfg)  # once: the supervisor, the strategy and every rank take this value
-    checks.check_batch_split(layout, int(cfg.data.micro_batch_size))
-    checks.warn_no_ops(cfg, layout)
     check_targets(cfg)  # imports the callbacks' and loggers' modules: last, before any data is read
-    return layout, failover
+    return spec
+
+
+def _explicit() -> set[str]:
+    """The keys this command set on its command line (a sweep job's own)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from ntp_nemo.config.data import explicit_keys
+
+    return explicit_keys(HydraConfig.get().overrides.task if HydraConfig.initialized() else [])
 
 
 def _resolve(cfg: DictConfig, run_dir: Path) -> tuple[RunSpec, Path | None]:
     """Check the config, resolve it into the run's RunSpec (once) and find the checkpoint to resume
     from; records the config in the run directory once it is valid."""
-    from hydra.core.hydra_config import HydraConfig
-
     from ntp_nemo.config import checks
-    from ntp_nemo.config.data import explicit_keys
-    from ntp_nemo.config.resolve import resolve
 
-    overrides = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
-    layout, failover = check_config(cfg, explicit_keys(overrides))
+    spec = check_config(cfg, _explicit())
     from ntp_nemo.launch.cluster import slurm_batch_without_srun
 
     if slurm_batch_without_srun():
@@ -306,13 +299,12 @@ def _resolve(cfg: DictConfig, run_dir: Path) -> tuple[RunSpec, Path | None]:
         if note:
             say(note, flush=True)
     if ckpt_path is not None:
-        checks.check_resume_model(cfg, ckpt_path)
-    spec = resolve(cfg, layout, failover)
+        checks.check_resume_model(spec.model, ckpt_path)
     run_dir.mkdir(parents=True, exist_ok=True)
     if launcher_rank() == 0:
         from ntp_nemo.config.run_dir import save_record
 
-        note = save_record(cfg, run_dir)  # only now: a command that fails validation keeps the old record
+        note = save_record(spec, run_dir)  # only now: a command that fails validation keeps the old record
         if note:
             say(note, flush=True)
     return spec, ckpt_path

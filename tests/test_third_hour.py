@@ -19,15 +19,15 @@ def _check(overrides: list[str]):
     from ntp_nemo.train import check_config
 
     cfg = compose(overrides)
-    layout, _ = check_config(cfg, explicit_keys(overrides))
-    return cfg, layout
+    spec = check_config(cfg, explicit_keys(overrides))
+    return spec, spec.layout
 
 
 def test_recipe_replica_tp_follows_a_mesh_override(capfd):
     """`ntp-train -m mesh.tp=1,2` on the default recipe (ntp.replica_tp=[2,1]): job 0 runs both replicas
     at TP 1 (with a note) instead of failing; job 1 keeps the recipe's degraded replica."""
-    cfg, layout = _check(["mesh.tp=1"])
-    assert cfg.ntp.replica_tp is None and list(layout.replica_tp) == [1, 1]
+    spec, layout = _check(["mesh.tp=1"])
+    assert spec.ntp.replica_tp is None and list(layout.replica_tp) == [1, 1]
     assert "ntp.replica_tp=null" in capfd.readouterr().err
     _, layout = _check(["mesh.tp=2"])
     assert list(layout.replica_tp) == [2, 1]

@@ -45,19 +45,17 @@ def _settings(overrides: list[str]) -> tuple[int, Timeouts, int, str]:
     from ntp_nemo.config import checks
     from ntp_nemo.config.data import explicit_keys
     from ntp_nemo.config.keys import check_override_keys
-    from ntp_nemo.config.layout import resolve_layout
-    from ntp_nemo.config.validate import validate
+    from ntp_nemo.config.resolve import resolve
     from ntp_nemo.resilience.fault_config import Timeouts
 
     check_override_keys(overrides)
     cfg = _compose_training([o for o in overrides if not o.lstrip("+~").startswith("hydra")])
-    checks.require_mandatory(cfg)
-    checks.adjust(cfg)
-    checks.follow_mesh(cfg, explicit_keys(overrides))  # as the tasks do: the same world size
-    validate(cfg)  # a bad value stops the coordinator as it stops the tasks (exit 2)
-    layout = resolve_layout(cfg)
-    timeouts = Timeouts.from_config(cfg.fault)
-    return layout.world_size, timeouts, int(cfg.trainer.max_steps), str(cfg.checkpoint.dir)
+    checks.require_mandatory(cfg)  # the data keys too: the tasks need them
+    # As the tasks resolve it (the same world size), without reading the data: a bad value stops the
+    # coordinator as it stops the tasks (exit 2).
+    spec = resolve(cfg, explicit_keys(overrides), reads_data=False)
+    timeouts = Timeouts.from_config(spec.failover.fault)
+    return spec.layout.world_size, timeouts, spec.trainer.max_steps, spec.checkpoint.dir
 
 
 def _run_dir(overrides: list[str]) -> Path | None:
@@ -92,7 +90,6 @@ def tasks_stop_code(run_dir: Path | None, checkpoint_dir: str, since: float) -> 
     from ntp_nemo.train import stop_exit
 
     return stop_exit(summary, run_dir / checkpoint_dir)
-
 
 
 def _raise_open_files() -> None:

@@ -7,6 +7,7 @@ checkpoint that matches the model.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ntp_nemo.errors import ConfigError
 from ntp_nemo.models import families
+from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.planner.shapes import SIZE_FIELDS
 from ntp_nemo.topology.layout import ResolvedLayout
 
@@ -25,12 +27,15 @@ def warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
-def require_mandatory(cfg: DictConfig) -> None:
+def require_mandatory(cfg: DictConfig, reads_data: bool = True) -> None:
     """Keys the chosen recipe marks `???` must be given (Hydra's merge keeps the group's default
-    under a `???`, so the recipe file itself is the reference)."""
+    under a `???`, so the recipe file itself is the reference); `reads_data` False: not the `data`
+    keys (the dry run and the coordinator read no data)."""
     from ntp_nemo.config.register import mandatory_keys
 
     for key in mandatory_keys(str(cfg.recipe)):
+        if not reads_data and key.startswith("data."):
+            continue
         value = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
         if value is None or value == "???":
             raise ConfigError(
@@ -149,8 +154,8 @@ def check_outputs(cfg: DictConfig, run_dir: Path) -> None:
         require_writable(run_dir / str(cfg.checkpoint.dir), "checkpoint.dir")
 
 
-def check_resume_model(cfg: DictConfig, ckpt: Path) -> None:
-    """The checkpoint's model must have the configured parameter shapes (any layout is fine)."""
+def check_resume_model(model_cfg: ModelConfig, ckpt: Path) -> None:
+    """The checkpoint's model must have the resolved model's parameter shapes (any layout is fine)."""
     from ntp_nemo.checkpoint.sharded import read_meta
 
     try:
@@ -158,7 +163,7 @@ def check_resume_model(cfg: DictConfig, ckpt: Path) -> None:
     except (OSError, RuntimeError, EOFError):
         return  # validity was checked from the manifest already; nothing more to compare
     saved = (meta.get("extra") or {}).get("model_config") or {}
-    model = OmegaConf.to_container(cfg.model, resolve=True)
+    model = dataclasses.asdict(model_cfg)
     if model.get("init_from"):
         return  # sizes come from the Hugging Face directory; compared when the weights load
     fields = SHAPE_FIELDS

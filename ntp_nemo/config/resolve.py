@@ -1,21 +1,32 @@
-"""`resolve(cfg) -> RunSpec`: the validated config turned, once at the entry point, into the plain value
-everything below the entry point takes (the model, the one `ResolvedLayout`, the data, optimizer,
-trainer, checkpoint, NTP, quantisation and failover settings, the callbacks and loggers to build).
-Nothing below the entry point receives a `DictConfig`.
+"""`resolve(cfg) -> RunSpec`: the composed config turned, once at each entry point (`ntp-train` and each
+job of a sweep, the dry run, `ntp-coordinator`), into the plain value everything below the entry point
+takes (the model, the one `ResolvedLayout`, the data, optimizer, trainer, checkpoint, NTP, quantisation
+and failover settings, the callbacks and loggers to build).  Nothing below the entry point receives a
+`DictConfig`.
+
+`resolve` is pure: the composed config is never changed.  The values derived from it (a warmup clamped
+to the run, a recipe's `ntp.replica_tp` following a `mesh.tp` given on the command line, the tokenizer
+and `model.vocab_size` chosen from the data) live in the `RunSpec` only, which is sealed all the way down
+(`ntp_nemo.sealed`: tuples, frozen mappings, dataclasses that refuse assignment).  The run directory
+records it (`run_spec.json`, `RunSpec.to_dict`), and `ntp-export` reads the model from that record.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import InterpolationResolutionError
 
 from ntp_nemo.config.failover import FailoverSpec
 from ntp_nemo.config.schema import CheckpointConfig, DataConfig, NTPConfig, OptimConfig, TrainerConfig
 from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.quant.config import QuantConfig
+from ntp_nemo.sealed import frozen, seal
 from ntp_nemo.topology.layout import ResolvedLayout
 
 T = TypeVar("T")
@@ -38,6 +49,7 @@ class RunSpec:
     failover: FailoverSpec
     callbacks: tuple[dict[str, Any], ...]  # `_target_` specs, instantiated by the trainer factory
     loggers: tuple[dict[str, Any], ...]
+    record: str = ""  # the composed config with the derived values, as YAML: `.hydra/config.yaml`
 
     @property
     def num_microbatches(self) -> int:
@@ -46,6 +58,23 @@ class RunSpec:
     def optim_options(self) -> dict[str, Any]:
         """The optimizer keys as `assemble` takes them."""
         return dataclasses.asdict(self.optim)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved run as plain JSON values (`run_spec.json` of the run directory)."""
+        out = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)
+               if f.name not in ("layout", "record")}
+        out["layout"] = self.layout.to_dict()
+        return out
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 def _typed(node: Any, cls: type[T]) -> T:
@@ -58,33 +87,67 @@ def _typed(node: Any, cls: type[T]) -> T:
 
 
 def _specs(group: Any) -> tuple[dict[str, Any], ...]:
+    """The `_target_` specs of a group, interpolations resolved; outside a Hydra run (the coordinator,
+    `ntp-plan`), where nothing builds a callback or logger, a `${hydra:...}` path stays as written."""
     if not group:
         return ()
-    return tuple(OmegaConf.to_container(c, resolve=True) for c in group.values() if c is not None)
+    try:
+        return tuple(OmegaConf.to_container(c, resolve=True) for c in group.values() if c is not None)
+    except InterpolationResolutionError:
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.initialized():
+            raise
+        return tuple(OmegaConf.to_container(c, resolve=False) for c in group.values() if c is not None)
 
 
-def resolve(cfg: DictConfig, layout: ResolvedLayout | None = None,
-            failover: FailoverSpec | None = None) -> RunSpec:
-    """The RunSpec of a validated config; `layout` and `failover` when already resolved from it."""
+def resolve(cfg: DictConfig, explicit: Collection[str] = (), *, reads_data: bool = True) -> RunSpec:
+    """The RunSpec of the composed config `cfg`, after every value check (`ConfigError` on bad input);
+    `cfg` itself is not changed.  `explicit`: the keys set on the command line (a recipe's replica
+    degrees follow a mesh given there; a `model.vocab_size` given there is checked against the
+    tokenizer).  `reads_data=False` (the dry run, the coordinator): the data files are neither required
+    nor read, and `model.vocab_size` is taken as given."""
+    from ntp_nemo.config import checks
+    from ntp_nemo.config.data import resolve_data_config
     from ntp_nemo.config.failover import failover_spec
     from ntp_nemo.config.layout import resolve_layout
     from ntp_nemo.config.model import model_config
+    from ntp_nemo.config.validate import validate
 
-    return RunSpec(
-        recipe=str(cfg.recipe),
-        seed=int(cfg.seed),
-        model=model_config(cfg.model),
-        layout=layout if layout is not None else resolve_layout(cfg),
-        data=_typed(cfg.data, DataConfig),
-        optim=_typed(cfg.optim, OptimConfig),
-        trainer=_typed(cfg.trainer, TrainerConfig),
-        checkpoint=_typed(cfg.checkpoint, CheckpointConfig),
-        ntp=_typed(cfg.ntp, NTPConfig),
-        quant=_typed(cfg.quant, QuantConfig),
-        failover=failover if failover is not None else failover_spec(cfg),
-        callbacks=_specs(cfg.get("callbacks")),
-        loggers=_specs(cfg.get("logger")),
+    work = copy.deepcopy(cfg)  # what is derived goes here, then into the RunSpec
+    OmegaConf.set_readonly(work, False)
+    explicit = set(explicit)
+    if not reads_data:
+        with open_dict(work):
+            for key in ("path", "blend", "val_path"):
+                if key in work.data:
+                    work.data[key] = None
+    checks.require_mandatory(work, reads_data)
+    checks.adjust(work)
+    checks.follow_mesh(work, explicit)  # a recipe's replica_tp that a mesh override no longer fits
+    if reads_data:
+        resolve_data_config(work, explicit)  # the tokenizer sizes model.vocab_size (unless given)
+    validate(work)
+    layout = resolve_layout(work)  # once: the supervisor, the strategy and every rank take this value
+    checks.check_batch_split(layout, int(work.data.micro_batch_size))
+    checks.warn_no_ops(work, layout)
+    spec = RunSpec(
+        recipe=str(work.recipe),
+        seed=int(work.seed),
+        model=model_config(work.model),
+        layout=layout,
+        data=_typed(work.data, DataConfig),
+        optim=_typed(work.optim, OptimConfig),
+        trainer=_typed(work.trainer, TrainerConfig),
+        checkpoint=_typed(work.checkpoint, CheckpointConfig),
+        ntp=_typed(work.ntp, NTPConfig),
+        quant=_typed(work.quant, QuantConfig),
+        failover=failover_spec(work),
+        callbacks=frozen(_specs(work.get("callbacks"))),
+        loggers=frozen(_specs(work.get("logger"))),
+        record=OmegaConf.to_yaml(work),
     )
+    return seal(spec)
 
 
 __all__ = ["RunSpec", "resolve"]

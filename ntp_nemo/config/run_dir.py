@@ -12,12 +12,15 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from ntp_nemo.errors import EXIT_CONFIG, ConfigError, report_config_error
+
+if TYPE_CHECKING:
+    from ntp_nemo.config.resolve import RunSpec
 
 RECORD_DIR = ".hydra"
 LOG_NAMES = ("train.log",)
@@ -88,37 +91,43 @@ def check_run_dir_overrides(argv: list[str]) -> list[Path]:
     return created
 
 
-def save_record(cfg: DictConfig, run_dir: Path) -> str | None:
-    """Write `.hydra/{config,hydra,overrides}.yaml` as Hydra does (called once the config is valid).
+def save_record(spec: RunSpec, run_dir: Path) -> str | None:
+    """Write `.hydra/{config,hydra,overrides}.yaml` as Hydra does (called once the config is valid), the
+    config with its derived values (`spec.record`), and `.hydra/run_spec.json`, the resolved run.
 
     A record of another config already there (the run directory continued with other settings, e.g.
     a new layout) is kept as `.hydra/previous/N/`; returns a sentence saying so, else None."""
+    import json
+
     from hydra.core.hydra_config import HydraConfig
+
+    from ntp_nemo.checkpoint.run_record import RUN_SPEC  # the resolved run's record, as export reads it
 
     out = Path(run_dir) / RECORD_DIR
     out.mkdir(parents=True, exist_ok=True)
     note = None
     old = out / "config.yaml"
-    if old.is_file() and old.read_text() != OmegaConf.to_yaml(cfg):
+    if old.is_file() and old.read_text() != spec.record:
         n = 1
         while (out / "previous" / str(n)).exists():
             n += 1
         keep = out / "previous" / str(n)
         keep.mkdir(parents=True)
-        for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
+        for name in ("config.yaml", "hydra.yaml", "overrides.yaml", RUN_SPEC):
             if (out / name).is_file():
                 shutil.copy2(out / name, keep / name)
         note = (f"this run directory was started with another config; its record is kept in "
                 f"{keep.relative_to(run_dir)}/ and .hydra/config.yaml now holds this command's")
     hydra_cfg = HydraConfig.get()
     files = {
-        "config.yaml": cfg,
-        "hydra.yaml": OmegaConf.create({"hydra": hydra_cfg}),
-        "overrides.yaml": hydra_cfg.overrides.task,
+        "config.yaml": spec.record,
+        "hydra.yaml": OmegaConf.to_yaml(OmegaConf.create({"hydra": hydra_cfg})),
+        "overrides.yaml": OmegaConf.to_yaml(hydra_cfg.overrides.task),
+        RUN_SPEC: json.dumps(spec.to_dict(), indent=1) + "\n",
     }
-    for name, node in files.items():
+    for name, text in files.items():
         tmp = out / f".{name}.tmp"
-        tmp.write_text(OmegaConf.to_yaml(node))
+        tmp.write_text(text)
         os.replace(tmp, out / name)
     return note
 

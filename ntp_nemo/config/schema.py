@@ -11,19 +11,20 @@ from typing import Any
 
 from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.quant.config import QuantConfig
+from ntp_nemo.sealed import Sealable
 
 __all__ = ["ModelConfig", "RootConfig"]
 
 
 @dataclass
-class MeshConfig:
+class MeshConfig(Sealable):
     dp: int = 1  # DP replicas
     tp: int = 1  # nominal (healthy) TP degree
     pp: int = 1  # pipeline stages per replica
 
 
 @dataclass
-class NTPConfig:
+class NTPConfig(Sealable):
     replica_tp: list[int] | None = None  # active TP ranks per replica; None = all at mesh.tp
     power_boost: Any = None  # float or per-replica list; NTP-PW capacity multiplier of degraded replicas
     min_replica_tp: int = 1
@@ -46,7 +47,7 @@ class NTPConfig:
 
 
 @dataclass
-class LayoutConfig:
+class LayoutConfig(Sealable):
     layer_tp: Any = None  # None | int | list (embedding, each layer, head) | compact pattern string | "auto"
     stage_layers: list[int] | None = None  # explicit layers per pipeline stage
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
@@ -54,7 +55,7 @@ class LayoutConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Sealable):
     path: str | None = None  # None = embedded corpus; text file/dir or pre-tokenised .bin
     # byte | bpe | tokenizer.json | HF dir; None = init_from's tokenizer.json, else the token file's own
     tokenizer: str | None = None
@@ -70,7 +71,7 @@ class DataConfig:
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(Sealable):
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
@@ -83,7 +84,7 @@ class OptimConfig:
 
 
 @dataclass
-class TrainerConfig:
+class TrainerConfig(Sealable):
     max_steps: int = 200
     stop_at_step: int | None = (
         None  # end this invocation early (checkpoint saved); schedules still use max_steps
@@ -102,7 +103,7 @@ class TrainerConfig:
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(Sealable):
     every_n_steps: int = 50
     keep_last: int = 2
     save_on_end: bool = True
@@ -111,7 +112,7 @@ class CheckpointConfig:
 
 
 @dataclass
-class FaultSpec:
+class FaultSpec(Sealable):
     """One injected fault (see ntp_nemo.resilience.faults); unset step/rank are drawn from `seed`."""
 
     kind: str = "kill_rank"  # kill_rank | hang | slow | kill_during_save | corrupt_checkpoint
@@ -123,7 +124,7 @@ class FaultSpec:
 
 
 @dataclass
-class FaultConfig:
+class FaultConfig(Sealable):
     kind: str = "none"  # none | kill_rank | hang | slow | kill_during_save | corrupt_checkpoint
     rank: int | None = None
     step: int | None = None
@@ -143,7 +144,7 @@ class FaultConfig:
 
 
 @dataclass
-class RootConfig:
+class RootConfig(Sealable):
     recipe: str = "gpt_tiny"
     seed: int = 1234
     resume: str = "auto"  # auto | never | PATH

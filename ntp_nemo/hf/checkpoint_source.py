@@ -4,7 +4,9 @@ An exporter needs each parameter whole, but never the whole model twice: `Checkp
 reads only the requested logical tensors (every stored chunk of them, whatever layout wrote the
 checkpoint) into fresh buffers through the checkpoint package's DCP reader.  The model config
 comes from the checkpoint's `extra["model_config"]` when the run recorded it, else from the run
-directory's Hydra record (`.hydra/config.yaml`), resolved through `model.init_from` like the run.
+directory's record of the resolved run (`.hydra/run_spec.json`, `checkpoint/run_record.py`), else (a run
+directory written before that record existed) from its Hydra record (`.hydra/config.yaml`), resolved
+through `model.init_from` like the run.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ntp_nemo.checkpoint.manifest import (
     invalid_checkpoint_error,
     latest_valid_checkpoint,
 )
+from ntp_nemo.checkpoint.run_record import read_run_spec, run_spec_path
 from ntp_nemo.checkpoint.sharded import META_FILE, read_meta
 from ntp_nemo.checkpoint.state import MODEL_PREFIX
 from ntp_nemo.checkpoint.storage import Chunk, read_chunks, stored_tensors
@@ -54,9 +57,26 @@ def find_checkpoint(path: str | os.PathLike) -> Path:
 
 def _run_dir_of(ckpt: Path) -> Path | None:
     for d in (ckpt.parent.parent, ckpt.parent, ckpt):
-        if (d / ".hydra" / "config.yaml").is_file():
+        if run_spec_path(d).is_file() or (d / ".hydra" / "config.yaml").is_file():
             return d
     return None
+
+
+def run_record(ckpt: Path, group: str) -> dict | None:
+    """Group `group` (`model`, `data`) of the run that wrote `ckpt`: from its resolved record
+    (`run_spec.json`, derived values included), else its `.hydra/config.yaml`; None without either."""
+    run_dir = _run_dir_of(ckpt)
+    if run_dir is None:
+        return None
+    spec = read_run_spec(run_dir, key=ARG)
+    if spec is not None:
+        value = spec.get(group)
+        return value if isinstance(value, dict) else {}
+    from omegaconf import OmegaConf
+
+    value = OmegaConf.to_container(OmegaConf.load(run_dir / ".hydra" / "config.yaml").get(group, {}),
+                                   resolve=True)
+    return value if isinstance(value, dict) else {}
 
 
 def _model_config_from(fields: dict) -> ModelConfig:
@@ -70,14 +90,12 @@ def checkpoint_model_config(ckpt: Path) -> ModelConfig:
         extra = read_meta(ckpt, key=ARG).get("extra") or {}  # weights_only; a pickled object: exit 2
         if isinstance(extra.get("model_config"), dict):
             return _model_config_from(extra["model_config"])
-    run_dir = _run_dir_of(ckpt)
-    if run_dir is None:
+    model = run_record(ckpt, "model")
+    if model is None:
         raise ConfigError(ARG, f"cannot tell which model {str(ckpt)!r} holds: it records no model config "
-                               "and no run directory with .hydra/config.yaml encloses it. Export from inside "
-                               "the run directory the checkpoint was written to.")
-    from omegaconf import OmegaConf
-
-    model = OmegaConf.to_container(OmegaConf.load(run_dir / ".hydra" / "config.yaml").model, resolve=True)
+                               "and no run directory with .hydra/run_spec.json or .hydra/config.yaml "
+                               "encloses it. Export from inside the run directory the checkpoint was "
+                               "written to.")
     cfg = _model_config_from(model)
     if cfg.init_from and Path(cfg.init_from).expanduser().is_dir():
         return resolve_model_config(cfg)

@@ -60,15 +60,12 @@ class RunTokenizer:
 
 
 def run_tokenizer(ckpt: Path) -> RunTokenizer:
-    """From the run's Hydra record: `data.tokenizer` (filled in at start-up), else the token file's own."""
-    from ntp_nemo.hf.checkpoint_source import _run_dir_of
+    """From the run's record: `data.tokenizer` (chosen at start-up), else the token file's own."""
+    from ntp_nemo.hf.checkpoint_source import run_record
 
-    run_dir = _run_dir_of(ckpt)
-    if run_dir is None:
+    data = run_record(ckpt, "data")
+    if data is None:
         return RunTokenizer(None)
-    from omegaconf import OmegaConf
-
-    data = OmegaConf.load(run_dir / ".hydra" / "config.yaml").get("data", {})
     eos_token = data.get("eos_token") or None
     if data.get("tokenizer"):
         return RunTokenizer(str(data.get("tokenizer")), eos_token)

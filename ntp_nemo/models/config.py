@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ntp_nemo.sealed import Sealable
+
 
 @dataclass
-class ModelConfig:
+class ModelConfig(Sealable):
     _target_: str = "ntp_nemo.models.build_model"
     arch: str = "gpt2"  # gpt2 (LayerNorm, learned positions, GELU, biases) | llama (RMSNorm, RoPE, SwiGLU)
     name: str = "gpt_tiny"

@@ -11,6 +11,7 @@ import copy
 from dataclasses import dataclass, field
 
 from ntp_nemo.errors import ConfigError
+from ntp_nemo.sealed import Sealable
 
 # format -> modelopt preset; `nvfp4` quantises in dynamic blocks of 16 whose kernels need CUDA.
 PRESETS = {"int8": "INT8_DEFAULT_CFG", "fp8": "FP8_DEFAULT_CFG", "nvfp4": "NVFP4_DEFAULT_CFG"}
@@ -19,7 +20,7 @@ CUDA_ONLY = ("nvfp4",)
 
 
 @dataclass
-class QuantConfig:
+class QuantConfig(Sealable):
     """Quantisation-aware training settings (`quant=int8`, `quant.calib_batches=8`, ...)."""
 
     _target_: str = "ntp_nemo.lightning.qat.QuantizationCallback"
