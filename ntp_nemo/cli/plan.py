@@ -32,7 +32,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -45,6 +45,9 @@ from ntp_nemo.errors import ConfigError, cli_main
 from ntp_nemo.models import families
 from ntp_nemo.planner.plan import Plan, Ranking, rank_layouts, run_length
 from ntp_nemo.planner.shapes import DeviceModel, LinkModel, ModelShape
+
+if TYPE_CHECKING:
+    from ntp_nemo.config.resolve import RunSpec
 
 CONFIG_DIR = conf_dir() / "sim"
 USAGE = __doc__
@@ -93,25 +96,23 @@ def _compose_training(overrides: list[str]) -> DictConfig:
         GlobalHydra.instance().clear()
 
 
-def _training_defaults(cfg: DictConfig) -> list[str]:
-    """Plan overrides taking a training config's mesh, replicas, data shape and memory options."""
-    rtp = cfg.ntp.get("replica_tp")
-    pb = cfg.ntp.get("power_boost")
-    model = cfg.model
+def _training_defaults(spec: RunSpec) -> list[str]:
+    """Plan overrides taking a resolved training run's mesh, replicas, data shape and memory options."""
+    rtp, pb, layout = spec.ntp.replica_tp, spec.ntp.power_boost, spec.layout
     return [
-        f"mesh.tp={cfg.mesh.tp}",
-        f"mesh.pp={cfg.mesh.pp}",
-        f"mesh.dp={cfg.mesh.dp}",
+        f"mesh.tp={layout.tp}",
+        f"mesh.pp={layout.pp}",
+        f"mesh.dp={len(layout.replica_tp)}",
         f"ntp.replica_tp={list(rtp) if rtp is not None else 'null'}",
-        f"data.seq_len={cfg.data.seq_len}",
-        f"data.micro_batch_size={cfg.data.micro_batch_size}",
-        f"data.global_batch_size={cfg.data.global_batch_size}",
-        f"ntp.power_boost={list(pb) if OmegaConf.is_list(pb) else ('null' if pb is None else pb)}",
-        f"ntp.capacity={cfg.ntp.get('capacity', 'ranks')}",
-        f"ntp.shard_align={cfg.ntp.get('shard_align', 1)}",
-        f"recompute={str(model.get('recompute', 'none')) == 'full'}".lower(),
-        f"distributed_optimizer={bool(cfg.get('optim', {}).get('distributed', False))}".lower(),
-        f"sequence_parallel={bool(cfg.ntp.get('sequence_parallel', False))}".lower(),
+        f"data.seq_len={spec.data.seq_len}",
+        f"data.micro_batch_size={spec.data.micro_batch_size}",
+        f"data.global_batch_size={spec.data.global_batch_size}",
+        f"ntp.power_boost={list(pb) if isinstance(pb, tuple) else ('null' if pb is None else pb)}",
+        f"ntp.capacity={spec.ntp.capacity}",
+        f"ntp.shard_align={spec.ntp.shard_align}",
+        f"recompute={spec.model.recompute == 'full'}".lower(),
+        f"distributed_optimizer={bool(spec.optim.distributed)}".lower(),
+        f"sequence_parallel={bool(spec.ntp.sequence_parallel)}".lower(),
     ]
 
 
@@ -155,31 +156,20 @@ def training_overrides(argv: Sequence[str]) -> tuple[list[str], DictConfig | Non
         train = _compose_training(train_args)
         select = " ".join(f"{k}={selected[k]}" for k in ("recipe", "model") if k in selected)
         training_keys = ("recipe", "model")
-    pre = _training_defaults(train)
+    spec = _resolved(train)
+    pre = _training_defaults(spec)
     if ({"mesh.tp", "mesh.dp"} & given) and "ntp.replica_tp" not in given:
         pre = [p for p in pre if not p.startswith("ntp.replica_tp=")]  # the given mesh's healthy replicas
     rest = [a for k, _, a in pairs if k not in training_keys and not k.startswith("model.")]
-    return pre + rest, _model_of(train), select
+    return pre + rest, OmegaConf.structured(spec.model), select
 
 
-def _model_of(train: DictConfig) -> DictConfig:
-    """The training model with the schema's defaults, sizes read from `model.init_from` if set."""
-    import dataclasses
+def _resolved(train: DictConfig) -> RunSpec:
+    """The training run as `ntp-train` resolves it (`resolve`, without reading its data): the model
+    with `model.init_from`'s sizes, the recipe's layout and batch."""
+    from ntp_nemo.config.resolve import resolve
 
-    from ntp_nemo.models.config import ModelConfig
-
-    model = train.model
-    if OmegaConf.is_missing(model, "init_from"):
-        raise ConfigError("model.init_from", "this recipe starts from a Hugging Face model directory; pass "
-                          "model.init_from=DIR to ntp-plan too (the planner reads its config.json).")
-    fields = dataclasses.fields(ModelConfig)
-    defaults = {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
-    merged = OmegaConf.merge(OmegaConf.create(defaults), model)
-    if merged.get("init_from"):
-        from ntp_nemo.config.model import model_config
-
-        merged = OmegaConf.structured(model_config(merged))
-    return merged
+    return resolve(train, reads_data=False)  # a recipe's `model.init_from=???` is asked for here
 
 
 def _options(cfg: DictConfig, show_all: bool) -> tuple[int | None, bool]:
