@@ -55,7 +55,7 @@ from ntp_nemo.checkpoint.storage import Chunk
 from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.runtime.assemble import assemble
-from ntp_nemo.runtime.runtime import NTPRuntime
+from ntp_nemo.runtime.runtime import RankPlace
 from ntp_nemo.topology import ResolvedLayout, Topology
 
 # The optimizer's hyperparameters change nothing this bench measures: its ranks are assembled with these.
@@ -65,7 +65,7 @@ MB = 1e6
 
 
 def _model_and_optimizer(rank: int, layout: tuple, cfg: ModelConfig):
-    model = NTPRuntime(ResolvedLayout.make(Topology(*layout)), rank).build_model(cfg, seed=0)
+    model = RankPlace(ResolvedLayout.make(Topology(*layout)), rank).build_model(cfg, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for p in model.parameters():  # one step so the optimizer holds its moments
         p.grad = torch.randn_like(p)

@@ -47,7 +47,7 @@ import torch
 from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.parallel.grad_sync import build_sync_plan, build_sync_plans, param_descriptors
 from ntp_nemo.runtime.dry_run import StepShape, dry_run, fake_world
-from ntp_nemo.runtime.runtime import NTPRuntime
+from ntp_nemo.runtime.runtime import RankPlace
 from ntp_nemo.topology import ResolvedLayout, Topology
 
 LLAMA3_8B = ModelConfig(arch="llama", name="llama3_8b", vocab_size=128256, hidden_size=4096, num_layers=32,
@@ -146,7 +146,7 @@ def main() -> None:
             sig = (topo.replica_tp[c.replica], c.stage, c.slot)
             if sig not in desc:
                 with fake_world(r, big.world_size):
-                    desc[sig] = param_descriptors(NTPRuntime(big, r, device="meta").build_model(LLAMA3_8B, 0))
+                    desc[sig] = param_descriptors(RankPlace(big, r, device="meta").build_model(LLAMA3_8B, 0))
         everyone = [desc[(topo.replica_tp[c.replica], c.stage, c.slot)] for c in topo.coords]
         replica_of = [c.replica for c in topo.coords]
         plans, aw, ac = timed(lambda: build_sync_plans(everyone, replica_of))

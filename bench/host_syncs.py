@@ -153,11 +153,11 @@ class _Optimizer:
 
 def _descriptors(layout, cfg: ModelConfig) -> list[dict]:
     from ntp_nemo.parallel.grad_sync import param_descriptors
-    from ntp_nemo.runtime.runtime import NTPRuntime
+    from ntp_nemo.runtime.runtime import RankPlace
 
     out = []
     for rank in range(layout.world_size):
-        rt = NTPRuntime(layout, rank, device="meta")
+        rt = RankPlace(layout, rank, device="meta")
         out.append(param_descriptors(rt.build_model(cfg, seed=0)))
     return out
 

@@ -236,13 +236,13 @@ def stored_input_attacks(work: Path) -> list[tuple[str, object]]:
     from ntp_nemo.data.tokens import open_token_file, sidecar_path, write_token_file
     from ntp_nemo.errors import ConfigError
     from ntp_nemo.models.config import ModelConfig
-    from ntp_nemo.runtime.runtime import NTPRuntime
+    from ntp_nemo.runtime.runtime import RankPlace
     from ntp_nemo.topology import ResolvedLayout, Topology
 
     work.mkdir(parents=True, exist_ok=True)
     cfg = ModelConfig(arch="gpt2", vocab_size=67, hidden_size=40, num_layers=2, num_heads=5,
                       ffn_hidden_size=84, max_seq_len=16, tie_embeddings=True)
-    model = NTPRuntime(ResolvedLayout.make(Topology(1, [1], [1] * 4)), 0).build_model(cfg, 1234)
+    model = RankPlace(ResolvedLayout.make(Topology(1, [1], [1] * 4)), 0).build_model(cfg, 1234)
     pristine = work / "pristine"
     for step in (1, 2):
         save_checkpoint(pristine / checkpoint_name(step), model, None, {"n": step}, step=step)

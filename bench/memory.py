@@ -51,7 +51,7 @@ from ntp_nemo.models import build_model
 from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.pipeline.engine import ActivationMeter
 from ntp_nemo.runtime.assemble import assemble
-from ntp_nemo.runtime.runtime import NTPRuntime
+from ntp_nemo.runtime.runtime import RankPlace
 from ntp_nemo.runtime.step import train_step
 from ntp_nemo.topology import ResolvedLayout, Topology
 
@@ -219,7 +219,7 @@ def sp_worker(rank: int, world: int, cfg: ModelConfig, replica_tp: list[int], mb
     tokens = torch.randint(0, cfg.vocab_size, (mbs, seq + 1), generator=gen)
     out = {"degree": replica_tp[topo.coord(rank).replica]}
     for sp in (False, True):
-        rt = NTPRuntime(ResolvedLayout.make(topo, sequence_parallel=sp), rank)
+        rt = RankPlace(ResolvedLayout.make(topo, sequence_parallel=sp), rank)
         model = rt.build_model(cfg, 0)
         model._rope(torch.empty(0))
         meter = _HiddenMeter(cfg.hidden_size)

@@ -17,7 +17,7 @@ from ntp_nemo.models import families
 from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.planner.cost import item_cost, item_kinds
 from ntp_nemo.planner.shapes import DeviceModel, LinkModel
-from ntp_nemo.runtime.runtime import NTPRuntime
+from ntp_nemo.runtime.runtime import RankPlace
 from ntp_nemo.topology import ResolvedLayout, Topology, effective_degree
 
 MB, SEQ = 2, 32
@@ -40,7 +40,7 @@ def model_config(arch: str) -> ModelConfig:
 def worker(rank: int, world: int, arch: str, layer_tp: list[int], replica_tp: list[int]) -> dict:
     torch.set_num_threads(1)
     topo = Topology(tp=max(replica_tp), replica_tp=replica_tp, layer_tp=layer_tp)
-    rt = NTPRuntime(ResolvedLayout.make(topo), rank)
+    rt = RankPlace(ResolvedLayout.make(topo), rank)
     model = rt.build_model(model_config(arch), seed=0)
     counts = {"bytes": 0, "calls": 0}
     original = dist.all_reduce

@@ -16,7 +16,7 @@ import torch
 import ntp_nemo.runtime.step as one_step
 from ntp_nemo.parallel.step_path import GradientPath
 from ntp_nemo.runtime.assemble import RankState, assemble
-from ntp_nemo.runtime.runtime import NTPRuntime
+from ntp_nemo.runtime.runtime import RankPlace
 from ntp_nemo.schedules import warmup_cosine
 from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.ntp_cases import GLOBAL_BATCH, SEED, SEQ
@@ -60,7 +60,7 @@ class Run:
         return self.state.grad_path
 
 
-def setup(rt: NTPRuntime, cfg, recompute: str = "none", distributed: bool = False, overlap: bool = False,
+def setup(rt: RankPlace, cfg, recompute: str = "none", distributed: bool = False, overlap: bool = False,
           *, bucket_mb: float = BUCKET_MB, dtype: torch.dtype = torch.float32) -> Run:
     """Rank `rt.rank`'s state on `rt.layout`, assembled as a run assembles it, and its LR schedule."""
     state = assemble(rt.layout, rt.rank, dataclasses.replace(cfg, recompute=recompute),
@@ -70,7 +70,7 @@ def setup(rt: NTPRuntime, cfg, recompute: str = "none", distributed: bool = Fals
     return Run(state, sched)
 
 
-def run_steps(rt: NTPRuntime, run: Run, cfg, start: int, stop: int) -> tuple[list[float], list[float]]:
+def run_steps(rt: RankPlace, run: Run, cfg, start: int, stop: int) -> tuple[list[float], list[float]]:
     """Optimizer steps `start..stop-1` (each on its own global batch) through `train_step`; per-step loss
     and grad norm (before clipping)."""
     losses, norms = [], []
@@ -90,7 +90,7 @@ def options_worker(rank: int, world: int, cfg, tp: int, replica_tp: list[int], p
     """Per variant: worst relative loss difference and worst absolute parameter difference against the
     first variant (the baseline), plus the baseline's grad norms (to see that clipping was active)."""
     topo = Topology(tp, replica_tp, [tp] * (cfg.num_layers + 2), pp=pp, stage_layers=stage_layers)
-    rt = NTPRuntime(ResolvedLayout.make(topo), rank)
+    rt = RankPlace(ResolvedLayout.make(topo), rank)
     base = None
     out: dict = {}
     for name in variants:

@@ -32,7 +32,7 @@ from ntp_nemo.checkpoint import (
 from ntp_nemo.checkpoint.manifest import CORRUPT_MARKER, file_digest, mark_corrupt
 from ntp_nemo.checkpoint.storage import Index, read_chunks
 from ntp_nemo.errors import ConfigError
-from ntp_nemo.runtime.runtime import NTPRuntime
+from ntp_nemo.runtime.runtime import RankPlace
 from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.ntp_cases import GPT, SEED
 
@@ -40,7 +40,7 @@ SINGLE = (1, [1], [1] * 4)
 
 
 def _model():
-    return NTPRuntime(ResolvedLayout.make(Topology(*SINGLE)), 0).build_model(GPT, SEED)
+    return RankPlace(ResolvedLayout.make(Topology(*SINGLE)), 0).build_model(GPT, SEED)
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from ntp_nemo.checkpoint import (
 )
 from ntp_nemo.checkpoint.storage import Index
 from ntp_nemo.launch.workers import run_workers
-from ntp_nemo.runtime.runtime import NTPRuntime
+from ntp_nemo.runtime.runtime import RankPlace
 from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.ntp_cases import GPT, SEED
 
@@ -39,7 +39,7 @@ TP3 = (3, [3], [3] * 4)
 
 
 def _model_opt(rank: int, layout, seed: int = SEED):
-    model = NTPRuntime(ResolvedLayout.make(Topology(*layout)), rank).build_model(GPT, seed)
+    model = RankPlace(ResolvedLayout.make(Topology(*layout)), rank).build_model(GPT, seed)
     return model, torch.optim.AdamW(model.parameters())
 
 

@@ -28,7 +28,7 @@ from ntp_nemo.checkpoint import (
 from ntp_nemo.errors import ConfigError
 from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.models.config import ModelConfig
-from ntp_nemo.runtime.runtime import NTPRuntime
+from ntp_nemo.runtime.runtime import RankPlace
 from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.ntp_cases import GPT, SEED
 
@@ -36,7 +36,7 @@ LAYOUT = (2, [2], [2] * 4)
 
 
 def _model(rank: int, cfg: ModelConfig = GPT, layout=LAYOUT):
-    return NTPRuntime(ResolvedLayout.make(Topology(*layout)), rank).build_model(cfg, SEED)
+    return RankPlace(ResolvedLayout.make(Topology(*layout)), rank).build_model(cfg, SEED)
 
 
 def _save_two(rank, world, directory):

@@ -171,14 +171,14 @@ def _supervised_run(tmp_path, first_attempt):
     from ntp_nemo.config.failover import failover_spec
     from ntp_nemo.config.layout import resolve_layout
     from ntp_nemo.resilience.supervisor import Supervisor
-    from ntp_nemo.runtime.runtime import NTPRuntime
+    from ntp_nemo.runtime.runtime import RankPlace
     from ntp_nemo.topology import ResolvedLayout, Topology
     from tests.conftest import SINGLE, compose
     from tests.ntp_cases import GPT, SEED
 
     cfg = compose([*TINY, *SINGLE, "trainer.max_steps=4", "checkpoint.every_n_steps=1",
                    "fault.policy=restart"])
-    model = NTPRuntime(ResolvedLayout.make(Topology(1, [1], [1] * 4)), 0).build_model(GPT, SEED)
+    model = RankPlace(ResolvedLayout.make(Topology(1, [1], [1] * 4)), 0).build_model(GPT, SEED)
     run_dir = tmp_path / "run"
     attempts: list[_Attempt] = []
 

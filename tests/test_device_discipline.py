@@ -19,7 +19,7 @@ from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.parallel.grad_sync import build_sync_plan, param_descriptors
 from ntp_nemo.runtime.assemble import assemble
-from ntp_nemo.runtime.runtime import NTPRuntime
+from ntp_nemo.runtime.runtime import NTPRuntime, RankPlace
 from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.ntp_cases import OPTIM
 
@@ -43,7 +43,7 @@ def fake_world():
 
 def _assembled(make_model=None) -> tuple[NTPRuntime, torch.nn.Module]:
     """Rank 0's state on a meta runtime, through `assemble`; `make_model` builds its model slice."""
-    model = (make_model or (lambda rt: rt.build_model(CFG, seed=0)))(NTPRuntime(LAYOUT, 0, device=META))
+    model = (make_model or (lambda rt: rt.build_model(CFG, seed=0)))(RankPlace(LAYOUT, 0, device=META))
     # Every rank's parameter descriptors, from its own meta model (a fake group cannot exchange them).
     descriptors = [param_descriptors(model)] + _others_descriptors()
     plan = build_sync_plan(0, descriptors, [c.replica for c in LAYOUT.topology().coords])
@@ -57,7 +57,7 @@ def _meta_runtime(rank: int = 0) -> tuple[NTPRuntime, torch.nn.Module]:
 
 
 def _others_descriptors() -> list[dict]:
-    return [param_descriptors(NTPRuntime(LAYOUT, r, device=META).build_model(CFG, 0))
+    return [param_descriptors(RankPlace(LAYOUT, r, device=META).build_model(CFG, 0))
             for r in range(1, LAYOUT.world_size)]
 
 
@@ -91,7 +91,7 @@ def test_a_cpu_tensor_reaching_a_collective_of_a_meta_runtime_fails(fake_world):
     # A model left on the CPU under a meta (or GPU) runtime: its gradients are caught by the gradient
     # sync's bucket all-reduce and by the norm, before any collective takes them.
     _meta_step(rt, model)
-    rt, cpu_model = _assembled(lambda _rt: NTPRuntime(LAYOUT, 0).build_model(CFG, seed=0))
+    rt, cpu_model = _assembled(lambda _rt: RankPlace(LAYOUT, 0).build_model(CFG, seed=0))
     for p in cpu_model.parameters():
         p.grad = torch.zeros_like(p)
     with pytest.raises(RuntimeError, match="gradient bucket is on cpu but the runtime's device is meta"):

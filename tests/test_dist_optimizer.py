@@ -15,7 +15,7 @@ import torch
 from ntp_nemo.checkpoint import load, save_checkpoint
 from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.models import build_model
-from ntp_nemo.runtime.runtime import NTPRuntime
+from ntp_nemo.runtime.runtime import RankPlace
 from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.ntp_cases import LLAMA
 from tests.option_cases import CLIP, STEPS, VARIANTS, options_worker, run_steps, setup
@@ -55,7 +55,7 @@ def resume_worker(rank: int, world: int, replica_tp: list[int], distributed: boo
                   save_to: str | None, start: int, stop: int) -> dict:
     """Train steps start..stop-1, resuming from `load_from` (if given), saving to `save_to` at step
     `SAVE_AT`; with `load_from`, also continue a second copy resumed without the optimizer state."""
-    rt = NTPRuntime(ResolvedLayout.make(_topology(replica_tp)), rank)
+    rt = RankPlace(ResolvedLayout.make(_topology(replica_tp)), rank)
     out = {}
     for key, with_optimizer in (("losses", True), ("without_state", False)):
         if key == "without_state" and load_from is None:
@@ -111,7 +111,7 @@ def test_planner_counts_the_sharded_optimizer_state():
 
 
 def low_precision_worker(rank: int, world: int) -> dict:
-    rt = NTPRuntime(ResolvedLayout.make(_topology([2, 1])), rank)
+    rt = RankPlace(ResolvedLayout.make(_topology([2, 1])), rank)
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
         run = setup(rt, LLAMA, distributed=True, dtype=dtype)

@@ -19,7 +19,7 @@ from ntp_nemo.runtime.dry_run import (
     dry_run,
     fake_world,
 )
-from ntp_nemo.runtime.runtime import NTPRuntime
+from ntp_nemo.runtime.runtime import NTPRuntime, RankPlace
 from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.conftest import compose, run_cli
 
@@ -161,7 +161,7 @@ def _descriptors(layout: ResolvedLayout, cfg: ModelConfig) -> list[dict]:
     out = []
     for r in range(layout.world_size):
         with fake_world(r, layout.world_size):
-            out.append(param_descriptors(NTPRuntime(layout, r, device="meta").build_model(cfg, 0)))
+            out.append(param_descriptors(RankPlace(layout, r, device="meta").build_model(cfg, 0)))
     return out
 
 

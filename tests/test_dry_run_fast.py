@@ -18,7 +18,7 @@ from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.parallel.grad_sync import build_sync_plans, param_descriptors
 from ntp_nemo.runtime import dry_run as dr
 from ntp_nemo.runtime.dry_run import MetaKernelCache, StepShape, dry_run, fake_world, option_savings
-from ntp_nemo.runtime.runtime import NTPRuntime
+from ntp_nemo.runtime.runtime import RankPlace
 from ntp_nemo.topology import ResolvedLayout, Topology
 
 # Stages longer than the short builds (2 and 3 layers): 6 layers at PP 1, 10 at PP 2.
@@ -31,7 +31,7 @@ def _plans(layout: ResolvedLayout, cfg: ModelConfig):
     desc = []
     for r in range(layout.world_size):
         with fake_world(r, layout.world_size):
-            desc.append(param_descriptors(NTPRuntime(layout, r, device="meta").build_model(cfg, 0)))
+            desc.append(param_descriptors(RankPlace(layout, r, device="meta").build_model(cfg, 0)))
     return build_sync_plans(desc, [c.replica for c in layout.topology().coords])
 
 
@@ -49,13 +49,13 @@ def test_short_builds_give_the_whole_stage_figures(replica_tp, pp, layers, sp, r
     reference = option_savings(*args, scale_layers=False)
 
     built: list[int] = []
-    build = NTPRuntime.build_model
+    build = RankPlace.build_model
 
     def counted(self, model_cfg, *a, **k):
         built.append(model_cfg.num_layers)
         return build(self, model_cfg, *a, **k)
 
-    monkeypatch.setattr(NTPRuntime, "build_model", counted)
+    monkeypatch.setattr(RankPlace, "build_model", counted)
     fast = option_savings(*args)
     assert fast == reference
     # Both SP settings (no step measurement handed in) and the two other recompute modes each ran on

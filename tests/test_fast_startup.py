@@ -9,13 +9,13 @@ import torch
 import ntp_nemo.models.init as init
 from ntp_nemo.checkpoint.sharded import load, save_checkpoint
 from ntp_nemo.models import build_model
-from ntp_nemo.runtime.runtime import NTPRuntime
+from ntp_nemo.runtime.runtime import RankPlace
 from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.ntp_cases import LLAMA, SEED
 
 
-def _runtime(cfg) -> NTPRuntime:
-    return NTPRuntime(ResolvedLayout.make(Topology(1, [1], [1] * (cfg.num_layers + 2))), 0)
+def _runtime(cfg) -> RankPlace:
+    return RankPlace(ResolvedLayout.make(Topology(1, [1], [1] * (cfg.num_layers + 2))), 0)
 
 
 def test_a_model_built_for_a_checkpoint_draws_nothing_and_takes_the_checkpoints_values(tmp_path, monkeypatch):

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ntp_nemo.launch.workers import run_workers
-from ntp_nemo.runtime.runtime import NTPRuntime
+from ntp_nemo.runtime.runtime import RankPlace
 from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.ntp_cases import GPT, LLAMA, SEED, exactness_worker, tokens
 
@@ -36,7 +36,7 @@ def _one_microbatch(rank: int, world: int, cfg, sp: bool, reducer: bool) -> dict
     torch.set_num_threads(1)
     topology = Topology(world, [world], [world] * (cfg.num_layers + 2))
     layout = ResolvedLayout.make(topology, sequence_parallel=sp)
-    rt = NTPRuntime(layout, rank)
+    rt = RankPlace(layout, rank)
     model = rt.build_model(cfg, SEED, dtype=torch.float64)
     if not reducer:  # the per-parameter path (one all-reduce per replicated parameter)
         for module in model.modules():
@@ -92,7 +92,7 @@ def _wire(rank: int, world: int, cfg, sp: bool, mode: str) -> dict:
     model (what the dry run steps under bf16-mixed)."""
     torch.set_num_threads(1)
     topology = Topology(world, [world], [world] * (cfg.num_layers + 2))
-    rt = NTPRuntime(ResolvedLayout.make(topology, sequence_parallel=sp), rank)
+    rt = RankPlace(ResolvedLayout.make(topology, sequence_parallel=sp), rank)
     model = rt.build_model(cfg, SEED, dtype=torch.bfloat16 if mode == "bf16" else None)
     wire: dict = {}
     for name in COLLECTIVES:
@@ -176,7 +176,7 @@ def test_init_from_draws_no_initial_weights(tmp_path, monkeypatch):
 
     monkeypatch.setattr(init, "slice_init", refuse)
     monkeypatch.setattr(init, "full_init", refuse)
-    rt = NTPRuntime(ResolvedLayout.make(Topology(1, [1], [1] * (cfg.num_layers + 2))), 0)
+    rt = RankPlace(ResolvedLayout.make(Topology(1, [1], [1] * (cfg.num_layers + 2))), 0)
     model = rt.build_model(cfg, SEED)
     from safetensors.torch import load_file
 
@@ -192,7 +192,7 @@ def _after_failed_backward(rank: int, world: int, cfg) -> dict:
     topology = Topology(world, [world], [world] * (cfg.num_layers + 2))
     out = {}
     for fused in (True, False):
-        rt = NTPRuntime(ResolvedLayout.make(topology, sequence_parallel=True), rank)
+        rt = RankPlace(ResolvedLayout.make(topology, sequence_parallel=True), rank)
         model = rt.build_model(cfg, SEED, dtype=torch.float64)
         if not fused:
             for module in model.modules():

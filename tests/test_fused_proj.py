@@ -215,11 +215,11 @@ def test_fused_projections_keep_no_more_activations_than_separate_ones():
 def _mixed_backward_outside_autocast(rank: int, world: int, sp: bool) -> dict:
     """Float32 parameters, forward under bf16 autocast, backward outside it (as a caller may run it):
     the fused and the separate paths' TP messages (kind, dtype, bytes) and gradients."""
-    from ntp_nemo.runtime.runtime import NTPRuntime
+    from ntp_nemo.runtime.runtime import RankPlace
 
     torch.set_num_threads(1)
     topology = Topology(world, [world], [world] * (LLAMA.num_layers + 2))
-    rt = NTPRuntime(ResolvedLayout.make(topology, sequence_parallel=sp), rank)
+    rt = RankPlace(ResolvedLayout.make(topology, sequence_parallel=sp), rank)
     out = {}
     for fuse in (True, False):
         model = rt.build_model(LLAMA, SEED)

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.runtime.dry_run import StepShape, dry_run, fake_world
-from ntp_nemo.runtime.runtime import NTPRuntime
+from ntp_nemo.runtime.runtime import RankPlace
 from ntp_nemo.topology import ResolvedLayout, Topology
 from ntp_nemo.topology.groups import gloo_sockets, subgroup_backend
 
@@ -46,7 +46,7 @@ def test_every_subgroup_of_a_mixed_world_is_device_only(monkeypatch, schedule):
         with fake_world(r, layout.world_size):
             from ntp_nemo.parallel.grad_sync import param_descriptors
 
-            descriptors.append(param_descriptors(NTPRuntime(layout, r, device="meta").build_model(TINY, 0)))
+            descriptors.append(param_descriptors(RankPlace(layout, r, device="meta").build_model(TINY, 0)))
     with fake_world(0, layout.world_size):
         from ntp_nemo.parallel.grad_sync import build_sync_plan
         from ntp_nemo.runtime.assemble import assemble

@@ -22,7 +22,7 @@ from ntp_nemo.hf import load_hf_into, resolve_model_config
 from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.models import build_model
 from ntp_nemo.models.config import ModelConfig
-from ntp_nemo.runtime.runtime import NTPRuntime
+from ntp_nemo.runtime.runtime import RankPlace
 from ntp_nemo.topology import ResolvedLayout, Topology
 
 transformers = pytest.importorskip("transformers")
@@ -102,7 +102,7 @@ def import_worker(rank: int, world: int, tp: int, replica_tp: list[int], cases: 
     out = []
     for cfg, path, ids, ref in cases:
         topo = Topology(tp, replica_tp, [tp] * (cfg.num_layers + 2))
-        rt = NTPRuntime(ResolvedLayout.make(topo), rank)
+        rt = RankPlace(ResolvedLayout.make(topo), rank)
         model = rt.build_model(cfg, seed=0, dtype=torch.float32)
         report = load_hf_into(model, path)
         with torch.no_grad():

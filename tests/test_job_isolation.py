@@ -193,7 +193,7 @@ def test_checkpoint_carrying_a_pickled_object_is_refused(tiny_run, tmp_path):
     import shutil
 
     from ntp_nemo.checkpoint import checkpoint_problem, load
-    from ntp_nemo.runtime.runtime import NTPRuntime
+    from ntp_nemo.runtime.runtime import RankPlace
     from ntp_nemo.topology import ResolvedLayout, Topology
     from tests.ntp_cases import GPT
 
@@ -212,7 +212,7 @@ def test_checkpoint_carrying_a_pickled_object_is_refused(tiny_run, tmp_path):
 
     # The workers' load refuses it the same way, before it compares any shape (one process here).
     layout = ResolvedLayout.make(Topology(1, [1], [1] * (GPT.num_layers + 2)))
-    model = NTPRuntime(layout, 0).build_model(GPT, 0)
+    model = RankPlace(layout, 0).build_model(GPT, 0)
     with pytest.raises(ConfigError, match="carries a pickled object"):
         load(ckpt, model)
     assert not marker.exists()

@@ -18,7 +18,7 @@ import ntp_nemo.runtime.step as one_step
 from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.models import build_model
 from ntp_nemo.runtime.assemble import assemble
-from ntp_nemo.runtime.runtime import NTPRuntime
+from ntp_nemo.runtime.runtime import RankPlace
 from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.ntp_cases import GPT
 
@@ -131,7 +131,7 @@ def test_the_option_cases_step_through_train_step(calls):
     from tests import option_cases
 
     layout = _layout(1, [1])
-    run = option_cases.setup(NTPRuntime(layout, 0), GPT, dtype=torch.float64)
+    run = option_cases.setup(RankPlace(layout, 0), GPT, dtype=torch.float64)
     losses, norms = option_cases.run_steps(run.state.runtime, run, GPT, 0, 2)
     assert calls == ["cpu", "cpu"] and len(losses) == 2 and norms[0] > 0
 
@@ -175,17 +175,20 @@ def test_the_lightning_module_steps_through_train_step(calls):
     assert all(torch.equal(p, q) for p, q in pairs)
 
 
-def test_a_pipeline_runtime_without_its_engine_refuses_to_train():
-    """A runtime built by hand on a pipeline layout (no `assemble`) would run a stage's slice as if it
-    were the model: it says so instead."""
+def test_a_pipeline_rank_trains_through_its_engine_only():
+    """On a pipeline layout a stage's slice is not the model: its place has no micro-batch methods to run
+    it as if it were, and the runtime constructed from it carries the pipeline engine at once."""
+    from ntp_nemo.parallel.grad_sync import param_descriptors
+    from ntp_nemo.pipeline.engine import PipelineEngine
     from ntp_nemo.runtime.dry_run import fake_world
+    from ntp_nemo.runtime.runtime import NTPRuntime
 
     layout = ResolvedLayout.make(Topology(1, [1], [1] * (GPT.num_layers + 2), pp=2))
     with fake_world(0, 2):
-        rt = NTPRuntime(layout, 0, device="meta")
-        model = rt.build_model(GPT, SEED)
-        toks = torch.zeros((1, SEQ + 1), dtype=torch.long, device="meta")
-        with pytest.raises(RuntimeError, match="2 pipeline stages but no pipeline engine.*runtime.assemble"):
-            rt.train_microbatches(model, [toks], SEQ)
-        with pytest.raises(RuntimeError, match="no pipeline engine"):
-            rt.eval_microbatches(model, [toks])
+        place = RankPlace(layout, 0, device="meta")
+        model = place.build_model(GPT, SEED)
+        assert not hasattr(place, "train_microbatches") and not hasattr(place, "eval_microbatches")
+        everyone = [param_descriptors(RankPlace(layout, r, device="meta").build_model(GPT, SEED))
+                    for r in range(2)]
+        rt = NTPRuntime(place, model, descriptors=everyone)
+        assert isinstance(rt.pipeline, PipelineEngine) and rt.pipeline.model is model

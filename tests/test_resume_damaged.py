@@ -21,7 +21,7 @@ from ntp_nemo.checkpoint import (
     latest_valid_checkpoint,
     save_checkpoint,
 )
-from ntp_nemo.runtime.runtime import NTPRuntime
+from ntp_nemo.runtime.runtime import RankPlace
 from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.conftest import SINGLE, TINY, read_metrics, run_cli, sweep_cases
 from tests.ntp_cases import GPT, SEED
@@ -84,7 +84,7 @@ def test_cli_every_checkpoint_damaged_stops_naming_them_and_keeps_them(first_run
 
 
 def _model():
-    return NTPRuntime(ResolvedLayout.make(Topology(1, [1], [1] * 4)), 0).build_model(GPT, SEED)
+    return RankPlace(ResolvedLayout.make(Topology(1, [1], [1] * 4)), 0).build_model(GPT, SEED)
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +244,7 @@ def _one_rank_fails_to_write(rank, world, directory):
     import ntp_nemo.checkpoint.storage as storage
 
     torch_threads_one()
-    model = NTPRuntime(ResolvedLayout.make(Topology(1, [1, 1], [1] * 4)), rank).build_model(GPT, SEED)
+    model = RankPlace(ResolvedLayout.make(Topology(1, [1, 1], [1] * 4)), rank).build_model(GPT, SEED)
     save_checkpoint(f"{directory}/{checkpoint_name(1)}", model, None, {"n": 1}, step=1)
     if rank == 1:
         def full(fd, mv):

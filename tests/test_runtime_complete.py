@@ -1,8 +1,6 @@
-"""A runtime is complete when `runtime.assemble` returns it; nothing else can complete (or half-complete) one.
-
-`NTPRuntime(layout, rank)` alone is a rank's place (coordinates, device, TP plan) from which the model
-slice is built; the gradient sync and the pipeline engine depend on that model, so `assemble` builds the
-slice and completes the runtime with it (`NTPRuntime._attach`, called nowhere else).
+"""A runtime is complete when constructed: `NTPRuntime(place, model)` holds the rank's place, its model
+slice's gradient sync and (pp > 1) its pipeline engine; a `RankPlace` alone builds the slice and trains
+nothing; ranks are built through `runtime.assemble`.
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ import torch
 
 from ntp_nemo.parallel.grad_sync import GradientSynchronizer
 from ntp_nemo.runtime.assemble import assemble
-from ntp_nemo.runtime.runtime import NTPRuntime
+from ntp_nemo.runtime.runtime import NTPRuntime, RankPlace
 from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.ntp_cases import GLOBAL_BATCH, GPT, OPTIM, SEED, reference, step_against_reference, tokens
 
@@ -40,36 +38,46 @@ def test_an_assembled_runtime_trains_and_evaluates_on_the_unsharded_model():
     assert abs(float(evaluated) / toks[:, 1:].numel() - ref_loss) / ref_loss < 1e-12
 
 
-def test_a_runtime_constructed_alone_is_a_place_and_refuses_to_sync():
-    """Constructed alone it builds the model slice (what the dry run and the checkpoint tests use it
-    for), but asking it for the gradient sync names `assemble` instead of handing back None."""
-    rt = NTPRuntime(ONE_RANK, 0)
-    model = rt.build_model(GPT, SEED)
+def test_a_place_builds_the_slice_and_trains_nothing():
+    """A place builds the model slice (what the dry run and the checkpoint tests use it for); it has no
+    gradient sync, no pipeline engine and no micro-batch methods to run half-wired."""
+    place = RankPlace(ONE_RANK, 0)
+    model = place.build_model(GPT, SEED)
     assert sum(p.numel() for p in model.parameters()) > 0
-    with pytest.raises(RuntimeError, match=r"rank 0: this runtime has no gradient sync.*runtime\.assemble"):
-        rt.sync  # noqa: B018
+    for missing in ("sync", "pipeline", "train_microbatches", "eval_microbatches"):
+        assert not hasattr(place, missing), missing
 
 
-def test_the_public_api_cannot_complete_a_runtime_by_hand():
-    """No public method attaches a model, and the sync cannot be set from outside."""
-    rt = NTPRuntime(ONE_RANK, 0)
-    assert not hasattr(rt, "attach")
-    public = {n for n in dir(NTPRuntime) if not n.startswith("_")}
-    assert not {n for n in public if "attach" in n}, public
+def test_a_runtime_is_complete_when_constructed():
+    """`NTPRuntime(place, model)` has its sync at once, shares the place's coordinates and groups, and
+    cannot be constructed from a layout alone (the old half-built form) nor have its sync replaced."""
+    place = RankPlace(ONE_RANK, 0)
+    model = place.build_model(GPT, SEED)
+    rt = NTPRuntime(place, model)
+    assert isinstance(rt.sync, GradientSynchronizer) and rt.pipeline is None
+    assert (rt.layout, rt.rank, rt.coord, rt.plan) == (place.layout, place.rank, place.coord, place.plan)
+    with pytest.raises(TypeError, match="RankPlace"):
+        NTPRuntime(ONE_RANK, 0)
     built = assemble(ONE_RANK, 0, GPT, OPTIM, None, seed=SEED).runtime
     with pytest.raises(AttributeError):
         rt.sync = built.sync
+    twin = rt.for_model(place.build_model(GPT, SEED))  # another copy of the slice: the same sync
+    assert twin.sync is rt.sync and twin.layout is rt.layout
 
 
-def test_only_assemble_completes_a_runtime():
-    """Across the package, the tests and the benches, `_attach`/`attach` is called in `runtime/assemble.py`
-    only (an `ast` walk over calls, so comments and strings do not count)."""
+def test_ranks_are_built_through_assemble():
+    """Across the package, the tests and the benches, `NTPRuntime(...)` is constructed in
+    `runtime/assemble.py` (and by `NTPRuntime.for_model` in `runtime/runtime.py`) only, besides the tests of
+    the constructor itself: an `ast` walk over calls, so comments and strings do not count."""
     callers = []
     for folder in ("ntp_nemo", "tests", "bench"):
         for path in sorted((ROOT / folder).rglob("*.py")):
             tree = ast.parse(path.read_text(), filename=str(path))
             for node in ast.walk(tree):
-                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                        and node.func.attr in ("attach", "_attach")):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                        and node.func.id == "NTPRuntime"):
                     callers.append(f"{path.relative_to(ROOT)}:{node.lineno}")
-    assert [c.split(":")[0] for c in callers] == ["ntp_nemo/runtime/assemble.py"], callers
+    assert sorted({c.split(":")[0] for c in callers}) == [
+        "ntp_nemo/runtime/assemble.py", "ntp_nemo/runtime/runtime.py", "tests/test_one_step.py",
+        "tests/test_runtime_complete.py",
+    ], callers

@@ -11,7 +11,7 @@ import torch
 
 from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.parallel.sequence import seq_interval, seq_lengths
-from ntp_nemo.runtime.runtime import NTPRuntime
+from ntp_nemo.runtime.runtime import NTPRuntime, RankPlace
 from ntp_nemo.topology import ResolvedLayout, Topology
 from ntp_nemo.topology.tp_context import TPContext
 from tests.conftest import TINY, run_cli
@@ -67,7 +67,7 @@ def test_logits_of_the_whole_sequence_match_unsharded():
     """The vocabulary-parallel head sees the whole sequence (gathered), so logits match (one process,
     float64: degree 1 makes SP a no-op, which the model must accept)."""
     cfg = LLAMA_SP
-    rt = NTPRuntime(ResolvedLayout.make(Topology(1, [1], [1] * 4), sequence_parallel=True), 0)
+    rt = RankPlace(ResolvedLayout.make(Topology(1, [1], [1] * 4), sequence_parallel=True), 0)
     model = rt.build_model(cfg, SEED, dtype=torch.float64)
     toks = tokens(cfg, SEQ_LEN)
     assert torch.allclose(model(toks[:, :-1]), reference(cfg, SEQ_LEN)[2], rtol=0, atol=1e-12)
@@ -152,8 +152,8 @@ def options_worker(rank: int, world: int, variants: list[str]) -> dict:
         run.path.remove()
         return losses, {n: p.detach().clone() for n, p in run.model.named_parameters()}
 
-    base_losses, base_params = train(NTPRuntime(ResolvedLayout.make(topo), rank), "baseline")
-    sp = NTPRuntime(ResolvedLayout.make(topo, sequence_parallel=True), rank)
+    base_losses, base_params = train(RankPlace(ResolvedLayout.make(topo), rank), "baseline")
+    sp = RankPlace(ResolvedLayout.make(topo, sequence_parallel=True), rank)
     for name in variants:
         losses, params = train(sp, name)
         out[name] = {"loss": max(abs(a - b) / abs(b) for a, b in zip(losses, base_losses, strict=True)),

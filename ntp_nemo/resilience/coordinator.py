@@ -625,8 +625,8 @@ class Coordinator:
             return False
         if now > deadline:
             self._joining = None
-            self.say(f"coordinator: the rejoin of process(es) {pids} has not formed {self.rejoin_s:g} s after "
-                     "it was announced; a process behind the others is hung again")
+            self.say(f"coordinator: the rejoin of process(es) {pids} has not formed {self.rejoin_s:g} s "
+                     "after it was announced; a process behind the others is hung again")
             return False
         return True
 

@@ -17,7 +17,7 @@ from torch import nn
 from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.parallel.grad_sync import SyncPlan
 from ntp_nemo.parallel.step_path import GradientPath, build_optimizer
-from ntp_nemo.runtime.runtime import NTPRuntime
+from ntp_nemo.runtime.runtime import NTPRuntime, RankPlace
 from ntp_nemo.topology.layout import ResolvedLayout
 
 
@@ -60,7 +60,7 @@ def assemble(
     bucket_mb: float = 25.0,
     overlap_grad_sync: bool = False,
     keep: tuple[torch.optim.Optimizer, nn.Module] | None = None,
-    make_model: Callable[[NTPRuntime], nn.Module] | None = None,
+    make_model: Callable[[RankPlace], nn.Module] | None = None,
     param_dtype: torch.dtype | None = None,
     sync_plan: SyncPlan | None = None,
     initialize: bool = True,
@@ -70,18 +70,19 @@ def assemble(
 
     `keep=(optimizer, old_model)` re-points an existing optimizer at the new parameters instead of
     building one (live recovery: the LR scheduler and Lightning hold that object); `make_model` builds
-    the model slice in place of `runtime.build_model(model_cfg, seed)` (a model whose every value comes
+    the model slice in place of `place.build_model(model_cfg, seed)` (a model whose every value comes
     from elsewhere need not be initialised); `param_dtype` casts the parameters; `sync_plan` is this
     rank's gradient-sync plan computed up front (the dry run's fake process group moves no data);
-    `initialize=False` draws no initial weight (`runtime.build_model(..., initialize=False)`): the
+    `initialize=False` draws no initial weight (`place.build_model(..., initialize=False)`): the
     caller overwrites every value before the first step (a checkpoint being resumed, the survivors'
     shards of a rejoin)."""
-    runtime = NTPRuntime(layout, rank, device=device)
+    place = RankPlace(layout, rank, device=device)
     if make_model is not None:
-        model = make_model(runtime)
+        model = make_model(place)
     else:
-        model = runtime.build_model(model_cfg, seed, param_dtype, initialize=initialize)
-    sync = runtime._attach(model, bucket_mb, plan=sync_plan)
+        model = place.build_model(model_cfg, seed, param_dtype, initialize=initialize)
+    runtime = NTPRuntime(place, model, bucket_mb=bucket_mb, plan=sync_plan)
+    sync = runtime.sync
     if keep is not None:
         optimizer, old_model = keep
         rebind_optimizer(optimizer, old_model, model)

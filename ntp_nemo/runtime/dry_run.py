@@ -3,7 +3,7 @@
 Nothing is computed and nothing is sent: parameters, activations and gradients are meta tensors (shapes
 and dtypes only) and the collectives go to torch's fake process-group backend, which accepts any call of
 any rank without peers.  What runs is the real code: the `Topology` and all its process groups,
-`NTPRuntime.build_model` (the rank's slice of every layer), `NTPRuntime.train_microbatches` (the
+`RankPlace.build_model` (the rank's slice of every layer), `NTPRuntime.train_microbatches` (the
 pipeline engine when `pp > 1`), the fragment gradient sync, the fused step-scalar all-reduce, the
 clipping and an AdamW step.  So a layout of hundreds of ranks is checked on a laptop CPU, and the
 per-rank numbers come from the tensors that code creates:
@@ -78,7 +78,7 @@ from ntp_nemo.parallel.grad_sync import (
     param_descriptors,
 )
 from ntp_nemo.runtime.assemble import RankState, assemble
-from ntp_nemo.runtime.runtime import NTPRuntime
+from ntp_nemo.runtime.runtime import RankPlace
 from ntp_nemo.topology import ResolvedLayout, Topology
 from ntp_nemo.topology.work import healthy_cost, rank_costs
 
@@ -582,15 +582,15 @@ def _slice_key(model: nn.Module) -> tuple:
 
 
 def _build_slice(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: StepShape) -> _Slice:
-    runtime = NTPRuntime(layout, rank, device=META)
-    model = runtime.build_model(cfg, shape.seed, shape.param_dtype)
+    place = RankPlace(layout, rank, device=META)
+    model = place.build_model(cfg, shape.seed, shape.param_dtype)
     params = list(model.parameters())
     return _Slice(
         descriptors=param_descriptors(model),
         params=sum(p.numel() for p in params),
         sharded_params=sum(p.numel() for p in params if not p.ntp_spec.is_full),
         param_bytes=sum(p.numel() * p.element_size() for p in params),
-        key=(runtime.coord.stage, _slice_key(model)),
+        key=(place.coord.stage, _slice_key(model)),
     )
 
 
@@ -615,12 +615,9 @@ def _class_step(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: Step
     mixed = shape.compute_dtype != shape.param_dtype
     step_model = runtime.build_model(cfg, shape.seed, shape.compute_dtype) if mixed else model
     meter = ActivationMeter(_state_exclusions(step_model))
-    if layout.pp > 1:
-        from ntp_nemo.pipeline.engine import PipelineEngine
-
-        runtime.pipeline = PipelineEngine(step_model, runtime.topology, rank, runtime.schedule,
-                                          acc_dtype=runtime.acc_dtype)
-        runtime.pipeline.meter = _EngineMeter(meter)
+    step_runtime = runtime.for_model(step_model) if mixed else runtime
+    if step_runtime.pipeline is not None:
+        step_runtime.pipeline.meter = _EngineMeter(meter)
     tokens = torch.zeros((shape.micro_batch_size, shape.seq_len + 1), dtype=torch.long, device=META)
     comm = CommMeter(META, cache)
     counted: dict[str, dict[str, int]] = {}
@@ -650,8 +647,9 @@ def _class_step(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: Step
         for group in opt.param_groups:
             group["foreach"] = False
     with comm:
-        train_step(dataclasses.replace(state, model=step_model), [tokens], global_tokens,
-                   max_norm=shape.grad_clip, phase=phase, grad_norm=grad_norm, read_scalars=False)
+        train_step(dataclasses.replace(state, model=step_model, runtime=step_runtime), [tokens],
+                   global_tokens, max_norm=shape.grad_clip, phase=phase, grad_norm=grad_norm,
+                   read_scalars=False)
     per_mb, per_mb_calls, groups = counted["bytes"], counted["calls"], counted["groups"]
     element = next(model.parameters()).element_size()
     expected = plan_traffic(plan, descriptors, element, sync.bucket_bytes)
@@ -675,22 +673,21 @@ def _class_step(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: Step
     )
 
 
-def _saved_bytes(runtime: NTPRuntime, cfg: ModelConfig, shape: StepShape, global_tokens: int,
+def _saved_bytes(place: RankPlace, cfg: ModelConfig, shape: StepShape, global_tokens: int,
                  comm: CommMeter | None = None, cache: MetaKernelCache | None = None) -> int:
-    """Activation bytes of one micro-batch of `runtime`'s slice built from `cfg` (a fresh model); `comm`
-    (optional) counts its collectives."""
-    model = runtime.build_model(cfg, shape.seed, shape.compute_dtype)
+    """Activation bytes of one micro-batch of `place`'s slice built from `cfg` (a fresh model, through its
+    pipeline engine when pp > 1); `comm` (optional) counts its collectives."""
+    model = place.build_model(cfg, shape.seed, shape.compute_dtype)
     meter = ActivationMeter(_state_exclusions(model))
-    runtime.pipeline = None
-    if runtime.topology.pp > 1:
-        from ntp_nemo.pipeline.engine import PipelineEngine
-
-        runtime.pipeline = PipelineEngine(model, runtime.topology, runtime.rank, runtime.schedule,
-                                          acc_dtype=runtime.acc_dtype)
-        runtime.pipeline.meter = _EngineMeter(meter)
+    engine = place.pipeline_for(model)
+    if engine is not None:
+        engine.meter = _EngineMeter(meter)
     tokens = torch.zeros((shape.micro_batch_size, shape.seq_len + 1), dtype=torch.long, device=META)
     with comm or CommMeter(META, cache), meter.recording(), flash_attention_on_meta():
-        runtime.train_microbatches(model, [tokens], global_tokens)
+        if engine is not None:
+            engine.train([tokens], global_tokens, None)
+        else:
+            (model.loss_sum(tokens) / global_tokens).backward()
     return meter.bytes
 
 
@@ -705,7 +702,7 @@ def _microbatch(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: Step
     """Inside a fake world as `rank`: (activation bytes, TP collectives {op: [calls, payload, ring bytes]})
     of one micro-batch through `rank`'s stage of `layout` with the model `cfg`."""
     comm = CommMeter(META, cache)
-    act = _saved_bytes(NTPRuntime(layout, rank, device=META), cfg, shape, global_tokens, comm)
+    act = _saved_bytes(RankPlace(layout, rank, device=META), cfg, shape, global_tokens, comm)
     return act, {op: list(v) for (kind, op), v in comm.ops.items() if kind == "tp"}
 
 
@@ -789,7 +786,7 @@ def _short_builds(layout: ResolvedLayout, cfg: ModelConfig, shape: StepShape,
         desc: dict[tuple[int, int, int], dict[str, tuple]] = {}
         for sig, ranks in by_signature.items():
             with fake_world(ranks[0], topo.world_size):
-                model = NTPRuntime(lay, ranks[0], device=META).build_model(c, shape.seed, shape.param_dtype)
+                model = RankPlace(lay, ranks[0], device=META).build_model(c, shape.seed, shape.param_dtype)
                 desc[sig] = param_descriptors(model)
         descriptors = [desc[signature(topo, r)] for r in range(topo.world_size)]
         plans = build_sync_plans(descriptors, [co.replica for co in topo.coords], ranks=leaders)

@@ -1,4 +1,5 @@
-"""One rank's NTP runtime: its place in the layout, its model slice, gradient sync and batch share.
+"""One rank's NTP runtime: its place in the layout (`RankPlace`), and the runtime of its model slice
+(`NTPRuntime`: the place with the slice's gradient sync and pipeline engine, complete when constructed).
 
 Kept free of Lightning so tests, benchmarks and the dry run drive exactly the code the NTPStrategy
 runs.  Every tensor of the training step lives on `runtime.device`; the step's scalars (loss sum,
@@ -28,16 +29,11 @@ from ntp_nemo.topology import ResolvedLayout
 STEP_SCALARS = ("loss_sum", "grad_norm_sq", "nonfinite", "stop")
 
 
-class NTPRuntime:
-    """`NTPRuntime(layout, rank, device=...)`: a rank's place (coordinates, process groups, device, TP
-    plan), from which its model slice is built (`build_model`).
-
-    A runtime that trains or evaluates also holds its model's gradient sync and, when pp > 1, its
-    pipeline engine; both depend on the model, which is built from the runtime, so `runtime.assemble`
-    (the one way a rank is built) constructs the runtime, builds the slice and completes the runtime
-    with them; no public method completes a runtime afterwards.  A runtime constructed alone is a place
-    only: its `sync` (and, when pp > 1, its micro-batch methods) refuse with a message naming `assemble`
-    instead of running half-wired.
+class RankPlace:
+    """`RankPlace(layout, rank, device=...)`: a rank's place (coordinates, process groups, device, TP
+    plan), from which its model slice is built (`build_model`), with the batch share and the step's
+    reductions.  It trains nothing by itself: `NTPRuntime(place, model)` (what `runtime.assemble`
+    builds) adds the slice's gradient sync and, when pp > 1, its pipeline engine.
 
     `layout` is the run's `ResolvedLayout`, the only description of who runs what.  `device` defaults
     to the layout's device of this rank, else CPU; `torch.device("meta")` builds shapes only (dry run).
@@ -47,7 +43,7 @@ class NTPRuntime:
         self, layout: ResolvedLayout, rank: int, *, device: torch.device | str | None = None
     ) -> None:
         if not isinstance(layout, ResolvedLayout):
-            raise TypeError(f"NTPRuntime takes a ResolvedLayout, got {type(layout).__name__}")
+            raise TypeError(f"RankPlace takes a ResolvedLayout, got {type(layout).__name__}")
         self.topology = layout.topology()
         self.layout = layout
         self.rank = rank
@@ -56,8 +52,6 @@ class NTPRuntime:
         self.device = torch.device(device or layout.device_of(rank) or "cpu")
         self.acc_dtype = accumulator_dtype(self.device)
         self.world_group = None  # the default group: on CUDA it may be NCCL-only, so its tensors are CUDA
-        self._sync: GradientSynchronizer | None = None  # set by runtime.assemble (`_attach`)
-        self.pipeline = None  # PipelineEngine, built with the sync when pp > 1
         if self.topology.world_size > 1:
             self.topology.build_groups()
         self.plan = self.topology.plan_for(rank)
@@ -65,18 +59,6 @@ class NTPRuntime:
             from ntp_nemo.parallel.sequence import SequenceParallelPlan
 
             self.plan = SequenceParallelPlan(self.plan)
-
-    @property
-    def sync(self) -> GradientSynchronizer:
-        """The model's fragment gradient sync (built by `runtime.assemble`)."""
-        if self._sync is None:
-            raise RuntimeError(self._not_assembled("no gradient sync"))
-        return self._sync
-
-    def _not_assembled(self, what: str) -> str:
-        return (f"rank {self.rank}: this runtime has {what}: it was constructed alone, which gives a "
-                "rank's place only; build the rank with runtime.assemble (which builds the model slice, "
-                "the gradient sync and the pipeline engine together)")
 
     @property
     def is_meta(self) -> bool:
@@ -123,44 +105,19 @@ class NTPRuntime:
             load_hf_into(model, cfg.init_from)  # each rank reads only its slices
         return model
 
-    def _attach(
-        self, model: nn.Module, bucket_mb: float = 25.0, descriptors: Sequence[dict] | None = None,
-        plan: SyncPlan | None = None,
-    ) -> GradientSynchronizer:
-        """Build the fragment sync plan and its process groups (and the pipeline engine when pp > 1).
-
-        Private to `runtime.assemble`, which builds the model slice from this runtime and completes the
-        runtime with it; nothing else calls it, so no runtime outside `assemble` is left half-wired.
-
-        `descriptors` (every rank's `param_descriptors`, index = global rank) skips the exchange (one
-        `all_gather_object`), and `plan` (this rank's, computed up front) the planning too; the dry run
-        passes them since a fake process group moves no data."""
-        if plan is None:
-            if descriptors is not None:
-                everyone = list(descriptors)
-            elif self.topology.world_size > 1:
-                everyone = [None] * self.topology.world_size
-                dist.all_gather_object(everyone, param_descriptors(model))
-            else:
-                everyone = [param_descriptors(model)]
-            replica_of = [c.replica for c in self.topology.coords]
-            plan = build_sync_plan(self.rank, everyone, replica_of)
-        if self.topology.world_size > 1:
-            self.topology.build_groups(extra=plan.all_holder_sets)
-        self._sync = GradientSynchronizer(
-            model, plan, self.topology.group, int(bucket_mb * (1 << 20)), self.world_group, self.device
-        )
+    def pipeline_for(self, model: nn.Module):
+        """The pipeline engine that runs `model` (this rank's slice, or a copy of it in another dtype)
+        between the stages, or None when the layout has one stage."""
         if self.topology.pp > 1 and self.schedule == "interleaved_1f1b":
             from ntp_nemo.pipeline.interleaved import InterleavedPipelineEngine
 
-            self.pipeline = InterleavedPipelineEngine(model, self.topology, self.rank,
-                                                      self.layout.virtual_stages, acc_dtype=self.acc_dtype)
-        elif self.topology.pp > 1:
+            return InterleavedPipelineEngine(model, self.topology, self.rank, self.layout.virtual_stages,
+                                             acc_dtype=self.acc_dtype)
+        if self.topology.pp > 1:
             from ntp_nemo.pipeline.engine import PipelineEngine
 
-            self.pipeline = PipelineEngine(model, self.topology, self.rank, self.schedule,
-                                           acc_dtype=self.acc_dtype)
-        return self._sync
+            return PipelineEngine(model, self.topology, self.rank, self.schedule, acc_dtype=self.acc_dtype)
+        return None
 
     # ---- batch share ----------------------------------------------------------------------------
     def microbatch_counts(self, num_microbatches: int) -> list[int]:
@@ -227,14 +184,59 @@ class NTPRuntime:
         """The step's single host read of the fused scalars."""
         return dict(zip(STEP_SCALARS, buf.tolist(), strict=True))
 
-    # ---- micro-batches ----------------------------------------------------------------------------
-    def _check_pipeline(self) -> None:
-        """A stage's slice alone is not the model: with pp > 1 the micro-batches go through the engine."""
-        if self.pipeline is None and self.topology.pp > 1:
-            raise RuntimeError(
-                f"rank {self.rank}: this runtime has {self.topology.pp} pipeline stages but no pipeline "
-                "engine; build the rank with runtime.assemble (which builds the engine with the model)")
 
+class NTPRuntime(RankPlace):
+    """`NTPRuntime(place, model)`: the runtime of rank `place.rank`'s model slice `model`, complete when
+    constructed: the place (its process groups are the place's, built once), the slice's fragment
+    gradient sync and, when pp > 1, its pipeline engine.  `runtime.assemble` builds the slice from the
+    place and constructs this; nothing completes a runtime afterwards.
+
+    Collective over the layout's ranks (the sync plan's exchange and its groups) unless `plan` (this
+    rank's, computed up front) or `descriptors` (every rank's `param_descriptors`, index = global rank)
+    is given: the dry run's fake process group moves no data.  `sync`: an existing sync to share (a
+    runtime of another copy of the same slice, `for_model`)."""
+
+    def __init__(self, place: RankPlace, model: nn.Module, *, bucket_mb: float = 25.0,
+                 descriptors: Sequence[dict] | None = None, plan: SyncPlan | None = None,
+                 sync: GradientSynchronizer | None = None) -> None:
+        if not isinstance(place, RankPlace):
+            raise TypeError(f"NTPRuntime takes a RankPlace and its model slice, got {type(place).__name__}")
+        vars(self).update(vars(place))  # the place's coordinates and process groups, built once
+        if sync is None:
+            sync = self._build_sync(model, bucket_mb, descriptors, plan)
+        self._sync = sync
+        self.pipeline = self.pipeline_for(model)
+
+    @property
+    def sync(self) -> GradientSynchronizer:
+        """The model's fragment gradient sync."""
+        return self._sync
+
+    def for_model(self, model: nn.Module) -> NTPRuntime:
+        """This runtime for another copy of its slice (the dry run's slice in the compute dtype): the same
+        place and gradient sync, a pipeline engine that runs `model`."""
+        return NTPRuntime(self, model, sync=self._sync)
+
+    def _build_sync(self, model: nn.Module, bucket_mb: float, descriptors: Sequence[dict] | None,
+                    plan: SyncPlan | None) -> GradientSynchronizer:
+        """The fragment sync plan, its process groups and the sync of `model`."""
+        if plan is None:
+            if descriptors is not None:
+                everyone = list(descriptors)
+            elif self.topology.world_size > 1:
+                everyone = [None] * self.topology.world_size
+                dist.all_gather_object(everyone, param_descriptors(model))
+            else:
+                everyone = [param_descriptors(model)]
+            replica_of = [c.replica for c in self.topology.coords]
+            plan = build_sync_plan(self.rank, everyone, replica_of)
+        if self.topology.world_size > 1:
+            self.topology.build_groups(extra=plan.all_holder_sets)
+        return GradientSynchronizer(
+            model, plan, self.topology.group, int(bucket_mb * (1 << 20)), self.world_group, self.device
+        )
+
+    # ---- micro-batches ----------------------------------------------------------------------------
     def train_microbatches(
         self, model: nn.Module, microbatches: Sequence[torch.Tensor], global_tokens: int, backward=None
     ) -> torch.Tensor:
@@ -243,7 +245,6 @@ class NTPRuntime:
         Returns the replica's summed token loss (not normalised), a 0-dim tensor on the device; no
         host synchronisation happens here.
         """
-        self._check_pipeline()
         microbatches = [mb.to(self.device, non_blocking=True) for mb in microbatches]
         if self.pipeline is not None:
             return self.pipeline.train(microbatches, global_tokens, backward)
@@ -258,7 +259,6 @@ class NTPRuntime:
 
     def eval_microbatches(self, model: nn.Module, microbatches: Sequence[torch.Tensor]) -> torch.Tensor:
         """Forward-only summed token loss of this replica's micro-batches (0 on non-last pipeline stages)."""
-        self._check_pipeline()
         microbatches = [mb.to(self.device, non_blocking=True) for mb in microbatches]
         if self.pipeline is not None:
             return self.pipeline.evaluate(microbatches)
