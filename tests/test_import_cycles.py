@@ -16,13 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "ntp_nemo"
 
 # Circles not yet broken, each with its reason; a circle that disappears must leave this list.
-KNOWN: dict[frozenset[str], str] = {
-    frozenset({"ntp_nemo.checkpoint.manifest", "ntp_nemo.checkpoint.storage"}): (
-        "deferred imports both ways: `Index.read` checks the index against the manifest, and the "
-        "manifest's validation checks the index (`index_problem`); breaking it means moving `Index.read` "
-        "to manifest.py and its callers with it"
-    ),
-}
+KNOWN: dict[frozenset[str], str] = {}
 
 
 def _modules(pkg: Path) -> dict[str, Path]:

@@ -31,21 +31,23 @@ from typing import Any
 
 import xxhash
 
+from ntp_nemo.checkpoint.files import (
+    DIGEST,
+    INDEX_FILE,
+    MANIFEST,
+    REQUIRED_FILES,
+    read_index_doc,
+    read_manifest,
+)
+from ntp_nemo.checkpoint.storage import index_problem, verify_all_records
 from ntp_nemo.data.bounded_json import JSONInputError, read_json
 from ntp_nemo.errors import ConfigError
 
 FORMAT = "ntp_nemo.sharded_checkpoint"
 FORMAT_VERSION = 2
-MANIFEST = "manifest.json"
 CORRUPT_MARKER = "corrupt.json"
-DIGEST = "xxh3_64"
 TMP_SUFFIX = ".tmp"
 UNREADABLE_SUFFIX = ".unreadable"  # an unreadable checkpoint a new save of the same step moved aside
-INDEX_FILE = "index.json"
-META_FILE = "meta.pt"
-REQUIRED_FILES = (INDEX_FILE, META_FILE)  # listed in every manifest, with their digests
-MAX_MANIFEST_BYTES = 16 << 20
-MAX_INDEX_BYTES = 256 << 20
 _FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")
 
 
@@ -141,17 +143,6 @@ def commit(tmp_dir: Path, final_dir: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def read_manifest(path: Path) -> dict:
-    """The parsed manifest of a checkpoint directory (a regular file, read with size and depth bounds;
-    no validation beyond JSON: a bad one raises `ValueError`)."""
-    return read_json(Path(path) / MANIFEST, MAX_MANIFEST_BYTES, follow_symlinks=False)
-
-
-def read_index_doc(path: str | os.PathLike) -> dict:
-    """The parsed `index.json` of a checkpoint directory, read with bounds (`ValueError` when bad)."""
-    return read_json(Path(path) / INDEX_FILE, MAX_INDEX_BYTES, follow_symlinks=False)
-
-
 def mark_corrupt(path: str | os.PathLike, problem: str) -> None:
     """Record that loading `path` found `problem` (a bad data file): later checks skip it cheaply.
 
@@ -244,8 +235,6 @@ def checkpoint_problem(path: str | os.PathLike, verify_data: bool = False) -> st
     for name, want in files.items():
         if DIGEST in want and file_digest(path / name)[1] != want[DIGEST]:
             return f"file {name} fails its {DIGEST} check (corrupted)"
-    from ntp_nemo.checkpoint.storage import index_problem
-
     try:
         problem = index_problem(read_index_doc(path), {name: want["size"] for name, want in files.items()
                                                        if name not in REQUIRED_FILES})
@@ -254,8 +243,6 @@ def checkpoint_problem(path: str | os.PathLike, verify_data: bool = False) -> st
     if problem is not None:
         return problem
     if verify_data:
-        from ntp_nemo.checkpoint.storage import verify_all_records
-
         return verify_all_records(path)
     return None
 

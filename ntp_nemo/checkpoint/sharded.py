@@ -38,9 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ntp_nemo.checkpoint.files import MANIFEST, META_FILE
 from ntp_nemo.checkpoint.manifest import (
-    MANIFEST,
-    META_FILE,
     CheckpointSkippedWarning,
     checkpoint_problem,
     commit,

@@ -34,10 +34,10 @@ from pathlib import Path
 import torch
 import xxhash
 
-INDEX_FILE = "index.json"
+from ntp_nemo.checkpoint.files import DIGEST, INDEX_FILE, REQUIRED_FILES, read_index_doc, read_manifest
+
 ALIGN = 64
 HASH_BLOCK = 1 << 20  # bytes per block digest: hashed then written while still in cache
-DIGEST = "xxh3_64"
 
 
 @dataclass(frozen=True)
@@ -280,8 +280,6 @@ class Index:
     def read(directory: Path) -> Index:
         """The index of a checkpoint, checked against its manifest (`index_problem`); a damaged or
         foreign one raises `ValueError` naming the checkpoint and the problem."""
-        from ntp_nemo.checkpoint.manifest import REQUIRED_FILES, read_index_doc, read_manifest
-
         try:
             files = read_manifest(directory).get("files")
             sizes = {name: want["size"] for name, want in files.items() if name not in REQUIRED_FILES}
