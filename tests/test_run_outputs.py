@@ -4,6 +4,8 @@ a run directory is continued with another config, and an unwritable
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.conftest import SINGLE, TINY, run_cli, sweep_cases
@@ -32,6 +34,12 @@ def test_logger_folder_and_previous_record(tmp_path):
     assert "tensorboard" in old.lower() and "max_steps: 3" in old
     new = (run / ".hydra" / "config.yaml").read_text()
     assert new != old and "max_steps: 4" in new
+    # The resolved run is recorded beside Hydra's files (the previous one kept with its record).
+    assert json.loads((run / ".hydra" / "run_spec.json").read_text())["trainer"]["max_steps"] == 4
+    kept = json.loads((run / ".hydra" / "previous" / "1" / "run_spec.json").read_text())
+    assert kept["trainer"]["max_steps"] == 3
+    # The failover folder (heartbeat files, fault marks) is the user's alone, whatever the umask.
+    assert (run / "failover").stat().st_mode & 0o777 == 0o700
 
 
 def test_unwritable_run_dir_exits_2_without_traceback(tmp_path):

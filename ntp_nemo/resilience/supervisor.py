@@ -163,6 +163,7 @@ class Supervisor:
     def build_first(self) -> tuple[Any, Any, Any]:
         """Trainer, module and strategy of the first attempt (the run's own config and layout)."""
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir.chmod(0o700)  # heartbeats and fault marks: this user's processes only, whatever the umask
         built = self.build(self.nominal, self.callbacks(), None, None)
         if built[0].strategy.launcher is None and self.link is None:  # torchrun/SLURM created the processes:
             # they are not ours,
