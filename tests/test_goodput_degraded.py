@@ -2,7 +2,8 @@
 
 Synthetic streams with answers worked out by hand; the events of a real live failover run
 (tests/fixtures/goodput_live_failover.jsonl, written by the `ntp-train` command in `LIVE_RUN` below);
-the running figures in a real TensorBoard event file, in process and through the CLI.
+the running figures in a real TensorBoard event file, in process here and through the CLI in
+tests/test_live_failover_cli.py (its sweep's `live` run logs to TensorBoard; the helpers are these).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 
 from ntp_nemo.goodput import BADPUT_CATEGORIES, compute_goodput, load_events, summary_line
 from ntp_nemo.goodput import events as ev
-from tests.conftest import TINY, read_metrics, run_cli
+from tests.conftest import TINY
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "tests" / "fixtures" / "goodput_live_failover.jsonl"
@@ -265,24 +266,3 @@ def test_running_goodput_stops_before_it_would_stall_rank_0(tmp_path: Path, monk
         run_steps(4, 1)
     run_steps(5, 2)
     assert sink.steps == [1, 2, 3]
-
-
-@pytest.mark.slow
-def test_live_failover_run_logs_goodput_to_tensorboard(tmp_path: Path) -> None:
-    run = tmp_path / "live"
-    proc = run_cli([*LIVE_RUN, "logger=tensorboard", f"hydra.run.dir={run}"], cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert [m["step"] for m in read_metrics(run)] == list(range(1, 9))
-    events = load_events(run)
-    r = compute_goodput(events)
-    _adds_up(r)
-    degraded, reshard = _execution_seconds(events)
-    assert r.badput_s[ev.RESHARD] == pytest.approx(reshard) and reshard > 0
-    assert r.badput_s[ev.DEGRADED_THROUGHPUT] == pytest.approx(degraded) and degraded > 0
-    scalars = _scalars(run / "tb")
-    steps = [s for s, _ in scalars["goodput/goodput"]]
-    assert steps and steps[-1] >= 3  # logged after the failover too (every step: log_every_n_steps=1)
-    assert max(v for _, v in scalars["goodput/reshard_s"]) > 0
-    assert max(v for _, v in scalars["goodput/degraded_throughput_s"]) > 0
-    proc = _ntp_goodput(str(run), "--no-plot")
-    assert proc.returncode == 0 and "degraded_throughput" in proc.stdout and "reshard" in proc.stdout

@@ -52,7 +52,7 @@ RANK0 = ["fault=kill_rank", "fault.rank=0", "fault.step=2", "fault.repair_after_
 # the machine's load; its own process, as before).
 LIVE = {
     "rejoin": REJOIN,
-    "live": ["fault=kill_rank", "fault.rank=3"],
+    "live": ["fault=kill_rank", "fault.rank=3", "logger=tensorboard"],
     "fallback": ["mesh.dp=1", "ntp.replica_tp=[2]", "fault=kill_rank", "fault.rank=1", "fault.step=3",
                  "fault.recovery=live"],
     "phases": ["fault=kill_rank", "fault.rank=3", "fault.step=3", "fault.phase=backward",
@@ -388,6 +388,33 @@ def test_unknown_recovery_is_a_config_error(tmp_path):
     assert proc.returncode == 2
     assert "fault.recovery" in proc.stderr and "live" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_live_failover_run_logs_goodput_to_tensorboard(live_runs):
+    """The running goodput through the CLI (the `live` case logs to TensorBoard): the report adds up, its
+    reshard and degraded-throughput seconds are the run's own, TensorBoard holds the running figures
+    from the failover on, and `ntp-goodput` shows both categories (tests/test_goodput_degraded.py)."""
+    from ntp_nemo.goodput import events as ev
+    from tests.test_goodput_degraded import _adds_up, _execution_seconds, _ntp_goodput, _scalars
+
+    run, _ = _job(live_runs, "live")
+    metrics = read_metrics(run)
+    assert [m["step"] for m in metrics] == STEPS
+    events = load_events(run)
+    r = compute_goodput(events)
+    _adds_up(r)
+    degraded, reshard = _execution_seconds(events)
+    assert r.badput_s[ev.RESHARD] == pytest.approx(reshard) and reshard > 0
+    assert r.badput_s[ev.DEGRADED_THROUGHPUT] == pytest.approx(degraded) and degraded > 0
+    scalars = _scalars(run / "tb")
+    steps = [s for s, _ in scalars["goodput/goodput"]]
+    failover = min(m["step"] for m in metrics if m["layout"] == "(2,1)")
+    assert steps and steps[-1] >= failover  # logged after the failover too (every step: log_every_n_steps=1)
+    assert max(v for _, v in scalars["goodput/reshard_s"]) > 0
+    assert max(v for _, v in scalars["goodput/degraded_throughput_s"]) > 0
+    proc = _ntp_goodput(str(run), "--no-plot")
+    assert proc.returncode == 0 and "degraded_throughput" in proc.stdout and "reshard" in proc.stdout
 
 
 @pytest.mark.slow
