@@ -70,7 +70,8 @@ def test_a_failed_rejoin_cancels_the_rejoin_not_the_job(tmp_path, reference_loss
             "go on without them") in out
     assert ("the rejoin of process(es) [1] failed after it was decided (process(es) [1] died): the "
             "survivors re-form without them") in out
-    assert "the rejoin failed (RendezvousAborted); processes [1] lost: the survivors re-form layout (1)" in out
+    assert ("the rejoin failed (RendezvousAborted); processes [1] lost: the survivors re-form layout "
+            "(1)") in out
     assert "falling back" not in out
     assert "repaired process(es) rejoined: layout (1) -> (1,1)" in out
     metrics = read_metrics(run)
