@@ -21,6 +21,7 @@ from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.models import build_model
 from ntp_nemo.runtime.assemble import assemble
 from ntp_nemo.runtime.runtime import NTPRuntime
+from ntp_nemo.runtime.step import train_step
 from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.ntp_cases import OPTIM
 from tests.test_hf_import import HF_VOCAB, PADDED_VOCAB, TOL, _rel, hf_logits, make_hf_dir, resolved, tokens
@@ -81,7 +82,8 @@ def test_padded_vocabulary_exports_back_to_the_hf_size(hf_dirs, tmp_path):
 
 
 def train_worker(rank: int, world: int, cfg, path: str, root: str, ids: torch.Tensor) -> dict:
-    """Import on layout (2,1), checkpoint it, train 3 AdamW steps, checkpoint again, return logits."""
+    """Import on layout (2,1), checkpoint it, train 3 AdamW steps (`train_step` on the assembled rank),
+    checkpoint again, return logits."""
     layout = ResolvedLayout.make(Topology(2, [2, 1], [2] * (cfg.num_layers + 2)))
 
     def imported(rt: NTPRuntime) -> torch.nn.Module:
@@ -89,18 +91,14 @@ def train_worker(rank: int, world: int, cfg, path: str, root: str, ids: torch.Te
         load_hf_into(model, path)
         return model
 
-    state = assemble(layout, rank, cfg, OPTIM, None, seed=0, make_model=imported)
-    rt, model, topo = state.runtime, state.model, state.runtime.topology
+    state = assemble(layout, rank, cfg, {**OPTIM, "lr": 1e-2}, None, seed=0, make_model=imported)
+    model, opt, topo = state.model, state.optimizer, state.runtime.topology
     save_checkpoint(f"{root}/imported/checkpoints/step_000000", model, step=0, layout=layout.to_dict())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(3)
     for _ in range(3):
         batch = torch.randint(0, HF_VOCAB, (6, 9), generator=gen)
-        mine = rt.my_microbatches(6)
-        rt.train_microbatches(model, [batch[i: i + 1] for i in mine], batch[:, 1:].numel())
-        rt.sync.sync()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        micro = [batch[i: i + 1] for i in state.my_microbatches(6)]
+        train_step(state, micro, batch[:, 1:].numel(), max_norm=None)
     extra = {"model_config": dataclasses.asdict(cfg)}
     save_checkpoint(f"{root}/trained/checkpoints/step_000003", model, opt, extra, step=3,
                     layout=layout.to_dict())

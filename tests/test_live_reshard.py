@@ -1,11 +1,12 @@
 """Live reshard after a lost rank equals, bit for bit, a checkpoint load on the new layout.
 
-Every worker trains two AdamW steps on the old layout (float32) and writes a real sharded checkpoint at
-that step; the lost rank then leaves.  The survivors join the next generation of process groups on the
-same store with their new ranks (policy `ntp`), build the new layout's model from a *different* seed and
-reshard into it from each other's memory.  The reference is a third model on the same new layout loaded
-from the checkpoint with `load_checkpoint` (the restart path): parameters, Adam moments and steps, and
-the optimizer hyperparameters must be identical.
+Every worker trains two AdamW steps on the old layout (float32; ranks built by `assemble`, steps by
+`train_step`) and writes a real sharded checkpoint at that step; the lost rank then leaves.  The
+survivors join the next generation of process groups on the same store with their new ranks (policy
+`ntp`), build the new layout's model from a *different* seed and reshard into it from each other's
+memory.  The reference is a third model on the same new layout loaded from the checkpoint with
+`load_checkpoint` (the restart path): parameters, Adam moments and steps, and the optimizer
+hyperparameters must be identical.
 """
 
 from __future__ import annotations
@@ -18,14 +19,16 @@ import torch
 
 from ntp_nemo.checkpoint import load_checkpoint, save_checkpoint
 from ntp_nemo.models import build_model
+from ntp_nemo.parallel.dist_optimizer import adamw_param_groups
 from ntp_nemo.resilience.live import Holding, NoLiveCopy, live_reshard, plan_reshard
 from ntp_nemo.resilience.policies import make_policy, replan
 from ntp_nemo.resilience.recovery import Generation, recover
 from ntp_nemo.resilience.rendezvous import join, leave, run_elastic
-from ntp_nemo.runtime.assemble import rebind_optimizer
+from ntp_nemo.runtime.assemble import RankState, assemble
+from ntp_nemo.runtime.step import train_step
 from ntp_nemo.topology import ResolvedLayout, Topology
 from ntp_nemo.topology.shard import ShardSpec
-from tests.ntp_cases import GPT, LLAMA, assembled
+from tests.ntp_cases import GPT, LLAMA, OPTIM
 
 SEED, SEQ, GLOBAL_BATCH, LR, STEPS = 7, 8, 6, 1e-2, 2
 
@@ -35,18 +38,17 @@ def _batch(cfg, step: int) -> torch.Tensor:
     return torch.randint(0, cfg.vocab_size, (GLOBAL_BATCH, SEQ + 1), generator=gen)
 
 
-def _setup(layout: ResolvedLayout, rank: int, cfg, seed: int, lr: float):
-    rt, model = assembled(layout, rank, cfg, seed, torch.float32)
-    return rt, model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+def _setup(layout: ResolvedLayout, rank: int, cfg, seed: int, lr: float, keep=None) -> RankState:
+    """Rank `rank` as a run builds it (`assemble`: AdamW with decay and no-decay groups); `keep`: an
+    existing (optimizer, old model) re-pointed at the new parameters, as live recovery does."""
+    return assemble(layout, rank, cfg, {**OPTIM, "lr": lr}, None, seed=seed, param_dtype=torch.float32,
+                    keep=keep)
 
 
-def _train_step(rt, model, opt, cfg, step: int) -> None:
+def _train_step(state: RankState, cfg, step: int, **kwargs):
     toks = _batch(cfg, step)
-    mine = rt.my_microbatches(GLOBAL_BATCH)
-    rt.train_microbatches(model, [toks[i : i + 1] for i in mine], toks[:, 1:].numel())
-    rt.sync.sync()
-    opt.step()
-    opt.zero_grad()
+    micro = [toks[i : i + 1] for i in state.my_microbatches(GLOBAL_BATCH)]
+    return train_step(state, micro, toks[:, 1:].numel(), max_norm=None, **kwargs)
 
 
 def _differences(a_model, a_opt, b_model, b_opt) -> list[str]:
@@ -72,9 +74,18 @@ def reshard_worker(rank, world, store, cfg, tp, replica_tp, pp, failed, path, al
     layer_tp = [tp] * (cfg.num_layers + 2)
     old = ResolvedLayout.make(Topology(tp, replica_tp, layer_tp, pp, shard_align=align))
     join(store, 0, rank, world)
-    rt, model, opt = _setup(old, rank, cfg, SEED, LR)
+    state = _setup(old, rank, cfg, SEED, LR)
+    model = state.model
+    # The run's AdamW is torch's fused one, which rounds an element by where it falls in its tensor
+    # (vectorised body or tail): replicas of different TP degree then hold some elements one unit in the
+    # last place apart, and the checkpoint's writer and the live source of an element may be different
+    # replicas (case pp2-2.1-to-1.1).  The old layout steps with the foreach AdamW over the same groups,
+    # whose rounding is the element's own, so that every replica holds the same bits.
+    o = {**OPTIM, "lr": LR}
+    opt = torch.optim.AdamW(adamw_param_groups(model, o["weight_decay"]), lr=o["lr"],
+                            betas=(o["beta1"], o["beta2"]), eps=o["eps"], foreach=True)
     for step in range(STEPS):
-        _train_step(rt, model, opt, cfg, step)
+        _train_step(state, cfg, step, optimizer=opt)
     save_checkpoint(path, model, opt, {"step": STEPS}, step=STEPS)
     plan = replan(old, failed, make_policy("ntp"))
     leave()
@@ -82,9 +93,11 @@ def reshard_worker(rank, world, store, cfg, tp, replica_tp, pp, failed, path, al
         return None
     new_rank = plan.assignment.index(rank)
     join(store, 1, new_rank, len(plan.assignment))
-    rt2, live_model, live_opt = _setup(plan.new, new_rank, cfg, SEED + 1, lr=0.5)  # every value must move
+    live = _setup(plan.new, new_rank, cfg, SEED + 1, lr=0.5)  # every value must move
+    live_model, live_opt = live.model, live.optimizer
     result = live_reshard(model, opt, live_model, live_opt, old.replica_of(rank))
-    _, ref_model, ref_opt = _setup(plan.new, new_rank, cfg, SEED + 2, lr=0.5)
+    ref = _setup(plan.new, new_rank, cfg, SEED + 2, lr=0.5)
+    ref_model, ref_opt = ref.model, ref.optimizer
     load_checkpoint(path, ref_model, ref_opt)
     return {
         "new_rank": new_rank,
@@ -157,20 +170,20 @@ def _warmup(step: int) -> float:
     return min(1.0, (step + 1) / 4)
 
 
-def _loss_step(rt, model, opt, sched, cfg, step: int, die: bool, phase: str) -> float:
-    toks = _batch(cfg, step)
-    mine = rt.my_microbatches(GLOBAL_BATCH)
-    total = rt.train_microbatches(model, [toks[i : i + 1] for i in mine], toks[:, 1:].numel())
-    if die and phase == "backward":  # gradients computed, the data-parallel sync not started
-        os._exit(137)
-    rt.sync.sync()
-    loss = float(rt.global_sum(total)) / toks[:, 1:].numel()
-    opt.step()
-    opt.zero_grad()
-    sched.step()
+def _loss_step(state: RankState, sched, cfg, step: int, die: bool, phase: str) -> float:
+    backwards = []
+    expected = len(state.my_microbatches(GLOBAL_BATCH))
+
+    def backward(loss: torch.Tensor) -> None:
+        loss.backward()
+        backwards.append(1)
+        if die and phase == "backward" and len(backwards) == expected:
+            os._exit(137)  # gradients computed, the data-parallel sync not started
+
+    result = _train_step(state, cfg, step, scheduler=sched, backward=backward)
     if die and phase == "optimizer":  # the step is complete everywhere; the next one finds the rank gone
         os._exit(137)
-    return loss
+    return result.loss
 
 
 def training_worker(pid, world, store, cfg, tp, replica_tp, kills):
@@ -178,40 +191,41 @@ def training_worker(pid, world, store, cfg, tp, replica_tp, kills):
     gen = Generation.first(ResolvedLayout.make(Topology(tp, replica_tp, layer_tp)))
     join(store, 0, pid, world)
 
-    def build(layout, rank):
-        return _setup(layout, rank, cfg, SEED, LR)
-
     def rebuild(layout, rank):  # the same optimizer object, on the new parameters: the scheduler goes on
-        rt, new_model, _ = build(layout, rank)
-        rebind_optimizer(opt, model, new_model)
-        return SimpleNamespace(runtime=rt, model=new_model, optimizer=opt)
+        return _setup(layout, rank, cfg, SEED, LR, keep=(opt, state.model))
 
-    rt, model, opt = build(gen.layout, pid)
+    state = _setup(gen.layout, pid, cfg, SEED, LR)
+    opt = state.optimizer
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup)
     losses, recoveries, step = {}, [], 0
     while step < TRAIN_STEPS:
         kill = kills.get((step, pid))
         try:
-            losses[step] = _loss_step(rt, model, opt, sched, cfg, step, kill is not None, kill or "")
+            losses[step] = _loss_step(state, sched, cfg, step, kill is not None, kill or "")
             step += 1
         except RuntimeError:  # a peer is gone: gloo reports the closed connection
             try:
-                rec = recover(store, gen, pid, step, (model, opt), rebuild, make_policy("ntp"))
+                rec = recover(store, gen, pid, step, (state.model, opt), rebuild, make_policy("ntp"))
             except NoLiveCopy as err:  # the caller's cue for the restart path
                 return {"fallback": str(err)}
             if rec is None:
                 return None
-            assert rec.optimizer is opt
-            gen, rt, model, step = rec.generation, rec.runtime, rec.model, rec.step
+            assert rec.optimizer is opt and isinstance(rec.state, RankState)
+            gen, state, step = rec.generation, rec.state, rec.step
             recoveries.append({"layout": gen.layout.describe(), "step": step, "failed": rec.failed,
                                "moved": rec.reshard.moved_bytes, "needed": rec.reshard.needed_bytes})
     return losses, recoveries
 
 
 def _reference_losses(cfg) -> list[float]:
-    """The failure-free curve: the unsharded model, whole global batch, same AdamW and LR warmup."""
+    """The failure-free curve, written independently of the runtime: the unsharded model, the whole global
+    batch, `torch.optim.AdamW` with weight decay on the matrices only (as a run's optimizer) and the same
+    LR warmup."""
     model = build_model(cfg, seed=SEED).float()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    params = list(model.parameters())
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=LR, betas=(OPTIM["beta1"], OPTIM["beta2"]), eps=OPTIM["eps"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup)
     out = []
     for step in range(TRAIN_STEPS):

@@ -34,9 +34,10 @@ from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.models import build_model, param_count
 from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.models.families import family, model_shape, names
-from ntp_nemo.runtime.runtime import NTPRuntime
+from ntp_nemo.runtime.assemble import RankState, assemble
+from ntp_nemo.runtime.step import train_step
 from ntp_nemo.topology import ResolvedLayout, Topology
-from tests.ntp_cases import assembled
+from tests.ntp_cases import OPTIM
 from tests.test_hf_export import assert_bit_exact, hf_state
 from tests.test_hf_import import HF_VOCAB, TOL, _one_thread, _rel, hf_logits, tokens
 
@@ -189,41 +190,39 @@ def _batch(step: int) -> torch.Tensor:
     return torch.randint(0, QWEN.vocab_size, (GLOBAL_BATCH, SEQ + 1), generator=gen)
 
 
-def _setup(rank: int, layout: tuple, seed: int, lr: float = LR):
+def _setup(rank: int, layout: tuple, seed: int, lr: float = LR) -> RankState:
+    """Rank `rank` in float64 as a run builds it (`assemble`: model slice, sync, AdamW)."""
     torch.set_num_threads(1)
-    rt, model = assembled(ResolvedLayout.make(Topology(*layout)), rank, QWEN, seed)
-    return rt, model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    return assemble(ResolvedLayout.make(Topology(*layout)), rank, QWEN, {**OPTIM, "lr": lr}, None, seed=seed,
+                    param_dtype=torch.float64)
 
 
-def _train_step(rt: NTPRuntime, model, opt, step: int) -> float:
+def _train_step(state: RankState, step: int) -> float:
     toks = _batch(step)
-    mine = rt.my_microbatches(GLOBAL_BATCH)
-    total = rt.train_microbatches(model, [toks[i: i + 1] for i in mine], toks[:, 1:].numel())
-    rt.sync.sync()
-    opt.step()
-    opt.zero_grad()
-    return float(rt.global_sum(total)) / toks[:, 1:].numel()
+    micro = [toks[i: i + 1] for i in state.my_microbatches(GLOBAL_BATCH)]
+    return train_step(state, micro, toks[:, 1:].numel(), max_norm=None).loss
 
 
 def save_worker(rank: int, world: int, layout: tuple, run_dir: str | None) -> dict:
     """Train STEPS_BEFORE steps, save (when `run_dir`), keep the logits of what was saved, train on."""
-    rt, model, opt = _setup(rank, layout, SEED)
-    losses = [_train_step(rt, model, opt, s) for s in range(STEPS_BEFORE)]
+    state = _setup(rank, layout, SEED)
+    model, opt = state.model, state.optimizer
+    losses = [_train_step(state, s) for s in range(STEPS_BEFORE)]
     if run_dir is not None:
         save_checkpoint(f"{run_dir}/checkpoints/step_{STEPS_BEFORE:06d}", model, opt,
                         {"model_config": dataclasses.asdict(QWEN)}, step=STEPS_BEFORE,
-                        layout=rt.layout.to_dict())
+                        layout=state.layout.to_dict())
     with torch.no_grad():
         logits = model(tokens(QWEN.vocab_size)).numpy().copy()
     bias = model.blocks["0"].attn.v_proj.bias.detach().abs().max().item()
-    losses += [_train_step(rt, model, opt, s) for s in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER)]
+    losses += [_train_step(state, s) for s in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER)]
     return {"losses": losses, "logits": logits, "vocab_start": model.vocab_start, "bias": bias}
 
 
 def load_worker(rank: int, world: int, layout: tuple, ckpt: str) -> list[float]:
-    rt, model, opt = _setup(rank, layout, SEED + 1, lr=0.5)  # every value must come from the checkpoint
-    load_checkpoint(ckpt, model, opt)
-    return [_train_step(rt, model, opt, s) for s in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER)]
+    state = _setup(rank, layout, SEED + 1, lr=0.5)  # every value must come from the checkpoint
+    load_checkpoint(ckpt, state.model, state.optimizer)
+    return [_train_step(state, s) for s in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER)]
 
 
 def _one_process(fn, *args):
