@@ -29,25 +29,44 @@ from ntp_nemo.parallel.overlap import OverlappedGradSync
 FUSED_ADAMW_DEVICES = ("cpu", "cuda")
 
 
-def fused_adamw_supported(model: nn.Module) -> bool:
-    """Every parameter floating-point and on a device of `FUSED_ADAMW_DEVICES`."""
+def fused_adamw_supported(model: nn.Module, same_positions: bool = True) -> bool:
+    """Every parameter floating-point and on a device of `FUSED_ADAMW_DEVICES`, and, on CPU, every copy
+    of an element held at the same position of its tensor (`same_positions`: every replica runs the same
+    TP degree).  torch's fused CPU kernel updates a tensor's vectorised body and its scalar tail with
+    differently rounded arithmetic, so two replicas holding one element at different offsets (an uneven
+    layout: TP 2 and TP 1) would drift apart by units in the last place; the foreach AdamW rounds every
+    position alike.  The CUDA kernel applies the same arithmetic to every element."""
     params = list(model.parameters())
-    return bool(params) and all(p.device.type in FUSED_ADAMW_DEVICES and p.is_floating_point()
-                                for p in params)
+    if not params or not all(p.device.type in FUSED_ADAMW_DEVICES and p.is_floating_point() for p in params):
+        return False
+    return same_positions or all(p.device.type != "cpu" for p in params)
+
+
+def use_fused_adamw(optimizer: torch.optim.Optimizer, model: nn.Module, same_positions: bool) -> None:
+    """Switch a plain AdamW between its fused and foreach kernels for `model` on a new layout (a live
+    reshard into or out of an uneven layout); the state (steps, moments) is the same for both."""
+    if isinstance(optimizer, torch.optim.AdamW):
+        fused = fused_adamw_supported(model, same_positions)
+        for group in optimizer.param_groups:
+            group["fused"], group["foreach"] = (True, None) if fused else (None, None)
+        optimizer.defaults["fused"] = True if fused else None
 
 
 def build_optimizer(model: nn.Module, sync: GradientSynchronizer, *, lr: float, betas: tuple[float, float],
-                    eps: float, weight_decay: float, distributed: bool = False) -> torch.optim.Optimizer:
+                    eps: float, weight_decay: float, distributed: bool = False,
+                    same_positions: bool = True) -> torch.optim.Optimizer:
     """AdamW with the decay (matrices) / no-decay (vectors) groups; sharded when `distributed`.
 
     The plain AdamW is torch's fused one (one kernel per parameter group instead of a dozen foreach
-    passes; ~4x less optimizer CPU time on this machine) where the device has it: it reorders the
-    update's arithmetic, so its parameters differ from the foreach AdamW's by rounding (a few units in the
-    last place over 5 steps: float64 within 1e-14, float32 within 1e-5, relative; the test pins it)."""
+    passes; ~4x less optimizer CPU time on this machine) where the device has it and, on CPU, where every
+    replica holds an element at the same position (`same_positions`, see `fused_adamw_supported`): it
+    reorders the update's arithmetic, so its parameters differ from the foreach AdamW's by rounding (a
+    few units in the last place over 5 steps: float64 within 1e-14, float32 within 1e-5, relative; the
+    test pins it)."""
     groups = adamw_param_groups(model, weight_decay)
     if not distributed:
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps,
-                                 fused=True if fused_adamw_supported(model) else None)
+                                 fused=True if fused_adamw_supported(model, same_positions) else None)
     return DistributedAdamW(model, sync.plan, sync.group_of, groups, lr=lr, betas=betas, eps=eps,
                             weight_decay=weight_decay, bucket_bytes=sync.bucket_bytes,
                             world_group=getattr(sync, "world_group", None),

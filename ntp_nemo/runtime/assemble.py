@@ -16,7 +16,7 @@ from torch import nn
 
 from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.parallel.grad_sync import SyncPlan
-from ntp_nemo.parallel.step_path import GradientPath, build_optimizer
+from ntp_nemo.parallel.step_path import GradientPath, build_optimizer, use_fused_adamw
 from ntp_nemo.runtime.runtime import NTPRuntime, RankPlace
 from ntp_nemo.topology.layout import ResolvedLayout
 
@@ -83,14 +83,18 @@ def assemble(
         model = place.build_model(model_cfg, seed, param_dtype, initialize=initialize)
     runtime = NTPRuntime(place, model, bucket_mb=bucket_mb, plan=sync_plan)
     sync = runtime.sync
+    # Every replica at one TP degree: each element's copies sit at the same position of their tensors.
+    same_positions = len(set(layout.replica_tp)) == 1
     if keep is not None:
         optimizer, old_model = keep
         rebind_optimizer(optimizer, old_model, model)
+        use_fused_adamw(optimizer, model, same_positions)
     else:
         o = optim_cfg
         optimizer = build_optimizer(model, sync, lr=o["lr"], betas=(o["beta1"], o["beta2"]), eps=o["eps"],
                                     weight_decay=o["weight_decay"],
-                                    distributed=bool(o.get("distributed", False)))
+                                    distributed=bool(o.get("distributed", False)),
+                                    same_positions=same_positions)
     grad_path = GradientPath(model, sync, optimizer, overlap=overlap_grad_sync)
     return RankState(layout, rank, runtime, model, optimizer, grad_path)
 
