@@ -23,7 +23,8 @@ OPTIM = {"lr": 3e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0
 def _worker(rank: int, world: int, replica_tp: list[int]) -> dict:
     torch.set_num_threads(1)
     tp = max(replica_tp)
-    layout = ResolvedLayout.make(Topology(tp, replica_tp, [tp] * (GPT.num_layers + 2)), num_microbatches=BATCH)
+    topology = Topology(tp, replica_tp, [tp] * (GPT.num_layers + 2))
+    layout = ResolvedLayout.make(topology, num_microbatches=BATCH)
     state = assemble(layout, rank, GPT, OPTIM, "cpu", seed=SEED, param_dtype=torch.float32)
     for step in range(STEPS):
         gen = torch.Generator().manual_seed(step)
