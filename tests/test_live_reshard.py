@@ -19,7 +19,6 @@ import torch
 
 from ntp_nemo.checkpoint import load_checkpoint, save_checkpoint
 from ntp_nemo.models import build_model
-from ntp_nemo.parallel.dist_optimizer import adamw_param_groups
 from ntp_nemo.resilience.live import Holding, NoLiveCopy, live_reshard, plan_reshard
 from ntp_nemo.resilience.policies import make_policy, replan
 from ntp_nemo.resilience.recovery import Generation, recover
@@ -75,17 +74,12 @@ def reshard_worker(rank, world, store, cfg, tp, replica_tp, pp, failed, path, al
     old = ResolvedLayout.make(Topology(tp, replica_tp, layer_tp, pp, shard_align=align))
     join(store, 0, rank, world)
     state = _setup(old, rank, cfg, SEED, LR)
-    model = state.model
-    # The run's AdamW is torch's fused one, which rounds an element by where it falls in its tensor
-    # (vectorised body or tail): replicas of different TP degree then hold some elements one unit in the
-    # last place apart, and the checkpoint's writer and the live source of an element may be different
-    # replicas (case pp2-2.1-to-1.1).  The old layout steps with the foreach AdamW over the same groups,
-    # whose rounding is the element's own, so that every replica holds the same bits.
-    o = {**OPTIM, "lr": LR}
-    opt = torch.optim.AdamW(adamw_param_groups(model, o["weight_decay"]), lr=o["lr"],
-                            betas=(o["beta1"], o["beta2"]), eps=o["eps"], foreach=True)
+    model, opt = state.model, state.optimizer
+    # The checkpoint's writer and the live source of an element may be different replicas (case
+    # pp2-2.1-to-1.1): the run's optimizer keeps every replica's copy bit for bit (on an uneven CPU layout
+    # the foreach AdamW, tests/test_replica_bits.py).
     for step in range(STEPS):
-        _train_step(state, cfg, step, optimizer=opt)
+        _train_step(state, cfg, step)
     save_checkpoint(path, model, opt, {"step": STEPS}, step=STEPS)
     plan = replan(old, failed, make_policy("ntp"))
     leave()
