@@ -304,8 +304,11 @@ def test_every_batch_script_activates_the_environment_and_tells_a_time_limit_sto
     for script in scripts:
         assert re.search(r"^source \S+/bin/activate", script, flags=re.M)
         assert "--signal=B:USR1@" in script and "--requeue" in script
-        assert "CODE=78" in script and "scontrol requeue" in script
+        # ntp-train (and ntp-coordinator) exit 78 after a time-limit stop that saved its checkpoint
+        # (test_resume_cli): the script requeues on that code.
+        requeue = [line for line in script.splitlines() if "scontrol requeue" in line]
+        assert requeue and all("78" in line for line in requeue), requeue
         args = re.search(r'^ARGS="([^"]*)"', script, flags=re.M).group(1)
         assert "data.path=/shared/" in args and "hydra.run.dir=/shared/" in args
-    text = (ROOT / "README.md").read_text()
+    text = " ".join((ROOT / "README.md").read_text().split())  # the prose, whatever its line breaks
     assert "78 stopped at the time limit" in text
