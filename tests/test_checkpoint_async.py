@@ -24,11 +24,12 @@ def _max_diff(a: dict, b: dict) -> float:
 
 def async_worker(rank, world, layout, directory):
     torch.set_num_threads(1)
-    rt, model, opt = _setup(rank, layout, LLAMA, 7, torch.float32)
+    state = _setup(rank, layout, LLAMA, 7, torch.float32)
+    model, opt = state.model, state.optimizer
     saver = AsyncCheckpointSaver()
     at_save = {}
     for step in range(1, 4):
-        _train_step(rt, model, opt, LLAMA, step - 1)
+        _train_step(state, LLAMA, step - 1)
         if step < 3:
             at_save[step] = _slices(model, opt)
             path = f"{directory}/{checkpoint_name(step)}"
@@ -43,7 +44,8 @@ def async_worker(rank, world, layout, directory):
             # Training (and its collectives) goes on at once; the next save waits for this one.
     committed = saver.wait()
     saver.close()
-    _, fresh, fresh_opt = _setup(rank, layout, LLAMA, 8, torch.float32)
+    fresh_state = _setup(rank, layout, LLAMA, 8, torch.float32)
+    fresh, fresh_opt = fresh_state.model, fresh_state.optimizer
     extra = load_checkpoint(committed, fresh, fresh_opt)
     diff = _max_diff(_slices(fresh, fresh_opt), at_save[2])
     return str(committed), diff, extra, is_valid_checkpoint(f"{directory}/{checkpoint_name(1)}")
@@ -73,14 +75,15 @@ def _killed_while_writing(directory: str) -> None:
     import ntp_nemo.checkpoint.storage as storage
 
     torch.set_num_threads(1)
-    rt, model, opt = _setup(0, (1, [1], [1] * 4), LLAMA, 7, torch.float32)
+    state = _setup(0, (1, [1], [1] * 4), LLAMA, 7, torch.float32)
+    model, opt = state.model, state.optimizer
     saver = AsyncCheckpointSaver()
-    _train_step(rt, model, opt, LLAMA, 0)
+    _train_step(state, LLAMA, 0)
     saver.save(f"{directory}/{checkpoint_name(1)}", model, opt, {"step": 1}, step=1)
     saver.wait()
     flat = np.concatenate([p.detach().numpy().ravel() for p in model.parameters()])
     np.save(f"{directory}/step1.npy", flat)
-    _train_step(rt, model, opt, LLAMA, 1)
+    _train_step(state, LLAMA, 1)
     write_file = storage._write_file
     started = Path(directory) / "writing"
 
@@ -111,7 +114,7 @@ def test_kill_during_background_write_keeps_the_previous_checkpoint(tmp_path):
         warnings.simplefilter("always")
         assert latest_valid_checkpoint(tmp_path) == tmp_path / checkpoint_name(1)  # ...and ignored
     assert caught == []
-    model = _setup(0, (1, [1], [1] * 4), LLAMA, 8, torch.float32)[1]
+    model = _setup(0, (1, [1], [1] * 4), LLAMA, 8, torch.float32).model
     assert load_checkpoint(tmp_path / checkpoint_name(1), model) == {"step": 1}
     got = np.concatenate([p.detach().numpy().ravel() for p in model.parameters()])
     assert np.array_equal(got, np.load(tmp_path / "step1.npy"))
@@ -149,33 +152,36 @@ def test_optimizer_step_right_after_save_waits_for_the_staging(tmp_path, monkeyp
     state at `save`, bit for bit (the step waited for the deferred copy)."""
     torch.set_num_threads(1)
     finished = _slow_staging(monkeypatch)
-    rt, model, opt = _setup(0, (1, [1], [1] * 4), LLAMA, 7, torch.float32)
-    _train_step(rt, model, opt, LLAMA, 0)
+    state = _setup(0, (1, [1], [1] * 4), LLAMA, 7, torch.float32)
+    model, opt = state.model, state.optimizer
+    _train_step(state, LLAMA, 0)
     saver = AsyncCheckpointSaver()
     at_save = _flat(model, opt)
     saver.save(tmp_path / checkpoint_name(1), model, opt, {"step": 1}, step=1)
     assert saver.in_flight and not finished  # save returned before the copy
-    _train_step(rt, model, opt, LLAMA, 1)  # forward, backward, then the step waits for the copy
+    _train_step(state, LLAMA, 1)  # forward, backward, then the step waits for the copy
     stepped = time.perf_counter()
     assert finished and finished[0] <= stepped and saver.guard_wait_s > 0.1
     after_step = _flat(model, opt)
     assert not _equal(after_step, at_save)
     saver.close()
-    _, fresh, fresh_opt = _setup(0, (1, [1], [1] * 4), LLAMA, 8, torch.float32)
+    fresh_state = _setup(0, (1, [1], [1] * 4), LLAMA, 8, torch.float32)
+    fresh, fresh_opt = fresh_state.model, fresh_state.optimizer
     assert load_checkpoint(tmp_path / checkpoint_name(1), fresh, fresh_opt) == {"step": 1}
     assert _equal(_flat(fresh, fresh_opt), at_save)
 
 
 def test_step_guard_is_installed_once_moved_and_removed(tmp_path):
     torch.set_num_threads(1)
-    rt, model, opt = _setup(0, (1, [1], [1] * 4), LLAMA, 7, torch.float32)
-    _train_step(rt, model, opt, LLAMA, 0)
+    state = _setup(0, (1, [1], [1] * 4), LLAMA, 7, torch.float32)
+    model, opt = state.model, state.optimizer
+    _train_step(state, LLAMA, 0)
     saver = AsyncCheckpointSaver()
     for step in (1, 2):  # one hook for every save with the same optimizer
         saver.save(tmp_path / checkpoint_name(step), model, opt, {"step": step}, step=step)
         assert len(opt._optimizer_step_pre_hooks) == 1 and saver.guarded_optimizer is opt
     saver.wait()
-    _train_step(rt, model, opt, LLAMA, 1)  # staged and committed: the step does not wait
+    _train_step(state, LLAMA, 1)  # staged and committed: the step does not wait
     assert saver.guard_wait_s == 0.0
     other = torch.optim.AdamW(model.parameters(), lr=1e-3)
     saver.save(tmp_path / checkpoint_name(3), model, other, {"step": 3}, step=3)
@@ -192,7 +198,7 @@ def test_step_guard_is_installed_once_moved_and_removed(tmp_path):
 def test_model_only_save_copies_at_once(tmp_path):
     """Without an optimizer to hold, `save` copies before it returns: the caller may change the weights."""
     torch.set_num_threads(1)
-    _, model, _ = _setup(0, (1, [1], [1] * 4), LLAMA, 7, torch.float32)
+    model = _setup(0, (1, [1], [1] * 4), LLAMA, 7, torch.float32).model
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     saver = AsyncCheckpointSaver()
     saver.save(tmp_path / checkpoint_name(1), model, None, {"step": 1}, step=1)
@@ -200,7 +206,7 @@ def test_model_only_save_copies_at_once(tmp_path):
         for p in model.parameters():
             p.add_(1.0)
     saver.close()
-    _, fresh, _ = _setup(0, (1, [1], [1] * 4), LLAMA, 8, torch.float32)
+    fresh = _setup(0, (1, [1], [1] * 4), LLAMA, 8, torch.float32).model
     load_checkpoint(tmp_path / checkpoint_name(1), fresh)
     assert all(torch.equal(p, before[n]) for n, p in fresh.named_parameters())
 
@@ -208,18 +214,20 @@ def test_model_only_save_copies_at_once(tmp_path):
 def test_load_waits_for_the_staging_of_a_save_in_flight(tmp_path, monkeypatch):
     """A load overwrites parameters and moments in place: it waits until the save in flight copied them."""
     torch.set_num_threads(1)
-    rt, model, opt = _setup(0, (1, [1], [1] * 4), LLAMA, 7, torch.float32)
-    _train_step(rt, model, opt, LLAMA, 0)
+    state = _setup(0, (1, [1], [1] * 4), LLAMA, 7, torch.float32)
+    model, opt = state.model, state.optimizer
+    _train_step(state, LLAMA, 0)
     saver = AsyncCheckpointSaver()
     saver.save(tmp_path / checkpoint_name(1), model, opt, {"step": 1}, step=1)
     saver.wait()
-    _train_step(rt, model, opt, LLAMA, 1)
+    _train_step(state, LLAMA, 1)
     at_save = _flat(model, opt)
     finished = _slow_staging(monkeypatch)
     saver.save(tmp_path / checkpoint_name(2), model, opt, {"step": 2}, step=2)
     load_checkpoint(tmp_path / checkpoint_name(1), model, opt, saver=saver)  # back to step 1, in place
     assert finished
     saver.close()
-    _, fresh, fresh_opt = _setup(0, (1, [1], [1] * 4), LLAMA, 8, torch.float32)
+    fresh_state = _setup(0, (1, [1], [1] * 4), LLAMA, 8, torch.float32)
+    fresh, fresh_opt = fresh_state.model, fresh_state.optimizer
     load_checkpoint(tmp_path / checkpoint_name(2), fresh, fresh_opt)
     assert _equal(_flat(fresh, fresh_opt), at_save) and not _equal(_flat(model, opt), at_save)

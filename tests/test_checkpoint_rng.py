@@ -24,20 +24,22 @@ def _straight(rank, world, path):
     torch.manual_seed(123)
     np.random.seed(5)
     random.seed(5)
-    rt, model, opt = _setup(rank, LAYOUT, DROPOUT, 7, torch.float32)
+    state = _setup(rank, LAYOUT, DROPOUT, 7, torch.float32)
+    model, opt = state.model, state.optimizer
     for step in range(2):
-        _train_step(rt, model, opt, DROPOUT, step)
+        _train_step(state, DROPOUT, step)
     save_checkpoint(path, model, opt, {"step": 2}, step=2, layout={"replica_tp": [2]})
-    state = rng_state()
+    rng = rng_state()
     draws = (float(torch.rand(())), float(np.random.rand()), random.random())
-    set_rng_state(state)
-    return [_train_step(rt, model, opt, DROPOUT, s) for s in (2, 3)], draws
+    set_rng_state(rng)
+    return [_train_step(state, DROPOUT, s) for s in (2, 3)], draws
 
 
 def _resumed(rank, world, path, restore):
     torch.set_num_threads(1)
     torch.manual_seed(999)  # another state: only the checkpoint can give the right masks
-    rt, model, opt = _setup(rank, LAYOUT, DROPOUT, 8, torch.float32)
+    state = _setup(rank, LAYOUT, DROPOUT, 8, torch.float32)
+    model, opt = state.model, state.optimizer
     loaded = load(path, model, opt)
     if restore:
         set_rng_state(loaded.rng[rank])
@@ -45,7 +47,7 @@ def _resumed(rank, world, path, restore):
         set_rng_state(loaded.rng[rank])
     else:
         draws = None
-    return [_train_step(rt, model, opt, DROPOUT, s) for s in (2, 3)], draws
+    return [_train_step(state, DROPOUT, s) for s in (2, 3)], draws
 
 
 def test_dropout_run_resumes_bit_exactly(tmp_path):
