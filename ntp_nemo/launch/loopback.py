@@ -33,13 +33,15 @@ def loopback_listener(port: int = 0) -> socket.socket:
     return sock
 
 
-def host_loopback_store(port: int = 0, *, timeout_s: float = 300.0,
-                        multi_tenant: bool = False) -> dist.TCPStore:
+def host_loopback_store(port: int = 0, *, timeout_s: float = 300.0, multi_tenant: bool = False,
+                        listener: socket.socket | None = None) -> dist.TCPStore:
     """A `TCPStore` server reachable from this machine only, on `port` (0: a free one; read `.port`).
 
+    `listener`: a socket from `loopback_listener` to serve on instead (a port held since before the
+    workers were forked: nothing else can take it meanwhile; the server thread starts only here).
     With `multi_tenant`, a later `TCPStore(..., port, is_master=True, multi_tenant=True)` in this process
     (torch's own env:// rendezvous) serves from this server instead of binding every interface itself."""
-    sock = loopback_listener(port)
+    sock = listener if listener is not None else loopback_listener(port)
     bound = sock.getsockname()[1]
     return dist.TCPStore(LOOPBACK, bound, is_master=True, wait_for_workers=False,
                          timeout=timedelta(seconds=timeout_s), multi_tenant=multi_tenant,

@@ -49,12 +49,12 @@ from ntp_nemo.resilience.rendezvous import (
     SEAL_KEY,
     connect,
     decide_rejoin,
-    free_port,
     host_store,
     is_ready,
     local_secret,
     publish_failed,
     publish_rejoin,
+    reserve_port,
     seal_intact,
     seal_store,
 )
@@ -100,7 +100,7 @@ class LiveLauncher(ForkLauncher):
         self.forget_workers()
 
     def _launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        port, self.secret = free_port(), local_secret()
+        (listener, port), self.secret = reserve_port(), local_secret()  # the port is the job's from here
         # An earlier attempt's store may still sit in unreachable objects (a trainer's reference cycles):
         # collect it here, where its server thread lives, not in a worker's garbage collection after the
         # fork (its destructor would wait forever there for a thread the fork did not copy).
@@ -110,7 +110,7 @@ class LiveLauncher(ForkLauncher):
             process_context = self.start_workers(function, args, kwargs, trainer)
             self.port = port
             # after the fork: no server thread is copied into a worker
-            store = JobStore(host_store(port), self.secret)
+            store = JobStore(host_store(listener=listener), self.secret)
             self.seal = seal_store(store)  # the monitor checks that the job's keys stay its own
             self.store = store
             # Until every process has exited, including repaired ones started meanwhile in place of a

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ntp_nemo.launch.loopback import LOOPBACK, host_loopback_store
+from ntp_nemo.launch.loopback import LOOPBACK, host_loopback_store, loopback_listener
 from ntp_nemo.resilience.nccl_abort import abort_generation, prepare_nccl_env, uses_nccl
 from ntp_nemo.resilience.sockets import sever
 from ntp_nemo.resilience.store_auth import (
@@ -41,9 +41,20 @@ from ntp_nemo.resilience.store_auth import (
 STORE_HOST = LOOPBACK
 
 
-def host_store(port: int = 0, timeout_s: float = 300.0) -> dist.TCPStore:
-    """The launcher's store (server side, reachable from this machine only), on `port` (0: a free one)."""
-    return host_loopback_store(port, timeout_s=timeout_s)
+def host_store(port: int = 0, timeout_s: float = 300.0,
+               listener: socket.socket | None = None) -> dist.TCPStore:
+    """The launcher's store (server side, reachable from this machine only), on `port` (0: a free one), or
+    on `listener` (`reserve_port`: a port held since before the workers were forked)."""
+    return host_loopback_store(port, timeout_s=timeout_s, listener=listener)
+
+
+def reserve_port() -> tuple[socket.socket, int]:
+    """A loopback listening socket and its port, for a store whose server starts after the workers are
+    forked (its server thread must not exist in a fork): the port is held from now on, so neither the
+    workers' own gloo sockets nor another job can take it in between, as they could a port found free
+    and left unbound (`free_port`: "Address already in use" when the launcher then bound it)."""
+    sock = loopback_listener(0)
+    return sock, sock.getsockname()[1]
 
 
 def free_port() -> int:
@@ -240,12 +251,12 @@ def run_elastic(fn: Callable[..., Any], world_size: int, *args: Any, watch: bool
     ctx = mp.get_context("fork")
     gc.collect()  # earlier unreachable stores are destroyed here, where their server threads run
     queue = ctx.SimpleQueue()
-    port, store, secret = free_port(), None, local_secret()
+    (listener, port), store, secret = reserve_port(), None, local_secret()
     procs = [ctx.Process(target=_worker, args=(r, fn, world_size, port, secret, queue, args))
              for r in range(world_size)]
     for p in procs:
         p.start()
-    store = JobStore(host_store(port, timeout_s), secret)  # the workers' connections wait for it
+    store = JobStore(host_store(timeout_s=timeout_s, listener=listener), secret)  # connections wait for it
     results: dict[int, Any] = {}
     errors: list[str] = []
     finished: set[int] = set()
