@@ -189,17 +189,15 @@ def _training_loop(cfg, layout, root, repeat, window, batch, seq):
     save window, wait for the commit (untimed).  Returns the first step's and the whole window's
     wall time of the save-free windows, and per saver and save window: the save() call (wall, CPU),
     the guard's wait in the next optimizer step, the first step's and the window's wall time."""
+    from ntp_nemo.runtime.step import train_step as one_step
+
     state = assemble(ResolvedLayout.make(Topology(*layout)), 0, cfg, OPTIM, None, seed=0)
-    rt, model = state.runtime, state.model
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, opt = state.model, state.optimizer  # the run's AdamW (lr 1e-4, no decay)
     toks = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
 
     def train_step() -> float:
         t0 = time.perf_counter()
-        rt.train_microbatches(model, [toks], toks[:, 1:].numel())
-        rt.sync.sync()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
+        one_step(state, [toks], toks[:, 1:].numel(), max_norm=None)
         return time.perf_counter() - t0
 
     savers = {"deferred": AsyncCheckpointSaver(),  # as shipped

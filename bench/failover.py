@@ -185,6 +185,7 @@ def _harness_worker(pid, world, store, mode, model_cfg, layout, first_step, step
     from ntp_nemo.resilience.recovery import Generation, recover
     from ntp_nemo.resilience.rendezvous import join
     from ntp_nemo.runtime.assemble import assemble
+    from ntp_nemo.runtime.step import train_step
 
     optim = {"lr": lr, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.1}
 
@@ -195,12 +196,28 @@ def _harness_worker(pid, world, store, mode, model_cfg, layout, first_step, step
                         make_model=None if init else (
                             lambda rt: rt.build_model(model_cfg, 1234, torch.float32, initialize=False)))
 
+    def dying_backward(state, n):
+        """`loss.backward()` for each of the step's `n` micro-batches; after the last one (before the
+        gradient sync) record what the process held and die."""
+        done = [0]
+
+        def backward(loss):
+            loss.backward()
+            done[0] += 1
+            if done[0] == n:
+                held = sum(t.tensor.numel() * t.tensor.element_size()
+                           for t in sharded_state(state.model, state.optimizer).values())
+                Path(out_dir, "held_1.json").write_text(json.dumps(held))
+                Path(out_dir, "fault_t.json").write_text(json.dumps(time.time()))
+                os._exit(137)
+
+        return backward
+
     gen = Generation.first(layout)
     join(store, 0, pid, world)
-    first = build(layout, pid)
-    rt, model, opt = first.runtime, first.model, first.optimizer
+    state = build(layout, pid)
     if resume:
-        load_checkpoint(resume, model, opt)
+        load_checkpoint(resume, state.model, state.optimizer)
     records, recoveries, step = [], [], first_step
     dies = mode != "none" and pid == 1 and not resume
     while step < steps:
@@ -208,26 +225,17 @@ def _harness_worker(pid, world, store, mode, model_cfg, layout, first_step, step
         try:
             gen_tok = torch.Generator().manual_seed(1000 + step)
             toks = torch.randint(0, model_cfg.vocab_size, (batch, seq + 1), generator=gen_tok)
-            mine = rt.my_microbatches(batch)
-            total = rt.train_microbatches(model, [toks[i : i + 1] for i in mine], toks[:, 1:].numel())
-            if dies and step == fail_step:
-                held = sum(t.tensor.numel() * t.tensor.element_size()
-                           for t in sharded_state(model, opt).values())
-                Path(out_dir, "held_1.json").write_text(json.dumps(held))
-                Path(out_dir, "fault_t.json").write_text(json.dumps(time.time()))
-                os._exit(137)
-            rt.sync.sync()
-            loss = float(rt.global_sum(total)) / toks[:, 1:].numel()
-            opt.step()
-            opt.zero_grad()
+            micro = [toks[i : i + 1] for i in state.my_microbatches(batch)]
+            backward = dying_backward(state, len(micro)) if dies and step == fail_step else None
+            loss = train_step(state, micro, toks[:, 1:].numel(), max_norm=None, backward=backward).loss
         except RuntimeError:
             if mode == "restart":  # the supervisor's answer: every worker stops
                 return {"records": records, "stopped_at": step}
-            rec = recover(store, gen, pid, step, (model, opt), lambda lay, r: build(lay, r, init=False),
-                          make_policy("ntp"))
+            rec = recover(store, gen, pid, step, (state.model, state.optimizer),
+                          lambda lay, r: build(lay, r, init=False), make_policy("ntp"))
             if rec is None:
                 return None
-            gen, rt, model, opt, step = rec.generation, rec.runtime, rec.model, rec.optimizer, rec.step
+            gen, state, step = rec.generation, rec.state, rec.step
             recoveries.append({"detect_t": rec.detect_t, "reshard_s": rec.seconds, "step": step,
                                "phases": rec.phases,
                                "moved": rec.reshard.moved_bytes, "needed": rec.reshard.needed_bytes,
@@ -237,7 +245,8 @@ def _harness_worker(pid, world, store, mode, model_cfg, layout, first_step, step
         step += 1
         if mode == "restart" and every and step % every == 0:
             t_save = time.time()
-            save_checkpoint(Path(out_dir, f"step_{step:06d}"), model, opt, {"step": step}, step=step)
+            save_checkpoint(Path(out_dir, f"step_{step:06d}"), state.model, state.optimizer, {"step": step},
+                            step=step)
             records[-1]["save_s"] = time.time() - t_save
     return {"records": records, "recoveries": recoveries}
 
