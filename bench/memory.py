@@ -40,6 +40,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import time
 import weakref
 
 import torch
@@ -156,6 +157,19 @@ def _flat_tensors(obj) -> list[torch.Tensor]:
     return []
 
 
+def _held_after(meter: LiveBytes, settle_s: float = 2.0) -> int:
+    """Bytes the snapshot still holds once it is gone: what is referenced after a collection counts (a
+    reference cycle's tensors go at one).  The byte tensors of `all_gather_object` are released by the
+    process group's own thread shortly after the collective returns (its work object drops them then):
+    they are waited for, at most `settle_s`, so that what is counted is what the save keeps."""
+    deadline = time.monotonic() + settle_s
+    gc.collect()
+    while meter.live and time.monotonic() < deadline:
+        time.sleep(0.01)
+        gc.collect()
+    return meter.live
+
+
 def save_memory_worker(rank: int, world: int, cfg: ModelConfig, replica_tp: list[int],
                        bucket_mb: float = 25.0) -> dict:
     """Per optimizer kind: (device state bytes, extra bytes the snapshot allocates at its peak on the
@@ -182,9 +196,9 @@ def save_memory_worker(rank: int, world: int, cfg: ModelConfig, replica_tp: list
         with meter:
             snap = take_snapshot(model, opt)
             del snap
-            gc.collect()  # what is still referenced counts; a reference cycle's tensors go at a collection
+            held = _held_after(meter)
         out["distributed" if distributed else "plain"] = {"state": state, "save_extra": meter.peak,
-                                                          "held_after": meter.live}
+                                                          "held_after": held}
     return out
 
 

@@ -128,11 +128,13 @@ class _StoreProbe:
                         "rewrote the job's coordination keys")
         except Exception:  # noqa: BLE001 - a store that does not answer is silent, not wiped
             return None
-        grown = resident_mb() - self._rss0
+        now = resident_mb()
+        self._rss0 = min(self._rss0, now)  # from the least it held: memory freed since must not hide a flood
+        grown = now - self._rss0
         if grown > self._growth_mb:
-            return (f"it was flooded: the coordinator, which hosts it, grew by {grown:.0f} MiB since it "
-                    f"started (bound {self._growth_mb:.0f} MiB; the job's own keys take a few KiB): "
-                    "something else that reaches the store's port is writing to it")
+            return (f"it was flooded: the coordinator, which hosts it, grew by {grown:.0f} MiB over the "
+                    f"least it held since it started (bound {self._growth_mb:.0f} MiB; the job's own keys "
+                    "take a few KiB): something else that reaches the store's port is writing to it")
         return None
 
     def silent_s(self, now: float) -> float:
