@@ -18,7 +18,6 @@ and then handled as a lost one.  The workers' side is `live_worker.py`.
 from __future__ import annotations
 
 import gc
-import os
 import sys
 import threading
 import time
@@ -55,6 +54,7 @@ from ntp_nemo.resilience.rendezvous import (
     publish_failed,
     publish_rejoin,
     reserve_port,
+    resident_mb,
     seal_intact,
     seal_store,
 )
@@ -139,15 +139,6 @@ class LiveLauncher(ForkLauncher):
 STORE_GROWTH_MB = 512.0  # growth of the store-hosting process that counts as a flood of its store
 
 
-def resident_mb() -> float:
-    """This process's resident memory in MiB (Linux /proc; 0 where it cannot be read)."""
-    try:
-        pages = int(open("/proc/self/statm").read().split()[1])
-    except (OSError, ValueError, IndexError):
-        return 0.0
-    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
 class LiveMonitor(threading.Thread):
     """Watches the workers of a live attempt: a lost one is published on the store for the survivors;
     survivors falling back, a lost process 0 or a Python error in a worker stop the attempt."""
@@ -179,7 +170,7 @@ class LiveMonitor(threading.Thread):
         self._rejoin: dict | None = None  # the announced rejoin awaiting the launcher's decision
         self._sealed_t = 0.0  # when the store's seal was last checked
         self.store_growth_mb = float(store_growth_mb)
-        self._rss0: float | None = None  # this process's resident memory when the monitor started
+        self._rss0: float | None = None  # the least resident memory of this process since the monitor started
         self._attempts = 0  # rejoins announced so far (each one's number keys its ready marks)
         # When the last change of generation began (a loss published, a rejoin announced): a beat written
         # before it is aged from it, so that no survivor is judged hung by a beat of the step the failure
@@ -282,13 +273,14 @@ class LiveMonitor(threading.Thread):
                                f"the job's coordination keys vanished or changed under it (its seal "
                                f"{SEAL_KEY!r} on the job's store, hosted by this process, is gone or "
                                "different): something else deleted or overwrote them")
-            grown = resident_mb() - (self._rss0 if self._rss0 is not None else resident_mb())
+            rss = resident_mb()
+            self._rss0 = rss if self._rss0 is None else min(self._rss0, rss)  # freed memory hides no flood
+            grown = rss - self._rss0
             if grown > self.store_growth_mb:
                 return Verdict("store flooded", (), None, now,  # supervisor.STORE_FLOODED
-                               f"the process hosting the job's store grew by {grown:.0f} MiB since the "
-                               f"launch (bound {self.store_growth_mb:.0f} MiB; the job's own keys take a few "
-                               "KiB): "
-                               "something else is writing to the store")
+                               f"the process hosting the job's store grew by {grown:.0f} MiB over the least "
+                               f"it held since the launch (bound {self.store_growth_mb:.0f} MiB; the job's "
+                               "own keys take a few KiB): something else is writing to the store")
         if self.timeouts is None or self.heartbeat_dir is None:
             return None
         beats = read_beats(self.heartbeat_dir, self.world_size)
