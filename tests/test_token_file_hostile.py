@@ -144,3 +144,25 @@ def test_cli_out_of_range_ids_exit_2_before_any_worker(tmp_path):
     assert proc.returncode == 2, out[-3000:]
     assert "Traceback" not in out and "IndexError" not in out
     assert str(path) in proc.stderr and "60000" in proc.stderr
+
+
+def test_export_refuses_a_tokenizer_config_that_is_not_a_json_object(tmp_path):
+    """`ntp-export` adds the end-of-document token to the copied `tokenizer_config.json`: a file that the
+    tokenizer's loader accepts but that is not an object (a list) is a config error naming it, not an
+    AttributeError; a bounded object is exported with the token added."""
+    from ntp_nemo.hf.export import RunTokenizer, write_tokenizer_files
+
+    tok = make_tokenizer_json(tmp_path / "tok")
+    (tok.parent / "tokenizer_config.json").write_text("[1, 2]")
+    (tmp_path / "out").mkdir()
+    with pytest.raises(ConfigError) as err:
+        write_tokenizer_files(RunTokenizer(str(tok), eos_token="<|endoftext|>"), tmp_path / "out")
+    assert err.value.key == "RUN_DIR_OR_CHECKPOINT"
+    assert str(tok.parent / "tokenizer_config.json") in str(err.value)
+    assert "not a JSON object" in str(err.value) and "--no-tokenizer" in str(err.value)
+    (tok.parent / "tokenizer_config.json").write_text('{"model_max_length": 64}')
+    (tmp_path / "ok").mkdir()
+    names, _ = write_tokenizer_files(RunTokenizer(str(tok), eos_token="<|endoftext|>"), tmp_path / "ok")
+    written = json.loads((tmp_path / "ok" / "tokenizer_config.json").read_text())
+    assert "tokenizer_config.json" in names
+    assert written == {"model_max_length": 64, "eos_token": "<|endoftext|>"}, written

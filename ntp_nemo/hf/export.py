@@ -110,8 +110,8 @@ def write_tokenizer_files(run_tok: RunTokenizer, out: Path) -> tuple[list[str], 
     shutil.copyfile(found, out / "tokenizer.json")
     names.insert(0, "tokenizer.json")
     config_path = out / "tokenizer_config.json"
-    config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {
-        "tokenizer_class": "PreTrainedTokenizerFast"}
+    config = _tokenizer_config(config_path, found.parent / "tokenizer_config.json") if config_path.is_file() \
+        else {"tokenizer_class": "PreTrainedTokenizerFast"}
     eos = tok.id_to_token(tok.eos_id)
     if "tokenizer_config.json" not in names or run_tok.eos_token:
         config["eos_token"] = eos
@@ -122,6 +122,23 @@ def write_tokenizer_files(run_tok: RunTokenizer, out: Path) -> tuple[list[str], 
         if "tokenizer_config.json" not in names:
             names.append("tokenizer_config.json")
     return names, ""
+
+
+def _tokenizer_config(copied: Path, source: Path) -> dict:
+    """The `tokenizer_config.json` copied beside the export, read with the bounds of every JSON input
+    (`data.bounded_json`); one that is not a bounded JSON object is a config error naming `source`."""
+    from ntp_nemo.data.bounded_json import JSONInputError, read_json
+
+    try:
+        config = read_json(copied)
+    except JSONInputError as err:
+        config = err
+    if not isinstance(config, dict):
+        why = config if isinstance(config, JSONInputError) else "not a JSON object"
+        raise ConfigError("RUN_DIR_OR_CHECKPOINT", f"{source} cannot be exported with the tokenizer: {why}. "
+                                                   "Repair or remove that file, or pass --no-tokenizer to "
+                                                   "export the weights alone.")
+    return config
 
 
 def hf_tensors(cfg: ModelConfig, fetch: Fetch, vocab_size: int | None = None,
