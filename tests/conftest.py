@@ -20,6 +20,13 @@ from typing import NamedTuple
 
 import pytest
 
+from tests.rerun import (  # noqa: F401 - hooks of `--rerun-failed-once`, registered by being here
+    pytest_addoption,
+    pytest_report_teststatus,
+    pytest_runtest_protocol,
+    pytest_terminal_summary,
+)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
