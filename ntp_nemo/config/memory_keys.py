@@ -1,6 +1,6 @@
 """Checks of the memory and overlap options (`model.recompute`, `model.recompute_every`,
-`optim.distributed`, `ntp.overlap_grad_sync`, `ntp.sequence_parallel`) before anything is launched:
-the config layer's, so that `parallel/` never reads a config.  Imports nothing heavy."""
+`optim.distributed`, `ntp.overlap_grad_sync`, `ntp.sequence_parallel`, `ntp.tp_overlap`) before anything
+is launched: the config layer's, so that `parallel/` never reads a config.  Imports nothing heavy."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def validate_memory_options(cfg: Any) -> None:
                           f"with model.recompute=full), got {every!r}; e.g. model.recompute_every=2.")
     ntp = _get(cfg, "ntp")
     for key, node in (("optim.distributed", _get(cfg, "optim")), ("ntp.overlap_grad_sync", ntp),
-                      ("ntp.sequence_parallel", ntp)):
+                      ("ntp.sequence_parallel", ntp), ("ntp.tp_overlap", ntp)):
         value = _get(node, key.split(".")[1], False)
         if not isinstance(value, bool):
             raise ConfigError(key, f"must be true or false, got {value!r}.")

@@ -34,6 +34,8 @@ class NTPConfig(Sealable):
     grad_bucket_mb: float = 25.0
     # Launch each gradient bucket's DP sync from the backward as soon as its gradients are final.
     overlap_grad_sync: bool = False
+    # Overlap each column-parallel layer's input-gradient TP collective with its weight gradients.
+    tp_overlap: bool = False
     # Sequence parallelism: the TP-replicated regions (norms, dropout, residual adds) hold each TP rank's
     # slice of the sequence (uneven by one token where the degree does not divide data.seq_len).
     sequence_parallel: bool = False

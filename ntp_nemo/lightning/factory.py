@@ -154,5 +154,6 @@ def build_trainer(
         val_batches=int(spec.data.val_batches),
         max_steps=int(t.max_steps),
         overlap_grad_sync=bool(spec.ntp.overlap_grad_sync),
+        tp_overlap=bool(spec.ntp.tp_overlap),
     )
     return trainer, module, strategy

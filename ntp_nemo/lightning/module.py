@@ -34,6 +34,7 @@ class NTPLanguageModule(pl.LightningModule):
         val_batches: int,
         max_steps: int,
         overlap_grad_sync: bool = False,
+        tp_overlap: bool = False,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -49,6 +50,7 @@ class NTPLanguageModule(pl.LightningModule):
         self.last_step: dict[str, Any] = {}
         self.stop_agreed = False  # some rank asked to stop (from the last step's fused all-reduce)
         self.overlap_grad_sync = overlap_grad_sync
+        self.tp_overlap = tp_overlap
         self.weights_drawn = True  # False: `configure_model` built the model for a checkpoint to fill
 
     @property
@@ -86,7 +88,8 @@ class NTPLanguageModule(pl.LightningModule):
         self.weights_drawn = not self.weights_restored()  # else every value is overwritten: none is drawn
         strategy.adopt(assemble(strategy.layout, strategy.global_rank, self.model_cfg, self.optim_cfg,
                                 strategy.root_device, seed=self.seed, bucket_mb=strategy.bucket_mb,
-                                overlap_grad_sync=self.overlap_grad_sync, initialize=self.weights_drawn))
+                                overlap_grad_sync=self.overlap_grad_sync, tp_overlap=self.tp_overlap,
+                                initialize=self.weights_drawn))
         # Dropout draws from the global generator: seed it from the run's seed, the same on every rank
         # (the TP ranks of a replica must draw the same masks); a resume restores the saved states.
         torch.manual_seed(self.seed)

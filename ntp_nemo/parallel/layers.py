@@ -14,7 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ntp_nemo.parallel.comm import to_compute_dtype
-from ntp_nemo.parallel.sequence import enter_tp_region, exit_tp_region, replicated_grad_sum
+from ntp_nemo.parallel.sequence import (
+    enter_tp_region,
+    exit_tp_region,
+    gather_and_project,
+    overlapped,
+    replicated_grad_sum,
+)
 from ntp_nemo.topology.shard import ShardSpec, aligned_interval
 from ntp_nemo.topology.tp_context import TPContext
 
@@ -44,6 +50,17 @@ def _interval(tp: TPContext, units: int, interval: tuple[int, int] | None, unit_
     return aligned_interval(tp.rank, tp.size, units, tp.align if unit_size == 1 else 1)
 
 
+def set_tp_overlap(model: nn.Module, on: bool) -> nn.Module:
+    """`ntp.tp_overlap`: the column-parallel projections of `model` (and the embedding table where it is
+    the tied output head) overlap their input gradient's TP collective (all-reduce, or reduce-scatter
+    under SP) with their weight gradients in the backward (`sequence._OverlappedProject`); the same
+    values either way.  Not covered: a tied head without SP, which enters its region in the model."""
+    for module in model.modules():
+        if isinstance(module, ColumnParallelLinear | VocabParallelEmbedding):
+            module.tp_overlap = bool(on)
+    return model
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's output rows split into units across the TP group (output stays local)."""
 
@@ -64,6 +81,7 @@ class ColumnParallelLinear(nn.Module):
         # False when the caller already entered the TP region once for several projections of the same
         # input (q/k/v, gate/up): one input-gradient all-reduce instead of one per projection.
         self.copy_input = copy_input
+        self.tp_overlap = False  # `set_tp_overlap`: the input gradient's collective beside the weight's
         units = out_features // unit_size
         lo, hi = _interval(tp, units, interval, unit_size)
         self.weight = sharded_param(
@@ -77,6 +95,8 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
         """`seq_len`: the whole sequence's length, needed to gather `x`'s slices under SP."""
+        if self.copy_input and overlapped((self,), self.tp):
+            return gather_and_project(x, self.tp, x.shape[1] if seq_len is None else seq_len, (self,))[0]
         if self.copy_input:
             x = enter_tp_region(to_compute_dtype(x), self.tp, x.shape[1] if seq_len is None else seq_len)
         return F.linear(x, self.weight, self.bias)
@@ -121,6 +141,7 @@ class VocabParallelEmbedding(nn.Module):
         self.tp = tp
         lo, hi = aligned_interval(tp.rank, tp.size, num_embeddings, tp.align)
         self.vocab_start, self.vocab_end = lo, hi
+        self.tp_overlap = False  # as the tied output head's projection (`set_tp_overlap`)
         self.weight = sharded_param(
             ShardSpec.split((num_embeddings, dim), 0, 1, lo, hi), tp.copies, ("normal", std)
         )

@@ -43,24 +43,57 @@ def seq_lengths(n: int, seq_len: int) -> list[int]:
     return [hi - lo for lo, hi in (unit_interval(i, n, seq_len) for i in range(n))]
 
 
-def _all_gather_seq(x: torch.Tensor, tp: TPContext, seq_len: int) -> torch.Tensor:
-    """[b, s_i, ...] slices -> [b, seq_len, ...] on every rank (padded pieces on the wire)."""
+class Pending:
+    """A collective launched with `async_op=True` and what turns its output buffer into the result:
+    `wait()` waits for it (on CUDA: makes the current stream wait for the communication stream, so what
+    the caller does with the result afterwards is ordered after it) and returns the result.  `keep` holds
+    the buffers the collective reads until then."""
+
+    def __init__(self, work: Any, finish: Any, *keep: torch.Tensor) -> None:
+        self.work, self.finish, self.keep = work, finish, keep
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+        self.keep = ()
+        return self.finish()
+
+
+def _gather_buffers(x: torch.Tensor, tp: TPContext, seq_len: int):
+    """(output buffer, this rank's piece, what turns the filled output into [b, seq_len, ...]) of the
+    sequence all-gather."""
     n = tp.size
     lengths = seq_lengths(n, seq_len)
     m = max(lengths)
     out = x.new_empty((n * m, x.shape[0], *x.shape[2:]))
     if seq_len == n * m:  # the degree divides the sequence: no padding, no copies around the wire
-        dist.all_gather_single(out, x.transpose(0, 1).contiguous(), group=tp.group)
-        return out.transpose(0, 1).contiguous()
+        return out, x.transpose(0, 1).contiguous(), lambda: out.transpose(0, 1).contiguous()
     piece = x.new_zeros((m, x.shape[0], *x.shape[2:]))
     piece[: x.shape[1]] = x.transpose(0, 1)
+
+    def finish() -> torch.Tensor:
+        parts = [out[i * m : i * m + lengths[i]] for i in range(n)]
+        return torch.cat(parts, dim=0).transpose(0, 1).contiguous()
+
+    return out, piece, finish
+
+
+def _all_gather_seq(x: torch.Tensor, tp: TPContext, seq_len: int) -> torch.Tensor:
+    """[b, s_i, ...] slices -> [b, seq_len, ...] on every rank (padded pieces on the wire)."""
+    out, piece, finish = _gather_buffers(x, tp, seq_len)
     dist.all_gather_single(out, piece, group=tp.group)
-    parts = [out[i * m : i * m + lengths[i]] for i in range(n)]
-    return torch.cat(parts, dim=0).transpose(0, 1).contiguous()
+    return finish()
 
 
-def _reduce_scatter_seq(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
-    """[b, S, ...] partial sums -> this rank's [b, s_i, ...] slice of their sum over the group."""
+def start_all_gather_seq(x: torch.Tensor, tp: TPContext, seq_len: int) -> Pending:
+    """`_all_gather_seq` launched without waiting for it (`Pending.wait()` gives the result)."""
+    out, piece, finish = _gather_buffers(x, tp, seq_len)
+    return Pending(dist.all_gather_single(out, piece, group=tp.group, async_op=True), finish, piece)
+
+
+def _scatter_buffers(x: torch.Tensor, tp: TPContext):
+    """(input buffer of equal pieces, output buffer, what turns the filled output into this rank's
+    [b, s_i, ...] slice) of the sequence reduce-scatter of `x` ([b, S, ...] partial sums)."""
     n, seq_len = tp.size, x.shape[1]
     m = max(seq_lengths(n, seq_len))
     if seq_len == n * m:  # the degree divides the sequence: the pieces are the sequence in order
@@ -71,9 +104,27 @@ def _reduce_scatter_seq(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
             lo, hi = unit_interval(i, n, seq_len)
             buf[i * m : i * m + hi - lo] = x[:, lo:hi].transpose(0, 1)
     out = x.new_empty((m, x.shape[0], *x.shape[2:]))
-    dist.reduce_scatter_single(out, buf, group=tp.group)
     lo, hi = unit_interval(tp.rank, n, seq_len)
-    return out[: hi - lo].transpose(0, 1).contiguous()
+    return buf, out, lambda: out[: hi - lo].transpose(0, 1).contiguous()
+
+
+def _reduce_scatter_seq(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    """[b, S, ...] partial sums -> this rank's [b, s_i, ...] slice of their sum over the group."""
+    buf, out, finish = _scatter_buffers(x, tp)
+    dist.reduce_scatter_single(out, buf, group=tp.group)
+    return finish()
+
+
+def start_reduce_scatter_seq(x: torch.Tensor, tp: TPContext) -> Pending:
+    """`_reduce_scatter_seq` launched without waiting for it (`Pending.wait()` gives the result)."""
+    buf, out, finish = _scatter_buffers(x, tp)
+    return Pending(dist.reduce_scatter_single(out, buf, group=tp.group, async_op=True), finish, buf)
+
+
+def start_all_reduce(x: torch.Tensor, tp: TPContext) -> Pending:
+    """In-place sum of `x` over the TP group launched without waiting for it (`Pending.wait()`: `x`)."""
+    x = x.contiguous()
+    return Pending(dist.all_reduce(x, group=tp.group, async_op=True), lambda: x)
 
 
 class _GatherFromSequence(torch.autograd.Function):
@@ -282,6 +333,77 @@ class _GatherProject(torch.autograd.Function):
         return (grad_x, None, None, *out)
 
 
+class _OverlappedProject(torch.autograd.Function):
+    """Column-parallel projections of one input with their region entry in one function, so that the
+    backward overlaps the input gradient's collective with the weight gradients (Megatron's asynchronous
+    input-gradient all-reduce; `ntp.tp_overlap`).
+
+    Forward: as `_FusedProject` (`fused`: one GEMM over the stacked local rows, the caller splits the
+    output) or one GEMM per layer (one output each), after the SP all-gather when `gather`.  Backward:
+    the input's gradient first (under SP the input's all-gather, needed by the weight gradients, is
+    launched before it and runs beside it), then its all-reduce (without SP) or reduce-scatter (SP) is
+    launched without waiting, the weight and bias gradients are computed while it runs, and the function
+    waits for it before returning.  The same operations as the serial path in another order, so the same
+    values bit for bit (unfused without SP the per-layer input gradients are summed here in the order
+    autograd sums them on the serial path).  The GEMMs run in the input's dtype (the compute dtype: cast at
+    the region boundary), the weights cast as autocast would, so the backward is the same inside autocast
+    or not.  On CUDA `wait()` makes the current stream wait for the communication stream (not run on a
+    GPU yet)."""
+
+    @staticmethod
+    def forward(ctx, x, tp, seq_len, gather, fused, num_weights, *weights_and_biases):  # type: ignore[override]
+        weights, biases = weights_and_biases[:num_weights], weights_and_biases[num_weights:]
+        full = _all_gather_seq(x, tp, seq_len) if gather else x
+        ctx.tp, ctx.seq_len, ctx.gather, ctx.fused = tp, seq_len, gather, fused
+        ctx.has_bias = [b is not None for b in biases]
+        ctx.save_for_backward(x, *weights)
+        dt = x.dtype
+        if fused:
+            bias = _cat_rows(biases, dt) if ctx.has_bias[0] else None
+            return torch.nn.functional.linear(full, _cat_rows(weights, dt), bias)
+        return tuple(torch.nn.functional.linear(full, w.to(dt), None if b is None else b.to(dt))
+                     for w, b in zip(weights, biases, strict=True))
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        x, *weights = ctx.saved_tensors
+        tp, dt = ctx.tp, x.dtype
+        gathering = start_all_gather_seq(x, tp, ctx.seq_len) if ctx.gather else None
+        g2 = [g.flatten(0, -2).to(dt) for g in grads]
+        if ctx.fused:
+            grad_in = g2[0] @ _cat_rows(weights, dt)
+        else:
+            # Summed in the serial path's order: under SP `_GatherProject`'s (the layers in order), else
+            # autograd's, which adds the projections' input gradients as they arrive (the last layer's
+            # first here): the same values bit for bit (tests/test_tp_overlap.py).
+            pairs = list(zip(g2, weights, strict=True))
+            grad_in = None
+            for g, w in pairs if ctx.gather else pairs[::-1]:
+                part = g @ w.to(dt)
+                grad_in = part if grad_in is None else grad_in + part
+        grad_in = grad_in.view(*grads[0].shape[:-1], -1)
+        full = (gathering.wait() if gathering is not None else x).flatten(0, -2)
+        reducing = start_reduce_scatter_seq(grad_in, tp) if ctx.gather else start_all_reduce(grad_in, tp)
+        # While the input gradient's collective runs: the weight and bias gradients.
+        if ctx.fused:
+            rows = [w.shape[0] for w in weights]
+            grad_w = list((g2[0].t() @ full).split(rows))
+            grad_b = list(g2[0].sum(0).split(rows)) if ctx.has_bias[0] else [None] * len(weights)
+        else:
+            grad_w = [g.t() @ full for g in g2]
+            grad_b = [g.sum(0) if has else None for g, has in zip(g2, ctx.has_bias, strict=True)]
+        grad_x = reducing.wait()
+        return (grad_x, None, None, None, None, None, *grad_w, *grad_b)
+
+
+def overlapped(layers: Sequence[torch.nn.Module], tp: TPContext) -> bool:
+    """Whether `layers`' region entry and projections run as `_OverlappedProject`: the layers were set
+    to (`ntp_nemo.parallel.layers.set_tp_overlap`), the group is sharded, and none is quantised (a
+    modelopt quantiser wraps the layer's own forward, which the function would bypass)."""
+    return tp.sharded and all(getattr(layer, "tp_overlap", False) and not hasattr(layer, "weight_quantizer")
+                              for layer in layers)
+
+
 def fusable(layers: Sequence[torch.nn.Module]) -> bool:
     """Whether `layers` can run as one GEMM over their concatenated weights: more than one, all with a
     bias or none with one, and none quantised (a modelopt quantiser wraps the layer's own forward, which
@@ -349,8 +471,19 @@ def gather_and_project(x: torch.Tensor, tp: TPContext, seq_len: int,
     local weights concatenated along the output rows, and its output is split back into one view per
     layer: one GEMM forward and one per gradient backward instead of one per layer, the same values.
     The parameters stay the layers' own (checkpoints, Hugging Face names, initial draws and the gradient
-    sync see the same tensors); `_FusedProject` stacks their local rows for each GEMM."""
+    sync see the same tensors); `_FusedProject` stacks their local rows for each GEMM.
+
+    With `ntp.tp_overlap` (`overlapped(layers, tp)`) the entry and the projections are one
+    `_OverlappedProject`: the same values, the input gradient's collective overlapped with the weight
+    gradients in the backward."""
     x = to_compute_dtype(x)  # what crosses the wire (forward and backward) is in the compute dtype
+    if overlapped(layers, tp):  # the input gradient's collective overlapped with the weight gradients
+        fused = fuse and fusable(layers)
+        weights = [layer.weight for layer in layers]
+        biases = [getattr(layer, "bias", None) for layer in layers]
+        gather = seq_split(tp) > 1
+        y = _OverlappedProject.apply(x, tp, seq_len, gather, fused, len(weights), *weights, *biases)
+        return list(y.split([w.shape[0] for w in weights], dim=-1)) if fused else list(y)
     if fuse and fusable(layers):
         gather = seq_split(tp) > 1
         weights = [layer.weight for layer in layers]

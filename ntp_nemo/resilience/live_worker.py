@@ -245,7 +245,8 @@ class LiveRecovery(Callback, RecoveryHooks):
         def build(layout: ResolvedLayout, rank: int):
             return assemble(layout, rank, module.model_cfg, module.optim_cfg, strategy.root_device,
                             seed=module.seed, bucket_mb=strategy.bucket_mb,
-                            overlap_grad_sync=module.overlap_grad_sync, keep=keep, param_dtype=param_dtype,
+                            overlap_grad_sync=module.overlap_grad_sync, tp_overlap=module.tp_overlap,
+                            keep=keep, param_dtype=param_dtype,
                             initialize=False)  # the reshard writes every value: nothing is drawn
 
         return build
