@@ -102,6 +102,9 @@ class TrainerConfig(Sealable):
     # One step of every rank on the meta device and a fake process group (no GPU, no data): writes
     # dry_run.json (per-rank memory and communication) in the run directory and exits.
     dry_run: bool = False
+    # Compile each transformer block with torch.compile (regional: the embedding, head and loss stay
+    # eager); refused with ntp.sequence_parallel, ntp.tp_overlap and QAT (runtime/compile.py).
+    compile: bool = False
 
 
 @dataclass

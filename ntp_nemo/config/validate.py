@@ -14,6 +14,7 @@ from ntp_nemo.config.memory_keys import validate_memory_options
 from ntp_nemo.config.quant_keys import validate_quant
 from ntp_nemo.errors import ConfigError
 from ntp_nemo.models import families
+from ntp_nemo.runtime.compile import validate_compile
 
 PRECISIONS = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true")  # 16-mixed: refused below
 DEFAULT_MODEL_TARGET = "ntp_nemo.models.build_model"
@@ -91,6 +92,7 @@ def validate(cfg: DictConfig) -> None:
     validate_model(cfg.model)
     validate_quant(cfg)
     validate_memory_options(cfg)
+    validate_compile(cfg)
     for key in (
         "mesh.dp",
         "mesh.tp",

@@ -155,5 +155,6 @@ def build_trainer(
         max_steps=int(t.max_steps),
         overlap_grad_sync=bool(spec.ntp.overlap_grad_sync),
         tp_overlap=bool(spec.ntp.tp_overlap),
+        compile=bool(t.compile),
     )
     return trainer, module, strategy

@@ -18,6 +18,7 @@ from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.parallel.grad_sync import SyncPlan
 from ntp_nemo.parallel.layers import set_tp_overlap
 from ntp_nemo.parallel.step_path import GradientPath, build_optimizer, use_fused_adamw
+from ntp_nemo.runtime.compile import compile_blocks
 from ntp_nemo.runtime.runtime import NTPRuntime, RankPlace
 from ntp_nemo.topology.layout import ResolvedLayout
 
@@ -61,6 +62,7 @@ def assemble(
     bucket_mb: float = 25.0,
     overlap_grad_sync: bool = False,
     tp_overlap: bool = False,
+    compile: bool = False,
     keep: tuple[torch.optim.Optimizer, nn.Module] | None = None,
     make_model: Callable[[RankPlace], nn.Module] | None = None,
     param_dtype: torch.dtype | None = None,
@@ -77,6 +79,8 @@ def assemble(
     rank's gradient-sync plan computed up front (the dry run's fake process group moves no data);
     `tp_overlap`: the column-parallel layers overlap their input gradient's TP collective with their
     weight gradients (`ntp.tp_overlap`, `parallel.layers.set_tp_overlap`).
+    `compile`: each transformer block of the slice is compiled with torch.compile (`trainer.compile`,
+    `runtime.compile.compile_blocks`; the config refuses the options it does not support).
     `initialize=False` draws no initial weight (`place.build_model(..., initialize=False)`): the
     caller overwrites every value before the first step (a checkpoint being resumed, the survivors'
     shards of a rejoin)."""
@@ -86,6 +90,8 @@ def assemble(
     else:
         model = place.build_model(model_cfg, seed, param_dtype, initialize=initialize)
     set_tp_overlap(model, tp_overlap)
+    if compile:
+        compile_blocks(model)
     runtime = NTPRuntime(place, model, bucket_mb=bucket_mb, plan=sync_plan)
     sync = runtime.sync
     # Every replica at one TP degree: each element's copies sit at the same position of their tensors.

@@ -1,0 +1,113 @@
+"""Compiled transformer blocks (`trainer.compile=true`) against the eager model, in the same run.
+
+    python bench/compile_blocks.py [--tps 1,2] [--rounds 10] [--warmup 2] [--model gpt_tiny|llama_tiny]
+                                   [--seq 128] [--global-batch 12] [--micro-batch 2]
+
+Per TP degree of `--tps`, that many forked gloo processes (one torch thread each) each assemble the model
+twice from the same seed, blocks eager and compiled (`runtime.assemble(..., compile=True)`: each `Block`
+compiled by inductor, `runtime/compile.py`), and train both through `runtime.step.train_step` (AdamW,
+clipping at 1.0) on the same batches, alternating: each round runs one step of each kind, the kind that
+goes first swapping from round to round; a barrier precedes every step.  The first `--warmup` rounds are
+not timed; the compiled model's first step (which compiles the blocks' forward and backward) is printed
+on its own, per rank (how far apart the ranks finish compiling: a rank that finishes first waits in the
+next collective for the others).  The ranks of a degree share one fresh inductor cache directory, as the
+ranks of a run share the default one.  A step's wall time is the slowest rank's; printed: medians over
+the timed rounds, the ratio of the medians compiled/eager (below 1: compiled is faster), the median of
+each round's ratio (`paired`), and the largest relative difference of the two kinds' losses.  The load
+average before and after is printed: on a shared machine the figures move with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.step_profile import GPT_TINY, LLAMA_TINY, OPTIM  # noqa: E402
+from ntp_nemo.launch.workers import run_workers  # noqa: E402
+from ntp_nemo.runtime.assemble import assemble  # noqa: E402
+from ntp_nemo.runtime.step import train_step  # noqa: E402
+from ntp_nemo.topology import ResolvedLayout, Topology  # noqa: E402
+
+KINDS = ("eager", "compiled")
+
+
+def _batch(step: int, n: int, seq: int, vocab: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(3000 + step)
+    return torch.randint(0, vocab, (n, seq + 1), generator=gen)
+
+
+def worker(rank: int, world: int, args: argparse.Namespace, cache: str) -> dict:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+    torch.set_num_threads(1)
+    cfg = LLAMA_TINY if args.model == "llama_tiny" else GPT_TINY
+    micro = args.global_batch // args.micro_batch
+    layout = ResolvedLayout.make(Topology(world, [world], [world] * (cfg.num_layers + 2)),
+                                 num_microbatches=micro)
+    states = {kind: assemble(layout, rank, cfg, OPTIM, "cpu", seed=1234, compile=kind == "compiled")
+              for kind in KINDS}
+    wall: dict[str, list[float]] = {k: [] for k in KINDS}
+    losses: dict[str, list[float]] = {k: [] for k in KINDS}
+    first = 0.0
+    for step in range(args.warmup + args.rounds):
+        toks = _batch(step, args.global_batch, args.seq, cfg.vocab_size)
+        order = KINDS if step % 2 == 0 else KINDS[::-1]
+        for kind in order:
+            state = states[kind]
+            mbs = [toks[i * args.micro_batch : (i + 1) * args.micro_batch]
+                   for i in state.my_microbatches(micro)]
+            dist.barrier()
+            t = time.perf_counter()
+            result = train_step(state, mbs, toks[:, 1:].numel(), max_norm=1.0)
+            w = time.perf_counter() - t
+            losses[kind].append(result.loss)
+            if step == 0 and kind == "compiled":
+                first = w
+            if step >= args.warmup:
+                wall[kind].append(w)
+    return {"wall": wall, "losses": losses, "first": first}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tps", default="1,2", help="comma-separated TP degrees (one replica each)")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--model", default="gpt_tiny", choices=["gpt_tiny", "llama_tiny"])
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--global-batch", type=int, default=12)
+    ap.add_argument("--micro-batch", type=int, default=2)
+    args = ap.parse_args()
+    print(f"compile_blocks: {args.model}, {args.global_batch}x{args.seq} tokens per step in micro-batches "
+          f"of {args.micro_batch}; gloo, 1 thread per rank; {args.rounds} rounds after {args.warmup} "
+          f"warm-up, eager/compiled alternating; torch {torch.__version__}; load average before: "
+          f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
+    print(f"{'TP':<4} {'eager ms':>9} {'compiled ms':>12} {'c/e':>6} {'paired':>7}   first compiled step per "
+          "rank (s)   losses compiled vs eager")
+    for tp in (int(t) for t in args.tps.split(",")):
+        with tempfile.TemporaryDirectory() as cache:
+            res = run_workers(worker, tp, args, cache, timeout_s=600.0)
+        steps = {kind: [max(ts) for ts in zip(*(r["wall"][kind] for r in res), strict=True)]
+                 for kind in KINDS}  # a step's time is its slowest rank's
+        med = {kind: statistics.median(steps[kind]) for kind in KINDS}
+        paired = statistics.median(a / b for a, b in zip(steps["compiled"], steps["eager"], strict=True))
+        first = "  ".join(f"r{i} {r['first']:.1f}" for i, r in enumerate(res))
+        ls = res[0]["losses"]
+        rel = max(abs(a - b) / abs(b) for a, b in zip(ls["compiled"], ls["eager"], strict=True))
+        print(f"{tp:<4} {med['eager'] * 1e3:>9.1f} {med['compiled'] * 1e3:>12.1f} "
+              f"{med['compiled'] / med['eager']:>6.3f} {paired:>7.3f}   {first:<26} max rel diff {rel:.1e}",
+              flush=True)
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
