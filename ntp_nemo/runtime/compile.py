@@ -11,16 +11,17 @@ What runs inside a compiled block with TP > 1: the region collectives of `parall
 into the block's graph as functional collectives (forward and backward), one graph per block, no break
 (tests/test_compile.py, `torch._dynamo.explain`; gloo on CPU).  Two options would break the graph and
 are refused (`compile_refusal`): sequence parallelism (the `ReplicatedGradReducer` backward asks autograd
-for its graph task id, which Dynamo cannot trace: 9 breaks per block measured) and `ntp.tp_overlap`
-(`async_op=True` collectives, which Dynamo does not trace: 8 breaks per block measured).  Quantisation-
-aware training is refused as well: its modelopt quantisers were not run under compilation.
+for its graph task id, which Dynamo cannot trace) and `ntp.tp_overlap` (`async_op=True` collectives,
+which Dynamo does not trace): 4 and 8 graph breaks in a block of gpt_tiny at TP 2
+(`python bench/compile_blocks.py --explain`, docs/benchmarks.md, compile).  Quantisation-aware training
+is refused as well: its modelopt quantisers were not run under compilation.
 
-The first step compiles (about 50 s for a 2-layer, hidden-64 model on 2 shared cores, cold cache).  The
-ranks compile side by side (first compiled step 30.1 s on both ranks of TP 2 in bench/compile_blocks.py),
-so no collective waits long on a peer still compiling: a TP-2 run with a 15 s collective timeout passed
-its 43 s first step.  The supervisor's progress heartbeat, though, sees no phase during that step:
-`fault.heartbeat_timeout_s` (default 120 s) must exceed it; at 10 s a cold TP-2 run was taken for a hang
-and restarted until `fault.max_restarts` ran out.
+The first step compiles (15 to 50 s for the models of the tests and benchmarks on 2 shared cores, cold
+cache). The ranks of a TP group compile the same graphs side by side, so no collective waits long on a
+peer still compiling: forked TP-2 workers with a 15 s collective timeout passed a 43 s first step. The
+supervisor's progress heartbeat, though, sees no phase during that step: `fault.heartbeat_timeout_s`
+(default 120 s) must exceed it; at 10 s a cold TP-2 run was taken for a hang and restarted until
+`fault.max_restarts` ran out.
 
 Inductor draws random numbers with its own generator unless told otherwise; `fallback_random` makes a
 compiled dropout draw the eager masks from the same generator state, so every TP rank of a replica
@@ -44,7 +45,7 @@ def compile_refusal(*, sequence_parallel: bool, tp_overlap: bool,
     if sequence_parallel:
         return ("ntp.sequence_parallel", "trainer.compile=true does not support sequence parallelism: the "
                 "replicated parameters' deferred gradient sum (ReplicatedGradReducer) breaks each compiled "
-                "block's graph into pieces (9 graph breaks per block). Use ntp.sequence_parallel=false "
+                "block's graph into pieces. Use ntp.sequence_parallel=false "
                 "with trainer.compile=true, or trainer.compile=false.")
     if tp_overlap:
         return ("ntp.tp_overlap", "trainer.compile=true does not support ntp.tp_overlap: its asynchronous "
