@@ -52,3 +52,35 @@ def test_no_survivor_is_judged_hung_by_a_beat_from_before_its_recovery(tmp_path)
         for p in procs:
             p.kill()
             p.join(5)
+
+
+def test_the_first_compiled_step_is_start_up_not_a_silent_step(tmp_path):
+    """With `trainer.compile`, a process's first step compiles the blocks and writes no beat for up to a
+    minute: its beat says `setup` (bounded by fault.startup_timeout_s), so the supervisor's monitor does
+    not take the compilation for a hang past the heartbeat timeout; from the second step on it beats as
+    usual.  Without the option the same silence is a hang."""
+    from ntp_nemo.resilience.detection import WorkerMonitor, start_verdict
+    from ntp_nemo.resilience.fault_config import Timeouts
+
+    timeouts = Timeouts(heartbeat_s=0.5, collective_s=10.0, step_s=60.0, startup_s=30.0)
+    trainer = SimpleNamespace(global_rank=0, global_step=0)
+    for compiled in (True, False):
+        directory = tmp_path / str(compiled)
+        module = SimpleNamespace(compile_blocks=compiled)
+        beat = Heartbeat(directory)
+        beat.setup(trainer, module, "fit")
+        beat.on_train_start(trainer, module)
+        beat.on_train_batch_start(trainer, module, None, 0)
+        monitor = WorkerMonitor(lambda: (), directory, 1, timeouts, state=lambda rank: None)
+        beats = read_beats(directory, 1)
+        t0 = beats[0].t
+        silent = monitor._stall(beats, t0 + 5.0, t0)  # ten heartbeat timeouts into the first step
+        if compiled:
+            assert beats[0].phase == "setup" and silent is None
+            late = start_verdict(beats, [0], t0, t0 + 31.0, timeouts)
+            assert late is not None and late.reason == "startup timeout"  # still bounded
+            beat.on_train_batch_end(trainer, module, None, None, 0)  # the step ends: the next beats as usual
+            beat.on_train_batch_start(SimpleNamespace(global_rank=0, global_step=1), module, None, 1)
+            assert read_beats(directory, 1)[0].phase == "step_start"
+        else:
+            assert beats[0].phase == "step_start" and silent is not None and silent.reason == "heartbeat"

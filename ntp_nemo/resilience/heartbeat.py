@@ -56,6 +56,12 @@ class Heartbeat(Callback):
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        if self._done_t is None and getattr(pl_module, "compile_blocks", False):
+            # `trainer.compile`: this process's first step compiles the blocks (15 to 50 s for the test
+            # models on 2 cores, minutes for a large one) without a beat; it is start-up, bounded by
+            # fault.startup_timeout_s, not a step that went silent past fault.heartbeat_timeout_s.
+            self.beat(trainer, "setup", trainer.global_step + 1)
+            return
         self.beat(trainer, "step_start", trainer.global_step + 1)
 
     def on_train_batch_end(

@@ -18,10 +18,11 @@ is refused as well: its modelopt quantisers were not run under compilation.
 
 The first step compiles (15 to 50 s for the models of the tests and benchmarks on 2 shared cores, cold
 cache). The ranks of a TP group compile the same graphs side by side, so no collective waits long on a
-peer still compiling: forked TP-2 workers with a 15 s collective timeout passed a 43 s first step. The
-supervisor's progress heartbeat, though, sees no phase during that step: `fault.heartbeat_timeout_s`
-(default 120 s) must exceed it; at 10 s a cold TP-2 run was taken for a hang and restarted until
-`fault.max_restarts` ran out.
+peer still compiling: forked TP-2 workers with a 15 s collective timeout passed a 43 s first step. No
+phase is reported during that step, so the heartbeat of a compiled run calls it start-up (`setup`,
+bounded by `fault.startup_timeout_s`, `resilience/heartbeat.py`): a cold TP-2 run with
+`fault.heartbeat_timeout_s=10` was taken for a hang and restarted until `fault.max_restarts` ran out
+before.  Not covered: blocks recompiled after a live reshard (new shapes) in a later step.
 
 Inductor draws random numbers with its own generator unless told otherwise; `fallback_random` makes a
 compiled dropout draw the eager masks from the same generator state, so every TP rank of a replica
