@@ -4,7 +4,7 @@ Many tests bound their waits in wall-clock seconds (a heartbeat, a start-up, a c
 that share two cores with the other pytest-xdist worker; one of a thousand such bounds overrun once in a
 run would otherwise end every run that meets it. With the option, the first attempt's reports are logged
 with the outcome `rerun` (`R` in the progress line, a count in the last line) and the terminal summary
-prints each first failure's message under "failed once, passed or failed again on the rerun"; the
+prints each first failure's exception (its first 8 lines) under "failed once, passed or failed again on the rerun"; the
 second attempt's outcome is the test's. Only a failure of the test's call is rerun: a failed set-up
 (a fixture, a shared sweep) would fail the same way again.
 
@@ -54,8 +54,10 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.section("failed once, passed or failed again on the rerun (tests/rerun.py)",
                              sep="=", yellow=True)
     for report in reruns:
-        text = str(report.longrepr) if report.longrepr is not None else ""
-        lines = [ln for ln in text.splitlines() if ln.startswith("E ")][-8:] or text.splitlines()[-8:]
+        crash = getattr(getattr(report.longrepr, "reprcrash", None), "message", None)  # the exception
+        text = crash if crash else str(report.longrepr) if report.longrepr is not None else ""
+        lines = text.splitlines()
+        lines = lines[:8] if crash else [ln for ln in lines if ln.startswith("E ")][-8:]
         terminalreporter.write_line(f"RERUN {report.nodeid}")
         for line in lines:
             terminalreporter.write_line(f"    {line}")
