@@ -5,8 +5,8 @@ that share two cores with the other pytest-xdist worker; one of a thousand such 
 run would otherwise end every run that meets it. With the option, the first attempt's reports are logged
 with the outcome `rerun` (`R` in the progress line, a count in the last line) and the terminal summary
 prints each first failure's exception (its first 8 lines) under "failed once, passed or failed again
-on the rerun"; the second attempt's outcome is the test's. Only a failure of the test's call is rerun: a failed set-up
-(a fixture, a shared sweep) would fail the same way again.
+on the rerun"; the second attempt's outcome is the test's. Only a failure of the test's call is rerun:
+a failed set-up (a fixture, a shared sweep) would fail the same way again.
 
 Hooks imported by `conftest.py`. No socket, no state outside the reports: it works the same in a plain
 run and on xdist workers (their reports reach the controller with the outcome they carry)."""
