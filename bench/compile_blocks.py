@@ -27,60 +27,33 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.alternate import alternate, compare  # noqa: E402
 from bench.step_profile import GPT_TINY, LLAMA_TINY, OPTIM  # noqa: E402
 from ntp_nemo.launch.workers import run_workers  # noqa: E402
 from ntp_nemo.runtime.assemble import assemble  # noqa: E402
-from ntp_nemo.runtime.step import train_step  # noqa: E402
 from ntp_nemo.topology import ResolvedLayout, Topology  # noqa: E402
 
 KINDS = ("eager", "compiled")
-
-
-def _batch(step: int, n: int, seq: int, vocab: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(3000 + step)
-    return torch.randint(0, vocab, (n, seq + 1), generator=gen)
 
 
 def worker(rank: int, world: int, args: argparse.Namespace, cache: str) -> dict:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
     torch.set_num_threads(1)
     cfg = LLAMA_TINY if args.model == "llama_tiny" else GPT_TINY
-    micro = args.global_batch // args.micro_batch
     layout = ResolvedLayout.make(Topology(world, [world], [world] * (cfg.num_layers + 2)),
-                                 num_microbatches=micro)
+                                 num_microbatches=args.global_batch // args.micro_batch)
     states = {kind: assemble(layout, rank, cfg, OPTIM, "cpu", seed=1234, compile=kind == "compiled")
               for kind in KINDS}
-    wall: dict[str, list[float]] = {k: [] for k in KINDS}
-    losses: dict[str, list[float]] = {k: [] for k in KINDS}
-    first = (0.0, 0.0)
-    for step in range(args.warmup + args.rounds):
-        toks = _batch(step, args.global_batch, args.seq, cfg.vocab_size)
-        order = KINDS if step % 2 == 0 else KINDS[::-1]
-        for kind in order:
-            state = states[kind]
-            mbs = [toks[i * args.micro_batch : (i + 1) * args.micro_batch]
-                   for i in state.my_microbatches(micro)]
-            dist.barrier()
-            t, c = time.perf_counter(), time.process_time()
-            result = train_step(state, mbs, toks[:, 1:].numel(), max_norm=1.0)
-            w, u = time.perf_counter() - t, time.process_time() - c
-            losses[kind].append(result.loss)
-            if step == 0 and kind == "compiled":
-                first = (w, u)
-            if step >= args.warmup:
-                wall[kind].append(w)
-    return {"wall": wall, "losses": losses, "first": first}
+    out = alternate(states, cfg.vocab_size, args, 3000)
+    return {**out, "first": out["first"]["compiled"]}
 
 
 MODES = {"tp": (False, False), "sp": (True, False), "tp_overlap": (False, True),
@@ -137,10 +110,7 @@ def main() -> None:
     for tp in (int(t) for t in args.tps.split(",")):
         with tempfile.TemporaryDirectory() as cache:
             res = run_workers(worker, tp, args, cache, timeout_s=600.0)
-        steps = {kind: [max(ts) for ts in zip(*(r["wall"][kind] for r in res), strict=True)]
-                 for kind in KINDS}  # a step's time is its slowest rank's
-        med = {kind: statistics.median(steps[kind]) for kind in KINDS}
-        paired = statistics.median(a / b for a, b in zip(steps["compiled"], steps["eager"], strict=True))
+        med, paired = compare(res, "eager", "compiled")
         cpus = " ".join(f"r{i} {r['first'][1]:.1f}" for i, r in enumerate(res))
         first = f"{res[0]['first'][0]:.1f}, {cpus}"
         ls = res[0]["losses"]

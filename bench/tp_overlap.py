@@ -31,23 +31,17 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ntp_nemo.parallel.sequence as sequence  # noqa: E402
+from bench.alternate import alternate, compare  # noqa: E402
 from bench.step_profile import GPT_TINY, LLAMA_TINY, OPTIM  # noqa: E402
 from ntp_nemo.launch.workers import run_workers  # noqa: E402
 from ntp_nemo.runtime.assemble import assemble  # noqa: E402
-from ntp_nemo.runtime.step import train_step  # noqa: E402
 from ntp_nemo.topology import ResolvedLayout, Topology  # noqa: E402
 
 KINDS = ("off", "on")
-
-
-def _batch(step: int, n: int, seq: int, vocab: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(2000 + step)
-    return torch.randint(0, vocab, (n, seq + 1), generator=gen)
 
 
 def _meter_pending() -> dict[str, float]:
@@ -77,35 +71,21 @@ def worker(rank: int, world: int, args: argparse.Namespace, sp: bool) -> dict:
     meter = _meter_pending()
     overlap: dict[str, list[float]] = {"window": [], "wait": [], "count": []}
     cfg = LLAMA_TINY if args.model == "llama_tiny" else GPT_TINY
-    micro = args.global_batch // args.micro_batch
     layout = ResolvedLayout.make(Topology(world, [world], [world] * (cfg.num_layers + 2)),
-                                 num_microbatches=micro, sequence_parallel=sp)
+                                 num_microbatches=args.global_batch // args.micro_batch, sequence_parallel=sp)
     states = {kind: assemble(layout, rank, cfg, OPTIM, "cpu", seed=1234, tp_overlap=kind == "on")
               for kind in KINDS}
-    wall: dict[str, list[float]] = {k: [] for k in KINDS}
-    cpu: dict[str, list[float]] = {k: [] for k in KINDS}
-    losses: dict[str, list[float]] = {k: [] for k in KINDS}
-    for step in range(args.warmup + args.rounds):
-        toks = _batch(step, args.global_batch, args.seq, cfg.vocab_size)
-        order = KINDS if step % 2 == 0 else KINDS[::-1]
-        for kind in order:
-            state = states[kind]
-            mbs = [toks[i * args.micro_batch : (i + 1) * args.micro_batch]
-                   for i in state.my_microbatches(micro)]
-            dist.barrier()
-            meter.update(window=0.0, wait=0.0, count=0)
-            t, c = time.perf_counter(), time.process_time()
-            result = train_step(state, mbs, toks[:, 1:].numel(), max_norm=1.0)
-            w, u = time.perf_counter() - t, time.process_time() - c
-            losses[kind].append(result.loss)
-            if step >= args.warmup:
-                wall[kind].append(w)
-                cpu[kind].append(u)
-                if kind == "on":
-                    for key in overlap:
-                        overlap[key].append(meter[key])
-    return {"wall": wall, "cpu": cpu, "losses": losses,
-            "overlap": {k: statistics.median(v) for k, v in overlap.items()}}
+
+    def record(kind: str, step: int) -> None:
+        if kind == "on" and step >= args.warmup:
+            for key in overlap:
+                overlap[key].append(meter[key])
+
+    def reset(kind: str) -> None:
+        meter.update(window=0.0, wait=0.0, count=0)
+
+    out = alternate(states, cfg.vocab_size, args, 2000, before=reset, after=record)
+    return {**out, "overlap": {k: statistics.median(v) for k, v in overlap.items()}}
 
 
 def main() -> None:
@@ -128,10 +108,7 @@ def main() -> None:
           "   losses on vs off")
     for mode in args.modes.split(","):
         res = run_workers(worker, args.tp, args, mode == "sp", timeout_s=600.0)
-        steps = {kind: [max(ts) for ts in zip(*(r["wall"][kind] for r in res), strict=True)]
-                 for kind in KINDS}  # a step's time is its slowest rank's
-        med = {kind: statistics.median(steps[kind]) for kind in KINDS}
-        paired = statistics.median(a / b for a, b in zip(steps["on"], steps["off"], strict=True))
+        med, paired = compare(res, "off", "on")
         cpu = "  ".join(f"r{i} {statistics.median(r['cpu']['off']) * 1e3:.0f} -> "
                         f"{statistics.median(r['cpu']['on']) * 1e3:.0f}" for i, r in enumerate(res))
         same = max(abs(a - b) for a, b in zip(res[0]["losses"]["off"], res[0]["losses"]["on"], strict=True))
