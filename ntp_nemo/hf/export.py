@@ -132,13 +132,14 @@ def _tokenizer_config(copied: Path, source: Path) -> dict:
     try:
         config = read_json(copied)
     except JSONInputError as err:
-        config = err
-    if not isinstance(config, dict):
-        why = config if isinstance(config, JSONInputError) else "not a JSON object"
-        raise ConfigError("RUN_DIR_OR_CHECKPOINT", f"{source} cannot be exported with the tokenizer: {why}. "
-                                                   "Repair or remove that file, or pass --no-tokenizer to "
-                                                   "export the weights alone.")
-    return config
+        why = str(err)
+    else:
+        if isinstance(config, dict):
+            return config
+        why = "not a JSON object"
+    raise ConfigError("RUN_DIR_OR_CHECKPOINT", f"{source} cannot be exported with the tokenizer: {why}. "
+                                               "Repair or remove that file, or pass --no-tokenizer to "
+                                               "export the weights alone.")
 
 
 def hf_tensors(cfg: ModelConfig, fetch: Fetch, vocab_size: int | None = None,
