@@ -21,11 +21,17 @@ only where objects travel:
 The subgroups (TP groups, fragment holder sets, pipeline links) carry device tensors only, so on a
 mixed world they take the device backend alone (`subgroup_backend`), which opens no socket at creation
 (NCCL connects lazily, over its own transport).  On a CPU world (gloo alone) every group is gloo: its
-tensors need it.
+tensors need it, except the TP groups (below).
+
+TP groups of a CPU world: the `ntpdirect` backend (`topology.direct_group`: tensor collectives over
+direct TCP connections on the calling thread, about 20x cheaper per collective than gloo on CPU), unless
+`ntp.cpu_tp_backend=gloo`.  The strategy passes that key to its workers as `NTP_NEMO_CPU_TP_BACKEND`
+(read here, in the worker, when the groups are made: a live recovery's groups follow it too).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -71,6 +77,26 @@ def new_subgroup(ranks: Sequence[int]) -> Any:
     """A group that carries tensors only (collective: every rank calls it): the device backend alone on
     a mixed world, the world group's timeout."""
     return new_group(ranks, backend=subgroup_backend(dist.get_backend()))
+
+
+CPU_TP_BACKEND_ENV = "NTP_NEMO_CPU_TP_BACKEND"
+CPU_TP_BACKENDS = ("ntpdirect", "gloo")
+
+
+def tp_backend(world_backend: str) -> str | None:
+    """Backend of a TP group in a world of `world_backend`: `ntpdirect` on a CPU world (gloo alone)
+    unless `NTP_NEMO_CPU_TP_BACKEND=gloo`; else that of any subgroup (`subgroup_backend`)."""
+    if str(world_backend) == "gloo" and os.environ.get(CPU_TP_BACKEND_ENV, "ntpdirect") == "ntpdirect":
+        from ntp_nemo.topology.direct_group import register
+
+        return register()
+    return subgroup_backend(world_backend)
+
+
+def new_tp_group(ranks: Sequence[int]) -> Any:
+    """A TP group (collective: every rank calls it): `tp_backend` of the world's backend, the world
+    group's timeout."""
+    return new_group(ranks, backend=tp_backend(dist.get_backend()))
 
 
 def gloo_sockets(world_size: int, subgroup_peers: int, *, gloo_subgroups: bool,

@@ -124,24 +124,31 @@ class Topology:
         """Create every process group this topology and `extra` (e.g. DP fragment holder sets) need.
 
         Collective: all ranks call it with the same arguments, in the same order.  They carry tensors
-        only: no gloo side on a GPU world (`ntp_nemo.topology.groups`).
+        only: no gloo side on a GPU world; the TP groups of a CPU world take the `ntpdirect` backend
+        (`ntp_nemo.topology.groups`).
         """
+        tp = set(self.tp_group_tuples())
+        make_tp = new_group
         if new_group is None:
-            from ntp_nemo.topology.groups import new_subgroup
+            from ntp_nemo.topology.groups import new_subgroup, new_tp_group
 
-            new_group = new_subgroup
-        for ranks in sorted(set(self.tp_group_tuples()) | {tuple(e) for e in extra if len(e) > 1}):
+            new_group, make_tp = new_subgroup, new_tp_group
+        for ranks in sorted(tp | {tuple(e) for e in extra if len(e) > 1}):
             if ranks not in self._groups:
-                self._groups[ranks] = new_group(list(ranks))
+                self._groups[ranks] = (make_tp if ranks in tp else new_group)(list(ranks))
 
     def group(self, ranks: Sequence[int]) -> Any:
         ranks = tuple(ranks)
         if len(ranks) <= 1:
             return None
         if ranks == tuple(range(self.world_size)):
-            import torch.distributed as dist
+            from ntp_nemo.topology.direct_group import DirectGroup
 
-            return dist.group.WORLD
+            made = self._groups.get(ranks)
+            if not isinstance(made, DirectGroup):  # a CPU TP group of the whole world keeps ntpdirect's
+                import torch.distributed as dist
+
+                return dist.group.WORLD
         return self._groups[ranks]
 
     def plan_for(self, rank: int) -> RankPlan:
