@@ -68,6 +68,7 @@ INVALID = [
     (["model.num_kv_heads=3"], "model.num_kv_heads"),
     (["checkpoint.keep_last=0"], "checkpoint.keep_last"),
     (["logger=none"], "callbacks.lr_monitor"),
+    (["ntp.cpu_tp_backend=shm"], "ntp.cpu_tp_backend"),
 ]
 
 

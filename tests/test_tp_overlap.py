@@ -28,6 +28,16 @@ SEQ, BATCH, STEPS, CLIP, SEED = 7, 5, 2, 0.5, 11
 REPLICAS = [3, 2]
 
 
+@pytest.fixture(autouse=True)
+def gloo_tp_groups(monkeypatch):
+    """TP groups on gloo, whose `async_op=True` collectives run while the caller computes (the forked
+    workers inherit the setting): the default `ntpdirect` backend completes a collective before returning
+    its work, which would leave the asynchronous path, and its wait, untested."""
+    from ntp_nemo.topology.groups import CPU_TP_BACKEND_ENV
+
+    monkeypatch.setenv(CPU_TP_BACKEND_ENV, "gloo")
+
+
 def _tokens(step: int, vocab: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(500 + step)
     return torch.randint(0, vocab, (BATCH, SEQ + 1), generator=gen)

@@ -46,6 +46,9 @@ class NTPConfig(Sealable):
     capacity: str = "ranks"
     # A TP group spanning nodes stops the job at start-up; true: a warning instead (TP over the network).
     allow_cross_node_tp: bool = False
+    # Backend of the TP groups of a CPU world: ntpdirect (direct TCP connections on the calling thread,
+    # topology/direct_group.py) or gloo. GPU worlds use the device backend whatever this says.
+    cpu_tp_backend: str = "ntpdirect"
 
 
 @dataclass

@@ -242,6 +242,15 @@ def _validate_mesh(cfg: DictConfig) -> None:
             f"{capacity!r} is not a capacity rule; use ranks (active TP ranks / nominal) or work (the "
             "per-rank work model's slowest rank).",
         )
+    from ntp_nemo.topology.groups import CPU_TP_BACKENDS
+
+    cpu_tp = cfg.ntp.get("cpu_tp_backend", "ntpdirect")
+    if cpu_tp not in CPU_TP_BACKENDS:
+        raise ConfigError(
+            "ntp.cpu_tp_backend",
+            f"{cpu_tp!r} is not a backend for the TP groups of a CPU world; use ntpdirect (direct TCP "
+            "connections, the default) or gloo.",
+        )
     pb = cfg.ntp.power_boost
     if pb is not None:
         values = list(pb) if not isinstance(pb, (int, float)) else [pb]

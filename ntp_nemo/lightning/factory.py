@@ -99,6 +99,7 @@ def build_trainer(
         keep_last=int(ckpt.keep_last),
         async_save=bool(ckpt.async_save),
         allow_cross_node_tp=bool(spec.ntp.allow_cross_node_tp),
+        cpu_tp_backend=str(spec.ntp.cpu_tp_backend),
         recovery=recovery,
         parallel_devices=parallel_devices,
     )

@@ -68,12 +68,14 @@ class NTPStrategy(StrategyAdapter):
         keep_last: int | None = None,
         async_save: bool = False,
         allow_cross_node_tp: bool = False,
+        cpu_tp_backend: str = "ntpdirect",
         recovery: RecoveryHooks | None = None,
         **kwargs: Any,
     ) -> None:
         """`layout`: the run's layout, resolved once from the config before launch
         (`ntp_nemo.config.layout.resolve_layout`).  `keep_last`, `async_save`: `checkpoint.keep_last`,
-        `checkpoint.async_save`; `allow_cross_node_tp`: `ntp.allow_cross_node_tp`; `recovery`: live
+        `checkpoint.async_save`; `allow_cross_node_tp`: `ntp.allow_cross_node_tp`; `cpu_tp_backend`: `ntp.cpu_tp_backend` (the
+        workers' TP groups on a CPU world, `topology.groups.tp_backend`); `recovery`: live
         recovery's hooks (None: none).  Other keywords go to Lightning's `ParallelStrategy`
         (`parallel_devices`: the device of each local rank)."""
         warn_if_unsupported_lightning()
@@ -89,6 +91,7 @@ class NTPStrategy(StrategyAdapter):
         self.keep_last = keep_last
         self.async_save = async_save
         self.allow_cross_node_tp = allow_cross_node_tp
+        self.cpu_tp_backend = cpu_tp_backend
         self.recovery = recovery if recovery is not None else RecoveryHooks()
         self._saver: Any = None  # the asynchronous checkpoint saver (async_save), made at setup
         self.runtime: NTPRuntime | None = None  # the current state's (kept as an attribute: read per step)
@@ -135,6 +138,9 @@ class NTPStrategy(StrategyAdapter):
         if self.topology.world_size > 1:
             if self.root_device.type == "cpu":
                 torch.set_num_threads(1)  # several CPU ranks share the cores: no oversubscription
+            from ntp_nemo.topology.groups import CPU_TP_BACKEND_ENV
+
+            os.environ[CPU_TP_BACKEND_ENV] = self.cpu_tp_backend  # read where this process makes TP groups
             self.set_world_ranks()
             self._process_group_backend = self._process_group_backend or default_backend(self.root_device)
             kwargs: dict[str, Any] = {"timeout": self._timeout}

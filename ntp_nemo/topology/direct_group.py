@@ -70,9 +70,12 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
 
 
 def _op_name(op: Any) -> str:
-    for name in _OPS:
-        if op == getattr(dist.ReduceOp, name):
-            return name
+    for name in (*sorted(_OPS), *(n for n in dir(dist.ReduceOp) if n.isupper() and n not in _OPS)):
+        try:
+            if op == getattr(dist.ReduceOp, name):
+                return name
+        except (TypeError, RuntimeError):
+            continue
     return str(op)
 
 
@@ -93,6 +96,7 @@ class DirectGroup(dist.ProcessGroup):
         self._rank, self._size = rank, size
         self._timeout_s = max(float(timeout.total_seconds()), 1e-3)
         self._peers: dict[int, socket.socket] = {}
+        self._group_name = ""
         self._connect(store)
         socks = list(self._peers.values())
         self._finalizer = weakref.finalize(self, _close_all, socks)
@@ -338,6 +342,16 @@ class DirectGroup(dist.ProcessGroup):
 
     def getBackendName(self) -> str:
         return BACKEND
+
+    # torch's ProcessGroup keeps its name on its backends, which a process group written in Python has
+    # none of: the name torch gives the group is kept here (functional collectives, as a compiled block
+    # traces them, find the group by it).
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
 
     def shutdown(self) -> None:
         self._finalizer()
