@@ -33,7 +33,8 @@ def _by_value(obj) -> bytes:
 
 
 def _x(rank: int, dtype=torch.float64) -> torch.Tensor:
-    return torch.randn(5, 7, generator=torch.Generator().manual_seed(100 + rank), dtype=torch.float64).to(dtype)
+    gen = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(5, 7, generator=gen, dtype=torch.float64).to(dtype)
 
 
 def collectives_worker(rank: int, world: int) -> dict:
@@ -109,7 +110,7 @@ def test_every_collective_gives_the_values_computed_from_the_inputs(world):
         assert torch.allclose(out["gloo_sum"], total, rtol=0, atol=1e-14)
         if world == 2:  # one addition, which commutes exactly: gloo's bits
             assert torch.equal(out["SUM"], out["gloo_sum"])
-        assert all(torch.equal(p, x) for p, x in zip(out["all_gather"], xs)), r
+        assert all(torch.equal(p, x) for p, x in zip(out["all_gather"], xs, strict=True)), r
         assert torch.equal(out["all_gather_into_tensor"], torch.cat(xs)), r
         expect_rs = sum(y.chunk(world)[r] for y in ys)
         assert torch.equal(out["reduce_scatter_tensor"], expect_rs), r
@@ -152,8 +153,8 @@ def test_training_on_ntpdirect_groups_matches_gloo_groups(replicas):
     assert all(d["kinds"] == {"DirectGroup"} for d in direct), [d["kinds"] for d in direct]
     assert all("DirectGroup" not in g["kinds"] for g in gloo)
     exact = replicas == [2]
-    for d, g in zip(direct, gloo):
-        for a, b in zip(d["losses"], g["losses"]):
+    for d, g in zip(direct, gloo, strict=True):
+        for a, b in zip(d["losses"], g["losses"], strict=True):
             assert (a == b) if exact else abs(a - b) <= 1e-12 * abs(b), (a, b)
         for name, p in d["params"].items():
             p, q = torch.from_numpy(p), torch.from_numpy(g["params"][name])
@@ -251,7 +252,8 @@ def test_a_stranger_at_set_up_is_dropped_and_the_group_forms():
     ctx = mp.get_context("fork")
     queue = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_setup_process, args=(r, os.path.join(tmp, "store"), queue)) for r in range(2)]
+        procs = [ctx.Process(target=_setup_process, args=(r, os.path.join(tmp, "store"), queue))
+                 for r in range(2)]
         for p in procs:
             p.start()
         got = dict(queue.get() for _ in range(2))

@@ -74,8 +74,9 @@ class NTPStrategy(StrategyAdapter):
     ) -> None:
         """`layout`: the run's layout, resolved once from the config before launch
         (`ntp_nemo.config.layout.resolve_layout`).  `keep_last`, `async_save`: `checkpoint.keep_last`,
-        `checkpoint.async_save`; `allow_cross_node_tp`: `ntp.allow_cross_node_tp`; `cpu_tp_backend`: `ntp.cpu_tp_backend` (the
-        workers' TP groups on a CPU world, `topology.groups.tp_backend`); `recovery`: live
+        `checkpoint.async_save`; `allow_cross_node_tp`: `ntp.allow_cross_node_tp`; `cpu_tp_backend`:
+        `ntp.cpu_tp_backend` (the workers' TP groups on a CPU world, `topology.groups.tp_backend`);
+        `recovery`: live
         recovery's hooks (None: none).  Other keywords go to Lightning's `ParallelStrategy`
         (`parallel_devices`: the device of each local rank)."""
         warn_if_unsupported_lightning()

@@ -129,7 +129,7 @@ class DirectGroup(dist.ProcessGroup):
                 listener.settimeout(self._remaining(deadline))
                 try:
                     sock, _ = listener.accept()
-                except socket.timeout:
+                except TimeoutError:
                     raise self._error("timed out", "connecting", f"{size - 1 - len(self._peers)} peers "
                                       "never connected") from None
                 peer = self._hello(sock, token, deadline)
@@ -223,15 +223,18 @@ class DirectGroup(dist.ProcessGroup):
         """Every rank's `mine` (same shape and dtype on each), in rank order; this rank's is `mine`."""
         src = mine.contiguous()
         theirs = {p: torch.empty_like(src) for p in self._others()}
-        self._exchange(what, {p: _as_bytes(src) for p in theirs}, {p: _as_bytes(t) for p, t in theirs.items()})
+        self._exchange(what, {p: _as_bytes(src) for p in theirs},
+                       {p: _as_bytes(t) for p, t in theirs.items()})
         return [src if r == self._rank else theirs[r] for r in range(self._size)]
 
     @staticmethod
     def _reduce(parts: list[torch.Tensor], op: str, out: torch.Tensor) -> None:
         """`out` = parts reduced in rank order (the same bits on every rank)."""
         if op in ("SUM", "AVG"):
-            if len(parts) == 2:
-                torch.add(parts[0], parts[1], out=out) if out.is_contiguous() else out.copy_(parts[0] + parts[1])
+            if len(parts) == 2 and out.is_contiguous():
+                torch.add(parts[0], parts[1], out=out)  # elementwise: `out` may be one of the parts
+            elif len(parts) == 2:
+                out.copy_(parts[0] + parts[1])
             else:
                 acc = parts[0] + parts[1]
                 for x in parts[2:]:
@@ -275,9 +278,9 @@ class DirectGroup(dist.ProcessGroup):
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensor: list[torch.Tensor],
                   opts: Any = None) -> Any:
         self._check("all_gather", input_tensor)
-        for outs, mine in zip(output_tensors, input_tensor):
+        for outs, mine in zip(output_tensors, input_tensor, strict=True):
             parts = self._gather_bytes("all_gather", mine)
-            for out, part in zip(outs, parts):
+            for out, part in zip(outs, parts, strict=True):
                 out.copy_(part.view_as(out))
         return self._done(output_tensors)
 
@@ -306,7 +309,7 @@ class DirectGroup(dist.ProcessGroup):
         op = _op_name(opts.reduceOp) if opts is not None else "SUM"
         if op not in _OPS:
             raise ValueError(f"{BACKEND}: reduce_scatter with {op} is not supported")
-        for out, chunks in zip(output_tensors, input_tensors):
+        for out, chunks in zip(output_tensors, input_tensors, strict=True):
             self._check("reduce_scatter", [out, *chunks])
             self._scatter_reduce("reduce_scatter", out, list(chunks), op)
         return self._done(output_tensors)
