@@ -242,7 +242,7 @@ def _validate_mesh(cfg: DictConfig) -> None:
             f"{capacity!r} is not a capacity rule; use ranks (active TP ranks / nominal) or work (the "
             "per-rank work model's slowest rank).",
         )
-    from ntp_nemo.topology.groups import CPU_TP_BACKENDS
+    from ntp_nemo.topology.layout import CPU_TP_BACKENDS
 
     cpu_tp = cfg.ntp.get("cpu_tp_backend", "ntpdirect")
     if cpu_tp not in CPU_TP_BACKENDS:

@@ -211,8 +211,8 @@ class DirectGroup(dist.ProcessGroup):
             now = time.monotonic()
             deadline = deadline if deadline is not None else now + self._timeout_s
             if now >= deadline:
-                raise self._error("timed out", what, f"no progress for {self._timeout_s:g} s; waiting for "
-                                  f"ranks {sorted(set(outgoing) | set(incoming))}")
+                raise self._error("timed out", what, f"not done {self._timeout_s:g} s after it first waited; "
+                                  f"waiting for ranks {sorted(set(outgoing) | set(incoming))}")
             select.select([self._peers[p] for p in incoming], [self._peers[p] for p in outgoing], [],
                           min(deadline - now, 1.0))
 
@@ -342,6 +342,12 @@ class DirectGroup(dist.ProcessGroup):
     def barrier(self, opts: Any = None) -> Any:
         self.allreduce([torch.zeros(1)], None)
         return self._done([])
+
+    @property
+    def timeout(self) -> timedelta:
+        """Every wait of this group is bounded by it (`fault.collective_timeout_s` where the runtime made
+        the group)."""
+        return timedelta(seconds=self._timeout_s)
 
     def getBackendName(self) -> str:
         return BACKEND

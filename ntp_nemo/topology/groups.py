@@ -57,6 +57,9 @@ def group_timeout(group: Any = None) -> timedelta | None:
     pg = group if group is not None else dist.group.WORLD
     if pg is None:
         return None
+    own = getattr(pg, "timeout", None)  # a process group written in Python (`direct_group`) says it
+    if isinstance(own, timedelta):
+        return own
     for device in ("cpu", "cuda"):
         try:
             backend = pg._get_backend(torch.device(device))
@@ -80,7 +83,6 @@ def new_subgroup(ranks: Sequence[int]) -> Any:
 
 
 CPU_TP_BACKEND_ENV = "NTP_NEMO_CPU_TP_BACKEND"
-CPU_TP_BACKENDS = ("ntpdirect", "gloo")
 
 
 def tp_backend(world_backend: str) -> str | None:

@@ -35,6 +35,7 @@ def replica_capacities(tp: int, replica_tp: Sequence[int], power_boost: PowerBoo
 
 
 CAPACITY_RULES = ("ranks", "work")  # ntp.capacity: how a replica's share of the batch is weighed
+CPU_TP_BACKENDS = ("ntpdirect", "gloo")  # ntp.cpu_tp_backend: the TP groups of a CPU world (topology.groups)
 
 
 def _rule_capacities(rule: str, work: WorkShape | None, topo: Topology, boost: PowerBoost) -> list[float]:
