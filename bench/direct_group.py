@@ -61,21 +61,6 @@ def worker(rank: int, world: int, numels: list[int], iters: int, rounds: int) ->
                     wall = (time.perf_counter() - t) / iters
                     cpu = (time.process_time() - c) / iters
                     rows.setdefault((numel, kind, name), []).append((wall, cpu))
-    # the TP regions' own call on an ntpdirect group against dist.all_reduce on it
-    for numel in numels:
-        x = torch.zeros(numel)
-        calls = {"dist.all_reduce": lambda x=x: dist.all_reduce(x, group=groups["ntpdirect"]),
-                 "DirectGroup.sum_": lambda x=x: groups["ntpdirect"].sum_(x)}
-        for _ in range(rounds):
-            for name, call in calls.items():
-                for _ in range(10):
-                    call()
-                dist.barrier()
-                t, c = time.perf_counter(), time.process_time()
-                for _ in range(iters):
-                    call()
-                rows.setdefault((numel, "call", name), []).append(((time.perf_counter() - t) / iters,
-                                                                   (time.process_time() - c) / iters))
     return rows
 
 
@@ -91,29 +76,14 @@ def main() -> None:
           f"{args.rounds} rounds of {args.iters}; float32 elements per rank")
     print(f" {'world':>5} {'kind':<24} {'numel':>8}  {'gloo wall':>9} {'cpu':>6}  {'direct wall':>11} "
           f"{'cpu':>6}  {'gloo/direct wall':>16} {'cpu':>5}")
-    calls = []
     for world in (int(w) for w in args.worlds.split(",")):
         rows = run_workers(worker, world, numels, args.iters, args.rounds, timeout_s=300.0)[0]
-        calls.append((world, rows))
         for numel in numels:
             for kind in KINDS:
                 g = [statistics.median(v[i] for v in rows[(numel, kind, "gloo")]) * 1e3 for i in (0, 1)]
                 d = [statistics.median(v[i] for v in rows[(numel, kind, "ntpdirect")]) * 1e3 for i in (0, 1)]
                 print(f" {world:>5} {kind:<24} {numel:>8}  {g[0]:>9.3f} {g[1]:>6.3f}  {d[0]:>11.3f} "
                       f"{d[1]:>6.3f}  {g[0] / d[0]:>16.1f} {g[1] / d[1]:>5.1f}")
-
-
-
-    print("\nntpdirect all-reduce: through torch.distributed against the group's own call (the TP "
-          "regions')")
-    print(f" {'world':>5} {'numel':>8}  {'dist.all_reduce wall':>20} {'cpu':>6}  "
-          f"{'DirectGroup.sum_ wall':>21} {'cpu':>6}  {'saved wall us':>13}")
-    for world, rows in calls:
-        for numel in numels:
-            a, b = ([statistics.median(v[i] for v in rows[(numel, "call", name)]) * 1e3 for i in (0, 1)]
-                    for name in ("dist.all_reduce", "DirectGroup.sum_"))
-            print(f" {world:>5} {numel:>8}  {a[0]:>20.3f} {a[1]:>6.3f}  {b[0]:>21.3f} {b[1]:>6.3f}  "
-                  f"{(a[0] - b[0]) * 1e3:>13.0f}")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ from ntp_nemo.launch.workers import run_workers  # noqa: E402
 from ntp_nemo.models.config import ModelConfig  # noqa: E402
 from ntp_nemo.runtime.assemble import assemble  # noqa: E402
 from ntp_nemo.topology import ResolvedLayout, Topology  # noqa: E402
-from ntp_nemo.topology.direct_group import DirectGroup  # noqa: E402
 
 GPT_TINY = ModelConfig(arch="gpt2", vocab_size=257, hidden_size=256, num_layers=4, num_heads=4,
                        ffn_hidden_size=1024, max_seq_len=256, tie_embeddings=True)
@@ -48,8 +47,7 @@ OPTIM = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0
 def _caller() -> str:
     """The first frame outside torch.distributed and this file: who asked for the collective."""
     for frame in traceback.extract_stack()[-3::-1]:
-        if "torch/distributed" not in frame.filename and not frame.filename.endswith("step_profile.py") \
-                and frame.name != "sum_over":
+        if "torch/distributed" not in frame.filename and not frame.filename.endswith("step_profile.py"):
             return f"{Path(frame.filename).name}:{frame.name}"
     return "?"
 
@@ -65,10 +63,8 @@ class CollectiveMeter:
         self.bytes = 0
         for name in WRAPPED:
             setattr(dist, name, self._wrap(name, getattr(dist, name)))
-        # an ntpdirect group's own all-reduce, which the TP regions call without torch.distributed
-        DirectGroup.sum_ = self._wrap("all_reduce", DirectGroup.sum_, tensor_at=1)
 
-    def _wrap(self, name, fn, tensor_at: int = 0):
+    def _wrap(self, name, fn):
         def wrapped(*args, **kwargs):
             t, c = time.perf_counter(), time.process_time()
             out = fn(*args, **kwargs)
@@ -78,8 +74,7 @@ class CollectiveMeter:
             self.cpu += time.process_time() - c
             self.count[name] += 1
             self.by_caller[_caller()] += 1
-            tensor = args[tensor_at] if len(args) > tensor_at and isinstance(args[tensor_at], torch.Tensor) \
-                else None
+            tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None
             if tensor is not None:
                 self.bytes += tensor.numel() * tensor.element_size()
             return out

@@ -10,18 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ntp_nemo.topology.direct_group import DirectGroup
 from ntp_nemo.topology.tp_context import TPContext
-
-
-def sum_over(x: torch.Tensor, group) -> torch.Tensor:
-    """`dist.all_reduce(x, group=group)` in place; on an `ntpdirect` group its own call (no
-    torch.distributed dispatch), except while torch.compile traces (a compiled block keeps the
-    collective in its graph through torch.distributed's functional collectives)."""
-    if isinstance(group, DirectGroup) and not torch.compiler.is_compiling():
-        return group.sum_(x)
-    dist.all_reduce(x, group=group)
-    return x
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -32,13 +21,17 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return sum_over(grad.contiguous(), ctx.group), None
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:  # type: ignore[override]
-        return sum_over(x.contiguous(), group)
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
+        return x
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]

@@ -272,14 +272,6 @@ class DirectGroup(dist.ProcessGroup):
                 self._reduce(self._gather_bytes("all_reduce", t), op, t)
         return self._done(tensor_list)
 
-    def sum_(self, t: torch.Tensor) -> torch.Tensor:
-        """`dist.all_reduce(t, group=self)` (SUM, in place) called directly: the same exchange and sum
-        without torch.distributed's dispatch and the work object (about 75 us less per call here,
-        `python bench/direct_group.py`'s last table).  `t`: a CPU tensor."""
-        if self._size > 1 and t.numel():
-            self._reduce(self._gather_bytes("all_reduce", t), "SUM", t)
-        return t
-
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         return self.allreduce(tensors, opts)
 
