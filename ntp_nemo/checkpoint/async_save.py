@@ -33,7 +33,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -87,9 +87,6 @@ class AsyncCheckpointSaver:
         self.threads = threads
         self.defer_staging = defer_staging
         self.guard_wait_s = 0.0  # how long optimizer steps waited for the last save's staging
-        # Called on the writing thread once this rank's files of a save are written, before the commit's
-        # gather (`write_snapshot(written=...)`; the fault `kill_during_save` ends the process there).
-        self.on_written: Callable[[], None] | None = None
 
     def _checkpoint_group(self) -> Any:
         if not self._group_ready:  # collective, on the caller's thread, at the first save of every rank
@@ -182,7 +179,7 @@ class AsyncCheckpointSaver:
         if staged is not None:
             staged.result()
         return write_snapshot(path, snap, extra, step=step, layout=layout, keep_last=keep_last, group=group,
-                              threads=self.threads, written=self.on_written)
+                              threads=self.threads)
 
     def staged(self) -> None:
         """Block until the save in flight has copied the state it writes (at once when it has)."""

@@ -29,7 +29,7 @@ import pickle
 import re
 import shutil
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -265,11 +265,9 @@ def _save_torch(obj: Any, path: Path) -> None:
 
 def write_snapshot(path: str | os.PathLike, snap: Snapshot, extra: Mapping[str, Any] | None, *, step: int,
                    layout: Any = None, keep_last: int | None = None, group=None,
-                   threads: int = THREADS, written: Callable[[], None] | None = None) -> Path:
+                   threads: int = THREADS) -> Path:
     """Collective: write `snap` of every rank as checkpoint `path` and commit it (see module doc);
-    then rank 0 prunes `path`'s directory to the `keep_last` newest checkpoints.  `written`: called on
-    this rank once its files are in `NAME.tmp/`, before the records are gathered (where the fault
-    `kill_during_save` ends a process: the save is then never committed)."""
+    then rank 0 prunes `path`'s directory to the `keep_last` newest checkpoints."""
     path = Path(path)
     tmp = tmp_path(path)
     rank, _ = _rank_world(group)
@@ -284,8 +282,6 @@ def write_snapshot(path: str | os.PathLike, snap: Snapshot, extra: Mapping[str, 
         records, failed = write_records(tmp, rank, snap.chunks, threads), None
     except OSError as err:  # every rank learns of it below: none waits in a collective for this one
         records, failed = [], _os_problem(err)
-    if written is not None:
-        written()
     everyone = _all_gather((records, snap.tensors, snap.options, snap.rng, failed), group)
     failed = next((f for *_, f in everyone if f is not None), None)
     if rank == 0 and failed is None:

@@ -186,10 +186,6 @@ class FaultInjector(Callback):
     ) -> None:
         for f in self._mine(trainer, ("kill_during_save",)):
             if trainer.global_step >= f.step and self._claim(f, trainer.global_step):
-                saver = getattr(trainer.strategy, "saver", None)
-                if saver is not None:  # asynchronous: the writing thread ends the process once its files
-                    saver.on_written = _die_written  # are written, before the commit (no race with it)
-                    continue
                 threading.Thread(
                     target=self._die_once_writing, args=(trainer.global_step,), daemon=True
                 ).start()
@@ -203,12 +199,6 @@ class FaultInjector(Callback):
         while not tmp.exists() and time.monotonic() < deadline:
             time.sleep(0.0005)
         os._exit(KILL_EXIT_CODE)
-
-
-def _die_written() -> None:
-    """`kill_during_save` of an asynchronous save: this rank's files are in the checkpoint's `.tmp`
-    directory and its records not yet gathered, so the save cannot commit."""
-    os._exit(KILL_EXIT_CODE)
 
 
 def _die_once_decided(store: Any, generation: int, timeout_s: float) -> None:
