@@ -58,8 +58,8 @@ LIVE = {
     "phases": ["fault=kill_rank", "fault.rank=3", "fault.step=3", "fault.phase=backward",
                "fault.more=[{kind:kill_rank,rank:1,step:6,phase:optimizer}]", "fault.recovery=live"],
     # On gloo TP groups: with ntpdirect ones, under the full suite's load, step 4's save was found
-    # committed (all four ranks' files) in two runs out of two although rank 2 died at it; alone it
-    # passed every time (not explained: docs/performance.md, "The TP groups' transport")
+    # committed (all four ranks' files) in two runs out of two although rank 2 died during it (not
+    # explained: docs/performance.md, "The TP groups' transport")
     "save": ["fault=kill_during_save", "fault.rank=2", "fault.step=4", "fault.recovery=live",
              "checkpoint.every_n_steps=2", "checkpoint.async_save=true", "checkpoint.keep_last=10",
              "ntp.cpu_tp_backend=gloo"],

@@ -1,13 +1,13 @@
 """A CPU process group whose tensor collectives run over direct TCP connections, on the calling thread.
 
-Why: on CPU a gloo collective costs milliseconds whatever its size.  Measured on the 2-core machine of
-`docs/benchmarks.md` (two forked processes, one torch thread each, idle otherwise), an all-reduce of 8
-float32 values took 1.7 ms of wall and 1.0 ms of CPU, one of 64 Ki values 2.2 ms: gloo hands every
-message between the calling thread and its I/O thread.  A TP step of the default recipe makes about 115
-of them (four per layer per micro-batch, the embedding's, the head's, the loss's), so half of a TP2
-step was collectives (`python bench/step_profile.py --tp 2`).  The same exchange written with
-non-blocking sockets on the calling thread takes 0.05 ms for 8 values and 0.14 ms for 64 Ki
-(`python bench/direct_group.py` prints both side by side).
+Why: on CPU a gloo collective costs milliseconds whatever its size.  On the 2-core machine of
+`docs/benchmarks.md` (two forked processes, one torch thread each), `python bench/direct_group.py`
+measured a gloo all-reduce of 8 float32 values at 1.58 ms of wall and 0.90 ms of CPU, one of 64 Ki values
+at 1.32 ms and 0.84 ms: gloo hands every message between the calling thread and its I/O thread.  A TP
+step of the default recipe makes 115 of them (four per layer per micro-batch, the embedding's, the
+head's, the loss's), so half of a TP2 step was collectives (`python bench/step_profile.py --tp 2`).  The
+same collectives on this group, with non-blocking sockets on the calling thread: 0.13 ms and 0.18 ms of
+wall (0.09 and 0.15 ms of CPU), side by side in the same bench.
 
 What: `DirectGroup`, a `torch.distributed.ProcessGroup` written in Python and registered as the
 backend `ntpdirect` for CPU tensors, so `dist.all_reduce(x, group=g)` and the other calls of the TP
