@@ -231,3 +231,50 @@ def test_load_waits_for_the_staging_of_a_save_in_flight(tmp_path, monkeypatch):
     fresh, fresh_opt = fresh_state.model, fresh_state.optimizer
     load_checkpoint(tmp_path / checkpoint_name(2), fresh, fresh_opt)
     assert _equal(_flat(fresh, fresh_opt), at_save) and not _equal(_flat(model, opt), at_save)
+
+
+def ended_group_worker(rank, world, layout, directory):
+    """Each rank's background write finds the world's process group gone once its files are written (as
+    a live recovery leaves it: torch.distributed reports no process group, i.e. one process), then
+    gathers the records."""
+    import torch.distributed as dist
+
+    import ntp_nemo.checkpoint.sharded as sharded
+
+    torch.set_num_threads(1)
+    state = _setup(rank, layout, LLAMA, 7, torch.float32)
+    _train_step(state, LLAMA, 0)
+    saver = AsyncCheckpointSaver()
+    saver.prepare()
+    dist.barrier()
+    write_records, is_initialized, ended = sharded.write_records, dist.is_initialized, []
+
+    def write_then_end(*args, **kwargs):
+        out = write_records(*args, **kwargs)
+        ended.append(True)
+        return out
+
+    sharded.write_records = write_then_end
+    dist.is_initialized = lambda: not ended and is_initialized()
+    try:
+        saver.save(f"{directory}/{checkpoint_name(1)}", state.model, state.optimizer, {"step": 1}, step=1)
+        try:
+            saver.wait()
+            error = None
+        except RuntimeError as err:
+            error = str(err)
+    finally:
+        sharded.write_records, dist.is_initialized = write_records, is_initialized
+    dist.barrier()  # every rank's save has ended before rank 0's directory is looked at
+    return error, is_valid_checkpoint(f"{directory}/{checkpoint_name(1)}")
+
+
+@pytest.mark.slow
+def test_a_save_whose_process_group_ends_while_it_writes_is_not_committed(tmp_path):
+    """Without the check, every rank's gather degrades to the one-process case and rank 0 commits a
+    checkpoint that lists its own records only (seen with a live recovery racing a background save)."""
+    results = run_workers(ended_group_worker, 3, LAYOUT, str(tmp_path))
+    for error, valid in results:
+        assert error is not None and "ended while it was in use" in error and "nothing is committed" in error
+        assert not valid
+    assert not (tmp_path / checkpoint_name(1)).exists()

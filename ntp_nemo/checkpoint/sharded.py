@@ -90,14 +90,22 @@ THREADS = 4  # files in flight per rank, on save and on load
 
 
 # ---- collectives that degrade to no-ops in one process --------------------------------------------
-def _rank_world(group) -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(group), dist.get_world_size(group)
-    return 0, 1
+def _rank_world(group, expect: int | None = None) -> tuple[int, int]:
+    """(rank, world size) of `group`; with `expect` (the world size a collective save or load began
+    with), a group that no longer has it (a live recovery destroyed it meanwhile: torch.distributed then
+    reports one process) raises instead of degrading to the one-process no-ops below, which would let
+    rank 0 commit a checkpoint holding its own records only."""
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_available() and \
+        dist.is_initialized() else (0, 1)
+    if expect is not None and world != expect:
+        raise RuntimeError(f"the checkpoint's process group of {expect} ranks ended while it was in use "
+                           f"(connection closed: {world if world > 0 else 'no'} rank(s) left in it, e.g. a "
+                           "live recovery re-formed the ranks); nothing is committed")
+    return rank, world
 
 
-def _all_gather(obj: Any, group) -> list[Any]:
-    _, world = _rank_world(group)
+def _all_gather(obj: Any, group, world: int | None = None) -> list[Any]:
+    _, world = _rank_world(group, world)
     if world == 1:
         return [obj]
     out: list[Any] = [None] * world
@@ -105,8 +113,8 @@ def _all_gather(obj: Any, group) -> list[Any]:
     return out
 
 
-def _broadcast(obj: Any, group) -> Any:
-    if _rank_world(group)[1] == 1:
+def _broadcast(obj: Any, group, world: int | None = None) -> Any:
+    if _rank_world(group, world)[1] == 1:
         return obj
     box = [obj]
     src = dist.get_global_rank(group, 0) if group is not None else 0
@@ -114,8 +122,8 @@ def _broadcast(obj: Any, group) -> Any:
     return box[0]
 
 
-def _barrier(group) -> None:
-    if _rank_world(group)[1] > 1:
+def _barrier(group, world: int | None = None) -> None:
+    if _rank_world(group, world)[1] > 1:
         dist.barrier(group=group)
 
 
@@ -270,19 +278,19 @@ def write_snapshot(path: str | os.PathLike, snap: Snapshot, extra: Mapping[str, 
     then rank 0 prunes `path`'s directory to the `keep_last` newest checkpoints."""
     path = Path(path)
     tmp = tmp_path(path)
-    rank, _ = _rank_world(group)
+    rank, world = _rank_world(group)  # every later collective checks the group still has `world` ranks
     json.dumps(layout)  # fail before writing anything if the layout cannot go into the manifest
     extra = _check_extra(extra)
     if rank == 0:
         if tmp.exists():  # leftover of a save that died
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-    _barrier(group)
+    _barrier(group, world)
     try:
         records, failed = write_records(tmp, rank, snap.chunks, threads), None
     except OSError as err:  # every rank learns of it below: none waits in a collective for this one
         records, failed = [], _os_problem(err)
-    everyone = _all_gather((records, snap.tensors, snap.options, snap.rng, failed), group)
+    everyone = _all_gather((records, snap.tensors, snap.options, snap.rng, failed), group, world)
     failed = next((f for *_, f in everyone if f is not None), None)
     if rank == 0 and failed is None:
         try:
@@ -294,7 +302,7 @@ def write_snapshot(path: str | os.PathLike, snap: Snapshot, extra: Mapping[str, 
     if rank == 0 and failed is not None:
         shutil.rmtree(tmp, ignore_errors=True)  # the partial save: never committed, and it holds space
         failed = save_failure(path, failed)
-    failed = _broadcast(failed, group)
+    failed = _broadcast(failed, group, world)
     if failed is not None:
         raise CheckpointWriteError(failed)
     return path
