@@ -2,7 +2,8 @@
 
 bf16-true (bfloat16 weights, gradients and optimizer state) on a degraded NTP layout follows the
 float32 curve of a single process within bf16 tolerance (bf16-mixed on the same layout is covered by
-tests/test_train_cli.py); 16-mixed is refused before launch; `trainer.deterministic` reaches torch;
+tests/test_train_cli.py); 16-mixed is refused before launch; `trainer.deterministic` reaches torch, and
+`trainer.fill_uninitialized_memory` (off by default) with it;
 a non-default `model._target_` is refused.
 """
 
@@ -57,20 +58,28 @@ def test_custom_model_target_is_refused():
     validate(compose([*TINY, *SINGLE, "model._target_=ntp_nemo.models.build_model"]))  # the default is fine
 
 
-@pytest.mark.parametrize("deterministic", [True, False])
-def test_trainer_deterministic_reaches_torch(tmp_path, deterministic):
+@pytest.mark.parametrize(("deterministic", "fill"), [(True, None), (True, True), (False, None)])
+def test_trainer_deterministic_reaches_torch(tmp_path, deterministic, fill):
     import torch
 
     from ntp_nemo.config.resolve import resolve
     from ntp_nemo.config.validate import validate
     from ntp_nemo.lightning.factory import build_trainer
 
-    cfg = compose([*TINY, *SINGLE, f"trainer.deterministic={str(deterministic).lower()}"])
+    overrides = [f"trainer.deterministic={str(deterministic).lower()}"]
+    if fill is not None:
+        overrides.append(f"trainer.fill_uninitialized_memory={str(fill).lower()}")
+    cfg = compose([*TINY, *SINGLE, *overrides])
     validate(cfg)
-    before = torch.are_deterministic_algorithms_enabled()
+    before = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
     torch.use_deterministic_algorithms(not deterministic)
+    torch.utils.deterministic.fill_uninitialized_memory = not fill
     try:
-        build_trainer(resolve(cfg), tmp_path, None)  # the Trainer sets the flag the workers inherit
+        build_trainer(resolve(cfg), tmp_path, None)  # the Trainer sets the flags the workers inherit
         assert torch.are_deterministic_algorithms_enabled() is deterministic
+        assert torch.utils.deterministic.fill_uninitialized_memory is bool(fill)  # off unless asked for
+        if fill:  # what the flag does: a new tensor of a deterministic run holds NaN
+            assert bool(torch.empty(64).isnan().all())
     finally:
-        torch.use_deterministic_algorithms(before)
+        torch.use_deterministic_algorithms(before[0])
+        torch.utils.deterministic.fill_uninitialized_memory = before[1]

@@ -100,6 +100,11 @@ class TrainerConfig(Sealable):
     val_every_n_steps: int = 50  # and after the last step, whatever max_steps is
     progress_bar: bool = True
     deterministic: bool = True  # torch.use_deterministic_algorithms (Lightning's Trainer(deterministic=...))
+    # With deterministic algorithms on, torch also fills every new tensor's memory with NaN (or the
+    # integer maximum) before use: a debugging aid for code that reads memory it never wrote, costing
+    # 0-1.5% of a CPU step (python bench/deterministic_fill.py). Off unless asked for; determinism does
+    # not depend on it.
+    fill_uninitialized_memory: bool = False
     process_group_backend: str | None = None  # None: gloo on CPU, nccl on GPU
     start_method: str = "fork"
     # One step of every rank on the meta device and a fake process group (no GPU, no data): writes

@@ -146,6 +146,9 @@ def build_trainer(
         default_root_dir=str(run_dir),
         enable_model_summary=False,
     )
+    # After the Trainer, which turned deterministic algorithms on or off (torch fills new memory only while
+    # they are on, and by default does): the workers inherit both flags.
+    torch.utils.deterministic.fill_uninitialized_memory = bool(t.fill_uninitialized_memory)
     module = NTPLanguageModule(
         spec.model,
         spec.optim_options(),
