@@ -152,16 +152,27 @@ def _is_whole(p: torch.Tensor, f: Fragment) -> bool:
 
 def weighted_norm_sq(tensors: Sequence[torch.Tensor], weights: Sequence[float], dtype: torch.dtype,
                      device: torch.device) -> torch.Tensor:
-    """sum_i weights[i] * ||tensors[i]||^2, each norm taken in `dtype` inside its reduction (no `dtype` copy
-    of the tensors): one foreach norm per distinct weight (one multi-tensor kernel on CUDA) and its sum,
-    instead of a norm, a square, a product and an add per tensor.  The weights stay host scalars (no
-    host-to-device copy)."""
+    """sum_i weights[i] * ||tensors[i]||^2, summed in `dtype`: one foreach norm per distinct weight (one
+    multi-tensor kernel on CUDA) and its sum, instead of a norm, a square, a product and an add per
+    tensor.  The weights stay host scalars (no host-to-device copy).
+
+    Each norm is taken in `dtype` inside its reduction on an accelerator.  On CPU, torch's foreach norm
+    with an output dtype first copies every tensor to it (five times the cost of the norm itself for the
+    default recipe's gradients, `python bench/step_profile.py`), so there each norm is taken in its
+    tensor's dtype (float32 at least: pairwise sums, as `torch.nn.utils.clip_grad_norm_` takes them) and
+    only the squares are summed in `dtype`."""
     by_weight: dict[float, list[torch.Tensor]] = defaultdict(list)
     for t, w in zip(tensors, weights, strict=True):
         by_weight[w].append(t)
     total = torch.zeros((), dtype=dtype, device=device)
     for w, ts in by_weight.items():
-        total += torch.stack(torch._foreach_norm(ts, 2, dtype=dtype)).square().sum() * w
+        if device.type == "cpu":
+            wide, narrow = [t for t in ts if t.element_size() >= 4], [t for t in ts if t.element_size() < 4]
+            norms = [n.to(dtype) for part, out in ((wide, None), (narrow, torch.float32)) if part
+                     for n in torch._foreach_norm(part, 2, dtype=out)]
+            total += torch.stack(norms).square().sum() * w
+        else:
+            total += torch.stack(torch._foreach_norm(ts, 2, dtype=dtype)).square().sum() * w
     return total
 
 
