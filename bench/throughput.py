@@ -15,12 +15,15 @@ of 2), AdamW + warmup-cosine and initial weights, one torch thread per process, 
   step's micro-batches, loss normalised by the global token count, gradient clipping at 1.0, AdamW,
   schedule, logging the loss and the gradient norm);
 - `ntp TP1` and `plain TP1`: `ntp-train` on one process and the plain loop of `bench/_common.py`;
-- pair `sp`: `ntp TP{n}` against `ntp TP{n} SP` (`ntp.sequence_parallel=true`), the same CLI.
+- pair `sp`: `ntp TP{n}` against `ntp TP{n} SP` (`ntp.sequence_parallel=true`), the same CLI;
+- pair `scaling`: `ntp TP{n}` against `ntp TP1`, the same CLI: TP{n}'s efficiency (the TP1 step over n
+  times the TP{n} step) and each TP{n} rank's CPU per step over the TP1 step's, both paired step by step.
 The two sides of a pair run at once and take turns step by step, so load from other processes falls on
 both alike. Each step is timed from `on_train_batch_start` to `on_train_batch_end` (ntp: metrics.jsonl
 `step_time_s`); tokens/s = tokens per step / median step time after the warm-up, over all rounds; the
 ratios are medians of per-step ratios (each step against the other side's step next to it in time).
-The goal is ntp / dtensor >= 1.0.
+The goals ("A fast step"): ntp TP2 / dtensor TP2 >= 2.0, ntp TP1 / plain >= 1.0, TP2 efficiency
+>= 0.60 and TP2 rank CPU / TP1 CPU <= 0.6.
 """
 
 from __future__ import annotations
@@ -214,8 +217,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=25, help="optimizer steps per run")
     ap.add_argument("--warmup", type=int, default=5, help="steps of each run left out of the figures")
     ap.add_argument("--tp", type=int, default=2, help="TP degree (= processes) of the ntp and DTensor sides")
-    ap.add_argument("--pairs", default="tp,tp1",
-                    help="tp: ntp vs DTensor at --tp; tp1: ntp vs plain loop; sp: ntp with SP vs without")
+    ap.add_argument("--pairs", default="tp,tp1,scaling",
+                    help="tp: ntp vs DTensor at --tp; tp1: ntp vs plain loop; sp: ntp with SP vs without; "
+                         "scaling: ntp at --tp vs ntp TP1")
     ap.add_argument("--dtensor-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="extra ntp-train overrides applied to every side")
@@ -239,6 +243,10 @@ def main() -> None:
             ntp_side(f"ntp TP{args.tp} SP", [*tp_overrides, "ntp.sequence_parallel=true"], w, args.tp, 1),
             ntp_side(f"ntp TP{args.tp}", tp_overrides, w, args.tp, 1),
         ],
+        "scaling": lambda w: [
+            ntp_side(f"ntp TP{args.tp}", tp_overrides, w, args.tp, 1),
+            ntp_side("ntp TP1", one_overrides, w, 1, 1),
+        ],
     }
     chosen = [p for p in args.pairs.split(",") if p]
     print(
@@ -246,17 +254,17 @@ def main() -> None:
         f"(warm-up {args.warmup}); TP overrides {' '.join(tp_overrides)}; load average {load_average()}",
         flush=True,
     )
-    runs: dict[str, list[dict]] = {}
+    runs: dict[tuple[str, str], list[dict]] = {}  # (pair, side): one result per round
     for r in range(args.rounds):
         for pair in chosen if r % 2 == 0 else chosen[::-1]:
             with tempfile.TemporaryDirectory() as tmp:
                 sides = pairs[pair](Path(tmp))
                 result = run_side_by_side(sides if r % 2 == 0 else sides[::-1], args.steps, Path(tmp))
             for name, res in result.items():
-                runs.setdefault(name, []).append(res)
+                runs.setdefault((pair, name), []).append(res)
                 step, cpu = (pooled_median([res], key, args.warmup) * 1e3 for key in ("step_time_s", "cpu_s"))
                 print(
-                    f"  round {r} {name:12s}: step {step:7.1f} ms  cpu {cpu:7.1f} ms  "
+                    f"  round {r} {pair:8s} {name:12s}: step {step:7.1f} ms  cpu {cpu:7.1f} ms  "
                     f"(threads {res['threads']})",
                     flush=True,
                 )
@@ -264,25 +272,36 @@ def main() -> None:
         f"\nresult: medians over {args.rounds} x {args.steps - args.warmup} steps per side; "
         f"load average now {load_average()}"
     )
-    print(f" {'side':14s} {'step ms':>9s} {'tokens/s':>9s} {'rank-0 CPU ms':>14s} {'tokens/CPU-s':>13s}")
-    for name, results in runs.items():
+    print(f" {'pair':8s} {'side':14s} {'step ms':>9s} {'tokens/s':>9s} {'rank-0 CPU ms':>14s} "
+          f"{'tokens/CPU-s':>13s}")
+    for (pair, name), results in runs.items():
         step, cpu = (pooled_median(results, key, args.warmup) for key in ("step_time_s", "cpu_s"))
         tokens = results[0]["records"][0]["tokens"]
-        print(f" {name:14s} {step * 1e3:9.1f} {tokens / step:9.0f} {cpu * 1e3:14.1f} {tokens / cpu:13.0f}")
-    for a, b, goal in (
-        (f"ntp TP{args.tp}", f"dtensor TP{args.tp}", " (goal >= 1.0)"),
-        ("ntp TP1", "plain TP1", ""),
-        (f"ntp TP{args.tp} SP", f"ntp TP{args.tp}", " (sequence parallelism on / off)"),
+        print(f" {pair:8s} {name:14s} {step * 1e3:9.1f} {tokens / step:9.0f} {cpu * 1e3:14.1f} "
+              f"{tokens / cpu:13.0f}")
+    tp, one = f"ntp TP{args.tp}", "ntp TP1"
+    for pair, a, b, goal in (
+        ("tp", tp, f"dtensor TP{args.tp}", " (goal >= 2.0)"),
+        ("tp1", one, "plain TP1", " (goal >= 1.0)"),
+        ("sp", f"{tp} SP", tp, " (sequence parallelism on / off)"),
     ):
-        if a in runs and b in runs:
+        if (pair, a) in runs:
             # tokens/s ratio a/b = step time b/a, paired step by step.
-            ratio = paired_ratio(runs[b], runs[a], "step_time_s", args.warmup)
-            cpu_ratio = paired_ratio(runs[b], runs[a], "cpu_s", args.warmup)
+            ratio = paired_ratio(runs[pair, b], runs[pair, a], "step_time_s", args.warmup)
+            cpu_ratio = paired_ratio(runs[pair, b], runs[pair, a], "cpu_s", args.warmup)
             print(
                 f" {a} / {b}: tokens/s ratio {ratio:.3f}{goal}, by CPU time {cpu_ratio:.3f}; "
-                f"{loss_agreement(runs[a], runs[b])}"
+                f"{loss_agreement(runs[pair, a], runs[pair, b])}"
             )
-
+    if ("scaling", tp) in runs:
+        one_runs, tp_runs = runs["scaling", one], runs["scaling", tp]
+        efficiency = paired_ratio(one_runs, tp_runs, "step_time_s", args.warmup) / args.tp
+        cpu_share = paired_ratio(tp_runs, one_runs, "cpu_s", args.warmup)
+        print(
+            f" {tp} against {one}: efficiency (TP1 step / ({args.tp} x TP{args.tp} step)) {efficiency:.3f} "
+            f"(goal >= 0.60); rank-0 CPU per step / TP1 step's {cpu_share:.3f} (goal <= 0.6); "
+            f"{loss_agreement(tp_runs, one_runs)}"
+        )
 
 if __name__ == "__main__":
     main()
