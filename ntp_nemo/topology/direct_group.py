@@ -57,7 +57,7 @@ BACKEND = "ntpdirect"
 # Where the ranks of a group on one host map their shared-memory slots (a memory-backed directory); set
 # it empty to move every byte over the TCP connections.
 SHM_DIR_ENV = "NTP_NEMO_DIRECT_SHM_DIR"
-SLOT_BYTES = 2 << 20  # per slot; two slots per rank and group (4 MiB of memory); larger messages go over TCP
+SLOT_BYTES = 4 << 20  # per slot; two slots per rank and group; a larger message goes over TCP
 _HELLO = struct.Struct("!4sI16s")  # magic, rank in the group, token
 _MAGIC = b"NTPD"
 _OPS = {"SUM", "AVG", "MAX", "MIN", "PRODUCT"}
