@@ -1,14 +1,13 @@
-"""One collective's cost: gloo groups against `ntpdirect` groups (ntp_nemo/topology/direct_group.py), the
-latter moving their bytes over TCP and through shared memory, side by side in the same processes.
+"""One collective's cost: gloo groups against `ntpdirect` groups (ntp_nemo/topology/direct_group.py),
+side by side in the same processes.
 
     python bench/direct_group.py [--worlds 2,3,4] [--numels 8,65536,262144] [--iters 200] [--rounds 3]
 
-For each world size, forked gloo processes (one torch thread each) make one gloo group and two ntpdirect
-groups over all ranks (`direct tcp`, made with `NTP_NEMO_DIRECT_SHM_DIR` empty, and `direct shm`, the
-default), then time `--iters` back-to-back collectives of each kind (all_reduce,
+For each world size, forked gloo processes (one torch thread each) make one gloo group and one ntpdirect
+group over all ranks, then time `--iters` back-to-back collectives of each kind (all_reduce,
 all_gather_into_tensor, reduce_scatter_tensor) and size (float32 elements per rank) on each group,
-the groups in turns, `--rounds` times.  Printed per row, medians over the rounds of rank 0: wall and
-process CPU per collective on each group, and gloo / shm and tcp / shm (how many times cheaper).  The
+the two groups in turns, `--rounds` times.  Printed per row, medians over the rounds of rank 0: wall
+and process CPU per collective on each group, and gloo / ntpdirect (how many times cheaper).  The
 TP regions of the default recipe (gpt_tiny, micro-batches of 2 x 128 tokens, hidden 256) all-reduce
 65,536 values.
 """
@@ -16,7 +15,6 @@ TP regions of the default recipe (gpt_tiny, micro-batches of 2 x 128 tokens, hid
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -28,7 +26,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ntp_nemo.launch.workers import run_workers  # noqa: E402
-from ntp_nemo.topology.direct_group import SHM_DIR_ENV, register  # noqa: E402
+from ntp_nemo.topology.direct_group import register  # noqa: E402
 
 KINDS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
 
@@ -46,11 +44,7 @@ def worker(rank: int, world: int, numels: list[int], iters: int, rounds: int) ->
     torch.set_num_threads(1)
     register()
     groups = {"gloo": dist.new_group(list(range(world))),
-              "shm": dist.new_group(list(range(world)), backend="ntpdirect")}
-    os.environ[SHM_DIR_ENV] = ""  # read when a group is made
-    groups["tcp"] = dist.new_group(list(range(world)), backend="ntpdirect")
-    del os.environ[SHM_DIR_ENV]
-    assert groups["shm"].shared_memory and not groups["tcp"].shared_memory
+              "ntpdirect": dist.new_group(list(range(world)), backend="ntpdirect")}
     rows: dict = {}
     for numel in numels:
         x = torch.zeros(numel)  # repeated sums stay finite (an add's cost does not depend on the values)
@@ -80,18 +74,17 @@ def main() -> None:
     numels = [int(n) for n in args.numels.split(",")]
     print("direct_group: ms per collective, medians of rank 0 over "
           f"{args.rounds} rounds of {args.iters}; float32 elements per rank")
-    print(f" {'world':>5} {'kind':<24} {'numel':>8}  {'gloo wall':>9} {'cpu':>6}  {'tcp wall':>8} "
-          f"{'cpu':>6}  {'shm wall':>8} {'cpu':>6}  {'gloo/shm wall':>13} {'cpu':>5}  {'tcp/shm wall':>12} "
-          f"{'cpu':>5}")
+    print(f" {'world':>5} {'kind':<24} {'numel':>8}  {'gloo wall':>9} {'cpu':>6}  {'direct wall':>11} "
+          f"{'cpu':>6}  {'gloo/direct wall':>16} {'cpu':>5}")
     for world in (int(w) for w in args.worlds.split(",")):
         rows = run_workers(worker, world, numels, args.iters, args.rounds, timeout_s=300.0)[0]
         for numel in numels:
             for kind in KINDS:
-                g, t, d = ([statistics.median(v[i] for v in rows[(numel, kind, name)]) * 1e3 for i in (0, 1)]
-                           for name in ("gloo", "tcp", "shm"))
-                print(f" {world:>5} {kind:<24} {numel:>8}  {g[0]:>9.3f} {g[1]:>6.3f}  {t[0]:>8.3f} "
-                      f"{t[1]:>6.3f}  {d[0]:>8.3f} {d[1]:>6.3f}  {g[0] / d[0]:>13.1f} {g[1] / d[1]:>5.1f}  "
-                      f"{t[0] / d[0]:>12.1f} {t[1] / d[1]:>5.1f}")
+                g = [statistics.median(v[i] for v in rows[(numel, kind, "gloo")]) * 1e3 for i in (0, 1)]
+                d = [statistics.median(v[i] for v in rows[(numel, kind, "ntpdirect")]) * 1e3 for i in (0, 1)]
+                print(f" {world:>5} {kind:<24} {numel:>8}  {g[0]:>9.3f} {g[1]:>6.3f}  {d[0]:>11.3f} "
+                      f"{d[1]:>6.3f}  {g[0] / d[0]:>16.1f} {g[1] / d[1]:>5.1f}")
+
 
 if __name__ == "__main__":
     main()

@@ -13,14 +13,10 @@ What: `DirectGroup`, a `torch.distributed.ProcessGroup` written in Python and re
 backend `ntpdirect` for CPU tensors, so `dist.all_reduce(x, group=g)` and the other calls of the TP
 regions reach it unchanged.  Each pair of ranks holds one TCP connection (a full mesh, made when the group
 is created: the higher rank connects, sends a hello with its rank and a token the group's rank 0 put in
-the group's store; anything else that connects is dropped).  When every rank of the group is on this
-host, each rank also maps two slots of shared memory (files in `/dev/shm`, or `NTP_NEMO_DIRECT_SHM_DIR`;
-removed as soon as every rank has mapped them): a collective copies this rank's bytes into its slot,
-sends each peer one byte over the connection and waits for theirs, then reads the peers' bytes in place.
-Otherwise, and for a message larger than a slot, it sends its bytes to every peer and receives theirs in
-one non-blocking loop (no deadlock whatever the sizes).  Either way it reduces in rank order, so every
-rank computes the same sum bit for bit (an add of two values commutes exactly: at two ranks the result
-equals gloo's).
+the group's store; anything else that connects is dropped).  A collective sends this rank's bytes to
+every peer and receives theirs in one non-blocking loop (no deadlock whatever the sizes), then reduces
+in rank order, so every rank computes the same sum bit for bit (an add of two values commutes exactly:
+at two ranks the result equals gloo's).
 
 Supported: all_reduce (SUM, AVG, MAX, MIN, PRODUCT), all_gather (list and into one tensor),
 reduce_scatter (list and from one tensor), broadcast, barrier; everything else raises naming the group
@@ -33,18 +29,15 @@ Faults: every wait is bounded by the group's timeout (`fault.collective_timeout_
 `DistBackendError` ("timed out"); a peer that is gone ends the collective at once with one ("connection
 closed"), which the live recovery treats like gloo's.  `resilience.sockets.sever` shuts these sockets down
 with gloo's (they are connected TCP sockets), so a survivor blocked here on a hung peer is released the
-same way; the shared-memory path changes none of this (its signals travel on the same connections).
-Sockets close when the group is shut down or collected, the slots' mappings when it is collected.
+same way.  Sockets close when the group is shut down or collected.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import select
 import socket
 import struct
-import tempfile
 import time
 import weakref
 from datetime import timedelta
@@ -54,10 +47,6 @@ import torch
 import torch.distributed as dist
 
 BACKEND = "ntpdirect"
-# Where the ranks of a group on one host map their shared-memory slots (a memory-backed directory); set
-# it empty to move every byte over the TCP connections.
-SHM_DIR_ENV = "NTP_NEMO_DIRECT_SHM_DIR"
-SLOT_BYTES = 4 << 20  # per slot; two slots per rank and group; a larger message goes over TCP
 _HELLO = struct.Struct("!4sI16s")  # magic, rank in the group, token
 _MAGIC = b"NTPD"
 _OPS = {"SUM", "AVG", "MAX", "MIN", "PRODUCT"}
@@ -108,11 +97,7 @@ class DirectGroup(dist.ProcessGroup):
         self._timeout_s = max(float(timeout.total_seconds()), 1e-3)
         self._peers: dict[int, socket.socket] = {}
         self._group_name = ""
-        self._slots: list[torch.Tensor] | None = None  # each rank's two slots, when shared memory is used
-        self._seq = 0  # collectives moved through the slots so far (the same count on every rank)
         self._connect(store)
-        self._token = memoryview(b"\x01")
-        self._inbox = {p: memoryview(bytearray(1)) for p in self._peers}
         socks = list(self._peers.values())
         self._finalizer = weakref.finalize(self, _close_all, socks)
 
@@ -160,55 +145,6 @@ class DirectGroup(dist.ProcessGroup):
         for sock in self._peers.values():
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setblocking(False)
-        if local:
-            self._slots = self._map_slots(store)
-
-    def _map_slots(self, store: Any) -> list[torch.Tensor] | None:
-        """Each rank's two slots of SLOT_BYTES, mapped from a file in the memory-backed directory: its own
-        to write, its peers' to read.  None (TCP only) unless every rank made its file, mapped every
-        peer's and read there the nonce its owner wrote: then every rank removes its own file (the
-        mappings stay), so nothing is left behind whatever ends the processes."""
-        rank, size = self._rank, self._size
-        directory = os.environ.get(SHM_DIR_ENV, "/dev/shm")
-        nonce = os.urandom(16)
-        path, maps = "", {}
-        try:
-            try:
-                if directory:
-                    fd, path = tempfile.mkstemp(prefix=f"{BACKEND}-", dir=directory)
-                    try:
-                        os.posix_fallocate(fd, 0, 2 * SLOT_BYTES)  # no SIGBUS later on a full directory
-                        maps[rank] = mmap.mmap(fd, 2 * SLOT_BYTES)
-                    finally:
-                        os.close(fd)
-                    maps[rank][:16] = nonce
-            except OSError:
-                maps.clear()
-            store.set(f"shm/{rank}", f"{path if maps else ''}|{nonce.hex()}")
-            for peer in self._others():
-                peer_path, peer_nonce = store.get(f"shm/{peer}").decode().rsplit("|", 1)
-                if not (maps and peer_path):
-                    maps.clear()
-                    continue
-                try:
-                    fd = os.open(peer_path, os.O_RDWR)
-                    try:
-                        maps[peer] = mmap.mmap(fd, 2 * SLOT_BYTES)
-                    finally:
-                        os.close(fd)
-                except (OSError, ValueError):
-                    maps.clear()
-                    continue
-                if maps[peer][:16] != bytes.fromhex(peer_nonce):  # another host's directory, same name
-                    maps.clear()
-            store.set(f"shm_ok/{rank}", "1" if maps else "0")
-            every = all(store.get(f"shm_ok/{r}") == b"1" for r in range(size))  # every peer has tried
-        finally:
-            if path:
-                os.unlink(path)
-        if not every:
-            return None
-        return [torch.frombuffer(maps[r], dtype=torch.uint8) for r in range(size)]
 
     def _hello(self, sock: socket.socket, token: bytes, deadline: float) -> int | None:
         sock.settimeout(min(self._remaining(deadline), 5.0))
@@ -283,32 +219,9 @@ class DirectGroup(dist.ProcessGroup):
     def _others(self) -> list[int]:
         return [p for p in range(self._size) if p != self._rank]
 
-    def _slot(self, nbytes: int) -> int | None:
-        """The offset of this collective's slot when its `nbytes` per rank go through shared memory (the
-        same answer on every rank: the sizes agree), else None."""
-        if self._slots is None or nbytes > SLOT_BYTES:
-            return None
-        self._seq += 1
-        return (self._seq % 2) * SLOT_BYTES
-
-    def _signal(self, what: str) -> None:
-        """Tell every peer this rank's slot is written, and wait until each peer's is.  Two slots are
-        enough: a peer writes a slot again two collectives later, and cannot begin that one before this
-        rank's signal of the next, which this rank sends after it read the slot."""
-        self._exchange(what, {p: self._token for p in self._peers}, dict(self._inbox))
-
     def _gather_bytes(self, what: str, mine: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's `mine` (same shape and dtype on each), in rank order; this rank's is `mine`.  The
-        peers' parts may be views of their slots: use them before the next collective."""
+        """Every rank's `mine` (same shape and dtype on each), in rank order; this rank's is `mine`."""
         src = mine.contiguous()
-        nbytes = src.numel() * src.element_size()
-        off = self._slot(nbytes)
-        if off is not None:
-            self._slots[self._rank][off:off + nbytes].copy_(src.reshape(-1).view(torch.uint8))
-            self._signal(what)
-            return [src if r == self._rank
-                    else self._slots[r][off:off + nbytes].view(src.dtype).view(src.shape)
-                    for r in range(self._size)]
         theirs = {p: torch.empty_like(src) for p in self._others()}
         self._exchange(what, {p: _as_bytes(src) for p in theirs},
                        {p: _as_bytes(t) for p, t in theirs.items()})
@@ -383,19 +296,6 @@ class DirectGroup(dist.ProcessGroup):
 
     def _scatter_reduce(self, what: str, out: torch.Tensor, chunks: list[torch.Tensor], op: str) -> None:
         """`out` = the reduction over ranks of each rank's `chunks[this rank]`."""
-        per = out.numel() * out.element_size()
-        same = all(c.numel() == out.numel() and c.dtype == out.dtype for c in chunks)
-        off = self._slot(per * self._size) if same else None
-        if off is not None:
-            mine = self._slots[self._rank]
-            for p in self._others():
-                mine[off + p * per:off + (p + 1) * per].copy_(chunks[p].reshape(-1).view(torch.uint8))
-            self._signal(what)
-            lo = off + self._rank * per
-            parts = [chunks[r] if r == self._rank else self._slots[r][lo:lo + per].view(out.dtype)
-                     for r in range(self._size)]
-            self._reduce([p.view_as(out) for p in parts], op, out)
-            return
         sends = {p: chunks[p].contiguous() for p in self._others()}
         theirs = {p: torch.empty_like(chunks[self._rank], memory_format=torch.contiguous_format)
                   for p in self._others()}
@@ -442,12 +342,6 @@ class DirectGroup(dist.ProcessGroup):
     def barrier(self, opts: Any = None) -> Any:
         self.allreduce([torch.zeros(1)], None)
         return self._done([])
-
-    @property
-    def shared_memory(self) -> bool:
-        """Whether the ranks' bytes go through shared memory (every rank on this host, the directory of
-        `NTP_NEMO_DIRECT_SHM_DIR` usable by all) rather than the TCP connections."""
-        return self._slots is not None
 
     @property
     def timeout(self) -> timedelta:
