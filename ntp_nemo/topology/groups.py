@@ -23,10 +23,9 @@ mixed world they take the device backend alone (`subgroup_backend`), which opens
 (NCCL connects lazily, over its own transport).  On a CPU world (gloo alone) every group is gloo: its
 tensors need it, except the TP groups (below).
 
-TP groups of a CPU world: the `ntpdirect` backend (`topology.direct_group`: tensor collectives on the
-calling thread, through shared memory between the ranks of one host and over direct TCP connections
-otherwise; at two ranks 4 to 15 times cheaper per collective than gloo on CPU, `python
-bench/direct_group.py`), unless
+TP groups of a CPU world: the `ntpdirect` backend (`topology.direct_group`: tensor collectives over
+direct TCP connections on the calling thread; at two ranks 3 to 12 times cheaper per collective than
+gloo on CPU, `python bench/direct_group.py`), unless
 `ntp.cpu_tp_backend=gloo`.  The strategy passes that key to its workers as `NTP_NEMO_CPU_TP_BACKEND`
 (read here, in the worker, when the groups are made: a live recovery's groups follow it too).
 """
