@@ -3,9 +3,10 @@ foreach norm it used before, over the default recipe's gradient shapes.
 
     python bench/grad_norm.py [--iters 50] [--rounds 3]
 
-One process, one torch thread.  The tensors are gpt_tiny's parameters (assembled at TP 1, float32, random
-values in place of gradients); the baseline is `torch._foreach_norm(ts, 2, dtype=torch.float64)`, squared
-and summed, which is what `weighted_norm_sq` called on every device before.  Printed: ms per call of each
+One process, one torch thread.  The tensors have the shapes of gpt_tiny's parameters (`build_model`, the
+whole unsharded model: float32, random values in place of gradients); the baseline is
+`torch._foreach_norm(ts, 2, dtype=torch.float64)`, squared and summed, which is what `weighted_norm_sq`
+called on every device before.  Printed: ms per call of each
 (medians over the rounds, the two taking turns), their ratio, and the relative difference of the results.
 """
 

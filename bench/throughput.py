@@ -303,5 +303,6 @@ def main() -> None:
             f"{loss_agreement(tp_runs, one_runs)}"
         )
 
+
 if __name__ == "__main__":
     main()
