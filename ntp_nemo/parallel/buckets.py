@@ -97,13 +97,71 @@ def build_buckets(plan: SyncPlan, params: dict[str, torch.Tensor], bucket_bytes:
     return out
 
 
-def pack(bucket: Bucket, grads: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The bucket's weighted gradient fragments as one flat buffer, zero-padded to `bucket.padded`."""
-    parts = [(fragment_view(grads[f.name], f) * f.weight).reshape(-1) for f in bucket.frags]
-    pad = bucket.padded - bucket.numel
-    if pad:
-        parts.append(parts[0].new_zeros(pad))
-    return torch.cat(parts)
+class BucketBuffers:
+    """Persistent flat buffers of a list of buckets, one per bucket (padded to `bucket.padded`, zero
+    padding), with one view per fragment: a parameter that is one whole fragment gets its `.grad` as that
+    view (`adopt`), so the backward accumulates where the collective reads and no per-step pack copy is
+    made; a fragment that is part of its parameter is copied in (`fill`).  Made again when a parameter's
+    dtype or device changed (a precision plugin casting the model after the buckets were planned)."""
+
+    def __init__(self, buckets: list[Bucket], params: dict[str, torch.Tensor]) -> None:
+        self.buckets, self.params = buckets, params
+        self._made: list[tuple[torch.Tensor, list[torch.Tensor], list[bool]]] | None = None
+        self._made_for: tuple | None = None
+
+    def all(self) -> list[tuple[torch.Tensor, list[torch.Tensor], list[bool]]]:
+        """Per bucket: (flat buffer, one view per fragment, whether the fragment is its whole parameter)."""
+        made_for = tuple((p.dtype, p.device) for p in self.params.values())
+        if self._made is not None and made_for == self._made_for:
+            return self._made
+        out = []
+        for b in self.buckets:
+            params = [self.params[f.name] for f in b.frags]
+            buf = torch.zeros(b.padded, dtype=params[0].dtype, device=params[0].device)
+            views, whole, offset = [], [], 0
+            for f, p, n in zip(b.frags, params, b.sizes, strict=True):
+                shape = fragment_view(p, f).shape
+                views.append(buf[offset : offset + n].view(shape))
+                whole.append(shape == p.shape and p.dtype == buf.dtype and p.device == buf.device)
+                offset += n
+            out.append((buf, views, whole))
+        self._made, self._made_for = out, made_for
+        return out
+
+    def adopt(self, name: str, view: torch.Tensor) -> None:
+        """`name`'s `.grad` becomes `view`, keeping what it held (zero if it had none)."""
+        p = self.params[name]
+        if p.grad is view:
+            return
+        if p.grad is None:
+            view.zero_()
+        else:
+            view.copy_(p.grad)
+        p.grad = view
+
+    def adopt_all(self) -> None:
+        """Point every whole-fragment parameter's `.grad` at its view (before a step's first backward)."""
+        for b, (_, views, whole) in zip(self.buckets, self.all(), strict=True):
+            for f, v, w in zip(b.frags, views, whole, strict=True):
+                if w:
+                    self.adopt(f.name, v)
+
+    @torch.no_grad()
+    def fill(self, i: int) -> torch.Tensor:
+        """Bucket `i`'s buffer holding its weighted gradient fragments (whole fragments in place, parts
+        copied in; a missing `.grad` is made, zero); returns the flat buffer."""
+        buf, views, whole = self.all()[i]
+        for f, v, w in zip(self.buckets[i].frags, views, whole, strict=True):
+            p = self.params[f.name]
+            if w:
+                self.adopt(f.name, v)
+            else:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                v.copy_(fragment_view(p.grad, f))
+            if f.weight != 1.0:
+                v.mul_(f.weight)
+        return buf
 
 
 def unpack(bucket: Bucket, flat: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:

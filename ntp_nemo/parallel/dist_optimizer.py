@@ -23,6 +23,14 @@ float16/bfloat16 parameters a float32 master of the owned chunk is kept.  Persis
 the moments (plus the low-precision master) of its chunks: about 1/len(holders) of the plain
 optimizer's.
 
+Buffers: each bucket's gradients are accumulated in a persistent flat buffer (`buckets.BucketBuffers`;
+`prepare_grads`, called by `GradientPath.begin_step`, points every whole-fragment parameter's `.grad` at
+its view of it, so the reduce-scatter reads where the backward wrote, without a pack copy; fragments that
+are part of a parameter are copied in).  The reduce-scatter's output, the update's scratch chunk and one
+all-gather buffer per parameter dtype (the size of the largest bucket) are kept between steps, so a step
+allocates nothing of the buckets' size.  After the sync a whole-fragment `.grad` holds this rank's
+weighted, unreduced gradient (the reduced one lives in the owned chunks only).
+
 Checkpoints stay per parameter (and so topology-independent): `gather_state()` (collective, every rank)
 fills `self.state` with each parameter's full local `step`/`exp_avg`/`exp_avg_sq`, exactly what
 `torch.optim.AdamW` holds, for the checkpoint writer to read.  Those full moments live in host memory
@@ -43,7 +51,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.adamw import adamw
 
-from ntp_nemo.parallel.buckets import Bucket, build_buckets, fragment_view, pack, unpack
+from ntp_nemo.parallel.buckets import Bucket, BucketBuffers, build_buckets, fragment_view, unpack
 from ntp_nemo.parallel.grad_sync import Fragment, SyncPlan, weighted_norm_sq
 
 _LOW = (torch.float16, torch.bfloat16)
@@ -76,7 +84,8 @@ class _Owned:
         self.master = torch.zeros(numel, dtype=dtype, device=device) if low_precision else None
         self.segments: list[_Segment] = []
         self.grad: torch.Tensor | None = None  # the reduced gradient of the owned part, this step
-        self.sending: torch.Tensor | None = None  # the packed bucket of an asynchronous reduce-scatter
+        self.reduced: torch.Tensor | None = None  # the reduce-scatter writes here (kept between steps)
+        self.work: torch.Tensor | None = None  # the update's copy of the owned parameters (kept)
 
 
 def _flat_piece(t: torch.Tensor, f: Fragment, offset: int, length: int) -> torch.Tensor:
@@ -141,6 +150,9 @@ class DistributedAdamW(torch.optim.Optimizer):
             own = self._new_owned(n, p.dtype)
             own.segments.append(self._segment(f, 0, 0, n))
             self.owned.append(own)
+        # The buckets' gradient buffers: whole-fragment `.grad`s are views into them (`prepare_grads`).
+        self.grad_buffers = BucketBuffers(self.buckets, self.named)
+        self._gather_scratch: dict[tuple, torch.Tensor] = {}  # one all-gather buffer per (dtype, device)
         self._grads_ready = False
         self._load_masters()
         # Where `gather_state` stages the full moments (pageable host memory: a save is not a hot path).
@@ -166,23 +178,34 @@ class DistributedAdamW(torch.optim.Optimizer):
             out[name] = p.grad
         return out
 
+    def prepare_grads(self) -> None:
+        """Before a step's first backward: every whole-fragment parameter's `.grad` becomes its view of
+        its bucket's persistent buffer, so the backward accumulates where the reduce-scatter reads."""
+        self.grad_buffers.adopt_all()
+
+    def _reduced_chunk(self, i: int, flat: torch.Tensor) -> torch.Tensor:
+        """Bucket `i`'s persistent reduce-scatter output (its owned chunk), made again on a dtype change."""
+        own = self.owned[i]
+        if own.reduced is None or own.reduced.dtype != flat.dtype or own.reduced.device != flat.device:
+            own.reduced = flat.new_empty(self.buckets[i].chunk)
+        return own.reduced
+
     @torch.no_grad()
     def reduce_scatter_grads(self) -> None:
         """Blocking: every bucket reduce-scattered in its holder set's group (in the plan's global order)."""
-        grads = self._grads()
-        for b, own in zip(self.buckets, self.owned, strict=False):
-            flat = pack(b, grads)
-            own.grad = flat.new_empty(b.chunk)
+        for i, (b, own) in enumerate(zip(self.buckets, self.owned, strict=False)):
+            flat = self.grad_buffers.fill(i)
+            own.grad = self._reduced_chunk(i, flat)
             dist.reduce_scatter_single(own.grad, flat, group=self.group_of(b.holders))
         self.take_local_grads()
 
-    def bucket_launch(self, b_index: int, grads: dict[str, torch.Tensor]):
-        """Asynchronous reduce-scatter of bucket `b_index` (for the overlapped sync); returns the work."""
+    def bucket_launch(self, b_index: int):
+        """Asynchronous reduce-scatter of bucket `b_index` (for the overlapped sync); returns the work.  The
+        persistent buffer it reads is not written again before the step (its gradients are final)."""
         b, own = self.buckets[b_index], self.owned[b_index]
-        own.sending = pack(b, grads)  # kept alive until the step: the collective reads it asynchronously
-        own.grad = own.sending.new_empty(b.chunk)
-        group = self.group_of(b.holders)
-        return dist.reduce_scatter_single(own.grad, own.sending, group=group, async_op=True)
+        flat = self.grad_buffers.fill(b_index)
+        own.grad = self._reduced_chunk(b_index, flat)
+        return dist.reduce_scatter_single(own.grad, flat, group=self.group_of(b.holders), async_op=True)
 
     @torch.no_grad()
     def take_local_grads(self) -> None:
@@ -238,7 +261,9 @@ class DistributedAdamW(torch.optim.Optimizer):
             if own.master is not None:
                 buf = own.master
             else:
-                buf = torch.zeros(own.numel, dtype=own.exp_avg.dtype, device=self.device)
+                if own.work is None or own.work.dtype != own.exp_avg.dtype:
+                    own.work = torch.zeros(own.numel, dtype=own.exp_avg.dtype, device=self.device)
+                buf = own.work
                 for s in own.segments:
                     buf[s.offset : s.offset + s.length] = _flat_piece(self.named[s.frag.name], s.frag,
                                                                       s.frag_offset, s.length)
@@ -265,7 +290,7 @@ class DistributedAdamW(torch.optim.Optimizer):
         nb = len(self.buckets)
         for b, buf in zip(self.buckets, work[:nb], strict=True):
             p0 = self.named[b.frags[0].name]
-            full = torch.empty(b.padded, dtype=p0.dtype, device=self.device)
+            full = self._gather_buffer(p0.dtype)[: b.padded]
             dist.all_gather_single(full, buf.to(p0.dtype), group=self.group_of(b.holders))
             unpack(b, full, self.named)
         for own, buf in zip(self.owned[nb:], work[nb:], strict=True):
@@ -273,9 +298,18 @@ class DistributedAdamW(torch.optim.Optimizer):
             p = self.named[s.frag.name]
             fragment_view(p, s.frag).copy_(buf.view(fragment_view(p, s.frag).shape).to(p.dtype))
         for own in self.owned:
-            own.grad = own.sending = None
+            own.grad = None
         self._grads_ready = False
         return None
+
+    def _gather_buffer(self, dtype: torch.dtype) -> torch.Tensor:
+        """The all-gather buffer for `dtype` parameters, as large as their largest bucket (kept between
+        steps: one bucket of memory, not the parameters again)."""
+        key = (dtype, self.device)
+        if key not in self._gather_scratch:
+            size = max(b.padded for b in self.buckets if self.named[b.frags[0].name].dtype == dtype)
+            self._gather_scratch[key] = torch.empty(size, dtype=dtype, device=self.device)
+        return self._gather_scratch[key]
 
     # ---- checkpoint hooks ------------------------------------------------------------------------
     @torch.no_grad()

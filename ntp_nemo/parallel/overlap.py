@@ -18,10 +18,11 @@ launches whatever has not been launched (a replica with no micro-batches this st
 without gradient) in the same order, waits for everything and writes the result: after it the
 gradients are exactly what `GradientSynchronizer.sync()` gives.
 
-Without the distributed optimizer each bucket has a persistent flat buffer (padding included) and a
-parameter that is one whole fragment has its `.grad` as a view into it (`begin_step` points it there), as
-in the blocking sync: the bucket is all-reduced where the backward accumulated it, with no pack or unpack
-copy; fragments that are part of a parameter are copied in at launch and out at `finish`.
+Each bucket has a persistent flat buffer (padding included; `buckets.BucketBuffers`: the sync's own, or
+with the distributed optimizer the optimizer's) and a parameter that is one whole fragment has its `.grad`
+as a view into it (`begin_step` points it there), as in the blocking sync: the bucket is all-reduced (or
+reduce-scattered) where the backward accumulated it, with no pack or unpack copy; fragments that are part
+of a parameter are copied in at launch (and, after an all-reduce, out at `finish`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ntp_nemo.parallel.buckets import Bucket, backward_rank, build_buckets, fragment_view
+from ntp_nemo.parallel.buckets import Bucket, BucketBuffers, backward_rank, build_buckets, fragment_view
 from ntp_nemo.parallel.grad_sync import SyncPlan
 
 
@@ -63,8 +64,9 @@ class OverlappedGradSync:
             for n in names:
                 self._buckets_of[n].append(i)
         self.order = launch_order(plan, self.buckets)
-        self._buffers: list[tuple[torch.Tensor, list[torch.Tensor], list[bool]]] | None = None
-        self._made_for: tuple | None = None
+        # Without the distributed optimizer the buckets' persistent buffers are the sync's own; with it,
+        # the optimizer's (it reduce-scatters from them).
+        self.buffers = BucketBuffers(self.buckets, self.named) if optimizer is None else None
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(n))
                          for n, p in self.named.items() if n in self._buckets_of]
         self._expected = 0
@@ -91,41 +93,9 @@ class OverlappedGradSync:
         self._expected = backward_passes
         self._armed = backward_passes > 0
         if self.optimizer is None:
-            for i, (_, views, whole) in enumerate(self._bucket_buffers()):
-                for f, v, w in zip(self.buckets[i].frags, views, whole, strict=True):
-                    if w:
-                        self._adopt(f.name, v)
-
-    def _bucket_buffers(self) -> list[tuple[torch.Tensor, list[torch.Tensor], list[bool]]]:
-        """Each bucket's (flat buffer padded to `bucket.padded`, one view per fragment, whether the
-        fragment is its whole parameter); made again when a parameter's dtype or device changed."""
-        made_for = tuple((p.dtype, p.device) for p in self.named.values())
-        if self._buffers is not None and made_for == self._made_for:
-            return self._buffers
-        out = []
-        for b in self.buckets:
-            params = [self.named[f.name] for f in b.frags]
-            buf = torch.zeros(b.padded, dtype=params[0].dtype, device=params[0].device)
-            views, whole, offset = [], [], 0
-            for f, p, n in zip(b.frags, params, b.sizes, strict=True):
-                shape = fragment_view(p, f).shape
-                views.append(buf[offset : offset + n].view(shape))
-                whole.append(shape == p.shape and p.dtype == buf.dtype and p.device == buf.device)
-                offset += n
-            out.append((buf, views, whole))
-        self._buffers, self._made_for = out, made_for
-        return out
-
-    def _adopt(self, name: str, view: torch.Tensor) -> None:
-        """`name`'s `.grad` becomes `view` (keeping what it held)."""
-        p = self.named[name]
-        if p.grad is view:
-            return
-        if p.grad is None:
-            view.zero_()
+            self.buffers.adopt_all()
         else:
-            view.copy_(p.grad)
-        p.grad = view
+            self.optimizer.prepare_grads()
 
     def _hook(self, name: str):
         def hook(p: torch.Tensor) -> None:
@@ -161,23 +131,10 @@ class OverlappedGradSync:
     @torch.no_grad()
     def _launch(self, i: int) -> None:
         self.launch_times.append(time.perf_counter())
-        grads = {}
-        for n in self._params_of[i]:
-            p = self.named[n]
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads[n] = p.grad
         if self.optimizer is not None:
-            self._works[i] = (self.optimizer.bucket_launch(i, grads), None)
+            self._works[i] = (self.optimizer.bucket_launch(i), None)
             return
-        flat, views, whole = self._bucket_buffers()[i]
-        for f, v, w in zip(self.buckets[i].frags, views, whole, strict=True):
-            if w:
-                self._adopt(f.name, v)
-            else:
-                v.copy_(fragment_view(self.named[f.name].grad, f))
-            if f.weight != 1.0:
-                v.mul_(f.weight)
+        flat = self.buffers.fill(i)
         work = dist.all_reduce(flat, group=self.group_of(self.buckets[i].holders), async_op=True)
         self._works[i] = (work, flat)
 
@@ -190,7 +147,7 @@ class OverlappedGradSync:
             work, flat = self._works.pop(i)
             work.wait()
             if flat is not None:
-                _, views, whole = self._bucket_buffers()[i]
+                _, views, whole = self.buffers.all()[i]
                 for f, v, w in zip(self.buckets[i].frags, views, whole, strict=True):
                     if not w:
                         fragment_view(self.named[f.name].grad, f).copy_(v)

@@ -87,7 +87,9 @@ class GradientPath:
     def begin_step(self, backward_passes: int) -> None:
         if self.overlap is not None:
             self.overlap.begin_step(backward_passes)
-        elif not self.distributed:
+        elif self.distributed:
+            self.optimizer.prepare_grads()  # the backward accumulates into the optimizer's bucket buffers
+        else:
             self.sync.prepare_grads()  # the backward accumulates into the sync's bucket buffers
 
     def finish_sync(self) -> None:
