@@ -24,6 +24,7 @@ from ntp_nemo.checkpoint import (
     CheckpointSkippedWarning,
     checkpoint_name,
     checkpoint_problem,
+    latest_valid_checkpoint,
     load,
     load_with_fallback,
     require_valid_checkpoint,
@@ -206,6 +207,26 @@ def test_record_offsets_and_sizes_are_checked_before_reading(ckpt, field, value,
 
     _rewrite_index(ckpt, damage)
     _refused(ckpt, "index.json", *words)
+
+
+@pytest.mark.parametrize("change,words", [("drop", ["missing or doubled", "not the"]),
+                                          ("double", ["missing or doubled", "not the"])])
+def test_records_that_do_not_hold_every_element_once_are_refused(ckpt, change, words):
+    """A tensor's records must add up to its shape: an index that lost a writer's piece (or lists one
+    twice) is refused by the cheap check, so `resume=auto` takes the step before it instead of failing
+    at the load (or loading uninitialised memory for the hole)."""
+    def damage(doc):
+        t = next(t for t in doc["tensors"].values() if t["records"] and t["shape"])
+        if change == "drop":
+            t["records"].pop()
+        else:
+            t["records"].append(dict(t["records"][0]))
+
+    _rewrite_index(ckpt, damage)
+    _refused(ckpt, "index.json", *words)
+    with pytest.warns(CheckpointSkippedWarning, match="missing or doubled"):
+        assert latest_valid_checkpoint(ckpt.parent) == ckpt.parent / checkpoint_name(1)
+    assert (ckpt / "index.json").exists()  # refused, not deleted
 
 
 def test_deeply_nested_json_is_a_clear_problem(ckpt):

@@ -242,7 +242,9 @@ def index_problem(doc: object, file_sizes: dict[str, int]) -> str | None:
     """What is wrong with an index document, checked against the data files the manifest lists
     (`file_sizes`: name -> size): every record must name one of them and lie inside it, and every
     size and offset must be a non-negative integer that agrees with the tensor's shape and dtype, so a
-    load never opens another file or allocates what the checkpoint does not hold."""
+    load never opens another file or allocates what the checkpoint does not hold; a tensor's records
+    must hold as many elements as its shape (the writers store disjoint pieces, each element once: a
+    checkpoint that lost a writer's records is refused here, not when a load finds the hole)."""
     if not isinstance(doc, dict) or doc.get("digest") != DIGEST or not isinstance(doc.get("tensors"), dict):
         return f"{INDEX_FILE} is not an ntp_nemo checkpoint index"
     for key, t in doc["tensors"].items():
@@ -257,6 +259,10 @@ def index_problem(doc: object, file_sizes: dict[str, int]) -> str | None:
             problem = _record_problem(r, t["shape"], item, file_sizes)
             if problem is not None:
                 return f"{what}, record {i} {problem}"
+        held, whole = sum(math.prod(r["sizes"]) for r in t["records"]), math.prod(t["shape"])
+        if held != whole:
+            return (f"{what} has records of {held} elements in all, not the {whole} of its shape "
+                    f"{t['shape']} (a writer's records are missing or doubled)")
     return None
 
 
