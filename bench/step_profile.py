@@ -1,7 +1,7 @@
 """Where a tensor-parallel training step's CPU goes: compute, collectives, Python.
 
-    python bench/step_profile.py [--tp 2] [--dp 1] [--overlap] [--steps 8] [--warmup 2] [--sp]
-                                 [--precision 32|bf16-mixed]
+    python bench/step_profile.py [--tp 2] [--dp 1] [--overlap] [--distributed-optimizer] [--steps 8]
+                                 [--warmup 2] [--sp] [--precision 32|bf16-mixed]
 
 Runs the training step of `NTPLanguageModule.training_step` (micro-batch forward/backward through
 `NTPRuntime.train_microbatches`, the gradient path's sync, the fused step scalars, clipping, AdamW) on the
@@ -100,7 +100,8 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     tp = world // args.dp
     topology = Topology(tp, [tp] * args.dp, [tp] * (cfg.num_layers + 2))
     layout = ResolvedLayout.make(topology, sequence_parallel=args.sp)
-    state = assemble(layout, rank, cfg, OPTIM, "cpu", seed=1234, overlap_grad_sync=args.overlap)
+    state = assemble(layout, rank, cfg, {**OPTIM, "distributed": args.distributed_optimizer}, "cpu", seed=1234,
+                     overlap_grad_sync=args.overlap)
     rt, model, opt, path = state.runtime, state.model, state.optimizer, state.grad_path
     meter = CollectiveMeter()
     micro = args.global_batch // args.micro_batch
@@ -141,6 +142,8 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--dp", type=int, default=1, help="DP replicas (each of TP --tp)")
     ap.add_argument("--overlap", action="store_true", help="DP gradient sync overlapped with the backward")
+    ap.add_argument("--distributed-optimizer", action="store_true",
+                    help="AdamW state sharded over the DP holders (reduce-scatter, update, all-gather)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--sp", action="store_true", help="sequence parallelism")
@@ -159,6 +162,7 @@ def main() -> None:
     wall, cpu, cw, cc = med("wall"), med("cpu"), med("coll_wall"), med("coll_cpu")
     print(f"step_profile: {args.model} TP{args.tp}{f' DP{args.dp}' if args.dp > 1 else ''}"
           f"{' SP' if args.sp else ''}{' overlapped sync' if args.overlap else ''}"
+          f"{' distributed optimizer' if args.distributed_optimizer else ''}"
           f" precision {args.precision}, "
           f"{args.global_batch}x{args.seq} tokens per step in micro-batches of {args.micro_batch}; "
           f"medians over {len(rows)} steps of rank 0")
