@@ -1,11 +1,12 @@
 """Which operators of the training step halve at TP 2 and which do not: torch.profiler, TP 1 against TP 2.
 
-    python bench/op_share.py [--steps 3] [--warmup 2] [--top 25]
+    python bench/op_share.py [--steps 3] [--warmup 2] [--top 25] [--hidden 256]
 
 Runs the training step of `bench/step_profile.py` (gpt_tiny, 12 sequences of 128 tokens in micro-batches
 of 2, fp32, AdamW; ntpdirect TP groups as a CPU run has them) on TP 1 (one process) and then on TP 2 (two
 forked processes, one torch thread each), each under torch.profiler for `--steps` steps after `--warmup`.
-Prints, for rank 0 of each, the self CPU time per step of the operators in three classes and of the
+`--hidden` widens the model (FFN 4x, heads of 64), the rest of the step unchanged.  Prints, for rank 0
+of each, the self CPU time per step of the operators in three classes and of the
 `--top` operators, with the ratio TP2 / TP1 (ideal: 0.5):
 
 - GEMMs and attention (aten::mm, addmm, bmm, the scaled-dot-product kernels): the work that is sharded;
@@ -20,6 +21,7 @@ the profiled steps is printed beside the sums.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -51,7 +53,8 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     torch.set_num_threads(1)
-    cfg = GPT_TINY
+    cfg = dataclasses.replace(GPT_TINY, hidden_size=args.hidden, ffn_hidden_size=4 * args.hidden,
+                              num_heads=args.hidden // 64)
     layout = ResolvedLayout.make(Topology(world, [world], [world] * (cfg.num_layers + 2)))
     state = assemble(layout, rank, cfg, OPTIM, "cpu", seed=1234)
     rt, model, opt, path = state.runtime, state.model, state.optimizer, state.grad_path
@@ -85,10 +88,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--hidden", type=int, default=GPT_TINY.hidden_size)
     args = ap.parse_args()
     one, two = (run_workers(worker, tp, args, timeout_s=600.0)[0] for tp in (1, 2))
-    print(f"op_share: gpt_tiny, 12x128 tokens per step in micro-batches of 2, fp32; rank 0, per step, "
-          f"{args.steps} profiled steps after {args.warmup}")
+    print(f"op_share: gpt_tiny (hidden {args.hidden}), 12x128 tokens per step in micro-batches of 2, fp32; "
+          f"rank 0, per step, {args.steps} profiled steps after {args.warmup}")
     print(f"  process CPU (profiled): TP1 {one['cpu_ms']:.1f} ms, TP2 {two['cpu_ms']:.1f} ms, "
           f"ratio {two['cpu_ms'] / one['cpu_ms']:.3f}")
     classes: dict[str, list[float]] = {}
