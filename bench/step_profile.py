@@ -100,8 +100,8 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     tp = world // args.dp
     topology = Topology(tp, [tp] * args.dp, [tp] * (cfg.num_layers + 2))
     layout = ResolvedLayout.make(topology, sequence_parallel=args.sp)
-    state = assemble(layout, rank, cfg, {**OPTIM, "distributed": args.distributed_optimizer}, "cpu", seed=1234,
-                     overlap_grad_sync=args.overlap)
+    optim = {**OPTIM, "distributed": args.distributed_optimizer}
+    state = assemble(layout, rank, cfg, optim, "cpu", seed=1234, overlap_grad_sync=args.overlap)
     rt, model, opt, path = state.runtime, state.model, state.optimizer, state.grad_path
     meter = CollectiveMeter()
     micro = args.global_batch // args.micro_batch

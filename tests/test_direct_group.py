@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ntp_nemo.launch.workers import run_workers
-from ntp_nemo.topology.direct_group import BACKEND, DirectGroup, register
+from ntp_nemo.topology.direct_group import BACKEND, TWO_PHASE_BYTES, DirectGroup, register
 from ntp_nemo.topology.groups import CPU_TP_BACKEND_ENV
 
 pytestmark = pytest.mark.slow
@@ -35,6 +35,11 @@ def _by_value(obj) -> bytes:
 def _x(rank: int, dtype=torch.float64) -> torch.Tensor:
     gen = torch.Generator().manual_seed(100 + rank)
     return torch.randn(5, 7, generator=gen, dtype=torch.float64).to(dtype)
+
+
+def _big(rank: int) -> torch.Tensor:
+    """An input above `TWO_PHASE_BYTES` (263 x 257 float64: 540,728 bytes), not divisible by 3 or 4."""
+    return torch.randn(263, 257, generator=torch.Generator().manual_seed(200 + rank), dtype=torch.float64)
 
 
 def collectives_worker(rank: int, world: int) -> dict:
@@ -56,6 +61,13 @@ def collectives_worker(rank: int, world: int) -> dict:
     nc = x.clone().t()  # not contiguous
     dist.all_reduce(nc, group=g)
     out["noncontig"] = nc
+    for name in ("SUM", "AVG", "MAX"):  # two phases from 3 ranks on
+        big = _big(rank)
+        dist.all_reduce(big, op=getattr(dist.ReduceOp, name), group=g)
+        out[f"big_{name}"] = big
+    big_nc = _big(rank).t()
+    dist.all_reduce(big_nc, group=g)
+    out["big_noncontig"] = big_nc
     parts = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(parts, x, group=g)
     out["all_gather"] = parts
@@ -84,7 +96,7 @@ def collectives_worker(rank: int, world: int) -> dict:
     return _by_value(out)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_every_collective_gives_the_values_computed_from_the_inputs(world):
     res = [torch.load(io.BytesIO(b)) for b in run_workers(collectives_worker, world, timeout_s=60.0)]
     xs = [_x(r) for r in range(world)]
@@ -99,7 +111,16 @@ def test_every_collective_gives_the_values_computed_from_the_inputs(world):
     prod = xs[0] * xs[1]
     for x in xs[2:]:
         prod = prod * x
+    bigs = [_big(r) for r in range(world)]
+    assert bigs[0].numel() * bigs[0].element_size() >= TWO_PHASE_BYTES
+    big_total = bigs[0] + bigs[1]
+    for x in bigs[2:]:
+        big_total = big_total + x
     for r, out in enumerate(res):
+        assert torch.equal(out["big_SUM"], big_total), r  # the bits of the one-phase sum, in rank order
+        assert torch.equal(out["big_AVG"], big_total / world), r
+        assert torch.equal(out["big_MAX"], torch.stack(bigs).amax(0)), r
+        assert torch.equal(out["big_noncontig"], big_total.t()), r
         assert torch.equal(out["SUM"], total), r
         assert torch.equal(out["AVG"], total / world), r
         assert torch.equal(out["MAX"], torch.stack(xs).amax(0)), r
@@ -222,6 +243,57 @@ def test_a_lost_hung_or_severed_peer_ends_the_collective_within_its_bound(scenar
     assert elapsed < bound, (elapsed, text)
     if scenario == "hang":
         assert elapsed >= 2.5, elapsed
+
+
+def _two_phase_fault_process(rank: int, store_path: str, queue) -> None:
+    """3 ranks, an all-reduce above `TWO_PHASE_BYTES`: rank 2 takes part in the first phase (the
+    reduce-scatter) and is killed as it starts the second (the all-gather)."""
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, 3)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=3, timeout=timedelta(seconds=30))
+    register()
+    g = dist.new_group([0, 1, 2], backend=BACKEND, timeout=timedelta(seconds=30))
+    x = torch.ones(TWO_PHASE_BYTES // 4 + 7)
+    dist.all_reduce(x, group=g)  # the connections work, both phases
+    if rank == 2:
+        calls = []
+        first_phase = g._exchange
+
+        def exchange(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return first_phase(*args, **kwargs)
+
+        g._exchange = exchange
+    start = time.monotonic()
+    try:
+        dist.all_reduce(x, group=g)
+        queue.put((rank, "returned", time.monotonic() - start, ""))
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        queue.put((rank, type(err).__name__, time.monotonic() - start, str(err)))
+    os._exit(0)
+
+
+def test_a_peer_lost_between_the_two_phases_of_a_large_all_reduce_ends_it_at_once():
+    ctx = mp.get_context("fork")
+    queue = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_two_phase_fault_process, args=(r, os.path.join(tmp, "store"), queue))
+                 for r in range(3)]
+        for p in procs:
+            p.start()
+        try:
+            got = sorted(queue.get() for _ in range(2))
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+    assert [r for r, *_ in got] == [0, 1], got
+    for _rank, kind, elapsed, text in got:
+        assert kind == "DistBackendError" and "connection closed" in text and "ntpdirect" in text, got
+        assert elapsed < 2.0, got
 
 
 def _setup_process(rank: int, store_path: str, queue) -> None:

@@ -22,8 +22,10 @@ Supported: all_reduce (SUM, AVG, MAX, MIN, PRODUCT), all_gather (list and into o
 reduce_scatter (list and from one tensor), broadcast, barrier; everything else raises naming the group
 backend to use instead.  `async_op=True` returns a completed work (the collective ran when it was
 called: `ntp.tp_overlap` overlaps nothing on this backend).  Each rank sends its whole tensor to every
-peer (not a ring): (size - 1) x the bytes of a ring all-reduce, which is what a CPU TP group of 2 to 8
-ranks on one host wants (latency, not bandwidth, bounds it).
+peer (not a ring): one round, what a CPU TP group of 2 to 8 ranks on one host wants for the activations of
+a TP region (latency, not bandwidth, bounds it); an all-reduce of `TWO_PHASE_BYTES` or more among 3 or more
+ranks runs as a reduce-scatter and an all-gather (two rounds, 2 (size - 1) / size of its bytes sent per
+rank instead of size - 1 times them), with the same bits.
 
 Faults: every wait is bounded by the group's timeout (`fault.collective_timeout_s`) and ends in a
 `DistBackendError` ("timed out"); a peer that is gone ends the collective at once with one ("connection
@@ -50,6 +52,10 @@ BACKEND = "ntpdirect"
 _HELLO = struct.Struct("!4sI16s")  # magic, rank in the group, token
 _MAGIC = b"NTPD"
 _OPS = {"SUM", "AVG", "MAX", "MIN", "PRODUCT"}
+# An all-reduce of at least this many bytes in a group of 3 or more ranks runs in two phases (reduce-scatter,
+# then all-gather of the reduced chunks): each rank sends 2 (size - 1) / size times its tensor instead of
+# (size - 1) times it, for one more round trip.  `python bench/direct_group.py` (docs/performance.md).
+TWO_PHASE_BYTES = 1 << 19
 
 
 def register() -> str:
@@ -95,6 +101,7 @@ class DirectGroup(dist.ProcessGroup):
         super().__init__(rank, size)
         self._rank, self._size = rank, size
         self._timeout_s = max(float(timeout.total_seconds()), 1e-3)
+        self.two_phase_bytes = TWO_PHASE_BYTES  # (a bench sets it per group to compare the two paths)
         self._peers: dict[int, socket.socket] = {}
         self._group_name = ""
         self._connect(store)
@@ -268,9 +275,26 @@ class DirectGroup(dist.ProcessGroup):
                              "PRODUCT, or a gloo group)")
         self._check("all_reduce", tensor_list)
         for t in tensor_list:
-            if self._size > 1 and t.numel():
+            if self._size > 2 and t.numel() * t.element_size() >= self.two_phase_bytes:
+                self._allreduce_two_phase(t, op)
+            elif self._size > 1 and t.numel():
                 self._reduce(self._gather_bytes("all_reduce", t), op, t)
         return self._done(tensor_list)
+
+    def _allreduce_two_phase(self, t: torch.Tensor, op: str) -> None:
+        """`t` all-reduced as a reduce-scatter (rank p reduces chunk p in rank order) and an all-gather of
+        the reduced chunks: every element is reduced in rank order by one rank, so the bits equal the
+        one-phase path's.  A peer's second-phase bytes queue behind its first-phase bytes on the same
+        connection, which this rank reads by exact size, so the phases need no framing."""
+        flat = t.contiguous().view(-1)
+        chunks = list(flat.tensor_split(self._size))
+        reduced = torch.empty_like(chunks[self._rank])
+        self._scatter_reduce("all_reduce", reduced, chunks, op)
+        chunks[self._rank].copy_(reduced)
+        self._exchange("all_reduce", {p: _as_bytes(chunks[self._rank]) for p in self._others()},
+                       {p: _as_bytes(chunks[p]) for p in self._others()})
+        if flat.data_ptr() != t.data_ptr() or not t.is_contiguous():
+            t.copy_(flat.view(t.shape))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         return self.allreduce(tensors, opts)
