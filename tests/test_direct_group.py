@@ -186,6 +186,25 @@ def test_training_on_ntpdirect_groups_matches_gloo_groups(replicas):
 
 
 # ---- failures ---------------------------------------------------------------------------------
+def _forked(target, processes: int, results: int, *args) -> list:
+    """`target(rank, store_path, *args, queue)` in `processes` forked processes sharing a file store: the
+    first `results` items they put on the queue, in arrival order (what is left running is killed)."""
+    ctx = mp.get_context("fork")
+    queue = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=target, args=(r, os.path.join(tmp, "store"), *args, queue))
+                 for r in range(processes)]
+        for p in procs:
+            p.start()
+        try:
+            return [queue.get() for _ in range(results)]
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+
+
 def _fault_process(rank: int, store_path: str, scenario: str, queue) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, 2)
@@ -223,20 +242,7 @@ def _fault_process(rank: int, store_path: str, scenario: str, queue) -> None:
     ("sever", "connection closed", 2.5),  # the live recovery's sever, 0.5 s in, releases the wait
 ])
 def test_a_lost_hung_or_severed_peer_ends_the_collective_within_its_bound(scenario, words, bound):
-    ctx = mp.get_context("fork")
-    queue = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_fault_process, args=(r, os.path.join(tmp, "store"), scenario, queue))
-                 for r in range(2)]
-        for p in procs:
-            p.start()
-        try:
-            kind, elapsed, text = queue.get()
-        finally:
-            for p in procs:
-                p.join(timeout=5)
-                if p.is_alive():
-                    p.kill()
+    [(kind, elapsed, text)] = _forked(_fault_process, 2, 1, scenario)
     assert kind == "DistBackendError", (kind, text)
     failure, message = text.split("|", 1)
     assert failure == "True" and words in message and "ntpdirect" in message, text
@@ -276,20 +282,7 @@ def _two_phase_fault_process(rank: int, store_path: str, queue) -> None:
 
 
 def test_a_peer_lost_between_the_two_phases_of_a_large_all_reduce_ends_it_at_once():
-    ctx = mp.get_context("fork")
-    queue = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_two_phase_fault_process, args=(r, os.path.join(tmp, "store"), queue))
-                 for r in range(3)]
-        for p in procs:
-            p.start()
-        try:
-            got = sorted(queue.get() for _ in range(2))
-        finally:
-            for p in procs:
-                p.join(timeout=5)
-                if p.is_alive():
-                    p.kill()
+    got = sorted(_forked(_two_phase_fault_process, 3, 2))
     assert [r for r, *_ in got] == [0, 1], got
     for _rank, kind, elapsed, text in got:
         assert kind == "DistBackendError" and "connection closed" in text and "ntpdirect" in text, got
@@ -321,16 +314,5 @@ def _setup_process(rank: int, store_path: str, queue) -> None:
 
 
 def test_a_stranger_at_set_up_is_dropped_and_the_group_forms():
-    ctx = mp.get_context("fork")
-    queue = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_setup_process, args=(r, os.path.join(tmp, "store"), queue))
-                 for r in range(2)]
-        for p in procs:
-            p.start()
-        got = dict(queue.get() for _ in range(2))
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+    got = dict(_forked(_setup_process, 2, 2))
     assert got == {0: [3.0, 3.0, 3.0], 1: [3.0, 3.0, 3.0]}
