@@ -1,7 +1,9 @@
 """Gradients as views into the DP sync's persistent bucket buffers, and the foreach clipping norm: the same
 numbers as the per-step pack/unpack path (float64 within 1e-10), with no flatten copy for a parameter that is
-one whole fragment.  One small forked gloo world of replicas of unequal TP (2 + 1 ranks), so both kinds of
-fragment occur: the TP-2 ranks hold whole-parameter fragments, the TP-1 rank parts of its parameters."""
+one whole fragment; the overlapped sync and the distributed optimizer (its reduce-scatters read the same kind
+of persistent buffers) against the packed sync and the plain AdamW.  One small forked gloo world of replicas
+of unequal TP (2 + 1 ranks), so both kinds of fragment occur: the TP-2 ranks hold whole-parameter
+fragments, the TP-1 rank parts of its parameters."""
 
 from __future__ import annotations
 
