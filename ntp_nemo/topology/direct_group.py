@@ -27,8 +27,9 @@ a TP region (latency, not bandwidth, bounds it); an all-reduce of `TWO_PHASE_BYT
 ranks runs as a reduce-scatter and an all-gather (two rounds, 2 (size - 1) / size of its bytes sent per
 rank instead of size - 1 times them), with the same bits.
 
-Faults: every wait is bounded by the group's timeout (`fault.collective_timeout_s`) and ends in a
-`DistBackendError` ("timed out"); a peer that is gone ends the collective at once with one ("connection
+Faults: every wait is bounded by the group's timeout (`fault.collective_timeout_s`; each phase of a
+two-phase all-reduce has its own, so such a collective may wait twice) and ends in a `DistBackendError`
+("timed out"); a peer that is gone ends the collective at once with one ("connection
 closed"), which the live recovery treats like gloo's.  `resilience.sockets.sever` shuts these sockets down
 with gloo's (they are connected TCP sockets), so a survivor blocked here on a hung peer is released the
 same way.  Sockets close when the group is shut down or collected.
