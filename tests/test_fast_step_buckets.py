@@ -30,7 +30,6 @@ def _passes(rank: int, world: int, cfg) -> dict:
     torch.set_num_threads(1)
     topology = Topology(2, [2, 1], [2] * (cfg.num_layers + 2))
     toks = tokens(cfg)
-    real_cat = torch.cat
     out: dict = {}
     for mode in ("views", "packed"):
         rt, model = assembled(ResolvedLayout.make(topology), rank, cfg, dtype=torch.float32)
@@ -53,17 +52,8 @@ def _passes(rank: int, world: int, cfg) -> dict:
             whole = {f.name for b in sync.buckets() for f, w in zip(b.frags, b.whole, strict=True) if w}
             in_buffer.append(all(sync.params[n].grad.untyped_storage().data_ptr() in buffers for n in whole)
                              and (mode == "packed" or bool(whole) == bool(buffers)))
-            calls = []
-
-            def counting_cat(*args, _calls=calls, **kwargs):
-                _calls.append(1)
-                return real_cat(*args, **kwargs)
-
-            torch.cat = counting_cat
-            try:
-                sync.sync()
-            finally:
-                torch.cat = real_cat
+            calls: list[int] = []
+            _counting_cats(sync.sync, calls)()
             cats.append(len(calls))
             grads.append({n: p.grad.numpy().copy() for n, p in model.named_parameters()})  # by value
             norms.append((float(sync.grad_norm_sq_local()), _norm_sq_by_fragment(sync)))

@@ -294,7 +294,7 @@ class DirectGroup(dist.ProcessGroup):
         chunks[self._rank].copy_(reduced)
         self._exchange("all_reduce", {p: _as_bytes(chunks[self._rank]) for p in self._others()},
                        {p: _as_bytes(chunks[p]) for p in self._others()})
-        if flat.data_ptr() != t.data_ptr() or not t.is_contiguous():
+        if not t.is_contiguous():  # `flat` is a contiguous copy; otherwise it is `t` itself
             t.copy_(flat.view(t.shape))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
