@@ -232,7 +232,7 @@ def test_a_step_whose_generation_was_aborted_is_never_applied(monkeypatch):
         applied.append(value)  # the optimizer step
         return value
 
-    def recover(strategy, step: int) -> None:  # the next generation: sound collectives again
+    def recover(strategy, step: int, phase=None) -> None:  # the next generation: sound collectives again
         aborted.clear()
         recoveries.append(step)
 
@@ -240,6 +240,71 @@ def test_a_step_whose_generation_was_aborted_is_never_applied(monkeypatch):
     assert rec.run_step(None, training_step, {"step": 4}) == 2.0
     assert runs == [4, 4] and recoveries == [4] and applied == [2.0]  # redone once; garbage never applied
     assert is_collective_failure(GenerationAborted("x"))
+
+
+def _standin_job(global_step: int):
+    """A strategy whose module takes a step as done (`take_step_as_done`), recording what it is given."""
+    taken = []
+    trainer = SimpleNamespace(global_step=global_step, is_global_zero=False)
+    module = SimpleNamespace(
+        trainer=trainer, take_step_as_done=lambda batch, note: taken.append((batch["step"], note)) or "done")
+    return SimpleNamespace(lightning_module=module), taken
+
+
+def test_a_survivor_behind_takes_the_step_as_done_and_passes_over_what_the_others_entered():
+    """A survivor whose step 4 (batch 3) failed while the survivors ahead had completed it and entered
+    a second collective between steps (a checkpoint save, say): it does not run the step again but takes
+    it as done with their note, passes over the two collectives they entered (they do not redo them),
+    runs the third, and counts afresh from the next step."""
+    from ntp_nemo.resilience.live_worker import LiveRecovery
+    from ntp_nemo.resilience.recovery import IN_STEP
+
+    rec = LiveRecovery("ntp")
+    rec.store, rec.generation = object(), SimpleNamespace(index=0)
+    strategy, taken = _standin_job(global_step=3)
+    asked, runs = [], []
+    rec._recover = lambda strategy, step, phase=None: asked.append((step, phase)) or SimpleNamespace(
+        behind=True, phase=2, rank=1, step=4, note={"record": {"step": 4, "loss": 1.5}})
+
+    def step_fn(batch):
+        runs.append(batch["step"])
+        raise RuntimeError("[gloo] Connection closed by peer")
+
+    assert rec.run_step(strategy, step_fn, {"step": 3}) == "done"
+    assert runs == [3] and asked == [(3, IN_STEP)] and taken == [(3, {"record": {"step": 4, "loss": 1.5}})]
+    between = [rec.run_between_steps(strategy, lambda i=i: i) for i in range(3)]
+    assert between == [None, None, 2]
+    rec.before_step(strategy)
+    assert rec.run_between_steps(strategy, lambda: "next") == "next"
+
+
+def test_survivors_between_steps_pass_over_what_the_furthest_entered():
+    """A survivor that failed in the first collective between steps, when another had entered the third:
+    the first is not redone (as before), the second and third are passed over, the fourth runs; when
+    the furthest was inside the next step already, every collective up to that step is passed over."""
+    from ntp_nemo.resilience.live_worker import LiveRecovery
+    from ntp_nemo.resilience.recovery import IN_STEP
+
+    for front, expect in ((3, [None, None, None, "ran"]), (IN_STEP, [None, None, None, None])):
+        rec = LiveRecovery("ntp")
+        rec.store, rec.generation = object(), SimpleNamespace(index=0)
+        strategy, taken = _standin_job(global_step=5)
+        asked = []
+
+        def recover(strategy, step, phase=None, front=front, asked=asked):
+            asked.append((step, phase))
+            return SimpleNamespace(behind=False, phase=front, note=None)
+
+        rec._recover = recover
+
+        def failing():
+            raise RuntimeError("[gloo] Connection closed by peer")
+
+        got = [rec.run_between_steps(strategy, failing)]
+        got += [rec.run_between_steps(strategy, lambda: "ran") for _ in range(3)]
+        assert got == expect and asked == [(5, 1)] and taken == []
+        rec.before_step(strategy)
+        assert rec.run_between_steps(strategy, lambda: "ran") == "ran"
 
 
 def test_ctrl_c_between_restart_attempts_prints_the_resume_command(tmp_path):

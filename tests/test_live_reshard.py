@@ -164,7 +164,7 @@ def _warmup(step: int) -> float:
     return min(1.0, (step + 1) / 4)
 
 
-def _loss_step(state: RankState, sched, cfg, step: int, die: bool, phase: str) -> float:
+def _loss_step(state: RankState, sched, cfg, step: int, die: bool, phase: str, abort: bool = False) -> float:
     backwards = []
     expected = len(state.my_microbatches(GLOBAL_BATCH))
 
@@ -174,13 +174,17 @@ def _loss_step(state: RankState, sched, cfg, step: int, die: bool, phase: str) -
         if die and phase == "backward" and len(backwards) == expected:
             os._exit(137)  # gradients computed, the data-parallel sync not started
 
-    result = _train_step(state, cfg, step, scheduler=sched, backward=backward)
+    def before_update() -> None:  # what `LiveRecovery.check_generation` raises when the word came meanwhile
+        raise RuntimeError("generation 0 was aborted during this step; it is not applied and is redone")
+
+    result = _train_step(state, cfg, step, scheduler=sched, backward=backward,
+                         before_update=before_update if abort else None)
     if die and phase == "optimizer":  # the step is complete everywhere; the next one finds the rank gone
         os._exit(137)
     return result.loss
 
 
-def training_worker(pid, world, store, cfg, tp, replica_tp, kills):
+def training_worker(pid, world, store, cfg, tp, replica_tp, kills, aborts=frozenset()):
     layer_tp = [tp] * (cfg.num_layers + 2)
     gen = Generation.first(ResolvedLayout.make(Topology(tp, replica_tp, layer_tp)))
     join(store, 0, pid, world)
@@ -195,19 +199,26 @@ def training_worker(pid, world, store, cfg, tp, replica_tp, kills):
     while step < TRAIN_STEPS:
         kill = kills.get((step, pid))
         try:
-            losses[step] = _loss_step(state, sched, cfg, step, kill is not None, kill or "")
+            losses[step] = _loss_step(state, sched, cfg, step, kill is not None, kill or "",
+                                      abort=(step, pid) in aborts)
             step += 1
         except RuntimeError:  # a peer is gone: gloo reports the closed connection
             try:
-                rec = recover(store, gen, pid, step, (state.model, opt), rebuild, make_policy("ntp"))
+                rec = recover(store, gen, pid, step, (state.model, opt), rebuild, make_policy("ntp"),
+                              note=losses.get(step - 1))
             except NoLiveCopy as err:  # the caller's cue for the restart path
                 return {"fallback": str(err)}
             if rec is None:
                 return None
             assert rec.optimizer is opt and isinstance(rec.state, RankState)
+            if rec.behind:  # the others completed the step: their state holds it; take it as done
+                assert rec.step == step + 1 and rec.reshard.moved_bytes > 0
+                losses[step] = rec.note
+                sched.step()
             gen, state, step = rec.generation, rec.state, rec.step
             recoveries.append({"layout": gen.layout.describe(), "step": step, "failed": rec.failed,
-                               "moved": rec.reshard.moved_bytes, "needed": rec.reshard.needed_bytes})
+                               "moved": rec.reshard.moved_bytes, "needed": rec.reshard.needed_bytes,
+                               "behind": rec.behind})
     return losses, recoveries
 
 
@@ -261,6 +272,25 @@ def test_survivors_recover_in_process_and_follow_the_failure_free_curve(case):
     failed_at = min(s for s, _ in kills)
     expect_step = failed_at if kills[min(kills)] == "backward" else failed_at + 1
     assert survivors[0][1][0]["step"] == expect_step  # the interrupted step is redone, none skipped
+
+
+def test_survivors_a_step_apart_agree_and_the_one_behind_takes_the_step_as_done():
+    """Process 3 completes step 2 and dies; process 0's step 2 is aborted after its host read and before
+    its update (the launcher's word reaching it then, as `LiveRecovery.check_generation` raises), while
+    processes 1 and 2 apply step 2 and fail in step 3.  The survivors agree on 3 completed steps; process
+    0 holds stale state, is filled from the others (none of its fragments comes from itself), takes step 2
+    as done with the loss they report, and every survivor follows the failure-free curve, each step once."""
+    results, codes = run_elastic(training_worker, 4, LLAMA, 2, [2, 2], {(2, 3): "optimizer"},
+                                 frozenset({(2, 0)}))
+    assert codes == [0, 0, 0, 137]
+    reference = _reference_losses(LLAMA)
+    for pid in (0, 1, 2):
+        losses, recoveries = results[pid]
+        assert sorted(losses) == list(range(TRAIN_STEPS))
+        curve = [losses[s] for s in range(TRAIN_STEPS)]
+        assert max(abs(a - b) / abs(b) for a, b in zip(curve, reference, strict=True)) < 1e-4, curve
+        assert [(r["layout"], r["step"], r["behind"]) for r in recoveries] == [("(2,1)", 3, pid == 0)]
+    assert results[0][0][2] == results[1][0][2]  # the loss process 0 reports is the one computed ahead
 
 
 def test_no_live_copy_with_one_replica_falls_back():

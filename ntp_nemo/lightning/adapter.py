@@ -138,7 +138,8 @@ def unwrap_optimizer(optimizer: Any) -> Any:
 
 
 def count_skipped_step(optimizer: Any) -> None:
-    """A step whose update is skipped (a non-finite gradient) still counts as one for Lightning (its
+    """A step whose update this rank's optimizer does not apply (a non-finite gradient skips it; a step
+    the survivors ahead of it completed, whose state it received) still counts as one for Lightning (its
     global step follows the batch): what `LightningOptimizer.step` records around an update."""
     optimizer._on_before_step()
     optimizer._on_after_step()

@@ -206,6 +206,29 @@ class NTPLanguageModule(pl.LightningModule):
             self.last_step["skipped"] = True  # non-finite gradient on some rank: no update this step
         return {"loss": torch.tensor(loss)}
 
+    def step_note(self) -> dict:
+        """What this rank says of its last completed step to the survivors of a lost peer who had not
+        completed it (`take_step_as_done`): its record and whether a stop was agreed."""
+        return {"record": dict(self.last_step), "stop": bool(self.stop_agreed)}
+
+    def take_step_as_done(self, batch: dict, note: dict) -> dict:
+        """The step of `batch` was completed by the survivors ahead of this rank when a peer was lost (a
+        collective finished on them and not here, or the loss aborted the step here after they had
+        applied it); since the reshard this rank holds their state, so the step is not run again: it is
+        counted (Lightning's global step, the LR schedule) and reported with what they said of it
+        (`note`: a `step_note`)."""
+        record = dict(note["record"])
+        if record.get("step") != int(batch["step"]) + 1:
+            raise RuntimeError(f"the survivors ahead reported step {record.get('step')} as their last, not "
+                               f"step {int(batch['step']) + 1}, which this rank was running")
+        count_skipped_step(self.optimizers())  # no update here: the state received holds it
+        self.lr_schedulers().step()
+        self.stop_agreed = bool(note["stop"])
+        self.log("train/loss", torch.tensor(record["loss"]), prog_bar=True, rank_zero_only=True, batch_size=1)
+        self.log("train/grad_norm", torch.tensor(record["grad_norm"]), rank_zero_only=True, batch_size=1)
+        self.last_step = record
+        return {"loss": torch.tensor(record["loss"])}
+
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         total = self.runtime.eval_microbatches(self.model, list(batch["micro"]))
         loss = float(self.runtime.global_sum(total)) / int(batch["global_tokens"])

@@ -37,7 +37,7 @@ from ntp_nemo.resilience.coordinator import FALLBACK_EXIT
 from ntp_nemo.resilience.live import capture
 from ntp_nemo.resilience.nccl_abort import uses_nccl
 from ntp_nemo.resilience.policies import make_policy
-from ntp_nemo.resilience.recovery import Generation, grow, recover
+from ntp_nemo.resilience.recovery import IN_STEP, Generation, Recovery, grow, recover
 from ntp_nemo.resilience.rendezvous import connect, publish_ready, read_rejoin
 from ntp_nemo.resilience.store_auth import JobStore
 from ntp_nemo.topology.layout import ResolvedLayout
@@ -91,6 +91,10 @@ class LiveRecovery(Callback, RecoveryHooks):
         self.pid = 0
         self.store = None
         self.rebuild_through = -1  # batches of steps up to this one were split for an older layout
+        # Collectives between steps entered since the last step began, and how many of them to pass
+        # over (the survivors ahead had entered them when a peer was lost, and do not redo them)
+        self._between = 0
+        self._skip_between = 0
         self.backend = "gloo"  # the job's process-group backend (set at setup)
         self.launcher_pid = os.getpid()  # built in the launching process, which hosts the store
 
@@ -193,11 +197,13 @@ class LiveRecovery(Callback, RecoveryHooks):
         return state
 
     def before_step(self, strategy: Any) -> None:
+        self._between = self._skip_between = 0
         if self.joining is not None and self.joining.active:
             self.joining.finish(strategy)
 
     def run_step(self, strategy: Any, step_fn: Callable, *args: Any, **kwargs: Any) -> Any:
-        """Run one training step (`step_fn(batch, ...)`); on a lost peer recover and redo it."""
+        """Run one training step (`step_fn(batch, ...)`); on a lost peer recover and redo it, unless the
+        survivors ahead had completed it: then this rank, holding their state, takes it as done."""
         args = list(args)
         while True:
             if self.rebuild_through >= 0 and int(args[0]["step"]) <= self.rebuild_through:
@@ -207,7 +213,13 @@ class LiveRecovery(Callback, RecoveryHooks):
             except Exception as err:
                 if self.store is None or not is_collective_failure(err):
                     raise
-                self._recover(strategy, int(args[0]["step"]))
+                rec = self._recover(strategy, int(args[0]["step"]), phase=IN_STEP)
+                if rec is not None and rec.behind:
+                    # The others go on from the collectives between steps they had entered (none: all).
+                    self._skip_between = rec.phase
+                    print(f"failover | live: rank {rec.rank} takes step {rec.step} as done: the survivors "
+                          "ahead had completed it, and their state is now this rank's", flush=True)
+                    return strategy.lightning_module.take_step_as_done(args[0], rec.note)
 
     def run_between_steps(self, strategy: Any, fn: Callable, *args: Any, what: str | None = None) -> Any:
         """Run a collective outside the training step (a barrier, a broadcast, a checkpoint save); on a
@@ -215,13 +227,21 @@ class LiveRecovery(Callback, RecoveryHooks):
         passed it before the loss and be recovering inside the next training step.  `what` names an
         interrupted action worth a line on the console (a checkpoint save, which then never commits:
         the previous checkpoint stays the latest valid one)."""
+        trainer = strategy.lightning_module.trainer
+        self._between += 1
+        if self._between <= self._skip_between:
+            if what is not None and trainer.is_global_zero:
+                print(f"failover | live: {what} is not run: the survivors ahead had entered it when the peer "
+                      "was lost", flush=True)
+            return None
         try:
             return fn(*args)
         except Exception as err:
             if self.store is None or not is_collective_failure(err):
                 raise
-            trainer = strategy.lightning_module.trainer
-            self._recover(strategy, trainer.global_step)  # the next step's batch index
+            rec = self._recover(strategy, trainer.global_step, phase=self._between)  # the next batch index
+            if rec is not None:
+                self._skip_between = max(self._skip_between, rec.phase)
             if what is not None and trainer.is_global_zero:
                 print(f"failover | live: {what} was interrupted by the loss and is not redone", flush=True)
             return None
@@ -252,11 +272,13 @@ class LiveRecovery(Callback, RecoveryHooks):
 
         return build
 
-    def _recover(self, strategy: Any, step: int,
-                 failed_rejoin: tuple[BaseException, Any] | None = None) -> None:
-        """Recover before (re)running the step of batch index `step` (0-based: step `step + 1`).
+    def _recover(self, strategy: Any, step: int, phase: int | None = None,
+                 failed_rejoin: tuple[BaseException, Any] | None = None) -> Recovery:
+        """Recover before (re)running the step of batch index `step` (0-based: step `step + 1`); `phase`:
+        `IN_STEP` inside that step, else the collectives between steps entered (default: those counted).
         `failed_rejoin`: (the error, the snapshot `_grow` took) when the rejoin into generation `g + 1`
-        failed: the survivors re-form generation `g + 2` from the snapshot (`recover(notice=g + 1)`)."""
+        failed: the survivors re-form generation `g + 2` from the snapshot (`recover(notice=g + 1)`).
+        Returns the recovery (`behind`: the survivors ahead had completed the step of batch `step`)."""
         from ntp_nemo.lightning.goodput_callback import GoodputCallback
 
         module = strategy.lightning_module
@@ -270,7 +292,8 @@ class LiveRecovery(Callback, RecoveryHooks):
         try:
             rec = recover(self.store, self.generation, self.pid, trainer.global_step, (module.model, opt),
                           self._builder(strategy), self.policy, backend=self.backend,
-                          timeout_s=self.timeout_s, notice=notice, snapshot=snapshot)
+                          timeout_s=self.timeout_s, notice=notice, snapshot=snapshot,
+                          phase=self._between if phase is None else phase, note=module.step_note())
         except Exception as err:  # noqa: BLE001 - any failure of the live path means the restart path
             if failed_rejoin is not None:
                 err = RuntimeError(f"{failed_rejoin[0]}; re-forming without the repaired processes failed "
@@ -285,9 +308,9 @@ class LiveRecovery(Callback, RecoveryHooks):
         if goodput is not None:
             goodput.record("failure_detected", t=rec.detect_t, rank=lost_ranks[0] if lost_ranks else None,
                            ranks=lost_ranks, process=rec.failed[0] if rec.failed else None,
-                           processes=list(rec.failed), reason="collective error", step=step + 1,
+                           processes=list(rec.failed), reason="collective error", step=rec.step + 1,
                            detail="live recovery" if failed_rejoin is None else "a rejoin failed")
-            goodput.record("recovery_done", layout=rec.generation.layout.describe(), step=step + 1,
+            goodput.record("recovery_done", layout=rec.generation.layout.describe(), step=rec.step + 1,
                            mode="live", moved_bytes=rec.reshard.moved_bytes,
                            minimum_bytes=rec.reshard.needed_bytes, recovery_s=rec.seconds,
                            generation=rec.generation.index)
@@ -296,8 +319,9 @@ class LiveRecovery(Callback, RecoveryHooks):
             what = rec.replan.describe() if failed_rejoin is None else (
                 f"the rejoin failed ({type(failed_rejoin[0]).__name__}); processes {list(rec.failed)} lost: "
                 f"the survivors re-form layout {rec.generation.layout.describe()}")
-            print(f"failover | live: {what}; step {step + 1} runs on it; moved {moved} "
+            print(f"failover | live: {what}; step {rec.step + 1} runs on it; moved {moved} "
                   f"bytes (minimum {minimum}) in {rec.seconds:.2f} s", flush=True)
+        return rec
 
     def _install(self, strategy: Any, rec: Any, step: int) -> None:
         """Make `rec`'s state (a recovery's or a rejoin's) the strategy's (`NTPStrategy.adopt`); the

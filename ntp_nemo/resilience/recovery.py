@@ -10,9 +10,13 @@ gloo reports the closed connection at once; a hang surfaces as the collective ti
 3. applies the failover policy to generation `g`'s layout and the lost ranks (`policies.replan`):
    the new layout and which old rank takes each new rank; a survivor the new layout leaves out exits;
 4. joins generation `g + 1` (`PrefixStore(f"gen{g+1}", store)`) with its new rank;
-5. agrees with the others on the last completed step: a rank that died inside a collective may have
-   let some survivors finish the step and not others; those behind hold stale state and serve as no
-   source, so the state comes from the ranks that finished (when they do not cover it: `NoLiveCopy`);
+5. agrees with the others on where the job stands: the last completed step and, within the steps'
+   boundary, how many collectives between steps were entered (`phase`; `IN_STEP` inside a step).  A
+   rank that died inside a collective may have let some survivors finish the step and not others (or
+   the launcher's word aborted the step on one survivor after another had applied it); those behind
+   hold stale state and serve as no source, so the state comes from the ranks that finished (when they
+   do not cover it: `NoLiveCopy`), and the caller takes the step as done on them from the summary
+   (`note`) of a rank that finished it (`Recovery.behind`);
 6. builds the new layout's runtime, model and optimizer (the caller's `build`, e.g. `runtime.assemble`;
    it may keep the old optimizer object, pointed at the new parameters with `rebind_optimizer`, so that
    an LR scheduler holding it goes on) and fills them from the survivors' memory
@@ -50,6 +54,9 @@ from ntp_nemo.topology.layout import ResolvedLayout
 # its `runtime`, `model` and `optimizer`), called on the new generation's default group
 BuildFn = Callable[[ResolvedLayout, int], Any]
 
+# The phase of a survivor inside a training step: after every collective between the previous step and it.
+IN_STEP = 1 << 30
+
 
 @dataclass(frozen=True)
 class Generation:
@@ -82,13 +89,18 @@ class Recovery:
     generation: Generation
     rank: int
     state: Any  # what `build` returned: the rank's runtime, model and optimizer on the new layout
-    step: int  # the step to run next (the interrupted one)
+    step: int  # the step to run next (the interrupted one): the survivors' most completed steps
     reshard: ReshardResult
     failed: tuple[int, ...]  # process ids lost
     replan: Replan | None  # None for a rejoin
     detect_t: float
     seconds: float  # detection -> state resharded
     phases: dict[str, float]  # seconds: word (the launcher's), join, build, reshard
+    # Where the most advanced survivors stood: collectives between steps entered after `step` steps
+    # (`IN_STEP`: inside the next step), and what one of them said of its last completed step (`note`)
+    phase: int = IN_STEP
+    note: Any = None
+    behind: bool = False  # this survivor had completed fewer steps: the others' last one is done here too
 
     @property
     def runtime(self) -> Any:
@@ -116,11 +128,16 @@ def recover(
     timeout_s: float = 60.0,
     notice: int | None = None,
     snapshot: Captured | None = None,
+    phase: int = IN_STEP,
+    note: Any = None,
 ) -> Recovery | None:
     """Run the protocol above on one survivor; None for a survivor the new layout leaves idle.
 
     `completed_steps` is the number of optimizer steps this process has applied, `old` its (model,
-    optimizer) on `generation`'s layout.  Collective over the survivors (through the store).
+    optimizer) on `generation`'s layout; `phase` where it failed after them (`IN_STEP`: inside the next
+    step; k: inside the k-th collective between steps) and `note` its summary of its last completed step
+    (any picklable value), handed to the survivors behind.  Collective over the survivors (through the
+    store).
 
     A rejoin that failed (`grow` raised: a process died while generation `g + 1` formed or resharded)
     is re-formed with `notice=g + 1` and `snapshot` (what `grow` captured of `old` before building): the
@@ -139,9 +156,12 @@ def recover(
     if rank is None:
         return None
     join(store, new_gen.index, rank, new_gen.layout.world_size, backend=backend, timeout_s=timeout_s)
-    steps: list = [None] * new_gen.layout.world_size
-    dist.all_gather_object(steps, int(completed_steps))
-    step = max(steps)
+    stands: list = [None] * new_gen.layout.world_size
+    dist.all_gather_object(stands, (int(completed_steps), int(phase), note))
+    step, front, front_note = max(stands, key=lambda s: (s[0], s[1]))
+    if min(s[0] for s in stands) < step - 1:  # every step's collectives span every survivor: impossible
+        raise RuntimeError(f"the survivors stand more than one step apart ({sorted(s[0] for s in stands)} "
+                           "steps completed): the live state cannot be agreed on")
     marks.append(time.time())
     old_replica = generation.layout.replica_of(generation.rank_of(pid))
     if snapshot is None:
@@ -154,7 +174,8 @@ def recover(
     phases = {k: b - a for k, a, b in zip(("word", "join", "build", "reshard"), marks[:-1], marks[1:],
                                           strict=True)}
     return Recovery(new_gen, rank, state, step, result, tuple(failed), plan, detect_t,
-                    marks[-1] - detect_t, phases)
+                    marks[-1] - detect_t, phases, phase=front, note=front_note,
+                    behind=completed_steps < step)
 
 
 def grow(store: dist.Store, generation: Generation, layout: ResolvedLayout, pid: int, completed_steps: int,
