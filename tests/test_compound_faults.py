@@ -307,6 +307,38 @@ def test_survivors_between_steps_pass_over_what_the_furthest_entered():
         assert rec.run_between_steps(strategy, lambda: "ran") == "ran"
 
 
+def _gloo_step_after_an_abort(rank: int, world: int) -> dict:
+    """On a gloo world: the coordinator's word of a loss arrives after the step's collectives returned
+    and before its update."""
+    import torch
+
+    import ntp_nemo.resilience.rendezvous as rendezvous
+    from ntp_nemo.resilience.live_worker import GenerationAborted, LiveRecovery
+
+    rendezvous.sever = lambda store: None  # nothing to sever in this one-process world
+    rec = LiveRecovery("ntp")
+    rec.store, rec.generation = object(), SimpleNamespace(index=0)
+    epoch = rec.abort_epoch()
+    x = torch.ones(3)
+    torch.distributed.all_reduce(x)  # the step's collectives: complete
+    rec.interrupt(0, [1])
+    try:
+        rec.check_generation(epoch)
+        return {"applied": True, "aborts": rec.abort_epoch() - epoch}
+    except GenerationAborted as err:
+        return {"applied": False, "error": str(err)}
+
+
+def test_on_gloo_a_step_whose_collectives_returned_is_applied_after_an_abort():
+    """gloo's collectives complete with every peer's data or raise: a step that read its scalars before
+    the abort reached its rank is applied there, as on the ranks the word reached later (else the
+    survivors recover one step apart, and what only the ranks behind held is lost to the live path)."""
+    from ntp_nemo.launch.workers import run_workers
+
+    [res] = run_workers(_gloo_step_after_an_abort, 1)
+    assert res == {"applied": True, "aborts": 1}, res
+
+
 def test_ctrl_c_between_restart_attempts_prints_the_resume_command(tmp_path):
     """Ctrl-C while no worker trains (the supervisor between two attempts) stops at once, and a run that
     has checkpoints says how to continue it."""

@@ -61,6 +61,14 @@ def is_collective_failure(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and any(s in str(err).lower() for s in _COLLECTIVE_ERRORS)
 
 
+def _collectives_complete_or_raise() -> bool:
+    """The default group is gloo's: a collective that returned had every peer's data (see
+    `LiveRecovery.check_generation`)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo"
+
+
 class LiveRecovery(Callback, RecoveryHooks):
     """Worker side of `fault.recovery=live` (see the module docstring): a callback, and the strategy's
     `RecoveryHooks` (`lightning/factory.py` hands it to the strategy it builds)."""
@@ -141,9 +149,15 @@ class LiveRecovery(Callback, RecoveryHooks):
         return self._aborts
 
     def check_generation(self, epoch: int) -> None:
-        """Raise `GenerationAborted` if a generation was aborted since `abort_epoch()` returned `epoch`:
-        the step's collectives may have returned garbage, so it must not be applied."""
-        if self._aborts != epoch:
+        """Raise `GenerationAborted` if a generation was aborted since `abort_epoch()` returned `epoch`
+        and the step's collectives may have returned garbage (NCCL: an aborted communicator's collective
+        can return without raising), so it must not be applied.  On gloo (and the ntpdirect TP groups of a
+        CPU world) a collective either completes with every peer's data or raises, so a step that read
+        its scalars is sound and is applied: were it skipped by the ranks whose watcher saw the abort
+        before their update and applied by the others, the survivors would recover one step apart, and
+        the ranks behind serve as no source (they take the step as done from the others' state; a shard
+        only they still held would end the live path)."""
+        if self._aborts != epoch and not _collectives_complete_or_raise():
             raise GenerationAborted(f"generation {self.generation.index if self.generation else '?'} was "
                                     "aborted during this step; it is not applied and is redone")
 
