@@ -94,7 +94,9 @@ def test_cluster_tasks_recover_live_from_a_kill_and_a_hang_and_a_spare_rejoins(t
     done = [e for e in events if e["event"] == "recovery_done"]
     assert [(e["mode"], e["layout"], bool(e.get("rejoin"))) for e in done] == [
         ("live", "(2,1)", False), ("live", "(2,2)", True), ("live", "(1,2)", False)], done
-    assert done[0]["step"] == kill_at + 1 and done[2]["step"] > hang_at
+    # The kill lands in step kill_at + 1; the survivors go on at that step, or at the next one when they
+    # had completed it before the loss reached them (the kill came after process 3's last contribution).
+    assert done[0]["step"] in (kill_at + 1, kill_at + 2) and done[2]["step"] > hang_at
     out = tasks[0].output
     assert "Traceback" not in out and "layouts (2,2) -> (2,1) -> (2,2) -> (1,2)" in out, out[-3000:]
 
