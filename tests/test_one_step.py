@@ -175,6 +175,83 @@ def test_the_lightning_module_steps_through_train_step(calls):
     assert all(torch.equal(p, q) for p, q in pairs)
 
 
+class _CountedOptimizer:
+    """What Lightning's manual optimisation hands the module (`LightningOptimizer`): `step` runs the
+    update between `_on_before_step` and `_on_after_step`, the latter advancing the global step."""
+
+    def __init__(self, optimizer) -> None:
+        self.optimizer, self.counted = optimizer, 0
+
+    def _on_before_step(self) -> None:
+        pass
+
+    def _on_after_step(self) -> None:
+        self.counted += 1
+
+    def step(self, closure=None) -> None:
+        self._on_before_step()
+        self.optimizer.step()
+        self._on_after_step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def _module_on_world_one():
+    from ntp_nemo.lightning.module import NTPLanguageModule
+
+    state = _world_one()
+    sched = torch.optim.lr_scheduler.LambdaLR(state.optimizer, lambda step: 1.0 / (1 + step))
+    module = NTPLanguageModule(GPT, {**OPTIM, "grad_clip": CLIP},
+                               types.SimpleNamespace(sampler=types.SimpleNamespace(global_batch_size=BATCH)),
+                               seed=SEED, micro_batch_size=1, val_batches=1, max_steps=STEPS)
+    module.model = state.model
+    strategy = types.SimpleNamespace(runtime=state.runtime, state=state)
+    module._trainer = types.SimpleNamespace(strategy=strategy, callbacks=[])
+    opt = _CountedOptimizer(state.optimizer)
+    module.optimizers = lambda: opt
+    module.lr_schedulers = lambda: sched
+    module.manual_backward = lambda loss: loss.backward()
+    logged = []
+    module.log = lambda name, value, **kwargs: logged.append((name, float(value)))
+    return types.SimpleNamespace(module=module, state=state, sched=sched, opt=opt, logged=logged)
+
+
+def _batch(step: int) -> dict:
+    toks = _tokens(step)
+    return {"micro": toks.unsqueeze(1), "global_tokens": toks[:, 1:].numel(), "step": step}
+
+
+def test_a_step_taken_as_done_leaves_the_module_where_running_it_would():
+    """Live recovery's survivor one step behind: it receives the tensors of a rank that completed the step
+    (as the reshard writes them: parameters and AdamW state, not the optimizer's hyperparameters) and takes
+    the step as done.  Lightning counts the step, the schedule advances, the loss and gradient norm logged
+    are the other rank's, and the next step gives the same loss, gradient norm and parameters, bit for
+    bit, as on the rank that ran both steps.  A note about another step is refused."""
+    ran, behind = _module_on_world_one(), _module_on_world_one()
+    for step in range(2):
+        ran.module.training_step(_batch(step), step)
+    behind.module.training_step(_batch(0), 0)
+    with torch.no_grad():  # the reshard
+        for p, q in zip(behind.state.model.parameters(), ran.state.model.parameters(), strict=True):
+            p.copy_(q)
+            behind.state.optimizer.state[p] = {k: v.clone() for k, v in ran.state.optimizer.state[q].items()}
+    with pytest.raises(RuntimeError, match="reported step 2 as their last, not step 3"):
+        behind.module.take_step_as_done(_batch(2), ran.module.step_note())
+    out = behind.module.take_step_as_done(_batch(1), ran.module.step_note())
+    assert torch.equal(out["loss"], torch.tensor(ran.module.last_step["loss"]))  # as training_step
+    assert behind.module.last_step == ran.module.last_step
+    assert behind.logged[-2:] == ran.logged[-2:]
+    assert (behind.opt.counted, behind.sched.last_epoch) == (ran.opt.counted, ran.sched.last_epoch) == (2, 2)
+    assert behind.state.optimizer.param_groups[0]["lr"] == ran.state.optimizer.param_groups[0]["lr"]
+    for side in (ran, behind):
+        side.module.training_step(_batch(2), 2)
+    untimed = [{k: v for k, v in side.module.last_step.items() if k != "compute_s"} for side in (behind, ran)]
+    assert untimed[0] == untimed[1] and untimed[0]["step"] == 3
+    pairs = zip(behind.state.model.parameters(), ran.state.model.parameters(), strict=True)
+    assert all(torch.equal(p, q) for p, q in pairs)
+
+
 def test_a_pipeline_rank_trains_through_its_engine_only():
     """On a pipeline layout a stage's slice is not the model: its place has no micro-batch methods to run
     it as if it were, and the runtime constructed from it carries the pipeline engine at once."""
