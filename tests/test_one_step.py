@@ -145,36 +145,6 @@ def test_the_dry_run_steps_through_train_step(calls):
     assert all(r.optimizer_bytes == 2 * r.param_bytes for r in res.ranks)  # AdamW's moments: it stepped
 
 
-def test_the_lightning_module_steps_through_train_step(calls):
-    """The module's `training_step` on a world of one (Lightning's trainer reduced to what the step
-    reads) gives the loss, gradient norm and parameters of `train_step` on an identical state."""
-    from ntp_nemo.lightning.module import NTPLanguageModule
-
-    state, twin = _world_one(), _world_one()
-    scheds = [torch.optim.lr_scheduler.LambdaLR(s.optimizer, lambda step: 1.0 / (1 + step))
-              for s in (state, twin)]
-    module = NTPLanguageModule(GPT, {**OPTIM, "grad_clip": CLIP},
-                               types.SimpleNamespace(sampler=types.SimpleNamespace(global_batch_size=BATCH)),
-                               seed=SEED, micro_batch_size=1, val_batches=1, max_steps=STEPS)
-    module.model = state.model
-    strategy = types.SimpleNamespace(runtime=state.runtime, state=state)
-    module._trainer = types.SimpleNamespace(strategy=strategy, callbacks=[])
-    module.optimizers = lambda: state.optimizer
-    module.lr_schedulers = lambda: scheds[0]
-    module.manual_backward = lambda loss: loss.backward()
-    module.log = lambda *args, **kwargs: None
-    for step in range(2):
-        toks = _tokens(step)
-        module.training_step({"micro": toks.unsqueeze(1), "global_tokens": toks[:, 1:].numel(), "step": step},
-                             step)
-        want = one_step.train_step(twin, list(toks.unsqueeze(1)), toks[:, 1:].numel(), max_norm=CLIP,
-                                   scheduler=scheds[1])
-        assert (module.last_step["loss"], module.last_step["grad_norm"]) == (want.loss, want.grad_norm)
-    assert calls == ["cpu"] * 4
-    pairs = zip(state.model.parameters(), twin.model.parameters(), strict=True)
-    assert all(torch.equal(p, q) for p, q in pairs)
-
-
 class _CountedOptimizer:
     """What Lightning's manual optimisation hands the module (`LightningOptimizer`): `step` runs the
     update between `_on_before_step` and `_on_after_step`, the latter advancing the global step."""
@@ -220,6 +190,23 @@ def _module_on_world_one():
 def _batch(step: int) -> dict:
     toks = _tokens(step)
     return {"micro": toks.unsqueeze(1), "global_tokens": toks[:, 1:].numel(), "step": step}
+
+
+def test_the_lightning_module_steps_through_train_step(calls):
+    """The module's `training_step` on a world of one (Lightning's trainer reduced to what the step
+    reads) gives the loss, gradient norm and parameters of `train_step` on an identical state."""
+    side, twin = _module_on_world_one(), _world_one()
+    sched = torch.optim.lr_scheduler.LambdaLR(twin.optimizer, lambda step: 1.0 / (1 + step))
+    for step in range(2):
+        toks = _tokens(step)
+        side.module.training_step(_batch(step), step)
+        want = one_step.train_step(twin, list(toks.unsqueeze(1)), toks[:, 1:].numel(), max_norm=CLIP,
+                                   scheduler=sched)
+        got = side.module.last_step
+        assert (got["loss"], got["grad_norm"]) == (want.loss, want.grad_norm)
+    assert calls == ["cpu"] * 4
+    pairs = zip(side.state.model.parameters(), twin.model.parameters(), strict=True)
+    assert all(torch.equal(p, q) for p, q in pairs)
 
 
 def test_a_step_taken_as_done_leaves_the_module_where_running_it_would():
