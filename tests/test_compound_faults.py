@@ -204,7 +204,7 @@ def test_a_flooded_store_is_named_before_it_exhausts_the_launcher(tmp_path):
 
 def test_a_step_whose_generation_was_aborted_is_never_applied(monkeypatch):
     """NCCL stand-in: after its generation is aborted, a collective may return garbage without raising.
-    The step checks the generation before its optimizer step (as `GPTLightningModule.training_step`
+    The step checks the generation before its optimizer step (as `NTPLanguageModule.training_step`
     does): the garbage is never applied, and the step is redone on the next generation."""
     import threading
 

@@ -7,7 +7,7 @@
   pointed at the new parameters, so the LR scheduler goes on) and hands it to `NTPStrategy.adopt` (the
   rank numbering and rank 0's duties move with it; the datasets read the new split from the strategy),
   then redoes the step with the same global batch (a survivor one step behind the others takes the step
-  as done: `GPTLightningModule.take_step_as_done`); at an announced rejoin it runs the survivors' side
+  as done: `NTPLanguageModule.take_step_as_done`); at an announced rejoin it runs the survivors' side
   (`recovery.grow`).  Goodput: `failure_detected` at detection, `recovery_done` with `mode: live`,
   `moved_bytes`, `minimum_bytes` and `recovery_s` (detection to resharded state; `rejoin: true` for a
   rejoin).  It also names the launcher of the workers (`live_launcher.LiveLauncher` under `ntp-train`)
