@@ -215,6 +215,7 @@ def test_a_step_whose_generation_was_aborted_is_never_applied(monkeypatch):
     monkeypatch.setattr(rendezvous, "sever", lambda store: aborted.set())  # the stand-in abort
     rec = LiveRecovery("ntp")
     rec.store, rec.generation = object(), SimpleNamespace(index=0)  # a live job in generation 0
+    rec.backend = "nccl"  # the job's backend, which this stand-in plays
 
     def all_reduce(x: float) -> float:  # the stand-in group: garbage, no error, once aborted
         return 1e30 if aborted.is_set() else x
@@ -232,9 +233,10 @@ def test_a_step_whose_generation_was_aborted_is_never_applied(monkeypatch):
         applied.append(value)  # the optimizer step
         return value
 
-    def recover(strategy, step: int, phase=None) -> None:  # the next generation: sound collectives again
+    def recover(strategy, step: int, phase=None):  # the next generation: sound collectives again
         aborted.clear()
         recoveries.append(step)
+        return SimpleNamespace(behind=False, phase=phase)
 
     rec._recover = recover
     assert rec.run_step(None, training_step, {"step": 4}) == 2.0

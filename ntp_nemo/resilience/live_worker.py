@@ -62,14 +62,6 @@ def is_collective_failure(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and any(s in str(err).lower() for s in _COLLECTIVE_ERRORS)
 
 
-def _collectives_complete_or_raise() -> bool:
-    """The default group is gloo's: a collective that returned had every peer's data (see
-    `LiveRecovery.check_generation`)."""
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo"
-
-
 class LiveRecovery(Callback, RecoveryHooks):
     """Worker side of `fault.recovery=live` (see the module docstring): a callback, and the strategy's
     `RecoveryHooks` (`lightning/factory.py` hands it to the strategy it builds)."""
@@ -158,7 +150,7 @@ class LiveRecovery(Callback, RecoveryHooks):
         before their update and applied by the others, the survivors would recover one step apart, and
         the ranks behind serve as no source (they take the step as done from the others' state; a shard
         only they still held would end the live path)."""
-        if self._aborts != epoch and not _collectives_complete_or_raise():
+        if self._aborts != epoch and uses_nccl(self.backend):
             raise GenerationAborted(f"generation {self.generation.index if self.generation else '?'} was "
                                     "aborted during this step; it is not applied and is redone")
 
@@ -229,7 +221,7 @@ class LiveRecovery(Callback, RecoveryHooks):
                 if self.store is None or not is_collective_failure(err):
                     raise
                 rec = self._recover(strategy, int(args[0]["step"]), phase=IN_STEP)
-                if rec is not None and rec.behind:
+                if rec.behind:
                     # The others go on from the collectives between steps they had entered (none: all).
                     self._skip_between = rec.phase
                     print(f"failover | live: rank {rec.rank} takes step {rec.step} as done: the survivors "
@@ -255,8 +247,7 @@ class LiveRecovery(Callback, RecoveryHooks):
             if self.store is None or not is_collective_failure(err):
                 raise
             rec = self._recover(strategy, trainer.global_step, phase=self._between)  # the next batch index
-            if rec is not None:
-                self._skip_between = max(self._skip_between, rec.phase)
+            self._skip_between = max(self._skip_between, rec.phase)
             if what is not None and trainer.is_global_zero:
                 print(f"failover | live: {what} was interrupted by the loss and is not redone", flush=True)
             return None
