@@ -66,26 +66,32 @@ def _meter_pending() -> dict[str, float]:
     return meter
 
 
-def worker(rank: int, world: int, args: argparse.Namespace, sp: bool) -> dict:
-    torch.set_num_threads(1)
+def metered_alternate(states: dict, vocab: int, args: argparse.Namespace, metered: str) -> dict:
+    """`bench.alternate.alternate` over `states`, with the asynchronous collectives of kind `metered`'s
+    steps after the warm-up metered (`_meter_pending`): their medians per step under `overlap`."""
     meter = _meter_pending()
     overlap: dict[str, list[float]] = {"window": [], "wait": [], "count": []}
-    cfg = LLAMA_TINY if args.model == "llama_tiny" else GPT_TINY
-    layout = ResolvedLayout.make(Topology(world, [world], [world] * (cfg.num_layers + 2)),
-                                 num_microbatches=args.global_batch // args.micro_batch, sequence_parallel=sp)
-    states = {kind: assemble(layout, rank, cfg, OPTIM, "cpu", seed=1234, tp_overlap=kind == "on")
-              for kind in KINDS}
 
     def record(kind: str, step: int) -> None:
-        if kind == "on" and step >= args.warmup:
+        if kind == metered and step >= args.warmup:
             for key in overlap:
                 overlap[key].append(meter[key])
 
     def reset(kind: str) -> None:
         meter.update(window=0.0, wait=0.0, count=0)
 
-    out = alternate(states, cfg.vocab_size, args, 2000, before=reset, after=record)
+    out = alternate(states, vocab, args, 2000, before=reset, after=record)
     return {**out, "overlap": {k: statistics.median(v) for k, v in overlap.items()}}
+
+
+def worker(rank: int, world: int, args: argparse.Namespace, sp: bool) -> dict:
+    torch.set_num_threads(1)
+    cfg = LLAMA_TINY if args.model == "llama_tiny" else GPT_TINY
+    layout = ResolvedLayout.make(Topology(world, [world], [world] * (cfg.num_layers + 2)),
+                                 num_microbatches=args.global_batch // args.micro_batch, sequence_parallel=sp)
+    states = {kind: assemble(layout, rank, cfg, OPTIM, "cpu", seed=1234, tp_overlap=kind == "on")
+              for kind in KINDS}
+    return metered_alternate(states, cfg.vocab_size, args, "on")
 
 
 def main() -> None:

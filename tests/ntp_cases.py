@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
+import torch.distributed as dist
 
 from ntp_nemo.models import build_model
 from ntp_nemo.models.config import ModelConfig
@@ -105,3 +109,32 @@ def exactness_worker(
         want = ref_logits[mine.start : mine.stop, :, vs : vs + logits.shape[-1]]
         worst["logits"] = float((logits - want).abs().max() / want.abs().max())
     return worst
+
+
+def relative_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest difference of `a`'s tensors from `b`'s, relative to the largest value of the same tensor.  A
+    key bias's gradient is zero in theory (softmax ignores a shift shared by a query's scores): it is
+    compared in absolute terms (its values are rounding noise, around 1e-20); callers leave its parameter
+    out (Adam turns that noise into full-size updates)."""
+    return max(float((a[n] - b[n]).abs().max() / (1.0 if n.endswith("k_proj.bias") else b[n].abs().max()))
+               for n in b)
+
+
+@contextlib.contextmanager
+def counting_async_launches() -> Iterator[dict[str, int]]:
+    """While open, `dist.all_reduce` and `dist.reduce_scatter_single` count their `async_op=True` calls in
+    the yielded dict's "async" (in this process: a forked worker's)."""
+    calls = {"async": 0}
+    original = dist.all_reduce, dist.reduce_scatter_single
+
+    def counting(fn):
+        def wrapped(*args, **kwargs):
+            calls["async"] += bool(kwargs.get("async_op"))
+            return fn(*args, **kwargs)
+        return wrapped
+
+    dist.all_reduce, dist.reduce_scatter_single = (counting(f) for f in original)
+    try:
+        yield calls
+    finally:
+        dist.all_reduce, dist.reduce_scatter_single = original

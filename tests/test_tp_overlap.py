@@ -22,7 +22,8 @@ from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.runtime.assemble import assemble
 from ntp_nemo.runtime.step import train_step
 from ntp_nemo.topology import ResolvedLayout, Topology
-from tests.ntp_cases import GPT, LLAMA_KV4, OPTIM
+from tests.ntp_cases import GPT, LLAMA_KV4, OPTIM, counting_async_launches
+from tests.ntp_cases import relative_diff as _diff
 
 SEQ, BATCH, STEPS, CLIP, SEED = 7, 5, 2, 0.5, 11
 REPLICAS = [3, 2]
@@ -66,29 +67,10 @@ def _run(rank: int, cfg, sp: bool, overlap: bool, fuse: bool) -> dict:
     return out
 
 
-def _diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """Largest difference relative to the largest value of the same tensor.  A key bias's gradient is zero
-    in theory (softmax ignores a shift shared by a query's scores): it is compared in absolute terms
-    (its values are rounding noise, around 1e-20), and its parameter not at all (Adam turns that noise
-    into full-size updates)."""
-    return max(float((a[n] - b[n]).abs().max() / (1.0 if n.endswith("k_proj.bias") else b[n].abs().max()))
-               for n in b)
-
-
 def equality_worker(rank: int, world: int, sp: bool) -> dict:
     torch.set_num_threads(1)
-    calls = {"async": 0}
-    original = dist.all_reduce, dist.reduce_scatter_single
-
-    def counting(fn):
-        def wrapped(*args, **kwargs):
-            calls["async"] += bool(kwargs.get("async_op"))
-            return fn(*args, **kwargs)
-        return wrapped
-
-    dist.all_reduce, dist.reduce_scatter_single = (counting(f) for f in original)
     report = {}
-    try:
+    with counting_async_launches() as calls:
         for name, cfg, fuse in (("gpt", GPT, False), ("llama", LLAMA_KV4, True)):
             before = calls["async"]
             off = _run(rank, cfg, sp, False, fuse)
@@ -107,8 +89,6 @@ def equality_worker(rank: int, world: int, sp: bool) -> dict:
                 and all(torch.equal(on["params"][n], t) for n, t in off["params"].items()),
                 "clipped": min(off["norm"]) > CLIP,
             }
-    finally:
-        dist.all_reduce, dist.reduce_scatter_single = original
     return report
 
 

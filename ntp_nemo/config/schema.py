@@ -36,6 +36,9 @@ class NTPConfig(Sealable):
     overlap_grad_sync: bool = False
     # Overlap each column-parallel layer's input-gradient TP collective with its weight gradients.
     tp_overlap: bool = False
+    # Domino-style chunks: each micro-batch's layers run in this many chunks along the batch, each chunk's
+    # row-parallel TP collective running while the next chunk computes (1: unchunked).
+    tp_chunks: int = 1
     # Sequence parallelism: the TP-replicated regions (norms, dropout, residual adds) hold each TP rank's
     # slice of the sequence (uneven by one token where the degree does not divide data.seq_len).
     sequence_parallel: bool = False
@@ -111,7 +114,7 @@ class TrainerConfig(Sealable):
     # dry_run.json (per-rank memory and communication) in the run directory and exits.
     dry_run: bool = False
     # Compile each transformer block with torch.compile (regional: the embedding, head and loss stay
-    # eager); refused with ntp.sequence_parallel, ntp.tp_overlap and QAT (runtime/compile.py).
+    # eager); refused with ntp.sequence_parallel, ntp.tp_overlap, ntp.tp_chunks and QAT (runtime/compile.py).
     compile: bool = False
 
 

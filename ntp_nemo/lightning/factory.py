@@ -159,6 +159,7 @@ def build_trainer(
         max_steps=int(t.max_steps),
         overlap_grad_sync=bool(spec.ntp.overlap_grad_sync),
         tp_overlap=bool(spec.ntp.tp_overlap),
+        tp_chunks=int(spec.ntp.tp_chunks),
         compile=bool(t.compile),
     )
     return trainer, module, strategy

@@ -35,6 +35,7 @@ class NTPLanguageModule(pl.LightningModule):
         max_steps: int,
         overlap_grad_sync: bool = False,
         tp_overlap: bool = False,
+        tp_chunks: int = 1,
         compile: bool = False,
     ) -> None:
         super().__init__()
@@ -52,6 +53,7 @@ class NTPLanguageModule(pl.LightningModule):
         self.stop_agreed = False  # some rank asked to stop (from the last step's fused all-reduce)
         self.overlap_grad_sync = overlap_grad_sync
         self.tp_overlap = tp_overlap
+        self.tp_chunks = tp_chunks
         self.compile_blocks = compile
         self.weights_drawn = True  # False: `configure_model` built the model for a checkpoint to fill
 
@@ -91,7 +93,7 @@ class NTPLanguageModule(pl.LightningModule):
         strategy.adopt(assemble(strategy.layout, strategy.global_rank, self.model_cfg, self.optim_cfg,
                                 strategy.root_device, seed=self.seed, bucket_mb=strategy.bucket_mb,
                                 overlap_grad_sync=self.overlap_grad_sync, tp_overlap=self.tp_overlap,
-                                compile=self.compile_blocks,
+                                tp_chunks=self.tp_chunks, compile=self.compile_blocks,
                                 initialize=self.weights_drawn))
         # Dropout draws from the global generator: seed it from the run's seed, the same on every rank
         # (the TP ranks of a replica must draw the same masks); a resume restores the saved states.

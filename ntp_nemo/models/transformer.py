@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.models.families import family_of
 from ntp_nemo.models.plan import SingleDevicePlan, TPPlan
+from ntp_nemo.parallel.chunks import Launched
 from ntp_nemo.parallel.comm import copy_to_tp, to_compute_dtype
 from ntp_nemo.parallel.layers import (
     ColumnParallelLinear,
@@ -156,6 +157,12 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, seq_len: int
     ) -> torch.Tensor:
+        return self.o_proj(self.local(x, rope, seq_len))
+
+    def local(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, seq_len: int
+    ) -> torch.Tensor:
+        """Everything before the output projection: the local heads' attention, [b, S, local heads x d]."""
         # One TP region entry for q, k and v (under SP: one all-gather to the whole sequence).
         fuse = fused_here(self.fuse_projections, x)
         q, k, v = gather_and_project(x, self.tp, seq_len, (self.q_proj, self.k_proj, self.v_proj), fuse=fuse)
@@ -172,7 +179,7 @@ class Attention(nn.Module):
             y = checkpoint(self.core, q, k, v, *cos_sin, use_reentrant=False)
         else:
             y = self.core(q, k, v, *cos_sin)
-        return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
+        return y.transpose(1, 2).reshape(b, s, -1)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *cos_sin: torch.Tensor) -> torch.Tensor:
         """RoPE, GQA expansion and softmax(QK^T)V of the local heads: no communication inside, so
@@ -201,13 +208,17 @@ class MLP(nn.Module):
         self.fuse_projections: bool | None = None  # gate and up as one GEMM (see `Attention`'s)
 
     def forward(self, x: torch.Tensor, seq_len: int) -> torch.Tensor:
+        return self.down_proj(self.local(x, seq_len))
+
+    def local(self, x: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """Everything before the down projection: the local hidden columns' activations."""
         # One TP region entry for the MLP input.
         if self.gated:
             gate, up = gather_and_project(x, self.tp, seq_len, (self.gate_proj, self.up_proj),
                                           fuse=fused_here(self.fuse_projections, x))
-            return self.down_proj(F.silu(gate) * up)
+            return F.silu(gate) * up
         (up,) = gather_and_project(x, self.tp, seq_len, (self.up_proj,))
-        return self.down_proj(F.gelu(up, approximate="tanh"))
+        return F.gelu(up, approximate="tanh")
 
 
 class Block(nn.Module):
@@ -222,18 +233,27 @@ class Block(nn.Module):
         self.dropout = cfg.dropout
         self.tp = tp
 
-    def _drop(self, y: torch.Tensor, seq_len: int) -> torch.Tensor:
-        """Replicated activations: every TP rank of a replica draws the same mask (same generator state).
+    def drop_mask(self, y: torch.Tensor, seq_len: int, batch: int | None = None) -> torch.Tensor | None:
+        """The dropout mask (scaled by 1/keep) of a sublayer output like `y` for `batch` sequences (default:
+        `y`'s), or None without dropout.  Replicated activations: every TP rank of a replica draws the
+        same mask (same generator state).
 
         The mask is drawn for the whole sequence and narrowed to this rank's slice, so it does not depend
-        on sequence parallelism (the loss curve is the same with it on or off); drawn explicitly rather
-        than by `F.dropout`, whose fused CUDA kernel draws differently from the same generator."""
+        on sequence parallelism (the loss curve is the same with it on or off), and for the whole
+        micro-batch, so it does not depend on `ntp.tp_chunks` (each chunk reads its rows); drawn
+        explicitly rather than by `F.dropout`, whose fused CUDA kernel draws differently from the same
+        generator."""
         if not (self.dropout and self.training):
-            return y
+            return None
         lo, hi = seq_interval(self.tp, seq_len)
         keep = 1.0 - self.dropout
-        mask = torch.empty((y.shape[0], seq_len, *y.shape[2:]), dtype=y.dtype, device=y.device)
-        return y * mask.bernoulli_(keep)[:, lo:hi].div_(keep)
+        rows = y.shape[0] if batch is None else batch
+        mask = torch.empty((rows, seq_len, *y.shape[2:]), dtype=y.dtype, device=y.device)
+        return mask.bernoulli_(keep)[:, lo:hi].div_(keep)
+
+    def _drop(self, y: torch.Tensor, seq_len: int) -> torch.Tensor:
+        mask = self.drop_mask(y, seq_len)
+        return y if mask is None else y * mask
 
     def forward(self, x: torch.Tensor, rope=None, seq_len: int | None = None) -> torch.Tensor:
         """`x`: this rank's slice (`seq_interval(self.tp, seq_len)`) of the hidden state; `seq_len` is the
@@ -241,6 +261,17 @@ class Block(nn.Module):
         seq_len = x.shape[1] if seq_len is None else seq_len
         x = x + self._drop(self.attn(self.attn_norm(x), rope, seq_len), seq_len)
         return x + self._drop(self.mlp(self.mlp_norm(x), seq_len), seq_len)
+
+    def launch(self, sublayer: int, x: torch.Tensor, rope, seq_len: int) -> Launched:
+        """Sublayer `sublayer` (0: attention, 1: MLP) of `x` up to its output projection's exit, whose
+        collective is launched and not waited for (`ntp.tp_chunks`); `finish` completes it."""
+        if sublayer == 0:
+            return self.attn.o_proj.launch(self.attn.local(self.attn_norm(x), rope, seq_len))
+        return self.mlp.down_proj.launch(self.mlp.local(self.mlp_norm(x), seq_len))
+
+    def finish(self, sublayer: int, launched: Launched) -> torch.Tensor:
+        """The output of sublayer `sublayer` launched by `launch` (before dropout and the residual add)."""
+        return (self.attn.o_proj if sublayer == 0 else self.mlp.down_proj).finish(launched)
 
 
 class DecoderLM(nn.Module):
@@ -291,6 +322,9 @@ class DecoderLM(nn.Module):
                     cfg.hidden_size, cfg.vocab_size, head_tp, bias=False, std=cfg.init_std
                 )
         self._rope_cache: dict = {}
+        # `ntp.tp_chunks`: each micro-batch's layers run in this many chunks along the batch, each chunk's
+        # row-parallel collective running while the next chunk computes (`run_blocks`).
+        self.tp_chunks = 1
         # Under SP the replicated parameters' gradient sums over the TP group travel together, once per
         # backward pass (one all-reduce per group instead of one per parameter).
         self.grad_reducer = (ReplicatedGradReducer(list(self.named_parameters()))
@@ -347,6 +381,8 @@ class DecoderLM(nn.Module):
         rope = self._rope(x)
         keys = list(self.blocks.keys()) if layers is None else [str(i) for i in layers]
         split = self.contexts[int(keys[0])] if keys else None
+        if self._chunked(x, keys):
+            return self._run_chunked(x, keys, rope, seq_len, split)
         for key in keys:
             block = self.blocks[key]
             x = resplit_sequence(x, split, block.tp, seq_len)  # a change of degree re-splits the sequence
@@ -358,6 +394,51 @@ class DecoderLM(nn.Module):
             else:
                 x = block(x, rope, seq_len)
         return x
+
+    def _chunked(self, x: torch.Tensor, keys: list[str]) -> bool:
+        """Whether `run_blocks` runs `x` in chunks: `tp_chunks` > 1, more than one sequence, some layer
+        sharded, none recomputed whole (its checkpoint reruns a whole layer; the config refuses both)."""
+        return (self.tp_chunks > 1 and x.shape[0] > 1
+                and any(self.blocks[k].tp.sharded for k in keys)
+                and not any(self.recomputes_layer(int(k)) for k in keys))
+
+    def _run_chunked(self, x: torch.Tensor, keys: list[str], rope, seq_len: int, split) -> torch.Tensor:
+        """`run_blocks` over `tp_chunks` chunks of the batch, Domino's schedule: sublayer by sublayer, each
+        chunk waits for its previous sublayer's exit collective (then dropout and the residual add), then
+        computes this sublayer and launches its exit, so every collective but the last runs while another
+        chunk computes.  The same operations on each row as the unchunked loop (dropout masks are drawn
+        for the whole batch, in the same order), so the same values up to the GEMMs' blocking."""
+        chunks = list(x.tensor_split(min(self.tp_chunks, x.shape[0])))
+        rows = [0]
+        for c in chunks:
+            rows.append(rows[-1] + c.shape[0])
+        launched: list[Launched | None] = [None] * len(chunks)
+        last: tuple[Block, int] | None = None  # the sublayer whose exits are in flight
+
+        def complete(i: int) -> None:
+            nonlocal mask
+            block, sub = last  # type: ignore[misc]
+            y = block.finish(sub, launched[i])  # type: ignore[arg-type]
+            if i == 0:  # drawn once for the whole batch, as the unchunked layer draws it
+                mask = block.drop_mask(y, seq_len, batch=rows[-1])
+            chunks[i] = chunks[i] + (y if mask is None else y * mask[rows[i]:rows[i + 1]])
+            launched[i] = None
+
+        mask: torch.Tensor | None = None
+        for key in keys:
+            block = self.blocks[key]
+            for sub in (0, 1):
+                for i in range(len(chunks)):
+                    if last is not None:
+                        complete(i)
+                    if sub == 0:  # a change of degree re-splits the sequence
+                        chunks[i] = resplit_sequence(chunks[i], split, block.tp, seq_len)
+                    launched[i] = block.launch(sub, chunks[i], rope, seq_len)
+                last = (block, sub)
+            split = block.tp
+        for i in range(len(chunks)):
+            complete(i)
+        return torch.cat(chunks, dim=0)
 
     def logits_local(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
         """This rank's vocabulary slice of the logits of the whole sequence (`x`: the last layer's output,

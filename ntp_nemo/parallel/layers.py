@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ntp_nemo.parallel.chunks import Launched, finish_exit, finished, launch_exit
 from ntp_nemo.parallel.comm import to_compute_dtype
 from ntp_nemo.parallel.sequence import (
     enter_tp_region,
@@ -127,10 +128,26 @@ class RowParallelLinear(nn.Module):
         self.grad_reducer = None  # the model's ReplicatedGradReducer under SP (set by the model)
 
     def forward(self, x_local: torch.Tensor) -> torch.Tensor:
-        y = exit_tp_region(F.linear(x_local, self.weight), self.tp)
+        return self._add_bias(exit_tp_region(F.linear(x_local, self.weight), self.tp))
+
+    def _add_bias(self, y: torch.Tensor) -> torch.Tensor:
         if self.bias is None:
             return y
         return y + replicated_grad_sum(self.bias, self.tp, self.grad_reducer)
+
+    def launch(self, x_local: torch.Tensor) -> Launched:
+        """`forward` with the exit's collective launched and not waited for (`ntp.tp_chunks`): `finish`
+        gives `forward`'s result.  A quantised layer (whose quantisers wrap its own forward) runs that
+        forward here, and `finish` returns its result."""
+        if hasattr(self, "weight_quantizer"):
+            return finished(self(x_local), self.tp)
+        return launch_exit(F.linear(x_local, self.weight), self.tp)
+
+    def finish(self, launched: Launched) -> torch.Tensor:
+        """Wait for `launch`'s collective; what `forward` returns."""
+        if launched.done:
+            return launched.link
+        return self._add_bias(finish_exit(launched))
 
 
 class VocabParallelEmbedding(nn.Module):

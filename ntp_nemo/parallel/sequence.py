@@ -235,7 +235,8 @@ class ReplicatedGradReducer:
 
     def __init__(self, named_params: Sequence[tuple[str, torch.Tensor]]) -> None:
         self._names = {id(p): n for n, p in named_params}
-        self._pending: dict[int, tuple[TPContext, list[tuple[str, torch.Tensor, torch.Tensor]]]] = {}
+        # group -> (context, parameter id -> (name, parameter, gradient summed over its uses))
+        self._pending: dict[int, tuple[TPContext, dict[int, tuple[str, torch.Tensor, torch.Tensor]]]] = {}
         self._task: int | None = None  # the autograd graph task whose gradients are pending
 
     def add(self, param: torch.Tensor, tp: TPContext, grad: torch.Tensor) -> None:
@@ -243,15 +244,19 @@ class ReplicatedGradReducer:
         if task != self._task:  # the first of this pass (a pass that raised left its entries: dropped)
             self._task, self._pending = task, {}
             torch.autograd.Variable._execution_engine.queue_callback(self.flush)
-        entries = self._pending.setdefault(id(tp.group), (tp, []))[1]
-        entries.append((self._names.get(id(param), ""), param, grad))
+        entries = self._pending.setdefault(id(tp.group), (tp, {}))[1]
+        if id(param) in entries:  # a parameter used more than once in the pass (`ntp.tp_chunks`)
+            name, _, earlier = entries[id(param)]
+            entries[id(param)] = (name, param, earlier + grad)
+        else:
+            entries[id(param)] = (self._names.get(id(param), ""), param, grad)
 
     @torch.no_grad()
     def flush(self) -> None:
         pending, self._pending, self._task = self._pending, {}, None
-        groups = sorted(pending.values(), key=lambda te: min(name for name, _, _ in te[1]))
+        groups = sorted(((tp, sorted(by_id.values(), key=lambda e: e[0])) for tp, by_id in pending.values()),
+                        key=lambda te: te[1][0][0])
         for tp, entries in groups:
-            entries.sort(key=lambda e: e[0])
             dtype = torch.float32  # summed in at least float32, as the DP sync sums float32 gradients
             for _, _, g in entries:
                 dtype = torch.promote_types(dtype, g.dtype)

@@ -272,7 +272,7 @@ class LiveRecovery(Callback, RecoveryHooks):
             return assemble(layout, rank, module.model_cfg, module.optim_cfg, strategy.root_device,
                             seed=module.seed, bucket_mb=strategy.bucket_mb,
                             overlap_grad_sync=module.overlap_grad_sync, tp_overlap=module.tp_overlap,
-                            compile=module.compile_blocks,
+                            tp_chunks=module.tp_chunks, compile=module.compile_blocks,
                             keep=keep, param_dtype=param_dtype,
                             initialize=False)  # the reshard writes every value: nothing is drawn
 

@@ -62,6 +62,7 @@ def assemble(
     bucket_mb: float = 25.0,
     overlap_grad_sync: bool = False,
     tp_overlap: bool = False,
+    tp_chunks: int = 1,
     compile: bool = False,
     keep: tuple[torch.optim.Optimizer, nn.Module] | None = None,
     make_model: Callable[[RankPlace], nn.Module] | None = None,
@@ -78,7 +79,9 @@ def assemble(
     from elsewhere need not be initialised); `param_dtype` casts the parameters; `sync_plan` is this
     rank's gradient-sync plan computed up front (the dry run's fake process group moves no data);
     `tp_overlap`: the column-parallel layers overlap their input gradient's TP collective with their
-    weight gradients (`ntp.tp_overlap`, `parallel.layers.set_tp_overlap`).
+    weight gradients (`ntp.tp_overlap`, `parallel.layers.set_tp_overlap`); `tp_chunks`: each
+    micro-batch's layers run in that many chunks of the batch, each chunk's row-parallel collective beside
+    the next chunk's compute (`ntp.tp_chunks`, `models.transformer.DecoderLM.run_blocks`).
     `compile`: each transformer block of the slice is compiled with torch.compile (`trainer.compile`,
     `runtime.compile.compile_blocks`; the config refuses the options it does not support).
     `initialize=False` draws no initial weight (`place.build_model(..., initialize=False)`): the
@@ -90,6 +93,8 @@ def assemble(
     else:
         model = place.build_model(model_cfg, seed, param_dtype, initialize=initialize)
     set_tp_overlap(model, tp_overlap)
+    if hasattr(model, "tp_chunks"):
+        model.tp_chunks = int(tp_chunks)
     if compile:
         compile_blocks(model)
     runtime = NTPRuntime(place, model, bucket_mb=bucket_mb, plan=sync_plan)

@@ -40,7 +40,7 @@ BACKEND = "inductor"
 
 
 def compile_refusal(*, sequence_parallel: bool, tp_overlap: bool,
-                    quant: str | None) -> tuple[str, str] | None:
+                    quant: str | None, tp_chunks: int = 1) -> tuple[str, str] | None:
     """(key, reason) when `trainer.compile=true` cannot run with these options, else None; the config
     layer raises it as a ConfigError before anything is launched."""
     if sequence_parallel:
@@ -52,6 +52,11 @@ def compile_refusal(*, sequence_parallel: bool, tp_overlap: bool,
         return ("ntp.tp_overlap", "trainer.compile=true does not support ntp.tp_overlap: its asynchronous "
                 "(async_op=True) collectives are not traced by torch.compile and break each block's graph. "
                 "Use ntp.tp_overlap=false with trainer.compile=true, or trainer.compile=false.")
+    if tp_chunks != 1:
+        return ("ntp.tp_chunks", f"trainer.compile=true does not support ntp.tp_chunks={tp_chunks}: the "
+                "chunked schedule runs each block's sublayers apart, around asynchronous (async_op=True) "
+                "collectives, so no compiled block would run. Use ntp.tp_chunks=1 with "
+                "trainer.compile=true, or trainer.compile=false.")
     if quant not in (None, "none"):
         return ("quant.format", f"trainer.compile=true has not been run with quantisation-aware training "
                 f"(quant={quant}): its quantisers wrap the layers' forwards. Use quant=none with "
@@ -87,6 +92,7 @@ def validate_compile(cfg: Any) -> None:
     ntp = get(cfg, "ntp")
     refused = compile_refusal(sequence_parallel=bool(get(ntp, "sequence_parallel", False)),
                               tp_overlap=bool(get(ntp, "tp_overlap", False)),
+                              tp_chunks=get(ntp, "tp_chunks", 1),
                               quant=get(get(cfg, "quant"), "format", "none"))
     if refused is not None:
         raise ConfigError(*refused)
