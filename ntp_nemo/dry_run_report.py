@@ -206,6 +206,7 @@ def run_dry(cfg: DictConfig, run_dir: Path, say=print, explicit: Collection[str]
         grad_clip=float(spec.optim.grad_clip or 0.0),
         bucket_mb=float(spec.ntp.grad_bucket_mb),
         seed=int(spec.seed),
+        tp_chunks=int(spec.ntp.tp_chunks),
     )
     say(f"dry run: {layout.describe()} ({layout.world_size} ranks), model {mcfg.name}, {precision}, "
         f"seq {shape.seq_len} x micro-batch {shape.micro_batch_size}, {layout.num_microbatches} "

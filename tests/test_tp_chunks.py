@@ -197,3 +197,25 @@ def test_the_config_key_reaches_the_model_through_the_lightning_module(tmp_path,
                                                         "ntp.tp_chunks=2"])), tmp_path, None)
     trainer.fit(module)
     assert module.tp_chunks == 2 and module.model.tp_chunks == 2
+
+
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-mixed"])
+def test_the_dry_run_counts_each_chunks_collectives_and_the_same_bytes(compute_dtype):
+    """`ntp-train --dry-run` with `ntp.tp_chunks=2` (`StepShape.tp_chunks`): on TP 2 without SP each chunk of
+    each layer sends its own 2 forward exits (attention, MLP) and 2 backward input-gradient all-reduces,
+    so the TP calls of a step grow by micro-batches x layers x 4, and the TP bytes do not change (the
+    chunks split the same tensors)."""
+    from ntp_nemo.models.config import ModelConfig
+    from ntp_nemo.runtime.dry_run import StepShape, dry_run
+
+    cfg = ModelConfig(arch="llama", name="t", vocab_size=101, hidden_size=64, num_layers=6, num_heads=4,
+                      num_kv_heads=2, ffn_hidden_size=96, max_seq_len=33, tie_embeddings=False)
+    layout = ResolvedLayout.make(Topology(2, [2], [2] * (cfg.num_layers + 2)), num_microbatches=2)
+    shapes = {chunks: StepShape(seq_len=32, micro_batch_size=2, compute_dtype=compute_dtype, tp_chunks=chunks)
+              for chunks in (1, 2)}
+    ranks = {chunks: dry_run(layout, cfg, shape, measure_options=False).ranks
+             for chunks, shape in shapes.items()}
+    for one, two in zip(ranks[1], ranks[2], strict=True):
+        assert two.comm_bytes == one.comm_bytes
+        assert two.comm_calls["tp"] == one.comm_calls["tp"] + 2 * cfg.num_layers * 4, (one.comm_calls,
+                                                                                      two.comm_calls)

@@ -354,6 +354,7 @@ class StepShape:
     grad_clip: float = 1.0
     bucket_mb: float = 25.0
     seed: int = 0
+    tp_chunks: int = 1  # `ntp.tp_chunks`: the layers' collectives per chunk of a micro-batch
 
 
 @dataclass
@@ -518,7 +519,8 @@ def _assemble(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: StepSh
     """The rank's state as a run assembles it (`runtime.assemble`), on meta, with its sync plan computed
     up front (`build_sync_plans`)."""
     return assemble(layout, rank, cfg, {**_DRY_OPTIM, "distributed": distributed}, META, seed=shape.seed,
-                    bucket_mb=shape.bucket_mb, param_dtype=shape.param_dtype, sync_plan=plan)
+                    bucket_mb=shape.bucket_mb, param_dtype=shape.param_dtype, sync_plan=plan,
+                    tp_chunks=shape.tp_chunks)
 
 
 def plan_traffic(plan: SyncPlan, descriptors: dict[str, tuple], element_size: int,
@@ -614,6 +616,8 @@ def _class_step(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: Step
     # the slice in the compute dtype (activations and TP/PP messages in that dtype, as under autocast).
     mixed = shape.compute_dtype != shape.param_dtype
     step_model = runtime.build_model(cfg, shape.seed, shape.compute_dtype) if mixed else model
+    if mixed and hasattr(step_model, "tp_chunks"):
+        step_model.tp_chunks = shape.tp_chunks  # as `assemble` set it on the slice
     meter = ActivationMeter(_state_exclusions(step_model))
     step_runtime = runtime.for_model(step_model) if mixed else runtime
     if step_runtime.pipeline is not None:
