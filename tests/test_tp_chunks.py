@@ -1,19 +1,19 @@
 """`ntp.tp_chunks`: each micro-batch's layers run in chunks of the batch, each chunk's row-parallel
 collective launched and waited for only when that chunk needs it (Domino's schedule).
 
-Ranks are built as a run builds them (`runtime.assemble`, `runtime.step.train_step`) in float64 on TP
-gloo groups (whose `async_op=True` collectives run while the caller computes; `ntpdirect` completes them
-before returning), and train the same model twice from the same seed, unchunked then chunked; every
-step's loss, gradient norm and gradients and the parameters after the last step must agree within 1e-10
-(the chunks' GEMMs have fewer rows, so a BLAS may block them differently: the same values up to that
-rounding).  Layouts: replicas of TP 3 and TP 2 (uneven head and column shards), and one replica of 4
-ranks whose first layer runs at degree 2 (a change of degree between layers: under SP the chunks'
-sequence slices are re-split); each with and without sequence parallelism; micro-batches of 3
-sequences in 2 chunks (2 + 1 rows) and 3 chunks; GPT with residual dropout and Llama with grouped-query
-heads and fused projections.  (The chunked layers draw each dropout mask for the whole micro-batch, as the
-unchunked ones do; on CPU, whose generator fills a mask element by element, drawing it chunk by chunk
-would give the same values, so this test shows the masks' order, not that choice, which is for CUDA,
-where a draw's values depend on its launch.)
+Ranks are built as a run builds them (`runtime.assemble`, `runtime.step.train_step`) in float64 on TP gloo
+groups (whose `async_op=True` collectives run while the caller computes; `ntpdirect` completes them before
+returning), and train the same model twice from the same seed, unchunked then chunked; every step's loss,
+gradient norm and gradients and the parameters after the last step must agree within 1e-10 (the chunks'
+GEMMs have fewer rows, so a BLAS may block them differently: the same values up to that rounding).
+Layouts: replicas of TP 3 and TP 2 (uneven head and column shards), one replica of 4 ranks whose first
+layer runs at degree 2 (a change of degree between layers: under SP the chunks' sequence slices are
+re-split), and two pipeline stages of TP 2 (the engine runs each stage's layers); each with and without
+sequence parallelism; micro-batches of 3 sequences in 2 chunks (2 + 1 rows) and 3 chunks; GPT with
+residual dropout and Llama with grouped-query heads and fused projections. (The chunked layers draw each
+dropout mask for the whole micro-batch, as the unchunked ones do; on CPU, whose generator fills a mask
+element by element, drawing it chunk by chunk would give the same values, so this test shows the masks'
+order, not that choice, which is for CUDA, where a draw's values depend on its launch.)
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ GPT_DROPOUT = dataclasses.replace(GPT, dropout=0.2)
 LAYOUTS = {
     "replicas 3+2": Topology(5, [3, 2], [3] * (GPT.num_layers + 2)),
     "degrees 4,2,4 in one replica": Topology(4, [4], [4, 2, 4, 4]),
+    "2 pipeline stages of TP 2": Topology(2, [2], [2] * (GPT.num_layers + 2), pp=2),
 }
 
 
