@@ -128,10 +128,14 @@ def test_notices_without_the_jobs_secret_are_ignored(monkeypatch):
     outsider.set("failed/gen0", json.dumps([0, 1]))
     publish_failed(JobStore(outsider, b"a guess at the job's secret"), 0, [0, 1])
     job.put("hello", "the job wrote something")
+    # A store client's `set` does not wait for the server: a read on the writer's own connection does, so
+    # the listing below (another connection) finds the job's key (it raced ahead of it before).
+    assert job.read("hello") == "the job wrote something"
     prefixes = {k.split("/")[0] for k in outsider.list_keys() if k.startswith("job-")}
     assert key_prefix(SECRET.encode()) in prefixes  # the prefix is no secret: signatures are what count
     for prefix in prefixes:
         outsider.set(f"{prefix}/failed/gen0", "0" * 64 + ":" + json.dumps([0, 1]))
+    assert outsider.check([f"{prefix}/failed/gen0" for prefix in prefixes])  # the forgeries are in place
     assert reader.read("failed/gen0") is None
     with pytest.raises(TimeoutError, match="no notice signed with the job's secret"):
         wait_failed(reader, 0, timeout_s=0.5)
