@@ -35,7 +35,8 @@ from tests.ntp_cases import relative_diff as _diff
 
 SEQ, MICRO, NUM_MICRO, STEPS, CLIP, SEED = 7, 3, 2, 2, 0.5, 11
 GPT_DROPOUT = dataclasses.replace(GPT, dropout=0.2)
-# layout -> (topology, the chunk counts run on it: 2 chunks of 2 + 1 rows everywhere, 3 of one row once)
+# layout -> (topology, the chunk counts run on it: 2 chunks of 2 + 1 rows everywhere, 3 of one row once,
+# with `ntp.tp_overlap` on as well: the backward's input-gradient collectives asynchronous too)
 LAYOUTS = {
     "replicas 3+2": (Topology(5, [3, 2], [3] * (GPT.num_layers + 2)), (2, 3)),
     "degrees 4,2,4 in one replica": (Topology(4, [4], [4, 2, 4, 4]), (2,)),
@@ -60,7 +61,7 @@ def _tokens(step: int, vocab: int) -> torch.Tensor:
 def _run(rank: int, topo: Topology, cfg, sp: bool, chunks: int, fuse: bool) -> dict:
     layout = ResolvedLayout.make(topo, num_microbatches=NUM_MICRO, sequence_parallel=sp)
     state = assemble(layout, rank, cfg, {**OPTIM, "lr": 2e-2}, "cpu", seed=SEED, param_dtype=torch.float64,
-                     tp_chunks=chunks)
+                     tp_chunks=chunks, tp_overlap=chunks == 3)
     for module in state.model.modules():
         if hasattr(module, "fuse_projections"):
             module.fuse_projections = fuse
@@ -89,7 +90,7 @@ def chunks_worker(rank: int, world: int, topo: Topology, counts: tuple[int, ...]
             for chunks in counts:
                 between = launched["async"]
                 got = _run(rank, topo, cfg, sp, chunks, fuse)
-                report[f"{name} chunks={chunks}"] = {
+                report[f"{name} chunks={chunks}{' tp_overlap' if chunks == 3 else ''}"] = {
                     "async": (unchunked, launched["async"] - between),
                     "loss": max(abs(a - b) / abs(b) for a, b in zip(got["loss"], ref["loss"], strict=True)),
                     "norm": max(abs(a - b) / abs(b) for a, b in zip(got["norm"], ref["norm"], strict=True)),
