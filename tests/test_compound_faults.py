@@ -309,6 +309,60 @@ def test_survivors_between_steps_pass_over_what_the_furthest_entered():
         assert rec.run_between_steps(strategy, lambda: "ran") == "ran"
 
 
+def test_a_peer_lost_during_the_memory_reports_gather_is_recovered_like_one_lost_during_a_save(
+        monkeypatch, capsys):
+    """The memory report's gather (after step 3, every rank) is a collective between steps: a peer lost
+    during it (a process stopped, then killed by the heartbeat watch) is recovered from live, as during a
+    checkpoint save, and the report is not printed, instead of the error ending the worker and sending
+    the job down the restart path (what `python bench/fault_campaign.py --seed 2` found in its scenarios
+    21 and 22: a traceback and a restart from the start)."""
+    import torch.distributed as dist
+
+    import ntp_nemo.pipeline.memory as memory
+    from ntp_nemo.lightning.callbacks import MemoryReport
+    from ntp_nemo.resilience.live_worker import LiveRecovery
+
+    rec = LiveRecovery("ntp")
+    rec.store, rec.generation = object(), SimpleNamespace(index=0)
+    asked = []
+    rec._recover = lambda strategy, step, phase=None: asked.append((step, phase)) or SimpleNamespace(
+        behind=False, phase=phase, note=None)
+    state = object()
+    trainer = SimpleNamespace(global_step=3, max_steps=10, is_global_zero=True, optimizers=[],
+                              callbacks=[])
+    strategy = SimpleNamespace(state=state, lightning_module=SimpleNamespace(trainer=trainer))
+    # As `NTPStrategy.between_steps`: the strategy's collectives between steps go through its hooks.
+    strategy.between_steps = lambda fn, *args, what=None: rec.run_between_steps(
+        strategy, fn, *args, what=what)
+    trainer.strategy = strategy
+    monkeypatch.setattr(memory, "rank_memory_estimate", lambda *a, **k: "estimate")
+    monkeypatch.setattr(memory, "measure_memory", lambda *a, **k: "measured")
+    monkeypatch.setattr(memory, "format_side_by_side", lambda est, got: f"{est} / {got}")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+
+    def lost_peer(out, obj, group=None):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
+
+    monkeypatch.setattr(dist, "all_gather_object", lost_peer)
+    report = MemoryReport(micro_batch_size=2, seq_len=32, global_microbatches=4, after_steps=3)
+    report._at, report._state = 3, state  # as `on_train_start` at step 0 sets them
+    module = SimpleNamespace(runtime=SimpleNamespace(pipeline=None), model=None)
+    report.on_train_batch_end(trainer, module, None, None, 2)
+    out = capsys.readouterr().out
+    assert asked == [(3, 1)]  # recovered before step 4, the gather being the first collective since step 3
+    assert "memory per rank" not in out and "the memory report was interrupted by the loss" in out
+
+    def gathered(out, obj, group=None):
+        out[:] = [obj, "rank 1's line"]
+
+    monkeypatch.setattr(dist, "all_gather_object", gathered)
+    rec.before_step(strategy)
+    report._at, trainer.global_step = 4, 4
+    report.on_train_batch_end(trainer, module, None, None, 3)
+    assert "rank 0: estimate / measured\n  rank 1: rank 1's line" in capsys.readouterr().out
+
+
 def _gloo_step_after_an_abort(rank: int, world: int) -> dict:
     """On a gloo world: the coordinator's word of a loss arrives after the step's collectives returned
     and before its update."""

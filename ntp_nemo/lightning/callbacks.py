@@ -353,7 +353,10 @@ class MemoryReport(Callback):
 
     Every rank decides from the same step numbers, so all of them take part in the one gather. Not after
     a live recovery or rejoin (the state the report was set up with is gone, and a repaired process,
-    whose start-up hook does not run, has none): the ranks of the new generation agree on skipping it."""
+    whose start-up hook does not run, has none): the ranks of the new generation agree on skipping it.
+    The gather runs as the strategy's other collectives between steps do (`NTPStrategy.between_steps`):
+    a peer lost during it is recovered from like one lost during a checkpoint save, and the report is
+    not printed."""
 
     def __init__(
         self, micro_batch_size: int, seq_len: int, global_microbatches: int, after_steps: int = 3
@@ -385,11 +388,17 @@ class MemoryReport(Callback):
                                    micro_batch_size=self.mbs, seq_len=self.seq)
         opt = trainer.optimizers[0] if trainer.optimizers else None
         line = format_side_by_side(est, measure_memory(pl_module.model, opt, pl_module.runtime.pipeline))
-        lines = [line]
+        lines: list | None = [line]
         if dist.is_available() and dist.is_initialized():
-            lines = [None] * dist.get_world_size()
-            dist.all_gather_object(lines, line)
-        if trainer.is_global_zero:
+            gathered: list = [None] * dist.get_world_size()
+
+            def gather() -> list:
+                dist.all_gather_object(gathered, line)
+                return gathered
+
+            between = getattr(trainer.strategy, "between_steps", None)
+            lines = between(gather, what="the memory report") if between is not None else gather()
+        if lines is not None and trainer.is_global_zero:
             print(f"memory per rank after step {step}, MiB, estimate (model slice and layout) / measured:\n"
                   + "\n".join(f"  rank {r}: {s}" for r, s in enumerate(lines)), flush=True)
 

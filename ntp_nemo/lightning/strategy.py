@@ -267,7 +267,7 @@ class NTPStrategy(StrategyAdapter):
 
     def barrier(self, name: str | None = None) -> None:
         if not self._local():
-            self._between_steps(dist.barrier)
+            self.between_steps(dist.barrier)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if self._local():
@@ -280,7 +280,7 @@ class NTPStrategy(StrategyAdapter):
 
         # Interrupted by a lost peer (live recovery), it is not redone (a peer may have passed it
         # already): this rank keeps its own value, as every rank holds the same one here.
-        out = self._between_steps(once)
+        out = self.between_steps(once)
         return obj if out is None else out
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
@@ -359,7 +359,7 @@ class NTPStrategy(StrategyAdapter):
     ) -> None:
         """Collective; a peer lost during it (live recovery) leaves this save uncommitted."""
         step = int(checkpoint.get("global_step", 0))
-        self._between_steps(self._save_checkpoint, checkpoint, filepath,
+        self.between_steps(self._save_checkpoint, checkpoint, filepath,
                             what=f"the checkpoint of step {step} (it never commits; the next save writes "
                                  "one)")
 
@@ -470,10 +470,11 @@ class NTPStrategy(StrategyAdapter):
         self.recovery.before_step(self)
         return self.recovery.run_step(self, super().training_step, *args, **kwargs)
 
-    def _between_steps(self, fn: Any, *args: Any, what: str | None = None) -> Any:
-        """A collective outside the training step (barrier, broadcast, checkpoint save): under live
-        recovery a lost peer is recovered from before the next step and `fn` is not redone (None): a peer
-        may have passed the collective before the loss and be recovering inside the next training step."""
+    def between_steps(self, fn: Any, *args: Any, what: str | None = None) -> Any:
+        """Run `fn`, a collective outside the training step (barrier, broadcast, checkpoint save, a callback's
+        gather): under live recovery a lost peer is recovered from before the next step and `fn` is not
+        redone (None): a peer may have passed the collective before the loss and be recovering inside the
+        next training step.  Every collective a callback runs between steps goes through here."""
         return self.recovery.run_between_steps(self, fn, *args, what=what)
 
     # ---- reporting ------------------------------------------------------------------------------
