@@ -244,3 +244,37 @@ def test_a_relaunch_stops_when_the_launchers_check_finds_every_checkpoint_damage
     events = [json.loads(line) for line in (sup.run_dir / "goodput.jsonl").read_text().splitlines()]
     assert [e["event"] for e in events][-2:] == ["failure_detected", "job_end"]
     assert events[-1]["reason"] == "no usable checkpoint"
+
+
+def test_a_checkpoint_set_aside_as_unreadable_is_passed_over_by_the_fault_and_the_stop_note(tmp_path):
+    """A damaged checkpoint that a later save of the same step set aside (`step_000002.unreadable`, as
+    `python bench/fault_campaign.py --seed 3` row 27 left it: corrupt@6, a fallback to step 3, step 6
+    saved again): the `corrupt_checkpoint` fault's next firing damages the newest real checkpoint instead
+    of dying on the name (a traceback ended that run), and a stopped run's summary names a readable
+    checkpoint to resume from, not the set-aside one."""
+    from ntp_nemo.checkpoint import checkpoint_name, save_checkpoint
+    from ntp_nemo.checkpoint.manifest import checkpoint_problem, mark_corrupt
+    from ntp_nemo.cli.console import stop_checkpoint_note
+    from ntp_nemo.resilience.faults import corrupt_latest_checkpoint
+    from ntp_nemo.runtime.runtime import RankPlace
+    from ntp_nemo.topology import ResolvedLayout, Topology
+    from tests.ntp_cases import GPT, SEED
+
+    model = RankPlace(ResolvedLayout.make(Topology(1, [1], [1] * 4)), 0).build_model(GPT, SEED)
+    ckpts = tmp_path / "checkpoints"
+    for step in (1, 2):
+        save_checkpoint(ckpts / checkpoint_name(step), model, None, {"n": step}, step=step)
+    first = corrupt_latest_checkpoint(ckpts, 2)
+    assert first is not None and first.parent.name == "step_000002"
+    mark_corrupt(first.parent, "a data file failed its check")  # as a load that falls back marks it
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        save_checkpoint(ckpts / checkpoint_name(2), model, None, {"n": 2}, step=2)  # saved again
+    assert (ckpts / "step_000002.unreadable").is_dir() and checkpoint_problem(ckpts / "step_000002") is None
+
+    second = corrupt_latest_checkpoint(ckpts, 3)
+    assert second is not None and second.parent.name == "step_000002"
+    assert checkpoint_problem(ckpts / "step_000002", verify_data=True) is not None  # the new one, damaged
+    assert checkpoint_problem(ckpts / "step_000001") is None
+    note = stop_checkpoint_note({"steps": 5}, ckpts)
+    assert note == "without a checkpoint (a rerun resumes from the latest, step_000002)"

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -57,16 +58,18 @@ def fired_faults(fault_dir: Path) -> dict[int, dict]:
 
 
 def corrupt_latest_checkpoint(ckpt_dir: Path, up_to_step: int) -> Path | None:
-    """Flip one byte in the middle of the largest data file of the newest committed checkpoint <= step."""
-    from ntp_nemo.checkpoint.manifest import MANIFEST, TMP_SUFFIX
+    """Flip one byte in the middle of the largest data file of the newest committed checkpoint <= step
+    (`step_NNNNNN` directories only: not one being written, nor one a load set aside as unreadable,
+    `step_NNNNNN.unreadable`)."""
+    from ntp_nemo.checkpoint.manifest import MANIFEST
 
     candidates = [
         p
         for p in ckpt_dir.glob("step_*")
         if p.is_dir()
-        and not p.name.endswith(TMP_SUFFIX)
+        and (m := re.fullmatch(r"step_(\d+)", p.name)) is not None
         and (p / MANIFEST).exists()
-        and int(p.name.split("_")[1]) <= up_to_step
+        and int(m[1]) <= up_to_step
     ]
     if not candidates:
         return None
