@@ -251,3 +251,8 @@ def test_sigterm_to_a_run_whose_worker_hangs_ends_it_within_the_bound(tmp_path):
     assert "attempt 1" not in out  # no relaunch after the stop was asked
     assert took < 2 * 15 + 20, took  # the stop grace (2 x fault.heartbeat_timeout_s) and the exit
     assert "Traceback" not in out, out
+    # The killed workers wrote no end: the launcher records it after the failure (fault campaign seed 3,
+    # row 28: a store wipe then SIGTERM left goodput.jsonl ending at failure_detected).
+    events = [json.loads(line)["event"] for line in (run / "goodput.jsonl").read_text().splitlines()]
+    last_failure = max(i for i, name in enumerate(events) if name == "failure_detected")
+    assert "job_end" in events[last_failure + 1:], events[last_failure:]

@@ -341,7 +341,11 @@ class Supervisor:
                 )
                 if stopping:  # asked to stop (SIGTERM, Ctrl-C): whatever failed meanwhile, no relaunch
                     self._log(rec)
-                    raise FailoverError(self._stop_message(lost))
+                    message = self._stop_message(lost)
+                    # The workers were killed before they could say it: the job's end, after its failure.
+                    self._record("job_end", status="failed",
+                                 reason=f"stopped on a stop signal ({lost.reason})")
+                    raise FailoverError(message)
                 plan = self._replan(layout, lost)
                 rec.replan = plan.describe()
                 self._log(rec)
