@@ -166,6 +166,47 @@ def test_a_wiped_or_overwritten_store_is_named_not_blamed_on_the_machine(tmp_pat
     assert [p.exitcode for p in procs] == [-9, -9]
 
 
+def test_a_store_wiped_while_the_workers_stop_on_a_signal_does_not_kill_them(tmp_path):
+    """A stop signal reached the launcher and the workers are checkpointing and stopping when the store's
+    keys are wiped: the monitor leaves them to finish (the stop grace bounds it) instead of killing them,
+    which ended such a run with exit 1 after its stop checkpoint had committed (`python
+    bench/fault_campaign.py --seed 3`, row 28: a wipe and a SIGTERM moments apart)."""
+    import multiprocessing as mp
+    import time
+
+    from ntp_nemo.resilience.fault_config import Timeouts
+    from ntp_nemo.resilience.live_launcher import LiveMonitor
+    from ntp_nemo.resilience.rendezvous import (
+        SEAL_KEY,
+        connect,
+        free_port,
+        host_store,
+        local_secret,
+        seal_store,
+    )
+    from ntp_nemo.resilience.store_auth import JobStore
+
+    secret, port = local_secret(), free_port()
+    store = JobStore(host_store(port), secret)
+    seal = seal_store(store)
+    procs = [mp.get_context("fork").Process(target=time.sleep, args=(60,), daemon=True) for _ in range(2)]
+    for p in procs:
+        p.start()
+    launcher = SimpleNamespace(procs=procs, store=store, seal=seal, lost=set(), stop_requested=time.time())
+    monitor = LiveMonitor(launcher, 2, tmp_path, 30.0, timeouts=Timeouts(30.0, 60.0, 120.0, 100.0))
+    monitor.start()
+    try:
+        JobStore(connect(port), secret).store.delete_key(SEAL_KEY)
+        time.sleep(2.5)  # the seal is checked every second
+        assert monitor.is_alive() and monitor.verdict is None
+        assert all(p.is_alive() for p in procs)
+    finally:
+        monitor.stop()
+        monitor.join(5)
+        for p in procs:
+            p.kill()
+            p.join(5)
+
 
 def test_a_flooded_store_is_named_before_it_exhausts_the_launcher(tmp_path):
     """Something else on the machine writes 64 MiB of values to the store the launcher hosts (the job's

@@ -266,7 +266,11 @@ class LiveMonitor(threading.Thread):
         (until every process has trained once), a step."""
         seal = getattr(self.launcher, "seal", None)
         now = time.time()
-        if seal is not None and now - self._sealed_t >= 1.0:
+        # After a stop signal the workers are checkpointing and stopping, bounded by the stop grace: the
+        # store is not checked then, since stopping them for a wiped or flooded store would kill a save
+        # that needs no store key (and an exit that follows it) and end with exit 1 instead of a stop.
+        stopping = getattr(self.launcher, "stop_requested", None) is not None
+        if seal is not None and not stopping and now - self._sealed_t >= 1.0:
             self._sealed_t = now
             if not self._seal_holds(seal):
                 return Verdict("store wiped", (), None, now,  # supervisor.STORE_WIPED
