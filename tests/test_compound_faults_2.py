@@ -250,7 +250,7 @@ def test_a_checkpoint_set_aside_as_unreadable_is_passed_over_by_the_fault_and_th
     """A damaged checkpoint that a later save of the same step set aside (`step_000002.unreadable`, as
     `python bench/fault_campaign.py --seed 3` row 27 left it: corrupt@6, a fallback to step 3, step 6
     saved again): the `corrupt_checkpoint` fault's next firing damages the newest real checkpoint instead
-    of dying on the name (a traceback ended that run), and a stopped run's summary names a readable
+    of dying on the name (a traceback ended that run), and a stopped run's summary names the newest
     checkpoint to resume from, not the set-aside one."""
     from ntp_nemo.checkpoint import checkpoint_name, save_checkpoint
     from ntp_nemo.checkpoint.manifest import checkpoint_problem, mark_corrupt

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -131,10 +132,10 @@ def stop_checkpoint_note(summary: dict, checkpoint_dir: Path) -> str:
     step = summary.get("steps")
     if step is not None and (Path(checkpoint_dir) / f"step_{int(step):06d}").is_dir():
         return f"checkpoint saved (step_{int(step):06d})"
-    from ntp_nemo.checkpoint.manifest import readable_checkpoints
-
-    saved = readable_checkpoints(checkpoint_dir)  # newest first; not one set aside as unreadable
-    return (f"without a checkpoint (a rerun resumes from the latest, {saved[0].name})" if saved
+    # `step_NNNNNN` only: not one being written, nor one a later save set aside (`step_NNNNNN.unreadable`)
+    saved = sorted(p.name for p in Path(checkpoint_dir).glob("step_*")
+                   if p.is_dir() and re.fullmatch(r"step_\d+", p.name))
+    return (f"without a checkpoint (a rerun resumes from the latest, {saved[-1]})" if saved
             else "without a checkpoint (none was saved: a rerun starts over)")
 
 
