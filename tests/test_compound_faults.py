@@ -121,23 +121,16 @@ def test_ctrl_c_during_a_live_rejoin_stops_quietly_with_the_resume_command(tmp_p
     assert "to resume     ntp-train" in out and f"hydra.run.dir={run}" in out, out
 
 
-@pytest.mark.parametrize("how", ["deleted", "overwritten"])
-def test_a_wiped_or_overwritten_store_is_named_not_blamed_on_the_machine(tmp_path, how):
-    """The launcher seals the job's store when it hosts it; keys that vanish or change under the job stop
-    the attempt at once with that reason (it waited out the collective timeout, then blamed the machine)."""
+def _sealed_job(tmp_path, stop_requested: float | None):
+    """What the live launcher holds while two workers run: the store it hosts, sealed, and a started
+    `LiveMonitor` over two sleeping processes.  Returns (monitor, procs, a client of the store with the job's
+    secret: something else on this machine)."""
     import multiprocessing as mp
     import time
 
     from ntp_nemo.resilience.fault_config import Timeouts
     from ntp_nemo.resilience.live_launcher import LiveMonitor
-    from ntp_nemo.resilience.rendezvous import (
-        SEAL_KEY,
-        connect,
-        free_port,
-        host_store,
-        local_secret,
-        seal_store,
-    )
+    from ntp_nemo.resilience.rendezvous import connect, free_port, host_store, local_secret, seal_store
     from ntp_nemo.resilience.store_auth import JobStore
 
     secret, port = local_secret(), free_port()
@@ -146,12 +139,23 @@ def test_a_wiped_or_overwritten_store_is_named_not_blamed_on_the_machine(tmp_pat
     procs = [mp.get_context("fork").Process(target=time.sleep, args=(60,), daemon=True) for _ in range(2)]
     for p in procs:
         p.start()
-    launcher = SimpleNamespace(procs=procs, store=store, seal=seal, lost=set(), stop_requested=None)
+    launcher = SimpleNamespace(procs=procs, store=store, seal=seal, lost=set(), stop_requested=stop_requested)
     monitor = LiveMonitor(launcher, 2, tmp_path, 30.0, timeouts=Timeouts(30.0, 60.0, 120.0, 100.0))
     monitor.start()
+    return monitor, procs, JobStore(connect(port), secret)
+
+
+@pytest.mark.parametrize("how", ["deleted", "overwritten"])
+def test_a_wiped_or_overwritten_store_is_named_not_blamed_on_the_machine(tmp_path, how):
+    """The launcher seals the job's store when it hosts it; keys that vanish or change under the job stop
+    the attempt at once with that reason (it waited out the collective timeout, then blamed the machine)."""
+    import time
+
+    from ntp_nemo.resilience.rendezvous import SEAL_KEY
+
+    monitor, procs, other = _sealed_job(tmp_path, stop_requested=None)
     time.sleep(1.5)
     assert monitor.is_alive() and monitor.verdict is None  # an intact store: nothing to say
-    other = JobStore(connect(port), secret)  # something else on this machine, with the job's keys
     if how == "deleted":
         other.store.delete_key(SEAL_KEY)
     else:
@@ -171,32 +175,13 @@ def test_a_store_wiped_while_the_workers_stop_on_a_signal_does_not_kill_them(tmp
     keys are wiped: the monitor leaves them to finish (the stop grace bounds it) instead of killing them,
     which ended such a run with exit 1 after its stop checkpoint had committed (`python
     bench/fault_campaign.py --seed 3`, row 28: a wipe and a SIGTERM moments apart)."""
-    import multiprocessing as mp
     import time
 
-    from ntp_nemo.resilience.fault_config import Timeouts
-    from ntp_nemo.resilience.live_launcher import LiveMonitor
-    from ntp_nemo.resilience.rendezvous import (
-        SEAL_KEY,
-        connect,
-        free_port,
-        host_store,
-        local_secret,
-        seal_store,
-    )
-    from ntp_nemo.resilience.store_auth import JobStore
+    from ntp_nemo.resilience.rendezvous import SEAL_KEY
 
-    secret, port = local_secret(), free_port()
-    store = JobStore(host_store(port), secret)
-    seal = seal_store(store)
-    procs = [mp.get_context("fork").Process(target=time.sleep, args=(60,), daemon=True) for _ in range(2)]
-    for p in procs:
-        p.start()
-    launcher = SimpleNamespace(procs=procs, store=store, seal=seal, lost=set(), stop_requested=time.time())
-    monitor = LiveMonitor(launcher, 2, tmp_path, 30.0, timeouts=Timeouts(30.0, 60.0, 120.0, 100.0))
-    monitor.start()
+    monitor, procs, other = _sealed_job(tmp_path, stop_requested=time.time())
     try:
-        JobStore(connect(port), secret).store.delete_key(SEAL_KEY)
+        other.store.delete_key(SEAL_KEY)
         time.sleep(2.5)  # the seal is checked every second
         assert monitor.is_alive() and monitor.verdict is None
         assert all(p.is_alive() for p in procs)
