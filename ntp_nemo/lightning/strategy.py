@@ -360,8 +360,8 @@ class NTPStrategy(StrategyAdapter):
         """Collective; a peer lost during it (live recovery) leaves this save uncommitted."""
         step = int(checkpoint.get("global_step", 0))
         self.between_steps(self._save_checkpoint, checkpoint, filepath,
-                            what=f"the checkpoint of step {step} (it never commits; the next save writes "
-                                 "one)")
+                           what=f"the checkpoint of step {step} (it never commits; the next save writes "
+                                "one)")
 
     def _save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path) -> None:
         """Collective: every rank writes the chunks it owns; Lightning's own state rides along as `extra`.
