@@ -9,6 +9,7 @@ that a Ctrl-C stopped, exits 0 (`stop_exit`).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -489,10 +490,12 @@ def _drop_empty_run_dir() -> None:
         remove_if_empty(Path(HydraConfig.get().runtime.output_dir))
 
 
-def _interrupted(signum, frame) -> None:  # noqa: ANN001 - signal handler signature
+def _interrupted(created: list[Path], signum, frame) -> None:  # noqa: ANN001 - signal handler signature
     """Ctrl-C in this process while no worker trains (imports, composition, data, checks, the summary):
     nothing to save, so stop at once. Exiting from the handler (rather than raising KeyboardInterrupt
-    inside Hydra's or OmegaConf's code, which turns it into a bogus config error) keeps it clean."""
+    inside Hydra's or OmegaConf's code, which turns it into a bogus config error) keeps it clean.
+    `created`: the directories this command made before Hydra's job began (`check_run_dir_overrides`);
+    those still empty go, as the job's run directory does when nothing was written to it."""
     print("interrupted (Ctrl-C) while no training step runs: nothing to save; stopped", file=sys.stderr,
           flush=True)
     for then in (_drop_empty_run_dir, _say_resume):
@@ -500,7 +503,15 @@ def _interrupted(signum, frame) -> None:  # noqa: ANN001 - signal handler signat
             then()
         except Exception:  # noqa: BLE001 - no Hydra job yet: no run directory to tidy or resume
             pass
+    _drop_created(created)
     os._exit(0)
+
+
+def _drop_created(created: list[Path]) -> None:
+    from ntp_nemo.config.run_dir import remove_if_empty
+
+    for path in created:  # made for a job that never ran
+        remove_if_empty(path)
 
 
 def _say_resume() -> None:
@@ -519,16 +530,17 @@ def main() -> None:
 
     # The launcher replaces this handler while workers run (they checkpoint); forked workers hold the
     # signal until training starts (`hold_stop_signals`).
-    signal.signal(signal.SIGINT, _interrupted)
+    created: list[Path] = []  # the directories the command made before its job began
+    signal.signal(signal.SIGINT, functools.partial(_interrupted, created))
     try:
-        _main()
+        _main(created)
     except KeyboardInterrupt:  # a Ctrl-C that reached Python code before the handler above
         print("interrupted (Ctrl-C) before training started: nothing to save; stopped", file=sys.stderr,
               flush=True)
         sys.exit(0)
 
 
-def _main() -> None:
+def _main(created: list[Path]) -> None:
     if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
         from ntp_nemo.config.help import help_text
 
@@ -541,7 +553,7 @@ def _main() -> None:
         from ntp_nemo.config.run_dir import check_run_dir_overrides  # imports Hydra
 
         # e.g. a read-only place: said here, not in Hydra's traceback
-        created = check_run_dir_overrides(sys.argv[1:])
+        created += check_run_dir_overrides(sys.argv[1:])
     except ConfigError as err:
         report_config_error(err)
         sys.exit(EXIT_CONFIG)
@@ -567,10 +579,7 @@ def _main() -> None:
     except SystemExit as exc:
         # Hydra exits 1 on composition errors (unknown key, bad override) before the job starts.
         if exc.code == 1 and not job.started:
-            from ntp_nemo.config.run_dir import remove_if_empty
-
-            for path in created:  # made for a job that never ran
-                remove_if_empty(path)
+            _drop_created(created)
             sys.exit(EXIT_CONFIG)
         raise
     except Exception as exc:  # noqa: BLE001 - last resort: a runtime failure

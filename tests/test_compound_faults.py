@@ -443,7 +443,7 @@ def test_ctrl_c_between_restart_attempts_prints_the_resume_command(tmp_path):
             HydraConfig.get = staticmethod(lambda: job)  # the Hydra job of the command (in this fork only)
             from ntp_nemo.train import _interrupted
 
-            _interrupted(signal.SIGINT, None)  # exits
+            _interrupted([], signal.SIGINT, None)  # exits
         finally:
             os._exit(3)
     os.close(write)

@@ -223,3 +223,29 @@ ctypes.CDLL(None).pthread_exit(None)
     while not out.exists() and time.time() < deadline:
         time.sleep(0.05)
     assert out.read_text() == "False True True"
+
+
+def test_ctrl_c_before_hydra_job_removes_the_run_dir_the_command_made(tmp_path):
+    """Ctrl-C after the command made `hydra.run.dir` (checked writable before Hydra runs) but before Hydra's
+    job began (no HydraConfig yet): the handler removes that empty directory too, so nothing is left
+    behind (the first moment of test_ctrl_c_at_every_moment, when the signal lands there)."""
+    from ntp_nemo.config.run_dir import check_run_dir_overrides
+
+    run, kept = tmp_path / "new" / "run", tmp_path / "old"
+    kept.mkdir()
+    (kept / "train.log").write_text("an earlier command's\n")
+    pid = os.fork()
+    if pid == 0:  # the command's process, where the handler runs (and exits)
+        try:
+            created = check_run_dir_overrides([f"hydra.run.dir={run}", "hydra.sweep.dir=" + str(kept)])
+            assert run.is_dir()
+            from ntp_nemo.train import _interrupted
+
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+            _interrupted(created, signal.SIGINT, None)  # exits
+        finally:
+            os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert not (tmp_path / "new").exists()  # with the parent it made
+    assert (kept / "train.log").is_file()  # what was there before stays

@@ -77,8 +77,11 @@ def check_run_dir_overrides(argv: list[str]) -> list[Path]:
         if not value or "${" in value:
             continue
         path = Path(value.strip("'\"")).expanduser()
-        if not path.exists():
-            created.append(path)
+        if not path.exists():  # the outermost directory that mkdir makes (it may make its parents too)
+            top = path
+            while not top.parent.exists() and top.parent != top:
+                top = top.parent
+            created.append(top)
         try:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as err:
