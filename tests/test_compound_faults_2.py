@@ -1,5 +1,5 @@
-"""Faults on top of faults, found by the fault campaign: a relaunch whose every checkpoint is damaged, and
-the healthy peers of a stopped rank blamed for its hang."""
+"""Faults on top of faults, found by the fault campaign: a relaunch whose every checkpoint is damaged, the
+healthy peers of a stopped rank blamed for its hang, and a peer lost while a stop checkpoints."""
 
 from __future__ import annotations
 
@@ -278,3 +278,77 @@ def test_a_checkpoint_set_aside_as_unreadable_is_passed_over_by_the_fault_and_th
     assert checkpoint_problem(ckpts / "step_000001") is None
     note = stop_checkpoint_note({"steps": 5}, ckpts)
     assert note == "without a checkpoint (a rerun resumes from the latest, step_000002)"
+
+
+# ---- a loss during a stop's own checkpoint --------------------------------------------------------------
+@pytest.mark.slow
+def test_a_peer_lost_during_the_stops_checkpoint_is_recovered_from_and_the_stop_saves(tmp_path):
+    """SIGTERM (a scheduler's preemption) reaches a live-recovery run as step 2 starts, and rank 1 dies
+    while the stop's checkpoint is written (`kill_during_save`: the save never commits). The survivors
+    recover live and, no next step following in which they would save again, write the checkpoint of the
+    step they stopped at once more: the command exits 78 (stopped, the same command continues) instead of
+    exit 1 with no checkpoint of that step (`bench/fault_campaign.py --seed 3`, row 9: a loss while a stop
+    checkpointed). The run directory it leaves is what `Supervisor._stop_saved` reads (next test)."""
+    import subprocess
+    import sys
+
+    from ntp_nemo.checkpoint.manifest import checkpoint_problem
+    from tests.conftest import read_metrics
+
+    run = tmp_path / "run"
+    args = [*TINY, "mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=null", "trainer.max_steps=8",
+            "checkpoint.every_n_steps=0", "checkpoint.save_on_end=true", "fault=kill_during_save",
+            "fault.rank=1", "fault.step=1", "fault.recovery=live", f"hydra.run.dir={run}"]
+    proc = subprocess.Popen([sys.executable, "-m", "ntp_nemo.train", *args], cwd=tmp_path, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    beat = run / "failover" / "heartbeats" / "rank_00000.json"
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            doc = json.loads(beat.read_text())
+        except (OSError, ValueError):
+            doc = {}
+        if doc.get("step") == 2 and doc.get("phase") == "step_start":
+            break
+        time.sleep(0.02)
+    else:
+        proc.kill()
+        pytest.fail(f"step 2 never started:\n{proc.communicate()[0]}")
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        out, _ = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"still running 180 s after SIGTERM:\n{proc.communicate()[0]}")
+    assert proc.returncode == 78, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    summary = json.loads((run / "summary.json").read_text())
+    step = summary["steps"]
+    assert summary["stopped_early"] == "SIGTERM" and step in (2, 3), summary
+    assert "failover | live: process(es) [1] lost" in out, out[-4000:]
+    assert "(1,2); training ends on it;" in out, out[-4000:]
+    assert f"the checkpoint of step {step} did not commit (a peer was lost during it); the survivors write " \
+           "it again" in out, out[-4000:]
+    assert f"with checkpoint step_{step:06d} saved: exit 78" in out, out[-4000:]
+    assert checkpoint_problem(run / "checkpoints" / f"step_{step:06d}", verify_data=True) is None
+    assert [m["step"] for m in read_metrics(run)] == list(range(1, step + 1))
+    _stop_saved_reads_the_run(run, step)
+
+
+def _stop_saved_reads_the_run(run: Path, step: int) -> None:
+    """`Supervisor._stop_saved` on the directory a stopped run wrote: the stop's checkpoint when it is valid
+    and summary.json was written during the attempt; nothing for an older summary, or a damaged checkpoint
+    (a stop that lost a worker after its checkpoint committed stands; one that lost its checkpoint does
+    not)."""
+    from ntp_nemo.resilience.supervisor import Supervisor
+
+    sup = SimpleNamespace(run_dir=run, ckpt_dir=run / "checkpoints")
+    written = (run / "summary.json").stat().st_mtime
+    saved = run / "checkpoints" / f"step_{step:06d}"
+    assert Supervisor._stop_saved(sup, SimpleNamespace(start_t=written - 60)) == saved
+    assert Supervisor._stop_saved(sup, SimpleNamespace(start_t=written + 60)) is None  # an earlier attempt's
+    data = max((p for p in saved.iterdir() if p.name != "manifest.json"), key=lambda p: p.stat().st_size)
+    with open(data, "r+b") as fh:
+        fh.truncate(data.stat().st_size // 2)
+    assert Supervisor._stop_saved(sup, SimpleNamespace(start_t=written - 60)) is None

@@ -145,10 +145,10 @@ def count_skipped_step(optimizer: Any) -> None:
     optimizer._on_after_step()
 
 
-def save_step_checkpoint(callback: Any, trainer: pl.Trainer) -> None:
+def save_step_checkpoint(callback: Any, trainer: pl.Trainer, again: bool = False) -> None:
     """Save the checkpoint of `trainer.global_step` through the `ModelCheckpoint` `callback`, unless it
-    has saved that step already."""
-    if callback._last_global_step_saved != trainer.global_step:
+    has saved that step already (`again`: save it even so, its first save having not committed)."""
+    if again or callback._last_global_step_saved != trainer.global_step:
         callback._save_checkpoint(trainer, callback.format_checkpoint_name({"step": trainer.global_step}))
         callback._last_global_step_saved = trainer.global_step
 

@@ -181,9 +181,22 @@ class StepCheckpoint(ModelCheckpoint):
         if launcher_gone(trainer):
             return
         if self.save_on_end and trainer.global_step > 0:
+            from ntp_nemo.checkpoint.manifest import checkpoint_problem
             from ntp_nemo.lightning.adapter import save_step_checkpoint
 
-            save_step_checkpoint(self, trainer)
+            path = Path(self.format_checkpoint_name({"step": trainer.global_step}))
+
+            def committed() -> bool:
+                saver = getattr(trainer.strategy, "saver", None)
+                if saver is not None:  # an asynchronous save commits in the background
+                    saver.wait()
+                return checkpoint_problem(path) is None
+
+            final = getattr(trainer.strategy, "final_save", None)
+            if final is None:
+                save_step_checkpoint(self, trainer)
+            else:
+                final(lambda again: save_step_checkpoint(self, trainer, again), committed)
 
 
 class FinalValidation(Callback):

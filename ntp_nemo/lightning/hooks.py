@@ -13,7 +13,9 @@ Which hook runs when:
   `rejoining` and `collectives_local` are read throughout;
 - every training step: `before_step`, then `run_step` around the step; the module brackets its
   optimizer update with `abort_epoch` and `check_generation`;
-- every collective between steps (barrier, broadcast, checkpoint save): `run_between_steps`.
+- every collective between steps (barrier, broadcast, checkpoint save): `run_between_steps`;
+- the end of training's checkpoint save: `run_final_save` (a loss during it is recovered from and the
+  save written again, where the others go on to the next step's).
 """
 
 from __future__ import annotations
@@ -58,6 +60,12 @@ class RecoveryHooks:
     def run_between_steps(self, strategy: Any, fn: Callable, *args: Any, what: str | None = None) -> Any:
         """Run a collective outside the training step (`fn(*args)`); `what` names it for a message."""
         return fn(*args)
+
+    def run_final_save(self, strategy: Any, save: Callable[[bool], None],
+                       committed: Callable[[], bool]) -> None:
+        """The end of training's checkpoint save: `save(again)` (`again`: it was tried before and did not
+        commit); `committed()` says whether it did."""
+        save(False)
 
     def abort_epoch(self) -> int:
         """A counter the step reads at its start and hands to `check_generation` before its update."""

@@ -477,6 +477,12 @@ class NTPStrategy(StrategyAdapter):
         next training step.  Every collective a callback runs between steps goes through here."""
         return self.recovery.run_between_steps(self, fn, *args, what=what)
 
+    def final_save(self, save: Any, committed: Any) -> None:
+        """The end of training's checkpoint save, `save(again)`: under live recovery a peer lost during it
+        is recovered from and the survivors write it again until `committed()` holds on every rank (no
+        next step follows to catch up on it, as a periodic save's next one would)."""
+        self.recovery.run_final_save(self, save, committed)
+
     # ---- reporting ------------------------------------------------------------------------------
     @property
     def layout_info(self) -> dict[str, Any]:

@@ -62,6 +62,12 @@ def is_collective_failure(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and any(s in str(err).lower() for s in _COLLECTIVE_ERRORS)
 
 
+def _wait_for_commit(strategy: Any) -> None:
+    """Wait for the asynchronous save in flight (if any) to commit; re-raises its error."""
+    if strategy.saver is not None:
+        strategy.saver.wait()
+
+
 class LiveRecovery(Callback, RecoveryHooks):
     """Worker side of `fault.recovery=live` (see the module docstring): a callback, and the strategy's
     `RecoveryHooks` (`lightning/factory.py` hands it to the strategy it builds)."""
@@ -252,6 +258,53 @@ class LiveRecovery(Callback, RecoveryHooks):
                 print(f"failover | live: {what} was interrupted by the loss and is not redone", flush=True)
             return None
 
+    def run_final_save(self, strategy: Any, save: Callable[[bool], None], committed: Callable[[], bool],
+                       tries: int = 3) -> None:
+        """The end of training's checkpoint save: a peer lost during it leaves it uncommitted, and no next
+        step follows in which the survivors would save again, so they write it again here. The save and
+        its commit (an asynchronous save commits in the background, over its own group: its failure
+        shows when it is waited for) run under recovery. The ranks a loss caught in them (or before
+        them: those pass over the save, `_skip_between`, as the survivors ahead had entered it) agree on
+        the new generation whether it committed on every rank, and write it again until it has (`tries`
+        writes at most; each agreement and write is under recovery itself). A rank no loss touched during
+        the save saves once, as without recovery."""
+        trainer = strategy.lightning_module.trainer
+        passes_over = self._skip_between > self._between  # the survivors ahead had entered the save
+        start = self.generation.index if self.generation is not None else None
+        self._save_and_commit(strategy, save, False)
+        for attempt in range(tries):
+            if not passes_over and (self.generation is None or self.generation.index == start):
+                return  # no loss during the save (or its last write): it ran everywhere as it does alone
+            passes_over = False
+            while True:  # every survivor is here, past the save: the collectives between steps start over
+                self._between = self._skip_between = 0
+                start = self.generation.index
+                done = self.run_between_steps(strategy, self._all_hold, strategy, committed)
+                if self.generation.index == start:
+                    break  # agreed (a loss during the agreement: agree again on the next generation)
+            if done or attempt + 1 == tries:
+                break
+            if trainer.is_global_zero:
+                print(f"failover | live: the checkpoint of step {trainer.global_step} did not commit (a peer "
+                      "was lost during it); the survivors write it again", flush=True)
+            self._save_and_commit(strategy, save, True)
+        if not done and trainer.is_global_zero:
+            print(f"failover | live: the checkpoint of step {trainer.global_step} did not commit after "
+                  f"{tries} writes; the latest committed one stays the newest", flush=True)
+
+    def _save_and_commit(self, strategy: Any, save: Callable[[bool], None], again: bool) -> None:
+        save(again)
+        self.run_between_steps(strategy, _wait_for_commit, strategy)
+
+    @staticmethod
+    def _all_hold(strategy: Any, check: Callable[[], bool]) -> bool:
+        """Whether `check()` holds on every rank (a MIN all-reduce on the strategy's device)."""
+        import torch
+
+        flag = torch.tensor([1.0 if check() else 0.0], device=strategy.root_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item() > 0)
+
     def _builder(self, strategy: Any) -> Callable:
         """build(layout, rank) -> RankState (`runtime.assemble`, as at start-up) on the current default
         group; the optimizer object is kept, pointed at the new parameters (the LR scheduler and
@@ -325,8 +378,9 @@ class LiveRecovery(Callback, RecoveryHooks):
             what = rec.replan.describe() if failed_rejoin is None else (
                 f"the rejoin failed ({type(failed_rejoin[0]).__name__}); processes {list(rec.failed)} lost: "
                 f"the survivors re-form layout {rec.generation.layout.describe()}")
-            print(f"failover | live: {what}; step {rec.step + 1} runs on it; moved {moved} "
-                  f"bytes (minimum {minimum}) in {rec.seconds:.2f} s", flush=True)
+            runs = "training ends on it" if trainer.should_stop else f"step {rec.step + 1} runs on it"
+            print(f"failover | live: {what}; {runs}; moved {moved} bytes (minimum {minimum}) in "
+                  f"{rec.seconds:.2f} s", flush=True)
         return rec
 
     def _install(self, strategy: Any, rec: Any, step: int) -> None:

@@ -340,6 +340,16 @@ class Supervisor:
                     detail=lost.detail,
                 )
                 if stopping:  # asked to stop (SIGTERM, Ctrl-C): whatever failed meanwhile, no relaunch
+                    saved = self._stop_saved(rec)
+                    if saved is not None:  # the stop's own checkpoint committed: the stop stands
+                        rec.outcome = "stopped"
+                        self._log(rec)
+                        print(f"failover | {lost.reason} ({lost.detail}) while the workers stopped; the "
+                              f"stop's checkpoint {saved.name} is valid: the stop stands", flush=True)
+                        self._record("job_end", status="ok", reason=f"stopped on a stop signal; a worker "
+                                     f"was lost after checkpoint {saved.name} ({lost.reason})")
+                        self.result.stopped = True
+                        return self.result
                     self._log(rec)
                     message = self._stop_message(lost)
                     # The workers were killed before they could say it: the job's end, after its failure.
@@ -386,6 +396,25 @@ class Supervisor:
             self._record(
                 "job_start", layout=layout.describe(), attempt=len(self.result.attempts), reason=reason
             )
+
+    def _stop_saved(self, rec: AttemptRecord) -> Path | None:
+        """The checkpoint of the step a stop signal ended attempt `rec` at, when it is valid: the step
+        is the one summary.json says the workers stopped at (written by their rank 0 at the end of
+        training, before the end's save; only a file written during `rec` counts)."""
+        from ntp_nemo.checkpoint.manifest import checkpoint_name, checkpoint_problem
+
+        path = self.run_dir / "summary.json"
+        try:
+            if path.stat().st_mtime < rec.start_t:
+                return None
+            summary = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        step = summary.get("steps") if isinstance(summary, dict) and summary.get("stopped_early") else None
+        if not isinstance(step, int) or isinstance(step, bool) or step <= 0:
+            return None
+        ckpt = self.ckpt_dir / checkpoint_name(step)
+        return ckpt if checkpoint_problem(ckpt) is None else None
 
     def _stop_message(self, lost: LostRanks) -> str:
         """The run was asked to stop and its workers did not all stop cleanly."""
