@@ -52,7 +52,7 @@ RANK0 = ["fault=kill_rank", "fault.rank=0", "fault.step=2", "fault.repair_after_
 # the machine's load; its own process, as before).
 LIVE = {
     "rejoin": REJOIN,
-    "live": ["fault=kill_rank", "fault.rank=3", "logger=tensorboard"],
+    "live": ["fault=kill_rank", "fault.rank=3", "logger=tensorboard", "trainer.val_every_n_steps=4"],
     "fallback": ["mesh.dp=1", "ntp.replica_tp=[2]", "fault=kill_rank", "fault.rank=1", "fault.step=3",
                  "fault.recovery=live"],
     "phases": ["fault=kill_rank", "fault.rank=3", "fault.step=3", "fault.phase=backward",
@@ -62,6 +62,8 @@ LIVE = {
     "boost": ["ntp.power_boost=1.3", "data.global_batch_size=32", "fault=kill_rank", "fault.rank=1",
               "fault.step=3"],
     "live-sp": ["ntp.sequence_parallel=true", "fault=kill_rank", "fault.rank=1"],
+    "validation": ["fault=kill_rank", "fault.rank=3", "fault.step=4", "fault.phase=validation",
+                   "fault.recovery=live", "logger=tensorboard", "trainer.val_every_n_steps=4"],
 }
 
 
@@ -437,3 +439,26 @@ def test_live_reshard_with_sequence_parallelism(live_runs, reference):
     assert "the survivors reshard in place" in log
     assert [m["layout"] for m in read_metrics(run)][-1] == "(1,2)"
     _on_reference_curve(run, reference)
+
+
+@pytest.mark.slow
+def test_a_peer_lost_during_validation_is_recovered_from_and_the_validation_redone(live_runs, reference):
+    """Rank 3 dies as the validation after step 4 starts: the survivors recover live inside it and redo it
+    on (2,1) with the same validation micro-batches, then train steps 5-8 there. The validation losses
+    (TensorBoard, steps 4 and 8) are those of the `live` case, which validates at the same steps with no
+    loss inside a validation; the training steps follow the failure-free curve."""
+    from tests.test_goodput_degraded import _scalars
+
+    run, log = _job(live_runs, "validation")
+    assert "failover | live: the validation after step 4 is redone on layout (2,1)" in log, log[-3000:]
+    assert "Traceback" not in log
+    metrics = read_metrics(run)
+    assert [m["layout"] for m in metrics] == ["(2,2)"] * 4 + ["(2,1)"] * 4
+    _on_reference_curve(run, reference)
+    got = dict(_scalars(run / "tb")["val/loss"])
+    want = dict(_scalars(_job(live_runs, "live")[0] / "tb")["val/loss"])
+    assert sorted(got) == sorted(want) == [3, 7], (got, want)  # Lightning's logger counts from 0
+    for step in (3, 7):
+        assert got[step] == pytest.approx(want[step], rel=1e-5), (step, got, want)
+    done = [e for e in _events(run) if e["event"] == "recovery_done"]
+    assert [(e["mode"], e["layout"], e["step"]) for e in done] == [("live", "(2,1)", 5)]

@@ -13,6 +13,7 @@ Which hook runs when:
   `rejoining` and `collectives_local` are read throughout;
 - every training step: `before_step`, then `run_step` around the step; the module brackets its
   optimizer update with `abort_epoch` and `check_generation`;
+- every validation step: `run_validation_step` around it;
 - every collective between steps (barrier, broadcast, checkpoint save): `run_between_steps`;
 - the end of training's checkpoint save: `run_final_save` (a loss during it is recovered from and the
   save written again, where the others go on to the next step's).
@@ -55,6 +56,10 @@ class RecoveryHooks:
 
     def run_step(self, strategy: Any, step_fn: Callable, *args: Any, **kwargs: Any) -> Any:
         """Run one training step (`step_fn(*args, **kwargs)`)."""
+        return step_fn(*args, **kwargs)
+
+    def run_validation_step(self, strategy: Any, step_fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        """Run one validation step (`step_fn(*args, **kwargs)`)."""
         return step_fn(*args, **kwargs)
 
     def run_between_steps(self, strategy: Any, fn: Callable, *args: Any, what: str | None = None) -> Any:

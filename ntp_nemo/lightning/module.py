@@ -131,6 +131,12 @@ class NTPLanguageModule(pl.LightningModule):
         ds = self._train_set
         return self.transfer_batch_to_device(ds[step - ds.start_step], device, 0)
 
+    def validation_batch(self, device: torch.device) -> dict:
+        """The validation batch as the loader gives it now, on `device`: after live recovery changed the
+        layout, the split of a validation the loader fetched before."""
+        ds = ValBatches(self.data.val, self.val_batches, self.micro_batch_size, self.my_microbatches)
+        return self.transfer_batch_to_device(ds[0], device, 0)
+
     def val_dataloader(self) -> DataLoader:
         ds = ValBatches(self.data.val, self.val_batches, self.micro_batch_size, self.my_microbatches)
         return DataLoader(ds, batch_size=None, num_workers=0)

@@ -470,6 +470,11 @@ class NTPStrategy(StrategyAdapter):
         self.recovery.before_step(self)
         return self.recovery.run_step(self, super().training_step, *args, **kwargs)
 
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The validation step under the recovery's hooks: live recovery redoes it on the new layout when
+        a peer is lost during it."""
+        return self.recovery.run_validation_step(self, super().validation_step, *args, **kwargs)
+
     def between_steps(self, fn: Any, *args: Any, what: str | None = None) -> Any:
         """Run `fn`, a collective outside the training step (barrier, broadcast, checkpoint save, a callback's
         gather): under live recovery a lost peer is recovered from before the next step and `fn` is not

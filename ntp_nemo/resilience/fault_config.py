@@ -21,7 +21,7 @@ from ntp_nemo.launch.cluster import launcher_layout
 from ntp_nemo.resilience.policies import make_policy
 
 FAULT_KINDS = ("kill_rank", "hang", "slow", "kill_during_save", "corrupt_checkpoint")
-KILL_PHASES = ("step_start", "backward", "optimizer", "rejoin", "joining")
+KILL_PHASES = ("step_start", "backward", "optimizer", "validation", "rejoin", "joining")
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ Kinds (each strikes global rank `rank` of the layout running at the time, at opt
   node looks to the launcher.  `phase` says when in the step: `step_start` (before the forward),
   `backward` (inside the first micro-batch's backward, when the gradient of this rank's first
   parameter is computed: before any gradient sync completes) or `optimizer` (right after this rank's
-  optimizer step updated its weights, before the step ends) or `rejoin` (live recovery: the repaired
+  optimizer step updated its weights, before the step ends) or `validation` (as the first validation
+  after step `step` starts, before its collectives) or `rejoin` (live recovery: the repaired
   process started in place of rank `rank` dies during its start-up, before it joins the survivors) or
   `joining` (the repaired process dies once the launcher has decided to take it in, while the rejoin's
   generation forms: the survivors re-form without it).
@@ -147,7 +148,7 @@ class FaultInjector(Callback):
                         flush=True,
                     )
                 continue
-            if f.kind == "kill_rank" and f.phase in ("rejoin", "joining"):  # strikes a repaired process
+            if f.kind == "kill_rank" and f.phase in ("rejoin", "joining", "validation"):  # not in a step
                 continue
             if f.kind == "kill_rank" and f.phase != "step_start":
                 if step >= f.step and not marker_path(self.fault_dir, f).exists():
@@ -158,6 +159,13 @@ class FaultInjector(Callback):
                     os._exit(KILL_EXIT_CODE)
                 while True:  # hang: alive, silent, holding its peers in their next collective
                     time.sleep(3600)
+
+    def on_validation_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
+                                  batch_idx: int, dataloader_idx: int = 0) -> None:
+        step = trainer.global_step  # the steps completed: this validation follows step `step`
+        for f in self._mine(trainer, ("kill_rank",)):
+            if f.phase == "validation" and step >= f.step and self._claim(f, step):
+                os._exit(KILL_EXIT_CODE)
 
     def _arm(self, fault: Fault, pl_module: LightningModule, trainer: Trainer, step: int) -> None:
         """Kill this rank inside step `step`: in the backward (a one-shot hook on the gradient of its

@@ -234,6 +234,23 @@ class LiveRecovery(Callback, RecoveryHooks):
                           "ahead had completed it, and their state is now this rank's", flush=True)
                     return strategy.lightning_module.take_step_as_done(args[0], rec.note)
 
+    def run_validation_step(self, strategy: Any, step_fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        """Run one validation step (`step_fn(batch, ...)`); on a lost peer recover and redo it on the new
+        layout with the same validation micro-batches, split over its replicas (every survivor is in it:
+        its loss is summed over every rank)."""
+        args = list(args)
+        while True:
+            try:
+                return step_fn(*args, **kwargs)
+            except Exception as err:
+                if self.store is None or not is_collective_failure(err):
+                    raise
+                rec = self._recover(strategy, strategy.lightning_module.trainer.global_step)
+                args[0] = strategy.lightning_module.validation_batch(strategy.root_device)
+                if rec.rank == 0:
+                    print(f"failover | live: the validation after step {rec.step} is redone on layout "
+                          f"{rec.generation.layout.describe()}", flush=True)
+
     def run_between_steps(self, strategy: Any, fn: Callable, *args: Any, what: str | None = None) -> Any:
         """Run a collective outside the training step (a barrier, a broadcast, a checkpoint save); on a
         lost peer recover before the next step and return None without redoing it: a peer may have
@@ -378,7 +395,8 @@ class LiveRecovery(Callback, RecoveryHooks):
             what = rec.replan.describe() if failed_rejoin is None else (
                 f"the rejoin failed ({type(failed_rejoin[0]).__name__}); processes {list(rec.failed)} lost: "
                 f"the survivors re-form layout {rec.generation.layout.describe()}")
-            runs = "training ends on it" if trainer.should_stop else f"step {rec.step + 1} runs on it"
+            ends = trainer.should_stop or rec.step >= trainer.max_steps
+            runs = "training ends on it" if ends else f"step {rec.step + 1} runs on it"
             print(f"failover | live: {what}; {runs}; moved {moved} bytes (minimum {minimum}) in "
                   f"{rec.seconds:.2f} s", flush=True)
         return rec
