@@ -282,13 +282,15 @@ def test_a_checkpoint_set_aside_as_unreadable_is_passed_over_by_the_fault_and_th
 
 # ---- a loss during a stop's own checkpoint --------------------------------------------------------------
 @pytest.mark.slow
-def test_a_peer_lost_during_the_stops_checkpoint_is_recovered_from_and_the_stop_saves(tmp_path):
+@pytest.mark.parametrize("async_save", [True, False])
+def test_a_peer_lost_during_the_stops_checkpoint_is_recovered_from_and_the_stop_saves(tmp_path, async_save):
     """SIGTERM (a scheduler's preemption) reaches a live-recovery run as step 2 starts, and rank 1 dies
     while the stop's checkpoint is written (`kill_during_save`: the save never commits). The survivors
     recover live and, no next step following in which they would save again, write the checkpoint of the
     step they stopped at once more: the command exits 78 (stopped, the same command continues) instead of
     exit 1 with no checkpoint of that step (`bench/fault_campaign.py --seed 3`, row 9: a loss while a stop
-    checkpointed). The run directory it leaves is what `Supervisor._stop_saved` reads (next test)."""
+    checkpointed). Asynchronous: the loss shows in the background commit; synchronous: in the save itself.
+    The run directory it leaves is what `Supervisor._stop_saved` reads."""
     import subprocess
     import sys
 
@@ -298,7 +300,8 @@ def test_a_peer_lost_during_the_stops_checkpoint_is_recovered_from_and_the_stop_
     run = tmp_path / "run"
     args = [*TINY, "mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=null", "trainer.max_steps=8",
             "checkpoint.every_n_steps=0", "checkpoint.save_on_end=true", "fault=kill_during_save",
-            "fault.rank=1", "fault.step=1", "fault.recovery=live", f"hydra.run.dir={run}"]
+            "fault.rank=1", "fault.step=1", "fault.recovery=live", f"checkpoint.async_save={async_save}",
+            f"hydra.run.dir={run}"]
     proc = subprocess.Popen([sys.executable, "-m", "ntp_nemo.train", *args], cwd=tmp_path, text=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -330,6 +333,7 @@ def test_a_peer_lost_during_the_stops_checkpoint_is_recovered_from_and_the_stop_
     assert "(1,2); training ends on it;" in out, out[-4000:]
     assert f"the checkpoint of step {step} did not commit (a peer was lost during it); the survivors write " \
            "it again" in out, out[-4000:]
+    assert "was interrupted by the loss and is not redone" not in out  # it is redone
     assert f"with checkpoint step_{step:06d} saved: exit 78" in out, out[-4000:]
     assert checkpoint_problem(run / "checkpoints" / f"step_{step:06d}", verify_data=True) is None
     assert [m["step"] for m in read_metrics(run)] == list(range(1, step + 1))

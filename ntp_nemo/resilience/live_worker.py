@@ -102,6 +102,7 @@ class LiveRecovery(Callback, RecoveryHooks):
         # over (the survivors ahead had entered them when a peer was lost, and do not redo them)
         self._between = 0
         self._skip_between = 0
+        self._final = False  # in the end of training's save: its own lines say what happens to it
         self.backend = "gloo"  # the job's process-group backend (set at setup)
         self.launcher_pid = os.getpid()  # built in the launching process, which hosts the store
 
@@ -260,7 +261,7 @@ class LiveRecovery(Callback, RecoveryHooks):
         trainer = strategy.lightning_module.trainer
         self._between += 1
         if self._between <= self._skip_between:
-            if what is not None and trainer.is_global_zero:
+            if what is not None and trainer.is_global_zero and not self._final:
                 print(f"failover | live: {what} is not run: the survivors ahead had entered it when the peer "
                       "was lost", flush=True)
             return None
@@ -271,7 +272,7 @@ class LiveRecovery(Callback, RecoveryHooks):
                 raise
             rec = self._recover(strategy, trainer.global_step, phase=self._between)  # the next batch index
             self._skip_between = max(self._skip_between, rec.phase)
-            if what is not None and trainer.is_global_zero:
+            if what is not None and trainer.is_global_zero and not self._final:
                 print(f"failover | live: {what} was interrupted by the loss and is not redone", flush=True)
             return None
 
@@ -285,6 +286,14 @@ class LiveRecovery(Callback, RecoveryHooks):
         the new generation whether it committed on every rank, and write it again until it has (`tries`
         writes at most; each agreement and write is under recovery itself). A rank no loss touched during
         the save saves once, as without recovery."""
+        self._final = True
+        try:
+            self._final_save(strategy, save, committed, tries)
+        finally:
+            self._final = False
+
+    def _final_save(self, strategy: Any, save: Callable[[bool], None], committed: Callable[[], bool],
+                    tries: int) -> None:
         trainer = strategy.lightning_module.trainer
         passes_over = self._skip_between > self._between  # the survivors ahead had entered the save
         start = self.generation.index if self.generation is not None else None
