@@ -93,16 +93,17 @@ def train(cfg: DictConfig, start_t: float | None = None, console=None) -> dict:
         GoodputRecorder(run_dir).record("job_start", layout=spec.layout.describe())
     t0 = time.time()
     supervisor.initial_resume = ckpt_path
+    auto_dir = run_dir / spec.checkpoint.dir if str(cfg.resume) == "auto" else None  # where it was chosen
     try:
         result = supervisor.run(first, ckpt_path)
     except FailoverError as err:  # what could not be recovered, and why: its message, not a traceback
-        _raise_if_found_corrupt(ckpt_path)
+        _raise_if_found_corrupt(ckpt_path, auto_dir)
         print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(EXIT_RUNTIME)
     except ConfigError:  # bad data found on the way (no usable checkpoint at a relaunch): its own message
         raise
     except Exception as exc:
-        _raise_if_found_corrupt(ckpt_path)
+        _raise_if_found_corrupt(ckpt_path, auto_dir)
         _exit_if_save_failed(exc)
         raise
     with _LateStops():  # training is over: a stop signal now changes nothing (the report finishes)
@@ -413,14 +414,33 @@ def resolve_resume(cfg: DictConfig, run_dir: Path) -> Path | None:
     return require_valid_checkpoint(Path(mode).expanduser(), key="resume")
 
 
-def _raise_if_found_corrupt(ckpt_path: Path | None) -> None:
+def _raise_if_found_corrupt(ckpt_path: Path | None, auto_dir: Path | None = None) -> None:
     """The workers verify the data while loading (the check before launch reads only metadata); when
     they found a bad file in the checkpoint to resume from and had nothing to fall back to, they marked
-    it corrupt: answer like any bad resume path (exit 2, naming the file), not with their traceback."""
-    from ntp_nemo.checkpoint.manifest import CORRUPT_MARKER, checkpoint_problem, invalid_checkpoint_error
+    it corrupt: answer like any bad resume path (exit 2, naming the file), not with their traceback.
+    `auto_dir`: the checkpoint directory `resume=auto` chose from; then every checkpoint in it is
+    unusable, and the answer says so of each, as `resume=auto` does when the launcher's check finds it."""
+    from ntp_nemo.checkpoint.manifest import (
+        CORRUPT_MARKER,
+        NoUsableCheckpointError,
+        checkpoint_problem,
+        invalid_checkpoint_error,
+        latest_valid_checkpoint,
+    )
 
-    if ckpt_path is not None and (Path(ckpt_path) / CORRUPT_MARKER).is_file():
-        raise invalid_checkpoint_error(ckpt_path, checkpoint_problem(ckpt_path), "resume") from None
+    if ckpt_path is None or not (Path(ckpt_path) / CORRUPT_MARKER).is_file():
+        return
+    if auto_dir is not None:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                latest_valid_checkpoint(auto_dir)
+        except NoUsableCheckpointError as err:
+            raise NoUsableCheckpointError(
+                "resume", auto_dir, err.damaged,
+                stopped=f"The workers found the damage in {Path(ckpt_path).name} while loading it, before "
+                        "training a step") from None
+    raise invalid_checkpoint_error(ckpt_path, checkpoint_problem(ckpt_path), "resume") from None
 
 
 def _exit_if_save_failed(exc: BaseException) -> None:

@@ -356,3 +356,33 @@ def _stop_saved_reads_the_run(run: Path, step: int) -> None:
     with open(data, "r+b") as fh:
         fh.truncate(data.stat().st_size // 2)
     assert Supervisor._stop_saved(sup, SimpleNamespace(start_t=written - 60)) is None
+
+
+@pytest.mark.slow
+def test_resume_auto_whose_only_checkpoint_fails_its_data_check_names_every_one(tmp_path):
+    """A launcher killed after its run's only checkpoint was damaged with its size intact (fault campaign
+    seed 4, rows 19 and 21): the rerun with `resume=auto` passes the launcher's cheap check, the workers
+    find the damage while loading and have nothing to fall back to. The command says what `resume=auto`
+    says when the launcher's check finds every checkpoint damaged (exit 2, each checkpoint named with what
+    is wrong with it, nothing deleted), not the message for a `resume=PATH` the user typed."""
+    from tests.conftest import SINGLE
+
+    run = tmp_path / "run"
+    args = [*TINY, *SINGLE, "checkpoint.every_n_steps=2", f"hydra.run.dir={run}"]
+    first = run_cli([*args, "trainer.max_steps=2"], cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    ckpt = run / "checkpoints" / "step_000002"
+    victim = max(ckpt.glob("data_*.bin"), key=lambda p: p.stat().st_size)
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+    proc = run_cli([*args, "trainer.max_steps=4", "resume=auto"], cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert (f"error: invalid configuration: resume: {run / 'checkpoints'} holds 1 checkpoint(s) and none is "
+            f"usable (step_000002: file {victim.name} fails its xxh3_64 check at byte ") in proc.stderr, \
+        proc.stderr[-3000:]
+    assert ("The workers found the damage in step_000002 while loading it, before training a step; nothing "
+            "was deleted. Repair or restore them and rerun the same command with resume=auto") in proc.stderr
+    assert "resume=auto to continue from the latest valid checkpoint" not in proc.stderr  # not resume=PATH's
+    assert victim.is_file() and (ckpt / "manifest.json").is_file()
