@@ -15,8 +15,8 @@ Which hook runs when:
   optimizer update with `abort_epoch` and `check_generation`;
 - every validation step: `run_validation_step` around it;
 - every collective between steps (barrier, broadcast, checkpoint save): `run_between_steps`;
-- the end of training's checkpoint save: `run_final_save` (a loss during it is recovered from and the
-  save written again, where the others go on to the next step's).
+- the end of training's checkpoint save: `run_final_save` (under live recovery a loss during it is
+  recovered from and the save written again: no next step follows whose save would replace it).
 """
 
 from __future__ import annotations
