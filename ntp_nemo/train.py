@@ -514,8 +514,9 @@ def _interrupted(created: list[Path], signum, frame) -> None:  # noqa: ANN001 - 
     """Ctrl-C in this process while no worker trains (imports, composition, data, checks, the summary):
     nothing to save, so stop at once. Exiting from the handler (rather than raising KeyboardInterrupt
     inside Hydra's or OmegaConf's code, which turns it into a bogus config error) keeps it clean.
-    `created`: the directories this command made before Hydra's job began (`check_run_dir_overrides`);
-    those still empty go, as the job's run directory does when nothing was written to it."""
+    `created`: the directories this command made (`check_run_dir_overrides`); those holding nothing but
+    its log and config record go (no training ran in them), as the job's run directory does when
+    nothing was written to it."""
     print("interrupted (Ctrl-C) while no training step runs: nothing to save; stopped", file=sys.stderr,
           flush=True)
     for then in (_drop_empty_run_dir, _say_resume):
@@ -523,15 +524,17 @@ def _interrupted(created: list[Path], signum, frame) -> None:  # noqa: ANN001 - 
             then()
         except Exception:  # noqa: BLE001 - no Hydra job yet: no run directory to tidy or resume
             pass
-    _drop_created(created)
+    _drop_created(created, records=True)
     os._exit(0)
 
 
-def _drop_created(created: list[Path]) -> None:
+def _drop_created(created: list[Path], records: bool = False) -> None:
+    """Remove the directories in `created` (made by this command) that hold nothing of a run: only its
+    log, and with `records` its config records too (a Ctrl-C before training)."""
     from ntp_nemo.config.run_dir import remove_if_empty
 
     for path in created:  # made for a job that never ran
-        remove_if_empty(path)
+        remove_if_empty(path, records=records)
 
 
 def _say_resume() -> None:

@@ -96,6 +96,28 @@ def run_cli(
     )
 
 
+def start_cli_until_step(args: list[str], cwd: Path, run_dir: Path, step: int,
+                         timeout: float = 240) -> subprocess.Popen:
+    """Start `ntp-train args` in a session of its own (a signal to its process group reaches every
+    worker, as a scheduler's does), its stdout and stderr together; return once rank 0's heartbeat says
+    step `step` started (the test fails if it never does within `timeout` s)."""
+    proc = subprocess.Popen([sys.executable, "-m", "ntp_nemo.train", *args], cwd=cwd, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    beat = run_dir / "failover" / "heartbeats" / "rank_00000.json"
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            doc = json.loads(beat.read_text())
+        except (OSError, ValueError):
+            doc = {}
+        if doc.get("step") == step and doc.get("phase") == "step_start":
+            return proc
+        time.sleep(0.02)
+    proc.kill()
+    pytest.fail(f"step {step} never started:\n{proc.communicate()[0]}")
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 

@@ -292,32 +292,16 @@ def test_a_peer_lost_during_the_stops_checkpoint_is_recovered_from_and_the_stop_
     checkpointed). Asynchronous: the loss shows in the background commit; synchronous: in the save itself.
     The run directory it leaves is what `Supervisor._stop_saved` reads."""
     import subprocess
-    import sys
 
     from ntp_nemo.checkpoint.manifest import checkpoint_problem
-    from tests.conftest import read_metrics
+    from tests.conftest import read_metrics, start_cli_until_step
 
     run = tmp_path / "run"
     args = [*TINY, "mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=null", "trainer.max_steps=8",
             "checkpoint.every_n_steps=0", "checkpoint.save_on_end=true", "fault=kill_during_save",
             "fault.rank=1", "fault.step=1", "fault.recovery=live", f"checkpoint.async_save={async_save}",
             f"hydra.run.dir={run}"]
-    proc = subprocess.Popen([sys.executable, "-m", "ntp_nemo.train", *args], cwd=tmp_path, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    beat = run / "failover" / "heartbeats" / "rank_00000.json"
-    deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None:
-        try:
-            doc = json.loads(beat.read_text())
-        except (OSError, ValueError):
-            doc = {}
-        if doc.get("step") == 2 and doc.get("phase") == "step_start":
-            break
-        time.sleep(0.02)
-    else:
-        proc.kill()
-        pytest.fail(f"step 2 never started:\n{proc.communicate()[0]}")
+    proc = start_cli_until_step(args, tmp_path, run, 2)
     os.killpg(proc.pid, signal.SIGTERM)
     try:
         out, _ = proc.communicate(timeout=180)

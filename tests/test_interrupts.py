@@ -121,7 +121,8 @@ def test_ctrl_c_at_every_moment(tmp_path):
     run = tmp_path / "run"
     args = [*TINY, *TWO, f"hydra.run.dir={run}"]
 
-    # Imports (Hydra, torch, Lightning): one line, exit 0, nothing left behind.
+    # Before training: the imports (Hydra, torch, Lightning), or past them into the job (its config record
+    # written, the data prepared) on a fast machine: one line, exit 0, nothing left behind.
     rc, out, took = _interrupt([*args, "trainer.max_steps=4"], tmp_path, None, delay_s=1.5)
     assert rc == 0 and took < BOUND_S, out
     assert "Traceback" not in out and "interrupted (Ctrl-C)" in out and "nothing to save; stopped" in out
@@ -225,20 +226,29 @@ ctypes.CDLL(None).pthread_exit(None)
     assert out.read_text() == "False True True"
 
 
-def test_ctrl_c_before_hydra_job_removes_the_run_dir_the_command_made(tmp_path):
-    """Ctrl-C after the command made `hydra.run.dir` (checked writable before Hydra runs) but before Hydra's
-    job began (no HydraConfig yet): the handler removes that empty directory too, so nothing is left
-    behind (the first moment of test_ctrl_c_at_every_moment, when the signal lands there)."""
-    from ntp_nemo.config.run_dir import check_run_dir_overrides
+def test_ctrl_c_before_training_removes_the_run_dirs_the_command_made(tmp_path):
+    """Ctrl-C before any training step, in the directories this command made (`hydra.run.dir`, checked
+    writable before Hydra runs): whether it lands before Hydra's job began (no HydraConfig yet) or after
+    the config record was written (the first moment of test_ctrl_c_at_every_moment on a fast machine),
+    the handler removes what holds only the command's log and config record, parents it made included;
+    a directory holding anything else (a run's metrics), or one that was there before, stays."""
+    from ntp_nemo.config.run_dir import LOG_NAMES, RECORD_DIR, check_run_dir_overrides
 
-    run, kept = tmp_path / "new" / "run", tmp_path / "old"
+    bare, recorded, trained = tmp_path / "a" / "run", tmp_path / "b" / "run", tmp_path / "c" / "run"
+    kept = tmp_path / "old"
     kept.mkdir()
-    (kept / "train.log").write_text("an earlier command's\n")
+    (kept / LOG_NAMES[0]).write_text("an earlier command's\n")
     pid = os.fork()
     if pid == 0:  # the command's process, where the handler runs (and exits)
         try:
-            created = check_run_dir_overrides([f"hydra.run.dir={run}", "hydra.sweep.dir=" + str(kept)])
-            assert run.is_dir()
+            created = []
+            for run in (bare, recorded, trained):
+                created += check_run_dir_overrides([f"hydra.run.dir={run}", f"hydra.sweep.dir={kept}"])
+            for run in (recorded, trained):  # what the job writes once the config is valid
+                (run / RECORD_DIR).mkdir()
+                (run / RECORD_DIR / "config.yaml").write_text("trainer: {}\n")
+                (run / LOG_NAMES[0]).write_text("ntp_nemo | recipe gpt_tiny\n")
+            (trained / "metrics.jsonl").write_text('{"step": 1}\n')
             from ntp_nemo.train import _interrupted
 
             os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
@@ -247,5 +257,6 @@ def test_ctrl_c_before_hydra_job_removes_the_run_dir_the_command_made(tmp_path):
             os._exit(3)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
-    assert not (tmp_path / "new").exists()  # with the parent it made
-    assert (kept / "train.log").is_file()  # what was there before stays
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # with the parents made
+    assert (trained / "metrics.jsonl").is_file() and (trained / RECORD_DIR / "config.yaml").is_file()
+    assert (kept / LOG_NAMES[0]).is_file()  # what was there before stays

@@ -212,9 +212,8 @@ def test_sigterm_to_a_run_whose_worker_hangs_ends_it_within_the_bound(tmp_path):
     instead of relaunching as if nothing had been asked."""
     import signal
     import subprocess
-    import sys
 
-    from tests.conftest import TINY
+    from tests.conftest import TINY, start_cli_until_step
 
     run = tmp_path / "run"
     args = [*TINY, "mesh.dp=1", "mesh.tp=2", "ntp.replica_tp=null", "trainer.max_steps=8",
@@ -222,22 +221,7 @@ def test_sigterm_to_a_run_whose_worker_hangs_ends_it_within_the_bound(tmp_path):
             # a loaded 2-core machine has steps of several seconds: the heartbeat bound leaves room for them
             "fault.heartbeat_timeout_s=15", "fault.collective_timeout_s=30", "fault.step_timeout_s=120",
             f"hydra.run.dir={run}"]
-    proc = subprocess.Popen([sys.executable, "-m", "ntp_nemo.train", *args], cwd=tmp_path, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    beat = run / "failover" / "heartbeats" / "rank_00000.json"
-    deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None:
-        try:
-            doc = json.loads(beat.read_text())
-        except (OSError, ValueError):
-            doc = {}
-        if doc.get("step") == 4 and doc.get("phase") == "step_start":  # rank 1 hangs as step 4 starts
-            break
-        time.sleep(0.05)
-    else:
-        proc.kill()
-        pytest.fail(f"the hang never started:\n{proc.communicate()[0]}")
+    proc = start_cli_until_step(args, tmp_path, run, 4)  # rank 1 hangs as step 4 starts
     sent = time.time()
     os.killpg(proc.pid, signal.SIGTERM)  # what a scheduler sends to the job before killing it
     try:

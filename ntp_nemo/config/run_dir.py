@@ -135,14 +135,18 @@ def save_record(spec: RunSpec, run_dir: Path) -> str | None:
     return note
 
 
-def remove_if_empty(run_dir: Path) -> bool:
+def remove_if_empty(run_dir: Path, records: bool = False) -> bool:
     """Remove a run directory that holds nothing but this command's log and empty folders (a command
-    that failed before doing anything); returns whether it was removed."""
+    that failed before doing anything); returns whether it was removed. `records`: the config records
+    (`.hydra/`, at any depth: a sweep's jobs) count as nothing too: for a directory this command created
+    and then stopped before training (Ctrl-C), whose record describes a run that never ran."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return False
     for p in run_dir.rglob("*"):
-        if p.is_file() and not (p.parent == run_dir and p.name in LOG_NAMES):
+        if not p.is_file() or p.name in LOG_NAMES and (p.parent == run_dir or records):
+            continue
+        if not (records and RECORD_DIR in p.relative_to(run_dir).parts[:-1]):
             return False
     shutil.rmtree(run_dir, ignore_errors=True)
     return True
