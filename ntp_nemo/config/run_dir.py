@@ -144,9 +144,11 @@ def remove_if_empty(run_dir: Path, records: bool = False) -> bool:
     if not run_dir.is_dir():
         return False
     for p in run_dir.rglob("*"):
-        if not p.is_file() or p.name in LOG_NAMES and (p.parent == run_dir or records):
+        if not p.is_file():
             continue
-        if not (records and RECORD_DIR in p.relative_to(run_dir).parts[:-1]):
+        log = p.name in LOG_NAMES and (p.parent == run_dir or records)
+        record = records and RECORD_DIR in p.relative_to(run_dir).parts[:-1]
+        if not (log or record):
             return False
     shutil.rmtree(run_dir, ignore_errors=True)
     return True
