@@ -102,7 +102,7 @@ LLAMA_1B = {
 }
 
 
-# ---- pure helpers (tested on CPU: tests/test_gpu_check.py) ------------------------------------------
+# ---- pure helpers (tested on CPU: tests/house/test_gpu_check.py) ------------------------------------------
 def bf16_peak_tflops(device_name: str) -> float | None:
     """The dense bf16 peak of a device by its CUDA name, None when unknown."""
     name = device_name.upper()

@@ -201,7 +201,7 @@ def sweep_cases(cases: dict[str, list[str]], common: list[str], root: Path, time
 
 
 # The failure-free curves of TINY that comparisons read: one process (every layout follows the same curve
-# to 1e-5 relative, tests/test_train_cli.py), per run length (the schedule depends on trainer.max_steps);
+# to 1e-5 relative, tests/cli/test_train_cli.py), per run length (the schedule depends on trainer.max_steps);
 # NTP (2,1) at 20 steps for the resume tests' 1e-6 comparisons (same layout, same reduction order).
 NTP21 = ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]"]
 REFERENCES = {

@@ -7,7 +7,7 @@ checkpoint connector, `ModelCheckpoint`'s last saved step and `LightningOptimize
 They live here, behind functions named for what they do, so that the rest of the project (the
 strategy, the module, the callbacks, `resilience/`) uses public names only, and a Lightning upgrade
 that moves one of them breaks this file, where `SUPPORTED_LIGHTNING` says which releases it was
-checked against (tests/test_lightning_adapter.py fails, naming the installed release, on any other).
+checked against (tests/lightning/test_adapter.py fails, naming the installed release, on any other).
 """
 
 from __future__ import annotations

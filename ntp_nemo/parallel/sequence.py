@@ -380,7 +380,7 @@ class _OverlappedProject(torch.autograd.Function):
         else:
             # Summed in the serial path's order: under SP `_GatherProject`'s (the layers in order), else
             # autograd's, which adds the projections' input gradients as they arrive (the last layer's
-            # first here): the same values bit for bit (tests/test_tp_overlap.py).
+            # first here): the same values bit for bit (tests/parallel/test_tp_overlap.py).
             pairs = list(zip(g2, weights, strict=True))
             grad_in = None
             for g, w in pairs if ctx.gather else pairs[::-1]:

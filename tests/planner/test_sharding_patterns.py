@@ -1,0 +1,155 @@
+"""Row/column against block (SUMMA) sharding on the four measures: hand-computed numbers for small
+matmuls, the model's matmul list, and `ntp-plan --patterns` for llama3_8b at TP 8 and TP 64."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ntp_nemo.planner.patterns import (
+    BLOCK,
+    COLUMN,
+    ROW,
+    ROW_COLUMN,
+    Matmul,
+    block_cost,
+    compare,
+    grid_side,
+    model_matmuls,
+    row_column_cost,
+    step_totals,
+)
+from ntp_nemo.planner.shapes import DeviceModel, ModelShape
+
+REPO = Path(__file__).resolve().parents[2]
+# 1e12 FLOP/s sustained, 2-byte activations, 16 bytes of state per parameter.
+DEVICE = DeviceModel(name="toy", peak_tflops=1.0, efficiency=1.0, act_bytes=2, state_bytes_per_param=16)
+BW = 1e9  # bytes/s
+
+
+def test_grid_side() -> None:
+    assert [grid_side(p) for p in (1, 4, 8, 9, 64)] == [1, 2, None, 3, 8]
+
+
+def test_column_parallel_matmul_by_hand() -> None:
+    # X [8 x 4] @ W [4 x 16] on p = 4 devices (q = 2), no latency.
+    mm = Matmul("up", k=4, n=16, side=COLUMN)
+    one = row_column_cost(mm, tokens=8, p=4, device=DEVICE, link_bw=BW, link_latency_s=0.0)
+    # FLOPs: 6*8*4*16 / 4 = 768 per device -> 768e-12 s.
+    assert one.flops == 768 and one.compute_s == pytest.approx(768e-12)
+    # One all-reduce of X's gradient, 8*4 values of 2 bytes = 64 B; a ring moves 2*3/4*64 = 96 B.
+    assert one.bytes_moved == pytest.approx(96.0)
+    assert one.comm_s == one.exposed_comm_s == pytest.approx(96e-9)
+    assert one.time_s == pytest.approx(96e-9 + 768e-12)
+    # W: 4*16/4 = 16 parameters x 16 B = 256 B; the replicated input 8*4*2 = 64 B.
+    assert one.memory_bytes == pytest.approx(320.0)
+    assert (one.syncs, one.flops_per_sync) == (1, 768)
+
+    two = block_cost(mm, tokens=8, p=4, device=DEVICE, link_bw=BW, link_latency_s=0.0)
+    assert two is not None and two.pattern == BLOCK
+    # Elements received: 2*(2-1)*(8*4 + 4*16 + 8*16)/4 = 112 -> 224 B.
+    assert two.bytes_moved == pytest.approx(224.0)
+    assert two.comm_s == pytest.approx(224e-9)
+    # Exposed: 224/2 ns for the first step + (1/2)*(224 - 0.768) ns not hidden by the block products.
+    assert two.exposed_comm_s == pytest.approx(112e-9 + 111.616e-9)
+    assert two.time_s == pytest.approx(224.384e-9)
+    # W: 256 B as above; the input block 8*4/4 = 8 values x 2 B = 16 B.
+    assert two.memory_bytes == pytest.approx(272.0)
+    # 3 products x 2 steps = 6 broadcasts: 768 / 6 = 128 FLOPs between two.
+    assert (two.syncs, two.flops_per_sync) == (6, 128)
+
+
+def test_row_parallel_matmul_and_latency_by_hand() -> None:
+    # X [8 x 16] @ W [16 x 8] row-parallel on 4 devices, 1 us per hop.
+    mm = Matmul("down", k=16, n=8, side=ROW)
+    one = row_column_cost(mm, tokens=8, p=4, device=DEVICE, link_bw=BW, link_latency_s=1e-6)
+    # The forward all-reduce of Y: 8*8*2 = 128 B, ring 2*3/4*128 = 192 B in 2*3 hops of 1 us.
+    assert one.bytes_moved == pytest.approx(192.0)
+    assert one.comm_s == pytest.approx(6e-6 + 192e-9)
+    # W 16*8/4 = 32 params x 16 B = 512 B; the sharded input 8*16/4 values x 2 B = 64 B.
+    assert one.memory_bytes == pytest.approx(576.0)
+    assert one.flops == 6 * 8 * 16 * 8 / 4 == 1536
+    two = block_cost(mm, tokens=8, p=4, device=DEVICE, link_bw=BW, link_latency_s=1e-6)
+    # 2*1*(128 + 128 + 64)/4 = 160 elements = 320 B; 3 products x 2 operands x 1 hop.
+    assert two.bytes_moved == pytest.approx(320.0)
+    assert two.comm_s == pytest.approx(6e-6 + 320e-9)
+
+
+def test_block_moves_fewer_bytes_for_many_tokens_on_a_large_grid() -> None:
+    # X [64 x 8] @ W [8 x 8] on 16 devices (q = 4): sqrt(p) = 4 > aspect 1 x (1 + 8/64).
+    mm = Matmul("square", k=8, n=8, side=COLUMN)
+    one = row_column_cost(mm, tokens=64, p=16, device=DEVICE, link_bw=BW, link_latency_s=0.0)
+    two = block_cost(mm, tokens=64, p=16, device=DEVICE, link_bw=BW, link_latency_s=0.0)
+    assert one.bytes_moved == pytest.approx(2 * 15 / 16 * 64 * 8 * 2)  # 1920 B
+    assert two.bytes_moved == pytest.approx(2 * 3 * (512 + 64 + 512) / 16 * 2)  # 816 B
+    assert two.bytes_moved < one.bytes_moved
+    # On a 2 x 2 grid with 8 tokens sqrt(p) = 2 equals 1 x (1 + 8/8): both move 192 B
+    # (1D: 2*3/4*8*8*2; block: 2*1*(64 + 64 + 64)/4 values x 2 B); with 4 tokens block moves more.
+    assert block_cost(mm, 8, 4, DEVICE, BW, 0.0).bytes_moved == pytest.approx(192.0)
+    assert row_column_cost(mm, 8, 4, DEVICE, BW, 0.0).bytes_moved == pytest.approx(192.0)
+    assert block_cost(mm, 4, 4, DEVICE, BW, 0.0).bytes_moved == pytest.approx(2 * (32 + 64 + 32) / 4 * 2)
+    assert row_column_cost(mm, 4, 4, DEVICE, BW, 0.0).bytes_moved == pytest.approx(96.0)
+
+
+def test_no_block_sharding_without_a_square_grid() -> None:
+    mm = Matmul("up", k=4, n=16, side=COLUMN)
+    assert block_cost(mm, 8, 8, DEVICE, BW, 0.0) is None
+    model = ModelShape(vocab_size=100, hidden_size=8, num_layers=2, num_heads=2)
+    assert step_totals(compare(model, 8, 8, DEVICE, BW, 0.0)) is None
+
+
+def test_model_matmuls_and_step_totals() -> None:
+    model = ModelShape(vocab_size=100, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1,
+                       ffn_hidden_size=16, gated_mlp=True)
+    got = [(m.name, m.k, m.n, m.side, m.count) for m in model_matmuls(model)]
+    assert got == [("qkv", 8, 8 + 2 * 4, COLUMN, 2), ("attn out", 8, 8, ROW, 2), ("mlp up", 8, 32, COLUMN, 2),
+                   ("mlp down", 16, 8, ROW, 2), ("head", 8, 100, COLUMN, 1)]
+    totals = step_totals(compare(model, 8, 4, DEVICE, BW, 0.0))
+    # 1D: every matmul all-reduces 8 tokens x hidden 8 x 2 B = 128 B, a ring moves 192 B; 9 matmuls a step.
+    assert totals[ROW_COLUMN]["bytes_moved"] == pytest.approx(9 * 192.0)
+    # FLOPs per device: 6*8*(8*16 + 8*8 + 8*32 + 16*8)*2/4 + 6*8*8*100/4 = 13824 + 9600, over 9 collectives.
+    assert totals[ROW_COLUMN]["flops_per_sync"] == pytest.approx((13824 + 9600) / 9)
+    assert totals[BLOCK]["flops_per_sync"] == pytest.approx((13824 + 9600) / (9 * 6))
+
+
+def _ntp_plan(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "ntp_nemo.cli.plan", *args], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def test_ntp_plan_patterns_llama3_8b_tp64() -> None:
+    proc = _ntp_plan("model=llama3_8b", "hardware=h100", "mesh.tp=64", "--patterns", "format=json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert (data["degree"], data["grid_side"], data["tokens"]) == (64, 8, 8192)
+    qkv = data["matmuls"][0]
+    # By hand: 1D all-reduces 8192 x 4096 bf16 values: 2*63/64*8192*4096*2 B; block on the 8 x 8 grid
+    # receives 2*7*(8192*4096 + 4096*6144 + 8192*6144)/64 values of 2 B.
+    assert qkv["row_column"]["bytes_moved"] == pytest.approx(2 * 63 / 64 * 8192 * 4096 * 2)
+    values = 14 * (8192 * 4096 + 4096 * 6144 + 8192 * 6144) / 64
+    assert qkv["block"]["bytes_moved"] == pytest.approx(values * 2)
+    assert qkv["block"]["syncs"] == 24
+    table = _ntp_plan("model=llama3_8b", "hardware=h100", "mesh.tp=64", "--patterns")
+    assert table.returncode == 0, table.stderr
+    out = table.stdout
+    assert "8x8 grid" in out
+    assert "speed at 450 GB/s (scale-up)" in out and "speed at 50 GB/s (scale-out)" in out
+    for measure in ("bytes moved per device", "memory per device", "work between collectives"):
+        assert measure in out
+    assert "matmuls where block moves fewer bytes: qkv, attn out, mlp down" in out
+    assert "where block sharding wins" in out and " 64  8x8" in out
+
+
+def test_ntp_plan_patterns_llama3_8b_tp8_and_bad_degree() -> None:
+    proc = _ntp_plan("model=llama3_8b", "hardware=h100", "mesh.tp=8", "--patterns")
+    assert proc.returncode == 0, proc.stderr
+    assert "8 is not a square" in proc.stdout and "row/column (column)" in proc.stdout
+    assert "where block sharding wins" in proc.stdout and "  9  3x3" in proc.stdout
+    bad = _ntp_plan("model=llama3_8b", "mesh.tp=1", "--patterns")
+    assert bad.returncode == 2 and "mesh.tp" in bad.stderr and "Traceback" not in bad.stderr
