@@ -10,17 +10,12 @@ that the caller puts into its own message naming the config key.
 from __future__ import annotations
 
 import os
-import re
 import stat
 from pathlib import Path
 from typing import Any
 
 MAX_DEPTH = 64  # far deeper than any file ntp_nemo or Hugging Face writes
 MAX_BYTES = 64 << 20
-
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
-_BRACKET = re.compile(r"[\[\]{}]")
-
 
 class JSONInputError(ValueError):
     """A JSON input that is not a regular file, too large, too deeply nested or malformed."""
@@ -30,21 +25,43 @@ class JSONBoundError(JSONInputError):
     """A JSON input beyond a bound (nesting depth, size) or not a regular file: never an ordinary typo."""
 
 
-def nesting_depth(text: str) -> int:
-    """Deepest nesting of arrays and objects in `text` (strings skipped), without recursion."""
-    depth = deepest = 0
-    for m in _BRACKET.finditer(_STRING.sub('""', text)):
-        if m.group() in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        else:
-            depth -= 1
-    return deepest
+def nesting_depth(text: str | bytes) -> int:
+    """Deepest nesting of arrays and objects in `text` (strings skipped), in time linear in its length
+    whatever it holds (an unterminated string, runs of escapes, millions of brackets).
+
+    Escapes go first (`\\\\` pairs, then `\\"`: bytes.replace scans left to right, as a JSON reader
+    pairs them), so every quote left opens or closes a string; a bracket lies outside the strings when an
+    even number of quotes precede it; the running sum of opening minus closing brackets outside strings
+    is the depth. Quotes, backslashes and brackets are ASCII, so no UTF-8 sequence hides one. The figure
+    is exact for valid JSON (`parse_json` parses first and refuses anything else).
+    """
+    import numpy as np
+
+    data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else bytes(text)
+    data = data.replace(b"\\\\", b"").replace(b'\\"', b"")
+    kind = np.zeros(256, dtype=np.int8)  # +1 opens, -1 closes, 2 quote
+    kind[[ord("["), ord("{")]] = 1
+    kind[[ord("]"), ord("}")]] = -1
+    kind[ord('"')] = 2
+    k = kind[np.frombuffer(data, dtype=np.uint8)]
+    marks = np.flatnonzero(k)  # the bytes that matter, in order
+    k = k[marks]
+    is_quote = k == 2
+    if is_quote.any():
+        quotes = marks[is_quote]
+        brackets = ~is_quote
+        outside = np.searchsorted(quotes, marks[brackets]) % 2 == 0  # an even number of quotes before
+        k = k[brackets][outside]
+    if not k.size:
+        return 0
+    return max(int(np.cumsum(k, dtype=np.int64).max()), 0)
 
 
 def parse_json(text: str | bytes, max_depth: int = MAX_DEPTH) -> Any:
     """`json.loads` that refuses nesting deeper than `max_depth` (a `JSONInputError`, never a
-    `RecursionError`)."""
+    `RecursionError`), in time linear in the input whatever it holds: the C parser runs first (it
+    refuses malformed text in one pass and raises `RecursionError` past the interpreter's recursion
+    limit), then the depth of what parsed is checked with `nesting_depth`."""
     import json
 
     if isinstance(text, bytes):
@@ -52,15 +69,23 @@ def parse_json(text: str | bytes, max_depth: int = MAX_DEPTH) -> Any:
             text = text.decode("utf-8")
         except UnicodeDecodeError as err:
             raise JSONInputError(f"not UTF-8 text ({err.reason} at byte {err.start})") from None
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise JSONBoundError(f"nested more levels deep than the {max_depth} allowed") from None
+    except ValueError as err:
+        raise JSONInputError(f"not valid JSON ({_short(err)})") from None
     depth = nesting_depth(text)
     if depth > max_depth:
         raise JSONBoundError(f"nested {depth} levels deep, more than the {max_depth} allowed")
-    try:
-        return json.loads(text)
-    except RecursionError:
-        raise JSONBoundError(f"nested more than the {max_depth} levels allowed") from None
-    except ValueError as err:
-        raise JSONInputError(f"not valid JSON ({err})") from None
+    return value
+
+
+def _short(err: ValueError) -> str:
+    """The parser's reason, cut to one short line (a `ValueError` for a 10 MB number quotes no input,
+    but keep any that would)."""
+    reason = " ".join(str(err).split())
+    return reason if len(reason) <= 200 else reason[:197] + "..."
 
 
 def read_regular(path: str | os.PathLike, max_bytes: int = MAX_BYTES, *,
