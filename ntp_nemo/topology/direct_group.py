@@ -221,8 +221,17 @@ class DirectGroup(dist.ProcessGroup):
             if now >= deadline:
                 raise self._error("timed out", what, f"not done {self._timeout_s:g} s after it first waited; "
                                   f"waiting for ranks {sorted(set(outgoing) | set(incoming))}")
-            select.select([self._peers[p] for p in incoming], [self._peers[p] for p in outgoing], [],
-                          min(deadline - now, 1.0))
+            self._wait(incoming, outgoing, min(deadline - now, 1.0))
+
+    def _wait(self, incoming: dict, outgoing: dict, seconds: float) -> None:
+        """Block until a peer in `incoming` can be read or one in `outgoing` written, or `seconds` pass.
+        `poll`, not `select`: select() refuses a descriptor numbered 1,024 or more, which a long job's
+        process may well hold."""
+        poller = select.poll()
+        for p in set(incoming) | set(outgoing):
+            poller.register(self._peers[p], (select.POLLIN if p in incoming else 0)
+                            | (select.POLLOUT if p in outgoing else 0))
+        poller.poll(max(1, int(seconds * 1000)))
 
     def _others(self) -> list[int]:
         return [p for p in range(self._size) if p != self._rank]

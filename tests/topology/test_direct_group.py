@@ -316,3 +316,38 @@ def _setup_process(rank: int, store_path: str, queue) -> None:
 def test_a_stranger_at_set_up_is_dropped_and_the_group_forms():
     got = dict(_forked(_setup_process, 2, 2))
     assert got == {0: [3.0, 3.0, 3.0], 1: [3.0, 3.0, 3.0]}
+
+
+def high_descriptor_worker(rank: int, world: int) -> dict:
+    """The group's sockets numbered above 1,023 (a long job's process holds that many descriptors), and
+    a collective that has to wait for its peer: select() refused such a descriptor."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < 1200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1200, hard))
+    filler = []
+    with open(os.devnull) as null:
+        while len(filler) < 1030:
+            filler.append(os.dup(null.fileno()))
+    register()
+    g = dist.new_group(list(range(world)), backend=BACKEND)
+    fds = sorted(s.fileno() for s in g._peers.values())
+    x = torch.full((4,), float(rank + 1))
+    if rank == 1:
+        time.sleep(0.3)  # rank 0 waits on its socket meanwhile
+    dist.all_reduce(x, group=g)
+    for fd in filler:
+        os.close(fd)
+    return {"fds": fds, "x": x.tolist()}
+
+
+def test_a_collective_waits_on_sockets_numbered_above_1023():
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the hard open-file limit ({hard}) is below the 1,200 this test needs")
+    for out in run_workers(high_descriptor_worker, 2, timeout_s=30.0):
+        assert min(out["fds"]) > 1023, out
+        assert out["x"] == [3.0] * 4, out
