@@ -38,6 +38,7 @@ from ntp_nemo.checkpoint.files import DIGEST, INDEX_FILE, REQUIRED_FILES, read_i
 
 ALIGN = 64
 HASH_BLOCK = 1 << 20  # bytes per block digest: hashed then written while still in cache
+MAX_RECORDS = 1 << 16  # records of one tensor: writers make one per piece a rank owns (thousands at most)
 
 
 @dataclass(frozen=True)
@@ -259,10 +260,50 @@ def index_problem(doc: object, file_sizes: dict[str, int]) -> str | None:
             problem = _record_problem(r, t["shape"], item, file_sizes)
             if problem is not None:
                 return f"{what}, record {i} {problem}"
+        if len(t["records"]) > MAX_RECORDS:
+            return (f"{what} has {len(t['records'])} records, more than the {MAX_RECORDS} any writer "
+                    f"makes")
         held, whole = sum(math.prod(r["sizes"]) for r in t["records"]), math.prod(t["shape"])
         if held != whole:
             return (f"{what} has records of {held} elements in all, not the {whole} of its shape "
                     f"{t['shape']} (a writer's records are missing or doubled)")
+        pair = overlapping_records([r["offsets"] for r in t["records"]], [r["sizes"] for r in t["records"]])
+        if pair is not None:
+            i, j = pair
+            return (f"{what} has records {i} and {j} that overlap (offsets {t['records'][i]['offsets']} and "
+                    f"{t['records'][j]['offsets']}): some elements would be read twice and others never "
+                    f"written")
+    return None
+
+
+def overlapping_records(offsets: Sequence[Sequence[int]],
+                        sizes: Sequence[Sequence[int]]) -> tuple[int, int] | None:
+    """Two boxes (indices) that share an element, or None. With every box inside the shape and their
+    element counts adding up to the shape's, None proves the boxes tile the tensor exactly (no gap, no
+    overlap). A sweep along the dimension with the most distinct starts keeps the open boxes few for
+    the writers' row or column pieces; `MAX_RECORDS` bounds the worst case."""
+    import numpy as np
+
+    if not offsets:
+        return None
+    lo = np.asarray(offsets, dtype=np.int64).reshape(len(offsets), -1)
+    hi = lo + np.asarray(sizes, dtype=np.int64).reshape(lo.shape)
+    if lo.shape[1] == 0:  # scalars: any two records hold the one element twice
+        return (0, 1) if len(offsets) > 1 else None
+    live = np.flatnonzero(np.all(hi > lo, axis=1))  # empty boxes hold nothing
+    if live.size < 2:
+        return None
+    axis = max(range(lo.shape[1]), key=lambda d: np.unique(lo[live, d]).size)
+    order = live[np.argsort(lo[live, axis], kind="stable")]
+    open_boxes = np.empty(0, dtype=np.int64)
+    for i in order:
+        open_boxes = open_boxes[hi[open_boxes, axis] > lo[i, axis]]
+        if open_boxes.size:
+            hit = np.all((lo[open_boxes] < hi[i]) & (lo[i] < hi[open_boxes]), axis=1)
+            if hit.any():
+                j = int(open_boxes[np.argmax(hit)])
+                return (min(i, j), max(i, j))
+        open_boxes = np.append(open_boxes, i)
     return None
 
 
