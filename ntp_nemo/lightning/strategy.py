@@ -10,6 +10,8 @@ replicas of unequal TP.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
 from contextlib import contextmanager
 from datetime import timedelta
@@ -98,6 +100,7 @@ class NTPStrategy(StrategyAdapter):
         self.runtime: NTPRuntime | None = None  # the current state's (kept as an attribute: read per step)
         self.state: RankState | None = None
         self._launch_devices: list[torch.device] | None = None  # every process's device, as launched
+        self._own_device: torch.device | None = None  # this process's device, as launched (kept by adopt)
         self.num_nodes = 1
         self._rendezvous_server: dist.TCPStore | None = None  # rank 0 of a local launch (loopback only)
 
@@ -197,10 +200,16 @@ class NTPStrategy(StrategyAdapter):
         module.model = state.model  # Lightning's child module (precision, device moves, checkpoints)
         if old is None:
             self._launch_devices = list(self.parallel_devices or [])
+            self._own_device = self.root_device if self._launch_devices else None
             return
+        if state.runtime.topology is old.runtime.topology:
+            return  # a rebalance: the same ranks, groups and shards, another batch split
         world = state.layout.world_size
         if isinstance(self.cluster_environment, LightningEnvironment):  # forked here: local rank = rank
-            self.parallel_devices = self._launch_devices[:world]
+            # The process keeps its own device (its tensors, its CUDA context) under its new rank: the
+            # launch list at the new rank is another process's GPU once ranks below it are gone.
+            self.parallel_devices = [self._own_device if r == state.rank else d
+                                     for r, d in enumerate(self._launch_devices[:world])]
             os.environ["LOCAL_RANK"] = str(state.rank)
         # (a cluster task keeps its node-local rank and device; its global rank and world move)
         self.cluster_environment.set_global_rank(state.rank)
@@ -215,6 +224,18 @@ class NTPStrategy(StrategyAdapter):
         # save builds new ones.  (A save still in flight when a rank was lost never commits; the one
         # before it stays the latest checkpoint.)
         self._saver = None
+
+    def rebalance(self, layout: ResolvedLayout) -> None:
+        """From the next step on, run `layout`: the running layout with other batch shares (a straggler's
+        replica measured slower gets less of the global batch, `ResolvedLayout.speeds`).  Every rank holds
+        the same shards in the same process groups, so nothing moves; every rank calls it at the same
+        step (the straggler watch's verdicts are computed alike on every rank)."""
+        if not layout.same_ranks(self.layout):
+            raise ValueError(f"a rebalance keeps the ranks' shards: {layout.describe()} is not "
+                             f"{self.layout.describe()}")
+        runtime = copy.copy(self.runtime)  # the same place, groups, sync and engine, read for a new split
+        runtime.layout = layout
+        self.adopt(dataclasses.replace(self.state, layout=layout, runtime=runtime))
 
     def _loopback_rendezvous_store(self) -> dist.TCPStore | None:
         """In rank 0 of workers we forked (their store not hosted by the launching process): the env://

@@ -87,15 +87,20 @@ def join(store: JobStore, generation: int, rank: int, world_size: int, *, backen
     the job's store with torch's rendezvous keys signed (`SignedStore`), then make every rank prove the
     job's secret over the new group (`authenticate_group`) before anything else runs on it; a group that
     fails the proof is dropped and UnauthenticatedPeerError raised."""
+    bound: dict = {}
     if uses_nccl(backend):
         prepare_nccl_env()  # a lost peer must not make NCCL's watchdog end this survivor
+        # Communicators made eagerly on this process's GPU (the one `setup_environment` set current), for
+        # the world and every group split from it: a lazy one is created by its first collective, which
+        # a point-to-point exchange (the reshard's batch_isend_irecv) needs every rank of it to make.
+        bound["device_id"] = torch.device("cuda", torch.cuda.current_device())
     signed = SignedStore(store, f"gen{generation}", timeout_s, abort_key=failed_key(generation))
     store.rendezvous_stores[f"gen{generation}"] = signed
     dist.init_process_group(backend, store=signed, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
-    device = "cpu"
-    if uses_nccl(backend) and "gloo" not in backend:  # an NCCL-only world all-gathers CUDA tensors
-        device = torch.device("cuda", torch.cuda.current_device())
+                            timeout=timedelta(seconds=timeout_s), **bound)
+    # On a world with NCCL the proof runs on the GPU: its all-gather is every rank's first call on the
+    # NCCL communicator (a mixed world's gloo side would leave the communicator untouched until the reshard).
+    device = bound.get("device_id", "cpu")
     try:
         authenticate_group(store, f"gen{generation}", device)
     except UnauthenticatedPeerError:

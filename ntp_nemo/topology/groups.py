@@ -23,11 +23,12 @@ mixed world they take the device backend alone (`subgroup_backend`), which opens
 (NCCL connects lazily, over its own transport).  On a CPU world (gloo alone) every group is gloo: its
 tensors need it, except the TP groups (below).
 
-TP groups of a CPU world: the `ntpdirect` backend (`topology.direct_group`: tensor collectives over
-direct TCP connections on the calling thread; at two ranks 3 to 12 times cheaper per collective than
-gloo on CPU, `python bench/direct_group.py`), unless
-`ntp.cpu_tp_backend=gloo`.  The strategy passes that key to its workers as `NTP_NEMO_CPU_TP_BACKEND`
-(read here, in the worker, when the groups are made: a live recovery's groups follow it too).
+TP groups of a CPU world of CPU ranks: the `ntpdirect` backend (`topology.direct_group`: tensor
+collectives over direct TCP connections on the calling thread; at two ranks 3 to 12 times cheaper per
+collective than gloo on CPU, `python bench/direct_group.py`), unless `ntp.cpu_tp_backend=gloo`; ranks
+on GPUs never take it (it moves CPU tensors only: `tp_backend`).  The strategy passes that key to its
+workers as `NTP_NEMO_CPU_TP_BACKEND` (read here, in the worker, when the groups are made: a live
+recovery's groups follow it too).
 """
 
 from __future__ import annotations
@@ -86,20 +87,24 @@ def new_subgroup(ranks: Sequence[int]) -> Any:
 CPU_TP_BACKEND_ENV = "NTP_NEMO_CPU_TP_BACKEND"
 
 
-def tp_backend(world_backend: str) -> str | None:
-    """Backend of a TP group in a world of `world_backend`: `ntpdirect` on a CPU world (gloo alone)
-    unless `NTP_NEMO_CPU_TP_BACKEND=gloo`; else that of any subgroup (`subgroup_backend`)."""
-    if str(world_backend) == "gloo" and os.environ.get(CPU_TP_BACKEND_ENV, "ntpdirect") == "ntpdirect":
+def tp_backend(world_backend: str, device: torch.device | str = "cpu") -> str | None:
+    """Backend of a TP group in a world of `world_backend` whose ranks compute on `device` (the runtime's):
+    `ntpdirect` (CPU tensors only) on a CPU world (gloo alone) of CPU ranks unless
+    `NTP_NEMO_CPU_TP_BACKEND=gloo`; else that of any subgroup (`subgroup_backend`): a gloo world on GPUs
+    (ranks sharing one GPU) keeps gloo, which moves CUDA tensors; a mixed world takes its device part."""
+    on_cpu = torch.device(device).type == "cpu"
+    if (on_cpu and str(world_backend) == "gloo"
+            and os.environ.get(CPU_TP_BACKEND_ENV, "ntpdirect") == "ntpdirect"):
         from ntp_nemo.topology.direct_group import register
 
         return register()
     return subgroup_backend(world_backend)
 
 
-def new_tp_group(ranks: Sequence[int]) -> Any:
-    """A TP group (collective: every rank calls it): `tp_backend` of the world's backend, the world
-    group's timeout."""
-    return new_group(ranks, backend=tp_backend(dist.get_backend()))
+def new_tp_group(ranks: Sequence[int], device: torch.device | str = "cpu") -> Any:
+    """A TP group (collective: every rank calls it) of ranks computing on `device`: `tp_backend` of the
+    world's backend, the world group's timeout."""
+    return new_group(ranks, backend=tp_backend(dist.get_backend(), device))
 
 
 def gloo_sockets(world_size: int, subgroup_peers: int, *, gloo_subgroups: bool,

@@ -120,19 +120,22 @@ class Topology:
                     seen.update(tuple(ranks[k * t : (k + 1) * t]) for k in range((len(ranks) - 1) // t + 1))
         return sorted(g for g in seen if len(g) > 1)
 
-    def build_groups(self, extra: Sequence[tuple[int, ...]] = (), new_group: Callable | None = None) -> None:
+    def build_groups(self, extra: Sequence[tuple[int, ...]] = (), new_group: Callable | None = None,
+                     device: Any = "cpu") -> None:
         """Create every process group this topology and `extra` (e.g. DP fragment holder sets) need.
 
         Collective: all ranks call it with the same arguments, in the same order.  They carry tensors
-        only: no gloo side on a GPU world; the TP groups of a CPU world take the `ntpdirect` backend
-        (`ntp_nemo.topology.groups`).
+        only: no gloo side on a GPU world; the TP groups of a CPU world whose ranks compute on `device`
+        "cpu" take the `ntpdirect` backend (`ntp_nemo.topology.groups.tp_backend`).
         """
         tp = set(self.tp_group_tuples())
         make_tp = new_group
         if new_group is None:
+            from functools import partial
+
             from ntp_nemo.topology.groups import new_subgroup, new_tp_group
 
-            new_group, make_tp = new_subgroup, new_tp_group
+            new_group, make_tp = new_subgroup, partial(new_tp_group, device=device)
         for ranks in sorted(tp | {tuple(e) for e in extra if len(e) > 1}):
             if ranks not in self._groups:
                 self._groups[ranks] = (make_tp if ranks in tp else new_group)(list(ranks))
