@@ -70,7 +70,7 @@ def parse_json(text: str | bytes, max_depth: int = MAX_DEPTH) -> Any:
         except UnicodeDecodeError as err:
             raise JSONInputError(f"not UTF-8 text ({err.reason} at byte {err.start})") from None
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_float=_finite_float)
     except RecursionError:
         raise JSONBoundError(f"nested more levels deep than the {max_depth} allowed") from None
     except ValueError as err:
@@ -78,6 +78,16 @@ def parse_json(text: str | bytes, max_depth: int = MAX_DEPTH) -> Any:
     depth = nesting_depth(text)
     if depth > max_depth:
         raise JSONBoundError(f"nested {depth} levels deep, more than the {max_depth} allowed")
+    return value
+
+
+def _finite_float(literal: str) -> float:
+    """A JSON number as a float, refusing one beyond a float's range (`1e999` would become infinity and
+    break every count read from it with an `OverflowError`; `Infinity`, what Python writes for one, is
+    still read)."""
+    value = float(literal)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"the number {literal[:40]} is beyond a float's range")
     return value
 
 

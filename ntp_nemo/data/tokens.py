@@ -210,8 +210,8 @@ def open_token_file(path: str | os.PathLike) -> TokenFile:
         tok_hash = (meta.get("tokenizer_identity") or {}).get("hash")
     except JSONInputError as err:
         raise _bad(path, f"its sidecar {meta_path.name!r} is unreadable: {err}") from None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        raise _bad(path, f"its sidecar {meta_path.name!r} is unreadable or incomplete ({err!r})") from err
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError) as err:
+        raise _bad(path, f"its sidecar {meta_path.name!r} is unreadable or incomplete ({err!r})") from None
     if dtype_name not in _DTYPES:
         raise _bad(path, f"the sidecar names dtype {dtype_name!r}; supported: {', '.join(_DTYPES)}")
     itemsize = _DTYPES[dtype_name].itemsize

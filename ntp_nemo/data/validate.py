@@ -37,7 +37,7 @@ def _hf_vocab(init_from: str | None) -> int | None:
         return None
     try:
         return int(read_json(Path(init_from).expanduser() / "config.json", 16 << 20)["vocab_size"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, OverflowError):
         return None  # the model.init_from checks explain what is wrong with the directory
 
 
@@ -91,7 +91,9 @@ def choose_vocabulary(tokenizer: str | None, sources: Sequence[str], init_from: 
     vocab = None if ident is None else ident.get("vocab_size")
     if vocab is None:  # the token files' own tokenizer (or the byte tokenizer for text)
         metas = [read_sidecar(Path(p).expanduser()) for p in sources]
-        vocab = max((int(m["vocab_size"]) for m in metas if m), default=None)
+        # A sidecar's vocab_size that is not a whole number (`Infinity`, a string) counts as none here:
+        # opening the token file then names the file and what is wrong with its sidecar.
+        vocab = max((m["vocab_size"] for m in metas if m and type(m.get("vocab_size")) is int), default=None)
         if vocab is None:
             spec, vocab = "byte", BYTE_VOCAB  # text or the built-in corpus: tokenized with bytes
     hf_vocab = _hf_vocab(init_from)

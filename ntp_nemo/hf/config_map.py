@@ -137,7 +137,7 @@ def hf_fields(hf: dict, path: str = "<config>") -> dict[str, Any]:
     try:
         fields = _FIELDS[arch](hf, path)
         vocab = int(hf["vocab_size"])
-    except (KeyError, TypeError, ValueError) as err:
+    except (KeyError, TypeError, ValueError, OverflowError) as err:
         raise ConfigError(KEY, f"{path!r}: config.json lacks or garbles field {err} that a {arch} model "
                                "needs.") from err
     return {"arch": arch, "vocab_size": vocab, **fields}

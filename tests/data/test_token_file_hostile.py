@@ -166,3 +166,27 @@ def test_export_refuses_a_tokenizer_config_that_is_not_a_json_object(tmp_path):
     written = json.loads((tmp_path / "ok" / "tokenizer_config.json").read_text())
     assert "tokenizer_config.json" in names
     assert written == {"model_max_length": 64, "eos_token": "<|endoftext|>"}, written
+
+
+@pytest.mark.parametrize("key", ["num_tokens", "vocab_size", "num_documents"])
+@pytest.mark.parametrize("literal", ["1e999", "-1e999", "Infinity", "NaN", "12.5"])
+def test_a_sidecar_count_beyond_range_or_not_whole_is_a_clear_error(tmp_path, key, literal):
+    """`1e999` in a sidecar's count raised an uncaught OverflowError (exit 1 with a traceback); every
+    count that is not a whole number is now the token file's one-paragraph error, at open and where the
+    launcher chooses the vocabulary from the sidecars."""
+    from ntp_nemo.data.validate import choose_vocabulary
+
+    path = _token_file(tmp_path)
+    meta = sidecar_path(path).read_text()
+    doc = json.loads(meta)
+    sidecar_path(path).write_text(meta.replace(f'"{key}":{json.dumps(doc[key])}', f'"{key}":{literal}')
+                                  .replace(f'"{key}": {json.dumps(doc[key])}', f'"{key}": {literal}'))
+    assert sidecar_path(path).read_text() != meta
+    if literal != "12.5" or key != "num_documents":  # a fractional document count is caught below
+        with pytest.raises(ConfigError) as err:
+            open_token_file(path)
+        msg = str(err.value)
+        assert err.value.key == "data.path" and str(path) in msg and "\n" not in msg
+        assert "ntp-preprocess" in msg  # the fix
+    vocab = choose_vocabulary(None, [str(path)], None, 1, 1)  # no traceback; the open names the file
+    assert vocab.tokenizer_vocab in (257, 256)
