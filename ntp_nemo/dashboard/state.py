@@ -1,0 +1,395 @@
+"""What the page shows, read from the files a run writes: one JSON-ready document per request.
+
+Nothing here writes or locks a file, and nothing waits on the run: each read takes what is on disk
+now (a line still being written is left for the next read).  Goodput comes from the goodput
+calculator (`ntp_nemo.goodput`: `load_events`, `build_timeline`, `breakdown`, the functions
+`ntp-goodput` runs), never from a second calculation: the series over time is the calculator's
+report on each prefix of the event stream.
+
+Sources, all inside the run directory:
+- `metrics.jsonl`: the loss curve, the layout (`layout`, e.g. "(1,2)") and batch share
+  (`microbatches`) of each step;
+- `goodput.jsonl`: goodput, badput by category, failures, recoveries and every other event (any
+  kind, shown generically in the timeline; a `straggler` event naming a `rank` marks it slow);
+- `.hydra/run_spec.json`: the nominal layout (replicas, nominal TP, per-layer degrees, stages);
+- `failover/heartbeats/rank_NNNNN.json`: each worker process's latest beat (step, phase, time);
+- `failover/faults/fired_*.json`: injected faults; `checkpoints/step_NNNNNN/`: saved checkpoints;
+- `summary.json`: the run has ended.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ntp_nemo.goodput.events as ev
+from ntp_nemo.checkpoint.manifest import checkpoint_problem
+from ntp_nemo.data.bounded_json import JSONInputError, read_json
+from ntp_nemo.errors import ConfigError
+from ntp_nemo.goodput.calculator import breakdown, build_timeline, load_events
+from ntp_nemo.topology.topology import effective_degree
+
+RUN_FILES = ("metrics.jsonl", ev.GOODPUT_FILENAME, "summary.json", "train.log")
+MAX_SERIES_POINTS = 60  # goodput samples over time (each is the calculator's report on a prefix)
+ROLLING_WINDOW = 5  # samples behind each rolling-goodput point
+QUIET_EVENTS = frozenset({ev.STEP_START, ev.STEP_END, ev.DATA_WAIT})  # not incidents
+_LAYOUT = re.compile(r"^\((\d+(?:,\d+)*)\)")
+
+
+def classify(path: Path) -> str:
+    """'run' (a run directory, started or not), 'sweep' (a directory of runs) or 'empty' (an empty
+    directory: a run not started yet).  Anything else raises ConfigError naming the fix."""
+    fix = ("pass the run directory ntp-train writes (hydra.run.dir, or outputs/<recipe>/<time>/: it holds "
+           ".hydra/, metrics.jsonl, goodput.jsonl) or a sweep directory (multirun/<recipe>/<time>/)")
+    if not path.exists():
+        raise ConfigError("run_dir", f"{path} does not exist; {fix}.")
+    if not path.is_dir():
+        raise ConfigError("run_dir", f"{path} is not a directory; {fix}.")
+    if (path / ".hydra").is_dir() or any((path / name).is_file() for name in RUN_FILES):
+        return "run"
+    if (path / "multirun.yaml").is_file() or any(p.is_dir() for p in path.glob("*/.hydra")):
+        return "sweep"
+    if not any(path.iterdir()):
+        return "empty"
+    raise ConfigError("run_dir", f"{path} is neither a run directory nor a sweep directory (no .hydra/, "
+                      "metrics.jsonl, goodput.jsonl or summary.json in it, and no job directories under "
+                      f"it); {fix}.")
+
+
+def replica_sizes(layout: Any) -> list[int] | None:
+    """The active TP ranks per replica of a layout name such as "(1,2)" or "(2,2)xPP2"."""
+    m = _LAYOUT.match(str(layout))
+    return [int(x) for x in m.group(1).split(",")] if m else None
+
+
+def _read_json_file(path: Path) -> Any:
+    try:
+        return read_json(path, 1 << 22, follow_symlinks=False)
+    except (OSError, JSONInputError, ValueError):
+        return None
+
+
+def _stamp(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@dataclass
+class _Metrics:
+    """metrics.jsonl read incrementally: only the bytes appended since the last read are parsed."""
+
+    path: Path
+    offset: int = 0
+    inode: int | None = None
+    by_step: dict[int, dict[str, Any]] = field(default_factory=dict)
+    bad_lines: int = 0
+
+    def read(self) -> list[dict[str, Any]]:
+        try:
+            st = self.path.stat()
+        except OSError:
+            return []
+        if st.st_ino != self.inode or st.st_size < self.offset:  # a new file: start again
+            self.offset, self.inode, self.by_step, self.bad_lines = 0, st.st_ino, {}, 0
+        if st.st_size > self.offset:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read(st.st_size - self.offset)
+            end = chunk.rfind(b"\n") + 1  # a last line without its newline is still being written
+            self.offset += end
+            for line in chunk[:end].splitlines():
+                try:
+                    row = json.loads(line)
+                    self.by_step[int(row["step"])] = row  # a step redone after a restart: its last run
+                except (ValueError, KeyError, TypeError):
+                    self.bad_lines += 1
+        return [self.by_step[s] for s in sorted(self.by_step)]
+
+
+@dataclass
+class _Goodput:
+    """The calculator's figures, recomputed only when goodput.jsonl changed."""
+
+    path: Path
+    stamp: tuple[int, int, int] | None = None
+    value: dict[str, Any] | None = None
+
+    def read(self) -> dict[str, Any] | None:
+        stamp = _stamp(self.path)
+        if stamp is None:
+            return None
+        if stamp != self.stamp:
+            self.value, self.stamp = goodput_view(self.path), stamp
+        return self.value
+
+
+def _report_dict(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    try:
+        report = breakdown(build_timeline(events))
+    except (ValueError, KeyError):
+        return None
+    return report.to_dict()
+
+
+def goodput_view(path: Path) -> dict[str, Any] | None:
+    """Goodput of the whole stream (what `ntp-goodput` prints), its series over time (cumulative,
+    rolling and each badput category, in seconds since the first event) and the events themselves."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a truncated last line: the run is writing it
+            events = load_events(path)
+    except ConfigError as err:
+        return {"error": str(err), "events": []}
+    events.sort(key=lambda e: e["t"])
+    total = _report_dict(events)
+    t0 = events[0]["t"]
+    ends = [i for i, e in enumerate(events) if e["event"] == ev.STEP_END]
+    if len(ends) > MAX_SERIES_POINTS:
+        stride = len(ends) / MAX_SERIES_POINTS
+        ends = [ends[int(k * stride)] for k in range(MAX_SERIES_POINTS)]
+    cuts = [*ends, len(events) - 1] if not ends or ends[-1] != len(events) - 1 else ends
+    series: dict[str, list] = {"t": [], "goodput": [], "rolling": [], "total_s": [], "productive_s": [],
+                               **{c: [] for c in ev.BADPUT_CATEGORIES}}
+    for cut in cuts:
+        rep = total if cut == len(events) - 1 else _report_dict(events[: cut + 1])
+        if rep is None or rep["total_s"] <= 0:
+            continue
+        series["t"].append(events[cut]["t"] - t0)
+        series["goodput"].append(100 * rep["goodput"])
+        series["total_s"].append(rep["total_s"])
+        series["productive_s"].append(rep["productive_s"])
+        for c in ev.BADPUT_CATEGORIES:
+            series[c].append(rep["badput_s"].get(c, 0.0))
+        k = max(0, len(series["t"]) - 1 - ROLLING_WINDOW)
+        dt = series["total_s"][-1] - series["total_s"][k]
+        dp = series["productive_s"][-1] - series["productive_s"][k]
+        series["rolling"].append(100 * dp / dt if dt > 0 else series["goodput"][-1])
+    return {"report": total, "series": series, "t0": t0, "events": events}
+
+
+def _details(e: Mapping[str, Any]) -> str:
+    skip = {"t", "event", "pid"}
+    parts = []
+    for k, v in e.items():
+        if k in skip:
+            continue
+        if isinstance(v, float):
+            v = f"{v:.3g}"
+        parts.append(f"{k}={v}" if not isinstance(v, (dict, list)) else f"{k}={json.dumps(v)[:80]}")
+    return " ".join(parts)
+
+
+def incidents(events: list[dict[str, Any]], faults: list[dict[str, Any]], t0: float) -> list[dict[str, Any]]:
+    """The timeline: every event but the per-step ones, any kind, with what it cost where it says."""
+    out = []
+    for f in faults:
+        if isinstance(f.get("t"), (int, float)):
+            out.append({"t": f["t"] - t0, "event": "fault_injected", "details": _details(f), "cost_s": None})
+    for e in events:
+        if e["event"] in QUIET_EVENTS:
+            continue
+        cost = None
+        for key in ("recovery_s", "blocking_s", "seconds", "cost_s"):
+            if isinstance(e.get(key), (int, float)) and not isinstance(e.get(key), bool):
+                cost = float(e[key])
+                break
+        out.append({"t": e["t"] - t0, "event": e["event"], "details": _details(e), "cost_s": cost})
+    out.sort(key=lambda r: r["t"])
+    return out
+
+
+def checkpoints(directory: Path) -> list[dict[str, Any]]:
+    """Each `step_NNNNNN` directory: step, bytes, and valid (the manifest's size checks) or what is wrong."""
+    out = []
+    if not directory.is_dir():
+        return out
+    for p in sorted(directory.iterdir()):
+        m = re.fullmatch(r"step_(\d+)(\..*)?", p.name)
+        if not m or not p.is_dir():
+            continue
+        try:
+            size = sum(f.stat().st_size for f in p.iterdir() if f.is_file())
+        except OSError:
+            size = None
+        try:
+            problem = checkpoint_problem(p)
+        except (OSError, ValueError, ConfigError) as err:
+            problem = str(err)
+        out.append({"name": p.name, "step": int(m.group(1)), "size_bytes": size,
+                    "valid": problem is None, "problem": problem})
+    return out
+
+
+def _heartbeats(directory: Path, now: float) -> list[dict[str, Any]]:
+    out = []
+    for p in sorted(directory.glob("rank_*.json")):
+        doc = _read_json_file(p)
+        if not isinstance(doc, dict) or not isinstance(doc.get("t"), (int, float)):
+            continue
+        out.append({"file": p.name, "rank": int(p.stem.split("_")[1]), "pid": doc.get("pid"),
+                    "step": doc.get("step"), "phase": doc.get("phase"), "age_s": max(0.0, now - doc["t"]),
+                    "t": doc["t"]})
+    return out
+
+
+def layout_view(nominal: Mapping[str, Any] | None, rows: list[dict[str, Any]], events: list[dict[str, Any]],
+                beats: list[dict[str, Any]], finished: bool) -> dict[str, Any]:
+    """Every nominal replica, its slots (ranks) and their state, the TP degree of each layer slot
+    (embedding, layers, head) and the batch share, for the layout of the latest step.  `state`:
+    'starting' (no step yet), 'full', 'degraded' (fewer active ranks than nominal) or 'repaired' (full
+    again after a failure)."""
+    failures = [e for e in events if e["event"] == ev.FAILURE_DETECTED]
+    current = rows[-1].get("layout") if rows else None
+    for e in events:  # a recovery after the latest step: its layout is the one running now
+        if e["event"] == ev.RECOVERY_DONE and rows and e["t"] > float(rows[-1].get("time", 0) or 0):
+            current = e.get("layout", current)
+    sizes = replica_sizes(current) if current else None
+    tp = int(nominal["tp"]) if nominal and "tp" in nominal else (max(sizes) if sizes else None)
+    nominal_sizes = [int(x) for x in nominal["replica_tp"]] if nominal and "replica_tp" in nominal else None
+    dp = len(nominal_sizes) if nominal_sizes else (len(sizes) if sizes else 0)
+    pp = int(nominal.get("pp", 1)) if nominal else 1
+    layer_tp = [int(x) for x in nominal["layer_tp"]] if nominal and "layer_tp" in nominal else None
+    if sizes is None:
+        state = "starting"
+    elif tp is not None and (len(sizes) < dp or any(n < tp for n in sizes)):
+        state = "degraded"
+    else:
+        state = "repaired" if failures else "full"
+    straggling = {}
+    for e in events:
+        if e["event"] == "straggler" and isinstance(e.get("rank"), int):
+            straggling[e["rank"]] = e.get("speed")
+    newest_failure = failures[-1]["t"] if failures else None
+    rejoining = any(b["phase"] in ("setup", "train_start") and newest_failure is not None
+                    and b["t"] > newest_failure and not finished for b in beats)
+    share = rows[-1].get("microbatches") if rows else None
+    replicas, rank = [], 0
+    for i in range(dp):
+        active = sizes[i] if sizes and i < len(sizes) else 0
+        nominal_n = nominal_sizes[i] if nominal_sizes else (tp or active)
+        slots = []
+        for s in range(max(nominal_n, active)):
+            if s < active:
+                slot_state = "slow" if rank + s in straggling else "healthy"
+            elif sizes is None:
+                slot_state = "starting"
+            elif active == 0:
+                slot_state = "excluded"
+            else:
+                slot_state = "rejoining" if rejoining else "lost"
+            slots.append({"slot": s, "rank": rank + s if s < active else None, "state": slot_state,
+                          "speed": straggling.get(rank + s) if s < active else None})
+        if sizes is None:
+            replica_state = "starting"
+        else:
+            replica_state = "dropped" if active == 0 else ("degraded" if active < nominal_n else "full")
+        degrees = [effective_degree(t, active) for t in layer_tp] if layer_tp and active else None
+        replicas.append({
+            "index": i, "active": active, "nominal": nominal_n, "slots": slots, "layer_tp": degrees,
+            "share": share[i] if isinstance(share, list) and i < len(share) and active else 0,
+            "state": replica_state,
+        })
+        rank += active * pp
+    return {"state": state, "current": current, "nominal_tp": tp, "pp": pp, "replicas": replicas,
+            "heartbeats": beats, "failures": len(failures)}
+
+
+@dataclass
+class RunReader:
+    """One run directory's state, with the caches that keep a poll cheap (metrics read incrementally,
+    goodput recomputed only when its file changed)."""
+
+    run_dir: Path
+    _metrics: _Metrics = field(init=False)
+    _goodput: _Goodput = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._metrics = _Metrics(self.run_dir / "metrics.jsonl")
+        self._goodput = _Goodput(self.run_dir / ev.GOODPUT_FILENAME)
+
+    def state(self) -> dict[str, Any]:
+        now = time.time()
+        d = self.run_dir
+        rows = self._metrics.read()
+        gp = self._goodput.read()
+        events = gp["events"] if gp else []
+        summary = _read_json_file(d / "summary.json")
+        spec = _read_json_file(d / ".hydra" / "run_spec.json")
+        nominal = spec.get("layout") if isinstance(spec, dict) else None
+        job_ends = [e for e in events if e["event"] == ev.JOB_END]
+        finished = isinstance(summary, dict) or bool(job_ends and job_ends[-1]["t"] >= events[-1]["t"] - 5)
+        if not rows and not events:
+            status = "finished" if finished else "not_started"
+        elif finished:
+            code = summary.get("exit_code") if isinstance(summary, dict) else None
+            failed = code not in (None, 0) or (job_ends and job_ends[-1].get("status") == ev.STATUS_FAILED)
+            status = "failed" if failed else "finished"
+        else:
+            status = "running"
+        fired = sorted((d / "failover" / "faults").glob("fired_*.json"))
+        faults = [f for f in (_read_json_file(p) for p in fired) if isinstance(f, dict)]
+        t0 = gp["t0"] if gp and "t0" in gp else (rows[0].get("time", now) if rows else now)
+        beats = _heartbeats(d / "failover" / "heartbeats", now)
+        failure_steps = [{"step": e.get("step"), "label": f"failure (rank {e.get('rank')})"}
+                         for e in events if e["event"] == ev.FAILURE_DETECTED]
+        relayouts = [{"step": b["step"], "label": f"layout {a.get('layout')} -> {b.get('layout')}"}
+                     for a, b in zip(rows, rows[1:], strict=False) if a.get("layout") != b.get("layout")]
+        return {
+            "kind": "run",
+            "run_dir": str(d),
+            "name": d.name,
+            "status": status,
+            "now": now,
+            "recipe": spec.get("recipe") if isinstance(spec, dict) else None,
+            "max_steps": (spec.get("trainer") or {}).get("max_steps") if isinstance(spec, dict) else None,
+            "loss": {"step": [r["step"] for r in rows], "loss": [r.get("loss") for r in rows],
+                     "step_time_s": [r.get("step_time_s") for r in rows],
+                     "layout": [r.get("layout") for r in rows]},
+            "markers": {"failures": failure_steps, "relayouts": relayouts},
+            "layout": layout_view(nominal, rows, events, beats, status != "running"),
+            "goodput": None if gp is None else {k: gp.get(k) for k in ("report", "series", "error")},
+            "timeline": incidents(events, faults, t0),
+            "checkpoints": checkpoints(d / "checkpoints"),
+            "summary": summary if isinstance(summary, dict) else None,
+            "bad_metric_lines": self._metrics.bad_lines,
+        }
+
+
+def sweep_state(sweep_dir: Path) -> dict[str, Any]:
+    """The table across a sweep's jobs (what `sweep_summary.md` holds, read now), each a link."""
+    from ntp_nemo.sweep import collect_rows
+
+    rows = []
+    for job in collect_rows(sweep_dir):
+        status = job.status
+        if status.startswith("missing") and (sweep_dir / job.job / "metrics.jsonl").is_file():
+            status = "running"
+        rows.append({"job": job.job, "overrides": job.overrides, "status": status, "values": job.values})
+    return {"kind": "sweep", "run_dir": str(sweep_dir), "name": sweep_dir.name, "now": time.time(),
+            "jobs": rows}
+
+
+def job_dir(sweep_dir: Path, job: str) -> Path | None:
+    """The job directory `job` (a path relative to the sweep) if it is one of the sweep's, else None."""
+    from ntp_nemo.sweep import find_job_dirs
+
+    for p in find_job_dirs(sweep_dir):
+        if p.relative_to(sweep_dir).as_posix() == job:
+            return p
+    return None
+
+
+def stat_key(path: Path) -> tuple:
+    """Changes when any file the page reads changes (cheap: a few stats)."""
+    names = ("metrics.jsonl", ev.GOODPUT_FILENAME, "summary.json")
+    return tuple(_stamp(path / n) for n in names) + (os.path.getmtime(path) if path.exists() else None,)
