@@ -15,7 +15,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ntp_nemo.data.bounded_json import read_json
@@ -60,8 +60,24 @@ class HFWeightsReader:
                                             "file.")
             if not target.is_file():
                 raise ConfigError(self.key, f"{str(target)!r}, listed in {INDEX_FILE}, does not exist.")
-            self._handles[file] = self._stack.enter_context(safe_open(str(target), framework="pt"))
+            try:
+                self._handles[file] = self._stack.enter_context(safe_open(str(target), framework="pt"))
+            except (SafetensorError, OSError) as err:
+                raise self._refused(target, err) from None
         return self._handles[file]
+
+    def _refused(self, target: Path, err: Exception) -> ConfigError:
+        reason = " ".join(str(err).split())[:200]
+        return ConfigError(self.key, f"{str(target)!r} is not a safetensors file this project can read: the "
+                                     f"safetensors library refuses it ({reason}). The file is damaged or was "
+                                     "not written by safetensors; save the model again with transformers' "
+                                     "save_pretrained(dir, safe_serialization=True).")
+
+    def check_headers(self) -> None:
+        """Open every weight file's header (what safetensors checks before any tensor is read): a crafted
+        or damaged header is a ConfigError naming the file, before any worker starts."""
+        for file in sorted(set(self.weight_map.values())):
+            self._open(file)
 
     def close(self) -> None:
         self._stack.close()
@@ -84,11 +100,19 @@ class HFWeightsReader:
                                     "another model.")
 
     def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self._open(self.weight_map[key]).get_slice(key).get_shape())
+        file = self.weight_map[key]
+        try:
+            return tuple(self._open(file).get_slice(key).get_shape())
+        except SafetensorError as err:
+            raise self._refused(self.path / file, err) from None
 
     def read(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
         """The box `index` (one slice per dim) of stored tensor `key`; only that box is read."""
-        out = self._open(self.weight_map[key]).get_slice(key)[index]
+        file = self.weight_map[key]
+        try:
+            out = self._open(file).get_slice(key)[index]
+        except SafetensorError as err:
+            raise self._refused(self.path / file, err) from None
         self.bytes_read += out.numel() * out.element_size()
         return out
 

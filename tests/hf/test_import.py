@@ -236,3 +236,43 @@ def test_pipeline_stages_load_their_own_layers(hf_dirs, kind):
         for name, p in stage.named_parameters():
             assert torch.equal(p, reference[name]), name
     assert not any(n.startswith("blocks.1.") for n, _ in first.named_parameters())
+
+
+@pytest.mark.parametrize("damage", ["header length past the file", "header not JSON", "tensor past the data"])
+def test_a_crafted_safetensors_header_is_a_config_error_naming_the_file(hf_dirs, tmp_path, damage):
+    """The safetensors library refuses a crafted header; the project says so, naming the file, when the
+    config is checked (before any worker starts: exit 2 from the CLI), instead of a worker's traceback."""
+    import struct
+
+    from omegaconf import open_dict
+
+    from ntp_nemo.config.validate import resolve_init_from
+    from ntp_nemo.hf.files import HFWeightsReader
+    from tests.conftest import compose
+
+    crafted = _edit_config(hf_dirs["gpt2"], tmp_path / "crafted")
+    weights = crafted / "model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    (length,) = struct.unpack("<Q", raw[:8])
+    if damage == "header length past the file":
+        raw[:8] = struct.pack("<Q", len(raw) * 4)
+    elif damage == "header not JSON":
+        raw[8:8 + length] = b"{" * length
+    else:
+        header = json.loads(raw[8:8 + length])
+        name = next(k for k in header if k != "__metadata__")
+        header[name]["data_offsets"][1] += 1 << 30
+        text = json.dumps(header).encode()
+        raw = bytearray(struct.pack("<Q", len(text))) + text + raw[8 + length:]
+    weights.write_bytes(bytes(raw))
+    with pytest.raises(ConfigError) as err:
+        with HFWeightsReader(crafted) as reader:
+            reader.check_headers()
+    msg = str(err.value)
+    assert err.value.key == "model.init_from" and str(weights) in msg and "safetensors" in msg, msg
+    assert "\n" not in msg and "save_pretrained" in msg
+    cfg = compose(["model=gpt_tiny"])
+    with open_dict(cfg):
+        cfg.model.init_from = str(crafted)
+    with pytest.raises(ConfigError, match="refuses it"):
+        resolve_init_from(cfg)
