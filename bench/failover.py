@@ -37,8 +37,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import ROOT, load_average, thread_env
-
+if __package__ in (None, ""):  # run as `python bench/NAME.py`: the checkout's root on the path, for `bench.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench._common import ROOT, load_average, thread_env  # noqa: E402
 from ntp_nemo.goodput import compute_goodput, load_events
 
 POLICIES = ("ntp", "dp_drop", "restart")
@@ -296,7 +297,7 @@ def _harness(mode, model_cfg, args, out_dir: Path) -> dict:
 def live_main(args) -> None:
     import tempfile as _tempfile
 
-    from _common import compose, model_config
+    from bench._common import compose, model_config
 
     model_cfg = model_config(compose(args.overrides))
     print(f"failover --live: {model_cfg.name} ({model_cfg.arch}, hidden {model_cfg.hidden_size}, "

@@ -55,8 +55,9 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from _common import ROOT, TOY_JOB, load_average, thread_env
-
+if __package__ in (None, ""):  # run as `python bench/NAME.py`: the checkout's root on the path, for `bench.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench._common import ROOT, TOY_JOB, load_average, thread_env  # noqa: E402
 from ntp_nemo.goodput import compute_goodput
 from ntp_nemo.goodput.sim.replay import (
     FULL,

@@ -16,10 +16,13 @@ against the plain step next to it in time). The goal is a ratio of at most 1.10.
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 from pathlib import Path
 
-from _common import (
+if __package__ in (None, ""):  # run as `python bench/NAME.py`: the checkout's root on the path, for `bench.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench._common import (  # noqa: E402
     QUIET,
     SINGLE,
     load_average,

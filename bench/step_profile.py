@@ -3,8 +3,9 @@
     python bench/step_profile.py [--tp 2] [--dp 1] [--overlap] [--distributed-optimizer] [--steps 8]
                                  [--warmup 2] [--sp] [--precision 32|bf16-mixed]
 
-Runs the training step of `NTPLanguageModule.training_step` (micro-batch forward/backward through
-`NTPRuntime.train_microbatches`, the gradient path's sync, the fused step scalars, clipping, AdamW) on the
+Runs the training step of `NTPLanguageModule.training_step` (`ntp_nemo/runtime/step.py: train_step`, timed
+through its `phase` hook: micro-batch forward/backward, the gradient path's sync, the fused step scalars,
+clipping, AdamW) on the
 default recipe's model (gpt_tiny: 4 layers, hidden 256, sequence 128, 12 sequences per step in
 micro-batches of 2) with `--tp` x `--dp` forked gloo processes (`--dp` replicas of TP `--tp`, one torch
 thread each), without Lightning.  Every `torch.distributed` collective the step calls is wrapped:
@@ -23,6 +24,7 @@ import sys
 import time
 import traceback
 from collections import Counter, defaultdict
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -33,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ntp_nemo.launch.workers import run_workers  # noqa: E402
 from ntp_nemo.models.config import ModelConfig  # noqa: E402
 from ntp_nemo.runtime.assemble import assemble  # noqa: E402
+from ntp_nemo.runtime.step import train_step  # noqa: E402
 from ntp_nemo.topology import ResolvedLayout, Topology  # noqa: E402
 
 GPT_TINY = ModelConfig(arch="gpt2", vocab_size=257, hidden_size=256, num_layers=4, num_heads=4,
@@ -102,32 +105,31 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     layout = ResolvedLayout.make(topology, sequence_parallel=args.sp)
     optim = {**OPTIM, "distributed": args.distributed_optimizer}
     state = assemble(layout, rank, cfg, optim, "cpu", seed=1234, overlap_grad_sync=args.overlap)
-    rt, model, opt, path = state.runtime, state.model, state.optimizer, state.grad_path
+    rt = state.runtime
     meter = CollectiveMeter()
     micro = args.global_batch // args.micro_batch
     global_tokens = args.global_batch * args.seq
     rows = []
     losses = []
+    marks: dict[str, tuple[float, float]] = {}  # phase -> (wall, CPU) when it ended, this step
+
+    @contextmanager
+    def phase(name: str):
+        # `train_step`'s phase hook: bf16 autocast around the micro-batches; the end of each phase timed
+        bf16 = name == "microbatches" and args.precision == "bf16-mixed"
+        with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext():
+            yield
+        marks[name] = (time.perf_counter(), time.process_time())
+
     for step in range(args.warmup + args.steps):
         mbs = [mb for i, mb in enumerate(_batch(step, micro, args.micro_batch, args.seq, cfg.vocab_size))
                if i in rt.my_microbatches(micro)]
         meter.reset()
         t, c = time.perf_counter(), time.process_time()
-        path.begin_step(len(mbs))
-        if args.precision == "bf16-mixed":
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss_sum = rt.train_microbatches(model, mbs, global_tokens)
-        else:
-            loss_sum = rt.train_microbatches(model, mbs, global_tokens)
-        t_fb, c_fb = time.perf_counter(), time.process_time()
-        path.finish_sync()
-        fused = rt.step_scalars(loss_sum, path.grad_norm_sq_local())
-        path.clip_to_norm_(fused[1].sqrt(), 1.0)
-        values = rt.read_step_scalars(fused)
-        opt.step()
-        opt.zero_grad(set_to_none=False)
+        result = train_step(state, mbs, global_tokens, max_norm=1.0, phase=phase)
+        t_fb, c_fb = marks["microbatches"]
         wall, cpu = time.perf_counter() - t, time.process_time() - c
-        losses.append(values["loss_sum"] / global_tokens)
+        losses.append(result.loss)
         if step >= args.warmup:
             rows.append({"wall": wall, "cpu": cpu, "fwd_bwd": t_fb - t, "after_cpu": c + cpu - c_fb,
                          "coll_wall": meter.wall,

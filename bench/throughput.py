@@ -36,7 +36,10 @@ import tempfile
 from pathlib import Path
 
 import torch
-from _common import (
+
+if __package__ in (None, ""):  # run as `python bench/NAME.py`: the checkout's root on the path, for `bench.*`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench._common import (  # noqa: E402
     QUIET,
     SINGLE,
     Side,

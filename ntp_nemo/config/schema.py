@@ -105,7 +105,7 @@ class TrainerConfig(Sealable):
     deterministic: bool = True  # torch.use_deterministic_algorithms (Lightning's Trainer(deterministic=...))
     # With deterministic algorithms on, torch also fills every new tensor's memory with NaN (or the
     # integer maximum) before use: a debugging aid for code that reads memory it never wrote, costing
-    # 0-1.5% of a CPU step (python bench/deterministic_fill.py). Off unless asked for; determinism does
+    # 0-1.5% of a CPU step (docs/performance.md). Off unless asked for; determinism does
     # not depend on it.
     fill_uninitialized_memory: bool = False
     process_group_backend: str | None = None  # None: gloo on CPU, nccl on GPU

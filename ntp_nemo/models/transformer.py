@@ -96,7 +96,7 @@ def rope_tables(
 
 
 def rope_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype RoPE computes in: at least float32.  Measured (`python bench/rope_precision.py`, Llama 3
+    """The dtype RoPE computes in: at least float32.  Measured (docs/performance.md, "rope_precision", Llama 3
     8B heads at positions 7936..8192, bfloat16 inputs, against float64 RoPE): computing in bfloat16 gives
     a mean error of 0.00180 on the rotated vectors (1.60x the 0.00112 of rounding the exact result once)
     and 0.00292 on the attention logits (against 0.00186); computing in float32 and rounding the result

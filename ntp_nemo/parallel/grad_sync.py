@@ -158,7 +158,7 @@ def weighted_norm_sq(tensors: Sequence[torch.Tensor], weights: Sequence[float], 
 
     Each norm is taken in `dtype` inside its reduction on an accelerator.  On CPU, torch's foreach norm
     with an output dtype first copies every tensor to it (1.7-3.6 ms against 0.7 ms for the default
-    recipe's 3.3 M gradient values, `python bench/grad_norm.py`), so there each norm is taken in its
+    recipe's 3.3 M gradient values, docs/performance.md), so there each norm is taken in its
     tensor's dtype (float32 at least: pairwise sums, as `torch.nn.utils.clip_grad_norm_` takes them) and
     only the squares are summed in `dtype`."""
     by_weight: dict[float, list[torch.Tensor]] = defaultdict(list)

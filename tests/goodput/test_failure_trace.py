@@ -5,9 +5,7 @@ the replay predicts them; and the false step timeout the bench ran into (a run m
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 
 import pytest
 
@@ -130,12 +128,9 @@ SMOKE = FailureTrace(60, 6, 3, (TraceEvent(LOSE, 6, 3), TraceEvent(HANG, 23, 3),
 
 
 def _bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("failure_trace", ROOT / "bench" / "failure_trace.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "failure_trace", module)
-    spec.loader.exec_module(module)
-    return module
+    from bench import failure_trace
+
+    return failure_trace
 
 
 def _measured(ft, name: str):

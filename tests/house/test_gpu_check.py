@@ -3,18 +3,14 @@ readers, and a clean exit without CUDA."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 
 import pytest
 
+from bench import gpu_check
 from tests.conftest import ROOT
-
-spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
-gpu_check = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(gpu_check)
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,5 @@
-"""Packages import downward only, in the order the README's "Layout of the code" section gives.
+"""Packages import downward only, in the order of the layer diagram of docs/architecture.md (the one list of
+the layers: `tests/house/test_architecture.py` checks the rest of that page against the code).
 
 What counts as a reference to a package: `import ntp_nemo.x`, `from ntp_nemo.x import y`, `from ntp_nemo
 import x`, relative imports (`from ..x import y`, resolved against the file's package), string constants
@@ -30,15 +31,20 @@ KNOWN = {
 }
 
 
-def _levels() -> dict[str, int]:
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## Layout of the code", 1)[1].split("\n## ", 1)[0]
+def _levels(text: str | None = None) -> dict[str, int]:
+    """{package: level} from the diagram (the first ```text block) of docs/architecture.md's "The layers":
+    rows `N │ names │ what they hold`, a row without a number continuing the one above."""
+    text = text if text is not None else (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("## The layers", 1)[1].split("\n## ", 1)[0]
+    diagram = section.split("```text\n", 1)[1].split("```", 1)[0]
     levels: dict[str, int] = {}
-    for line in section.splitlines():
-        m = re.match(r"^(\d+)\. (.*?):", line)
+    level = None
+    for line in diagram.splitlines():
+        m = re.match(r"^\s*(\d*)\s*│([^│]*)│", line)
         if m:
-            for name in re.findall(r"`(\w+)`", m.group(2)):
-                levels[name] = int(m.group(1))
+            level = int(m.group(1)) if m.group(1) else level
+            for name in m.group(2).split():
+                levels[name] = level
     return levels
 
 
@@ -110,8 +116,8 @@ def test_readme_names_every_package():
     levels = _levels()
     packages = {p.name.removesuffix(".py") for p in PKG.iterdir()
                 if (p.suffix == ".py" or (p / "__init__.py").exists()) and p.name != "__init__.py"}
-    assert packages - set(levels) == set(), "packages missing from the README's Layout of the code"
-    assert set(levels) - packages == set(), "the README names packages that do not exist"
+    assert packages - set(levels) == set(), "packages missing from the diagram of docs/architecture.md"
+    assert set(levels) - packages == set(), "docs/architecture.md's diagram names packages that do not exist"
 
 
 def test_packages_import_downward_only():
@@ -190,3 +196,12 @@ def test_the_check_sees_every_way_of_naming_a_package(tmp_path):
                     "    s:\n      _target_: 'ntp_nemo.sweep.SweepSummaryCallback'\n")
     assert _yaml_targets(yaml) == [(2, "ntp_nemo.lightning.qat.QuantizationCallback", False),
                                    (6, "ntp_nemo.sweep.SweepSummaryCallback", True)]
+
+
+def test_the_diagram_is_read_row_by_row():
+    text = ("## The layers\n\n```text\n 2 │ a  b │ what a and b hold\n   │ d    │ continued\n"
+            "   │      │ more\n 1 │ c    │ c\n```\n## Next\n")
+    assert _levels(text) == {"a": 2, "b": 2, "d": 2, "c": 1}
+    levels = _levels()
+    assert sorted(set(levels.values())) == list(range(1, 10))
+    assert levels["errors"] == 1 and levels["train"] == 9 and levels["resilience"] == 8

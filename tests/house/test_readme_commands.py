@@ -18,7 +18,8 @@ How each command is treated is decided by `plan()`, in this order (each rule say
   commands rehearse layouts of hundreds of ranks; their arguments are composed and checked as above.
 - config-only, `ntp-sim`: simulator studies take minutes; composed with `--cfg job`.
 - exists: `python bench/*.py` benchmarks take minutes and their printed figures sit in
-  docs/benchmarks.md next to the command; the script must exist.
+  docs/benchmarks.md (the suite's current results) or the doc of the decision they fed, next to the
+  command; the script must exist.
 - skipped: `pip install` (the checkout under test is installed already) and `pytest` (this suite).
 """
 
@@ -141,11 +142,11 @@ def plan(cmd: str) -> tuple[str, str]:
     if words[0] in CLUSTER:
         return "config", "needs a cluster"
     if words[0] == "python" and len(words) > 1 and words[1].startswith("bench/"):
-        return "exists", "a benchmark of minutes; its figures are in docs/benchmarks.md"
+        return "exists", "a benchmark of minutes; its figures are in docs/ next to the command"
     if words[0] == "ntp-sim":
         return "sim", "simulator studies take minutes"
     if "trainer.dry_run=true" in cmd:
-        return "config", "a dry run of a cluster layout (hundreds of ranks), timed in docs/benchmarks.md"
+        return "config", "a dry run of a cluster layout (hundreds of ranks), timed in docs/performance.md"
     if any(p in cmd for p in RUN_PATTERNS):
         return "run", "makes or uses files of the runs above"
     if words[0] == "ntp-train" or "ntp_nemo.train" in cmd:

@@ -133,13 +133,7 @@ def test_save_adds_one_bucket_of_device_memory_not_the_unsharded_moments():
     """bench/memory.py's save measurement on DP 2: the distributed optimizer's snapshot allocates at most
     a small part of the unsharded moments on the device (it stages bucket by bucket into host memory)
     and keeps nothing after the save; the plain optimizer's snapshot allocates almost nothing."""
-    import importlib.util
-
-    from tests.conftest import ROOT
-
-    spec = importlib.util.spec_from_file_location("bench_memory", ROOT / "bench" / "memory.py")
-    memory = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(memory)
+    from bench import memory
     param_bytes = sum(p.numel() * 4 for p in build_model(LLAMA, seed=0).parameters())
     moments = 2 * param_bytes  # the unsharded exp_avg and exp_avg_sq of a TP-1 rank
     for res in run_workers(memory.save_memory_worker, 2, LLAMA, [1, 1], 0.004):

@@ -5,23 +5,17 @@ that verify and are never deleted, every failure followed by its recovery or its
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
 
-from tests.conftest import REFERENCES, ROOT, TINY
+from tests.conftest import REFERENCES, TINY
 
 pytestmark = pytest.mark.slow
 
 
 def _campaign(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("fault_campaign", ROOT / "bench" / "fault_campaign.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "fault_campaign", module)
-    spec.loader.exec_module(module)
-    return module
+    from bench import fault_campaign
+
+    return fault_campaign
 
 
 def test_a_kill_then_a_kill_during_the_recovery_save_then_every_checkpoint_damaged(tmp_path, monkeypatch,

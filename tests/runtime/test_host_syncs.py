@@ -4,18 +4,10 @@ one read per parameter."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
 import torch
 
-from tests.conftest import ROOT
-
-spec = importlib.util.spec_from_file_location("host_syncs", ROOT / "bench" / "host_syncs.py")
-host_syncs = importlib.util.module_from_spec(spec)
-sys.modules["host_syncs"] = host_syncs  # its dataclasses look their module up
-spec.loader.exec_module(host_syncs)
+from bench import host_syncs
 
 
 @pytest.mark.parametrize("name", ["default", "resume"])

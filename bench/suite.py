@@ -1,0 +1,218 @@
+"""The benchmark suite: the comparisons a user runs to weigh ntp_nemo against the alternatives, behind one
+command, one results table, and the current-results section of docs/benchmarks.md.
+
+    python bench/suite.py --list                 # every bench/*.py, those of the suite marked
+    python bench/suite.py --quick [--only a,b]   # each comparison in its quick mode; prints the table
+    python bench/suite.py --quick --write        # ... and writes it into docs/benchmarks.md
+    python -m bench ...                          # the same
+
+Each comparison runs as its own process (`python -m bench.NAME ARGS`, so a crash or a hang of one is its
+row's, bounded by `--timeout`), and its figures are read from the lines it prints. A row the run did not
+measure (a GPU check on a machine without one, a comparison left out with `--only`, or one whose quick
+mode would still take too long) keeps the figure docs/benchmarks.md holds, with the command and commit
+that measured it: `--write` only replaces what it re-measured. Quick figures come from short runs on a
+shared machine: read them as a check that the comparison still holds, and the full command's figure as
+the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = Path(__file__).resolve().parent
+DOC = ROOT / "docs" / "benchmarks.md"
+BEGIN, END = "<!-- bench suite: begin (python bench/suite.py --write) -->", "<!-- bench suite: end -->"
+TINY_MODEL = ("model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.ffn_hidden_size=128",
+              "model.max_seq_len=64")
+
+
+@dataclass(frozen=True)
+class Figure:
+    name: str  # what the figure is, as the table says it
+    pattern: str  # a regex over the bench's output; group 1 is the value
+    recorded: str  # the value docs/benchmarks.md first carried (kept until a run measures it)
+    command: str  # the command that printed `recorded`
+    commit: str  # the commit whose docs/benchmarks.md recorded it
+
+
+@dataclass(frozen=True)
+class Comparison:
+    bench: str  # bench/<bench>.py
+    what: str
+    quick: tuple[str, ...] | None  # the quick mode's arguments (None: only the recorded figure)
+    figures: tuple[Figure, ...]
+
+
+SUITE: tuple[Comparison, ...] = (
+    Comparison("throughput", "tokens/s: ntp TP2 vs Lightning DTensor TP2, ntp TP1 vs a plain PyTorch loop",
+               ("--rounds", "1", "--steps", "8", "--warmup", "2", "--pairs", "tp,tp1"), (
+        Figure("ntp TP2 / DTensor TP2 (goal >= 2.0)", r"ntp TP2 / dtensor TP2: tokens/s ratio ([\d.]+)",
+               "2.379", "python bench/throughput.py", "8ad91b7"),
+        Figure("ntp TP1 / plain loop (goal >= 1.0)", r"ntp TP1 / plain TP1: tokens/s ratio ([\d.]+)",
+               "0.988", "python bench/throughput.py", "8ad91b7"),
+    )),
+    Comparison("checkpoint", "checkpoint save/load: torch.save/torch.load time over the sharded checkpoint's",
+               ("--hidden", "256", "--layers", "2", "--vocab", "4096", "--repeat", "2",
+                "--train-repeat", "2"), (
+        Figure("save: torch.save s / ntp s (goal >= 1.0)", r"ratio save=([\d.]+)", "1.76",
+               "python bench/checkpoint.py", "0c03901"),
+        Figure("load: torch.load s / ntp s (goal >= 1.0)", r"ratio save=[\d.]+ load=([\d.]+)", "1.64",
+               "python bench/checkpoint.py", "0c03901"),
+        Figure("TP 2x2 -> TP 3 load: torch.load s / ntp s (goal >= 0.8)", r"reshard_load=([\d.]+)", "0.94",
+               "python bench/checkpoint.py", "0c03901"),
+    )),
+    Comparison("failover", "recovery time of a lost rank: live reshard over checkpoint restart",
+               ("--live", "--steps", "8", "--fail-step", "4", "--every", "2", *TINY_MODEL), (
+        Figure("live recovery s / restart recovery s", r"live recovery / restart recovery: ([\d.]+)", "0.16",
+               "python bench/failover.py --live --steps 8 --fail-step 4 --every 2 " + " ".join(TINY_MODEL),
+               "1ee0c71"),
+    )),
+    Comparison("failure_trace", "one seeded failure trace under every policy; the simulator's prediction",
+               None, (
+        Figure("simulator's worst error on time to step 200", r"predicted within ([\d.]+%)", "1.4%",
+               "python bench/failure_trace.py", "c63ea1a"),
+    )),
+    Comparison("fault_campaign", "seeded compound-fault scenarios checked against the invariants",
+               ("--scenarios", "2", "--seed", "1"), (
+        Figure("scenarios held", r"fault campaign: (\d+/\d+) scenarios held", "30/30",
+               "python bench/fault_campaign.py --seed 5", "748262d"),
+    )),
+    Comparison("hostile", "hostile clients against a live cluster coordinator", ("--quick",), (
+        Figure("attacks withstood", r"hostile clients: (\d+/\d+) attacks withstood", "23/23",
+               "python bench/hostile.py", "dee24dc"),
+    )),
+    Comparison("memory", "saved activations: full recomputation against none (GPT-2, flash SDPA)",
+               ("--sections", "1", "--layers", "2", "--hidden", "128", "--seq-len", "128"), (
+        Figure("saved bytes, none / full recompute", r"gpt2\s+default\s+full\s+[\d.]+\s+([\d.]+)", "9.56",
+               "python bench/memory.py", "0d8310c"),
+    )),
+    Comparison("dry_run", "dry run grouped by slice shape against every rank on its own",
+               ("--replica-tp", "4,3", "--plans-world", "0", "--cli", ""), (
+        Figure("per rank CPU / grouped CPU", r"per rank / short builds: [\d.]+x wall, ([\d.]+x) CPU", "2.4x",
+               "python bench/dry_run.py", "9cbdd9d"),
+    )),
+    Comparison("gpu_check", "the CUDA path (default recipe, NTP layout, checkpoint, Llama MFU), rehearsed on "
+               "CPU (no GPU figure is recorded yet)", ("--rehearse",), (
+        Figure("parts ok, CPU rehearsal", r"gpu_check rehearsal: (\d+/\d+) parts ok", "4/4",
+               "python bench/gpu_check.py --rehearse", "fb2a0ef"),
+    )),
+)
+
+
+def listing() -> list[tuple[str, bool, str]]:
+    """(name, in the suite, the first line of its docstring) of every bench script, new ones included."""
+    named = {c.bench for c in SUITE}
+    out = []
+    for f in sorted(BENCH.glob("*.py")):
+        if f.name.startswith("_") or f.stem == "suite":
+            continue
+        doc = ast.get_docstring(ast.parse(f.read_text())) or ""
+        out.append((f.stem, f.stem in named, doc.strip().splitlines()[0] if doc.strip() else ""))
+    return out
+
+
+def run_quick(c: Comparison, timeout_s: float) -> tuple[dict[str, str], str]:
+    """{figure name: value} that `c`'s quick mode printed, and what happened (for the table's note)."""
+    cmd = [sys.executable, "-m", f"bench.{c.bench}", *(c.quick or ())]
+    t0 = time.time()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {}, f"quick mode over {timeout_s:.0f} s"
+    found = {f.name: m.group(1) for f in c.figures if (m := re.search(f.pattern, proc.stdout))}
+    if not found:
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
+        return {}, f"exit {proc.returncode}, no figure ({tail[0][:80]})"
+    return found, f"{time.time() - t0:.0f} s"
+
+
+def quick_command(c: Comparison) -> str:
+    return " ".join(["python -m", f"bench.{c.bench}", *(a if a else "''" for a in c.quick or ())])
+
+
+def current_rows(text: str) -> dict[tuple[str, str], list[str]]:
+    """The rows of the results table now in docs/benchmarks.md, by (bench, figure)."""
+    if BEGIN not in text:
+        return {}
+    rows = {}
+    for line in text.split(BEGIN, 1)[1].split(END, 1)[0].splitlines():
+        cells = [x.strip() for x in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and cells[0] not in ("bench", "---"):
+            rows[cells[0].strip("`"), cells[1]] = cells
+    return rows
+
+
+def table(measured: dict[tuple[str, str], tuple[str, str]], commit: str, old: dict) -> list[list[str]]:
+    """One row per figure: measured now (value, how long), else the doc's row, else the recorded one."""
+    rows = []
+    for c in SUITE:
+        for f in c.figures:
+            if (c.bench, f.name) in measured:
+                value, took = measured[c.bench, f.name]
+                rows.append([f"`{c.bench}`", f.name, value, f"`{quick_command(c)}`",
+                             f"{commit}, quick mode, {time.strftime('%Y-%m-%d')} ({took})"])
+            elif (c.bench, f.name) in old:
+                rows.append(old[c.bench, f.name])
+            else:
+                rows.append([f"`{c.bench}`", f.name, f.recorded, f"`{f.command}`", f.commit])
+    return rows
+
+
+def render(rows: list[list[str]]) -> str:
+    head = ["bench", "figure", "value", "command", "measured (commit)"]
+    return "\n".join("| " + " | ".join(r) + " |" for r in [head, ["---"] * 5, *rows])
+
+
+def write_doc(text: str, body: str) -> str:
+    block = f"{BEGIN}\n{body}\n{END}"
+    if BEGIN in text:
+        return text.split(BEGIN, 1)[0] + block + text.split(END, 1)[1]
+    raise SystemExit(f"{DOC} has no results section ({BEGIN!r})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--list", action="store_true", help="list every bench script, those of the suite marked")
+    ap.add_argument("--quick", action="store_true", help="run each comparison's quick mode")
+    ap.add_argument("--only", default="", help="comma-separated benches of the suite to run")
+    ap.add_argument("--timeout", type=float, default=900.0, help="bound on each comparison (s)")
+    ap.add_argument("--write", action="store_true", help="write the table into docs/benchmarks.md")
+    args = ap.parse_args(argv)
+    if args.list:
+        for name, in_suite, first in listing():
+            print(f"{'suite' if in_suite else '     '}  {name:22s} {first}")
+        return 0
+    only = {x for x in args.only.split(",") if x}
+    unknown = only - {c.bench for c in SUITE}
+    if unknown:
+        ap.error(f"not in the suite: {sorted(unknown)} (see --list)")
+    measured: dict[tuple[str, str], tuple[str, str]] = {}
+    if args.quick:
+        for c in SUITE:
+            if (only and c.bench not in only) or c.quick is None:
+                continue
+            print(f"suite: {quick_command(c)}", flush=True)
+            found, took = run_quick(c, args.timeout)
+            print(f"suite:   {found or 'no figure'} ({took})", flush=True)
+            measured.update({(c.bench, k): (v, took) for k, v in found.items()})
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    text = DOC.read_text()
+    body = render(table(measured, commit, current_rows(text)))
+    print(body)
+    if args.write:
+        DOC.write_text(write_doc(text, body))
+        print(f"suite: wrote {DOC.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
