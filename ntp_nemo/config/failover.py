@@ -6,11 +6,11 @@ The failure injection, its checks, the recovery mode and the supervisor take thi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from omegaconf import DictConfig, OmegaConf
 
-from ntp_nemo.config.schema import FaultConfig, FaultSpec
+from ntp_nemo.config.schema import FaultConfig, FaultSpec, IntegrityConfig
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class FailoverSpec:
     checkpoint_every: int  # checkpoint.every_n_steps
     save_on_end: bool
     checkpoint_dir: str
+    integrity: IntegrityConfig = field(default_factory=IntegrityConfig)  # the `integrity` group
 
     @property
     def end_step(self) -> int:
@@ -63,7 +64,16 @@ def failover_spec(cfg: DictConfig) -> FailoverSpec:
         checkpoint_every=int(cfg.checkpoint.every_n_steps or 0),
         save_on_end=bool(cfg.checkpoint.save_on_end),
         checkpoint_dir=str(cfg.checkpoint.dir),
+        integrity=_integrity(cfg),
     )
+
+
+def _integrity(cfg: DictConfig) -> IntegrityConfig:
+    node = cfg.get("integrity")
+    if node is None:
+        return IntegrityConfig()
+    got = OmegaConf.to_object(node)
+    return got if isinstance(got, IntegrityConfig) else IntegrityConfig(**dict(got))
 
 
 __all__ = ["FailoverSpec", "failover_spec"]

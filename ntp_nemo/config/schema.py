@@ -137,6 +137,10 @@ class FaultSpec(Sealable):
     seconds: float = 1.0  # slow: extra seconds per step
     steps: int | None = None  # slow: for this many steps (None: to the end)
     phase: str = "step_start"  # kill_rank: step_start | backward | optimizer
+    target: str = "param"  # bitflip: param | grad | activation
+    bit: int | None = None  # bitflip: bit flipped (None: 22, the top fp32 mantissa bit; 30 grad/activation)
+    persistent: bool = False  # bitflip: the same flip on every step from `step` on (a bad device)
+    sample: int | None = None  # poison_sample: the training sample id (None: one of step `step`'s, drawn)
 
 
 @dataclass
@@ -147,6 +151,10 @@ class FaultConfig(Sealable):
     seconds: float = 1.0  # slow: extra seconds per step
     steps: int | None = None  # slow: for this many steps (None: to the end)
     phase: str = "step_start"  # kill_rank: step_start | backward | optimizer (when in the step it dies)
+    target: str = "param"  # bitflip: param | grad | activation
+    bit: int | None = None  # bitflip: bit flipped (None: 22, the top fp32 mantissa bit; 30 grad/activation)
+    persistent: bool = False  # bitflip: the same flip on every step from `step` on (a bad device)
+    sample: int | None = None  # poison_sample: the training sample id (None: one of step `step`'s, drawn)
     more: list[FaultSpec] = field(default_factory=list)  # further faults in the same run
     policy: str = "ntp"  # ntp | dp_drop | restart
     recovery: str = "auto"  # auto (live where it can work) | live (survivors reshard in memory) | restart
@@ -157,6 +165,21 @@ class FaultConfig(Sealable):
     collective_timeout_s: float = 600.0
     step_timeout_s: float = 1800.0
     startup_timeout_s: float = 600.0  # a worker's start to its first training step (supervisor)
+
+
+@dataclass
+class IntegrityConfig(Sealable):
+    """Silent-corruption checks (ntp_nemo.resilience.integrity): replicas' parameter fingerprints compared
+    every `every_n_steps` steps (0: never), loss and gradient-norm spikes beyond `spike_zscore` standard
+    deviations of the last `spike_window` steps (0: no spike detection), non-finite steps attributed."""
+
+    every_n_steps: int = 50
+    spike_zscore: float = 8.0
+    spike_window: int = 20
+    # Keep a copy of the parameters and optimizer state at each passed check, so a finding rolls back to
+    # it and replays the steps since (memory: one more copy of the model and optimizer state per rank).
+    keep_verified: bool = True
+    skip_samples: list[int] = field(default_factory=list)  # training sample ids never used (bad data)
 
 
 @dataclass
@@ -173,6 +196,7 @@ class RootConfig(Sealable):
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    integrity: IntegrityConfig = field(default_factory=IntegrityConfig)
     quant: QuantConfig = field(default_factory=QuantConfig)
     callbacks: dict[str, Any] = field(default_factory=dict)
     logger: dict[str, Any] = field(default_factory=dict)

@@ -18,9 +18,12 @@ from ntp_nemo.config.failover import FailoverSpec
 from ntp_nemo.config.schema import FaultConfig
 from ntp_nemo.errors import ConfigError
 from ntp_nemo.launch.cluster import launcher_layout
+from ntp_nemo.resilience.integrity_config import validate_integrity_config
 from ntp_nemo.resilience.policies import make_policy
 
-FAULT_KINDS = ("kill_rank", "hang", "slow", "kill_during_save", "corrupt_checkpoint")
+FAULT_KINDS = ("kill_rank", "hang", "slow", "kill_during_save", "corrupt_checkpoint", "bitflip",
+               "poison_sample")
+BITFLIP_TARGETS = ("param", "grad", "activation")
 KILL_PHASES = ("step_start", "backward", "optimizer", "validation", "rejoin", "joining")
 
 
@@ -33,10 +36,15 @@ class Fault:
     seconds: float = 0.0
     steps: int | None = None
     phase: str = "step_start"
+    target: str = "param"  # bitflip: param | grad | activation
+    bit: int = 22  # bitflip: the bit of the element's word flipped
+    persistent: bool = False  # bitflip: again on every step from `step` on (a bad device)
+    sample: int | None = None  # poison_sample: the training sample id (None: one of step `step`'s)
+    draw: int = 0  # bitflip, poison_sample: a seeded number picking the element (or the sample)
 
     @property
     def once(self) -> bool:
-        return self.kind != "slow"
+        return self.kind != "slow" and not self.persistent
 
 
 def _spec_list(f: FaultConfig) -> list[tuple[str, Any]]:
@@ -65,7 +73,7 @@ def resolve_faults(failover: FailoverSpec, world_size: int | None = None) -> lis
             )
         step = spec.step if spec.step is not None else rng.randint(min(2, max_steps), max(1, max_steps - 1))
         rank = spec.rank if spec.rank is not None else rng.randrange(world_size)
-        if kind == "corrupt_checkpoint":
+        if kind in ("corrupt_checkpoint", "poison_sample"):  # poison_sample: whichever rank sees it
             rank = 0
         if not 1 <= int(step) <= max_steps:
             raise ConfigError(
@@ -93,9 +101,41 @@ def resolve_faults(failover: FailoverSpec, world_size: int | None = None) -> lis
                 else f"phase {phase!r} applies to kill_rank only, not {kind}; drop {key}.phase.",
             )
         out.append(
-            Fault(len(out), kind, int(rank), int(step), seconds, None if steps is None else int(steps), phase)
+            Fault(len(out), kind, int(rank), int(step), seconds, None if steps is None else int(steps), phase,
+                  **_corruption(key, kind, spec, rng))
         )
     return out
+
+
+def _corruption(key: str, kind: str, spec: Any, rng: random.Random) -> dict[str, Any]:
+    """The `bitflip` and `poison_sample` fields of a fault (defaults for other kinds); ConfigError names the
+    key on a bad value or one given to another kind."""
+    target = str(getattr(spec, "target", "param") or "param")
+    bit, persistent, sample = getattr(spec, "bit", None), bool(getattr(spec, "persistent", False)), \
+        getattr(spec, "sample", None)
+    for name, value, owner in (("bit", bit, "bitflip"), ("persistent", persistent or None, "bitflip"),
+                               ("target", None if target == "param" else target, "bitflip"),
+                               ("sample", sample, "poison_sample")):
+        if value is not None and kind != owner:
+            raise ConfigError(f"{key}.{name}", f"{name} applies to kind {owner} only, not {kind}; drop "
+                              f"{key}.{name} (or use {key.split('[')[0]}={owner}).")
+    if kind not in ("bitflip", "poison_sample"):
+        return {}
+    draw = rng.randrange(1 << 30)  # drawn for these kinds only: the other kinds' draws stay as they were
+    if kind == "poison_sample":
+        if sample is not None and int(sample) < 0:
+            raise ConfigError(f"{key}.sample", f"a training sample id is >= 0, got {sample}; leave it unset "
+                              "to poison one of the samples of step fault.step (drawn from seed).")
+        return {"sample": None if sample is None else int(sample), "draw": draw}
+    if target not in BITFLIP_TARGETS:
+        raise ConfigError(f"{key}.target", f"unknown bitflip target {target!r}; use param (a weight of the "
+                          "rank: found by the replica fingerprint), grad (a gradient element before the "
+                          "sync) or activation (an output of the rank's first layer).")
+    bit = (22 if target == "param" else 30) if bit is None else int(bit)
+    if not 0 <= bit <= 31:
+        raise ConfigError(f"{key}.bit", f"the bit flipped in a 32-bit word lies in 0..31 (0-22 mantissa, "
+                          f"23-30 exponent, 31 sign; a 16-bit value takes it modulo 16), got {bit}.")
+    return {"target": target, "bit": bit, "persistent": persistent, "draw": draw}
 
 
 
@@ -168,6 +208,7 @@ def validate_fault_config(spec: FailoverSpec, context: LaunchContext | None = No
                 "set checkpoint.every_n_steps>0 or checkpoint.save_on_end=true.",
             )
     resolve_faults(spec)
+    validate_integrity_config(spec.integrity)
 
 
 RECOVERY_MODES = ("auto", "live", "restart")
