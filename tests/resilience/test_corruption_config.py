@@ -37,7 +37,7 @@ def test_corrupting_faults_resolve_seeded():
     (["fault=bitflip", "fault.target=weights"], "fault.target", "unknown bitflip target"),
     (["fault=bitflip", "fault.bit=40"], "fault.bit", "0..31"),
     (["fault=kill_rank", "fault.bit=3"], "fault.bit", "bitflip only"),
-    (["fault=slow", "fault.persistent=true"], "fault.persistent", "bitflip only"),
+    (["fault=hang", "fault.persistent=true"], "fault.persistent", "bitflip only"),
     (["fault=bitflip", "fault.sample=4"], "fault.sample", "poison_sample only"),
     (["fault=poison_sample", "fault.sample=-1"], "fault.sample", ">= 0"),
     (["integrity.every_n_steps=-1"], "integrity.every_n_steps", ">= 0"),
