@@ -20,14 +20,9 @@ from typing import NamedTuple
 
 import pytest
 
-from tests.rerun import (  # noqa: F401 - hooks of `--rerun-failed-once`, registered by being here
-    pytest_addoption,
-    pytest_report_teststatus,
-    pytest_runtest_protocol,
-    pytest_terminal_summary,
-)
-
 ROOT = Path(__file__).resolve().parents[1]
+# `--failures-file`: the failed test calls a session writes down for its rerun (`python -m tests.rerun`)
+pytest_plugins = ("tests.rerun",)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -1,22 +1,21 @@
-"""`--rerun-failed-once` (tests/rerun.py), run on a small suite of its own in a pytest process: a test that
-fails once passes on its second attempt with the first failure printed; a test that fails twice fails
-the run; a failed set-up is not rerun; without the option nothing is rerun."""
+"""Reruns that count (tests/rerun.py), on a small suite of its own in pytest processes: the plugin writes
+down failed calls and broken set-ups; `python -m tests.rerun` reruns a test that failed once in a second
+session and reports it; a test that fails twice fails the run; a failed set-up is not rerun; a test that
+needed a rerun in the run before fails the run; more than `--max` failures are not rerun."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 
 from tests.conftest import ROOT
+from tests.rerun import verdict
 
 SUITE = '''
 import os
 import pytest
-
-@pytest.fixture
-def fresh():
-    return []
 
 @pytest.fixture
 def broken():
@@ -29,9 +28,7 @@ def _first(name):
     open(flag, "w").close()
     return True
 
-def test_fails_once(fresh):
-    fresh.append(1)
-    assert fresh == [1]  # a fresh function-scoped fixture on the second attempt
+def test_fails_once():
     assert not _first("once"), "the first attempt fails"
 
 def test_fails_twice():
@@ -39,36 +36,77 @@ def test_fails_twice():
 
 def test_setup_fails(broken):
     pass
+
+def test_passes():
+    pass
 '''
 
 
-def _run(tmp_path, *args: str) -> subprocess.CompletedProcess:
-    (tmp_path / "flags").mkdir(exist_ok=True)
-    for flag in (tmp_path / "flags").iterdir():
+def _env(tmp_path) -> dict:
+    flags = tmp_path / "flags"
+    flags.mkdir(exist_ok=True)
+    for flag in flags.iterdir():
         flag.unlink()
     (tmp_path / "test_suite.py").write_text(SUITE)
-    (tmp_path / "conftest.py").write_text(
-        "from tests.rerun import pytest_addoption, pytest_report_teststatus, pytest_runtest_protocol, "
-        "pytest_terminal_summary  # noqa: F401\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "FLAGS": str(tmp_path / "flags")}
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist",
-                           "-q", str(tmp_path / "test_suite.py"), *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
+    # No entry-point plugins: a pytest process then starts in a fraction of a second.
+    return {**os.environ, "PYTHONPATH": str(ROOT), "FLAGS": str(flags), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
 
 
-def test_a_test_that_fails_once_passes_with_its_first_failure_listed(tmp_path):
-    res = _run(tmp_path, "--rerun-failed-once")
-    out = res.stdout
-    assert res.returncode == 1, out  # the test that fails twice fails the run
-    assert "1 failed, 1 passed, 1 error, 2 rerun" in out, out
-    assert "RERUN test_suite.py::test_fails_once" in out and "the first attempt fails" in out
-    assert "RERUN test_suite.py::test_fails_twice" in out
-    assert "RERUN test_suite.py::test_setup_fails" not in out  # a set-up that broke is not rerun
-    assert "FAILED test_suite.py::test_fails_twice" in out and "ERROR test_suite.py::test_setup_fails" in out
-    res = _run(tmp_path, "--rerun-failed-once", "-k", "fails_once")
-    assert res.returncode == 0 and "1 passed, 2 deselected, 1 rerun" in res.stdout, res.stdout
+def _suite(tmp_path, *k: str) -> list[str]:
+    return ["-p", "tests.rerun", "-q", str(tmp_path / "test_suite.py"), "-k", " or ".join(k)]
 
 
-def test_without_the_option_nothing_is_rerun(tmp_path):
-    res = _run(tmp_path)
-    assert res.returncode == 1 and "2 failed, 1 error" in res.stdout and "rerun" not in res.stdout, res.stdout
+def _wrapped(tmp_path, *k: str) -> tuple[subprocess.CompletedProcess, str, list[str]]:
+    """`python -m tests.rerun` on the tests named `k`: (process, report, node ids in the record)."""
+    res = subprocess.run([sys.executable, "-m", "tests.rerun", "--report", str(tmp_path / "reruns.txt"),
+                          "--state", str(tmp_path / "state"), "--", *_suite(tmp_path, *k)],
+                         cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=120)
+    record = json.loads((tmp_path / "state" / "reruns.json").read_text())["reruns"]
+    return res, (tmp_path / "reruns.txt").read_text(), record
+
+
+def test_the_plugin_writes_down_failed_calls_and_broken_set_ups(tmp_path):
+    out = tmp_path / "failures.json"
+    res = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+                          *_suite(tmp_path, "fails", "passes"), "--failures-file", str(out)],
+                         cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1, res.stdout
+    doc = json.loads(out.read_text())
+    assert doc["exitstatus"] == 1 and doc["other"] == 1  # test_setup_fails' fixture
+    assert [c["nodeid"] for c in doc["calls"]] == ["test_suite.py::test_fails_once",
+                                                  "test_suite.py::test_fails_twice"]
+    assert "the first attempt fails" in doc["calls"][0]["message"]
+
+
+def test_a_rerun_is_reported_and_two_in_a_row_fail_the_run(tmp_path):
+    res, report, record = _wrapped(tmp_path, "fails_once", "passes")
+    assert res.returncode == 0, res.stdout + res.stderr  # it failed once: the rerun decides
+    assert "RERUN test_suite.py::test_fails_once: passed on the rerun" in report
+    assert "the first attempt fails" in report and "no record of the previous run" in report
+    assert record == ["test_suite.py::test_fails_once"]
+    assert "RERUN test_suite.py::test_fails_once" in res.stdout  # printed for CI as well
+    # The next run: the same test needs a rerun again (the run fails, naming it), and a test that fails
+    # twice fails the run.
+    res, report, record = _wrapped(tmp_path, "fails_once", "fails_twice")
+    assert res.returncode == 1, res.stdout
+    assert "FAIL: rerun in two consecutive runs: test_suite.py::test_fails_once" in report
+    assert "RERUN test_suite.py::test_fails_twice: failed again on the rerun" in report
+    assert "RERUN test_suite.py::test_fails_once: passed on the rerun" in report
+
+
+def test_a_failed_set_up_is_not_rerun(tmp_path):
+    res, report, record = _wrapped(tmp_path, "fails_once", "setup_fails")
+    assert res.returncode == 1 and record == []
+    assert "not rerun: 1 set-up or teardown error(s)" in report
+    assert "RERUN test_suite.py::test_fails_once: not rerun" in report
+    assert "rerun of 1 failed test(s)" not in res.stdout
+
+
+def test_more_failures_than_the_bound_are_not_rerun():
+    calls = [{"nodeid": f"t.py::test_{i}", "message": "boom"} for i in range(4)]
+    code, lines = verdict({"exitstatus": 1, "calls": calls, "other": 0}, None, None, None, max_reruns=3)
+    assert code == 1 and "  not rerun: more than 3 failed (a rerun would hide a broken run)" in lines
+    first = {"exitstatus": 1, "calls": calls[:1], "other": 0}
+    assert verdict(first, {"exitstatus": 0, "calls": [], "other": 0}, 0, ["t.py::test_3"])[0] == 0
+    assert verdict(first, {"exitstatus": 0, "calls": [], "other": 0}, 0, ["t.py::test_0"])[0] == 1
+    assert verdict({"exitstatus": 0, "calls": [], "other": 0}, None, None, ["t.py::test_0"]) == (0, [])
