@@ -29,6 +29,25 @@ class GlobalBatchSampler:
         # Blended datasets draw new samples every epoch: they get `epoch * num_samples + id`.
         self.tag_epochs = bool(tag_epochs)
         self._perms: dict[int, np.ndarray] = {}
+        self.skipped: frozenset[int] = frozenset()  # sample ids taken out of the stream (bad data)
+
+    def skip(self, ids) -> None:
+        """Take sample ids `ids` out of every epoch's order from now on (bad data, found or configured).
+        The stream is each epoch's permutation without them, so every step before the first position of
+        a skipped id draws what it drew before, and a run given the same ids from its start draws the same
+        samples at every step."""
+        ids = frozenset(int(i) % self.num_samples for i in ids)
+        if not ids <= self.skipped:
+            if len(self.skipped | ids) >= self.num_samples:
+                raise ValueError(f"skipping {len(self.skipped | ids)} of {self.num_samples} samples leaves "
+                                 "none to train on")
+            self.skipped = self.skipped | ids
+            self._perms.clear()
+
+    @property
+    def epoch_samples(self) -> int:
+        """Samples in one epoch of the stream (all but the skipped ones)."""
+        return self.num_samples - len(self.skipped)
 
     def permutation(self, epoch: int) -> np.ndarray:
         """The sample order of `epoch` (cached for the two most recent epochs)."""
@@ -36,6 +55,8 @@ class GlobalBatchSampler:
         if perm is None:
             rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed % 2**64, epoch])))
             perm = rng.permutation(self.num_samples).astype(np.int64)
+            if self.skipped:
+                perm = perm[~np.isin(perm, np.fromiter(self.skipped, dtype=np.int64))]
             if len(self._perms) >= 2:
                 self._perms.pop(min(self._perms))
             self._perms[epoch] = perm
@@ -43,7 +64,7 @@ class GlobalBatchSampler:
 
     def epoch(self, step: int) -> int:
         """Epoch of the first sample of `step`."""
-        return step * self.global_batch_size // self.num_samples
+        return step * self.global_batch_size // self.epoch_samples
 
     def batch_ids(self, step: int) -> np.ndarray:
         """Sample ids (int64, length `global_batch_size`) of optimizer step `step`, in order.
@@ -52,11 +73,12 @@ class GlobalBatchSampler:
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         positions = step * self.global_batch_size + np.arange(self.global_batch_size, dtype=np.int64)
-        epochs = positions // self.num_samples
+        n = self.epoch_samples
+        epochs = positions // n
         out = np.empty(self.global_batch_size, dtype=np.int64)
         for e in np.unique(epochs):
             mask = epochs == e
-            out[mask] = self.permutation(int(e))[positions[mask] - e * self.num_samples]
+            out[mask] = self.permutation(int(e))[positions[mask] - e * n]
         if self.tag_epochs:
             out += epochs * self.num_samples
         return out
