@@ -136,6 +136,7 @@ class FaultSpec(Sealable):
     step: int | None = None
     seconds: float = 1.0  # slow: extra seconds per step
     steps: int | None = None  # slow: for this many steps (None: to the end)
+    factor: float | None = None  # slow: speed factor in (0, 1) in place of `seconds` (0.5: half speed)
     phase: str = "step_start"  # kill_rank: step_start | backward | optimizer
     target: str = "param"  # bitflip: param | grad | activation
     bit: int | None = None  # bitflip: bit flipped (None: 22, the top fp32 mantissa bit; 30 grad/activation)
@@ -150,6 +151,7 @@ class FaultConfig(Sealable):
     step: int | None = None
     seconds: float = 1.0  # slow: extra seconds per step
     steps: int | None = None  # slow: for this many steps (None: to the end)
+    factor: float | None = None  # slow: speed factor in (0, 1) in place of `seconds` (0.5: half speed)
     phase: str = "step_start"  # kill_rank: step_start | backward | optimizer (when in the step it dies)
     target: str = "param"  # bitflip: param | grad | activation
     bit: int | None = None  # bitflip: bit flipped (None: 22, the top fp32 mantissa bit; 30 grad/activation)
@@ -165,6 +167,15 @@ class FaultConfig(Sealable):
     collective_timeout_s: float = 600.0
     step_timeout_s: float = 1800.0
     startup_timeout_s: float = 600.0  # a worker's start to its first training step (supervisor)
+    # Stragglers (ntp_nemo.resilience.straggler): what to do with a rank measured persistently slower than
+    # its share (report | rebalance | exclude), judged every `straggler_every` steps over that many steps
+    # (0: no detection), when `straggler_margin` slower than the work model says for `straggler_persist`
+    # judgements in a row; below `straggler_floor` speed, `rebalance` excludes the rank too.
+    straggler: str = "rebalance"
+    straggler_every: int = 5
+    straggler_margin: float = 0.3
+    straggler_persist: int = 2
+    straggler_floor: float = 0.2
 
 
 @dataclass

@@ -38,6 +38,14 @@ RECOVERY_DONE = "recovery_done"
 # Input pipeline stalls, recorded after the wait; the wait ends at `t`.
 DATA_WAIT = "data_wait"  # seconds
 
+# Stragglers (ntp_nemo.resilience.straggler_watch). A straggler records its own straggler and
+# straggler_recovered events; straggler_wait carries the seconds the steps (from_step, step] lost waiting
+# for slow ranks, ending at `t`; rebalance a new batch split by measured speed.
+STRAGGLER = "straggler"  # rank, host, speed, step, policy
+STRAGGLER_RECOVERED = "straggler_recovered"  # rank, speed, step
+STRAGGLER_WAIT = "straggler_wait"  # seconds, from_step, step
+REBALANCE = "rebalance"  # step, speeds, microbatches, predicted_compute_s, unit_s
+
 EVENTS: frozenset[str] = frozenset(
     {
         JOB_START,
@@ -54,6 +62,10 @@ EVENTS: frozenset[str] = frozenset(
         FAILURE_DETECTED,
         RECOVERY_DONE,
         DATA_WAIT,
+        STRAGGLER,
+        STRAGGLER_RECOVERED,
+        STRAGGLER_WAIT,
+        REBALANCE,
     }
 )
 

@@ -49,6 +49,7 @@ class StepBatches(Dataset):
             "step": torch.tensor(step),
             "micro": tokens,
             "global_tokens": torch.tensor(self.sampler.global_batch_size * seq),
+            "first": torch.tensor(mine.start),  # the split it was cut for (a rebalance may change it)
         }
         self.last_fetch_s = time.perf_counter() - t0
         return item

@@ -19,6 +19,7 @@ from ntp_nemo.data.module import DataBundle
 from ntp_nemo.lightning.adapter import count_skipped_step
 from ntp_nemo.lightning.data import StepBatches, ValBatches
 from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.runtime.compute_time import ComputeTimer
 from ntp_nemo.schedules import warmup_cosine
 
 
@@ -56,6 +57,10 @@ class NTPLanguageModule(pl.LightningModule):
         self.tp_chunks = tp_chunks
         self.compile_blocks = compile
         self.weights_drawn = True  # False: `configure_model` built the model for a checkpoint to fill
+        # Times each step's compute, every rank's riding on the fused scalars (set by the straggler watch
+        # or a `slow` fault; None: untimed) and what the last step gathered (index = global rank).
+        self.compute_timer: ComputeTimer | None = None
+        self.rank_compute_s: tuple[float, ...] | None = None
 
     @property
     def runtime(self):
@@ -184,6 +189,13 @@ class NTPLanguageModule(pl.LightningModule):
         epoch = recovery.abort_epoch() if recovery is not None else 0
         global_tokens = int(batch["global_tokens"])
         rt = self.runtime
+        num_micro = self.data.sampler.global_batch_size // self.micro_batch_size
+        mine = rt.my_microbatches(num_micro)
+        if "first" in batch and (int(batch["first"]), len(batch["micro"])) != (mine.start, len(mine)):
+            batch = self.batch_of_step(int(batch["step"]), rt.device)  # fetched before a rebalance
+        timer = self.compute_timer
+        if timer is not None:
+            timer.device = rt.device
         lr = sched.get_last_lr()[0]
         # A generation aborted meanwhile (NCCL): its results are never applied.
         check = (lambda: recovery.check_generation(epoch)) if recovery is not None else None
@@ -191,7 +203,8 @@ class NTPLanguageModule(pl.LightningModule):
         result = train_step(self.trainer.strategy.state, batch["micro"], global_tokens,
                             max_norm=self.optim_cfg["grad_clip"], optimizer=opt, scheduler=sched,
                             backward=self.manual_backward, stop=self._stop_requested,
-                            before_update=check, on_skip=count_skipped_step)
+                            before_update=check, on_skip=count_skipped_step, timer=timer)
+        self.rank_compute_s = result.compute_s
         skipped = result.skipped
         self.stop_agreed = result.stop  # read by PreemptionCheckpoint at the end of the batch
         loss, grad_norm = result.loss, result.grad_norm
@@ -206,9 +219,7 @@ class NTPLanguageModule(pl.LightningModule):
             "lr": lr,
             "grad_norm": grad_norm,
             "compute_s": time.perf_counter() - t0,
-            "microbatches": rt.microbatch_counts(
-                self.data.sampler.global_batch_size // self.micro_batch_size
-            ),
+            "microbatches": rt.microbatch_counts(num_micro),
         }
         if skipped:
             self.last_step["skipped"] = True  # non-finite gradient on some rank: no update this step
@@ -230,6 +241,7 @@ class NTPLanguageModule(pl.LightningModule):
             raise RuntimeError(f"the survivors ahead reported step {record.get('step')} as their last, not "
                                f"step {int(batch['step']) + 1}, which this rank was running")
         count_skipped_step(self.optimizers())  # no update here: the state received holds it
+        self.rank_compute_s = None  # not timed here
         self.lr_schedulers().step()
         self.stop_agreed = bool(note["stop"])
         self.log("train/loss", torch.tensor(record["loss"]), prog_bar=True, rank_zero_only=True, batch_size=1)

@@ -10,6 +10,8 @@ replicas of unequal TP.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
 from contextlib import contextmanager
 from datetime import timedelta
@@ -200,6 +202,8 @@ class NTPStrategy(StrategyAdapter):
             self._launch_devices = list(self.parallel_devices or [])
             self._own_device = self.root_device if self._launch_devices else None
             return
+        if state.runtime.topology is old.runtime.topology:
+            return  # a rebalance: the same ranks, groups and shards, another batch split
         world = state.layout.world_size
         if isinstance(self.cluster_environment, LightningEnvironment):  # forked here: local rank = rank
             # The process keeps its own device (its tensors, its CUDA context) under its new rank: the
@@ -220,6 +224,18 @@ class NTPStrategy(StrategyAdapter):
         # save builds new ones.  (A save still in flight when a rank was lost never commits; the one
         # before it stays the latest checkpoint.)
         self._saver = None
+
+    def rebalance(self, layout: ResolvedLayout) -> None:
+        """From the next step on, run `layout`: the running layout with other batch shares (a straggler's
+        replica measured slower gets less of the global batch, `ResolvedLayout.speeds`).  Every rank holds
+        the same shards in the same process groups, so nothing moves; every rank calls it at the same
+        step (the straggler watch's verdicts are computed alike on every rank)."""
+        if not layout.same_ranks(self.layout):
+            raise ValueError(f"a rebalance keeps the ranks' shards: {layout.describe()} is not "
+                             f"{self.layout.describe()}")
+        runtime = copy.copy(self.runtime)  # the same place, groups, sync and engine, read for a new split
+        runtime.layout = layout
+        self.adopt(dataclasses.replace(self.state, layout=layout, runtime=runtime))
 
     def _loopback_rendezvous_store(self) -> dist.TCPStore | None:
         """In rank 0 of workers we forked (their store not hosted by the launching process): the env://

@@ -36,6 +36,7 @@ class Fault:
     seconds: float = 0.0
     steps: int | None = None
     phase: str = "step_start"
+    factor: float | None = None  # slow: the rank computes at this speed (in place of `seconds` added)
     target: str = "param"  # bitflip: param | grad | activation
     bit: int = 22  # bitflip: the bit of the element's word flipped
     persistent: bool = False  # bitflip: again on every step from `step` on (a bad device)
@@ -45,6 +46,11 @@ class Fault:
     @property
     def once(self) -> bool:
         return self.kind != "slow" and not self.persistent
+
+    def active_at(self, step: int) -> bool:
+        """A `slow` fault holds at step `step` (from `step` for `steps` steps; after them the device is
+        fine again)."""
+        return self.step <= step and (self.steps is None or step < self.step + self.steps)
 
 
 def _spec_list(f: FaultConfig) -> list[tuple[str, Any]]:
@@ -88,7 +94,8 @@ def resolve_faults(failover: FailoverSpec, world_size: int | None = None) -> lis
             )
         seconds = float(getattr(spec, "seconds", 0.0) or 0.0)
         steps = getattr(spec, "steps", None)
-        if kind == "slow" and seconds <= 0:
+        factor = _slow_factor(key, kind, spec, steps)
+        if kind == "slow" and factor is None and seconds <= 0:
             raise ConfigError(
                 f"{key}.seconds", f"a slow rank needs seconds > 0 of delay per step, got {seconds}."
             )
@@ -102,7 +109,7 @@ def resolve_faults(failover: FailoverSpec, world_size: int | None = None) -> lis
             )
         out.append(
             Fault(len(out), kind, int(rank), int(step), seconds, None if steps is None else int(steps), phase,
-                  **_corruption(key, kind, spec, rng))
+                  factor, **_corruption(key, kind, spec, rng))
         )
     return out
 
@@ -136,6 +143,53 @@ def _corruption(key: str, kind: str, spec: Any, rng: random.Random) -> dict[str,
         raise ConfigError(f"{key}.bit", f"the bit flipped in a 32-bit word lies in 0..31 (0-22 mantissa, "
                           f"23-30 exponent, 31 sign; a 16-bit value takes it modulo 16), got {bit}.")
     return {"target": target, "bit": bit, "persistent": persistent, "draw": draw}
+
+
+def _slow_factor(key: str, kind: str, spec: Any, steps: Any) -> float | None:
+    """The speed factor of a `slow` fault (None: the additive form, `seconds` per step); ConfigError on a
+    factor outside (0, 1), a factor on another kind, or a `steps` below 1."""
+    raw = getattr(spec, "factor", None)
+    if kind == "slow" and steps is not None and int(steps) < 1:
+        raise ConfigError(f"{key}.steps", f"a slow rank lasts steps >= 1 steps (null: to the end), got "
+                          f"{steps}; e.g. {key}.steps=20.")
+    if raw is None:
+        return None
+    if kind != "slow":
+        raise ConfigError(f"{key}.factor", f"factor is the speed of a slow rank and applies to kind slow "
+                          f"only, not {kind}; drop {key}.factor.")
+    factor = float(raw)
+    if not 0 < factor < 1:
+        raise ConfigError(f"{key}.factor", f"the speed factor of a slow rank must lie in (0, 1) (0.5: its "
+                          f"forward and backward take twice their time), got {raw}; for a rank slower by a "
+                          f"fixed delay use {key}.seconds instead.")
+    return factor
+
+
+STRAGGLER_POLICIES = ("report", "rebalance", "exclude")
+
+
+def validate_straggler_config(f: FaultConfig) -> None:
+    """The straggler keys of the `fault` group (`ntp_nemo.resilience.straggler`); ConfigError names the
+    key."""
+    policy = str(f.straggler)
+    if policy not in STRAGGLER_POLICIES:
+        raise ConfigError("fault.straggler", f"unknown straggler policy {policy!r}; use report (log it), "
+                          "rebalance (give the slow rank's replica a smaller share of the batch, live) or "
+                          "exclude (take the slow rank out through failover).")
+    if int(f.straggler_every) < 0:
+        raise ConfigError("fault.straggler_every", f"must be >= 0 steps between judgements of every rank's "
+                          f"speed (0: no straggler detection), got {f.straggler_every}; e.g. 5.")
+    if not float(f.straggler_margin) > 0:
+        raise ConfigError("fault.straggler_margin", f"must be > 0 (0.3: a rank 30% slower than the work "
+                          f"model says for its share is a straggler), got {f.straggler_margin}.")
+    if int(f.straggler_persist) < 1:
+        raise ConfigError("fault.straggler_persist", f"must be >= 1 judgements in a row before a rank is "
+                          f"called a straggler, got {f.straggler_persist}; e.g. 2.")
+    top = 1 / (1 + float(f.straggler_margin))
+    if not 0 <= float(f.straggler_floor) < top:
+        raise ConfigError("fault.straggler_floor", f"must lie in [0, 1/(1+fault.straggler_margin)) = "
+                          f"[0, {top:.3g}): the speed below which a straggler is excluded rather than "
+                          f"rebalanced, got {f.straggler_floor}; e.g. 0.2.")
 
 
 
@@ -190,6 +244,7 @@ def validate_fault_config(spec: FailoverSpec, context: LaunchContext | None = No
     f = spec.fault
     make_policy(str(f.policy), spec.min_replica_tp)
     Timeouts.from_config(f)
+    validate_straggler_config(f)
     _validate_recovery(spec, context)
     if int(f.max_restarts) < 0:
         raise ConfigError("fault.max_restarts", f"must be >= 0, got {f.max_restarts}.")

@@ -13,7 +13,9 @@ Kinds (each strikes global rank `rank` of the layout running at the time, at opt
   `joining` (the repaired process dies once the launcher has decided to take it in, while the rejoin's
   generation forms: the survivors re-form without it).
 - `hang`: the process stops making progress (sleeps forever); only heartbeats or timeouts reveal it.
-- `slow`: a straggler: `seconds` of extra time per step for `steps` steps (None: to the end).
+- `slow`: a straggler for `steps` steps (None: to the end; after them the device is fine again): with
+  `factor`, the rank computes at that speed (its forward and backward take 1/factor of their measured
+  time: `runtime.compute_time.ComputeTimer.slowdown`); without, `seconds` of extra time per step.
 - `kill_during_save`: the rank dies while the checkpoint of the first save at or after `step` is
   being written, leaving an uncommitted `.tmp` directory.
 - `corrupt_checkpoint`: the newest committed checkpoint at or before `step` gets a flipped byte in
@@ -134,7 +136,9 @@ class FaultInjector(Callback):
         step = trainer.global_step + 1  # the step about to run
         for f in self._mine(trainer, ("kill_rank", "hang", "slow", "corrupt_checkpoint")):
             if f.kind == "slow":
-                if f.step <= step and (f.steps is None or step < f.step + f.steps):
+                if f.factor is not None:
+                    _compute_timer(pl_module).slowdown(f.factor if f.active_at(step) else 1.0)
+                elif f.active_at(step):
                     time.sleep(f.seconds)
                 continue
             if f.kind == "corrupt_checkpoint":
@@ -210,6 +214,15 @@ class FaultInjector(Callback):
         while not tmp.exists() and time.monotonic() < deadline:
             time.sleep(0.0005)
         os._exit(KILL_EXIT_CODE)
+
+
+def _compute_timer(pl_module: LightningModule) -> Any:
+    """The module's compute timer (made here when no straggler watch made it)."""
+    from ntp_nemo.runtime.compute_time import ComputeTimer
+
+    if getattr(pl_module, "compute_timer", None) is None:
+        pl_module.compute_timer = ComputeTimer()
+    return pl_module.compute_timer
 
 
 def _die_once_decided(store: Any, generation: int, timeout_s: float) -> None:

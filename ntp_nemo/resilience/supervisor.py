@@ -50,6 +50,7 @@ from ntp_nemo.resilience.fault_config import (  # noqa: F401 - re-exported: the 
 from ntp_nemo.resilience.faults import FaultInjector, resolve_faults
 from ntp_nemo.resilience.heartbeat import Heartbeat
 from ntp_nemo.resilience.policies import Replan, make_policy, replan
+from ntp_nemo.resilience.straggler_watch import StragglerWatch
 from ntp_nemo.resilience.worker import SupervisedWorker
 from ntp_nemo.topology.layout import ResolvedLayout
 
@@ -141,6 +142,9 @@ class Supervisor:
         out: list[Any] = []
         if self.faults:
             out.append(FaultInjector(self.faults, self.fault_dir, self.ckpt_dir))
+        watch = StragglerWatch.from_config(self.spec.fault)  # after the injector: it reads the step's times
+        if watch is not None:
+            out.append(watch)
         if self.link is not None:  # a cluster task: heartbeats to the coordinator, which replaces the monitor
             from ntp_nemo.resilience.cluster_task import LinkHeartbeat
             from ntp_nemo.resilience.live_worker import LiveRecovery
@@ -180,7 +184,8 @@ class Supervisor:
                 "fault injection: "
                 + "; ".join(
                     f"{f.kind} rank {f.rank} at step {f.step}"
-                    + (f" (+{f.seconds}s/step)" if f.kind == "slow" else "")
+                    + (f" (+{f.seconds}s/step)" if f.kind == "slow" and f.factor is None else "")
+                    + (f" (speed {f.factor})" if f.factor is not None else "")
                     + (f" ({f.phase})" if f.phase != "step_start" else "")
                     for f in self.faults
                 )

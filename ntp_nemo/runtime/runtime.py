@@ -153,6 +153,7 @@ class RankPlace:
         grad_norm_sq_local: torch.Tensor,
         nonfinite: torch.Tensor | bool | None = None,
         stop: bool | torch.Tensor = False,
+        compute_s: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The step's one fused all-reduce: returns `[loss_sum, grad_norm_sq, nonfinite, stop]`,
         summed over the world, as a tensor on the runtime's device (float64, float32 without it).
@@ -160,7 +161,9 @@ class RankPlace:
         `loss_sum`: this replica's summed token loss (`train_microbatches`); `grad_norm_sq_local`:
         `GradientSynchronizer.grad_norm_sq_local()` after the sync; `nonfinite`: this rank found a
         non-finite gradient (default: the local norm is not finite); `stop`: this rank asks to stop
-        (preemption).  Entries 2 and 3 are counts: > 0 means some rank raised the flag.
+        (preemption).  Entries 2 and 3 are counts: > 0 means some rank raised the flag.  `compute_s`: this
+        rank's compute seconds (`ComputeTimer`); when given, entries 4.. hold every rank's (each rank fills
+        its own slot; the sum is the gather), read back as `compute_s` (straggler detection).
         """
         check_device(grad_norm_sq_local, self.device, "squared gradient norm")
         sq = grad_norm_sq_local.detach().to(self.acc_dtype)
@@ -175,14 +178,23 @@ class RankPlace:
         else:
             stop_t = torch.full((), float(bool(stop)), dtype=self.acc_dtype, device=self.device)
         buf = torch.stack([self._replica_share(loss_sum), sq, flag.reshape(()), stop_t.reshape(())])
+        if compute_s is not None:
+            slots = torch.zeros(self.topology.world_size, dtype=self.acc_dtype, device=self.device)
+            slots[self.rank] = check_device(compute_s, self.device, "compute seconds").to(self.acc_dtype)
+            buf = torch.cat([buf, slots])
         if self.topology.world_size > 1:
             all_reduce_on(buf, self.device, self.world_group, what="fused step scalars")
         return buf
 
     @staticmethod
     def read_step_scalars(buf: torch.Tensor) -> dict[str, float]:
-        """The step's single host read of the fused scalars."""
-        return dict(zip(STEP_SCALARS, buf.tolist(), strict=True))
+        """The step's single host read of the fused scalars (with `compute_s`, every rank's compute
+        seconds as a tuple, when the step gathered them)."""
+        values = buf.tolist()
+        out: dict = dict(zip(STEP_SCALARS, values[: len(STEP_SCALARS)], strict=True))
+        if len(values) > len(STEP_SCALARS):
+            out["compute_s"] = tuple(values[len(STEP_SCALARS):])
+        return out
 
 
 class NTPRuntime(RankPlace):

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ntp_nemo.runtime.assemble import RankState
+from ntp_nemo.runtime.compute_time import ComputeTimer
 
 PHASES = ("microbatches", "grad_sync", "scalars", "optimizer")
 
@@ -31,6 +32,11 @@ class StepResult:
     scalars: torch.Tensor  # [loss_sum, grad_norm_sq, nonfinite, stop], summed over the world
     values: dict[str, float] | None  # `NTPRuntime.read_step_scalars(scalars)`; None when not read
     global_tokens: int
+
+    @property
+    def compute_s(self) -> tuple[float, ...] | None:
+        """Every rank's compute seconds of this step (index = global rank), when it was timed."""
+        return None if self.values is None else self.values.get("compute_s")
 
     @property
     def loss(self) -> float:
@@ -73,6 +79,7 @@ def train_step(
     phase: Callable[[str], AbstractContextManager] | None = None,
     grad_norm: bool = True,
     read_scalars: bool = True,
+    timer: ComputeTimer | None = None,
 ) -> StepResult:
     """One optimizer step of `state` on this replica's `micro_batches` of a global batch of
     `global_tokens` target tokens (the loss is normalised by it, so every layout sees the same gradient).
@@ -87,13 +94,15 @@ def train_step(
     `phase(name)`: a context manager entered around each of `PHASES` (the dry run counts there).
     `grad_norm=False` hands the fused all-reduce a zero squared norm (clipping then does nothing): the
     dry run's shape-only steps, where no figure comes from it.  `read_scalars=False` leaves the fused
-    scalars unread on the device and the optimizer steps (meta tensors hold no values: the dry run)."""
+    scalars unread on the device and the optimizer steps (meta tensors hold no values: the dry run).
+    `timer`: times this rank's micro-batch phase, and every rank's time rides on the fused scalars
+    (`StepResult.compute_s`: straggler detection)."""
     runtime, path, model = state.runtime, state.grad_path, state.model
     opt = state.optimizer if optimizer is None else optimizer
     phase = phase or _no_phase
     micro = list(micro_batches)
     path.begin_step(len(micro))
-    with phase("microbatches"):
+    with phase("microbatches"), timer.phase("microbatches") if timer is not None else nullcontext():
         loss_sum = runtime.train_microbatches(model, micro, global_tokens, backward)
     with phase("grad_sync"):
         path.finish_sync()
@@ -102,7 +111,8 @@ def train_step(
     else:
         sq = torch.zeros((), dtype=runtime.acc_dtype, device=runtime.device)
     with phase("scalars"):
-        fused = runtime.step_scalars(loss_sum, sq, stop=stop() if callable(stop) else stop)
+        fused = runtime.step_scalars(loss_sum, sq, stop=stop() if callable(stop) else stop,
+                                     compute_s=None if timer is None else timer.reading(runtime.device))
     path.clip_to_norm_(fused[1].sqrt(), max_norm)
     values = runtime.read_step_scalars(fused) if read_scalars else None  # the step's one host read
     if before_update is not None:

@@ -44,6 +44,10 @@ def _rule_capacities(rule: str, work: WorkShape | None, topo: Topology, boost: P
     return replica_capacities(topo.tp, topo.replica_tp, boost)
 
 
+def _with_speeds(caps: list[float], speeds: Sequence[float] | None) -> list[float]:
+    return caps if speeds is None else [c * v for c, v in zip(caps, speeds, strict=True)]
+
+
 def _boost(value: Any) -> PowerBoost:
     if value is None:
         return None
@@ -70,6 +74,8 @@ class ResolvedLayout:
     - `capacity`: the capacity rule of the batch split (`ntp.capacity`): `ranks`, active ranks over
       nominal; `work`, a healthy replica's modelled slowest-rank time over this replica's (needs
       `work`; a layout without it falls back to `ranks`).  Both times the power boost.
+    - `speeds`: per replica, the measured speed of its slowest rank (1: as fast as the work model says;
+      `ntp_nemo.resilience.straggler`), multiplying its capacity; None: every replica at full speed.
     """
 
     tp: int
@@ -88,6 +94,7 @@ class ResolvedLayout:
     shard_align: int = 1
     work: WorkShape | None = None
     capacity: str = "ranks"
+    speeds: tuple[float, ...] | None = None
 
     @classmethod
     def make(
@@ -102,6 +109,7 @@ class ResolvedLayout:
         sequence_parallel: bool = False,
         work: WorkShape | Mapping | None = None,
         capacity: str = "ranks",
+        speeds: Sequence[float] | None = None,
     ) -> ResolvedLayout:
         """The layout of `topology` (nominal TP, replicas, per-slot degrees, stage split, shard alignment:
         the Topology checks that they agree) with the run's options; fills the batch shares.  A
@@ -114,7 +122,11 @@ class ResolvedLayout:
         capacity = str(capacity)
         if capacity not in CAPACITY_RULES:
             raise ValueError(f"capacity rule {capacity!r}: expected one of {', '.join(CAPACITY_RULES)}")
-        caps = _rule_capacities(capacity, work, topo, boost)
+        speeds = None if speeds is None else tuple(float(v) for v in speeds)
+        if speeds is not None and (len(speeds) != len(replica_tp) or not all(0 < v <= 1 for v in speeds)):
+            raise ValueError(f"speeds {list(speeds)}: expected one speed in (0, 1] per replica "
+                             f"({len(replica_tp)})")
+        caps = _with_speeds(_rule_capacities(capacity, work, topo, boost), speeds)
         layout = cls(
             tp=int(t.tp),
             replica_tp=replica_tp,
@@ -132,6 +144,7 @@ class ResolvedLayout:
             shard_align=int(t.shard_align),
             work=work,
             capacity=capacity,
+            speeds=speeds,
         )
         if layout.devices is not None and len(layout.devices) != layout.world_size:
             raise ValueError(f"{len(layout.devices)} devices for a layout of {layout.world_size} ranks")
@@ -156,7 +169,8 @@ class ResolvedLayout:
 
     @cached_property
     def _capacities(self) -> tuple[float, ...]:
-        return tuple(_rule_capacities(self.capacity, self.work, self.topology(), self.power_boost))
+        return tuple(_with_speeds(_rule_capacities(self.capacity, self.work, self.topology(),
+                                                   self.power_boost), self.speeds))
 
     def capacities(self) -> list[float]:
         """Per-replica share of work under the layout's `capacity` rule: active ranks / nominal TP
@@ -252,6 +266,7 @@ class ResolvedLayout:
         return self.with_changes(
             replica_tp=tuple(int(sizes[i]) for i in kept),
             power_boost=tuple(pb[i] for i in kept) if isinstance(pb, tuple) else pb,
+            speeds=None if self.speeds is None else tuple(self.speeds[i] for i in kept),
             nominal_replicas=self.nominal_replicas or self.dp,
         )
 

@@ -1,0 +1,160 @@
+"""`StragglerWatch`: the Lightning callback that finds slow ranks while the job runs and acts on them.
+
+It turns on the module's compute timer (every rank's compute time then rides on each step's fused
+all-reduce, `NTPRuntime.step_scalars`) and, after every step, feeds the gathered times and the work
+model's shares of the layout that ran the step to a `StragglerDetector`.  Every rank holds the same
+numbers and runs the same code, so every rank reaches the same verdict at the same step: no collective is
+added.  On a verdict (`fault.straggler`):
+
+- every policy reports it: the straggler prints a console line (rank, host, estimated speed) and records
+  a `straggler` goodput event; global rank 0 logs the lowest speed to the Lightning loggers, and records
+  the time the window's steps lost waiting for slow ranks (`straggler_wait`, its own badput category);
+- `rebalance`: the replica holding the straggler gets a batch share proportional to its measured speed
+  (`ResolvedLayout.speeds`, on top of the capacity rule: NTP-PW's machinery fed by measured speed), from
+  the next step on; the shards stay where they are, so the re-layout moves no state, and the global batch
+  and its order stay, so the loss curve stays the failure-free one.  When the device recovers, the
+  shares go back.  A straggler below `fault.straggler_floor` is excluded as under `exclude`;
+- `exclude`: the straggler leaves the job as a lost rank does (exit status 137), and the failover path
+  (live where it can work) re-plans the layout without it: its replica goes on at a reduced TP degree.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from ntp_nemo.config.schema import FaultConfig
+from ntp_nemo.goodput.events import REBALANCE, STRAGGLER, STRAGGLER_RECOVERED, STRAGGLER_WAIT
+from ntp_nemo.resilience.straggler import (
+    Judgement,
+    StragglerDetector,
+    StragglerSettings,
+    predicted_compute_s,
+    replica_speeds,
+    share_units,
+)
+
+EXCLUDE_EXIT_CODE = 137  # the failover path's lost rank
+
+
+class StragglerWatch(Callback):
+    def __init__(self, settings: StragglerSettings) -> None:
+        self.settings = settings
+        self.detector = StragglerDetector(settings)
+        self.last: Judgement | None = None
+        self._layout: Any = None  # the layout whose ranks the detector's history numbers
+        self._units: tuple[Any, list[float]] | None = None  # (layout, its `share_units`)
+
+    @classmethod
+    def from_config(cls, fault: FaultConfig) -> StragglerWatch | None:
+        settings = StragglerSettings.from_config(fault)
+        return cls(settings) if settings.every > 0 else None
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        from ntp_nemo.runtime.compute_time import ComputeTimer
+
+        if getattr(pl_module, "compute_timer", None) is None:
+            pl_module.compute_timer = ComputeTimer()
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        compute_s = getattr(pl_module, "rank_compute_s", None)
+        strategy = trainer.strategy
+        layout = getattr(strategy, "layout", None)
+        if compute_s is None or layout is None:
+            return
+        if self._layout is not None and not layout.same_ranks(self._layout):
+            self.detector.reset()  # renumbered ranks (a live recovery or rejoin): start over
+        self._layout = layout
+        step = int(trainer.global_step)
+        if self._units is None or self._units[0] != layout:
+            self._units = (layout, share_units(layout))
+        judgement = self.detector.observe(step, compute_s, self._units[1])
+        if judgement is None:
+            return
+        self.last = judgement
+        rank = int(trainer.global_rank)
+        pl_module.log("straggler/min_speed", min(judgement.speeds), rank_zero_only=True, batch_size=1)
+        goodput = _goodput(trainer)
+        if judgement.wait_s > 0 and goodput is not None:
+            goodput.record(STRAGGLER_WAIT, seconds=judgement.wait_s, from_step=step - self.settings.every,
+                           step=step)
+        if rank in judgement.new:
+            self._report(trainer, judgement, rank, step)
+        if rank in judgement.recovered:
+            print(f"straggler | rank {rank} on {socket.gethostname()} is back to speed "
+                  f"{judgement.speed_of(rank):.2f} (step {step})", flush=True)
+            _record_own(trainer, STRAGGLER_RECOVERED, rank=rank, speed=judgement.speed_of(rank), step=step)
+        if self.settings.policy == "report" or not (judgement.new or judgement.recovered
+                                                    or judgement.stragglers):
+            return
+        excluded = [r for r in judgement.stragglers
+                    if self.settings.policy == "exclude" or judgement.speed_of(r) < self.settings.floor]
+        if rank in excluded:
+            print(f"straggler | rank {rank} leaves the job (policy {self.settings.policy}, speed "
+                  f"{judgement.speed_of(rank):.2f}): the failover path re-plans without it", flush=True)
+            os._exit(EXCLUDE_EXIT_CODE)
+        if excluded:
+            return  # the others meet the loss at their next collective
+        speeds = replica_speeds(layout, judgement, judgement.stragglers)
+        if not _worth_changing(layout.speeds, speeds, self.settings.margin / 2):
+            return
+        new = layout.with_changes(speeds=speeds)
+        if speeds is not None and new.microbatches == layout.microbatches:
+            return  # the same split: nothing to change (the layout goes back once no straggler is left)
+        strategy.rebalance(new)
+        self._layout = new
+        rank_speed = [1.0] * layout.world_size
+        for r in judgement.stragglers:
+            rank_speed[r] = judgement.speed_of(r)
+        predicted = predicted_compute_s(new, judgement.unit_s, rank_speed)
+        if rank == 0:
+            print(f"straggler | rebalance at step {step}: replica speeds "
+                  f"{list(speeds) if speeds else 'all 1'}, micro-batches per replica "
+                  f"{list(layout.microbatch_counts())} -> {list(new.microbatch_counts())}; "
+                  f"modelled compute per step {predicted:.3f} s", flush=True)
+        if goodput is not None:
+            goodput.record(REBALANCE, step=step, speeds=list(speeds) if speeds else None,
+                           microbatches=list(new.microbatch_counts()), predicted_compute_s=predicted,
+                           unit_s=judgement.unit_s)
+
+    def _report(self, trainer: Trainer, judgement: Judgement, rank: int, step: int) -> None:
+        speed = judgement.speed_of(rank)
+        host = socket.gethostname()
+        print(f"straggler | rank {rank} on {host} computes at {speed:.2f} of the speed the work model "
+              f"expects for its share (steps {step - self.settings.every * self.settings.persist + 1}-{step}"
+              f"); policy {self.settings.policy}", flush=True)
+        _record_own(trainer, STRAGGLER, rank=rank, host=host, speed=speed, step=step,
+                    policy=self.settings.policy)
+
+
+def _goodput(trainer: Trainer) -> Any:
+    from ntp_nemo.lightning.goodput_callback import GoodputCallback
+
+    return GoodputCallback.of(trainer)
+
+
+def _record_own(trainer: Trainer, event: str, **fields: Any) -> None:
+    """Record an event from this rank (any rank: the straggler knows its own host)."""
+    goodput = _goodput(trainer)
+    if goodput is None:
+        return
+    from ntp_nemo.goodput.recorder import GoodputRecorder
+
+    with GoodputRecorder(goodput.run_dir) as rec:
+        rec.record(event, **fields)
+
+
+def _worth_changing(current: tuple[float, ...] | None, wanted: tuple[float, ...] | None, rel: float) -> bool:
+    """A new split only for a straggler found or gone, or a speed estimate off by more than `rel`."""
+    if (current is None) != (wanted is None):
+        return True
+    if current is None or wanted is None:
+        return False
+    return any(abs(a - b) > rel * max(a, b) for a, b in zip(current, wanted, strict=True))
+
+
+__all__ = ["EXCLUDE_EXIT_CODE", "StragglerWatch"]

@@ -1,0 +1,207 @@
+"""Stragglers (issue 48): the `slow` fault's speed factor, the detector's verdicts on the per-rank compute
+times a run gathers, the batch split by measured speed, and a rebalance in the middle of training keeping
+the loss curve (float64, forked gloo workers)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from ntp_nemo.errors import ConfigError
+from ntp_nemo.launch.workers import run_workers
+from ntp_nemo.resilience.straggler import (
+    StragglerDetector,
+    StragglerSettings,
+    predicted_compute_s,
+    replica_speeds,
+    share_units,
+)
+from ntp_nemo.runtime.compute_time import ComputeTimer
+from ntp_nemo.topology import ResolvedLayout, Topology
+from ntp_nemo.topology.work import WorkShape
+from tests.conftest import compose
+from tests.ntp_cases import GPT, OPTIM, SEED
+
+SHAPE = WorkShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4, ffn_hidden_size=128,
+                  vocab_size=257, seq_len=32, gated_mlp=False)
+
+
+def _layout(replica_tp=(2, 2), m=6, speeds=None, work=SHAPE):
+    return ResolvedLayout.make(Topology(2, list(replica_tp), [2] * 4), num_microbatches=m, work=work,
+                               capacity="work", speeds=speeds)
+
+
+def _feed(det, layout, steps, speed_of_rank, noise=0.0, rng=None, hiccup=None):
+    """Per step, every rank's compute time: its modelled share at its speed, with multiplicative noise."""
+    units = share_units(layout)
+    out = []
+    for step in steps:
+        times = []
+        for r, u in enumerate(units):
+            t = 1e-9 * u / speed_of_rank(r, step)
+            if noise:
+                t *= rng.lognormvariate(0.0, noise)
+            if hiccup == (r, step):
+                t *= 10
+            times.append(t)
+        j = det.observe(step, times, units)
+        if j is not None:
+            out.append(j)
+    return out
+
+
+def test_a_persistently_slow_rank_is_found_with_its_speed_and_its_recovery():
+    det = StragglerDetector(StragglerSettings(every=5, persist=2))
+    layout = _layout()
+    slow = lambda r, step: 0.5 if r == 1 and 20 <= step < 45 else 1.0  # noqa: E731
+    judged = _feed(det, layout, range(1, 71), slow)
+    found = [j for j in judged if j.new]
+    assert [(j.step, j.new) for j in found] == [(30, (1,))]  # windows 21-25 and 26-30: two in a row
+    assert found[0].speed_of(1) == pytest.approx(0.5)
+    assert found[0].wait_s > 0
+    back = [j for j in judged if j.recovered]
+    assert [(j.step, j.recovered) for j in back] == [(55, (1,))]
+    assert det.stragglers == set()
+
+
+def test_a_one_step_hiccup_and_noise_are_not_stragglers():
+    """200 steps at +-20% noise per step (lognormal) and a 10x hiccup of one step: no verdict."""
+    det = StragglerDetector(StragglerSettings(every=5, persist=2))
+    rng = random.Random(3)
+    judged = _feed(det, _layout(), range(1, 201), lambda r, s: 1.0, noise=0.2, rng=rng, hiccup=(2, 50))
+    assert len(judged) == 40 and not any(j.new for j in judged)
+
+
+def test_unequal_shares_are_judged_against_the_work_model():
+    """A degraded replica (TP 1 of 2): its rank's modelled work per step differs from a healthy TP rank's
+    (the whole model on fewer micro-batches, no TP traffic); at the speed the work model expects it is no
+    straggler, at half of it it is."""
+    layout = _layout(replica_tp=(2, 1))
+    units = share_units(layout)
+    assert units[2] < units[0] / 2
+    det = StragglerDetector(StragglerSettings(every=2, persist=1))
+    assert not any(j.new for j in _feed(det, layout, range(1, 9), lambda r, s: 1.0))
+    judged = _feed(det, layout, range(9, 13), lambda r, s: 0.5 if r == 2 else 1.0)
+    assert [j.new for j in judged if j.new] == [(2,)]
+
+
+def test_measured_speeds_shrink_the_replica_share_and_go_back():
+    layout = _layout()
+    assert layout.microbatches == (3, 3)
+    det = StragglerDetector(StragglerSettings(every=2, persist=1))
+    j = _feed(det, layout, [1, 2], lambda r, s: 0.5 if r == 1 else 1.0)[0]
+    speeds = replica_speeds(layout, j, j.stragglers)
+    assert speeds == (0.5, 1.0)
+    slow = layout.with_changes(speeds=speeds)
+    assert slow.microbatches == (2, 4) and slow.same_ranks(layout)
+    assert sum(slow.microbatches) == sum(layout.microbatches)  # the global batch is kept
+    # the work model's compute time of a step: the longest share at its rank's speed
+    before = predicted_compute_s(layout, j.unit_s, [1, 0.5, 1, 1])
+    after = predicted_compute_s(slow, j.unit_s, [1, 0.5, 1, 1])
+    assert after == pytest.approx(before * 4 / 6)  # 2 micro-batches at half speed vs 3: 4 vs 6 units
+    assert ResolvedLayout.from_dict(slow.to_dict()) == slow
+    assert slow.shrunk([2, 1]).speeds == (0.5, 1.0)
+    assert slow.shrunk([0, 2]).speeds == (1.0,)
+    assert layout.with_changes(speeds=None).microbatches == (3, 3)
+    with pytest.raises(ValueError, match="speeds"):
+        layout.with_changes(speeds=(0.5,))
+
+
+def test_slowdown_stretches_the_measured_compute(monkeypatch):
+    """factor 0.5: the phase's measured time is followed by as much sleep, inside the reported time."""
+    clock = {"t": 100.0}
+    slept = []
+    monkeypatch.setattr("ntp_nemo.runtime.compute_time.time.perf_counter", lambda: clock["t"])
+    monkeypatch.setattr("ntp_nemo.runtime.compute_time.time.sleep", lambda s: slept.append(s))
+    timer = ComputeTimer()
+    for factor, want_sleep in ((1.0, []), (0.5, [0.25]), (0.25, [0.75])):
+        slept.clear()
+        timer.slowdown(factor)
+        with timer.phase("grad_sync"):
+            clock["t"] += 5.0  # not measured
+        with timer.phase("microbatches"):
+            clock["t"] += 0.25
+        assert slept == pytest.approx(want_sleep)
+        assert timer.last_s == pytest.approx(0.25 / factor)
+
+
+def _cfg(*overrides):
+    from ntp_nemo.config.failover import failover_spec
+
+    return failover_spec(compose(["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,2]", "trainer.max_steps=10",
+                                  *overrides]))
+
+
+@pytest.mark.parametrize("overrides,key,words", [
+    (["fault=slow", "fault.factor=0"], "fault.factor", "(0, 1)"),
+    (["fault=slow", "fault.factor=1.5"], "fault.factor", "(0, 1)"),
+    (["fault=kill_rank", "fault.factor=0.5"], "fault.factor", "kind slow only"),
+    (["fault=slow", "fault.factor=0.5", "fault.steps=0"], "fault.steps", "steps >= 1"),
+    (["fault.more=[{kind:slow,rank:1,step:3,factor:2}]"], "fault.more[0].factor", "(0, 1)"),
+    (["fault.straggler=ignore"], "fault.straggler", "report"),
+    (["fault.straggler_every=-1"], "fault.straggler_every", ">= 0"),
+    (["fault.straggler_margin=0"], "fault.straggler_margin", "> 0"),
+    (["fault.straggler_persist=0"], "fault.straggler_persist", ">= 1"),
+    (["fault.straggler_floor=0.9"], "fault.straggler_floor", "[0, 0.769)"),
+])
+def test_bad_straggler_config(overrides, key, words):
+    from ntp_nemo.resilience.fault_config import validate_fault_config
+
+    with pytest.raises(ConfigError) as err:
+        validate_fault_config(_cfg(*overrides))
+    assert err.value.key == key and words in str(err.value)
+
+
+def test_slow_fault_factor_resolves():
+    from ntp_nemo.resilience.fault_config import resolve_faults
+
+    (f,) = resolve_faults(_cfg("fault=slow", "fault.rank=1", "fault.step=4", "fault.factor=0.5",
+                               "fault.steps=3"))
+    assert (f.kind, f.rank, f.factor) == ("slow", 1, 0.5)
+    assert [s for s in range(1, 11) if f.active_at(s)] == [4, 5, 6]  # then the device is fine again
+
+
+def _train_worker(rank: int, world: int, switch_at: int, steps: int) -> dict:
+    """`steps` steps of GPT in float64 on a 2x2 layout (one process: TP 1), the batch split by speed
+    (0.5, 1) from step `switch_at` on the way `NTPStrategy.rebalance` does it (a shallow copy of the
+    runtime reading the new layout); losses and what the fused scalars gathered of the compute times."""
+    import copy
+    import dataclasses
+
+    from ntp_nemo.runtime.assemble import assemble
+    from ntp_nemo.runtime.step import train_step
+
+    replica_tp = [2, 2] if world == 4 else [1]
+    layout = ResolvedLayout.make(Topology(max(replica_tp), replica_tp, [max(replica_tp)] * 4),
+                                 num_microbatches=6)
+    state = assemble(layout, rank, GPT, OPTIM, None, seed=SEED, param_dtype=torch.float64)
+    timer = ComputeTimer()
+    losses, gathered, splits = [], [], []
+    for step in range(1, steps + 1):
+        if step == switch_at and world > 1:
+            new = layout.with_changes(speeds=(0.5, 1.0))
+            runtime = copy.copy(state.runtime)
+            runtime.layout = new
+            state = dataclasses.replace(state, layout=new, runtime=runtime)
+        gen = torch.Generator().manual_seed(1000 + step)
+        toks = torch.randint(0, GPT.vocab_size, (6, 9), generator=gen)
+        mine = state.runtime.my_microbatches(6)
+        splits.append(len(mine))
+        result = train_step(state, [toks[i : i + 1] for i in mine], toks[:, 1:].numel(), max_norm=1.0,
+                            timer=timer)
+        losses.append(result.loss)
+        gathered.append((result.compute_s[rank], timer.last_s, len(result.compute_s)))
+    return {"losses": losses, "gathered": gathered, "splits": splits}
+
+
+def test_rebalance_mid_run_keeps_the_loss_curve_float64():
+    steps, switch = 4, 3
+    (single,) = run_workers(_train_worker, 1, switch, steps)
+    ranks = run_workers(_train_worker, 4, switch, steps)
+    assert ranks[0]["splits"] == [3, 3, 2, 2] and ranks[2]["splits"] == [3, 3, 4, 4]
+    for r in ranks:
+        assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], single["losses"], strict=True)) < 1e-10
+    for rank, r in enumerate(ranks):  # every rank's compute time, each in its own slot of the fused scalars
+        assert all(mine == own > 0 and n == 4 for mine, own, n in r["gathered"]), (rank, r["gathered"])
