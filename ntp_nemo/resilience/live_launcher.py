@@ -51,6 +51,7 @@ from ntp_nemo.resilience.rendezvous import (
     host_store,
     is_ready,
     local_secret,
+    prune_generations,
     publish_failed,
     publish_rejoin,
     reserve_port,
@@ -244,6 +245,7 @@ class LiveMonitor(threading.Thread):
                 publish_failed(self.launcher.store, self.generation, lost)
                 self.fresh_window()
                 self.generation += 1
+                prune_generations(self.launcher.store, self.generation)
                 self._degraded_at = self._max_step()
                 print(f"failover | live: process(es) {lost} lost (exit status "
                       f"{', '.join(str(procs[i].exitcode) for i in lost)}); the survivors reshard in place",
@@ -400,6 +402,7 @@ class LiveMonitor(threading.Thread):
         self._rejoin = {"generation": self.generation, "attempt": self._attempts, "pids": list(gone),
                         "announced": announced, "t": time.time()}
         self.generation += 1
+        prune_generations(self.launcher.store, self.generation)
         self._degraded_at = None
         print(f"failover | live: repaired process(es) {gone} start and rejoin before step {join_at}",
               flush=True)

@@ -16,6 +16,7 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import socket
 import time
 import traceback
@@ -210,6 +211,36 @@ def read_rejoin(store: JobStore, generation: int) -> dict | None:
     """The rejoin announced for `generation`, or None (one store round trip when none is)."""
     payload = store.read(rejoin_key(generation))
     return None if payload is None else json.loads(payload)
+
+
+# The job's keys that belong to one generation: its rendezvous and groups (`gen{g}/...`), the launcher's
+# word on it (`failed/gen{g}`) and a rejoin announced after it (`rejoin/gen{g}`, `rejoin/gen{g}/...`).
+_GENERATION_KEY = re.compile(r"^(?:failed/|rejoin/)?gen(\d+)(?:/|$)")
+KEPT_GENERATIONS = 3  # generations whose keys outlive a change of generation (see `prune_generations`)
+
+
+def prune_generations(store: JobStore, current: int, keep: int = KEPT_GENERATIONS) -> int:
+    """Delete the keys of generations before `current - keep + 1` from the job's store (the process
+    hosting it calls this when the generation changes); returns how many.  Each generation adds about 40
+    keys (its rendezvous, the keys of every group created in it, the launcher's notices): without this a
+    job's store grows with every failure.  No process reads a generation's keys once two later ones
+    have formed (a failed rejoin re-forms from the one before it: `recovery.recover(notice=...)`)."""
+    below = current - keep + 1
+    if below <= 0:
+        return 0
+    try:
+        keys = store.store.list_keys()
+    except Exception:  # noqa: BLE001 - a store that cannot list its keys keeps them
+        return 0
+    removed = 0
+    for key in keys:
+        m = _GENERATION_KEY.match(key)
+        if m is not None and int(m.group(1)) < below:
+            try:
+                removed += bool(store.store.delete_key(key))
+            except Exception:  # noqa: BLE001 - gone already
+                pass
+    return removed
 
 
 def store_barrier(store: JobStore, key: str, count: int, timeout_s: float = 60.0) -> None:
