@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from ntp_nemo.resilience.beats import PHASES, Beat, suspects
 from ntp_nemo.resilience.cluster_protocol import LINK_KEY, MAX_LINE, Line, auth_ok, session_key
 from ntp_nemo.resilience.rendezvous import (
+    prune_generations,
     publish_failed,
     publish_rejoin,
     resident_mb,
@@ -518,6 +519,7 @@ class Coordinator:
         publish_failed(self.job, self.generation, lost)
         failed_gen = self.generation
         self.generation += 1
+        prune_generations(self.job, self.generation)
         self._fresh_window()
         for p in self.places:
             if p.line is not None and p.state in ("active", "lost"):
@@ -666,6 +668,7 @@ class Coordinator:
         source = min(p.pid for p in survivors)
         publish_rejoin(self.job, self.generation, join_at, range(self.world), source)
         self.generation += 1
+        prune_generations(self.job, self.generation)
         self._fresh_window()
         self._joining = (join_at, time.monotonic() + self.rejoin_s, [p.pid for p in replacing])
         for p in replacing:
