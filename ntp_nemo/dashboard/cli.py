@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import contextlib
 import ipaddress
+import logging
 import resource
 import signal
 import sys
@@ -80,6 +81,9 @@ def _main() -> int:
     root = Path(args.run_dir).resolve()
     classify(root)  # exit 2 on a path that is not a run or sweep directory
     _raise_open_files_limit()
+    # aiohttp logs a malformed request (answered 400) with its parser's traceback: one line per request
+    # would flood the console; the client gets its 400 and that is all there is to say
+    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
     asyncio.run(_serve_until_stopped(root, args.host, args.port, new_token()))
     return 0
 

@@ -89,6 +89,9 @@ class Dashboard:
             return body
 
 
+DASHBOARD = web.AppKey("dashboard", Dashboard)
+
+
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status, headers=SECURITY_HEADERS)
 
@@ -96,7 +99,7 @@ def _error(status: int, message: str) -> web.Response:
 @web.middleware
 async def _guard(request: web.Request, handler: Any) -> web.StreamResponse:
     """The token first (403 without it), then the route; any failure is a status and one line."""
-    dash: Dashboard = request.app["dashboard"]
+    dash: Dashboard = request.app[DASHBOARD]
     first = request.path.lstrip("/").split("/", 1)[0]
     if not hmac.compare_digest(first.encode(), dash.token.encode()):
         return _error(403, "forbidden: open the URL with the token that ntp-dashboard printed")
@@ -111,7 +114,7 @@ async def _guard(request: web.Request, handler: Any) -> web.StreamResponse:
 
 
 async def _page(request: web.Request) -> web.StreamResponse:
-    if request.path.endswith(f"/{request.app['dashboard'].token}"):
+    if request.path.endswith(f"/{request.app[DASHBOARD].token}"):
         raise web.HTTPFound(request.path + "/")  # relative URLs of the page need the trailing slash
     return _static_response("index.html")
 
@@ -129,7 +132,7 @@ async def _static(request: web.Request) -> web.StreamResponse:
 
 
 async def _api_state(request: web.Request) -> web.StreamResponse:
-    dash: Dashboard = request.app["dashboard"]
+    dash: Dashboard = request.app[DASHBOARD]
     unknown = set(request.query) - {"job"}
     if unknown:
         raise web.HTTPBadRequest(reason=f"unknown query parameter {sorted(unknown)[0]!r} (only 'job')")
@@ -149,7 +152,7 @@ async def _api_state(request: web.Request) -> web.StreamResponse:
 def make_app(root: Path, token: str) -> web.Application:
     """The application serving `root` behind `token` (checked with `classify` by the caller)."""
     app = web.Application(middlewares=[_guard], client_max_size=1024)
-    app["dashboard"] = Dashboard(Path(root), token)
+    app[DASHBOARD] = Dashboard(Path(root), token)
     app.router.add_get(f"/{token}", _page)
     app.router.add_get(f"/{token}/", _page)
     app.router.add_get(f"/{token}/api/state", _api_state)

@@ -33,12 +33,15 @@
   function chart(id, title, series, data, opts) {
     const host = $(id);
     const width = Math.max(360, Math.min(600, (window.innerWidth - 80) / 2));
-    if (charts[id] && charts[id].series.length === series.length + 1) {
-      charts[id].setData(data);
-      return charts[id];
+    const n = data[0].length;
+    const drawn = charts[id];
+    if (drawn && n > 0 && drawn.data[0].length > 0 && drawn.series.length === series.length + 1) {
+      drawn.setData(data);
+      return drawn;
     }
-    if (charts[id]) { charts[id].destroy(); }
+    if (drawn) { drawn.destroy(); delete charts[id]; }
     host.replaceChildren();
+    if (n === 0) { host.appendChild(el("p", "no steps yet", { class: "nodata" })); return null; }
     charts[id] = new uPlot(Object.assign({
       title: title, width: width, height: 240,
       scales: { x: { time: false } },
@@ -137,7 +140,7 @@
     renderLayout(st.layout);
     chart("loss-chart", "training loss", [{ label: "loss", stroke: "#c62828", width: 1.5 }],
           [st.loss.step, st.loss.loss], { xLabel: "step", hooks: { draw: [drawMarkers] } });
-    charts["loss-chart"].redraw(false, false);
+    if (charts["loss-chart"]) charts["loss-chart"].redraw(false, false);
     renderGoodput(st.goodput);
     fill($("timeline").tBodies[0], st.timeline.map((e) => row([fmt(e.t, 2), e.event, fmt(e.cost_s, 3), e.details])));
     fill($("checkpoints").tBodies[0], st.checkpoints.map((c) => {
