@@ -52,12 +52,15 @@ class GoodputRecorder:
 
     `path` is the run directory or the `.jsonl` file itself. `fsync=False` never fsyncs (a
     machine crash may then lose any event; a killed process still loses none).
+    `clock` gives each event's `t` (default `time.time`).
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], fsync: bool = True, sync_every_s: float = SYNC_EVERY_S
+        self, path: str | os.PathLike[str], fsync: bool = True, sync_every_s: float = SYNC_EVERY_S,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.path = goodput_path(path)
+        self.clock = clock  # the events' `t` (synthetic streams pass their own)
         self.fsync = fsync
         self.sync_every_s = sync_every_s
         self._fd: int | None = None
@@ -75,7 +78,7 @@ class GoodputRecorder:
         """Append one event and return the object written; unknown names are a programming error."""
         if event not in ev.EVENTS:
             raise ValueError(f"unknown goodput event {event!r}; known: {sorted(ev.EVENTS)}")
-        obj = {"t": time.time(), "event": event, "pid": os.getpid(), **fields}
+        obj = {"t": self.clock(), "event": event, "pid": os.getpid(), **fields}
         line = (json.dumps(obj, default=_jsonable, separators=(",", ":")) + "\n").encode()
         with self._lock:
             fd = self._open()
