@@ -489,7 +489,10 @@ def _hydra_entry(cfg: DictConfig, job: _Job) -> float | None:
     # train.log = what the console shows
     with ConsoleLog(log_path(run_dir), enabled=launcher_rank() == 0) as console:
         try:
-            summary = train(cfg, job.start_t, console)
+            from ntp_nemo.dashboard.launch import dashboard_beside  # dashboard.port: its own process
+
+            with dashboard_beside(cfg.get("dashboard"), run_dir, enabled=launcher_rank() == 0):
+                summary = train(cfg, job.start_t, console)
         except ConfigError as err:
             report_config_error(err)
             _drop_empty_run_dir()

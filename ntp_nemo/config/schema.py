@@ -194,6 +194,15 @@ class IntegrityConfig(Sealable):
 
 
 @dataclass
+class DashboardConfig(Sealable):
+    """`ntp-dashboard` beside the run (`ntp_nemo/dashboard/launch.py`): started by the launching process
+    (never a worker) with the job, stopped when the job ends; its URL (with its token) is printed once."""
+
+    port: int | None = None  # None: no dashboard; 0: any free port
+    host: str = "127.0.0.1"  # loopback; another address serves the page beyond this machine
+
+
+@dataclass
 class RootConfig(Sealable):
     recipe: str = "gpt_tiny"
     seed: int = 1234
@@ -209,5 +218,6 @@ class RootConfig(Sealable):
     fault: FaultConfig = field(default_factory=FaultConfig)
     integrity: IntegrityConfig = field(default_factory=IntegrityConfig)
     quant: QuantConfig = field(default_factory=QuantConfig)
+    dashboard: DashboardConfig = field(default_factory=DashboardConfig)
     callbacks: dict[str, Any] = field(default_factory=dict)
     logger: dict[str, Any] = field(default_factory=dict)

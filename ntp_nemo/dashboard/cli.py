@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import os
 import resource
 import signal
 import sys
@@ -44,17 +45,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=0, help="TCP port (default 0: any free port)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1: this machine only)")
+    # started beside a run by ntp-train (dashboard.port): the run directory may not exist yet, and the
+    # dashboard stops once that process is gone
+    parser.add_argument("--parent", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         raise ConfigError("--port", f"{args.port} is not a TCP port; give 0 (any free port) to 65535.")
     return args
 
 
-async def _serve_until_stopped(root: Path, host: str, port: int, token: str) -> None:
+async def _watch_parent(parent: int, stop: asyncio.Event) -> None:
+    while os.getppid() == parent:
+        await asyncio.sleep(1.0)
+    stop.set()
+
+
+async def _serve_until_stopped(root: Path, host: str, port: int, token: str,
+                               parent: int | None = None) -> None:
     from ntp_nemo.dashboard.server import serve
 
     try:
-        runner, bound = await serve(root, token, host, port)
+        runner, bound = await serve(root, token, host, port, allow_missing=parent is not None)
     except OSError as err:
         raise ConfigError("--port", f"cannot listen on {host}:{port} ({err.strerror or err}); choose another "
                                     "--port, or 0 for any free one.") from None
@@ -67,9 +78,12 @@ async def _serve_until_stopped(root: Path, host: str, port: int, token: str) -> 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    watch = asyncio.create_task(_watch_parent(parent, stop)) if parent is not None else None
     try:
         await stop.wait()
     finally:
+        if watch is not None:
+            watch.cancel()
         await runner.cleanup()
 
 
@@ -79,12 +93,13 @@ def _main() -> int:
 
     args = parse_args()
     root = Path(args.run_dir).resolve()
-    classify(root)  # exit 2 on a path that is not a run or sweep directory
+    if args.parent is None or root.exists():
+        classify(root)  # exit 2 on a path that is not a run or sweep directory
     _raise_open_files_limit()
     # aiohttp logs a malformed request (answered 400) with its parser's traceback: one line per request
     # would flood the console; the client gets its 400 and that is all there is to say
     logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
-    asyncio.run(_serve_until_stopped(root, args.host, args.port, new_token()))
+    asyncio.run(_serve_until_stopped(root, args.host, args.port, new_token(), args.parent))
     return 0
 
 

@@ -63,6 +63,7 @@ class Dashboard:
 
     root: Path
     token: str
+    allow_missing: bool = False  # started beside a run: the directory comes a moment later
     readers: dict[Path, RunReader] = field(default_factory=dict)
     cached: dict[Path, tuple[float, bytes]] = field(default_factory=dict)
     locks: dict[Path, asyncio.Lock] = field(default_factory=dict)
@@ -136,7 +137,7 @@ async def _api_state(request: web.Request) -> web.StreamResponse:
     unknown = set(request.query) - {"job"}
     if unknown:
         raise web.HTTPBadRequest(reason=f"unknown query parameter {sorted(unknown)[0]!r} (only 'job')")
-    kind = classify(dash.root)
+    kind = "empty" if dash.allow_missing and not dash.root.exists() else classify(dash.root)
     path = dash.root
     job = request.query.get("job")
     if job is not None:
@@ -149,10 +150,10 @@ async def _api_state(request: web.Request) -> web.StreamResponse:
     return web.Response(body=body, content_type="application/json", headers=SECURITY_HEADERS)
 
 
-def make_app(root: Path, token: str) -> web.Application:
+def make_app(root: Path, token: str, allow_missing: bool = False) -> web.Application:
     """The application serving `root` behind `token` (checked with `classify` by the caller)."""
     app = web.Application(middlewares=[_guard], client_max_size=1024)
-    app[DASHBOARD] = Dashboard(Path(root), token)
+    app[DASHBOARD] = Dashboard(Path(root), token, allow_missing)
     app.router.add_get(f"/{token}", _page)
     app.router.add_get(f"/{token}/", _page)
     app.router.add_get(f"/{token}/api/state", _api_state)
@@ -160,9 +161,10 @@ def make_app(root: Path, token: str) -> web.Application:
     return app
 
 
-async def serve(root: Path, token: str, host: str, port: int) -> tuple[web.AppRunner, int]:
+async def serve(root: Path, token: str, host: str, port: int,
+                allow_missing: bool = False) -> tuple[web.AppRunner, int]:
     """Start serving; returns the runner (for `cleanup`) and the port bound (`port` 0: a free one)."""
-    runner = web.AppRunner(make_app(root, token), access_log=None, handle_signals=False,
+    runner = web.AppRunner(make_app(root, token, allow_missing), access_log=None, handle_signals=False,
                            keepalive_timeout=15)
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=2048, reuse_address=True)

@@ -11,11 +11,15 @@ and says why.  Screenshots of each state are kept in `$NTP_TEST_ARTIFACTS/dashbo
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -28,8 +32,11 @@ ARTIFACTS = Path(os.environ.get("NTP_TEST_ARTIFACTS", ROOT / "test-artifacts")) 
 MAX_STEPS = 16
 # failover_demo (2 replicas of TP 2, rank 1 killed, the survivors reshard live, a new process rejoins):
 # the loss at step 4, the repair 3 steps later (the rejoin lands a few steps after that)
+# dashboard.port=0: ntp-train also starts a dashboard of its own beside the run (any free port)
 RUN = ["recipe=failover_demo", f"trainer.max_steps={MAX_STEPS}", "fault.step=4", "fault.repair_after_steps=3",
-       "checkpoint.every_n_steps=8", "trainer.progress_bar=false", "logger=none", "callbacks=none"]
+       "checkpoint.every_n_steps=8", "trainer.progress_bar=false", "logger=none", "callbacks=none",
+       "dashboard.port=0"]
+URL = re.compile(r"ntp-dashboard: (http://127\.0\.0\.1:\d+/[^/\s]+/)")
 PAGE_STATE = """
 const d = window.ntpDashboard; const s = d && d.state;
 return s ? {polls: d.polls, status: s.status, layout: document.getElementById('layout').dataset.state,
@@ -100,8 +107,13 @@ def test_page_follows_a_failover_in_chromium(tmp_path):
             proc = subprocess.Popen(command, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, text=True,
                                     env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
             seen: list[str] = []
+            beside = None  # the dashboard ntp-train started: its state once it answered
             deadline = time.monotonic() + 400
             while proc.poll() is None and time.monotonic() < deadline:
+                m = URL.search((tmp_path / "train.log").read_text())
+                if m and beside is None:
+                    with urllib.request.urlopen(m.group(1) + "api/state", timeout=10) as resp:
+                        beside = json.loads(resp.read())
                 state = browser.execute_script(PAGE_STATE)
                 layout = state["layout"] if state else "starting"
                 if layout != "starting" and (not seen or seen[-1] != layout):
@@ -111,6 +123,10 @@ def test_page_follows_a_failover_in_chromium(tmp_path):
             assert proc.wait(timeout=max(1.0, deadline - time.monotonic())) == 0, \
                 (tmp_path / "train.log").read_text()[-3000:]
             assert seen == ["full", "degraded", "repaired"], seen
+            assert beside is not None and beside["kind"] == "run"
+            assert beside["run_dir"] == str(run_dir.resolve())
+            with pytest.raises(urllib.error.URLError):  # it stopped with the job
+                urllib.request.urlopen(m.group(1) + "api/state", timeout=10)
 
             from ntp_nemo.goodput.report import analyse
 
