@@ -180,25 +180,45 @@ def _upcast(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
+# Tokens per chunk of the cross entropy: a chunk's float32 temporaries (its upcast logits, their exp) hold
+# about this many bytes whatever the vocabulary (128K columns: 128 tokens a chunk).
+CE_CHUNK_BYTES = 1 << 26
+
+
+def _token_chunks(n_tokens: int, local_vocab: int, chunk_tokens: int | None) -> list[tuple[int, int]]:
+    step = chunk_tokens or max(1, CE_CHUNK_BYTES // max(1, 4 * local_vocab))
+    return [(a, min(a + step, n_tokens)) for a in range(0, n_tokens, step)]
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Cross entropy of vocabulary-sharded logits with one collective: every rank all-gathers each token's
     (local max, local sum of exp(logit - local max), target logit or 0), then combines them as a
     log-sum-exp, `M = max_r m_r`, `S = sum_r s_r exp(m_r - M)`, `loss = log S + M - target`: the value of
-    the unsharded softmax (a max all-reduce then a sum all-reduce would be two collectives)."""
+    the unsharded softmax (a max all-reduce then a sum all-reduce would be two collectives).  With no
+    group (an unsharded head) the same function runs on the whole vocabulary.
+
+    Memory: the logits are read in chunks of tokens (`CE_CHUNK_BYTES`), each upcast to float32 only for
+    its own statistics; the backward recomputes each chunk's softmax from the saved logits (their own
+    dtype: bf16 under autocast) and the per-token log-sum-exp.  So neither pass holds float32 logits of
+    the whole batch: at 8 x 2048 tokens and 128K columns those are 8.4 GB a copy, and the whole-batch
+    version held three of them at its forward's peak and saved one for the backward
+    (`python bench/ce_memory.py`)."""
 
     @staticmethod
-    def forward(ctx, logits, target, vocab_start, group):  # type: ignore[override]
+    def forward(ctx, logits, target, vocab_start, group, chunk_tokens=None):  # type: ignore[override]
         import torch.distributed as dist
 
-        logits = _upcast(logits)
-        local_max = logits.max(dim=-1).values
-        shifted = logits - local_max.unsqueeze(-1)
-        local_vocab = logits.shape[-1]
+        n_tokens, local_vocab = logits.shape
         inside = (target >= vocab_start) & (target < vocab_start + local_vocab)
         local_target = torch.where(inside, target - vocab_start, torch.zeros_like(target))
-        target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) * inside
-        exp = shifted.exp()
-        mine = torch.stack([local_max, exp.sum(dim=-1), target_logit])
+        chunks = _token_chunks(n_tokens, local_vocab, chunk_tokens)
+        mine = torch.empty((3, n_tokens), dtype=_upcast(logits[:0]).dtype, device=logits.device)
+        for a, b in chunks:
+            x = _upcast(logits[a:b])
+            m = x.max(dim=-1).values
+            mine[0, a:b] = m
+            mine[1, a:b] = (x - m.unsqueeze(-1)).exp_().sum(dim=-1)
+            mine[2, a:b] = x.gather(-1, local_target[a:b].unsqueeze(-1)).squeeze(-1) * inside[a:b]
         if group is not None:
             n = dist.get_world_size(group)
             every = mine.new_empty((n * mine.shape[0], *mine.shape[1:]))
@@ -208,33 +228,32 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             global_max = maxes.max(dim=0).values
             sum_exp = (every[:, 1] * (maxes - global_max).exp()).sum(dim=0)
             target_logit = every[:, 2].sum(dim=0)
-            scale = (local_max - global_max).exp() / sum_exp
         else:
-            global_max, sum_exp = local_max, mine[1]
-            scale = 1.0 / sum_exp
-        loss = sum_exp.log() + global_max - target_logit
-        exp.mul_(scale.unsqueeze(-1))
-        ctx.save_for_backward(exp, inside, local_target)
-        return loss
+            global_max, sum_exp, target_logit = mine[0], mine[1], mine[2]
+        lse = sum_exp.log() + global_max
+        ctx.save_for_backward(logits, lse, inside, local_target)
+        ctx.chunks = chunks
+        return lse - target_logit
 
     @staticmethod
     def backward(ctx, grad_loss):  # type: ignore[override]
-        softmax, inside, local_target = ctx.saved_tensors
-        grad = softmax.clone()
-        grad.scatter_add_(-1, local_target.unsqueeze(-1), -inside.to(grad.dtype).unsqueeze(-1))
-        grad.mul_(grad_loss.unsqueeze(-1))
-        return grad, None, None, None
+        logits, lse, inside, local_target = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for a, b in ctx.chunks:
+            p = (_upcast(logits[a:b]) - lse[a:b].unsqueeze(-1)).exp_()  # this chunk's softmax
+            p.scatter_add_(-1, local_target[a:b].unsqueeze(-1), -inside[a:b].to(p.dtype).unsqueeze(-1))
+            grad[a:b] = p.mul_(grad_loss[a:b].unsqueeze(-1))
+        return grad, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
-    logits_local: torch.Tensor, target: torch.Tensor, vocab_start: int, tp: TPContext
+    logits_local: torch.Tensor, target: torch.Tensor, vocab_start: int, tp: TPContext,
+    chunk_tokens: int | None = None,
 ) -> torch.Tensor:
-    """Per-token cross entropy of vocabulary-sharded logits, identical to the unsharded value."""
-    if not tp.sharded:
-        return F.cross_entropy(_upcast(logits_local).flatten(0, -2), target.flatten(), reduction="none").view(
-            target.shape
-        )
+    """Per-token cross entropy of vocabulary-sharded logits, identical to the unsharded value; the logits
+    are read `chunk_tokens` tokens at a time (default: `CE_CHUNK_BYTES` of float32 a chunk)."""
     flat = _VocabParallelCrossEntropy.apply(
-        logits_local.flatten(0, -2), target.flatten(), vocab_start, tp.group
+        logits_local.flatten(0, -2), target.flatten(), vocab_start if tp.sharded else 0,
+        tp.group if tp.sharded else None, chunk_tokens,
     )
     return flat.view(target.shape)
