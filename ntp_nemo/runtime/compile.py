@@ -9,7 +9,8 @@ call of each block compiles (lazily, on every rank at the same point of the step
 What runs inside a compiled block with TP > 1: the region collectives of `parallel/comm.py`
 (`_CopyToTP`, `_ReduceFromTP`: `dist.all_reduce` inside `torch.autograd.Function`s) are traced by Dynamo
 into the block's graph as functional collectives (forward and backward), one graph per block, no break
-(tests/runtime/test_compiled_blocks.py, `torch._dynamo.explain`; gloo on CPU).  Two options would break the graph and
+(tests/runtime/test_compiled_blocks.py, `torch._dynamo.explain`; gloo on CPU).  Two options would break
+the graph and
 are refused (`compile_refusal`): sequence parallelism (the `ReplicatedGradReducer` backward asks autograd
 for its graph task id, which Dynamo cannot trace) and `ntp.tp_overlap` (`async_op=True` collectives,
 which Dynamo does not trace): 4 and 8 graph breaks in a block of gpt_tiny at TP 2

@@ -46,7 +46,8 @@ bytes counted on that copy are the bytes the mixed-precision step sends: autocas
 outputs in float32, but every TP region entry casts its input to the compute dtype before the wire
 (`parallel.comm.to_compute_dtype`, as Megatron does), the vocabulary-parallel embedding sends its rows
 in it, and the two float32 exchanges (the cross entropy's per-token statistics, SP's replicated-gradient
-sums) are float32 on the copy too (`tests/runtime/test_step_speed_paths.py` compares the two on CPU with real autocast).
+sums) are float32 on the copy too (`tests/runtime/test_step_speed_paths.py` compares the two on CPU with
+real autocast).
 Pipeline messages (the residual stream between stages) are sent in autocast's dtype too
 (`pipeline.engine.wire_dtype`; `tests/parallel/test_wire_dtype.py`), as they are counted here.
 `scaled_dot_product_attention` is sent to the fused kernel's meta implementation

@@ -3,7 +3,8 @@
 Synthetic streams with answers worked out by hand; the events of a real live failover run
 (tests/fixtures/goodput_live_failover.jsonl, written by the `ntp-train` command in `LIVE_RUN` below);
 the running figures in a real TensorBoard event file, in process here and through the CLI in
-tests/resilience/test_live_failover_cli.py (its sweep's `live` run logs to TensorBoard; the helpers are these).
+tests/resilience/test_live_failover_cli.py (its sweep's `live` run logs to TensorBoard; the helpers are
+these).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ BASE = [
     "ntp.replica_tp=[2,1]",
     "trainer.max_steps=12",
     "checkpoint.every_n_steps=3",
-    "fault.recovery=restart",  # this file tests the restart path (tests/resilience/test_live_failover_cli.py: live)
+    "fault.recovery=restart",  # the restart path (tests/resilience/test_live_failover_cli.py: live)
 ]
 STEPS = list(range(1, 13))
 FAST_TIMEOUTS = ["fault.heartbeat_timeout_s=4", "fault.collective_timeout_s=8", "fault.step_timeout_s=60"]

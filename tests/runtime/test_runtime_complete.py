@@ -78,6 +78,6 @@ def test_ranks_are_built_through_assemble():
                         and node.func.id == "NTPRuntime"):
                     callers.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert sorted({c.split(":")[0] for c in callers}) == [
-        "ntp_nemo/runtime/assemble.py", "ntp_nemo/runtime/runtime.py", "tests/runtime/test_runtime_complete.py",
-        "tests/runtime/test_train_step.py",
+        "ntp_nemo/runtime/assemble.py", "ntp_nemo/runtime/runtime.py",
+        "tests/runtime/test_runtime_complete.py", "tests/runtime/test_train_step.py",
     ], callers
