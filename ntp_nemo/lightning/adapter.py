@@ -129,6 +129,16 @@ def lightning_state(trainer: pl.Trainer) -> dict[str, Any]:
     state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
     state.pop("state_dict", None)
     state.pop("optimizer_states", None)
+    # Dumped at the start of a step (a rejoin happens there), when the epoch loop has already counted
+    # the step's batch as ready and started; a checkpoint written between steps has not.  Restored as it
+    # is, a repaired process counted that batch twice: its validation came one step before the
+    # survivors', which it waited for in a collective until the heartbeat timeout ended it.
+    progress = state.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
+    for part in ("total", "current"):
+        counts = progress.get(part) if isinstance(progress, dict) else None
+        if isinstance(counts, dict) and "completed" in counts:
+            done = counts["completed"]
+            counts.update(ready=done, started=done, processed=done)
     return state
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +18,20 @@ from ntp_nemo.lightning.signals import STOP_SIGNALS
 class MetricsJSONL(Callback):
     """Appends `{step, loss, tokens, step_time_s, layout, ...}` per optimizer step (global rank 0 only)."""
 
+    RECENT = 64  # records kept in memory for a process that becomes rank 0 (see `on_train_batch_end`)
+
     def __init__(self, run_dir: str | Path) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         self._t0 = 0.0
-        self.history: list[dict[str, Any]] = []
-        self._writer = False  # this process has written the file as global rank 0 in this attempt
+        # What the run summary needs, in constant memory however long the job: the first and last records,
+        # the steps of this run, and the sums of the steps after the first; and the latest records
+        self.first: dict[str, Any] | None = None
+        self.last: dict[str, Any] | None = None
+        self.steps = 0
+        self.steady_tokens = 0
+        self.steady_s = 0.0
+        self.recent: deque[dict[str, Any]] = deque(maxlen=self.RECENT)
+        self._writer = False  # this process is global rank 0 and writes the file
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """A command keeps only the steps up to the one it resumes from (all later ones are redone):
@@ -64,30 +74,46 @@ class MetricsJSONL(Callback):
             capacity=info.get("capacity", 1.0),
             time=time.time(),
         )
-        self.history.append(rec)
+        self.recent.append(rec)
+        self.steps += 1
+        if self.first is None:
+            self.first = rec
+        else:
+            self.steady_tokens += rec["tokens"]
+            self.steady_s += rec["step_time_s"]
+        self.last = rec
         if not trainer.is_global_zero:
+            self._writer = False  # a rejoin gives rank 0 back to a repaired process 0
             return
         records = [rec]
         if not self._writer:
-            # This process became global rank 0 in a live recovery: the lost writer may have died after
-            # the survivors completed a step it never recorded. Write every step of this process's
-            # history that the file lacks, so each completed step has its record.
+            # This process became global rank 0 in a live recovery (again, after a rejoin gave the rank
+            # back): the lost writer may have died after the survivors completed a step it never
+            # recorded. Write every recent step of this process that the file lacks, so each completed
+            # step has its record.
             self._writer = True
             last = _last_step(self.path)
-            records = [r for r in self.history if int(r["step"]) > last]
+            records = [r for r in self.recent if int(r["step"]) > last]
         with self.path.open("a") as f:
             f.write("".join(json.dumps(r) + "\n" for r in records))
 
 
-def _last_step(path: Path) -> int:
-    """The highest step recorded in a metrics file (0 when there is none; lines cut short are skipped)."""
+def _last_step(path: Path, tail_bytes: int = 1 << 16) -> int:
+    """The highest step among the last records of a metrics file (0 when there is none; lines cut short
+    are skipped): its end only, since records are appended in step order and the file grows with the
+    job."""
     last = 0
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                last = max(last, int(json.loads(line)["step"]))
-            except (ValueError, KeyError, TypeError):
-                continue
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, path.stat().st_size - tail_bytes))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return 0
+    for line in lines:
+        try:
+            last = max(last, int(json.loads(line)["step"]))
+        except (ValueError, KeyError, TypeError):
+            continue
     return last
 
 
@@ -112,20 +138,20 @@ class RunSummary(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.is_global_zero:
             return
-        hist = self.metrics.history
-        steady = hist[1:] or hist
-        tokens = sum(h["tokens"] for h in steady)
-        secs = sum(h["step_time_s"] for h in steady)
+        m = self.metrics
+        first, last = m.first, m.last
+        tokens, secs = (m.steady_tokens, m.steady_s) if m.steps > 1 or first is None \
+            else (first["tokens"], first["step_time_s"])
         summary: dict[str, Any] = {
             "steps": int(trainer.global_step),
-            "steps_this_run": len(hist),
-            "first_loss": hist[0]["loss"] if hist else None,
-            "final_loss": hist[-1]["loss"] if hist else None,
+            "steps_this_run": m.steps,
+            "first_loss": first["loss"] if first else None,
+            "final_loss": last["loss"] if last else None,
             "val_loss": getattr(pl_module, "last_val_loss", None),
             "tokens_per_s": tokens / secs if secs > 0 else None,
             "train_wall_s": time.time() - self._start,
-            "layout": hist[-1]["layout"]
-            if hist
+            "layout": last["layout"]
+            if last
             else getattr(trainer.strategy, "layout_info", {}).get("layout"),
             "run_dir": str(self.run_dir),
             "max_steps": int(trainer.max_steps),
