@@ -46,6 +46,10 @@ STRAGGLER_RECOVERED = "straggler_recovered"  # rank, speed, step
 STRAGGLER_WAIT = "straggler_wait"  # seconds, from_step, step
 REBALANCE = "rebalance"  # step, speeds, microbatches, predicted_compute_s, unit_s
 
+# Silent-corruption checks (ntp_nemo.resilience.integrity): the seconds a replica-fingerprint check, or a
+# finding's attribution and action (replay, rollback, skipped sample), took, ending at `t`.
+INTEGRITY_CHECK = "integrity"  # seconds
+
 EVENTS: frozenset[str] = frozenset(
     {
         JOB_START,
@@ -66,6 +70,7 @@ EVENTS: frozenset[str] = frozenset(
         STRAGGLER_RECOVERED,
         STRAGGLER_WAIT,
         REBALANCE,
+        INTEGRITY_CHECK,
     }
 )
 
@@ -85,6 +90,8 @@ RESHARD = "reshard"
 # throughput, the time the full layout would not have needed.
 DEGRADED_THROUGHPUT = "degraded_throughput"
 DATA_LOADING = "data_loading"
+# Fingerprint checks and the attribution and repair of corruption and non-finite steps (`integrity` events).
+INTEGRITY = "integrity"
 OTHER = "other"
 
 BADPUT_CATEGORIES: tuple[str, ...] = (
@@ -96,6 +103,7 @@ BADPUT_CATEGORIES: tuple[str, ...] = (
     RESHARD,
     DEGRADED_THROUGHPUT,
     DATA_LOADING,
+    INTEGRITY,
     OTHER,
 )
 

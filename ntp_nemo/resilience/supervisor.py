@@ -39,6 +39,7 @@ from typing import Any
 from ntp_nemo.config.failover import FailoverSpec
 from ntp_nemo.errors import ConfigError
 from ntp_nemo.resilience.beats import read_beats, suspects
+from ntp_nemo.resilience.corruption import CORRUPTING, CorruptionInjector
 from ntp_nemo.resilience.detection import LostRanks, Timeouts, WorkerMonitor, classify, kill_worker
 from ntp_nemo.resilience.fault_config import (  # noqa: F401 - re-exported: the run-time side uses them here
     RECOVERY_MODES,
@@ -49,6 +50,7 @@ from ntp_nemo.resilience.fault_config import (  # noqa: F401 - re-exported: the 
 )
 from ntp_nemo.resilience.faults import FaultInjector, resolve_faults
 from ntp_nemo.resilience.heartbeat import Heartbeat
+from ntp_nemo.resilience.integrity import IntegrityWatch
 from ntp_nemo.resilience.policies import Replan, make_policy, replan
 from ntp_nemo.resilience.straggler_watch import StragglerWatch
 from ntp_nemo.resilience.worker import SupervisedWorker
@@ -142,6 +144,9 @@ class Supervisor:
         out: list[Any] = []
         if self.faults:
             out.append(FaultInjector(self.faults, self.fault_dir, self.ckpt_dir))
+        if any(f.kind in CORRUPTING for f in self.faults):  # bitflip, poison_sample
+            out.append(CorruptionInjector(self.faults, self.fault_dir, self.ckpt_dir))
+        out.append(IntegrityWatch(self.spec.integrity, self.run_dir))  # fingerprints, non-finite, spikes
         watch = StragglerWatch.from_config(self.spec.fault)  # after the injector: it reads the step's times
         if watch is not None:
             out.append(watch)
