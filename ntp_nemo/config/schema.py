@@ -174,7 +174,7 @@ class FaultConfig(Sealable):
     straggler: str = "rebalance"
     straggler_every: int = 5
     straggler_margin: float = 0.3
-    straggler_persist: int = 2
+    straggler_persist: int = 3
     straggler_floor: float = 0.2
 
 

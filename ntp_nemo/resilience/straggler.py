@@ -7,9 +7,14 @@ collective of its own.  Per rank and step the time is divided by the rank's mode
 that ran the step (`share_units`: the work model's cost per token of its slices, `topology/work.py`, times
 its replica's micro-batches), which makes ranks with unequal shares comparable.  Every `every` steps:
 
-- each rank's figure is the median over the window (one slow step, a checkpoint or a GC pause, does not
-  move it); the reference is the lower median over ranks (a healthy majority sets it), and a rank's speed
-  is reference / its figure;
+- a rank's speed is the product of two window medians (one slow step, a checkpoint or a GC pause, moves
+  neither): how fast its replica's fastest rank runs against the job (the lower median over ranks of
+  their median time per unit: a healthy majority sets the reference; taken as 1 while the replica holds
+  a straggler already), and how fast the rank runs against its TP peers of the same step (its time per
+  unit over the median of theirs, step by step: the peers computed the same micro-batches at the same
+  moment, so neither a split that changed nor the load on a shared machine moves the ratio).  A rank
+  without peers (TP 1) has only the first; a replica slow as a whole is found by the first, a slow rank
+  inside a healthy replica by the second;
 - a rank below `1 / (1 + margin)` for `persist` judgements in a row is a straggler; a straggler back above
   `1 / (1 + margin / 2)` for `persist` judgements has recovered (the gap keeps a borderline rank from
   flapping);
@@ -36,7 +41,7 @@ class StragglerSettings:
     policy: str = "rebalance"  # report | rebalance | exclude
     every: int = 5
     margin: float = 0.3
-    persist: int = 2
+    persist: int = 3
     floor: float = 0.2
 
     @classmethod
@@ -63,6 +68,16 @@ def share_units(layout: ResolvedLayout) -> list[float]:
     return [costs[r] * counts[layout.replica_of(r)] for r in range(layout.world_size)]
 
 
+def peer_groups(layout: ResolvedLayout) -> list[tuple[int, ...]]:
+    """Per global rank, the other ranks of its replica's pipeline stage (its TP peers)."""
+    out: list[tuple[int, ...]] = [()] * layout.world_size
+    for i in range(layout.dp):
+        for stage in layout.ranks_of(i):
+            for r in stage:
+                out[r] = tuple(q for q in stage if q != r)
+    return out
+
+
 @dataclass(frozen=True)
 class Judgement:
     """One judgement (every `every` steps) of every rank."""
@@ -83,7 +98,7 @@ class Judgement:
 @dataclass
 class StragglerDetector:
     settings: StragglerSettings
-    _window: list[tuple[list[float], list[float]]] = field(default_factory=list)  # (compute_s, units)
+    _window: list[tuple[list[float], list[float], list[list[int]]]] = field(default_factory=list)
     _slow_streak: dict[int, int] = field(default_factory=dict)
     _fast_streak: dict[int, int] = field(default_factory=dict)
     stragglers: set[int] = field(default_factory=set)
@@ -97,28 +112,51 @@ class StragglerDetector:
         self.stragglers = set()
         self.world = None
 
-    def observe(self, step: int, compute_s: Sequence[float], units: Sequence[float]) -> Judgement | None:
-        """Add step `step`'s per-rank compute seconds and modelled work; a judgement every `every` steps."""
+    def observe(self, step: int, compute_s: Sequence[float], units: Sequence[float],
+                peers: Sequence[Sequence[int]] | None = None) -> Judgement | None:
+        """Add step `step`'s per-rank compute seconds and modelled work (and each rank's TP peers:
+        `peer_groups`; None: none); a judgement every `every` steps."""
         if self.world is not None and len(compute_s) != self.world:
             self.reset()
         self.world = len(compute_s)
-        self._window.append((list(compute_s), list(units)))
+        self._window.append((list(compute_s), list(units), [list(p) for p in peers or [()] * self.world]))
         if step % self.settings.every:
             return None
         window, self._window = self._window, []
         return self._judge(step, window)
 
-    def _judge(self, step: int, window: list[tuple[list[float], list[float]]]) -> Judgement | None:
+    def _judge(self, step: int, window: list[tuple[list[float], list[float], list[list[int]]]]
+               ) -> Judgement | None:
         world = self.world or 0
-        per_unit: list[float | None] = []
+
+        def per_unit(c: Sequence[float], u: Sequence[float], r: int) -> float | None:
+            return c[r] / u[r] if u[r] > 0 and c[r] > 0 else None
+
+        medians: list[float | None] = []
+        relative: list[float] = []  # per rank: its time per unit over its peers' (median over the window)
         for r in range(world):
-            xs = [c[r] / u[r] for c, u in window if u[r] > 0 and c[r] > 0]
-            per_unit.append(statistics.median(xs) if xs else None)
-        known = [x for x in per_unit if x is not None]
+            xs = [x for c, u, _ in window if (x := per_unit(c, u, r)) is not None]
+            medians.append(statistics.median(xs) if xs else None)
+            ratios = []
+            for c, u, peers in window:
+                mine = per_unit(c, u, r)
+                theirs = [x for q in peers[r] if (x := per_unit(c, u, q)) is not None]
+                if mine is not None and theirs:
+                    ratios.append(mine / statistics.median(theirs))
+            relative.append(statistics.median(ratios) if ratios else 1.0)
+        known = [x for x in medians if x is not None]
         if not known:
             return None
         ref = statistics.median_low(known)
-        speeds = tuple(1.0 if x is None else ref / x for x in per_unit)
+        cross = [1.0 if x is None else ref / x for x in medians]
+        peers_now = window[-1][2]
+        # The group's pace: its fastest rank against the job, where no rank of it is a straggler already
+        # (a rebalance then gave the group fewer micro-batches, over which the phase's fixed costs weigh
+        # more per unit: its ranks are judged against their peers alone).
+        group_pace = [1.0 if self.stragglers & {r, *peers_now[r]} else
+                      min(1.0, max(cross[q] for q in (r, *peers_now[r]))) for r in range(world)]
+        speeds = tuple(group_pace[r] / max(relative[r], 1.0) if peers_now[r] else cross[r]
+                       for r in range(world))
         s = self.settings
         slow = tuple(r for r in range(world) if speeds[r] < s.slow_below)
         new, recovered = [], []
@@ -134,7 +172,7 @@ class StragglerDetector:
                 recovered.append(r)
         wait = 0.0
         if slow:
-            for c, u in window:
+            for c, u, _ in window:
                 wait += max(0.0, max(c[r] for r in slow) - ref * max(u))
         return Judgement(step, speeds, slow, tuple(sorted(self.stragglers)), tuple(new), tuple(recovered),
                          wait, ref)
@@ -153,11 +191,47 @@ def replica_speeds(layout: ResolvedLayout, judgement: Judgement, stragglers: Seq
     return None if all(v == 1.0 for v in out) else tuple(out)
 
 
+@dataclass(frozen=True)
+class Decision:
+    """What a policy does after a judgement: ranks to take out of the job, or a new batch split."""
+
+    exclude: tuple[int, ...] = ()
+    layout: ResolvedLayout | None = None  # the running layout with new `speeds` (None: keep the split)
+
+
+def decide(settings: StragglerSettings, layout: ResolvedLayout, judgement: Judgement) -> Decision:
+    """`report`: nothing.  `exclude`: every straggler leaves.  `rebalance`: a straggler below `floor`
+    leaves; otherwise its replica's share follows its measured speed (a new split only where the speeds
+    moved by more than half the margin and the micro-batch counts change; once no straggler is left, the
+    nominal split)."""
+    if settings.policy == "report" or not (judgement.new or judgement.recovered or judgement.stragglers):
+        return Decision()
+    excluded = tuple(r for r in judgement.stragglers
+                     if settings.policy == "exclude" or judgement.speed_of(r) < settings.floor)
+    if excluded:
+        return Decision(exclude=excluded)
+    speeds = replica_speeds(layout, judgement, judgement.stragglers)
+    if not _worth_changing(layout.speeds, speeds, settings.margin / 2):
+        return Decision()
+    new = layout.with_changes(speeds=speeds)
+    if speeds is not None and new.microbatches == layout.microbatches:
+        return Decision()
+    return Decision(layout=new)
+
+
+def _worth_changing(current: tuple[float, ...] | None, wanted: tuple[float, ...] | None, rel: float) -> bool:
+    if (current is None) != (wanted is None):
+        return True
+    if current is None or wanted is None:
+        return False
+    return any(abs(a - b) > rel * max(a, b) for a, b in zip(current, wanted, strict=True))
+
+
 def predicted_compute_s(layout: ResolvedLayout, unit_s: float, rank_speeds: Sequence[float]) -> float:
     """The work model's compute time of a step on `layout`: the longest share at its rank's speed."""
     units = share_units(layout)
     return max(u * unit_s / max(v, 1e-9) for u, v in zip(units, rank_speeds, strict=True))
 
 
-__all__ = ["Judgement", "StragglerDetector", "StragglerSettings", "predicted_compute_s", "replica_speeds",
-           "share_units"]
+__all__ = ["Decision", "Judgement", "StragglerDetector", "StragglerSettings", "decide", "peer_groups",
+           "predicted_compute_s", "replica_speeds", "share_units"]

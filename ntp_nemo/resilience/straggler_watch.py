@@ -32,8 +32,9 @@ from ntp_nemo.resilience.straggler import (
     Judgement,
     StragglerDetector,
     StragglerSettings,
+    decide,
+    peer_groups,
     predicted_compute_s,
-    replica_speeds,
     share_units,
 )
 
@@ -46,7 +47,7 @@ class StragglerWatch(Callback):
         self.detector = StragglerDetector(settings)
         self.last: Judgement | None = None
         self._layout: Any = None  # the layout whose ranks the detector's history numbers
-        self._units: tuple[Any, list[float]] | None = None  # (layout, its `share_units`)
+        self._units: tuple[Any, list[float], list] | None = None  # (layout, `share_units`, `peer_groups`)
 
     @classmethod
     def from_config(cls, fault: FaultConfig) -> StragglerWatch | None:
@@ -71,8 +72,8 @@ class StragglerWatch(Callback):
         self._layout = layout
         step = int(trainer.global_step)
         if self._units is None or self._units[0] != layout:
-            self._units = (layout, share_units(layout))
-        judgement = self.detector.observe(step, compute_s, self._units[1])
+            self._units = (layout, share_units(layout), peer_groups(layout))
+        judgement = self.detector.observe(step, compute_s, self._units[1], self._units[2])
         if judgement is None:
             return
         self.last = judgement
@@ -88,29 +89,23 @@ class StragglerWatch(Callback):
             print(f"straggler | rank {rank} on {socket.gethostname()} is back to speed "
                   f"{judgement.speed_of(rank):.2f} (step {step})", flush=True)
             _record_own(trainer, STRAGGLER_RECOVERED, rank=rank, speed=judgement.speed_of(rank), step=step)
-        if self.settings.policy == "report" or not (judgement.new or judgement.recovered
-                                                    or judgement.stragglers):
-            return
-        excluded = [r for r in judgement.stragglers
-                    if self.settings.policy == "exclude" or judgement.speed_of(r) < self.settings.floor]
-        if rank in excluded:
+        decision = decide(self.settings, layout, judgement)
+        if rank in decision.exclude:
             print(f"straggler | rank {rank} leaves the job (policy {self.settings.policy}, speed "
                   f"{judgement.speed_of(rank):.2f}): the failover path re-plans without it", flush=True)
             os._exit(EXCLUDE_EXIT_CODE)
-        if excluded:
-            return  # the others meet the loss at their next collective
-        speeds = replica_speeds(layout, judgement, judgement.stragglers)
-        if not _worth_changing(layout.speeds, speeds, self.settings.margin / 2):
-            return
-        new = layout.with_changes(speeds=speeds)
-        if speeds is not None and new.microbatches == layout.microbatches:
-            return  # the same split: nothing to change (the layout goes back once no straggler is left)
+        if decision.layout is None:
+            return  # no change, or the others meet the excluded rank's loss at their next collective
+        new = decision.layout
+        speeds = new.speeds
         strategy.rebalance(new)
         self._layout = new
         rank_speed = [1.0] * layout.world_size
         for r in judgement.stragglers:
             rank_speed[r] = judgement.speed_of(r)
         predicted = predicted_compute_s(new, judgement.unit_s, rank_speed)
+        full = [1.0] * len(rank_speed)
+        nominal = predicted_compute_s(new.with_changes(speeds=None), judgement.unit_s, full)
         if rank == 0:
             print(f"straggler | rebalance at step {step}: replica speeds "
                   f"{list(speeds) if speeds else 'all 1'}, micro-batches per replica "
@@ -119,7 +114,7 @@ class StragglerWatch(Callback):
         if goodput is not None:
             goodput.record(REBALANCE, step=step, speeds=list(speeds) if speeds else None,
                            microbatches=list(new.microbatch_counts()), predicted_compute_s=predicted,
-                           unit_s=judgement.unit_s)
+                           nominal_compute_s=nominal, rank_speeds=rank_speed, unit_s=judgement.unit_s)
 
     def _report(self, trainer: Trainer, judgement: Judgement, rank: int, step: int) -> None:
         speed = judgement.speed_of(rank)
@@ -146,15 +141,6 @@ def _record_own(trainer: Trainer, event: str, **fields: Any) -> None:
 
     with GoodputRecorder(goodput.run_dir) as rec:
         rec.record(event, **fields)
-
-
-def _worth_changing(current: tuple[float, ...] | None, wanted: tuple[float, ...] | None, rel: float) -> bool:
-    """A new split only for a straggler found or gone, or a speed estimate off by more than `rel`."""
-    if (current is None) != (wanted is None):
-        return True
-    if current is None or wanted is None:
-        return False
-    return any(abs(a - b) > rel * max(a, b) for a, b in zip(current, wanted, strict=True))
 
 
 __all__ = ["EXCLUDE_EXIT_CODE", "StragglerWatch"]

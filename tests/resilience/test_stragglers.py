@@ -14,6 +14,8 @@ from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.resilience.straggler import (
     StragglerDetector,
     StragglerSettings,
+    decide,
+    peer_groups,
     predicted_compute_s,
     replica_speeds,
     share_units,
@@ -35,7 +37,7 @@ def _layout(replica_tp=(2, 2), m=6, speeds=None, work=SHAPE):
 
 def _feed(det, layout, steps, speed_of_rank, noise=0.0, rng=None, hiccup=None):
     """Per step, every rank's compute time: its modelled share at its speed, with multiplicative noise."""
-    units = share_units(layout)
+    units, peers = share_units(layout), peer_groups(layout)
     out = []
     for step in steps:
         times = []
@@ -46,7 +48,7 @@ def _feed(det, layout, steps, speed_of_rank, noise=0.0, rng=None, hiccup=None):
             if hiccup == (r, step):
                 t *= 10
             times.append(t)
-        j = det.observe(step, times, units)
+        j = det.observe(step, times, units, peers)
         if j is not None:
             out.append(j)
     return out
@@ -107,6 +109,29 @@ def test_measured_speeds_shrink_the_replica_share_and_go_back():
     assert layout.with_changes(speeds=None).microbatches == (3, 3)
     with pytest.raises(ValueError, match="speeds"):
         layout.with_changes(speeds=(0.5,))
+
+
+@pytest.mark.parametrize("policy,speed,want", [
+    ("report", 0.5, "nothing"),
+    ("rebalance", 0.5, "split"),
+    ("rebalance", 0.1, "exclude"),  # below the floor (0.2)
+    ("exclude", 0.5, "exclude"),
+])
+def test_policies_decide(policy, speed, want):
+    settings = StragglerSettings(policy=policy, every=2, persist=1)
+    layout = _layout()
+    det = StragglerDetector(settings)
+    (j,) = _feed(det, layout, [1, 2], lambda r, s: speed if r == 1 else 1.0)
+    d = decide(settings, layout, j)
+    assert d.exclude == ((1,) if want == "exclude" else ())
+    assert (d.layout is not None) == (want == "split")
+    if want == "split":
+        assert d.layout.microbatches == (2, 4) and d.layout.speeds == (0.5, 1.0)
+        # the device recovers: once the detector lets it go, the nominal split comes back
+        (j2,) = _feed(det, d.layout, [3, 4], lambda r, s: 1.0)
+        assert j2.recovered == (1,)
+        assert decide(settings, d.layout, j2).layout.microbatches == (3, 3)
+        assert decide(settings, d.layout, j2).layout.speeds is None
 
 
 def test_slowdown_stretches_the_measured_compute(monkeypatch):

@@ -1,0 +1,40 @@
+"""A rank slowed to half speed in a 2x2 job (`fault=slow fault.factor=0.5`) is named while the job runs, its
+replica gets a smaller share of the batch, the split goes back when the device recovers, and the loss
+curve stays the failure-free one (one `ntp-train` launch)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ntp_nemo.goodput import compute_goodput, load_events
+from tests.conftest import TINY, read_metrics, run_cli
+
+
+@pytest.mark.slow
+def test_half_speed_rank_is_found_rebalanced_and_restored(tmp_path, reference_losses):
+    run = tmp_path / "run"
+    proc = run_cli([*TINY, "mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,2]", "trainer.max_steps=20",
+                    "fault=slow", "fault.rank=1", "fault.step=3", "fault.factor=0.5", "fault.steps=8",
+                    "fault.straggler_every=2", "fault.straggler_persist=2", "fault.straggler_margin=0.5",
+                    f"hydra.run.dir={run}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = [json.loads(line) for line in (run / "goodput.jsonl").read_text().splitlines()]
+    named = [e for e in events if e["event"] == "straggler"]
+    assert named and {e["rank"] for e in named} == {1}, named
+    assert named[0]["step"] <= 3 + 20 and named[0]["speed"] < 0.67 and named[0]["host"]
+    assert "straggler | rank 1 on " in proc.stdout
+    assert any(e["event"] == "straggler_recovered" and e["rank"] == 1 for e in events)
+    rebalances = [e for e in events if e["event"] == "rebalance"]
+    assert rebalances[0]["speeds"][0] < 1 and rebalances[0]["microbatches"][0] < 3  # rank 1's replica
+    assert rebalances[-1]["speeds"] is None and rebalances[-1]["microbatches"] == [3, 3]  # put back
+    metrics = read_metrics(run)
+    splits = {m["step"]: m["microbatches"] for m in metrics}
+    assert splits[1] == splits[20] == [3, 3]
+    assert any(split[0] < 3 and sum(split) == 6 for split in splits.values())  # the global batch kept
+    waits = sum(e["seconds"] for e in events if e["event"] == "straggler_wait")
+    report = compute_goodput(load_events(run / "goodput.jsonl"))
+    assert report.badput_s["stragglers"] == pytest.approx(waits) and waits > 0  # its own badput category
+    reference = reference_losses("single-20")
+    assert {m["step"]: pytest.approx(m["loss"], rel=1e-5) for m in metrics} == reference
