@@ -160,13 +160,15 @@ _ABOVE_STEPS: tuple[str, ...] = (
     ev.CHECKPOINT_RESTORE,
     ev.INITIALIZATION,
     ev.DATA_LOADING,
+    ev.STRAGGLERS,
     ev.INTEGRITY,
     ev.RESHARD,
 )
 _BELOW_STEPS: tuple[str, ...] = (ev.RECOVERY_DOWNTIME,)
 _PRIORITY: tuple[str, ...] = (*_ABOVE_STEPS, ev.PRODUCTIVE, ev.WASTED_PROGRESS, *_BELOW_STEPS)
 # Events that charge the `seconds` before them (ending at `t`) to a category: recorded after the wait.
-_WAITS: dict[str, str] = {ev.DATA_WAIT: ev.DATA_LOADING, ev.INTEGRITY_CHECK: ev.INTEGRITY}
+_WAITS: dict[str, str] = {ev.DATA_WAIT: ev.DATA_LOADING, ev.INTEGRITY_CHECK: ev.INTEGRITY,
+                          ev.STRAGGLER_WAIT: ev.STRAGGLERS}
 # Events after which an unfinished step can no longer be running.
 _DISRUPTING = frozenset(
     {ev.FAILURE_DETECTED, ev.CKPT_RESTORE_START, ev.RECOVERY_DONE, ev.JOB_END, ev.INIT_DONE}
@@ -1214,6 +1216,7 @@ _SHORT = {
     ev.RESHARD: "reshard",
     ev.DEGRADED_THROUGHPUT: "degraded",
     ev.DATA_LOADING: "data",
+    ev.STRAGGLERS: "stragglers",
     ev.INTEGRITY: "integrity",
     ev.OTHER: "other",
 }

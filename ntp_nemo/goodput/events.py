@@ -44,7 +44,9 @@ DATA_WAIT = "data_wait"  # seconds
 STRAGGLER = "straggler"  # rank, host, speed, step, policy
 STRAGGLER_RECOVERED = "straggler_recovered"  # rank, speed, step
 STRAGGLER_WAIT = "straggler_wait"  # seconds, from_step, step
-REBALANCE = "rebalance"  # step, speeds, microbatches, predicted_compute_s, unit_s
+# rebalance: predicted_compute_s, the work model's compute time of a step on the new split at the measured
+# speeds; nominal_compute_s, on the nominal split at full speed (both from unit_s, seconds per unit of work)
+REBALANCE = "rebalance"  # step, speeds, microbatches, predicted_compute_s, nominal_compute_s, rank_speeds
 
 # Silent-corruption checks (ntp_nemo.resilience.integrity): the seconds a replica-fingerprint check, or a
 # finding's attribution and action (replay, rollback, skipped sample), took, ending at `t`.
@@ -90,6 +92,9 @@ RESHARD = "reshard"
 # throughput, the time the full layout would not have needed.
 DEGRADED_THROUGHPUT = "degraded_throughput"
 DATA_LOADING = "data_loading"
+# Time the steps lost waiting for slow ranks (`straggler_wait` events): per step, how much longer the
+# slowest straggler computed than the work model's longest share at the job's measured speed.
+STRAGGLERS = "stragglers"
 # Fingerprint checks and the attribution and repair of corruption and non-finite steps (`integrity` events).
 INTEGRITY = "integrity"
 OTHER = "other"
@@ -103,6 +108,7 @@ BADPUT_CATEGORIES: tuple[str, ...] = (
     RESHARD,
     DEGRADED_THROUGHPUT,
     DATA_LOADING,
+    STRAGGLERS,
     INTEGRITY,
     OTHER,
 )
