@@ -57,7 +57,7 @@ def slice_init(name: str, spec, rule: tuple, seed: int, dtype: torch.dtype) -> t
     rows (column-parallel weights, vocabulary rows): a rank of a `t`-way split draws `(i + 1) / t` of the
     tensor instead of all of it, rank 0 a `t`-th."""
     shape = spec.global_shape
-    if rule[0] != "normal" or spec.is_full or spec.dim != 0:
+    if rule[0] != "normal" or spec.is_full or spec.dim != 0 or spec.is_block:
         return spec.narrow(full_init(name, shape, rule, seed, dtype))
     row = 1
     for d in shape[1:]:

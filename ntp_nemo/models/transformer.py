@@ -23,6 +23,18 @@ from torch.utils.checkpoint import checkpoint
 from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.models.families import family_of
 from ntp_nemo.models.plan import SingleDevicePlan, TPPlan
+from ntp_nemo.parallel.block import (
+    BlockEmbedding,
+    BlockLinear,
+    block_linear,
+    feature_param,
+    grid_norm,
+    grid_sum,
+    intervals,
+    relayout,
+    row_axis,
+    rows_of,
+)
 from ntp_nemo.parallel.chunks import Launched
 from ntp_nemo.parallel.comm import copy_to_tp, to_compute_dtype
 from ntp_nemo.parallel.layers import (
@@ -40,6 +52,7 @@ from ntp_nemo.parallel.sequence import (
     seq_interval,
     seq_split,
 )
+from ntp_nemo.topology.grid import is_grid
 from ntp_nemo.topology.shard import unit_interval
 from ntp_nemo.topology.tp_context import TPContext
 
@@ -49,12 +62,17 @@ class Norm(nn.Module):
 
     def __init__(self, dim: int, tp: TPContext, *, rms: bool, eps: float, bias: bool) -> None:
         super().__init__()
-        self.rms, self.eps, self.tp = rms, eps, tp
-        self.weight = replicated_param((dim,), tp, ("ones",))
-        self.bias = replicated_param((dim,), tp, ("zeros",)) if bias else None
+        self.rms, self.eps, self.tp, self.dim = rms, eps, tp, dim
+        # On a grid (block pattern) the features are split along grid columns, held by every grid row.
+        make = (lambda init: feature_param((dim,), 0, tp, init)) if is_grid(tp) else (
+            lambda init: replicated_param((dim,), tp, init))
+        self.weight = make(("ones",))
+        self.bias = make(("zeros",)) if bias else None
         self.grad_reducer = None  # the model's ReplicatedGradReducer under SP (set by the model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if is_grid(self.tp):
+            return grid_norm(x, self.weight, self.bias, self.tp, self.dim, rms=self.rms, eps=self.eps)
         weight = replicated_grad_sum(self.weight, self.tp, self.grad_reducer)
         if self.rms:
             return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
@@ -126,21 +144,14 @@ class Attention(nn.Module):
         self.head_dim = h // nh
         self.group = nh // nkv
         bias, o_bias = family_of(cfg).attention_bias  # (q/k/v, o): biases column-sharded with their rows
-        (qlo, qhi), (klo, khi) = attention_head_intervals(nh, nkv, tp)
+        # On a grid (block pattern) the heads are split along grid columns as over a 1D group of q ranks.
+        heads = TPContext(rank=tp.col, size=tp.q) if is_grid(tp) else tp
+        (qlo, qhi), (klo, khi) = attention_head_intervals(nh, nkv, heads)
         self.q_lo, self.kv_lo = qlo, klo
-        d = self.head_dim
-        self.q_proj = ColumnParallelLinear(
-            h, nh * d, tp, unit_size=d, interval=(qlo, qhi), bias=bias, std=cfg.init_std, copy_input=False
-        )
-        self.k_proj = ColumnParallelLinear(
-            h, nkv * d, tp, unit_size=d, interval=(klo, khi), bias=bias, std=cfg.init_std, copy_input=False
-        )
-        self.v_proj = ColumnParallelLinear(
-            h, nkv * d, tp, unit_size=d, interval=(klo, khi), bias=bias, std=cfg.init_std, copy_input=False
-        )
-        self.o_proj = RowParallelLinear(
-            nh * d, h, tp, unit_size=d, interval=(qlo, qhi), bias=o_bias, std=out_std
-        )
+        if is_grid(tp):
+            self._block_projections(cfg, tp, out_std, bias, o_bias)
+        else:
+            self._projections(cfg, tp, out_std, bias, o_bias, (qlo, qhi), (klo, khi))
         # Local KV head each local query head reads.
         kv_of_q = torch.tensor([q // self.group - klo for q in range(qlo, qhi)], dtype=torch.long)
         self.register_buffer("kv_of_q", kv_of_q, persistent=False)
@@ -154,6 +165,35 @@ class Attention(nn.Module):
         # step measured slower (`bench/fused_proj.py`, docs/performance.md); True/False force it.
         self.fuse_projections: bool | None = None
 
+    def _block_projections(self, cfg: ModelConfig, grid, out_std: float, bias: bool, o_bias: bool) -> None:
+        """q, k, v and o in blocks over the grid (`parallel.block.BlockLinear`): each grid column's query
+        heads and the KV heads they read, as a 1D group of q ranks would hold them."""
+        nh, nkv, d, h = cfg.num_heads, cfg.num_kv_heads or cfg.num_heads, self.head_dim, cfg.hidden_size
+        split = [attention_head_intervals(nh, nkv, TPContext(rank=p, size=grid.q)) for p in range(grid.q)]
+        qiv, kiv = [s[0] for s in split], [s[1] for s in split]
+        std = cfg.init_std
+        self.q_proj = BlockLinear(h, nh * d, grid, out_unit=d, out_intervals=qiv, bias=bias, std=std)
+        self.k_proj = BlockLinear(h, nkv * d, grid, out_unit=d, out_intervals=kiv, bias=bias, std=std)
+        self.v_proj = BlockLinear(h, nkv * d, grid, out_unit=d, out_intervals=kiv, bias=bias, std=std)
+        self.o_proj = BlockLinear(nh * d, h, grid, in_unit=d, in_intervals=qiv, bias=o_bias, std=out_std)
+
+    def _projections(self, cfg: ModelConfig, tp: TPContext, out_std: float, bias: bool, o_bias: bool,
+                     qiv: tuple[int, int], kiv: tuple[int, int]) -> None:
+        h, nh, nkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads or cfg.num_heads, self.head_dim
+        (qlo, qhi), (klo, khi) = qiv, kiv
+        self.q_proj = ColumnParallelLinear(
+            h, nh * d, tp, unit_size=d, interval=(qlo, qhi), bias=bias, std=cfg.init_std, copy_input=False
+        )
+        self.k_proj = ColumnParallelLinear(
+            h, nkv * d, tp, unit_size=d, interval=(klo, khi), bias=bias, std=cfg.init_std, copy_input=False
+        )
+        self.v_proj = ColumnParallelLinear(
+            h, nkv * d, tp, unit_size=d, interval=(klo, khi), bias=bias, std=cfg.init_std, copy_input=False
+        )
+        self.o_proj = RowParallelLinear(
+            nh * d, h, tp, unit_size=d, interval=(qlo, qhi), bias=o_bias, std=out_std
+        )
+
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, seq_len: int
     ) -> torch.Tensor:
@@ -164,8 +204,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Everything before the output projection: the local heads' attention, [b, S, local heads x d]."""
         # One TP region entry for q, k and v (under SP: one all-gather to the whole sequence).
-        fuse = fused_here(self.fuse_projections, x)
-        q, k, v = gather_and_project(x, self.tp, seq_len, (self.q_proj, self.k_proj, self.v_proj), fuse=fuse)
+        fuse = fused_here(self.fuse_projections, x) and not is_grid(self.tp)
+        if is_grid(self.tp):  # on a grid each projection is its own SUMMA (no region to enter)
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            q, k, v = gather_and_project(x, self.tp, seq_len, (self.q_proj, self.k_proj, self.v_proj),
+                                         fuse=fuse)
         if fuse and rope is not None and not self.recompute_core:
             # Fused, q, k and v are views of one output; RoPE saves neither q nor k, so a copy of v (what
             # attention saves) lets the rest of that output go instead of living until the backward.
@@ -200,6 +244,15 @@ class MLP(nn.Module):
         h, f = cfg.hidden_size, cfg.ffn_hidden_size
         self.gated = family_of(cfg).gated_mlp
         bias = family_of(cfg).linear_bias
+        self.tp = tp
+        self.fuse_projections: bool | None = None  # gate and up as one GEMM (see `Attention`'s)
+        if is_grid(tp):  # in blocks over the grid, the hidden columns aligned as a 1D split aligns them
+            cols, std = intervals(tp.q, f, tp.align), cfg.init_std
+            if self.gated:
+                self.gate_proj = BlockLinear(h, f, tp, out_intervals=cols, bias=False, std=std)
+            self.up_proj = BlockLinear(h, f, tp, out_intervals=cols, bias=bias, std=std)
+            self.down_proj = BlockLinear(f, h, tp, in_intervals=cols, bias=bias, std=out_std)
+            return
         if self.gated:
             self.gate_proj = ColumnParallelLinear(h, f, tp, bias=False, std=cfg.init_std, copy_input=False)
         self.up_proj = ColumnParallelLinear(h, f, tp, bias=bias, std=cfg.init_std, copy_input=False)
@@ -212,6 +265,10 @@ class MLP(nn.Module):
 
     def local(self, x: torch.Tensor, seq_len: int) -> torch.Tensor:
         """Everything before the down projection: the local hidden columns' activations."""
+        if is_grid(self.tp):
+            if self.gated:
+                return F.silu(self.gate_proj(x)) * self.up_proj(x)
+            return F.gelu(self.up_proj(x), approximate="tanh")
         # One TP region entry for the MLP input.
         if self.gated:
             gate, up = gather_and_project(x, self.tp, seq_len, (self.gate_proj, self.up_proj),
@@ -245,6 +302,9 @@ class Block(nn.Module):
         generator."""
         if not (self.dropout and self.training):
             return None
+        if is_grid(self.tp):
+            raise NotImplementedError("dropout on a block-sharded layer (ntp.pattern=block): "
+                                      "set model.dropout=0")
         lo, hi = seq_interval(self.tp, seq_len)
         keep = 1.0 - self.dropout
         rows = y.shape[0] if batch is None else batch
@@ -302,14 +362,17 @@ class DecoderLM(nn.Module):
         head_tp = self.contexts[-1]
         self.emb_tp = emb_tp
         self.tied = cfg.tie_embeddings
+        embedding = BlockEmbedding if is_grid(emb_tp) else VocabParallelEmbedding
         self.embed = (
-            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, emb_tp, std=cfg.init_std)
+            embedding(cfg.vocab_size, cfg.hidden_size, emb_tp, std=cfg.init_std)
             if (has_embedding or (has_head and self.tied))
             else None
         )
         self.has_embedding, self.has_head = has_embedding, has_head
         if has_embedding and self.learned_positions:
-            self.pos_embed = replicated_param((cfg.max_seq_len, cfg.hidden_size), emb_tp, ("normal", 0.01))
+            shape = (cfg.max_seq_len, cfg.hidden_size)
+            self.pos_embed = (feature_param(shape, 1, emb_tp, ("normal", 0.01)) if is_grid(emb_tp)
+                              else replicated_param(shape, emb_tp, ("normal", 0.01)))
         # Keyed by global layer index so parameter names do not depend on the pipeline split.
         self.blocks = nn.ModuleDict({str(i): Block(cfg, plan.context(i + 1)) for i in self.layer_range})
         if has_head:
@@ -317,7 +380,11 @@ class DecoderLM(nn.Module):
             self.final_norm = Norm(
                 cfg.hidden_size, self.head_tp, rms=self.rms_norm, eps=cfg.norm_eps, bias=not self.rms_norm
             )
-            if not self.tied:
+            if not self.tied and is_grid(head_tp):
+                vocab = intervals(head_tp.q, cfg.vocab_size, head_tp.align)
+                self.head = BlockLinear(cfg.hidden_size, cfg.vocab_size, head_tp, bias=False,
+                                        std=cfg.init_std, out_intervals=vocab)
+            elif not self.tied:
                 self.head = ColumnParallelLinear(
                     cfg.hidden_size, cfg.vocab_size, head_tp, bias=False, std=cfg.init_std
                 )
@@ -359,6 +426,8 @@ class DecoderLM(nn.Module):
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """Embeddings of `ids` ([b, S]); under sequence parallelism this rank's slice of them."""
         x = self.embed(ids)
+        if self.learned_positions and is_grid(self.emb_tp):
+            return x + self.pos_embed[: ids.shape[1]]
         if self.learned_positions:
             seq_len = ids.shape[1]
             lo, hi = seq_interval(self.emb_tp, seq_len)
@@ -370,10 +439,24 @@ class DecoderLM(nn.Module):
         return getattr(self.cfg, "recompute", "none") == "full" and index % max(
             1, int(getattr(self.cfg, "recompute_every", 1))) == 0
 
-    def run_blocks(self, x: torch.Tensor, layers=None, seq_len: int | None = None) -> torch.Tensor:
+    def relayout(self, x: torch.Tensor, src: TPContext, dst: TPContext, seq_len: int,
+                 batch: int | None) -> torch.Tensor:
+        """The hidden state from slot context `src`'s layout to `dst`'s: the sequence re-split between
+        row/column slots, a block of it or the whole of it where a block slot (a grid) is on either side
+        (`batch`: the micro-batch's sequences, needed to leave a grid)."""
+        if not (is_grid(src) or is_grid(dst)):
+            return resplit_sequence(x, src, dst, seq_len)
+        if batch is None and is_grid(src):
+            raise ValueError("leaving a block-sharded layer needs the micro-batch size (batch=)")
+        return relayout(x, src, dst, batch or x.shape[0], self.cfg.hidden_size,
+                        lambda t, a, b: resplit_sequence(t, a, b, seq_len))
+
+    def run_blocks(self, x: torch.Tensor, layers=None, seq_len: int | None = None,
+                   batch: int | None = None) -> torch.Tensor:
         """The transformer layers held here, in order, or only `layers` (global indices: one model chunk
         of an interleaved pipeline stage).  `seq_len`: the whole sequence's length (required under
-        sequence parallelism, where `x` holds `hidden_interval(first layer, seq_len)`)."""
+        sequence parallelism, where `x` holds `hidden_interval(first layer, seq_len)`); `batch`: the
+        micro-batch's sequences (required where a block-sharded slot hands over to a row/column one)."""
         if seq_len is None:
             if self.sequence_parallel:
                 raise ValueError("run_blocks needs seq_len under sequence parallelism")
@@ -385,7 +468,7 @@ class DecoderLM(nn.Module):
             return self._run_chunked(x, keys, rope, seq_len, split)
         for key in keys:
             block = self.blocks[key]
-            x = resplit_sequence(x, split, block.tp, seq_len)  # a change of degree re-splits the sequence
+            x = self.relayout(x, split, block.tp, seq_len, batch)  # a change of degree or pattern
             split = block.tp
             if self.recomputes_layer(int(key)) and torch.is_grad_enabled():
                 # Non-reentrant: the backward reruns the layer's forward, TP collectives included, in the
@@ -400,6 +483,7 @@ class DecoderLM(nn.Module):
         sharded, none recomputed whole (its checkpoint reruns a whole layer; the config refuses both)."""
         return (self.tp_chunks > 1 and x.shape[0] > 1
                 and any(self.blocks[k].tp.sharded for k in keys)
+                and not any(is_grid(self.blocks[k].tp) for k in keys)
                 and not any(self.recomputes_layer(int(k)) for k in keys))
 
     def _run_chunked(self, x: torch.Tensor, keys: list[str], rope, seq_len: int, split) -> torch.Tensor:
@@ -440,15 +524,20 @@ class DecoderLM(nn.Module):
             complete(i)
         return torch.cat(chunks, dim=0)
 
-    def logits_local(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
+    def logits_local(self, x: torch.Tensor, seq_len: int | None = None, batch: int | None = None
+                     ) -> torch.Tensor:
         """This rank's vocabulary slice of the logits of the whole sequence (`x`: the last layer's output,
         this rank's slice of it under sequence parallelism, where `seq_len` is required)."""
         if seq_len is None:
             if self.sequence_parallel:
                 raise ValueError("logits_local needs seq_len under sequence parallelism")
             seq_len = x.shape[1]
-        x = resplit_sequence(x, self.contexts[self.cfg.num_layers], self.head_tp, seq_len)
+        x = self.relayout(x, self.contexts[self.cfg.num_layers], self.head_tp, seq_len, batch)
         x = self.final_norm(x)
+        if is_grid(self.head_tp):  # a block-sharded head: this rank's sequences and its column's vocabulary
+            if self.tied:
+                return block_linear(x, self.embed.weight, self.head_tp, self.embed.out_lens)
+            return self.head(x)
         if seq_split(self.head_tp) > 1:  # gathered once, only the slice saved for the backward
             return gather_and_project(x, self.head_tp, seq_len, (self.embed if self.tied else self.head,))[0]
         if self.tied:
@@ -457,19 +546,32 @@ class DecoderLM(nn.Module):
 
     @property
     def vocab_start(self) -> int:
-        return self.embed.vocab_start if self.tied else self.head.weight.ntp_spec.start
+        if self.tied:
+            return self.embed.vocab_start
+        if is_grid(self.head_tp):
+            return self.head.out_intervals[self.head_tp.col][0]
+        return self.head.weight.ntp_spec.start
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Full-model forward to local logits (for one-stage layouts)."""
-        seq_len = ids.shape[1]
-        return self.logits_local(self.run_blocks(self.embed_tokens(ids), seq_len=seq_len), seq_len)
+        seq_len, batch = ids.shape[1], ids.shape[0]
+        return self.logits_local(self.run_blocks(self.embed_tokens(ids), seq_len=seq_len, batch=batch),
+                                 seq_len, batch)
 
     def token_losses(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(
-            self.logits_local(hidden, targets.shape[1]), targets, self.vocab_start, self.head_tp
-        )
+        """Per-token losses of `targets` [b, s]; with a block-sharded head those of this rank's grid row's
+        sequences (`rows_of`), the loss combined over the grid row (its vocabulary columns)."""
+        logits = self.logits_local(hidden, targets.shape[1], targets.shape[0])
+        tp = self.head_tp
+        if is_grid(tp):
+            lo, hi = rows_of(tp, targets.shape[0])
+            targets, tp = targets[lo:hi], row_axis(tp)
+        return vocab_parallel_cross_entropy(logits, targets, self.vocab_start, tp)
 
     def loss_sum(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Sum of per-token losses of a [b, s+1] token batch (inputs = tokens[:, :-1])."""
-        hidden = self.run_blocks(self.embed_tokens(tokens[:, :-1]), seq_len=tokens.shape[1] - 1)
-        return self.token_losses(hidden, tokens[:, 1:]).sum()
+        """Sum of per-token losses of a [b, s+1] token batch (inputs = tokens[:, :-1]); with a
+        block-sharded head summed over the grid rows (every rank holds the micro-batch's sum)."""
+        hidden = self.run_blocks(self.embed_tokens(tokens[:, :-1]), seq_len=tokens.shape[1] - 1,
+                                 batch=tokens.shape[0])
+        total = self.token_losses(hidden, tokens[:, 1:]).sum()
+        return grid_sum(total, self.head_tp.col_group) if is_grid(self.head_tp) else total

@@ -32,7 +32,10 @@ def backward_rank(name: str) -> int:
 
 
 def fragment_view(t: torch.Tensor, f: Fragment) -> torch.Tensor:
-    return t if t.dim() == 0 else t.narrow(f.dim, f.start, f.length)
+    if t.dim() == 0:
+        return t
+    out = t.narrow(f.dim, f.start, f.length)
+    return out.narrow(f.dim2, f.start2, f.length2) if f.dim2 >= 0 else out
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,9 @@ class Fragment:
     length: int
     weight: float  # 1 / copies of the holder's replica
     norm_weight: float  # 1 / number of holders (each logical element counted once in the norm)
+    dim2: int = -1  # a box of a block-sharded weight: its second dim's local offset and length (-1: none)
+    start2: int = 0
+    length2: int = 0
 
 
 @dataclass
@@ -57,11 +60,46 @@ class SyncPlan:
 
 
 def param_descriptors(model: nn.Module) -> dict[str, tuple]:
-    """(global shape, dim, unit size, lo, hi, copies) of every parameter this rank holds."""
+    """(global shape, dim, unit size, lo, hi, copies) of every parameter this rank holds; a block-sharded
+    weight's adds its second split, (dim2, unit size, lo2, hi2)."""
     out = {}
     for name, p in model.named_parameters():
         s = p.ntp_spec
         out[name] = (s.global_shape, s.dim, s.unit_size, s.lo, s.hi, p.ntp_copies)
+        if s.is_block:
+            out[name] += ((s.dim2, s.unit_size2, s.lo2, s.hi2),)
+    return out
+
+
+def _box(d: tuple) -> dict[int, tuple[int, int]]:
+    """The element intervals a descriptor holds, per split dim."""
+    box = {d[1]: (d[3] * d[2], d[4] * d[2])}
+    if len(d) > 6:
+        dim2, unit2, lo2, hi2 = d[6]
+        box[dim2] = (lo2 * unit2, hi2 * unit2)
+    return box
+
+
+def _box_fragments(entries: list[tuple[int, tuple]]) -> list[tuple[dict[int, tuple[int, int]], list]]:
+    """The common refinement of the holders' boxes of one parameter (some block-sharded): each piece's
+    box (element intervals per split dim) and the entries holding all of it, in ascending order."""
+    shape = entries[0][1][0]
+    boxes = [(r, d, _box(d)) for r, d in entries]
+    dims = sorted({dim for _, _, b in boxes for dim in b})
+
+    def span(b: dict, dim: int) -> tuple[int, int]:
+        return b.get(dim, (0, shape[dim] if shape else 1))
+
+    cuts = [sorted({x for _, _, b in boxes for x in span(b, dim)}) for dim in dims]
+    pieces: list[dict[int, tuple[int, int]]] = [{}]
+    for dim, bounds in zip(dims, cuts, strict=True):
+        pieces = [{**p, dim: ab} for p in pieces for ab in zip(bounds[:-1], bounds[1:], strict=False)]
+    out = []
+    for piece in pieces:
+        holding = [(r, d, b) for r, d, b in boxes
+                   if all(span(b, dim)[0] <= a and bb <= span(b, dim)[1] for dim, (a, bb) in piece.items())]
+        if holding:
+            out.append((piece, holding))
     return out
 
 
@@ -95,6 +133,9 @@ def build_sync_plans(
         shapes = {d[0] for _, d in entries}
         if len(shapes) != 1:
             raise RuntimeError(f"parameter {name} has different global shapes across ranks: {shapes}")
+        if any(len(d) > 6 for _, d in entries):  # a block-sharded weight: boxes, refined on both dims
+            _plan_boxes(name, entries, plans, sets, replica_of)
+            continue
         bounds = sorted({d[3] for _, d in entries} | {d[4] for _, d in entries})
         for a, b in zip(bounds[:-1], bounds[1:], strict=False):
             holding = [(r, d) for r, d in entries if d[3] <= a and b <= d[4]]
@@ -125,8 +166,34 @@ def build_sync_plans(
     return [plans[r] for r in ranks]
 
 
+def _plan_boxes(name: str, entries: list[tuple[int, tuple]], plans: dict[int, SyncPlan],
+                sets: set[tuple[int, ...]], replica_of: Sequence[int] | None) -> None:
+    """`build_sync_plans` for one parameter some rank holds as a block: the same holder-set rule, over
+    the refinement of the holders' boxes."""
+    for piece, holding in _box_fragments(entries):
+        holders = tuple(r for r, _, _ in holding)
+        identical = (replica_of is not None and len({replica_of[r] for r in holders}) == 1
+                     and all(d[5] == len(holders) for _, d, _ in holding))
+        shared = len(holders) > 1 and not identical
+        if shared:
+            sets.add(holders)
+        dims = sorted(piece)
+        for r, d, b in holding:
+            plan = plans.get(r)
+            if plan is None:
+                continue
+            local = [(dim, piece[dim][0] - b.get(dim, (0, 0))[0], piece[dim][1] - piece[dim][0])
+                     for dim in dims]
+            second = local[1] if len(local) > 1 else (-1, 0, 0)
+            frag = Fragment(name, *local[0], 1.0 if identical else 1.0 / d[5], 1.0 / len(holders), *second)
+            (plan.by_holders.setdefault(holders, []) if shared else plan.local_only).append(frag)
+
+
 def _view(p: torch.Tensor, f: Fragment) -> torch.Tensor:
-    return p if p.dim() == 0 else p.narrow(f.dim, f.start, f.length)
+    if p.dim() == 0:
+        return p
+    out = p.narrow(f.dim, f.start, f.length)
+    return out.narrow(f.dim2, f.start2, f.length2) if f.dim2 >= 0 else out
 
 
 def accumulator_dtype(device: torch.device) -> torch.dtype:
@@ -147,7 +214,8 @@ class _SyncBucket:
 
 
 def _is_whole(p: torch.Tensor, f: Fragment) -> bool:
-    return p.dim() == 0 or (f.start == 0 and f.length == p.shape[f.dim])
+    return p.dim() == 0 or (f.start == 0 and f.length == p.shape[f.dim]
+                            and (f.dim2 < 0 or (f.start2 == 0 and f.length2 == p.shape[f.dim2])))
 
 
 def weighted_norm_sq(tensors: Sequence[torch.Tensor], weights: Sequence[float], dtype: torch.dtype,

@@ -59,6 +59,13 @@ class RankPlace:
             from ntp_nemo.parallel.sequence import SequenceParallelPlan
 
             self.plan = SequenceParallelPlan(self.plan)
+        if layout.pattern:  # block slots run on grids: their row and column groups, their contexts
+            from ntp_nemo.topology.grid import GridPlan, grid_group_tuples
+
+            if self.topology.world_size > 1:
+                self.topology.build_groups(extra=grid_group_tuples(self.topology, layout.pattern),
+                                           device=self.device)
+            self.plan = GridPlan(self.plan, self.topology, rank, layout.pattern)
 
     @property
     def is_meta(self) -> bool:

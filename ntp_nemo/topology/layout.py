@@ -15,6 +15,7 @@ from functools import cached_property
 from typing import Any
 
 from ntp_nemo.data.rebalance import assign_microbatches
+from ntp_nemo.topology.grid import ROW_COLUMN, slot_patterns
 from ntp_nemo.topology.topology import Topology
 from ntp_nemo.topology.work import WorkShape, modelled_capacities
 
@@ -42,6 +43,12 @@ def _rule_capacities(rule: str, work: WorkShape | None, topo: Topology, boost: P
     if rule == "work" and work is not None:
         return modelled_capacities(work, topo, boost)
     return replica_capacities(topo.tp, topo.replica_tp, boost)
+
+
+def _patterns(pattern: Sequence[str] | str, slots: int) -> tuple[str, ...]:
+    """Per-slot patterns, stored empty where every slot is row/column (the layouts before patterns)."""
+    out = slot_patterns(pattern, slots)
+    return () if all(p == ROW_COLUMN for p in out) else out
 
 
 def _with_speeds(caps: list[float], speeds: Sequence[float] | None) -> list[float]:
@@ -74,6 +81,8 @@ class ResolvedLayout:
     - `capacity`: the capacity rule of the batch split (`ntp.capacity`): `ranks`, active ranks over
       nominal; `work`, a healthy replica's modelled slowest-rank time over this replica's (needs
       `work`; a layout without it falls back to `ranks`).  Both times the power boost.
+    - `pattern`: per layout slot, its sharding pattern (`ntp.pattern`: `row_column`, or `block` on a
+      q x q grid where the slot's degree is a square, `ntp_nemo.topology.grid`); empty: row/column.
     - `speeds`: per replica, the measured speed of its slowest rank (1: as fast as the work model says;
       `ntp_nemo.resilience.straggler`), multiplying its capacity; None: every replica at full speed.
     """
@@ -95,6 +104,7 @@ class ResolvedLayout:
     work: WorkShape | None = None
     capacity: str = "ranks"
     speeds: tuple[float, ...] | None = None
+    pattern: tuple[str, ...] = ()
 
     @classmethod
     def make(
@@ -110,6 +120,7 @@ class ResolvedLayout:
         work: WorkShape | Mapping | None = None,
         capacity: str = "ranks",
         speeds: Sequence[float] | None = None,
+        pattern: Sequence[str] | str = (),
     ) -> ResolvedLayout:
         """The layout of `topology` (nominal TP, replicas, per-slot degrees, stage split, shard alignment:
         the Topology checks that they agree) with the run's options; fills the batch shares.  A
@@ -145,6 +156,7 @@ class ResolvedLayout:
             work=work,
             capacity=capacity,
             speeds=speeds,
+            pattern=_patterns(pattern, len(t.layer_tp)),
         )
         if layout.devices is not None and len(layout.devices) != layout.world_size:
             raise ValueError(f"{len(layout.devices)} devices for a layout of {layout.world_size} ranks")
@@ -213,8 +225,8 @@ class ResolvedLayout:
 
     def same_ranks(self, other: ResolvedLayout) -> bool:
         """Every global rank holds the same shards in both layouts (saved RNG states carry over)."""
-        return (self.tp, self.replica_tp, self.layer_tp, self.pp) == (
-            other.tp, other.replica_tp, other.layer_tp, other.pp)
+        return (self.tp, self.replica_tp, self.layer_tp, self.pp, self.pattern) == (
+            other.tp, other.replica_tp, other.layer_tp, other.pp, other.pattern)
 
     def table(self, num_heads: int, ffn_hidden: int, vocab: int) -> str:
         """Readable layout: rank -> replica, stage, slot, and the units held per layer kind."""

@@ -45,13 +45,22 @@ def aligned_sizes(n: int, units: int, align: int = 1) -> list[int]:
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """One rank's slice of a logical tensor: units `[lo, hi)` of dim `dim`, `unit_size` elements each."""
+    """One rank's slice of a logical tensor: units `[lo, hi)` of dim `dim`, `unit_size` elements each.
+
+    A block-sharded weight (`ntp.pattern=block`, `ntp_nemo.parallel.block`) is a 2D interval: its
+    second split is units `[lo2, hi2)` of dim `dim2` (`unit_size2` elements each); `dim2 = -1` (the
+    default) means no second split.  Both splits follow the balanced-interval rule, so two layouts still
+    relate by intersection, now of boxes (`ntp_nemo.parallel.grad_sync` refines both dims)."""
 
     global_shape: tuple[int, ...]
     dim: int
     unit_size: int
     lo: int
     hi: int
+    dim2: int = -1
+    unit_size2: int = 1
+    lo2: int = 0
+    hi2: int = 0
 
     @staticmethod
     def full(shape: tuple[int, ...] | torch.Size) -> ShardSpec:
@@ -65,13 +74,39 @@ class ShardSpec:
             raise ValueError(f"dim {dim} of {shape} is not a multiple of unit size {unit_size}")
         return ShardSpec(shape, dim, unit_size, lo, hi)
 
+    @staticmethod
+    def block(shape: tuple[int, ...] | torch.Size, first: tuple[int, int, int, int],
+              second: tuple[int, int, int, int]) -> ShardSpec:
+        """Units `[lo, hi)` of `first = (dim, unit_size, lo, hi)` and of `second` (another dim): a block."""
+        shape = tuple(shape)
+        for dim, unit, _, _ in (first, second):
+            if shape[dim] % unit:
+                raise ValueError(f"dim {dim} of {shape} is not a multiple of unit size {unit}")
+        if first[0] == second[0]:
+            raise ValueError("a block splits two different dims")
+        return ShardSpec(shape, *first, *second)
+
+    @property
+    def is_block(self) -> bool:
+        return self.dim2 >= 0
+
+    @property
+    def start2(self) -> int:
+        return self.lo2 * self.unit_size2
+
+    @property
+    def length2(self) -> int:
+        return (self.hi2 - self.lo2) * self.unit_size2
+
     @property
     def num_units(self) -> int:
         return self.global_shape[self.dim] // self.unit_size if self.global_shape else 1
 
     @property
     def is_full(self) -> bool:
-        return self.lo == 0 and self.hi == self.num_units
+        second = not self.is_block or (
+            self.lo2 == 0 and self.hi2 * self.unit_size2 == self.global_shape[self.dim2])
+        return self.lo == 0 and self.hi == self.num_units and second
 
     @property
     def start(self) -> int:
@@ -87,15 +122,19 @@ class ShardSpec:
             return ()
         shape = list(self.global_shape)
         shape[self.dim] = self.length
+        if self.is_block:
+            shape[self.dim2] = self.length2
         return tuple(shape)
 
     @property
     def offsets(self) -> tuple[int, ...]:
         """Global offset of the local chunk along every dim."""
-        return tuple(self.start if d == self.dim else 0 for d in range(len(self.global_shape)))
+        return tuple(self.start if d == self.dim else self.start2 if d == self.dim2 else 0
+                     for d in range(len(self.global_shape)))
 
     def narrow(self, full: torch.Tensor) -> torch.Tensor:
         """This shard's view of a full (unsharded) tensor."""
         if not self.global_shape:
             return full
-        return full.narrow(self.dim, self.start, self.length)
+        out = full.narrow(self.dim, self.start, self.length)
+        return out.narrow(self.dim2, self.start2, self.length2) if self.is_block else out
