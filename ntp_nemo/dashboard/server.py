@@ -25,6 +25,7 @@ from typing import Any
 from aiohttp import web
 
 from ntp_nemo.dashboard.state import RunReader, classify, job_dir, sweep_state
+from ntp_nemo.errors import ConfigError
 
 REFRESH_S = 0.5  # a state is recomputed at most this often per directory
 STATIC = {  # name -> content type: the only files served
@@ -110,6 +111,8 @@ async def _guard(request: web.Request, handler: Any) -> web.StreamResponse:
         if exc.status < 400:
             raise
         return _error(exc.status, exc.reason)
+    except ConfigError as err:  # the directory is gone, or no longer a run
+        return _error(404, str(err))
     except Exception as exc:  # a file that vanished mid-read, say: a status, never a traceback
         return _error(500, f"could not read the run: {type(exc).__name__}")
 

@@ -2,15 +2,15 @@
 
 Nothing here writes or locks a file, and nothing waits on the run: each read takes what is on disk
 now (a line still being written is left for the next read).  Goodput comes from the goodput
-calculator (`ntp_nemo.goodput`: `load_events`, `build_timeline`, `breakdown`, the functions
-`ntp-goodput` runs), never from a second calculation: the series over time is the calculator's
-report on each prefix of the event stream.
+calculator (`ntp_nemo.goodput.calculator.GoodputCalculator`, fed the new events of each poll: the
+figures `ntp-goodput` prints, with its time buckets for the curves), never from a second calculation.
 
 Sources, all inside the run directory:
 - `metrics.jsonl`: the loss curve, the layout (`layout`, e.g. "(1,2)") and batch share
   (`microbatches`) of each step;
 - `goodput.jsonl`: goodput, badput by category, failures, recoveries and every other event (any
-  kind, shown generically in the timeline; a `straggler` event naming a `rank` marks it slow);
+  kind, shown generically in the timeline; a `straggler` event marks its `rank` slow until its
+  `straggler_recovered` or the next re-layout);
 - `.hydra/run_spec.json`: the nominal layout (replicas, nominal TP, per-layer degrees, stages);
 - `failover/heartbeats/rank_NNNNN.json`: each worker process's latest beat (step, phase, time);
 - `failover/faults/fired_*.json`: injected faults; `checkpoints/step_NNNNNN/`: saved checkpoints;
@@ -33,12 +33,15 @@ import ntp_nemo.goodput.events as ev
 from ntp_nemo.checkpoint.manifest import checkpoint_problem
 from ntp_nemo.data.bounded_json import JSONInputError, read_json
 from ntp_nemo.errors import ConfigError
-from ntp_nemo.goodput.calculator import breakdown, build_timeline, load_events
+from ntp_nemo.goodput.calculator import GoodputCalculator, load_events
 from ntp_nemo.topology.topology import effective_degree
 
 RUN_FILES = ("metrics.jsonl", ev.GOODPUT_FILENAME, "summary.json", "train.log")
-MAX_SERIES_POINTS = 60  # goodput samples over time (each is the calculator's report on a prefix)
-ROLLING_WINDOW = 5  # samples behind each rolling-goodput point
+BUCKET_S = 1.0  # the goodput series' time resolution (the calculator's buckets)
+SERIES_BUCKETS = 3600  # an hour of buckets kept (older time is still in the cumulative figures)
+ROLLING_WINDOW_S = 30.0  # the rolling goodput's window
+MAX_POINTS = 300  # points of each goodput curve sent to the page
+MAX_INCIDENTS = 500  # the newest incidents sent to the page
 QUIET_EVENTS = frozenset({ev.STEP_START, ev.STEP_END, ev.DATA_WAIT})  # not incidents
 _LAYOUT = re.compile(r"^\((\d+(?:,\d+)*)\)")
 
@@ -118,63 +121,119 @@ class _Metrics:
 
 @dataclass
 class _Goodput:
-    """The calculator's figures, recomputed only when goodput.jsonl changed."""
+    """goodput.jsonl read incrementally into the goodput calculator (`GoodputCalculator`: constant work
+    per event), so a poll costs what was appended since the last one.  Events the file holds out of time
+    order (processes append concurrently) are counted by the calculator at the latest time it saw; once
+    the run has ended, a stream that had any is fed again in time order, as `ntp-goodput` reads it, so
+    the final figures are `ntp-goodput`'s.  The non-step events are kept for the timeline."""
 
     path: Path
-    stamp: tuple[int, int, int] | None = None
-    value: dict[str, Any] | None = None
+    offset: int = 0
+    inode: int | None = None
+    calc: GoodputCalculator | None = None
+    kept: list[dict[str, Any]] = field(default_factory=list)
+    t0: float | None = None
+    last_t: float | None = None
+    bad_lines: int = 0
+    in_order: bool = False  # fed again from the whole file in time order
 
-    def read(self) -> dict[str, Any] | None:
-        stamp = _stamp(self.path)
-        if stamp is None:
+    def _reset(self, inode: int | None) -> None:
+        self.offset, self.inode, self.calc, self.kept = 0, inode, None, []
+        self.t0 = self.last_t = None
+        self.bad_lines, self.in_order = 0, False
+
+    def _take(self, events: list[dict[str, Any]]) -> None:
+        if self.calc is None:
+            self.calc = GoodputCalculator(window_s=ROLLING_WINDOW_S, bucket_s=BUCKET_S,
+                                          series_buckets=SERIES_BUCKETS)
+        for e in sorted(events, key=lambda e: e["t"]):
+            self.calc.feed(e)
+            self.t0 = e["t"] if self.t0 is None else min(self.t0, e["t"])
+            self.last_t = e["t"] if self.last_t is None else max(self.last_t, e["t"])
+            if e["event"] not in QUIET_EVENTS:
+                self.kept.append(e)
+
+    def read(self, ended: bool) -> dict[str, Any] | None:
+        try:
+            st = self.path.stat()
+        except OSError:
             return None
-        if stamp != self.stamp:
-            self.value, self.stamp = goodput_view(self.path), stamp
-        return self.value
+        if st.st_ino != self.inode or st.st_size < self.offset:
+            self._reset(st.st_ino)
+        if st.st_size > self.offset:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read(st.st_size - self.offset)
+            end = chunk.rfind(b"\n") + 1  # a last line without its newline is still being written
+            self.offset += end
+            fresh = []
+            for line in chunk[:end].splitlines():
+                try:
+                    e = json.loads(line)
+                except ValueError:
+                    e = None
+                if isinstance(e, dict) and isinstance(e.get("t"), (int, float)) \
+                        and isinstance(e.get("event"), str):
+                    fresh.append(e)
+                elif line.strip():
+                    self.bad_lines += 1
+            self._take(fresh)
+        if ended and not self.in_order and self.calc is not None and self.calc.late_events:
+            try:  # the whole file in time order, as ntp-goodput reads it
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    events = load_events(self.path)
+            except ConfigError:
+                events = None
+            if events is not None:
+                offset = self.offset
+                self._reset(self.inode)
+                self._take(events)
+                self.offset, self.in_order = offset, True
+        return self.view()
+
+    def view(self) -> dict[str, Any] | None:
+        if self.calc is None or self.calc.events_fed == 0:
+            return {"report": None, "series": None, "error": f"{self.path} holds no goodput events yet"}
+        try:
+            report = self.calc.report()
+        except ValueError as err:
+            return {"report": None, "series": None, "error": str(err)}
+        return {"report": report.to_dict(),
+                "series": _series(self.calc, report, self.t0 or 0.0, self.last_t or 0.0),
+                "rolling": 100 * self.calc.window().goodput, "error": None}
 
 
-def _report_dict(events: list[dict[str, Any]]) -> dict[str, Any] | None:
-    try:
-        report = breakdown(build_timeline(events))
-    except (ValueError, KeyError):
-        return None
-    return report.to_dict()
-
-
-def goodput_view(path: Path) -> dict[str, Any] | None:
-    """Goodput of the whole stream (what `ntp-goodput` prints), its series over time (cumulative,
-    rolling and each badput category, in seconds since the first event) and the events themselves."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # a truncated last line: the run is writing it
-            events = load_events(path)
-    except ConfigError as err:
-        return {"error": str(err), "events": []}
-    events.sort(key=lambda e: e["t"])
-    total = _report_dict(events)
-    t0 = events[0]["t"]
-    ends = [i for i, e in enumerate(events) if e["event"] == ev.STEP_END]
-    if len(ends) > MAX_SERIES_POINTS:
-        stride = len(ends) / MAX_SERIES_POINTS
-        ends = [ends[int(k * stride)] for k in range(MAX_SERIES_POINTS)]
-    cuts = [*ends, len(events) - 1] if not ends or ends[-1] != len(events) - 1 else ends
-    series: dict[str, list] = {"t": [], "goodput": [], "rolling": [], "total_s": [], "productive_s": [],
-                               **{c: [] for c in ev.BADPUT_CATEGORIES}}
-    for cut in cuts:
-        rep = total if cut == len(events) - 1 else _report_dict(events[: cut + 1])
-        if rep is None or rep["total_s"] <= 0:
+def _series(calc: GoodputCalculator, report: Any, t0: float, last_t: float) -> dict[str, list]:
+    """Cumulative goodput, rolling goodput (the last ROLLING_WINDOW_S) and the cumulative badput per
+    category at the end of each of the calculator's time buckets, in seconds since the first event; the
+    time before the oldest bucket kept is carried in as a base, and the last point is the report's."""
+    buckets = calc.series()
+    cats = ev.BADPUT_CATEGORIES
+    prod = report.productive_s - sum(b["productive_s"] for b in buckets)
+    total = report.total_s - sum(b["total_s"] for b in buckets)
+    bad = {c: report.badput_s.get(c, 0.0) - sum(b["badput_s"][c] for b in buckets) for c in cats}
+    out: dict[str, list] = {"t": [], "goodput": [], "rolling": [], **{c: [] for c in cats}}
+    per = max(1, round(ROLLING_WINDOW_S / BUCKET_S))
+    stride = -(-len(buckets) // MAX_POINTS)
+    for i, b in enumerate(buckets):
+        prod, total = prod + b["productive_s"], total + b["total_s"]
+        for c in cats:
+            bad[c] += b["badput_s"][c]
+        if i % stride and i != len(buckets) - 1:
             continue
-        series["t"].append(events[cut]["t"] - t0)
-        series["goodput"].append(100 * rep["goodput"])
-        series["total_s"].append(rep["total_s"])
-        series["productive_s"].append(rep["productive_s"])
-        for c in ev.BADPUT_CATEGORIES:
-            series[c].append(rep["badput_s"].get(c, 0.0))
-        k = max(0, len(series["t"]) - 1 - ROLLING_WINDOW)
-        dt = series["total_s"][-1] - series["total_s"][k]
-        dp = series["productive_s"][-1] - series["productive_s"][k]
-        series["rolling"].append(100 * dp / dt if dt > 0 else series["goodput"][-1])
-    return {"report": total, "series": series, "t0": t0, "events": events}
+        recent = buckets[max(0, i + 1 - per): i + 1]
+        r_total = sum(x["total_s"] for x in recent)
+        out["t"].append(min(b["end"], last_t) - t0)
+        out["goodput"].append(100 * prod / total if total > 0 else None)
+        out["rolling"].append(100 * sum(x["productive_s"] for x in recent) / r_total if r_total > 0 else None)
+        for c in cats:
+            out[c].append(max(0.0, bad[c]))
+    if out["t"]:  # the latest point: exactly the report (and the calculator's window)
+        out["goodput"][-1] = 100 * report.goodput
+        for c in cats:
+            out[c][-1] = report.badput_s.get(c, 0.0)
+    return out
 
 
 def _details(e: Mapping[str, Any]) -> str:
@@ -190,7 +249,8 @@ def _details(e: Mapping[str, Any]) -> str:
 
 
 def incidents(events: list[dict[str, Any]], faults: list[dict[str, Any]], t0: float) -> list[dict[str, Any]]:
-    """The timeline: every event but the per-step ones, any kind, with what it cost where it says."""
+    """The timeline: every event but the per-step ones, any kind, with what it cost where it says (the
+    newest MAX_INCIDENTS)."""
     out = []
     for f in faults:
         if isinstance(f.get("t"), (int, float)):
@@ -205,7 +265,7 @@ def incidents(events: list[dict[str, Any]], faults: list[dict[str, Any]], t0: fl
                 break
         out.append({"t": e["t"] - t0, "event": e["event"], "details": _details(e), "cost_s": cost})
     out.sort(key=lambda r: r["t"])
-    return out
+    return out[-MAX_INCIDENTS:]
 
 
 def checkpoints(directory: Path) -> list[dict[str, Any]]:
@@ -265,10 +325,14 @@ def layout_view(nominal: Mapping[str, Any] | None, rows: list[dict[str, Any]], e
         state = "degraded"
     else:
         state = "repaired" if failures else "full"
-    straggling = {}
+    straggling: dict[int, Any] = {}  # rank -> measured speed, while it straggles
     for e in events:
-        if e["event"] == "straggler" and isinstance(e.get("rank"), int):
+        if e["event"] == ev.STRAGGLER and isinstance(e.get("rank"), int):
             straggling[e["rank"]] = e.get("speed")
+        elif e["event"] == ev.STRAGGLER_RECOVERED and isinstance(e.get("rank"), int):
+            straggling.pop(e["rank"], None)
+        elif e["event"] == ev.RECOVERY_DONE:  # a new layout numbers the ranks anew
+            straggling.clear()
     newest_failure = failures[-1]["t"] if failures else None
     rejoining = any(b["phase"] in ("setup", "train_start") and newest_failure is not None
                     and b["t"] > newest_failure and not finished for b in beats)
@@ -321,13 +385,15 @@ class RunReader:
         now = time.time()
         d = self.run_dir
         rows = self._metrics.read()
-        gp = self._goodput.read()
-        events = gp["events"] if gp else []
         summary = _read_json_file(d / "summary.json")
+        gp = self._goodput.read(ended=isinstance(summary, dict))
+        events = self._goodput.kept
         spec = _read_json_file(d / ".hydra" / "run_spec.json")
         nominal = spec.get("layout") if isinstance(spec, dict) else None
         job_ends = [e for e in events if e["event"] == ev.JOB_END]
-        finished = isinstance(summary, dict) or bool(job_ends and job_ends[-1]["t"] >= events[-1]["t"] - 5)
+        last_t = self._goodput.last_t
+        finished = isinstance(summary, dict) or bool(job_ends and last_t is not None
+                                                     and job_ends[-1]["t"] >= last_t - 5)
         if not rows and not events:
             status = "finished" if finished else "not_started"
         elif finished:
@@ -338,7 +404,7 @@ class RunReader:
             status = "running"
         fired = sorted((d / "failover" / "faults").glob("fired_*.json"))
         faults = [f for f in (_read_json_file(p) for p in fired) if isinstance(f, dict)]
-        t0 = gp["t0"] if gp and "t0" in gp else (rows[0].get("time", now) if rows else now)
+        t0 = self._goodput.t0 if self._goodput.t0 is not None else (rows[0].get("time", now) if rows else now)
         beats = _heartbeats(d / "failover" / "heartbeats", now)
         failure_steps = [{"step": e.get("step"), "label": f"failure (rank {e.get('rank')})"}
                          for e in events if e["event"] == ev.FAILURE_DETECTED]
@@ -357,11 +423,12 @@ class RunReader:
                      "layout": [r.get("layout") for r in rows]},
             "markers": {"failures": failure_steps, "relayouts": relayouts},
             "layout": layout_view(nominal, rows, events, beats, status != "running"),
-            "goodput": None if gp is None else {k: gp.get(k) for k in ("report", "series", "error")},
+            "goodput": gp,
             "timeline": incidents(events, faults, t0),
             "checkpoints": checkpoints(d / "checkpoints"),
             "summary": summary if isinstance(summary, dict) else None,
-            "bad_metric_lines": self._metrics.bad_lines,
+            "bad_lines": {"metrics.jsonl": self._metrics.bad_lines,
+                          ev.GOODPUT_FILENAME: self._goodput.bad_lines},
         }
 
 

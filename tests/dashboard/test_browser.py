@@ -122,7 +122,9 @@ def test_page_follows_a_failover_in_chromium(tmp_path):
                 time.sleep(0.2)
             assert proc.wait(timeout=max(1.0, deadline - time.monotonic())) == 0, \
                 (tmp_path / "train.log").read_text()[-3000:]
-            assert seen == ["full", "degraded", "repaired"], seen
+            # full -> degraded -> repaired (a later loss of the repaired process shows as another
+            # degraded -> repaired: the sequence says so if it happens)
+            assert seen[:3] == ["full", "degraded", "repaired"] and seen[-1] == "repaired", seen
             assert beside is not None and beside["kind"] == "run"
             assert beside["run_dir"] == str(run_dir.resolve())
             with pytest.raises(urllib.error.URLError):  # it stopped with the job

@@ -105,11 +105,12 @@
       return;
     }
     const rep = gp.report, s = gp.series;
-    v.textContent = (100 * rep.goodput).toFixed(1) + "% (capacity " + (100 * rep.capacity_fraction).toFixed(1) + "%)";
+    v.textContent = (100 * rep.goodput).toFixed(1) + "% (last 30 s: " + fmt(gp.rolling, 1) + "%, capacity " +
+      (100 * rep.capacity_fraction).toFixed(1) + "%)";
     v.setAttribute("data-value", String(100 * rep.goodput));
     chart("goodput-chart", "goodput (%)", [
       { label: "cumulative", stroke: "#2e7d32", width: 2 },
-      { label: "rolling", stroke: "#1565c0", dash: [4, 3] },
+      { label: "last 30 s", stroke: "#1565c0", dash: [4, 3] },
     ], [s.t, s.goodput, s.rolling], { xLabel: "seconds", scales: { x: { time: false }, y: { range: [0, 100] } } });
     const cats = Object.keys(rep.badput_s);
     chart("badput-chart", "badput (s)", cats.map((c, i) => ({ label: c, stroke: PALETTE[i % PALETTE.length] })),
