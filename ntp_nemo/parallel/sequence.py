@@ -363,9 +363,9 @@ class _OverlappedProject(torch.autograd.Function):
         ctx.has_bias = [b is not None for b in biases]
         ctx.save_for_backward(x, *weights)
         dt = x.dtype
-        if fused:
+        if fused:  # `fused`: the layers' `StackedRows`
             bias = _cat_rows(biases, dt) if ctx.has_bias[0] else None
-            return torch.nn.functional.linear(full, _cat_rows(weights, dt), bias)
+            return torch.nn.functional.linear(full, fused.get(weights, dt), bias)
         return tuple(torch.nn.functional.linear(full, w.to(dt), None if b is None else b.to(dt))
                      for w, b in zip(weights, biases, strict=True))
 
@@ -376,7 +376,7 @@ class _OverlappedProject(torch.autograd.Function):
         gathering = start_all_gather_seq(x, tp, ctx.seq_len) if ctx.gather else None
         g2 = [g.flatten(0, -2).to(dt) for g in grads]
         if ctx.fused:
-            grad_in = g2[0] @ _cat_rows(weights, dt)
+            grad_in = g2[0] @ ctx.fused.get(weights, dt)
         else:
             # Summed in the serial path's order: under SP `_GatherProject`'s (the layers in order), else
             # autograd's, which adds the projections' input gradients as they arrive (the last layer's
@@ -428,13 +428,46 @@ def _cat_rows(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tens
     return out
 
 
+class StackedRows:
+    """The stacked local weights of a fused projection in the compute dtype, made once per optimizer step:
+    every micro-batch's forward and backward between two updates reads the same copy (the weights'
+    version counters and storages key it: an optimizer step, a checkpoint load or a reshard writes them in
+    place and bumps their versions).  Held by the first layer of the group (`stacked_rows`); `made`
+    counts the copies."""
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.value: torch.Tensor | None = None
+        self.made = 0
+
+    def get(self, weights: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # a compiled block: Inductor fuses the copy into its graph
+            return _cat_rows(weights, dtype)
+        key = (dtype, tuple((w.data_ptr(), w._version, w.shape) for w in weights))
+        if key != self.key or self.value is None:
+            self.value, self.key = None, None  # the old copy goes before the new one is made
+            self.value, self.key = _cat_rows(weights, dtype), key
+            self.made += 1
+        return self.value
+
+
+def stacked_rows(layers: Sequence[torch.nn.Module]) -> StackedRows:
+    """The `StackedRows` of a fused group of layers, kept on its first layer."""
+    first = layers[0]
+    stack = first.__dict__.get("_ntp_stacked_rows")
+    if stack is None:
+        stack = first.__dict__["_ntp_stacked_rows"] = StackedRows()
+    return stack
+
+
 class _FusedProject(torch.autograd.Function):
     """Several column-parallel projections of one input as one GEMM over their local weights stacked
     along the output rows (q/k/v: `[q_local; k_local; v_local]`), optionally after the SP all-gather.
 
     The parameters are the inputs (each keeps its own name, shape and gradient), and only they and the
-    input are saved for the backward: the stacked weight is made again there (a copy of the local weights,
-    a `1 / tokens` fraction of the GEMM's work) rather than kept per micro-batch in flight.  The GEMMs run
+    input are saved for the backward: the stacked weight in the compute dtype is made once per optimizer
+    step (`StackedRows`) and read by every micro-batch's forward and backward, not kept per micro-batch
+    in flight.  The GEMMs run
     in the input's dtype (the compute dtype: cast at the region boundary), the weights cast as autocast
     would, so the backward needs no autocast around it.  Backward: one GEMM for the input's gradient and
     one for the stacked weights' (split back into each parameter's rows), instead of one each per layer.
@@ -442,14 +475,15 @@ class _FusedProject(torch.autograd.Function):
     the input gradient reduce-scattered; without it the caller's `copy_to_tp` all-reduces it."""
 
     @staticmethod
-    def forward(ctx, x, tp, seq_len, gather, num_weights, *weights_and_biases):  # type: ignore[override]
+    def forward(ctx, x, tp, seq_len, gather, stack, num_weights, *weights_and_biases):  # type: ignore[override]
         weights, biases = weights_and_biases[:num_weights], weights_and_biases[num_weights:]
         full = _all_gather_seq(x, tp, seq_len) if gather else x
         ctx.tp, ctx.seq_len, ctx.gather, ctx.has_bias = tp, seq_len, gather, bool(biases)
+        ctx.stack = stack
         ctx.save_for_backward(x, *weights)
         dt = x.dtype
         bias = _cat_rows(biases, dt) if biases else None
-        return torch.nn.functional.linear(full, _cat_rows(weights, dt), bias)
+        return torch.nn.functional.linear(full, stack.get(weights, dt), bias)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
@@ -457,12 +491,12 @@ class _FusedProject(torch.autograd.Function):
         full = _all_gather_seq(x, ctx.tp, ctx.seq_len) if ctx.gather else x
         full = full.flatten(0, -2)
         g2 = grad.flatten(0, -2).to(x.dtype)
-        grad_full = (g2 @ _cat_rows(weights, x.dtype)).view(*grad.shape[:-1], -1)
+        grad_full = (g2 @ ctx.stack.get(weights, x.dtype)).view(*grad.shape[:-1], -1)
         rows = [w.shape[0] for w in weights]
         grad_w = list((g2.t() @ full).split(rows))
         grad_b = list(g2.sum(0).split(rows)) if ctx.has_bias else []
         grad_x = _reduce_scatter_seq(grad_full, ctx.tp) if ctx.gather else grad_full
-        return (grad_x, None, None, None, None, *grad_w, *grad_b)
+        return (grad_x, None, None, None, None, None, *grad_w, *grad_b)
 
 
 def gather_and_project(x: torch.Tensor, tp: TPContext, seq_len: int,
@@ -487,13 +521,15 @@ def gather_and_project(x: torch.Tensor, tp: TPContext, seq_len: int,
         weights = [layer.weight for layer in layers]
         biases = [getattr(layer, "bias", None) for layer in layers]
         gather = seq_split(tp) > 1
-        y = _OverlappedProject.apply(x, tp, seq_len, gather, fused, len(weights), *weights, *biases)
+        stack = stacked_rows(layers) if fused else False
+        y = _OverlappedProject.apply(x, tp, seq_len, gather, stack, len(weights), *weights, *biases)
         return list(y.split([w.shape[0] for w in weights], dim=-1)) if fused else list(y)
     if fuse and fusable(layers):
         gather = seq_split(tp) > 1
         weights = [layer.weight for layer in layers]
         biases = [layer.bias for layer in layers] if getattr(layers[0], "bias", None) is not None else []
-        y = _FusedProject.apply(x if gather else copy_to_tp(x, tp), tp, seq_len, gather, len(weights),
+        y = _FusedProject.apply(x if gather else copy_to_tp(x, tp), tp, seq_len, gather, stacked_rows(layers),
+                                len(weights),
                                 *weights, *biases)
         return list(y.split([w.shape[0] for w in weights], dim=-1))
     if seq_split(tp) > 1:

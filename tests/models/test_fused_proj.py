@@ -253,3 +253,27 @@ def test_fused_bf16_mixed_sends_what_separate_gemms_send_with_the_backward_outsi
         assert fused["wire"] == separate["wire"], (fused["wire"], separate["wire"])
         assert fused["finite"] and fused["dtypes"] == ["torch.float32"], fused
         assert abs(fused["loss"] - separate["loss"]) <= 1e-2 * abs(separate["loss"])
+
+
+def test_fused_weights_are_stacked_once_per_optimizer_step(monkeypatch):
+    """Four micro-batches of a step (forward and backward each) read one stacked copy of each fused group's
+    weights (q/k/v and gate/up of every layer), made again after the optimizer step updated them: 4 copies a
+    step for the 4 groups of the two-layer model, where every micro-batch's forward and backward made its
+    own (32 a step)."""
+    from ntp_nemo.parallel import sequence
+
+    made = []
+    original = sequence._cat_rows
+    monkeypatch.setattr(sequence, "_cat_rows", lambda ts, dt: made.append(len(ts)) or original(ts, dt))
+    model = build_model(LLAMA, seed=SEED)
+    set_fused(model, True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    per_step = []
+    for _step in range(2):
+        made.clear()
+        opt.zero_grad()
+        for mb in range(4):
+            model.loss_sum(tokens(LLAMA)[mb : mb + 1]).backward()
+        opt.step()
+        per_step.append(sorted(made))
+    assert per_step == [[2, 2, 3, 3]] * 2  # gate/up and q/k/v of each layer, once a step
