@@ -15,7 +15,9 @@ Kinds (each strikes global rank `rank` of the layout running at the time, at opt
 - `hang`: the process stops making progress (sleeps forever); only heartbeats or timeouts reveal it.
 - `slow`: a straggler for `steps` steps (None: to the end; after them the device is fine again): with
   `factor`, the rank computes at that speed (its forward and backward take 1/factor of their measured
-  time: `runtime.compute_time.ComputeTimer.slowdown`); without, `seconds` of extra time per step.
+  time: `runtime.compute_time.ComputeTimer.slowdown`), and the slow device stays with the process that
+  held rank `rank` at the fault's first step, whatever rank it has later (a straggler excluded by the
+  failover path takes it along); without, `seconds` of extra time per step.
 - `kill_during_save`: the rank dies while the checkpoint of the first save at or after `step` is
   being written, leaving an uncommitted `.tmp` directory.
 - `corrupt_checkpoint`: the newest committed checkpoint at or before `step` gets a flipped byte in
@@ -95,6 +97,9 @@ class FaultInjector(Callback):
         self.fault_dir = Path(fault_dir)
         self.ckpt_dir = Path(ckpt_dir)
         self._armed: list[Any] = []  # hooks of a kill inside the current step (phase backward/optimizer)
+        # per `slow` fault with a factor: whether this process holds the slow device (decided at the first
+        # step of the fault it runs: the process at rank `rank` then keeps it when ranks are renumbered)
+        self._slow_device: dict[int, bool] = {}
 
     def _claim(self, fault: Fault, step: int) -> bool:
         """Record that `fault` fires now; False if an earlier attempt already fired it."""
@@ -134,11 +139,14 @@ class FaultInjector(Callback):
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
         step = trainer.global_step + 1  # the step about to run
+        for f in self.faults:
+            seen = f.index in self._slow_device
+            if f.kind == "slow" and f.factor is not None and (f.active_at(step) or seen):
+                here = self._slow_device.setdefault(f.index, f.rank == trainer.global_rank)
+                _compute_timer(pl_module).slowdown(f.factor if here and f.active_at(step) else 1.0)
         for f in self._mine(trainer, ("kill_rank", "hang", "slow", "corrupt_checkpoint")):
             if f.kind == "slow":
-                if f.factor is not None:
-                    _compute_timer(pl_module).slowdown(f.factor if f.active_at(step) else 1.0)
-                elif f.active_at(step):
+                if f.factor is None and f.active_at(step):
                     time.sleep(f.seconds)
                 continue
             if f.kind == "corrupt_checkpoint":

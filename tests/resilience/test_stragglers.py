@@ -230,3 +230,26 @@ def test_rebalance_mid_run_keeps_the_loss_curve_float64():
         assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], single["losses"], strict=True)) < 1e-10
     for rank, r in enumerate(ranks):  # every rank's compute time, each in its own slot of the fused scalars
         assert all(mine == own > 0 and n == 4 for mine, own, n in r["gathered"]), (rank, r["gathered"])
+
+
+def test_the_slow_device_stays_with_its_process_when_ranks_are_renumbered(tmp_path):
+    """`fault=slow fault.factor=0.5 fault.rank=1 fault.step=3 fault.steps=4`: the process at rank 1 when
+    step 3 starts computes at half speed through step 6, even as rank 0 after a straggler before it was
+    excluded; the process that becomes rank 1 does not."""
+    from types import SimpleNamespace
+
+    from ntp_nemo.resilience.faults import Fault, FaultInjector
+
+    fault = Fault(0, "slow", rank=1, step=3, steps=4, factor=0.5)
+    procs = {name: (FaultInjector([fault], tmp_path, tmp_path), SimpleNamespace(compute_timer=None))
+             for name in ("slow", "other")}
+
+    def step(name, rank, at):
+        injector, module = procs[name]
+        injector.on_train_batch_start(SimpleNamespace(global_rank=rank, global_step=at - 1), module, None, 0)
+        return None if module.compute_timer is None else module.compute_timer.factor
+
+    assert (step("slow", 1, 2), step("other", 2, 2)) == (None, None)  # before the fault: untimed
+    assert (step("slow", 1, 3), step("other", 2, 3)) == (0.5, 1.0)
+    assert (step("slow", 0, 5), step("other", 1, 5)) == (0.5, 1.0)  # renumbered
+    assert (step("slow", 0, 7), step("other", 1, 7)) == (1.0, 1.0)  # the device is fine again
