@@ -166,6 +166,12 @@ class RunSummary(Callback):
             report = compute_goodput(load_events(goodput_file))
             summary["goodput"] = report.goodput
             summary["capacity_fraction"] = report.capacity_fraction
+        from ntp_nemo.goodput.incidents import load_incidents
+        from ntp_nemo.goodput.incidents import summary as integrity_summary
+
+        findings = load_incidents(self.run_dir)  # corruption and non-finite steps (`ntp-incidents RUN_DIR`)
+        if findings:
+            summary["integrity"] = integrity_summary(findings)
         write_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
 
 

@@ -1,0 +1,102 @@
+"""Pieces of the integrity watch, in process: bit flips, the spike detector and the outlier rank, the
+incident record, `ntp-incidents`, and the goodput category of the checks' time."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from ntp_nemo.config.schema import IntegrityConfig
+from ntp_nemo.goodput import compute_goodput
+from ntp_nemo.goodput import events as ev
+from ntp_nemo.goodput.incidents import (
+    append_incident,
+    load_incidents,
+    load_skipped,
+    record_skipped,
+    summary,
+    table,
+)
+from ntp_nemo.resilience.corruption import bit_of, flip_bit_, flipped
+from ntp_nemo.resilience.integrity import IntegrityWatch, _outliers
+
+
+def test_bit_flips_in_float32_and_bfloat16():
+    t = torch.tensor([1.5, 1e-3], dtype=torch.float32)
+    flip_bit_(t, 0, 30)  # 1.5 has exponent 127: the top exponent bit makes it inf/NaN
+    assert not torch.isfinite(t[0]) and t[1] == 1e-3
+    b = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
+    assert bit_of(b, 1, 6) == 0
+    flip_bit_(b, 1, 6)  # the top bfloat16 mantissa bit: 2.0 -> 3.0
+    assert b.tolist() == [1.0, 3.0] and bit_of(b, 1, 6) == 1
+    assert flipped(torch.tensor([1.0]), 0, 31).item() == -1.0  # a copy, sign bit
+    x = torch.tensor([0.25])
+    flip_bit_(x, 0, 22 + 32)  # a bit beyond the width wraps (22: top float32 mantissa bit)
+    assert x.item() == 0.375
+
+
+def test_spike_detector_on_a_noisy_decline_and_a_spike(tmp_path):
+    watch = IntegrityWatch(IntegrityConfig(spike_zscore=8.0, spike_window=20), tmp_path)
+    gen = torch.Generator().manual_seed(0)
+    noise = (torch.rand(200, generator=gen) - 0.5).tolist()
+    losses = [5.5 * 0.995**i + 0.05 * n for i, n in enumerate(noise)]
+    alarms = []
+    for i, loss in enumerate(losses):
+        rec = {"loss": loss, "grad_norm": 1.0 + 0.1 * noise[i]}
+        if watch._spike(rec):
+            alarms.append(i)
+        watch.history["loss"].append(loss)
+        watch.history["grad_norm"].append(rec["grad_norm"])
+    assert alarms == []
+    assert "grad_norm" in watch._spike({"loss": losses[-1], "grad_norm": 1e30})
+    assert watch._spike({"loss": losses[-1] + 5.0, "grad_norm": 1.0}).startswith("loss")
+    assert IntegrityWatch(IntegrityConfig(spike_zscore=0), tmp_path)._spike({"loss": 1e9}) is None
+
+
+def test_outlier_rank():
+    assert _outliers([1.0, 1.2, 0.9, 1.1]) == []
+    assert _outliers([1.0, 3e40, 0.9, 1.1]) == [1]
+    assert _outliers([1.0, 1.0, float("nan"), 1.0]) == [2]
+
+
+def test_incident_record_table_and_cli(tmp_path, capsys, monkeypatch):
+    from ntp_nemo.cli.incidents import main
+
+    (tmp_path / "metrics.jsonl").write_text("")
+    append_incident(tmp_path, {"step": 3, "kind": "nonfinite", "sample": 42, "verdict": "data",
+                               "action": "sample skipped", "cost_s": 0.25})
+    append_incident(tmp_path, {"step": 8, "kind": "divergence", "replica": 2, "rank": 5, "parameter": "w",
+                               "verdict": "bitflip", "action": "rolled back", "cost_s": 1.5})
+    assert record_skipped(tmp_path, [42]) == [42] and record_skipped(tmp_path, [7, 42]) == [7, 42]
+    assert load_skipped(tmp_path) == [7, 42]
+    records = load_incidents(tmp_path)
+    assert [r["step"] for r in records] == [3, 8] and records[0]["rank"] is None
+    rows = table(records).splitlines()
+    assert rows[0].split() == ["step", "kind", "where", "verdict", "action", "cost", "s"]
+    assert "sample 42" in rows[1] and "0.250" in rows[1] and "replica 2, rank 5, w" in rows[2]
+    assert summary(records) == {"findings": 2, "by_kind": {"nonfinite/data": 1, "divergence/bitflip": 1},
+                                "skipped_samples": [42], "cost_s": 1.75}
+    monkeypatch.setattr(sys, "argv", ["ntp-incidents", str(tmp_path)])
+    with pytest.raises(SystemExit) as done:
+        main()
+    out = capsys.readouterr().out
+    assert done.value.code == 0 and out.splitlines()[1:3] == rows[1:] and "7, 42" in out
+    monkeypatch.setattr(sys, "argv", ["ntp-incidents", str(tmp_path / "nowhere")])
+    with pytest.raises(SystemExit) as done:
+        main()
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "RUN_DIR" in err and "Traceback" not in err
+
+
+def test_integrity_time_is_its_own_badput():
+    events = [{"t": 0.0, "event": ev.JOB_START, "pid": 1}, {"t": 1.0, "event": ev.INIT_DONE, "pid": 1},
+              {"t": 1.0, "event": ev.STEP_START, "pid": 1, "step": 1},
+              {"t": 3.0, "event": ev.INTEGRITY_CHECK, "pid": 1, "seconds": 0.5},
+              {"t": 3.0, "event": ev.STEP_END, "pid": 1, "step": 1, "layout": "(2,1)", "capacity": 1.0,
+               "tokens": 8},
+              {"t": 3.0, "event": ev.JOB_END, "pid": 1, "status": "ok"}]
+    report = compute_goodput(events)
+    assert report.badput_s[ev.INTEGRITY] == pytest.approx(0.5)
+    assert report.productive_s == pytest.approx(1.5)
