@@ -42,6 +42,7 @@ SERIES_BUCKETS = 3600  # an hour of buckets kept (older time is still in the cum
 ROLLING_WINDOW_S = 30.0  # the rolling goodput's window
 MAX_POINTS = 300  # points of each goodput curve sent to the page
 MAX_INCIDENTS = 500  # the newest incidents sent to the page
+STALE_S = 180.0  # a run not finished that wrote nothing (metrics, events, heartbeats) for this long: stalled
 QUIET_EVENTS = frozenset({ev.STEP_START, ev.STEP_END, ev.DATA_WAIT})  # not incidents
 _LAYOUT = re.compile(r"^\((\d+(?:,\d+)*)\)")
 
@@ -76,6 +77,13 @@ def _read_json_file(path: Path) -> Any:
     try:
         return read_json(path, 1 << 22, follow_symlinks=False)
     except (OSError, JSONInputError, ValueError):
+        return None
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except OSError:
         return None
 
 
@@ -385,6 +393,7 @@ class RunReader:
         now = time.time()
         d = self.run_dir
         rows = self._metrics.read()
+        beats = _heartbeats(d / "failover" / "heartbeats", now)
         summary = _read_json_file(d / "summary.json")
         gp = self._goodput.read(ended=isinstance(summary, dict))
         events = self._goodput.kept
@@ -402,10 +411,13 @@ class RunReader:
             status = "failed" if failed else "finished"
         else:
             status = "running"
+        updated = max((m for m in (_mtime(d / "metrics.jsonl"), _mtime(d / ev.GOODPUT_FILENAME),
+                                   *(b["t"] for b in beats)) if m is not None), default=None)
+        if status == "running" and updated is not None and now - updated > STALE_S:
+            status = "stalled"  # killed, or hung: nothing written for a while
         fired = sorted((d / "failover" / "faults").glob("fired_*.json"))
         faults = [f for f in (_read_json_file(p) for p in fired) if isinstance(f, dict)]
         t0 = self._goodput.t0 if self._goodput.t0 is not None else (rows[0].get("time", now) if rows else now)
-        beats = _heartbeats(d / "failover" / "heartbeats", now)
         failure_steps = [{"step": e.get("step"), "label": f"failure (rank {e.get('rank')})"}
                          for e in events if e["event"] == ev.FAILURE_DETECTED]
         relayouts = [{"step": b["step"], "label": f"layout {a.get('layout')} -> {b.get('layout')}"}
@@ -415,6 +427,7 @@ class RunReader:
             "run_dir": str(d),
             "name": d.name,
             "status": status,
+            "updated": updated,
             "now": now,
             "recipe": spec.get("recipe") if isinstance(spec, dict) else None,
             "max_steps": (spec.get("trainer") or {}).get("max_steps") if isinstance(spec, dict) else None,

@@ -176,6 +176,7 @@
       $("error").hidden = true;
       window.ntpDashboard.state = body;
       $("title").textContent = body.name + (job !== null ? " (job " + job + ")" : "");
+      $("back").hidden = job === null;
       const status = body.kind === "sweep" ? "sweep" : body.status;
       $("status").textContent = status.replace("_", " ");
       $("status").setAttribute("data-status", status);
