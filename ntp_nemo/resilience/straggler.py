@@ -8,9 +8,10 @@ that ran the step (`share_units`: the work model's cost per token of its slices,
 its replica's micro-batches), which makes ranks with unequal shares comparable.  Every `every` steps:
 
 - a rank's speed is the product of two window medians (one slow step, a checkpoint or a GC pause, moves
-  neither): how fast its replica's fastest rank runs against the job (the lower median over ranks of
-  their median time per unit: a healthy majority sets the reference; taken as 1 while the replica holds
-  a straggler already), and how fast the rank runs against its TP peers of the same step (its time per
+  neither): how fast its replica's fastest rank runs against the job (the lower median of the median
+  time per unit over the ranks of the same TP degree: a healthy majority sets the reference; taken as 1
+  while the replica holds a straggler already, or where no other rank has its degree), and how fast
+  the rank runs against its TP peers of the same step (its time per
   unit over the median of theirs, step by step: the peers computed the same micro-batches at the same
   moment, so neither a split that changed nor the load on a shared machine moves the ratio).  A rank
   without peers (TP 1) has only the first; a replica slow as a whole is found by the first, a slow rank
@@ -148,8 +149,16 @@ class StragglerDetector:
         if not known:
             return None
         ref = statistics.median_low(known)
-        cross = [1.0 if x is None else ref / x for x in medians]
         peers_now = window[-1][2]
+        # Against the job: within ranks of the same TP degree only (the work model's device constants
+        # weigh a TP rank's traffic against its FLOPs, which need not hold on this machine); a rank alone
+        # of its degree is judged against its peers alone.
+        cross = []
+        for r in range(world):
+            alike = [medians[q] for q in range(world)
+                     if len(peers_now[q]) == len(peers_now[r]) and medians[q] is not None]
+            mine = medians[r]
+            cross.append(statistics.median_low(alike) / mine if mine is not None and len(alike) > 1 else 1.0)
         # The group's pace: its fastest rank against the job, where no rank of it is a straggler already
         # (a rebalance then gave the group fewer micro-batches, over which the phase's fixed costs weigh
         # more per unit: its ranks are judged against their peers alone).

@@ -77,16 +77,25 @@ def test_a_one_step_hiccup_and_noise_are_not_stragglers():
 
 
 def test_unequal_shares_are_judged_against_the_work_model():
-    """A degraded replica (TP 1 of 2): its rank's modelled work per step differs from a healthy TP rank's
-    (the whole model on fewer micro-batches, no TP traffic); at the speed the work model expects it is no
-    straggler, at half of it it is."""
-    layout = _layout(replica_tp=(2, 1))
+    """Degraded replicas (TP 1 of 2): a rank's modelled work per step differs from a healthy TP rank's (the
+    whole model on fewer micro-batches, no TP traffic); at the speed the work model expects none is a
+    straggler, and a TP-1 rank at half speed is found against the other TP-1 rank."""
+    layout = _layout(replica_tp=(2, 1, 1))
     units = share_units(layout)
     assert units[2] < units[0] / 2
     det = StragglerDetector(StragglerSettings(every=2, persist=1))
     assert not any(j.new for j in _feed(det, layout, range(1, 9), lambda r, s: 1.0))
     judged = _feed(det, layout, range(9, 13), lambda r, s: 0.5 if r == 2 else 1.0)
     assert [j.new for j in judged if j.new] == [(2,)]
+
+
+def test_a_rank_alone_of_its_degree_is_not_judged_by_the_device_constants():
+    """The work model weighs a TP rank's traffic with an H100's FLOPs per NVLink byte; on another machine
+    a TP-1 rank's time per unit differs from a TP-2 rank's.  Alone of its degree (layout (2,1)) it is
+    compared with no one: 1.7 times the model's time is no straggler."""
+    det = StragglerDetector(StragglerSettings(every=2, persist=1))
+    judged = _feed(det, _layout(replica_tp=(2, 1)), range(1, 9), lambda r, s: 1 / 1.7 if r == 2 else 1.0)
+    assert not any(j.new for j in judged) and judged[-1].speeds[2] == 1.0
 
 
 def test_measured_speeds_shrink_the_replica_share_and_go_back():
