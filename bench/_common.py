@@ -33,6 +33,10 @@ from torch import nn
 
 from ntp_nemo.schedules import warmup_cosine  # the schedule NTPLanguageModule uses
 
+if __package__ in (None, ""):  # run as `python bench/_common.py` (the plain-loop worker): root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.shapes import TINY_DATA, TINY_MODEL, TINY_OPTIM  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = Path(__file__).resolve().parent
 
@@ -50,22 +54,8 @@ SINGLE = ["mesh.dp=1", "mesh.tp=1", "mesh.pp=1", "ntp.replica_tp=null"]
 
 # The toy training job of the CLI benches (the tests' TINY): a 2-layer GPT on the embedded corpus, no
 # logger, no validation within a bench's steps.
-TOY_JOB = [
-    "model.hidden_size=64",
-    "model.num_layers=2",
-    "model.num_heads=4",
-    "model.ffn_hidden_size=128",
-    "model.max_seq_len=64",
-    "data.seq_len=32",
-    "data.global_batch_size=12",
-    "data.micro_batch_size=2",
-    "optim.warmup_steps=2",
-    "optim.lr=3e-3",
-    "trainer.val_every_n_steps=1000000",
-    "trainer.progress_bar=false",
-    "logger=none",
-    "callbacks=none",
-]
+TOY_JOB = [*TINY_MODEL, *TINY_DATA, *TINY_OPTIM, "trainer.val_every_n_steps=1000000",
+           "trainer.progress_bar=false", "logger=none", "callbacks=none"]
 
 
 # ---- config ---------------------------------------------------------------------------------------

@@ -34,10 +34,11 @@ from pathlib import Path
 
 from ntp_nemo.resilience.rehearsal import free_port, start_coordinator, start_task
 
-TINY = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.ffn_hidden_size=128",
-        "model.max_seq_len=64", "data.seq_len=32", "data.global_batch_size=12", "data.micro_batch_size=2",
-        "optim.warmup_steps=2", "optim.lr=3e-3", "trainer.val_every_n_steps=1000",
-        "trainer.progress_bar=false", "logger=none", "callbacks=none",
+if __package__ in (None, ""):  # run as `python bench/cluster_live.py`: the checkout's root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.shapes import QUIET_RUN, TINY_DATA, TINY_MODEL, TINY_OPTIM  # noqa: E402
+
+TINY = [*TINY_MODEL, *TINY_DATA, *TINY_OPTIM, *QUIET_RUN,
         "mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,2]",
         "fault.heartbeat_timeout_s=4", "fault.collective_timeout_s=20", "fault.step_timeout_s=60"]
 SECRET = "bench-cluster-live-secret"

@@ -48,9 +48,13 @@ from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+if __package__ in (None, ""):  # run as `python bench/comm_volume.py`: the checkout's root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SEED = 1234
 SITES = {
@@ -365,7 +369,9 @@ def worker(rank: int, world: int, layout: Layout, cfg, batch: tuple[int, int, in
     mbs, seq, global_batch = batch
     topo = Topology(layout.tp, layout.replica_tp, layout.degrees(cfg.num_layers))
     # The optimizer's hyperparameters change no byte this bench counts.
-    optim = {"lr": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0}
+    from tests.shapes import adamw
+
+    optim = adamw(1e-4, weight_decay=0.0)
     state = assemble(ResolvedLayout.make(topo, sequence_parallel=sp), rank, cfg, optim, None, seed=SEED)
     rt, model, sync = state.runtime, state.model, state.grad_path.sync
     everyone: list = [None] * world

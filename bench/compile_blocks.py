@@ -36,10 +36,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.alternate import alternate, compare  # noqa: E402
-from bench.step_profile import GPT_TINY, LLAMA_TINY, OPTIM  # noqa: E402
 from ntp_nemo.launch.workers import run_workers  # noqa: E402
 from ntp_nemo.runtime.assemble import assemble  # noqa: E402
 from ntp_nemo.topology import ResolvedLayout, Topology  # noqa: E402
+from tests.shapes import adamw, gpt_tiny, llama_tiny  # noqa: E402
 
 KINDS = ("eager", "compiled")
 
@@ -47,10 +47,10 @@ KINDS = ("eager", "compiled")
 def worker(rank: int, world: int, args: argparse.Namespace, cache: str) -> dict:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
     torch.set_num_threads(1)
-    cfg = LLAMA_TINY if args.model == "llama_tiny" else GPT_TINY
+    cfg = llama_tiny() if args.model == "llama_tiny" else gpt_tiny()
     layout = ResolvedLayout.make(Topology(world, [world], [world] * (cfg.num_layers + 2)),
                                  num_microbatches=args.global_batch // args.micro_batch)
-    states = {kind: assemble(layout, rank, cfg, OPTIM, "cpu", seed=1234, compile=kind == "compiled")
+    states = {kind: assemble(layout, rank, cfg, adamw(), "cpu", seed=1234, compile=kind == "compiled")
               for kind in KINDS}
     out = alternate(states, cfg.vocab_size, args, 3000)
     return {**out, "first": out["first"]["compiled"]}
@@ -64,12 +64,12 @@ def explain_worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     import torch._dynamo
 
     torch.set_num_threads(1)
-    cfg = LLAMA_TINY if args.model == "llama_tiny" else GPT_TINY
+    cfg = llama_tiny() if args.model == "llama_tiny" else gpt_tiny()
     out = {}
     for mode, (sp, overlap) in MODES.items():
         layout = ResolvedLayout.make(Topology(world, [world], [world] * (cfg.num_layers + 2)),
                                      num_microbatches=1, sequence_parallel=sp)
-        model = assemble(layout, rank, cfg, OPTIM, "cpu", seed=1234, tp_overlap=overlap).model
+        model = assemble(layout, rank, cfg, adamw(), "cpu", seed=1234, tp_overlap=overlap).model
         block = model.blocks["0"]
         lo, hi = model.hidden_interval(0, args.seq)
         x = torch.randn(args.micro_batch, hi - lo, cfg.hidden_size, requires_grad=True)

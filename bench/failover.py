@@ -187,8 +187,9 @@ def _harness_worker(pid, world, store, mode, model_cfg, layout, first_step, step
     from ntp_nemo.resilience.rendezvous import join
     from ntp_nemo.runtime.assemble import assemble
     from ntp_nemo.runtime.step import train_step
+    from tests.shapes import adamw
 
-    optim = {"lr": lr, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.1}
+    optim = adamw(lr, beta2=0.999)
 
     def build(lay, rank, init=True):
         """The rank as a run builds it (`runtime.assemble`: model slice, sync, optimizer); a rank whose

@@ -42,12 +42,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ntp_nemo.models.config import ModelConfig  # noqa: E402
+from tests.shapes import adamw  # noqa: E402
 
 MODEL = ModelConfig(arch="llama", name="host_syncs", vocab_size=96, hidden_size=64, num_layers=4, num_heads=4,
                     num_kv_heads=2, ffn_hidden_size=96, max_seq_len=32, tie_embeddings=False)
 SEQ, MICRO, GLOBAL_BATCH = 16, 2, 12
-OPTIM = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1, "warmup_steps": 2,
-         "min_lr_ratio": 0.1, "grad_clip": 1.0}
+OPTIM = adamw(warmup_steps=2, min_lr_ratio=0.1, grad_clip=1.0)
 
 
 @dataclasses.dataclass(frozen=True)

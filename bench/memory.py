@@ -40,8 +40,10 @@ import argparse
 import dataclasses
 import gc
 import json
+import sys
 import time
 import weakref
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -56,8 +58,11 @@ from ntp_nemo.runtime.runtime import RankPlace
 from ntp_nemo.runtime.step import train_step
 from ntp_nemo.topology import ResolvedLayout, Topology
 
+if __package__ in (None, ""):  # run as `python bench/memory.py`: the checkout's root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.shapes import adamw  # noqa: E402
+
 MiB = float(1 << 20)
-OPTIM = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
 
 def saved_bytes(cfg: ModelConfig, tokens: torch.Tensor) -> tuple[int, dict[str, torch.Tensor]]:
@@ -107,7 +112,7 @@ def optimizer_worker(rank: int, world: int, cfg: ModelConfig, replica_tp: list[i
     toks = torch.randint(0, cfg.vocab_size, (2 * len(replica_tp), 33), generator=gen)
     out = {}
     for distributed in (False, True):
-        state = assemble(layout, rank, cfg, {**OPTIM, "distributed": distributed}, None, seed=0)
+        state = assemble(layout, rank, cfg, adamw(distributed=distributed), None, seed=0)
         model, opt = state.model, state.optimizer
         micro = [toks[i : i + 1] for i in state.my_microbatches(toks.shape[0])]
         train_step(state, micro, toks[:, 1:].numel(), max_norm=1.0)
@@ -181,7 +186,7 @@ def save_memory_worker(rank: int, world: int, cfg: ModelConfig, replica_tp: list
     toks = torch.randint(0, cfg.vocab_size, (2 * len(replica_tp), seq + 1), generator=gen)
     out = {}
     for distributed in (False, True):
-        st = assemble(layout, rank, cfg, {**OPTIM, "distributed": distributed}, None, seed=0,
+        st = assemble(layout, rank, cfg, adamw(distributed=distributed), None, seed=0,
                       bucket_mb=bucket_mb)
         model, opt = st.model, st.optimizer
         train_step(st, [toks[i : i + 1] for i in st.my_microbatches(toks.shape[0])], toks[:, 1:].numel(),

@@ -25,7 +25,9 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -36,8 +38,12 @@ from ntp_nemo.parallel.overlap import OverlappedGradSync
 from ntp_nemo.runtime.assemble import assemble
 from ntp_nemo.topology import ResolvedLayout, Topology
 
+if __package__ in (None, ""):  # run as `python bench/NAME.py`: the checkout's root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.shapes import adamw  # noqa: E402
+
 # The optimizer's hyperparameters change nothing this bench measures: its ranks are assembled with these.
-OPTIM = {"lr": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0}
+OPTIM = adamw(1e-4, weight_decay=0.0)
 
 
 def overlap_worker(rank: int, world: int, cfg: ModelConfig, replica_tp: list[int], m: int, mbs: int, seq: int,

@@ -42,24 +42,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# tests/conftest.py's TINY: a 2-layer model small enough for 2 cores.
-TINY = [
-    "model.hidden_size=64",
-    "model.num_layers=2",
-    "model.num_heads=4",
-    "model.ffn_hidden_size=128",
-    "model.max_seq_len=64",
-    "data.seq_len=32",
-    "data.global_batch_size=12",
-    "data.micro_batch_size=2",
-    "optim.warmup_steps=2",
-    "optim.lr=3e-3",
-    "trainer.val_every_n_steps=1000",
-    "trainer.progress_bar=false",
-    "checkpoint.every_n_steps=0",
-    "logger=none",
-    "callbacks=none",
-]
+if __package__ in (None, ""):  # run as `python bench/startup.py`: the checkout's root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.shapes import TINY_OVERRIDES as TINY  # noqa: E402  (the tests' TINY: a 2-layer model for 2 cores)
+
 HEAVY = ("torch", "torch.distributed", "lightning", "modelopt", "matplotlib", "transformers")
 
 # Runs `ntp_nemo.train:main` from the checkout ROOT (argv[1]) with the rest of argv, as the console

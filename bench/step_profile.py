@@ -33,18 +33,13 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ntp_nemo.launch.workers import run_workers  # noqa: E402
-from ntp_nemo.models.config import ModelConfig  # noqa: E402
 from ntp_nemo.runtime.assemble import assemble  # noqa: E402
 from ntp_nemo.runtime.step import train_step  # noqa: E402
 from ntp_nemo.topology import ResolvedLayout, Topology  # noqa: E402
+from tests.shapes import adamw, gpt_tiny, llama_tiny  # noqa: E402
 
-GPT_TINY = ModelConfig(arch="gpt2", vocab_size=257, hidden_size=256, num_layers=4, num_heads=4,
-                       ffn_hidden_size=1024, max_seq_len=256, tie_embeddings=True)
-LLAMA_TINY = ModelConfig(arch="llama", vocab_size=257, hidden_size=256, num_layers=4, num_heads=8,
-                         num_kv_heads=4, ffn_hidden_size=688, max_seq_len=256, tie_embeddings=False)
 WRAPPED = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
            "reduce_scatter_tensor", "all_gather", "broadcast", "send", "recv")
-OPTIM = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
 
 
 def _caller() -> str:
@@ -99,11 +94,11 @@ def _batch(step: int, micro: int, mbs: int, seq: int, vocab: int) -> list[torch.
 
 def worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)
-    cfg = LLAMA_TINY if args.model == "llama_tiny" else GPT_TINY
+    cfg = llama_tiny() if args.model == "llama_tiny" else gpt_tiny()
     tp = world // args.dp
     topology = Topology(tp, [tp] * args.dp, [tp] * (cfg.num_layers + 2))
     layout = ResolvedLayout.make(topology, sequence_parallel=args.sp)
-    optim = {**OPTIM, "distributed": args.distributed_optimizer}
+    optim = adamw(distributed=args.distributed_optimizer)
     state = assemble(layout, rank, cfg, optim, "cpu", seed=1234, overlap_grad_sync=args.overlap)
     rt = state.runtime
     meter = CollectiveMeter()

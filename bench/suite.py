@@ -30,8 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = Path(__file__).resolve().parent
 DOC = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- bench suite: begin (python bench/suite.py --write) -->", "<!-- bench suite: end -->"
-TINY_MODEL = ("model.hidden_size=64", "model.num_layers=2", "model.num_heads=4", "model.ffn_hidden_size=128",
-              "model.max_seq_len=64")
+if __package__ in (None, ""):  # run as `python bench/suite.py`: the checkout's root on the path
+    sys.path.insert(0, str(ROOT))
+from tests.shapes import TINY_MODEL  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -32,22 +32,22 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.alternate import compare  # noqa: E402
-from bench.step_profile import GPT_TINY, LLAMA_TINY, OPTIM  # noqa: E402
 from bench.tp_overlap import metered_alternate  # noqa: E402
 from ntp_nemo.launch.workers import run_workers  # noqa: E402
 from ntp_nemo.runtime.assemble import assemble  # noqa: E402
 from ntp_nemo.topology import ResolvedLayout, Topology  # noqa: E402
 from ntp_nemo.topology.groups import CPU_TP_BACKEND_ENV  # noqa: E402
+from tests.shapes import adamw, gpt_tiny, llama_tiny  # noqa: E402
 
 
 def worker(rank: int, world: int, args: argparse.Namespace, sp: bool, backend: str) -> dict:
     torch.set_num_threads(1)
     os.environ[CPU_TP_BACKEND_ENV] = backend
-    cfg = LLAMA_TINY if args.model == "llama_tiny" else GPT_TINY
+    cfg = llama_tiny() if args.model == "llama_tiny" else gpt_tiny()
     layout = ResolvedLayout.make(Topology(world, [world], [world] * (cfg.num_layers + 2)),
                                  num_microbatches=args.global_batch // args.micro_batch, sequence_parallel=sp)
     kinds = {"1": 1, "chunks": args.chunks}
-    states = {kind: assemble(layout, rank, cfg, OPTIM, "cpu", seed=1234, tp_chunks=n)
+    states = {kind: assemble(layout, rank, cfg, adamw(), "cpu", seed=1234, tp_chunks=n)
               for kind, n in kinds.items()}
     return metered_alternate(states, cfg.vocab_size, args, "chunks")
 

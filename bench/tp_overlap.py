@@ -36,10 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ntp_nemo.parallel.sequence as sequence  # noqa: E402
 from bench.alternate import alternate, compare  # noqa: E402
-from bench.step_profile import GPT_TINY, LLAMA_TINY, OPTIM  # noqa: E402
 from ntp_nemo.launch.workers import run_workers  # noqa: E402
 from ntp_nemo.runtime.assemble import assemble  # noqa: E402
 from ntp_nemo.topology import ResolvedLayout, Topology  # noqa: E402
+from tests.shapes import adamw, gpt_tiny, llama_tiny  # noqa: E402
 
 KINDS = ("off", "on")
 
@@ -86,10 +86,10 @@ def metered_alternate(states: dict, vocab: int, args: argparse.Namespace, metere
 
 def worker(rank: int, world: int, args: argparse.Namespace, sp: bool) -> dict:
     torch.set_num_threads(1)
-    cfg = LLAMA_TINY if args.model == "llama_tiny" else GPT_TINY
+    cfg = llama_tiny() if args.model == "llama_tiny" else gpt_tiny()
     layout = ResolvedLayout.make(Topology(world, [world], [world] * (cfg.num_layers + 2)),
                                  num_microbatches=args.global_batch // args.micro_batch, sequence_parallel=sp)
-    states = {kind: assemble(layout, rank, cfg, OPTIM, "cpu", seed=1234, tp_overlap=kind == "on")
+    states = {kind: assemble(layout, rank, cfg, adamw(), "cpu", seed=1234, tp_overlap=kind == "on")
               for kind in KINDS}
     return metered_alternate(states, cfg.vocab_size, args, "on")
 

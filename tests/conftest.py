@@ -20,6 +20,8 @@ from typing import NamedTuple
 
 import pytest
 
+from tests.shapes import TINY_OVERRIDES
+
 ROOT = Path(__file__).resolve().parents[1]
 # `--failures-file`: the failed test calls a session writes down for its rerun (`python -m tests.rerun`)
 pytest_plugins = ("tests.rerun",)
@@ -45,24 +47,8 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
-# Small enough for 2 cores, big enough to learn: used by CLI tests unless they override it.
-TINY = [
-    "model.hidden_size=64",
-    "model.num_layers=2",
-    "model.num_heads=4",
-    "model.ffn_hidden_size=128",
-    "model.max_seq_len=64",
-    "data.seq_len=32",
-    "data.global_batch_size=12",
-    "data.micro_batch_size=2",
-    "optim.warmup_steps=2",
-    "optim.lr=3e-3",  # the tiny model is stable at 3e-3 (gpt_tiny's recipe uses 1e-3)
-    "trainer.val_every_n_steps=1000",
-    "trainer.progress_bar=false",
-    "checkpoint.every_n_steps=0",
-    "logger=none",
-    "callbacks=none",
-]
+# Small enough for 2 cores, big enough to learn: used by CLI tests unless they override it (tests/shapes.py).
+TINY = list(TINY_OVERRIDES)
 SINGLE = ["mesh.dp=1", "mesh.tp=1", "ntp.replica_tp=null"]
 
 

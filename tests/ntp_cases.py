@@ -13,6 +13,7 @@ from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.runtime.assemble import assemble
 from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout, Topology
+from tests.shapes import adamw
 
 GPT = ModelConfig(
     arch="gpt2",
@@ -49,7 +50,7 @@ LLAMA_KV4 = ModelConfig(
     tie_embeddings=False,
 )
 SEQ, GLOBAL_BATCH, SEED = 8, 6, 7
-OPTIM = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
+OPTIM = adamw(1e-3)
 
 
 def assembled(layout: ResolvedLayout, rank: int, cfg: ModelConfig, seed: int = SEED,

@@ -20,9 +20,10 @@ from ntp_nemo.runtime.runtime import RankPlace
 from ntp_nemo.schedules import warmup_cosine
 from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.ntp_cases import GLOBAL_BATCH, SEED, SEQ
+from tests.shapes import adamw
 
 STEPS = 5
-OPTIM = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+OPTIM = adamw(3e-3)
 CLIP = 1.0
 BUCKET_MB = 0.002  # small buckets: several per holder set, launched one by one during the backward
 

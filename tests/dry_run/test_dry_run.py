@@ -22,11 +22,11 @@ from ntp_nemo.runtime.dry_run import (
 from ntp_nemo.runtime.runtime import NTPRuntime, RankPlace
 from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.conftest import compose, run_cli
+from tests.shapes import small_llama
 
 LLAMA3_8B_PARAMS = 8_030_261_248  # published parameter count of Meta-Llama-3-8B
 
-TINY_LLAMA = ModelConfig(arch="llama", name="t", vocab_size=101, hidden_size=64, num_layers=4, num_heads=4,
-                         num_kv_heads=2, ffn_hidden_size=96, max_seq_len=33, tie_embeddings=False)
+TINY_LLAMA = small_llama(4)
 
 
 def meta_count(cfg: ModelConfig) -> int:

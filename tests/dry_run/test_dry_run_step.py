@@ -20,10 +20,10 @@ from ntp_nemo.runtime import dry_run as dr
 from ntp_nemo.runtime.dry_run import MetaKernelCache, StepShape, dry_run, fake_world, option_savings
 from ntp_nemo.runtime.runtime import RankPlace
 from ntp_nemo.topology import ResolvedLayout, Topology
+from tests.shapes import small_llama
 
 # Stages longer than the short builds (2 and 3 layers): 6 layers at PP 1, 10 at PP 2.
-LLAMA = ModelConfig(arch="llama", name="t", vocab_size=101, hidden_size=64, num_layers=6, num_heads=4,
-                    num_kv_heads=2, ffn_hidden_size=96, max_seq_len=33, tie_embeddings=False)
+LLAMA = small_llama(6)
 SHAPE = StepShape(seq_len=32, micro_batch_size=1, compute_dtype=torch.bfloat16)
 
 

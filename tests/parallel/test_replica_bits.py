@@ -15,9 +15,10 @@ from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.runtime.assemble import assemble
 from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.ntp_cases import GPT
+from tests.shapes import adamw
 
 SEED, SEQ, BATCH, STEPS = 3, 8, 6, 6
-OPTIM = {"lr": 3e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
+OPTIM = adamw(3e-2)
 
 
 def _worker(rank: int, world: int, replica_tp: list[int]) -> dict:

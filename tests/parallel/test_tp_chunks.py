@@ -32,6 +32,7 @@ from ntp_nemo.runtime.step import train_step
 from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.ntp_cases import GPT, LLAMA_KV4, OPTIM, counting_async_launches
 from tests.ntp_cases import relative_diff as _diff
+from tests.shapes import small_llama
 
 SEQ, MICRO, NUM_MICRO, STEPS, CLIP, SEED = 7, 3, 2, 2, 0.5, 11
 GPT_DROPOUT = dataclasses.replace(GPT, dropout=0.2)
@@ -208,11 +209,9 @@ def test_the_dry_run_counts_each_chunks_collectives_and_the_same_bytes(compute_d
     each layer sends its own 2 forward exits (attention, MLP) and 2 backward input-gradient all-reduces,
     so the TP calls of a step grow by micro-batches x layers x 4, and the TP bytes do not change (the
     chunks split the same tensors)."""
-    from ntp_nemo.models.config import ModelConfig
     from ntp_nemo.runtime.dry_run import StepShape, dry_run
 
-    cfg = ModelConfig(arch="llama", name="t", vocab_size=101, hidden_size=64, num_layers=6, num_heads=4,
-                      num_kv_heads=2, ffn_hidden_size=96, max_seq_len=33, tie_embeddings=False)
+    cfg = small_llama(6)
     layout = ResolvedLayout.make(Topology(2, [2], [2] * (cfg.num_layers + 2)), num_microbatches=2)
     shapes = {chunks: StepShape(seq_len=32, micro_batch_size=2, compute_dtype=compute_dtype, tp_chunks=chunks)
               for chunks in (1, 2)}

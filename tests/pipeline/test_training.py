@@ -13,6 +13,7 @@ from ntp_nemo.runtime.assemble import assemble
 from ntp_nemo.runtime.step import train_step
 from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.ntp_cases import GPT
+from tests.shapes import adamw as adamw_options
 
 STEPS, MICRO, NUM_MICRO, SEQ, SEED, LR, CLIP = 20, 2, 6, 8, 11, 1e-2, 1.0
 GPT4 = dataclasses.replace(GPT, num_layers=4)
@@ -51,7 +52,7 @@ def reference_curve(cfg) -> list[float]:
 
 def training_worker(rank: int, world: int, cfg, tp, replica_tp, pp, schedule) -> dict:
     topo = Topology(tp, replica_tp, [tp] * (cfg.num_layers + 2), pp=pp)
-    optim = {"lr": LR, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}  # as `adamw`
+    optim = adamw_options(LR)
     state = assemble(ResolvedLayout.make(topo, schedule), rank, cfg, optim, None, seed=SEED)
     rt, model = state.runtime, state.model
     losses = []

@@ -18,9 +18,10 @@ from ntp_nemo.runtime.assemble import assemble
 from ntp_nemo.runtime.step import train_step
 from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.ntp_cases import GPT
+from tests.shapes import adamw
 
 SEED, SEQ, GLOBAL_BATCH, STEPS = 11, 8, 6, 2
-OPTIM = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
+OPTIM = adamw(1e-2)
 
 
 def _differences(a, b) -> list[str]:

@@ -26,10 +26,11 @@ from ntp_nemo.runtime.assemble import assemble
 from ntp_nemo.runtime.compile import compile_blocks, validate_compile
 from ntp_nemo.runtime.step import train_step
 from ntp_nemo.topology import ResolvedLayout, Topology
+from tests.shapes import adamw
 
 CFG = ModelConfig(arch="gpt2", vocab_size=97, hidden_size=64, num_layers=2, num_heads=4, ffn_hidden_size=128,
                   max_seq_len=32, tie_embeddings=True, dropout=0.1)
-OPTIM = {"lr": 3e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
+OPTIM = adamw(3e-3)
 STEPS, BATCH, SEQ = 3, 4, 16
 
 

@@ -10,14 +10,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.runtime.device_rehearsal import DeviceTypedWorld, DeviceTypeError, device_types
 from ntp_nemo.runtime.dry_run import StepShape, dry_run, fake_world
 from ntp_nemo.topology import ResolvedLayout, Topology
 from ntp_nemo.topology.groups import tp_backend
+from tests.shapes import small_llama
 
-LLAMA = ModelConfig(arch="llama", name="t", vocab_size=101, hidden_size=64, num_layers=2, num_heads=4,
-                    num_kv_heads=2, ffn_hidden_size=96, max_seq_len=33, tie_embeddings=False)
+LLAMA = small_llama(2)
 
 
 def test_backends_move_the_device_types_of_their_real_backends():

@@ -21,9 +21,10 @@ from ntp_nemo.runtime.assemble import assemble
 from ntp_nemo.runtime.runtime import RankPlace
 from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.ntp_cases import GPT
+from tests.shapes import adamw
 
 SEED, SEQ, BATCH, STEPS, CLIP = 5, 8, 6, 3, 0.5
-OPTIM = {"lr": 2e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
+OPTIM = adamw(2e-2)
 
 
 def _tokens(step: int) -> torch.Tensor:

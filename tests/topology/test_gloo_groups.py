@@ -6,14 +6,13 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from ntp_nemo.models.config import ModelConfig
 from ntp_nemo.runtime.dry_run import StepShape, dry_run, fake_world
 from ntp_nemo.runtime.runtime import RankPlace
 from ntp_nemo.topology import ResolvedLayout, Topology
 from ntp_nemo.topology.groups import gloo_sockets, subgroup_backend
+from tests.shapes import small_llama
 
-TINY = ModelConfig(arch="llama", name="t", vocab_size=101, hidden_size=64, num_layers=4, num_heads=4,
-                   num_kv_heads=2, ffn_hidden_size=96, max_seq_len=33, tie_embeddings=False)
+TINY = small_llama(4)
 
 
 @pytest.mark.parametrize("world,sub", [
