@@ -41,8 +41,13 @@ def assign_pieces(holdings: Sequence[Mapping[str, ShardSpec]],
     """
     names = sorted({name for h in holdings for name in h})
     segments: list[tuple[int, str, int, int, list[int]]] = []  # (elements, name, lo, hi, holders)
+    boxes: list[tuple[int, str, int, ShardSpec, list[int]]] = []  # (elements, name, index, piece, holders)
     for name in names:
         held = [(r, h[name]) for r, h in enumerate(holdings) if name in h]
+        if any(s.is_block for _, s in held):  # some rank holds a block: pieces are boxes
+            boxes.extend((math.prod(piece.local_shape), name, i, piece, holders)
+                         for i, (piece, holders) in enumerate(_box_pieces(held)))
+            continue
         first = held[0][1]
         for _, spec in held[1:]:
             if not _same_tensor(first, spec):
@@ -65,6 +70,10 @@ def assign_pieces(holdings: Sequence[Mapping[str, ShardSpec]],
         load[r] += size
         owner[(name, a)] = r
     out: list[dict[str, list[ShardSpec]]] = [{name: [] for name in h} for h in holdings]
+    for size, name, _, piece, holders in sorted(boxes, key=lambda s: (-s[0], s[1], s[2])):
+        r = min(holders, key=lambda x: (load[x], x))
+        load[r] += size
+        out[r][name].append(piece)
     for _, name, a, b, _ in sorted(segments, key=lambda s: (s[1], s[2])):
         r = owner[(name, a)]
         spec = holdings[r][name]
@@ -72,6 +81,26 @@ def assign_pieces(holdings: Sequence[Mapping[str, ShardSpec]],
         if pieces and pieces[-1].hi == a:  # extend the previous piece: keep chunks maximal
             a = pieces.pop().lo
         pieces.append(ShardSpec(spec.global_shape, spec.dim, spec.unit_size, a, b))
+    return out
+
+
+def _box_pieces(held: Sequence[tuple[int, ShardSpec]]) -> list[tuple[ShardSpec, list[int]]]:
+    """The common refinement of the boxes (element ranges per dim) that ranks hold of one 2D tensor, some
+    block-sharded (`ntp.pattern=block`): each piece as a block spec of one-element units, with its
+    holders."""
+    shape = held[0][1].global_shape
+    for _, spec in held[1:]:
+        if spec.global_shape != shape:
+            raise RuntimeError(f"a tensor is held with shapes {shape} and {spec.global_shape}")
+    spans = [(r, [(o, o + n) for o, n in zip(s.offsets, s.local_shape, strict=True)]) for r, s in held]
+    cuts = [sorted({x for _, span in spans for x in span[d]}) for d in range(len(shape))]
+    out = []
+    for a0, b0 in zip(cuts[0][:-1], cuts[0][1:], strict=False):
+        for a1, b1 in zip(cuts[1][:-1], cuts[1][1:], strict=False):
+            holders = [r for r, span in spans if span[0][0] <= a0 and b0 <= span[0][1]
+                       and span[1][0] <= a1 and b1 <= span[1][1]]
+            if holders:
+                out.append((ShardSpec.block(shape, (0, 1, a0, b0), (1, 1, a1, b1)), holders))
     return out
 
 

@@ -150,7 +150,11 @@ class Snapshot:
 def _piece_view(held: ShardSpec, piece: ShardSpec, tensor: torch.Tensor) -> torch.Tensor:
     if not held.global_shape:
         return tensor
-    return tensor.narrow(held.dim, (piece.lo - held.lo) * held.unit_size, piece.length)
+    if not (held.is_block or piece.is_block):
+        return tensor.narrow(held.dim, (piece.lo - held.lo) * held.unit_size, piece.length)
+    for d, (at, have, size) in enumerate(zip(piece.offsets, held.offsets, piece.local_shape, strict=True)):
+        tensor = tensor.narrow(d, at - have, size)  # a box of a block-sharded weight (2D)
+    return tensor
 
 
 class WritePlan:

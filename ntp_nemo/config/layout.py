@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
+from ntp_nemo.config.pattern_keys import slot_patterns
 from ntp_nemo.models import families
 from ntp_nemo.topology.layout import ResolvedLayout
 from ntp_nemo.topology.topology import Topology
@@ -49,6 +50,7 @@ def resolve_layout(cfg: DictConfig, layer_tp: Sequence[int] | None = None) -> Re
         sequence_parallel=bool(cfg.ntp.get("sequence_parallel", False)),
         work=work_shape(cfg),
         capacity=str(cfg.ntp.get("capacity", "ranks")),
+        pattern=slot_patterns(cfg),
     )
 
 

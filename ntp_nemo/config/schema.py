@@ -52,6 +52,9 @@ class NTPConfig(Sealable):
     # Backend of the TP groups of a CPU world: ntpdirect (direct TCP connections on the calling thread,
     # topology/direct_group.py) or gloo. GPU worlds use the device backend whatever this says.
     cpu_tp_backend: str = "ntpdirect"
+    # Sharding pattern: row_column (Megatron rows and columns) or block (SUMMA on a q x q grid, degree q*q),
+    # for every layout slot or a list of one per slot (config/pattern_keys.py).
+    pattern: Any = "row_column"
 
 
 @dataclass

@@ -129,6 +129,9 @@ def validate(cfg: DictConfig) -> None:
             "text files or a token file written by ntp-preprocess, or drop it to use the embedded corpus.",
         )
     _validate_mesh(cfg)
+    from ntp_nemo.config.pattern_keys import validate_pattern
+
+    validate_pattern(cfg, resolve_layer_tp)
     o = cfg.optim
     if not o.lr > 0:
         raise ConfigError("optim.lr", f"learning rate must be > 0, got {o.lr}.")

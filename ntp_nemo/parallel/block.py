@@ -266,7 +266,7 @@ class BlockLinear(nn.Module):
                  std: float = 0.02) -> None:
         super().__init__()
         q = grid.q
-        self.grid = grid
+        self.grid = self.tp = grid
         self.out_intervals = tuple(out_intervals or intervals(q, out_features // out_unit))
         self.in_intervals = tuple(in_intervals or intervals(q, in_features // in_unit))
         self.out_lens = tuple((hi - lo) * out_unit for lo, hi in self.out_intervals)
@@ -297,7 +297,7 @@ class BlockEmbedding(nn.Module):
 
     def __init__(self, num_embeddings: int, dim: int, grid: GridContext, *, std: float = 0.02) -> None:
         super().__init__()
-        self.grid = grid
+        self.grid = self.tp = grid
         self.vocab_intervals = intervals(grid.q, num_embeddings, grid.align)
         self.feature_intervals = intervals(grid.q, dim)
         self.vocab_lo, self.vocab_hi = self.vocab_intervals[grid.row]

@@ -1,5 +1,6 @@
 """Sharding patterns of one matmul compared on four measures: row/column (Megatron, 1D) against block
-(2D, SUMMA-style over a q x q grid of p = q^2 devices).  A model only: nothing here runs a 2D layout.
+(2D, SUMMA-style over a q x q grid of p = q^2 devices), the block side as `ntp_nemo.parallel.block` runs
+it (`ntp.pattern=block`; `python bench/block_sharding.py` measures both sides against this model).
 
 One matmul `Y = X W` with X [m x k] (m = micro-batch tokens), W [k x n]; forward plus backward
 (`dX = dY W^T`, `dW = X^T dY`), so 6 m k n FLOPs in all, split evenly over the p devices by both
@@ -21,35 +22,40 @@ forward (the partial Y).  A ring all-reduce of P bytes over p devices sends and 
 - work without synchronisation: one collective per matmul, so all 6 m k n / p FLOPs of it
   (a forward pair runs both matmuls, then synchronises once).
 
-Block (2D, SUMMA, as Optimus).  X, W, Y and their gradients are each split in q x q blocks; device
-(i, j) owns block (i, j) of each.  Each of the three products (Y, dX, dW) is output-stationary:
-device (i, j) accumulates its output block over q steps, receiving in step l the l-th block of its row
-panel of the left operand (broadcast along grid row i) and of its column panel of the right operand
-(broadcast along grid column j).  It receives all of both panels but its own blocks: (q-1)/q of a
-panel, i.e. (q-1) |operand| / p elements for each operand.  The products' operands are
-(X, W), (dY, W) and (X, dY), so per matmul
-- bytes moved per device: 2 (q-1) (m k + k n + m n) / p * E (weights counted at E too: they move
-  as bf16 copies, as activations do);
-- time: the broadcast of step l+1 overlaps the local product of step l (pipelined SUMMA), so the
+Block (2D, SUMMA over a q x q grid, as `ntp_nemo.parallel.block` runs it).  Activations are split by
+tokens along grid rows and by features along grid columns; W's output units over grid rows and its input
+units over grid columns, so device (i, j) holds X's block (i, j) and W's block (i, j) (n/q x k/q), and Y
+lands in the activations' layout for the next matmul.  In q steps each:
+- forward: step l broadcasts W's blocks of grid row l down the grid columns and reduces the partial
+  products X_ij W_lj^T of grid row i onto device (i, l): (q-1) kn/p + (q-1) mn/p elements received;
+- backward: step l broadcasts dY's blocks of grid column l along the grid rows and W's blocks of grid
+  row l down the columns (dX_ij accumulates dY_il W_lj), and reduces the partial weight gradients
+  dY_il^T X_ij of grid column j onto device (l, j): (q-1) (mn + 2 kn)/p.
+X never moves (it stays where the previous matmul's output landed).  So per matmul
+- bytes moved per device: (q-1) (3 k n + 2 m n) / p * E (weights counted at E too: they move as bf16
+  copies, as activations do).  (An output-stationary SUMMA for all three products, this model's first
+  version, gives 2 (q-1)(m k + k n + m n)/p; the measured bytes of the layers that run were 0.63x to
+  1.05x of it, `bench/block_sharding.py`, so the model follows the layers.)
+- time: the collectives of step l+1 overlap the local product of step l (pipelined SUMMA), so the
   exposed part is the first step's transfer plus whatever of each later step the compute cannot hide:
-  exposed = C / q + (q-1)/q * max(0, C - T), C the transfer time (bytes / B, plus 3 x 2 (q-1) hops of
-  latency: a ring broadcast per operand per product), T the compute time;
+  exposed = C / q + (q-1)/q * max(0, C - T), C the transfer time (bytes / B, plus 5 (q-1) hops of
+  latency: five streams of q collectives (W, Y; dY, W, dW), a ring's q-1 hops each), T the compute time;
 - memory: k n / p parameters (x S) plus the input block m k / p (x E): nothing is replicated
   (SUMMA's in-flight panel blocks, one block per operand, are left out, like the 1D pattern's
-  all-reduce buffers);
-- work without synchronisation: every step of every product is a broadcast, 3 q per matmul, so
-  6 m k n / p / (3 q) = 2 m k n / (p q) FLOPs between two of them.
+  all-reduce buffers; measured equal, `bench/block_sharding.py`);
+- work without synchronisation: 5 q collectives per matmul (2 per forward step, 3 per backward step),
+  so 6 m k n / p / (5 q) FLOPs between two of them.
 
 What follows from the formulas (no measurement behind any of it):
-- bytes: block moves less than row/column exactly when 2 (q-1)(m k + k n + m n)/p < 2 (p-1)/p m d,
-  i.e. (q-1)(mk + kn + mn) < (p-1) m d.  With d = k (column-parallel, n = r k) the condition is
-  (q-1)(m + r k + r m) < (q^2-1) m, i.e. q > r (1 + k/m) (for a row-parallel one, k = r n: the same
-  with n/m): 1D's bytes per device stay near 2 m d E whatever p, 2D's fall like 1/sqrt(p), so block
-  sharding wins on bytes above a degree set by the matmul's aspect ratio r and by d/m (few tokens per
-  micro-batch favour 1D: its bytes are activations only, 2D also moves weights);
+- bytes: block moves less than row/column exactly when (q-1)(3 k n + 2 m n)/p < 2 (p-1)/p m d, i.e.
+  3 k n + 2 m n < 2 (q+1) m d.  With d = k (column-parallel, n = r k) the condition is
+  q + 1 > r (1 + 3 k / (2 m)); with d = n (row-parallel, k = r n) it is q + 1 > 1 + 3 r n / (2 m):
+  1D's bytes per device stay near 2 m d E whatever p, 2D's fall like 1/sqrt(p), so block sharding
+  wins on bytes above a degree set by the matmul's aspect ratio r and by the weight's size against the
+  tokens (few tokens per micro-batch favour 1D: its bytes are activations only, 2D also moves weights);
 - memory: block always keeps less activation memory for a column-parallel matmul
   ((1 - 1/p) m k E less; sequence parallelism gives 1D the same saving), the same for a row-parallel one;
-- work without synchronisation: row/column always does 3 q times more FLOPs between collectives;
+- work without synchronisation: row/column always does 5 q times more FLOPs between collectives;
   block's collectives run in groups of q = sqrt(p) devices instead of p, which is what makes it
   attractive when the degree exceeds one scale-up domain;
 - speed: equal compute, so the exposed transfer decides: with the overlap above, block wins wherever
@@ -144,13 +150,13 @@ def block_cost(mm: Matmul, tokens: int, p: int, device: DeviceModel, link_bw: fl
     m, k, n, e = tokens, mm.k, mm.n, device.act_bytes
     flops = 6.0 * m * k * n / p
     compute = flops / device.flops_per_s
-    moved = 2 * (q - 1) * (m * k + k * n + m * n) / p * e
-    comm = (3 * 2 * (q - 1) * link_latency_s + moved / link_bw) if q > 1 else 0.0
+    moved = (q - 1) * (3 * k * n + 2 * m * n) / p * e
+    comm = (5 * (q - 1) * link_latency_s + moved / link_bw) if q > 1 else 0.0
     exposed = comm / q + (q - 1) / q * max(0.0, comm - compute) if q > 1 else 0.0
     return PatternCost(
         pattern=BLOCK, degree=p, compute_s=compute, comm_s=comm, exposed_comm_s=exposed, bytes_moved=moved,
         memory_bytes=k * n / p * device.state_bytes_per_param + m * k / p * e,
-        flops=flops, syncs=3 * q if q > 1 else 0,
+        flops=flops, syncs=5 * q if q > 1 else 0,
     )
 
 

@@ -52,7 +52,7 @@ def test_column_parallel_matmul_by_hand() -> None:
 
     two = block_cost(mm, tokens=8, p=4, device=DEVICE, link_bw=BW, link_latency_s=0.0)
     assert two is not None and two.pattern == BLOCK
-    # Elements received: 2*(2-1)*(8*4 + 4*16 + 8*16)/4 = 112 -> 224 B.
+    # Elements received (q-1)(3kn + 2mn)/p: (3*4*16 + 2*8*16)/4 = 112 -> 224 B.
     assert two.bytes_moved == pytest.approx(224.0)
     assert two.comm_s == pytest.approx(224e-9)
     # Exposed: 224/2 ns for the first step + (1/2)*(224 - 0.768) ns not hidden by the block products.
@@ -60,8 +60,9 @@ def test_column_parallel_matmul_by_hand() -> None:
     assert two.time_s == pytest.approx(224.384e-9)
     # W: 256 B as above; the input block 8*4/4 = 8 values x 2 B = 16 B.
     assert two.memory_bytes == pytest.approx(272.0)
-    # 3 products x 2 steps = 6 broadcasts: 768 / 6 = 128 FLOPs between two.
-    assert (two.syncs, two.flops_per_sync) == (6, 128)
+    # 5 collectives per step (forward: W's broadcast, Y's reduction; backward: dY's and W's broadcasts,
+    # dW's reduction) x 2 steps: 768 / 10 FLOPs between two.
+    assert (two.syncs, two.flops_per_sync) == (10, 76.8)
 
 
 def test_row_parallel_matmul_and_latency_by_hand() -> None:
@@ -75,24 +76,24 @@ def test_row_parallel_matmul_and_latency_by_hand() -> None:
     assert one.memory_bytes == pytest.approx(576.0)
     assert one.flops == 6 * 8 * 16 * 8 / 4 == 1536
     two = block_cost(mm, tokens=8, p=4, device=DEVICE, link_bw=BW, link_latency_s=1e-6)
-    # 2*1*(128 + 128 + 64)/4 = 160 elements = 320 B; 3 products x 2 operands x 1 hop.
-    assert two.bytes_moved == pytest.approx(320.0)
-    assert two.comm_s == pytest.approx(6e-6 + 320e-9)
+    # (3*16*8 + 2*8*8)/4 = 128 elements = 256 B; 5 streams of collectives x 1 hop.
+    assert two.bytes_moved == pytest.approx(256.0)
+    assert two.comm_s == pytest.approx(5e-6 + 256e-9)
 
 
 def test_block_moves_fewer_bytes_for_many_tokens_on_a_large_grid() -> None:
-    # X [64 x 8] @ W [8 x 8] on 16 devices (q = 4): sqrt(p) = 4 > aspect 1 x (1 + 8/64).
+    # X [64 x 8] @ W [8 x 8] on 16 devices (q = 4): 3kn + 2mn = 1216 < 2 (q + 1) m k = 5120.
     mm = Matmul("square", k=8, n=8, side=COLUMN)
     one = row_column_cost(mm, tokens=64, p=16, device=DEVICE, link_bw=BW, link_latency_s=0.0)
     two = block_cost(mm, tokens=64, p=16, device=DEVICE, link_bw=BW, link_latency_s=0.0)
     assert one.bytes_moved == pytest.approx(2 * 15 / 16 * 64 * 8 * 2)  # 1920 B
-    assert two.bytes_moved == pytest.approx(2 * 3 * (512 + 64 + 512) / 16 * 2)  # 816 B
+    assert two.bytes_moved == pytest.approx(3 * (3 * 64 + 2 * 512) / 16 * 2)  # 456 B
     assert two.bytes_moved < one.bytes_moved
-    # On a 2 x 2 grid with 8 tokens sqrt(p) = 2 equals 1 x (1 + 8/8): both move 192 B
-    # (1D: 2*3/4*8*8*2; block: 2*1*(64 + 64 + 64)/4 values x 2 B); with 4 tokens block moves more.
-    assert block_cost(mm, 8, 4, DEVICE, BW, 0.0).bytes_moved == pytest.approx(192.0)
+    # On a 2 x 2 grid with 8 tokens block moves 160 B ((3*64 + 2*64)/4 values x 2 B) against 1D's 192 B
+    # (2*3/4*8*8*2); with 4 tokens 3kn + 2mn = 256 > 2 (q + 1) m k = 192: block moves more.
+    assert block_cost(mm, 8, 4, DEVICE, BW, 0.0).bytes_moved == pytest.approx(160.0)
     assert row_column_cost(mm, 8, 4, DEVICE, BW, 0.0).bytes_moved == pytest.approx(192.0)
-    assert block_cost(mm, 4, 4, DEVICE, BW, 0.0).bytes_moved == pytest.approx(2 * (32 + 64 + 32) / 4 * 2)
+    assert block_cost(mm, 4, 4, DEVICE, BW, 0.0).bytes_moved == pytest.approx((3 * 64 + 2 * 32) / 4 * 2)
     assert row_column_cost(mm, 4, 4, DEVICE, BW, 0.0).bytes_moved == pytest.approx(96.0)
 
 
@@ -114,7 +115,7 @@ def test_model_matmuls_and_step_totals() -> None:
     assert totals[ROW_COLUMN]["bytes_moved"] == pytest.approx(9 * 192.0)
     # FLOPs per device: 6*8*(8*16 + 8*8 + 8*32 + 16*8)*2/4 + 6*8*8*100/4 = 13824 + 9600, over 9 collectives.
     assert totals[ROW_COLUMN]["flops_per_sync"] == pytest.approx((13824 + 9600) / 9)
-    assert totals[BLOCK]["flops_per_sync"] == pytest.approx((13824 + 9600) / (9 * 6))
+    assert totals[BLOCK]["flops_per_sync"] == pytest.approx((13824 + 9600) / (9 * 10))
 
 
 def _ntp_plan(*args: str) -> subprocess.CompletedProcess[str]:
@@ -130,11 +131,11 @@ def test_ntp_plan_patterns_llama3_8b_tp64() -> None:
     assert (data["degree"], data["grid_side"], data["tokens"]) == (64, 8, 8192)
     qkv = data["matmuls"][0]
     # By hand: 1D all-reduces 8192 x 4096 bf16 values: 2*63/64*8192*4096*2 B; block on the 8 x 8 grid
-    # receives 2*7*(8192*4096 + 4096*6144 + 8192*6144)/64 values of 2 B.
+    # receives 7*(3*4096*6144 + 2*8192*6144)/64 values of 2 B.
     assert qkv["row_column"]["bytes_moved"] == pytest.approx(2 * 63 / 64 * 8192 * 4096 * 2)
-    values = 14 * (8192 * 4096 + 4096 * 6144 + 8192 * 6144) / 64
+    values = 7 * (3 * 4096 * 6144 + 2 * 8192 * 6144) / 64
     assert qkv["block"]["bytes_moved"] == pytest.approx(values * 2)
-    assert qkv["block"]["syncs"] == 24
+    assert qkv["block"]["syncs"] == 40
     table = _ntp_plan("model=llama3_8b", "hardware=h100", "mesh.tp=64", "--patterns")
     assert table.returncode == 0, table.stderr
     out = table.stdout
