@@ -85,6 +85,9 @@ LAYOUTS = {
     # layer at TP 1).
     "ntp-3-2-aligned-per-layer": ["mesh.dp=2", "mesh.tp=3", "ntp.replica_tp=[3,2]", "ntp.shard_align=32",
                                   "layout.layer_tp=[3,1,3,3]"],
+    # Block (SUMMA) sharding on a 2x2 grid: micro-batches of 2 sequences split along the grid rows, 64
+    # features along its columns (tests/parallel/test_block_exactness.py proves it exact in float64).
+    "block-2x2": ["mesh.dp=1", "mesh.tp=4", "ntp.replica_tp=[4]", "ntp.pattern=block"],
 }
 
 
