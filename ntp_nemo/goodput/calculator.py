@@ -38,10 +38,11 @@ Rules:
 from __future__ import annotations
 
 import bisect
+import gc
 import json
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -166,6 +167,7 @@ _ABOVE_STEPS: tuple[str, ...] = (
 )
 _BELOW_STEPS: tuple[str, ...] = (ev.RECOVERY_DOWNTIME,)
 _PRIORITY: tuple[str, ...] = (*_ABOVE_STEPS, ev.PRODUCTIVE, ev.WASTED_PROGRESS, *_BELOW_STEPS)
+_STEP_START, _STEP_END = ev.STEP_START, ev.STEP_END
 # Events that charge the `seconds` before them (ending at `t`) to a category: recorded after the wait.
 _WAITS: dict[str, str] = {ev.DATA_WAIT: ev.DATA_LOADING, ev.INTEGRITY_CHECK: ev.INTEGRITY,
                           ev.STRAGGLER_WAIT: ev.STRAGGLERS}
@@ -175,39 +177,81 @@ _DISRUPTING = frozenset(
 )
 
 
+_FIX = "pass a run directory written by ntp-train (it holds goodput.jsonl) or the .jsonl file itself"
+_CHUNK_BYTES = 1 << 22  # read and parse a file this much at a time
+
+
 def load_events(path: str | Path) -> list[dict[str, Any]]:
     """Read a run directory's (or a file's) goodput events; bad input raises ConfigError naming the path.
 
     A last line without its newline is what a crash in mid-write leaves: it is skipped with a warning.
     """
+    return [e for chunk in iter_event_chunks(path) for e in chunk]
+
+
+def _parse_line(file: Path, lineno: int, line: str, last: bool) -> dict[str, Any] | None:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as err:
+        if last:  # no trailing newline: interrupted write
+            warnings.warn(f"{file}:{lineno}: skipping a truncated last line", stacklevel=4)
+            return None
+        raise ConfigError("run_dir", f"{file}:{lineno} is not valid JSON ({err.msg}); {_FIX}.") from None
+    _check(file, lineno, obj)
+    return obj
+
+
+def _check(file: Path, lineno: int, obj: Any) -> None:
+    if not (type(obj) is dict and isinstance(obj.get("t"), int | float)
+            and isinstance(obj.get("event"), str)):
+        what = "is not a goodput event (needs numeric 't' and string 'event')"
+        raise ConfigError("run_dir", f"{file}:{lineno} {what}; {_FIX}.")
+
+
+def iter_event_chunks(path: str | Path) -> Iterator[list[dict[str, Any]]]:
+    """A file's events in file order, a few megabytes at a time (memory stays flat however long the run),
+    with `load_events`'s checks and messages.  Each chunk's lines are parsed by one `json.loads`."""
     file = goodput_path(path)
-    fix = "pass a run directory written by ntp-train (it holds goodput.jsonl) or the .jsonl file itself"
     if not file.is_file():
-        raise ConfigError("run_dir", f"goodput event file {file} does not exist; {fix}.")
-    text = file.read_text(encoding="utf-8", errors="replace")
-    lines = text.split("\n")
-    out: list[dict[str, Any]] = []
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as err:
-            if lineno == len(lines):  # no trailing newline: interrupted write
-                warnings.warn(f"{file}:{lineno}: skipping a truncated last line", stacklevel=2)
-                continue
-            raise ConfigError("run_dir", f"{file}:{lineno} is not valid JSON ({err.msg}); {fix}.") from None
-        if not (
-            isinstance(obj, dict)
-            and isinstance(obj.get("t"), int | float)
-            and isinstance(obj.get("event"), str)
-        ):
-            what = "is not a goodput event (needs numeric 't' and string 'event')"
-            raise ConfigError("run_dir", f"{file}:{lineno} {what}; {fix}.")
-        out.append(obj)
-    if not out:
-        raise ConfigError("run_dir", f"goodput event file {file} holds no events; {fix}.")
-    return out
+        raise ConfigError("run_dir", f"goodput event file {file} does not exist; {_FIX}.")
+    lineno, found = 0, False
+    with file.open("r", encoding="utf-8", errors="replace", newline="\n") as fh:
+        while True:
+            lines = fh.readlines(_CHUNK_BYTES)
+            if not lines:
+                break
+            first = lineno + 1
+            lineno += len(lines)
+            truncated = not lines[-1].endswith("\n")  # only the file's last line can lack its newline
+            body = [ln for ln in lines if ln.strip()]
+            objs: list[Any] | None = None
+            if body and not truncated:
+                try:
+                    objs = json.loads("[" + ",".join(body) + "]")
+                except json.JSONDecodeError:
+                    objs = None
+                if objs is not None and len(objs) != len(body):
+                    objs = None
+            if objs is None or not all(
+                type(o) is dict and isinstance(o.get("t"), int | float) and isinstance(o.get("event"), str)
+                for o in objs
+            ):  # find the bad line, with its number (or skip a truncated last one)
+                objs = []
+                for i, line in enumerate(lines):
+                    if line.strip():
+                        obj = _parse_line(file, first + i, line, last=truncated and i == len(lines) - 1)
+                        if obj is not None:
+                            objs.append(obj)
+            if objs:
+                found = True
+                yield objs
+    if not found:
+        raise ConfigError("run_dir", f"goodput event file {file} holds no events; {_FIX}.")
+
+
+def _int(e: Mapping[str, Any], key: str) -> int:
+    value = e.get(key)
+    return value if type(value) is int else int(_num(e, key))
 
 
 def _num(e: Mapping[str, Any], key: str, default: float | None = None) -> float:
@@ -469,7 +513,8 @@ def breakdown(tl: Timeline) -> GoodputReport:
         steps_redone=len(completed) - len(unique), lifetimes=len(tl.lifetimes),
         failure_recoveries=[
             {"mode": modes[i][1] if (i := bisect.bisect_left(mode_times, f.t)) < len(modes) else "-",
-             "recovery_s": span.end - span.start, "rank": f.rank, "process": f.process}
+             "recovery_s": span.end - span.start, "rank": f.rank, "process": f.process,
+             "reason": f.reason, "t": f.t}
             for f, span in zip(tl.failures, tl.recoveries, strict=True)
         ],
     )
@@ -649,7 +694,9 @@ class GoodputCalculator:
         self._prod: dict[tuple[str, float], int] = {}
         self._wasted = 0
         self._buckets: dict[int, list[float]] = {}
-        self._done: dict[int, _Run] = {}  # step -> its last completed execution
+        self._last_bucket: tuple[int, list[float] | None] = (-1, None)  # the bucket used last (a cache)
+        # step -> its last completed execution: the run while the history holds it, then (ticks, key, bucket)
+        self._done: dict[int, _Run | tuple[int, tuple[str, float], int]] = {}
         self._completed_runs = 0
         self._life: _Life | None = None
         self._lifetimes = 0
@@ -676,12 +723,42 @@ class GoodputCalculator:
 
     def feed(self, e: Mapping[str, Any]) -> None:
         name = e.get("event")
+        if name == _STEP_END and self._cover is _EMPTY and self._failed_in_step is None:
+            step = e.get("step")
+            run = self._run
+            if (step == self._step and type(step) is int and run is not None and not self._candidates
+                    and not self._open_recoveries):  # the common case: the open step completes
+                t = float(e["t"])
+                if t >= self._last_t:
+                    self.events_fed += 1
+                    T = round(t * TICKS_PER_S)
+                    L = self._L
+                    if T > L:
+                        last = self._hist[-1] if self._hist else None
+                        if last is not None and last[3] is run and last[2] is _EMPTY and last[1] == L:
+                            last[1] = T
+                            run.ticks += T - L
+                        else:
+                            self._advance(T)
+                    self._L, self._last_t = T, t
+                    self._complete(e, step, t)
+                    return
+        elif name == _STEP_START and self._step is None and not self._candidates and self._start is not None:
+            t = float(e["t"])
+            if t >= self._last_t:  # the common case: a step starts
+                self.events_fed += 1
+                T = round(t * TICKS_PER_S)
+                if T > self._L:
+                    self._advance(T)
+                self._last_t = t
+                self._open_step(_int(e, "step"), T)
+                return
         if name not in ev.EVENTS:
             return
         t = float(e["t"])
         self.events_fed += 1
         if self._start is None:
-            T = _ticks(t)
+            T = round(t * TICKS_PER_S)
             self._start, self._start_t, self._L, self._last_t = T, t, T, t
             self._new_life(t, T, init=name == ev.JOB_START)
             prev = T
@@ -689,7 +766,7 @@ class GoodputCalculator:
             if t < self._last_t:
                 t = self._last_t
                 self.late_events += 1
-            T = _ticks(t)
+            T = round(t * TICKS_PER_S)
             prev = self._L
             if name == ev.JOB_START:
                 idle = self._end_life()
@@ -702,14 +779,26 @@ class GoodputCalculator:
                 self._last_t = t
                 self._resolve(t)
                 return
-        if name == ev.STEP_END:
-            step = int(_num(e, "step"))
+        if name == _STEP_START:
+            if self._step is None and not self._candidates:  # the common case, without the calls
+                self._advance(T)
+                self._last_t = t
+                self._open_step(_int(e, "step"), T)
+                return
+        elif name == _STEP_END:
+            step = _int(e, "step")
             if self._step != step:  # no matching step_start: the step ran since the previous event
                 self._interrupt()
                 self._open_step(step, prev)
+            elif self._failed_in_step is None and not self._candidates and not self._open_recoveries:
+                self._advance(T)  # the common case: the open step completes
+                self._last_t = t
+                self._complete(e, step, t)
+                return
         self._advance(T)
         self._last_t = t
-        self._resolve(t)
+        if self._candidates:
+            self._resolve(t)
         if self._step is not None and self._disrupted is None and name in _DISRUPTING:
             self._disrupted = T
         handler = _HANDLERS.get(name)
@@ -730,9 +819,12 @@ class GoodputCalculator:
             last[1] = T
             self._credit(last[4], cover, run, T - L)
         else:
-            bucket = L // self._bticks
-            hist.append([L, T, cover, run, bucket])
-            self._credit(bucket, cover, run, T - L)
+            idx = L // self._bticks
+            hist.append([L, T, cover, run, idx])
+            if cover is _EMPTY and run is not None and run.state == _OPEN:
+                run.ticks += T - L  # the common case: a step running, nothing else
+            else:
+                self._credit(idx, cover, run, T - L)
             self._appended += 1
             if self._appended >= _TRIM_EVERY:
                 self._trim()
@@ -763,14 +855,19 @@ class GoodputCalculator:
                 bucket[w] += n
 
     def _bucket(self, idx: int) -> list[float] | None:
+        if idx == self._last_bucket[0]:
+            return self._last_bucket[1]
         bucket = self._buckets.get(idx)
-        if bucket is None:
-            newest = self._L // self._bticks
-            if idx <= newest - self._keep_buckets:
+        if bucket is not None:
+            self._last_bucket = (idx, bucket)
+        else:
+            if idx <= self._L // self._bticks - self._keep_buckets:
                 return None  # older than the series keeps
             bucket = self._buckets[idx] = [0.0] * (_WASTED_SLOT + 1)
-            for old in [k for k in self._buckets if k <= newest - self._keep_buckets]:
-                del self._buckets[old]
+            if len(self._buckets) > self._keep_buckets:
+                for old in sorted(self._buckets)[: len(self._buckets) - self._keep_buckets]:
+                    del self._buckets[old]
+            self._last_bucket = (idx, bucket)
         return bucket
 
     def _set_state(self, run: _Run, state: int) -> None:
@@ -799,6 +896,16 @@ class GoodputCalculator:
             self._wasted += n
             if bucket is not None:
                 bucket[_WASTED_SLOT] += n
+
+    def _flip_old(self, n: int, key: tuple[str, float], idx: int) -> None:
+        """A completed execution no longer in the history turns from productive to wasted."""
+        self._prod[key] -= n
+        self._wasted += n
+        bucket = self._bucket(idx)
+        if bucket is not None:
+            bucket[_PROD_SLOT] -= key[1] * n
+            bucket[_DEGRADED_SLOT] -= (1.0 - key[1]) * n
+            bucket[_WASTED_SLOT] += n
 
     def _retro(self, x: int, y: int | None, change: Callable[[tuple[int, ...], _Run | None],
                                                           tuple[tuple[int, ...], _Run | None]]) -> None:
@@ -863,8 +970,11 @@ class GoodputCalculator:
             opens += [s[2] for s in life.saves] + ([life.restore] if life.restore is not None else [])
         limit = min([limit, *opens])
         hist = self._hist
+        done = self._done
         while len(hist) > 1 and hist[0][1] <= limit:
-            hist.popleft()
+            run = hist.popleft()[3]
+            if run is not None and run is not hist[0][3] and done.get(run.step) is run:
+                done[run.step] = (run.ticks, run.key, run.bucket)  # its last segment: keep its tally only
 
     # -- lifetimes and steps -----------------------------------------------------------------------------
     def _new_life(self, t: float, T: int, init: bool) -> None:
@@ -897,8 +1007,7 @@ class GoodputCalculator:
         run = _Run(step, T // self._bticks)
         self._step, self._runs, self._run, self._run_from, self._step_from = step, [run], run, T, T
         self._disrupted = self._failed_in_step = None
-        assert self._life is not None
-        self._life.ran_steps = True
+        self._life.ran_steps = True  # type: ignore[union-attr]
 
     def _interrupt(self) -> None:
         """The open step ends unfinished at its first disruption (else now): all of it is wasted."""
@@ -953,24 +1062,47 @@ class GoodputCalculator:
         self._interrupt()
         self._open_step(int(_num(e, "step")), T)
 
-    def _on_step_end(self, e: Mapping[str, Any], t: float, T: int, prev: int) -> None:
-        step = int(_num(e, "step"))
-        capacity = _num(e, "capacity", 1.0)
+    def _complete(self, e: Mapping[str, Any], step: int, t: float) -> None:
+        """The open step's step_end: its (last) run is the step's completed execution."""
+        capacity = e.get("capacity", 1.0)
+        if type(capacity) is not float:
+            capacity = _num(e, "capacity", 1.0)
         if not 0.0 < capacity <= 1.0:
             raise ValueError(f"step_end of step {step} at t={t} has capacity {capacity}, outside (0, 1]")
         run = self._run
         assert run is not None and self._step == step
-        for part in self._runs:
-            if part is not run:
-                self._set_state(part, _WASTED)
-        run.key = (str(e.get("layout", "single")), capacity)
-        earlier = self._done.get(step)
-        if earlier is not None:
-            self._set_state(earlier, _WASTED)  # redone: only the last completed execution counts
-        self._done[step] = run
+        if len(self._runs) > 1:
+            for part in self._runs:
+                if part is not run:
+                    self._set_state(part, _WASTED)
+        layout = e.get("layout", "single")
+        run.key = (layout if type(layout) is str else str(layout), capacity)
+        done = self._done
+        earlier = done.get(step)
+        if type(earlier) is tuple:  # redone: only the last completed execution counts
+            self._flip_old(*earlier)
+        elif earlier is not None:
+            self._set_state(earlier, _WASTED)
+        done[step] = run
         self._completed_runs += 1
-        self._set_state(run, _PRODUCTIVE)
-        self._close_step()
+        if run.state == _OPEN:  # _set_state(run, _PRODUCTIVE), inline: most events are steps
+            run.state = _PRODUCTIVE
+            n = run.ticks
+            prod = self._prod
+            prod[run.key] = prod.get(run.key, 0) + n
+            idx = run.bucket
+            bucket = self._last_bucket[1] if idx == self._last_bucket[0] else self._bucket(idx)
+            if bucket is not None:
+                bucket[_PROD_SLOT] += capacity * n
+                bucket[_DEGRADED_SLOT] += (1.0 - capacity) * n
+        else:
+            self._set_state(run, _PRODUCTIVE)
+        self._step, self._runs, self._run = None, [], None
+        self._disrupted = self._failed_in_step = None
+
+    def _on_step_end(self, e: Mapping[str, Any], t: float, T: int, prev: int) -> None:
+        step = _int(e, "step")
+        self._complete(e, step, t)
         still = []
         for rec in self._open_recoveries:
             if rec.failure.t < t:
@@ -1109,7 +1241,8 @@ class GoodputCalculator:
         fails = list(self._fails)
         recoveries = [
             {"mode": rec.mode or "-", "recovery_s": (rec.end_t if rec.end_t is not None else self._last_t)
-             - rec.failure.t, "rank": rec.failure.rank, "process": rec.failure.process}
+             - rec.failure.t, "rank": rec.failure.rank, "process": rec.failure.process,
+             "reason": rec.failure.reason, "t": rec.failure.t}
             for rec in fails
         ]
         ended_failed = life is not None and life.status not in (None, ev.STATUS_OK)
@@ -1117,7 +1250,8 @@ class GoodputCalculator:
             # the last lifetime ended failed with no failure seen: an implicit one at its last event
             tie = self._last_mode is not None and self._last_mode[0] == self._last_t
             recoveries.append({"mode": self._last_mode[1] if tie and self._last_mode else "-",
-                               "recovery_s": self._last_t - self._last_t, "rank": None, "process": None})
+                               "recovery_s": self._last_t - self._last_t, "rank": None, "process": None,
+                               "reason": f"job_end status {life.status}", "t": self._last_t})
         return _report(start=self._start, end=self._L, ticks=ticks, productive=prod,
                        steps_completed=len(self._done), steps_redone=self._completed_runs - len(self._done),
                        lifetimes=self._lifetimes, failure_recoveries=recoveries)
@@ -1187,6 +1321,50 @@ def replay(events: Iterable[Mapping[str, Any]],
     return calc.feed_all(_in_order(events))
 
 
+class _OutOfOrder(Exception):
+    pass
+
+
+def _sorted_chunks(chunks: Iterable[list[dict[str, Any]]]) -> Iterator[list[dict[str, Any]]]:
+    """A file's events in time order (the batch's stable sort) from its chunks, holding only a chunk or
+    two: raises _OutOfOrder when an event is stamped before one already passed on (then sort it whole)."""
+    carry: list[dict[str, Any]] = []
+    fed = float("-inf")
+    for chunk in chunks:
+        low = min(float(e["t"]) for e in chunk)
+        if low < fed:
+            raise _OutOfOrder
+        buf = carry + chunk
+        buf.sort(key=lambda e: float(e["t"]))
+        cut = bisect.bisect_right(buf, low, key=lambda e: float(e["t"]))
+        if cut:
+            fed = float(buf[cut - 1]["t"])
+            yield buf[:cut]
+        carry = buf[cut:]
+    if carry:
+        yield carry
+
+
+def replay_file(path: str | Path, calculator: GoodputCalculator | None = None) -> GoodputCalculator:
+    """Feed a run's goodput.jsonl (or a .jsonl file) to a calculator in time order, reading it a chunk at
+    a time: the figures of `compute_goodput(load_events(path))` in flat memory."""
+    make = (lambda: calculator) if calculator is not None else GoodputCalculator
+    calc = make()
+    collecting = gc.isenabled()
+    gc.disable()  # nothing here makes a reference cycle; the collector would only walk the new objects
+    try:
+        for chunk in _sorted_chunks(iter_event_chunks(path)):
+            calc.feed_all(chunk)
+    except _OutOfOrder:  # stamped out of order further apart than a chunk: sort the whole stream
+        if calculator is not None and calculator.events_fed:
+            raise ValueError(f"{path}: events out of order across chunks; pass no calculator") from None
+        calc = replay(load_events(path), GoodputCalculator() if calculator is None else calculator)
+    finally:
+        if collecting:
+            gc.enable()
+    return calc
+
+
 def disagreement(events: Iterable[Mapping[str, Any]], prefixes: int = 50) -> str | None:
     """Replay a stream event by event and compare the incremental report with the batch one
     (`breakdown(build_timeline(prefix))`) after `prefixes` evenly spread events and after the last:
@@ -1222,6 +1400,27 @@ _SHORT = {
 }
 
 
+def failure_kinds(report: GoodputReport) -> list[dict[str, Any]]:
+    """The failures summarised by kind (recovery mode and reason), largest total recovery time first:
+    count, total, mean and longest recovery seconds."""
+    kinds: dict[tuple[str, str], list[float]] = {}
+    for r in report.failure_recoveries:
+        key = (str(r.get("mode", "-")), str(r.get("reason", "")))
+        kinds.setdefault(key, []).append(float(r["recovery_s"]))
+    rows = [{"mode": mode, "reason": reason, "count": len(xs), "total_s": sum(xs),
+             "mean_s": sum(xs) / len(xs), "max_s": max(xs)} for (mode, reason), xs in kinds.items()]
+    return sorted(rows, key=lambda row: (-row["total_s"], row["mode"], row["reason"]))
+
+
+def longest_failures(report: GoodputReport, n: int = 5) -> list[tuple[int, dict[str, Any]]]:
+    """The n failures with the longest recovery, as (their number from 1 in time order, entry)."""
+    ranked = sorted(enumerate(report.failure_recoveries, start=1), key=lambda x: (-x[1]["recovery_s"], x[0]))
+    return ranked[:n]
+
+
+LIST_EACH_UP_TO = 5  # more failures than this are summarised by kind
+
+
 def summary_line(report: GoodputReport) -> str:
     """One line for the end-of-run summary: goodput, the largest badput, capacity and failures."""
     badput = sorted(((s, c) for c, s in report.badput_s.items() if s > 0), reverse=True)[:3]
@@ -1232,7 +1431,14 @@ def summary_line(report: GoodputReport) -> str:
         parts.append(f"NTP capacity {report.capacity_fraction:.3f}")
     if report.failures or report.steps_redone:
         parts.append(f"{report.failures} failure(s), {report.steps_redone} step(s) redone")
-    if report.failure_recoveries:
+    if 0 < len(report.failure_recoveries) <= LIST_EACH_UP_TO:
         parts.append("recovered " + ", ".join(f"{r['mode']} in {r['recovery_s']:.1f} s"
                                               for r in report.failure_recoveries))
+    elif report.failure_recoveries:
+        by_mode: dict[str, list[float]] = {}
+        for r in report.failure_recoveries:
+            by_mode.setdefault(r["mode"], []).append(r["recovery_s"])
+        parts.append("recovered " + ", ".join(
+            f"{mode} {len(xs)}x (mean {sum(xs) / len(xs):.1f} s, longest {max(xs):.1f} s)"
+            for mode, xs in sorted(by_mode.items(), key=lambda kv: -len(kv[1]))))
     return "; ".join(parts)

@@ -152,7 +152,7 @@ def test_step_recovered_live_inside_its_own_execution() -> None:
     assert r.badput_s[ev.DEGRADED_THROUGHPUT] == pytest.approx(0.25 * 3.0)
     assert (r.steps_completed, r.steps_redone, r.failures) == (7, 0, 1)
     assert r.failure_recoveries == [{"mode": "live", "recovery_s": pytest.approx(2.0), "rank": 3,
-                                     "process": None}]
+                                     "process": None, "reason": "collective error", "t": 9.5}]
 
 
 def test_checkpoint_blocking_part_and_save_inside_step() -> None:
@@ -207,7 +207,7 @@ def test_save_of_a_lost_rank_0_ends_at_the_failure_and_aborts_close_saves() -> N
     assert r.productive_s == pytest.approx(5.0 + 0.75 * (10.0 + 1.0))  # (1,2) runs at capacity 0.75
     assert r.badput_s[ev.DEGRADED_THROUGHPUT] == pytest.approx(0.25 * (10.0 + 1.0))
     assert r.failure_recoveries == [{"mode": "live", "recovery_s": pytest.approx(8.0 - 6.3), "rank": 0,
-                                     "process": 0}]
+                                     "process": 0, "reason": "collective error", "t": 6.3}]
 
 
 def test_clean_end_then_rerun_excludes_idle_gap() -> None:
