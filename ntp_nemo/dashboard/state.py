@@ -312,10 +312,10 @@ def _heartbeats(directory: Path, now: float) -> list[dict[str, Any]]:
 
 def layout_view(nominal: Mapping[str, Any] | None, rows: list[dict[str, Any]], events: list[dict[str, Any]],
                 beats: list[dict[str, Any]], finished: bool) -> dict[str, Any]:
-    """Every nominal replica, its slots (ranks) and their state, the TP degree of each layer slot
-    (embedding, layers, head) and the batch share, for the layout of the latest step.  `state`:
-    'starting' (no step yet), 'full', 'degraded' (fewer active ranks than nominal) or 'repaired' (full
-    again after a failure)."""
+    """Every nominal replica, its TP slots (ranks) per pipeline stage and their state, the TP degree of
+    each layer slot (embedding, layers, head) and the batch share, for the layout of the latest step.
+    `state`: 'starting' (no step yet), 'full', 'degraded' (fewer active ranks than nominal) or 'repaired'
+    (full again after a failure)."""
     failures = [e for e in events if e["event"] == ev.FAILURE_DETECTED]
     current = rows[-1].get("layout") if rows else None
     for e in events:  # a recovery after the latest step: its layout is the one running now
@@ -349,25 +349,29 @@ def layout_view(nominal: Mapping[str, Any] | None, rows: list[dict[str, Any]], e
     for i in range(dp):
         active = sizes[i] if sizes and i < len(sizes) else 0
         nominal_n = nominal_sizes[i] if nominal_sizes else (tp or active)
-        slots = []
-        for s in range(max(nominal_n, active)):
-            if s < active:
-                slot_state = "slow" if rank + s in straggling else "healthy"
-            elif sizes is None:
-                slot_state = "starting"
-            elif active == 0:
-                slot_state = "excluded"
-            else:
-                slot_state = "rejoining" if rejoining else "lost"
-            slots.append({"slot": s, "rank": rank + s if s < active else None, "state": slot_state,
-                          "speed": straggling.get(rank + s) if s < active else None})
+        stages = []  # ranks are replica-major, then stage, then TP slot (ResolvedLayout.ranks_of)
+        for st in range(pp):
+            first = rank + st * active
+            slots = []
+            for s in range(max(nominal_n, active)):
+                r = first + s if s < active else None
+                if r is not None:
+                    slot_state = "slow" if r in straggling else "healthy"
+                elif sizes is None:
+                    slot_state = "starting"
+                elif active == 0:
+                    slot_state = "excluded"
+                else:
+                    slot_state = "rejoining" if rejoining else "lost"
+                slots.append({"slot": s, "rank": r, "state": slot_state, "speed": straggling.get(r)})
+            stages.append(slots)
         if sizes is None:
             replica_state = "starting"
         else:
             replica_state = "dropped" if active == 0 else ("degraded" if active < nominal_n else "full")
         degrees = [effective_degree(t, active) for t in layer_tp] if layer_tp and active else None
         replicas.append({
-            "index": i, "active": active, "nominal": nominal_n, "slots": slots, "layer_tp": degrees,
+            "index": i, "active": active, "nominal": nominal_n, "stages": stages, "layer_tp": degrees,
             "share": share[i] if isinstance(share, list) and i < len(share) and active else 0,
             "state": replica_state,
         })

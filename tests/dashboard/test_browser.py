@@ -36,6 +36,7 @@ MAX_STEPS = 16
 RUN = ["recipe=failover_demo", f"trainer.max_steps={MAX_STEPS}", "fault.step=4", "fault.repair_after_steps=3",
        "checkpoint.every_n_steps=8", "trainer.progress_bar=false", "logger=none", "callbacks=none",
        "dashboard.port=0"]
+STUCK_S = 90.0  # no new step on the page for this long, once training started: the run is stuck
 URL = re.compile(r"ntp-dashboard: (http://127\.0\.0\.1:\d+/[^/\s]+/)")
 PAGE_STATE = """
 const d = window.ntpDashboard; const s = d && d.state;
@@ -107,6 +108,7 @@ def test_page_follows_a_failover_in_chromium(tmp_path):
             proc = subprocess.Popen(command, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, text=True,
                                     env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
             seen: list[str] = []
+            last_steps, moved_at = 0, time.monotonic()
             beside = None  # the dashboard ntp-train started: its state once it answered
             deadline = time.monotonic() + 240  # the run takes 40 to 80 s on 2 busy cores
             while proc.poll() is None and time.monotonic() < deadline:
@@ -119,6 +121,13 @@ def test_page_follows_a_failover_in_chromium(tmp_path):
                 if layout != "starting" and (not seen or seen[-1] != layout):
                     seen.append(layout)
                     browser.save_screenshot(str(ARTIFACTS / f"{len(seen)}_{layout}.png"))
+                steps = len(state["steps"]) if state else 0
+                if steps != last_steps:
+                    last_steps, moved_at = steps, time.monotonic()
+                elif steps and time.monotonic() - moved_at > STUCK_S:  # a step takes seconds, a rejoin tens
+                    browser.save_screenshot(str(ARTIFACTS / "stuck.png"))
+                    pytest.fail(f"the run made no step for {STUCK_S:.0f} s after step {steps} (page states "
+                                f"{seen}):\n{(tmp_path / 'train.log').read_text()[-3000:]}")
                 time.sleep(0.2)
             assert proc.wait(timeout=max(1.0, deadline - time.monotonic())) == 0, \
                 (tmp_path / "train.log").read_text()[-3000:]

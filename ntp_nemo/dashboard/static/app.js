@@ -78,13 +78,16 @@
     for (const r of lay.replicas) {
       const d = el("div", null, { class: "replica", "data-state": r.state, "data-replica": r.index });
       d.appendChild(el("b", "replica " + r.index + ": TP " + r.active + " of " + r.nominal));
-      const slots = el("div", null, { class: "slots" });
-      for (const s of r.slots) {
-        const title = s.state + (s.rank !== null ? ", rank " + s.rank : "") + (s.speed ? ", speed " + s.speed : "");
-        slots.appendChild(el("span", s.rank !== null ? s.rank : "x", { class: "slot " + s.state, title: title,
-                                                                        "data-state": s.state }));
-      }
-      d.appendChild(slots);
+      r.stages.forEach((stage, st) => {
+        const slots = el("div", null, { class: "slots" });
+        if (r.stages.length > 1) slots.appendChild(el("span", "stage " + st, { class: "stage" }));
+        for (const s of stage) {
+          const title = s.state + (s.rank !== null ? ", rank " + s.rank : "") + (s.speed ? ", speed " + s.speed : "");
+          slots.appendChild(el("span", s.rank !== null ? s.rank : "x", { class: "slot " + s.state, title: title,
+                                                                          "data-state": s.state }));
+        }
+        d.appendChild(slots);
+      });
       d.appendChild(el("div", "batch share: " + r.share + " micro-batches"));
       if (r.layer_tp) d.appendChild(el("div", "TP per layer slot (emb, layers, head): " + r.layer_tp.join(",")));
       nodes.push(d);
