@@ -19,16 +19,24 @@ from rich.table import Table
 import ntp_nemo.goodput.events as ev
 from ntp_nemo.errors import ConfigError, cli_main
 from ntp_nemo.goodput.calculator import (
+    LIST_EACH_UP_TO,
     Failure,
+    GoodputCalculator,
     GoodputReport,
     Timeline,
-    breakdown,
     build_timeline,
+    failure_kinds,
     load_events,
+    longest_failures,
+    replay_file,
 )
 from ntp_nemo.goodput.recorder import goodput_path
 
 TIMELINE_PNG = "goodput_timeline.png"
+MAX_KIND_ROWS = 8  # failure kinds listed in the table; the rest are summed in one row
+LONGEST = 5  # the longest recoveries listed by name
+STEP_TIMELINE_MAX_EVENTS = 50_000  # beyond this the PNG shows badput over time instead of each step
+SERIES_BUCKET_S = 60.0  # the time resolution of the badput-over-time figure of a long run
 
 
 def breakdown_table(report: GoodputReport) -> Table:
@@ -49,13 +57,32 @@ def breakdown_table(report: GoodputReport) -> Table:
     table.add_row("steps completed", str(report.steps_completed), "")
     table.add_row("steps redone", str(report.steps_redone), "")
     table.add_row("failures", str(report.failures), "")
-    for i, r in enumerate(report.failure_recoveries):
-        who = failure_who(Failure(0.0, r.get("rank"), "", process=r.get("process")))
-        table.add_row(f"  failure {i + 1}{who}: {r['mode']} recovery", f"{r['recovery_s']:.2f}", "")
+    if len(report.failure_recoveries) <= LIST_EACH_UP_TO:
+        for i, r in enumerate(report.failure_recoveries):
+            table.add_row(f"  failure {i + 1}{_who(r)}: {r['mode']} recovery", f"{r['recovery_s']:.2f}", "")
+    else:  # a row per kind and the longest few, however many failures the job had
+        kinds = failure_kinds(report)
+        for k in kinds[:MAX_KIND_ROWS]:
+            table.add_row(f"  {k['count']} x {k['mode']} recovery after {k['reason'] or 'a failure'}",
+                          f"{k['total_s']:.2f}", pct(k["total_s"]))
+            table.add_row("    mean / longest (s)", f"{k['mean_s']:.2f} / {k['max_s']:.2f}", "", style="dim")
+        if len(kinds) > MAX_KIND_ROWS:
+            rest = kinds[MAX_KIND_ROWS:]
+            seconds = sum(k["total_s"] for k in rest)
+            table.add_row(f"  {sum(k['count'] for k in rest)} more in {len(rest)} other kinds",
+                          f"{seconds:.2f}", pct(seconds))
+        for i, r in longest_failures(report, LONGEST):
+            what = f"{r['mode']} after {r.get('reason') or 'a failure'}"
+            table.add_row(f"  longest: failure {i}{_who(r)}, {what}", f"{r['recovery_s']:.2f}", "",
+                          style="dim")
     table.add_row("process lifetimes", str(report.lifetimes), "")
     if report.idle_s > 0:
         table.add_row("idle between runs (excluded)", f"{report.idle_s:.2f}", "")
     return table
+
+
+def _who(r: dict[str, Any]) -> str:
+    return failure_who(Failure(0.0, r.get("rank"), "", process=r.get("process")))
 
 
 def failure_who(f: Failure) -> str:
@@ -152,16 +179,58 @@ def plot_timeline(tl: Timeline, report: GoodputReport, out: Path) -> Path:
     return out
 
 
+def plot_series(series: list[dict[str, Any]], report: GoodputReport, out: Path) -> Path:
+    """A long run's figure: the share of each minute (or coarser) spent productive and in each badput
+    category, from the calculator's series, as stacked areas (a step timeline would be one bar a step)."""
+    from ntp_nemo.errors import require_extra
+
+    matplotlib = require_extra("matplotlib", "plots", "--no-plot", "the timeline plot",
+                               "pass --no-plot for the numbers alone")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    per = max(1, len(series) // 400)  # at most ~400 points across
+    points = [series[i:i + per] for i in range(0, len(series), per)]
+    t0 = series[0]["start"]
+    x = [(p[0]["start"] - t0) / 3600.0 for p in points]
+    names = ["productive", *ev.BADPUT_CATEGORIES]
+
+    def share(p: list[dict[str, Any]], name: str) -> float:
+        total = sum(b["total_s"] for b in p)
+        got = sum(b["productive_s"] if name == "productive" else b["badput_s"][name] for b in p)
+        return 100.0 * got / total if total > 0 else 0.0
+
+    ys = [[share(p, name) for p in points] for name in names]
+    keep = [(name, y) for name, y in zip(names, ys, strict=True) if any(v > 0 for v in y)]
+    fig, ax = plt.subplots(figsize=(12, 3.8))
+    ax.stackplot(x, *[y for _, y in keep], labels=[name for name, _ in keep], step="post")
+    ax.set_xlabel("hours since first event")
+    ax.set_ylabel("% of job time")
+    ax.set_ylim(0, 100)
+    ax.set_title(f"goodput {100 * report.goodput:.1f}%, NTP capacity {100 * report.capacity_fraction:.1f}%, "
+                 f"steps redone: {report.steps_redone}, failures: {report.failures}")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return out
+
+
 def analyse(run_dir: str | Path, plot: bool = True) -> tuple[GoodputReport, Path | None]:
-    """The report for a run directory (or a goodput .jsonl file); writes the timeline PNG beside the file."""
+    """The report for a run directory (or a goodput .jsonl file); writes the timeline PNG beside the file.
+    The numbers come from the incremental calculator reading the file a chunk at a time."""
     file = goodput_path(run_dir)
-    events = load_events(file)
+    calc = GoodputCalculator(bucket_s=SERIES_BUCKET_S, series_buckets=10**9)
     try:
-        tl = build_timeline(events)
-        report = breakdown(tl)
-    except (ValueError, KeyError) as err:
+        calc = replay_file(file, calc)
+        report = calc.report()
+    except (ValueError, KeyError, TypeError) as err:
         raise ConfigError("run_dir", f"{file} holds inconsistent goodput events: {err}.") from None
-    png = plot_timeline(tl, report, file.parent / TIMELINE_PNG) if plot else None
+    png = None
+    if plot and calc.events_fed <= STEP_TIMELINE_MAX_EVENTS:
+        png = plot_timeline(build_timeline(load_events(file)), report, file.parent / TIMELINE_PNG)
+    elif plot:
+        png = plot_series(calc.series(), report, file.parent / TIMELINE_PNG)
     return report, png
 
 
