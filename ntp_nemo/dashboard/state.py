@@ -276,24 +276,36 @@ def incidents(events: list[dict[str, Any]], faults: list[dict[str, Any]], t0: fl
     return out[-MAX_INCIDENTS:]
 
 
-def checkpoints(directory: Path) -> list[dict[str, Any]]:
-    """Each `step_NNNNNN` directory: step, bytes, and valid (the manifest's size checks) or what is wrong."""
-    out = []
+def checkpoints(directory: Path, checked: dict[str, tuple[tuple, str | None]] | None = None
+                ) -> list[dict[str, Any]]:
+    """Each `step_NNNNNN` directory: step, bytes, and valid (the manifest's size checks) or what is wrong.
+    `checked`: earlier verdicts by name and the directory's stamp (inode, mtime, file sizes), reused while
+    the stamp holds (a committed checkpoint does not change; checking one reads its whole index)."""
+    out: list[dict[str, Any]] = []
     if not directory.is_dir():
         return out
+    checked = {} if checked is None else checked
     for p in sorted(directory.iterdir()):
         m = re.fullmatch(r"step_(\d+)(\..*)?", p.name)
         if not m or not p.is_dir():
             continue
         try:
-            size = sum(f.stat().st_size for f in p.iterdir() if f.is_file())
+            st = p.stat()
+            sizes = tuple(sorted((f.name, f.stat().st_size) for f in p.iterdir() if f.is_file()))
         except OSError:
-            size = None
-        try:
-            problem = checkpoint_problem(p)
-        except (OSError, ValueError, ConfigError) as err:
-            problem = str(err)
-        out.append({"name": p.name, "step": int(m.group(1)), "size_bytes": size,
+            st, sizes = None, ()
+        stamp = (st.st_ino, st.st_mtime_ns, sizes) if st is not None else None
+        hit = checked.get(p.name)
+        if stamp is not None and hit is not None and hit[0] == stamp:
+            problem = hit[1]
+        else:
+            try:
+                problem = checkpoint_problem(p)
+            except (OSError, ValueError, ConfigError) as err:
+                problem = str(err)
+            if stamp is not None:
+                checked[p.name] = (stamp, problem)
+        out.append({"name": p.name, "step": int(m.group(1)), "size_bytes": sum(n for _, n in sizes) or None,
                     "valid": problem is None, "problem": problem})
     return out
 
@@ -388,6 +400,7 @@ class RunReader:
     run_dir: Path
     _metrics: _Metrics = field(init=False)
     _goodput: _Goodput = field(init=False)
+    _checked: dict[str, tuple[tuple, str | None]] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self._metrics = _Metrics(self.run_dir / "metrics.jsonl")
@@ -442,7 +455,7 @@ class RunReader:
             "layout": layout_view(nominal, rows, events, beats, status != "running"),
             "goodput": gp,
             "timeline": incidents(events, faults, t0),
-            "checkpoints": checkpoints(d / "checkpoints"),
+            "checkpoints": checkpoints(d / "checkpoints", self._checked),
             "summary": summary if isinstance(summary, dict) else None,
             "bad_lines": {"metrics.jsonl": self._metrics.bad_lines,
                           ev.GOODPUT_FILENAME: self._goodput.bad_lines},
