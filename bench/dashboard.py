@@ -45,7 +45,8 @@ def start_dashboard(run_dir: Path, log: Path, timeout: float = 60.0) -> tuple[su
     """`ntp-dashboard run_dir` in its own process; returns it with its port and token once it printed them."""
     run_dir.mkdir(parents=True, exist_ok=True)
     out = log.open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "ntp_nemo.dashboard.cli", str(run_dir)], stdout=out,
+    proc = subprocess.Popen([sys.executable, "-m", "ntp_nemo.dashboard.cli", str(run_dir),  # stops with us
+                             "--parent", str(os.getpid())], stdout=out,
                             stderr=subprocess.STDOUT, start_new_session=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
     deadline = time.monotonic() + timeout
@@ -105,6 +106,7 @@ def main() -> None:
     ap.add_argument("--idle", type=int, default=200, help="idle connections held open to the dashboard")
     ap.add_argument("overrides", nargs="*", help="extra ntp-train overrides applied to both sides")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill stops the runs and the dashboard too
     overrides = [*SINGLE, *QUIET, f"trainer.max_steps={args.steps}", *args.overrides]
     print(f"dashboard: ntp-train {' '.join(overrides)}, served by ntp-dashboard and polled by {args.pages} "
           f"page(s) every second with {args.idle} idle connections  vs  unwatched; {args.rounds} rounds of "
