@@ -157,9 +157,17 @@ class LiveRecovery(Callback, RecoveryHooks):
         before their update and applied by the others, the survivors would recover one step apart, and
         the ranks behind serve as no source (they take the step as done from the others' state; a shard
         only they still held would end the live path)."""
-        if self._aborts != epoch and uses_nccl(self.backend):
+        if not uses_nccl(self.backend):
+            return
+        from ntp_nemo.resilience.nccl_abort import nccl_errors
+
+        # NCCL's own watchdog (TORCH_NCCL_ASYNC_ERROR_HANDLING=2) aborts a communicator that timed out or
+        # failed without `interrupt` counting it: its error counts as an abort.
+        errors = nccl_errors() if self._aborts == epoch else []
+        if self._aborts != epoch or errors:
+            why = f" ({'; '.join(errors)})" if errors else ""
             raise GenerationAborted(f"generation {self.generation.index if self.generation else '?'} was "
-                                    "aborted during this step; it is not applied and is redone")
+                                    f"aborted during this step{why}; it is not applied and is redone")
 
     def _watch_failures(self) -> None:
         """NCCL under ntp-train: a collective blocked on a lost peer neither fails nor returns, so a thread
@@ -184,6 +192,10 @@ class LiveRecovery(Callback, RecoveryHooks):
         return self.launcher(strategy) if self.launcher is not None else None
 
     def init_process_group(self, strategy: Any) -> bool:
+        if uses_nccl(strategy.process_group_backend):  # generation 0 too, as `rendezvous.join` does later
+            from ntp_nemo.resilience.nccl_abort import prepare_nccl_env
+
+            prepare_nccl_env()  # a lost peer must not make NCCL's watchdog end this survivor
         if self.joining is not None:  # a repaired process: it joins the running job's generation
             self.joining.init_process_group(strategy)
             return True

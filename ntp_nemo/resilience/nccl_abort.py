@@ -83,6 +83,29 @@ def _nccl_backend(group: Any = None) -> Any:
         return None
 
 
+def nccl_errors() -> list[str]:
+    """Process groups of the current generation whose NCCL backend reports an error (`Backend.get_error`:
+    a timeout or a communicator error that NCCL's watchdog met and, under
+    `TORCH_NCCL_ASYNC_ERROR_HANDLING=2`, aborted the communicator for, without anyone calling
+    `abort_generation`): a step whose collectives ran on such a group may hold garbage.  Empty without
+    NCCL or without a group."""
+    if not dist.is_available() or not dist.is_initialized() or not uses_nccl(world_backend()):
+        return []
+    from torch._C._distributed_c10d import ErrorType
+
+    ok = ErrorType.SUCCESS
+    found = []
+    for pg in list(dist.distributed_c10d._world.pg_map):
+        backend = _nccl_backend(pg)
+        try:
+            error = backend.get_error() if backend is not None else ok
+        except Exception:  # noqa: BLE001 - a backend without the query, or one already destroyed
+            continue
+        if error != ok:
+            found.append(f"{getattr(pg, 'group_name', '?')}: {getattr(error, 'name', error)}")
+    return found
+
+
 def can_shrink() -> bool:
     """Whether `torch.distributed.shrink_group` can end this generation: present in torch, NCCL >= 2.27
     and the default group's NCCL backend supports shrinking."""
@@ -124,4 +147,5 @@ def abort_generation(store: Any = None, lost: Sequence[int] | None = None) -> st
     return "abort"
 
 
-__all__ = ["abort_generation", "can_shrink", "nccl_version", "prepare_nccl_env", "uses_nccl", "world_backend"]
+__all__ = ["abort_generation", "can_shrink", "nccl_errors", "nccl_version", "prepare_nccl_env", "uses_nccl",
+           "world_backend"]

@@ -5,6 +5,7 @@ communicators need GPUs: tests/gpu/test_live_nccl.py."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from types import SimpleNamespace
@@ -135,3 +136,36 @@ def test_a_watcher_thread_unblocks_a_collective_in_flight():
     assert r["outcome"] != "completed" and r["paths"] == ["abort"], r
     assert r["waited"] < 10, r  # the group's timeout is 60 s: the abort, not a timeout, ended it
     assert r["initialized"] is False and codes == [0, 0]
+
+
+def test_a_watchdog_abort_counts_as_an_abort_of_the_step(gloo_world, monkeypatch):
+    """NCCL's watchdog (TORCH_NCCL_ASYNC_ERROR_HANDLING=2) aborts a communicator that timed out without
+    the watcher's `interrupt` counting it: the backend's error makes the step's check refuse the step,
+    as an abort the watcher made does (the check let it through before)."""
+    from torch._C._distributed_c10d import ErrorType
+
+    from ntp_nemo.resilience.live_worker import GenerationAborted, LiveRecovery
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: MIXED)
+    live = LiveRecovery("ntp")
+    live.backend = MIXED
+    epoch = live.abort_epoch()
+    assert nccl_abort.nccl_errors() == []  # no NCCL backend reports an error
+    live.check_generation(epoch)
+    timed_out = SimpleNamespace(get_error=lambda: ErrorType.TIMEOUT)
+    monkeypatch.setattr(nccl_abort, "_nccl_backend", lambda group=None: timed_out)
+    assert [e.split(": ")[-1] for e in nccl_abort.nccl_errors()] == ["TIMEOUT"]
+    with pytest.raises(GenerationAborted, match="TIMEOUT"):
+        live.check_generation(epoch)
+
+
+def test_generation_0_of_a_live_run_gets_the_nccl_environment(monkeypatch):
+    """The first generation of a local live run (the strategy's own process group, not `rendezvous.join`)
+    is created with the watchdog told to let a survivor live, as every later generation is."""
+    from ntp_nemo.resilience.live_worker import LiveRecovery
+
+    monkeypatch.delenv(nccl_abort.ASYNC_ERROR_HANDLING, raising=False)
+    assert LiveRecovery("ntp").init_process_group(SimpleNamespace(process_group_backend="gloo")) is False
+    assert nccl_abort.ASYNC_ERROR_HANDLING not in os.environ
+    assert LiveRecovery("ntp").init_process_group(SimpleNamespace(process_group_backend=MIXED)) is False
+    assert os.environ[nccl_abort.ASYNC_ERROR_HANDLING] == nccl_abort.CLEAN_UP_ONLY
