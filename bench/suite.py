@@ -4,15 +4,16 @@ command, one results table, and the current-results section of docs/benchmarks.m
     python bench/suite.py --list                 # every bench/*.py, those of the suite marked
     python bench/suite.py --quick [--only a,b]   # each comparison in its quick mode; prints the table
     python bench/suite.py --quick --write        # ... and writes it into docs/benchmarks.md
+    python bench/suite.py --full --only a        # a comparison's full command (minutes to an hour)
     python -m bench ...                          # the same
 
 Each comparison runs as its own process (`python -m bench.NAME ARGS`, so a crash or a hang of one is its
-row's, bounded by `--timeout`), and its figures are read from the lines it prints. A row the run did not
-measure (a GPU check on a machine without one, a comparison left out with `--only`, or one whose quick
-mode would still take too long) keeps the figure docs/benchmarks.md holds, with the command and commit
-that measured it: `--write` only replaces what it re-measured. Quick figures come from short runs on a
-shared machine: read them as a check that the comparison still holds, and the full command's figure as
-the result.
+row's, bounded by `--timeout`), and its figures are read from the lines it prints. The table has a column
+for the full command's figure and one for the quick mode's: a run fills the cells of what it measured
+(with the commit, the date and how long it took) and keeps every other cell as docs/benchmarks.md has it,
+so a figure measured once stays, with its command and commit, until it is measured again. Quick figures
+come from short runs on a shared machine: they say the comparison still holds; the full figure is the
+result.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from __future__ import annotations
 import argparse
 import ast
 import re
+import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,8 +42,8 @@ from tests.shapes import TINY_MODEL  # noqa: E402
 class Figure:
     name: str  # what the figure is, as the table says it
     pattern: str  # a regex over the bench's output; group 1 is the value
-    recorded: str  # the value docs/benchmarks.md first carried (kept until a run measures it)
-    command: str  # the command that printed `recorded`
+    recorded: str  # the full command's figure as first recorded (kept until `--full` measures it)
+    command: str  # the full command (`python bench/NAME.py ARGS`), which printed `recorded`
     commit: str  # the commit whose docs/benchmarks.md recorded it
 
 
@@ -71,7 +74,7 @@ SUITE: tuple[Comparison, ...] = (
                "python bench/checkpoint.py", "0c03901"),
     )),
     Comparison("failover", "recovery time of a lost rank: live reshard over checkpoint restart",
-               ("--live", "--steps", "8", "--fail-step", "4", "--every", "2", *TINY_MODEL), (
+               ("--live", "--steps", "6", "--fail-step", "3", "--every", "2", *TINY_MODEL), (
         Figure("live recovery s / restart recovery s", r"live recovery / restart recovery: ([\d.]+)", "0.16",
                "python bench/failover.py --live --steps 8 --fail-step 4 --every 2 " + " ".join(TINY_MODEL),
                "1ee0c71"),
@@ -101,7 +104,7 @@ SUITE: tuple[Comparison, ...] = (
                "python bench/dry_run.py", "9cbdd9d"),
     )),
     Comparison("gpu_check", "the CUDA path (default recipe, NTP layout, checkpoint, Llama MFU), rehearsed on "
-               "CPU (no GPU figure is recorded yet)", ("--rehearse",), (
+               "CPU (no GPU figure is recorded yet)", ("--rehearse", "--only", "default", "--steps", "2"), (
         Figure("parts ok, CPU rehearsal", r"gpu_check rehearsal: (\d+/\d+) parts ok", "4/4",
                "python bench/gpu_check.py --rehearse", "fb2a0ef"),
     )),
@@ -120,14 +123,20 @@ def listing() -> list[tuple[str, bool, str]]:
     return out
 
 
-def run_quick(c: Comparison, timeout_s: float) -> tuple[dict[str, str], str]:
-    """{figure name: value} that `c`'s quick mode printed, and what happened (for the table's note)."""
-    cmd = [sys.executable, "-m", f"bench.{c.bench}", *(c.quick or ())]
+def full_args(f: Figure) -> list[str]:
+    """The arguments of `f`'s full command (`python bench/NAME.py ARGS`)."""
+    return shlex.split(f.command)[2:]
+
+
+def run(c: Comparison, args: Sequence[str], timeout_s: float) -> tuple[dict[str, str], str]:
+    """{figure name: value} that `python -m bench.NAME ARGS` printed, and how long it took (or why no figure
+    came out)."""
+    cmd = [sys.executable, "-m", f"bench.{c.bench}", *args]
     t0 = time.time()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        return {}, f"quick mode over {timeout_s:.0f} s"
+        return {}, f"over {timeout_s:.0f} s"
     found = {f.name: m.group(1) for f in c.figures if (m := re.search(f.pattern, proc.stdout))}
     if not found:
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
@@ -136,7 +145,11 @@ def run_quick(c: Comparison, timeout_s: float) -> tuple[dict[str, str], str]:
 
 
 def quick_command(c: Comparison) -> str:
-    return " ".join(["python -m", f"bench.{c.bench}", *(a if a else "''" for a in c.quick or ())])
+    return " ".join(["python -m", f"bench.{c.bench}", *(shlex.quote(a) for a in c.quick or ())])
+
+
+HEAD = ["bench", "figure", "full run", "its command (commit)", "quick run",
+        "its command (commit, date, time)"]
 
 
 def current_rows(text: str) -> dict[tuple[str, str], list[str]]:
@@ -146,30 +159,31 @@ def current_rows(text: str) -> dict[tuple[str, str], list[str]]:
     rows = {}
     for line in text.split(BEGIN, 1)[1].split(END, 1)[0].splitlines():
         cells = [x.strip() for x in line.strip().strip("|").split("|")]
-        if len(cells) == 5 and cells[0] not in ("bench", "---"):
+        if len(cells) == len(HEAD) and cells[0] not in ("bench", "---"):
             rows[cells[0].strip("`"), cells[1]] = cells
     return rows
 
 
-def table(measured: dict[tuple[str, str], tuple[str, str]], commit: str, old: dict) -> list[list[str]]:
-    """One row per figure: measured now (value, how long), else the doc's row, else the recorded one."""
-    rows = []
+def table(full: dict[tuple[str, str], tuple[str, str]], quick: dict[tuple[str, str], tuple[str, str]],
+          commit: str, old: dict) -> list[list[str]]:
+    """One row per figure, a full and a quick column: a figure measured now (value, how long), else the
+    doc's cells, else the recorded full figure (and no quick one)."""
+    rows, today = [], time.strftime("%Y-%m-%d")
     for c in SUITE:
         for f in c.figures:
-            if (c.bench, f.name) in measured:
-                value, took = measured[c.bench, f.name]
-                rows.append([f"`{c.bench}`", f.name, value, f"`{quick_command(c)}`",
-                             f"{commit}, quick mode, {time.strftime('%Y-%m-%d')} ({took})"])
-            elif (c.bench, f.name) in old:
-                rows.append(old[c.bench, f.name])
-            else:
-                rows.append([f"`{c.bench}`", f.name, f.recorded, f"`{f.command}`", f.commit])
+            key = (c.bench, f.name)
+            row = old.get(key) or [f"`{c.bench}`", f.name, f.recorded, f"`{f.command}` ({f.commit})", "-",
+                                   f"`{quick_command(c)}`" if c.quick is not None else "no quick mode"]
+            if key in full:
+                row[2:4] = [full[key][0], f"`{f.command}` ({commit}, {today}, {full[key][1]})"]
+            if key in quick:
+                row[4:6] = [quick[key][0], f"`{quick_command(c)}` ({commit}, {today}, {quick[key][1]})"]
+            rows.append(row)
     return rows
 
 
 def render(rows: list[list[str]]) -> str:
-    head = ["bench", "figure", "value", "command", "measured (commit)"]
-    return "\n".join("| " + " | ".join(r) + " |" for r in [head, ["---"] * 5, *rows])
+    return "\n".join("| " + " | ".join(r) + " |" for r in [HEAD, ["---"] * len(HEAD), *rows])
 
 
 def write_doc(text: str, body: str) -> str:
@@ -183,8 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--list", action="store_true", help="list every bench script, those of the suite marked")
     ap.add_argument("--quick", action="store_true", help="run each comparison's quick mode")
+    ap.add_argument("--full", action="store_true", help="run each figure's full command (minutes to an hour)")
     ap.add_argument("--only", default="", help="comma-separated benches of the suite to run")
-    ap.add_argument("--timeout", type=float, default=900.0, help="bound on each comparison (s)")
+    ap.add_argument("--timeout", type=float, default=900.0, help="bound on each command (s)")
     ap.add_argument("--write", action="store_true", help="write the table into docs/benchmarks.md")
     args = ap.parse_args(argv)
     if args.list:
@@ -195,19 +210,26 @@ def main(argv: list[str] | None = None) -> int:
     unknown = only - {c.bench for c in SUITE}
     if unknown:
         ap.error(f"not in the suite: {sorted(unknown)} (see --list)")
-    measured: dict[tuple[str, str], tuple[str, str]] = {}
-    if args.quick:
-        for c in SUITE:
-            if (only and c.bench not in only) or c.quick is None:
-                continue
-            print(f"suite: {quick_command(c)}", flush=True)
-            found, took = run_quick(c, args.timeout)
+    full: dict[tuple[str, str], tuple[str, str]] = {}
+    quick: dict[tuple[str, str], tuple[str, str]] = {}
+    for c in SUITE:
+        if only and c.bench not in only:
+            continue
+        runs = []
+        if args.quick and c.quick is not None:
+            runs.append((quick, list(c.quick), quick_command(c)))
+        if args.full:
+            for command in dict.fromkeys(f.command for f in c.figures):
+                runs.append((full, full_args(next(f for f in c.figures if f.command == command)), command))
+        for into, run_args, shown in runs:
+            print(f"suite: {shown}", flush=True)
+            found, took = run(c, run_args, args.timeout)
             print(f"suite:   {found or 'no figure'} ({took})", flush=True)
-            measured.update({(c.bench, k): (v, took) for k, v in found.items()})
+            into.update({(c.bench, k): (v, took) for k, v in found.items()})
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip() or "unknown"
     text = DOC.read_text()
-    body = render(table(measured, commit, current_rows(text)))
+    body = render(table(full, quick, commit, current_rows(text)))
     print(body)
     if args.write:
         DOC.write_text(write_doc(text, body))
