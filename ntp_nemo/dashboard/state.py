@@ -13,7 +13,8 @@ Sources, all inside the run directory:
   `straggler_recovered` or the next re-layout);
 - `.hydra/run_spec.json`: the nominal layout (replicas, nominal TP, per-layer degrees, stages);
 - `failover/heartbeats/rank_NNNNN.json`: each worker process's latest beat (step, phase, time);
-- `failover/faults/fired_*.json`: injected faults; `checkpoints/step_NNNNNN/`: saved checkpoints;
+- `failover/faults/fired_*.json`: injected faults; `integrity/incidents.jsonl`: integrity findings;
+  `checkpoints/step_NNNNNN/`: saved checkpoints;
 - `summary.json`: the run has ended.
 """
 
@@ -34,6 +35,7 @@ from ntp_nemo.checkpoint.manifest import checkpoint_problem
 from ntp_nemo.data.bounded_json import JSONInputError, read_json
 from ntp_nemo.errors import ConfigError
 from ntp_nemo.goodput.calculator import GoodputCalculator, load_events
+from ntp_nemo.goodput.incidents import load_incidents
 from ntp_nemo.topology.topology import effective_degree
 
 RUN_FILES = ("metrics.jsonl", ev.GOODPUT_FILENAME, "summary.json", "train.log")
@@ -256,22 +258,34 @@ def _details(e: Mapping[str, Any]) -> str:
     return " ".join(parts)
 
 
-def incidents(events: list[dict[str, Any]], faults: list[dict[str, Any]], t0: float) -> list[dict[str, Any]]:
-    """The timeline: every event but the per-step ones, any kind, with what it cost where it says (the
-    newest MAX_INCIDENTS)."""
+def _cost(e: Mapping[str, Any]) -> float | None:
+    for key in ("recovery_s", "blocking_s", "seconds", "cost_s"):
+        value = e.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
+
+
+def incidents(events: list[dict[str, Any]], faults: list[dict[str, Any]], t0: float,
+              findings: list[dict[str, Any]] = (), step_times: Mapping[int, float] | None = None,
+              ) -> list[dict[str, Any]]:
+    """The timeline: every event but the per-step ones, any kind, with what it cost where it says; the
+    injected faults; the integrity findings (`integrity/incidents.jsonl`, placed at the end of their step);
+    the newest MAX_INCIDENTS."""
     out = []
     for f in faults:
         if isinstance(f.get("t"), (int, float)):
             out.append({"t": f["t"] - t0, "event": "fault_injected", "details": _details(f), "cost_s": None})
     for e in events:
-        if e["event"] in QUIET_EVENTS:
-            continue
-        cost = None
-        for key in ("recovery_s", "blocking_s", "seconds", "cost_s"):
-            if isinstance(e.get(key), (int, float)) and not isinstance(e.get(key), bool):
-                cost = float(e[key])
-                break
-        out.append({"t": e["t"] - t0, "event": e["event"], "details": _details(e), "cost_s": cost})
+        if e["event"] not in QUIET_EVENTS:
+            out.append({"t": e["t"] - t0, "event": e["event"], "details": _details(e), "cost_s": _cost(e)})
+    last = max((r["t"] for r in out), default=0.0)
+    for f in findings:
+        if isinstance(f, dict):
+            at = (step_times or {}).get(f.get("step")) if isinstance(f.get("step"), int) else None
+            details = _details({k: v for k, v in f.items() if v is not None})
+            out.append({"t": at - t0 if at is not None else last, "event": "integrity_finding",
+                        "details": details, "cost_s": _cost(f)})
     out.sort(key=lambda r: r["t"])
     return out[-MAX_INCIDENTS:]
 
@@ -454,7 +468,8 @@ class RunReader:
             "markers": {"failures": failure_steps, "relayouts": relayouts},
             "layout": layout_view(nominal, rows, events, beats, status != "running"),
             "goodput": gp,
-            "timeline": incidents(events, faults, t0),
+            "timeline": incidents(events, faults, t0, load_incidents(d), {
+                r["step"]: r["time"] for r in rows if isinstance(r.get("time"), (int, float))}),
             "checkpoints": checkpoints(d / "checkpoints", self._checked),
             "summary": summary if isinstance(summary, dict) else None,
             "bad_lines": {"metrics.jsonl": self._metrics.bad_lines,
