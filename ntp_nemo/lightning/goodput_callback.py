@@ -5,20 +5,18 @@ Only global rank 0 writes. The strategy and other components record their own ev
 so all of a process's events go through one recorder and one state machine.
 
 While training, rank 0 also logs the running goodput through the trainer's loggers (TensorBoard shows
-it live): every `log_every_n_steps` steps (default: the trainer's) it computes the breakdown from the
-events in memory (the file's earlier events, read once, then what its recorder writes) and calls each
-logger's `log_metrics` with `goodput/goodput`, `goodput/progress`, `goodput/capacity_fraction`,
-`goodput/total_s`, `goodput/productive_s` and `goodput/<category>_s` for every badput category.  The
-computation reads every event of the job so far (about 45 us per event on a 2-core CPU); it is
-skipped until the time since the last one is at least `LOG_COST_RATIO` times what that one took, which
-keeps its cost under 1% of the run, and it stops (with one warning) once it would stall rank 0 for
-more than `LOG_COST_MAX_S` (some 20,000 steps of two events): `ntp-goodput RUN_DIR` gives the figures
-at any time.
+it live): every `log_every_n_steps` steps (default: the trainer's) it calls each logger's `log_metrics`
+with `goodput/goodput`, `goodput/progress`, `goodput/capacity_fraction`, `goodput/total_s`,
+`goodput/productive_s` and `goodput/<category>_s` for every badput category (cumulative, the figures
+`ntp-goodput RUN_DIR` prints), and the same over the last `window_s` seconds of job time as
+`goodput/window/goodput`, `goodput/window/total_s`, `goodput/window/productive_s` and
+`goodput/window/<category>_s`.  The figures come from an incremental `GoodputCalculator` fed each event
+as it is recorded (the file's earlier events, read once, first), so each costs the same at step 100,000
+as at step 10 and the logging never stops.
 """
 
 from __future__ import annotations
 
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -27,17 +25,16 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from ntp_nemo.errors import ConfigError
 from ntp_nemo.goodput import events as ev
-from ntp_nemo.goodput.calculator import GoodputReport, compute_goodput, load_events
+from ntp_nemo.goodput.calculator import GoodputCalculator, GoodputReport, WindowFigures, replay_file
 from ntp_nemo.goodput.recorder import GoodputRecorder
 
 DEFAULT_LAYOUT = {"layout": "single", "capacity": 1.0, "tokens_per_step": None}
 DATA_WAIT_FLUSH_S = 0.005  # shorter waits are summed until they reach this, then recorded as one
-LOG_COST_RATIO = 100.0  # running goodput: at least this many times its own cost between two computations
-LOG_COST_MAX_S = 2.0  # ... and never one predicted to stall rank 0 (its peers wait in a collective) longer
+WINDOW_S = 3600.0  # the rolling goodput's window: the last hour of job time
 
 
-def goodput_metrics(report: GoodputReport) -> dict[str, float]:
-    """The scalars a logger receives for a (running) goodput report."""
+def goodput_metrics(report: GoodputReport, window: WindowFigures | None = None) -> dict[str, float]:
+    """The scalars a logger receives for a (running) goodput report and its rolling window."""
     metrics = {
         "goodput/goodput": report.goodput,
         "goodput/progress": report.progress_goodput,
@@ -46,19 +43,24 @@ def goodput_metrics(report: GoodputReport) -> dict[str, float]:
         "goodput/productive_s": report.productive_s,
     }
     metrics.update({f"goodput/{c}_s": report.badput_s[c] for c in ev.BADPUT_CATEGORIES})
+    if window is not None:
+        metrics.update({"goodput/window/goodput": window.goodput, "goodput/window/total_s": window.total_s,
+                        "goodput/window/productive_s": window.productive_s})
+        metrics.update({f"goodput/window/{c}_s": window.badput_s[c] for c in ev.BADPUT_CATEGORIES})
     return metrics
 
 
-def _events_written(path: Path) -> list[dict[str, Any]]:
-    """The events already in the run's file (earlier lifetimes, the launcher's job_start), or none."""
+def _calculator_from(path: Path, window_s: float) -> GoodputCalculator:
+    """A calculator fed the events already in the run's file (earlier lifetimes, the launcher's job_start)."""
+    calc = GoodputCalculator(window_s=window_s)
     if not path.is_file():
-        return []
+        return calc
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a line another process is writing right now
         try:
-            return load_events(path)
-        except ConfigError:
-            return []
+            return replay_file(path, GoodputCalculator(window_s=window_s))
+        except (ConfigError, ValueError, KeyError, TypeError):
+            return calc
 
 
 class GoodputCallback(Callback):
@@ -69,16 +71,14 @@ class GoodputCallback(Callback):
     workers, which inherit this object); otherwise the callback records it at setup."""
 
     def __init__(self, run_dir: str, fsync: bool = True, job_started: bool = False,
-                 log_every_n_steps: int | None = None) -> None:
+                 log_every_n_steps: int | None = None, window_s: float = WINDOW_S) -> None:
         self.run_dir = Path(run_dir)
         self.fsync = fsync
         self.job_started = job_started
         self.log_every_n_steps = log_every_n_steps  # running goodput to the loggers; None: the trainer's
-        self._events: list[dict[str, Any]] | None = None  # the job's events so far, for the running figure
-        self._log_cost_s = 0.0
-        self._log_events = 0  # events the last computation read
-        self._logged_at = float("-inf")
-        self._log_off = False
+        self.window_s = window_s
+        self._calc: GoodputCalculator | None = None  # the job's goodput so far, for the running figures
+        self._kept: list[dict[str, Any]] = []  # events recorded since the calculator last took them
         self._recorder: GoodputRecorder | None = None
         self._is_zero: bool | None = None
         self._open_step: int | None = None
@@ -106,7 +106,7 @@ class GoodputCallback(Callback):
     def set_global_zero(self, is_zero: bool) -> None:
         """This process became (or stopped being) global rank 0 during the run (live recovery)."""
         self._is_zero = is_zero
-        self._events = None  # a new rank 0 reads what the previous one wrote
+        self._calc = None  # a new rank 0 reads what the previous one wrote
 
     def record(self, event: str, **fields: Any) -> None:
         """Record an event on global rank 0 (no-op elsewhere); for the strategy and other components."""
@@ -139,8 +139,7 @@ class GoodputCallback(Callback):
         if stage != "fit":
             return
         self._is_zero = trainer.is_global_zero
-        self._events = None
-        self._log_cost_s, self._log_events, self._log_off = 0.0, 0, False
+        self._calc = None
         self._ended = False
         self._open_step, self._last_step_end = None, -1
         writer = self._writer()
@@ -188,16 +187,32 @@ class GoodputCallback(Callback):
         self._open_step, self._last_step_end = None, step
         self._log_running_goodput(trainer, step)
 
-    def running_report(self) -> GoodputReport | None:
-        """The goodput of the job so far (None off rank 0): the file's events read once, then those
-        this process's recorder writes, kept in memory."""
+    def running_calculator(self) -> GoodputCalculator | None:
+        """The calculator of the job so far (None off rank 0): the file's events read once, then each event
+        this process's recorder writes (the recorder keeps them until taken here)."""
         writer = self._writer()
         if writer is None:
             return None
-        if self._events is None:
-            self._events = writer.remember(lambda: _events_written(writer.path))
+        if self._calc is None:
+            def earlier() -> list[dict[str, Any]]:  # under the recorder's lock: no event falls in between
+                self._calc = _calculator_from(writer.path, self.window_s)
+                return []
+
+            self._kept = writer.remember(earlier)
+        calc = self._calc
+        assert calc is not None
+        kept = self._kept
+        if kept:
+            taken = kept[:]  # another thread may append meanwhile: only what was taken goes
+            del kept[: len(taken)]
+            calc.feed_all(taken)
+        return calc
+
+    def running_report(self) -> GoodputReport | None:
+        """The goodput of the job so far (None off rank 0, or before the calculator can place any time)."""
+        calc = self.running_calculator()
         try:
-            return compute_goodput(self._events)
+            return calc.report() if calc is not None else None
         except ValueError:  # no events yet, or one the calculator cannot place: no figure this time
             return None
 
@@ -206,22 +221,11 @@ class GoodputCallback(Callback):
         every = self.log_every_n_steps or int(getattr(trainer, "log_every_n_steps", 0) or 0)
         if not loggers or not self._is_zero or every <= 0 or step % every:
             return
-        now = time.monotonic()
-        if self._log_off or now - self._logged_at < LOG_COST_RATIO * self._log_cost_s:
-            return
-        events = len(self._events) if self._events is not None else 0
-        if self._log_events and self._log_cost_s * events / self._log_events > LOG_COST_MAX_S:
-            self._log_off = True
-            warnings.warn(f"goodput: the running figures are no longer logged: computing them from "
-                          f"{events} events would take over {LOG_COST_MAX_S:g} s; ntp-goodput "
-                          f"{self.run_dir} gives them", stacklevel=2)
-            return
         report = self.running_report()
-        self._log_cost_s, self._logged_at = time.monotonic() - now, now
-        self._log_events = len(self._events) if self._events is not None else 0
         if report is None:
             return
-        metrics = goodput_metrics(report)
+        assert self._calc is not None
+        metrics = goodput_metrics(report, self._calc.window())
         for logger in loggers:
             logger.log_metrics(metrics, step=step)
 
@@ -256,7 +260,7 @@ class GoodputCallback(Callback):
         if self._recorder is not None:
             self._recorder.close()
             self._recorder = None
-        self._events = None
+        self._calc, self._kept = None, []
 
     def _finish(self, trainer: Trainer, status: str, **fields: Any) -> None:
         self._close_auto_save(trainer)

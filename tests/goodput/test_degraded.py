@@ -223,18 +223,13 @@ def _scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(s.step, s.value) for s in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-def test_running_goodput_reaches_tensorboard_in_process(tmp_path: Path, monkeypatch) -> None:
+def test_running_goodput_reaches_tensorboard_in_process(tmp_path: Path) -> None:
     """The callback's hook on a stand-in trainer with a real TensorBoardLogger: the earlier lifetime in
     the file (written by another recorder) and the events of this one are both counted."""
     from lightning.pytorch.loggers import TensorBoardLogger
 
     from ntp_nemo.goodput.recorder import GoodputRecorder
-    from ntp_nemo.lightning import goodput_callback
     from ntp_nemo.lightning.goodput_callback import GoodputCallback
-
-    # The stand-in's steps take microseconds: the throttle that spaces the figures by a multiple of their
-    # cost (tested on its own) would skip step 4 whenever computing step 2's took long (a loaded machine).
-    monkeypatch.setattr(goodput_callback, "LOG_COST_RATIO", 0.0)
 
     with GoodputRecorder(tmp_path) as rec:
         rec.record(ev.JOB_START, layout="(2,2)")  # as the launcher writes it before forking
@@ -256,42 +251,56 @@ def test_running_goodput_reaches_tensorboard_in_process(tmp_path: Path, monkeypa
     scalars = _scalars(tmp_path / "tb")
     assert [s for s, _ in scalars["goodput/goodput"]] == [2, 4]
     assert {f"goodput/{c}_s" for c in BADPUT_CATEGORIES} <= set(scalars)
+    assert {f"goodput/window/{c}_s" for c in BADPUT_CATEGORIES} <= set(scalars)
+    assert [s for s, _ in scalars["goodput/window/goodput"]] == [2, 4]
     # The figure at step 4 is the report of every event up to step 4's end (the file's job_start included).
     _, value = scalars["goodput/total_s"][-1]
     assert value == pytest.approx(final.total_s, rel=1e-5)
     assert scalars["goodput/capacity_fraction"][-1][1] == pytest.approx(0.75, rel=1e-6)
 
 
-def test_running_goodput_stops_before_it_would_stall_rank_0(tmp_path: Path, monkeypatch) -> None:
+def test_running_goodput_never_stops_and_equals_the_file_figure(tmp_path: Path) -> None:
+    """Logged at every step it is asked for, however long the job (it used to stop after some 20,000
+    steps); what the loggers receive at a step is exactly the batch figure of the file up to that step,
+    including a live recovery and a rejoin recorded through the callback as the strategy records them."""
+    from ntp_nemo.goodput.calculator import breakdown, build_timeline
     from ntp_nemo.lightning import goodput_callback as gc
 
     class Sink:
         def __init__(self) -> None:
-            self.steps: list[int] = []
+            self.logged: dict[int, dict] = {}
 
         def log_metrics(self, metrics: dict, step: int) -> None:
-            assert metrics["goodput/total_s"] >= 0
-            self.steps.append(step)
+            self.logged[step] = metrics
 
     sink = Sink()
-    cb = gc.GoodputCallback(str(tmp_path))
+    cb = gc.GoodputCallback(str(tmp_path), window_s=3600.0)
     cb.set_global_zero(True)
-    trainer = SimpleNamespace(loggers=[sink], log_every_n_steps=1, global_step=0, strategy=None)
+    strategy = SimpleNamespace(layout_info={"layout": "(2,2)", "capacity": 1.0})
+    trainer = SimpleNamespace(loggers=[sink], log_every_n_steps=7, global_step=0, strategy=strategy)
     module = SimpleNamespace(last_step={"tokens": 64})
+    cb.setup(SimpleNamespace(is_global_zero=True, **vars(trainer)), module, "fit")
     cb.on_train_start(trainer, module)
-
-    def run_steps(first: int, count: int) -> None:
-        for step in range(first, first + count):
-            trainer.global_step = step - 1
-            cb.on_train_batch_start(trainer, module, None, step - 1)
-            trainer.global_step = step
-            cb.on_train_batch_end(trainer, module, None, None, step - 1)
-
-    monkeypatch.setattr(gc, "LOG_COST_RATIO", 0.0)  # log at every step while it is cheap
-    run_steps(1, 3)
-    assert sink.steps == [1, 2, 3]
-    monkeypatch.setattr(gc, "LOG_COST_MAX_S", 0.0)  # any further computation would stall too long
-    with pytest.warns(UserWarning, match="no longer logged"):
-        run_steps(4, 1)
-    run_steps(5, 2)
-    assert sink.steps == [1, 2, 3]
+    checked = 0
+    for step in range(1, 300):
+        trainer.global_step = step - 1
+        cb.on_train_batch_start(trainer, module, None, step - 1)
+        if step == 100:  # a rank lost inside the step, resharded live; its replacement rejoins at 150
+            cb.record(ev.FAILURE_DETECTED, rank=3, reason="collective error", step=step)
+            cb.record(ev.RECOVERY_DONE, layout="(2,1)", step=step, mode="live", recovery_s=1e-4)
+            strategy.layout_info = {"layout": "(2,1)", "capacity": 0.75}
+        if step == 150:
+            cb.record(ev.RECOVERY_DONE, layout="(2,2)", step=step, mode="live", rejoin=True, recovery_s=1e-4)
+            strategy.layout_info = {"layout": "(2,2)", "capacity": 1.0}
+        trainer.global_step = step
+        cb.on_train_batch_end(trainer, module, None, None, step - 1)
+        if step in (105, 154, 294):
+            batch = breakdown(build_timeline(load_events(tmp_path)))
+            assert sink.logged[step] == gc.goodput_metrics(batch, cb.running_calculator().window())
+            checked += 1
+    assert checked == 3
+    assert sorted(sink.logged) == list(range(7, 300, 7))
+    last = sink.logged[294]
+    assert last["goodput/degraded_throughput_s"] > 0 and last["goodput/reshard_s"] > 0
+    # the hour's window holds the whole job here: its figures add up to the cumulative ones
+    assert last["goodput/window/total_s"] == pytest.approx(last["goodput/total_s"], rel=1e-6)
