@@ -360,11 +360,14 @@ def layout_view(nominal: Mapping[str, Any] | None, rows: list[dict[str, Any]], e
     else:
         state = "repaired" if failures else "full"
     straggling: dict[int, Any] = {}  # rank -> measured speed, while it straggles
+    excluded = False  # the newest loss was a straggler taken out of the job (fault.straggler=exclude)
     for e in events:
         if e["event"] == ev.STRAGGLER and isinstance(e.get("rank"), int):
             straggling[e["rank"]] = e.get("speed")
         elif e["event"] == ev.STRAGGLER_RECOVERED and isinstance(e.get("rank"), int):
             straggling.pop(e["rank"], None)
+        elif e["event"] == ev.FAILURE_DETECTED:
+            excluded = e.get("rank") in straggling
         elif e["event"] == ev.RECOVERY_DONE:  # a new layout numbers the ranks anew
             straggling.clear()
     newest_failure = failures[-1]["t"] if failures else None
@@ -388,7 +391,7 @@ def layout_view(nominal: Mapping[str, Any] | None, rows: list[dict[str, Any]], e
                 elif active == 0:
                     slot_state = "excluded"
                 else:
-                    slot_state = "rejoining" if rejoining else "lost"
+                    slot_state = "rejoining" if rejoining else ("excluded" if excluded else "lost")
                 slots.append({"slot": s, "rank": r, "state": slot_state, "speed": straggling.get(r)})
             stages.append(slots)
         if sizes is None:
