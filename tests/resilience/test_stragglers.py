@@ -262,3 +262,11 @@ def test_the_slow_device_stays_with_its_process_when_ranks_are_renumbered(tmp_pa
     assert (step("slow", 1, 3), step("other", 2, 3)) == (0.5, 1.0)
     assert (step("slow", 0, 5), step("other", 1, 5)) == (0.5, 1.0)  # renumbered
     assert (step("slow", 0, 7), step("other", 1, 7)) == (1.0, 1.0)  # the device is fine again
+
+
+def test_bad_factor_exits_2_naming_the_key(tmp_path):
+    from tests.conftest import run_cli
+
+    proc = run_cli(["fault=slow", "fault.factor=2", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert proc.returncode == 2 and "fault.factor" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()
