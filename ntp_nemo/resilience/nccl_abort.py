@@ -106,6 +106,29 @@ def nccl_errors() -> list[str]:
     return found
 
 
+def drain_device(timeout_s: float = 60.0) -> bool:
+    """After an abort: wait, at most `timeout_s`, until no work of this process's GPU is in flight (every
+    stream: the aborted collectives' kernels end with their communicators; an optimizer step's or an
+    all-gather's writes into the parameters must not land after the recovery read them).  True when the
+    device is idle (or CUDA was never initialised here), False when it did not drain in time."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return True
+    import threading
+
+    done = threading.Event()
+
+    def sync() -> None:
+        try:
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001 - an aborted communicator's error surfaces here: the work ended
+            pass
+        finally:
+            done.set()
+
+    threading.Thread(target=sync, name="ntp-drain-device", daemon=True).start()
+    return done.wait(timeout_s)
+
+
 def can_shrink() -> bool:
     """Whether `torch.distributed.shrink_group` can end this generation: present in torch, NCCL >= 2.27
     and the default group's NCCL backend supports shrinking."""
@@ -147,5 +170,5 @@ def abort_generation(store: Any = None, lost: Sequence[int] | None = None) -> st
     return "abort"
 
 
-__all__ = ["abort_generation", "can_shrink", "nccl_errors", "nccl_version", "prepare_nccl_env", "uses_nccl",
-           "world_backend"]
+__all__ = ["abort_generation", "can_shrink", "drain_device", "nccl_errors", "nccl_version",
+           "prepare_nccl_env", "uses_nccl", "world_backend"]

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ntp_nemo.launch.loopback import LOOPBACK, host_loopback_store, loopback_listener
-from ntp_nemo.resilience.nccl_abort import abort_generation, prepare_nccl_env, uses_nccl
+from ntp_nemo.resilience.nccl_abort import abort_generation, drain_device, prepare_nccl_env, uses_nccl
 from ntp_nemo.resilience.sockets import sever
 from ntp_nemo.resilience.store_auth import (
     JobStore,
@@ -119,6 +119,8 @@ def leave(store: JobStore | None = None) -> None:
         return
     if uses_nccl(dist.get_backend()):
         abort_generation(store)
+        if not drain_device():  # nothing of the old generation may still write into this process's tensors
+            raise RuntimeError("the GPU did not finish its work within 60 s of the generation's abort")
         return
     if store is not None and dist.get_backend() == "gloo":
         sever(store)

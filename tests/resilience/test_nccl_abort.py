@@ -169,3 +169,20 @@ def test_generation_0_of_a_live_run_gets_the_nccl_environment(monkeypatch):
     assert nccl_abort.ASYNC_ERROR_HANDLING not in os.environ
     assert LiveRecovery("ntp").init_process_group(SimpleNamespace(process_group_backend=MIXED)) is False
     assert os.environ[nccl_abort.ASYNC_ERROR_HANDLING] == nccl_abort.CLEAN_UP_ONLY
+
+
+def test_leave_waits_for_the_gpu_to_finish_after_the_abort(gloo_world, monkeypatch):
+    """On NCCL, `leave` aborts the communicators and then waits (bounded) until the GPU has no work in
+    flight, so nothing of the old generation writes into tensors the recovery reads; a device that does
+    not drain ends the live path with an error instead of a recovery from tensors still being written."""
+    order = []
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: MIXED)
+    monkeypatch.setattr("ntp_nemo.resilience.rendezvous.abort_generation",
+                        lambda store=None: order.append("abort") or nccl_abort.abort_generation(store))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: order.append("synchronize"))
+    leave()
+    assert order == ["abort", "synchronize"] and not dist.is_initialized()
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: time.sleep(5))
+    assert nccl_abort.drain_device(timeout_s=0.2) is False
