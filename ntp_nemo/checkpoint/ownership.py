@@ -10,6 +10,7 @@ needs no further communication and gives every rank the same answer.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -44,7 +45,8 @@ def assign_pieces(holdings: Sequence[Mapping[str, ShardSpec]],
     boxes: list[tuple[int, str, int, ShardSpec, list[int]]] = []  # (elements, name, index, piece, holders)
     for name in names:
         held = [(r, h[name]) for r, h in enumerate(holdings) if name in h]
-        if any(s.is_block for _, s in held):  # some rank holds a block: pieces are boxes
+        if any(s.is_block or not _same_tensor(held[0][1], s) for _, s in held):
+            # some rank holds a block (or another pattern splits another dim): pieces are boxes
             boxes.extend((math.prod(piece.local_shape), name, i, piece, holders)
                          for i, (piece, holders) in enumerate(_box_pieces(held)))
             continue
@@ -85,9 +87,9 @@ def assign_pieces(holdings: Sequence[Mapping[str, ShardSpec]],
 
 
 def _box_pieces(held: Sequence[tuple[int, ShardSpec]]) -> list[tuple[ShardSpec, list[int]]]:
-    """The common refinement of the boxes (element ranges per dim) that ranks hold of one 2D tensor, some
-    block-sharded (`ntp.pattern=block`): each piece as a block spec of one-element units, with its
-    holders."""
+    """The common refinement of the boxes (element ranges per dim) that ranks hold of one tensor (1D or 2D)
+    some hold as a block (`ntp.pattern=block`) or split along another dim: each piece as a spec of
+    one-element units (a block spec in 2D), with its holders."""
     shape = held[0][1].global_shape
     for _, spec in held[1:]:
         if spec.global_shape != shape:
@@ -95,12 +97,15 @@ def _box_pieces(held: Sequence[tuple[int, ShardSpec]]) -> list[tuple[ShardSpec, 
     spans = [(r, [(o, o + n) for o, n in zip(s.offsets, s.local_shape, strict=True)]) for r, s in held]
     cuts = [sorted({x for _, span in spans for x in span[d]}) for d in range(len(shape))]
     out = []
-    for a0, b0 in zip(cuts[0][:-1], cuts[0][1:], strict=False):
-        for a1, b1 in zip(cuts[1][:-1], cuts[1][1:], strict=False):
-            holders = [r for r, span in spans if span[0][0] <= a0 and b0 <= span[0][1]
-                       and span[1][0] <= a1 and b1 <= span[1][1]]
-            if holders:
-                out.append((ShardSpec.block(shape, (0, 1, a0, b0), (1, 1, a1, b1)), holders))
+    for box in itertools.product(*(list(zip(c[:-1], c[1:], strict=False)) for c in cuts)):
+        holders = [r for r, span in spans
+                   if all(s[0] <= a and b <= s[1] for s, (a, b) in zip(span, box, strict=True))]
+        if not holders:
+            continue
+        if len(box) == 1:
+            out.append((ShardSpec.split(shape, 0, 1, *box[0]), holders))
+        else:
+            out.append((ShardSpec.block(shape, (0, 1, *box[0]), (1, 1, *box[1])), holders))
     return out
 
 

@@ -133,7 +133,9 @@ def build_sync_plans(
         shapes = {d[0] for _, d in entries}
         if len(shapes) != 1:
             raise RuntimeError(f"parameter {name} has different global shapes across ranks: {shapes}")
-        if any(len(d) > 6 for _, d in entries):  # a block-sharded weight: boxes, refined on both dims
+        if any(len(d) > 6 for _, d in entries) or len({d[1:3] for _, d in entries}) > 1:
+            # a block-sharded weight, or one split along different dims (or units) by different patterns:
+            # boxes of elements, refined on every split dim
             _plan_boxes(name, entries, plans, sets, replica_of)
             continue
         bounds = sorted({d[3] for _, d in entries} | {d[4] for _, d in entries})

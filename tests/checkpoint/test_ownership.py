@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from ntp_nemo.checkpoint.ownership import assign_pieces, write_pieces
 from ntp_nemo.topology.shard import ShardSpec, unit_interval
@@ -100,7 +101,23 @@ def test_write_pieces_of_a_tp2_and_a_tp3_replica_by_hand():
     assert all(p.global_shape == SHAPE and p.dim == 0 for p in pieces)
 
 
-def test_inconsistent_sharding_is_an_error():
-    holdings = [{"w": _spec(0, 6)}, {"w": ShardSpec.split(SHAPE, 1, 1, 0, 5)}]
-    with pytest.raises(RuntimeError, match="sharded differently"):
+def test_different_global_shapes_are_an_error():
+    holdings = [{"w": _spec(0, 6)}, {"w": ShardSpec.split((12, 6), 1, 1, 0, 6)}]
+    with pytest.raises(RuntimeError, match="shapes"):
         write_pieces(1, holdings)
+
+
+def test_splits_along_different_dims_are_written_once_as_boxes():
+    """Replicas of different sharding patterns (`ntp.pattern`) split one tensor along different dims
+    (rows on one, a 2D block or columns on another): the pieces are boxes of the common refinement, every
+    element written by exactly one rank holding it."""
+    holdings = [{"w": _spec(0, 6)}, {"w": _spec(6, 12)}, {"w": ShardSpec.split(SHAPE, 1, 1, 0, 5)},
+                {"w": ShardSpec.block(SHAPE, (0, 1, 4, 12), (1, 1, 2, 5))}]
+    written = torch.zeros(SHAPE, dtype=torch.int64)
+    for rank, pieces in enumerate(assign_pieces(holdings)):
+        held = holdings[rank]["w"]
+        for piece in pieces["w"]:
+            assert all(h <= o and o + n <= h + m for o, n, h, m in
+                       zip(piece.offsets, piece.local_shape, held.offsets, held.local_shape, strict=True))
+            piece.narrow(written).add_(1)
+    assert torch.equal(written, torch.ones(SHAPE, dtype=torch.int64))

@@ -58,10 +58,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor, name: str) -> float:
     return float((a - b).abs().max() / (1.0 if name.endswith("k_proj.bias") else b.abs().max()))
 
 
-def block_worker(rank: int, world: int, cfg: ModelConfig, pattern: tuple[str, ...]) -> dict:
+def block_worker(rank: int, world: int, cfg: ModelConfig, pattern: tuple[str, ...],
+                 replica_tp: tuple[int, ...] | None = None, micro: tuple = MICRO) -> dict:
+    """Rank `rank` of replicas `replica_tp` (default: one of `world` ranks) on per-slot `pattern`, trained
+    through `train_step` on its replica's share of the micro-batches `micro`, against the plain run."""
     torch.set_num_threads(1)
     slots = cfg.num_layers + 2
-    layout = ResolvedLayout.make(Topology(world, [world], [world] * slots), num_microbatches=len(MICRO),
+    replica_tp = list(replica_tp or [world])
+    tp = max(replica_tp)
+    layout = ResolvedLayout.make(Topology(tp, replica_tp, [tp] * slots), num_microbatches=len(micro),
                                  pattern=pattern)
     state = assemble(layout, rank, cfg, OPTIM, "cpu", seed=SEED, param_dtype=torch.float64)
     ref_losses, ref_norms, ref_grads, ref_params = _plain_run(cfg)
@@ -73,8 +78,8 @@ def block_worker(rank: int, world: int, cfg: ModelConfig, pattern: tuple[str, ..
             for n, p in state.model.named_parameters():
                 worst["grad"] = max(worst["grad"], _rel(p.grad, p.ntp_spec.narrow(ref_grads[step][n]), n))
 
-        result = train_step(state, [toks[a:b] for a, b in MICRO], toks[:, 1:].numel(), max_norm=None,
-                            before_update=check_grads)
+        mine = [toks[a:b] for a, b in (micro[i] for i in state.my_microbatches(len(micro)))]
+        result = train_step(state, mine, toks[:, 1:].numel(), max_norm=None, before_update=check_grads)
         worst["loss"] = max(worst["loss"], abs(result.loss - ref_losses[step]) / ref_losses[step])
         worst["norm"] = max(worst["norm"], abs(result.grad_norm - ref_norms[step]) / ref_norms[step])
     worst["param"] = max(_rel(p.detach(), p.ntp_spec.narrow(ref_params[n]), n)
@@ -84,9 +89,14 @@ def block_worker(rank: int, world: int, cfg: ModelConfig, pattern: tuple[str, ..
     return worst
 
 
-def _check(results: list[dict], grid_slots: int) -> None:
+def _check(results: list[dict], grid_slots: int, grid_ranks: int | None = None) -> None:
+    """Every rank within 1e-10; the first `grid_ranks` ranks (default: all) on grids of `grid_slots`
+    slots, the others row/column."""
+    grid_ranks = len(results) if grid_ranks is None else grid_ranks
     for rank, worst in enumerate(results):
-        assert worst.pop("grid_slots") == grid_slots and worst.pop("blocks") > 0
+        on_grid = rank < grid_ranks
+        assert worst.pop("grid_slots") == (grid_slots if on_grid else 0)
+        assert (worst.pop("blocks") > 0) == on_grid
         for key, err in worst.items():
             assert err < 1e-10, f"rank {rank}: {key} rel error {err:.2e}"
 
@@ -111,3 +121,12 @@ def test_2x2_grid_matches_unsharded(name):
 @pytest.mark.slow
 def test_3x3_grid_matches_unsharded():
     _check(run_workers(block_worker, 9, LLAMA_3X3, (BLOCK,) * 3), 3)
+
+
+@pytest.mark.slow
+def test_2x2_grid_beside_a_tp2_replica_matches_unsharded():
+    """Replicas (4, 2) under ntp.pattern=block: the 4-rank replica on a 2x2 grid, the 2-rank one row/column
+    (2 is not a square); their gradients sync across patterns (boxes against 1D intervals) and both
+    follow the unsharded model.  Micro-batches of 2 sequences: the grid takes 2 of them, TP 2 the third."""
+    micro = ((0, 2), (2, 4), (4, 5))
+    _check(run_workers(block_worker, 6, GPT, (BLOCK,) * 4, (4, 2), micro), 4, grid_ranks=4)
