@@ -1,7 +1,9 @@
 """Block (2D, SUMMA) sharding on a q x q grid reproduces the unsharded model (float64): the loss, the
 gradients, the gradient norm and the parameters after two AdamW steps, GPT (tied head, learned
-positions, biases) and Llama (GQA, untied head), on a 2x2 grid, with per-layer mixes of patterns, and on
-a 3x3 grid (uneven blocks: 40 features, 5 heads and 67 vocabulary rows over 3; shared KV heads)."""
+positions, biases) and Llama (GQA, untied head), on a 2x2 grid with per-layer mixes of patterns, on a
+2x2 grid beside a row/column TP-2 replica, and on a 3x3 grid.  Blocks are uneven where q does not divide:
+GPT's 5 heads and 67 vocabulary rows over 2, the 3x3 Llama's 31 vocabulary rows, 20 MLP columns and the
+micro-batch's 5 sequences over 3 (which also shares a KV head between two grid columns)."""
 
 from __future__ import annotations
 
@@ -101,11 +103,10 @@ def _check(results: list[dict], grid_slots: int, grid_ranks: int | None = None) 
             assert err < 1e-10, f"rank {rank}: {key} rel error {err:.2e}"
 
 
+# Per-layer mixes, the grid left and entered at every slot boundary: GPT's embedding (and its tied head)
+# and layer 1 on the grid, layer 0 row/column; Llama's embedding and layer 1 row/column.  Every slot on
+# the grid: GPT beside a TP-2 replica (below) and Llama on the 3x3 grid.
 CASES = {
-    "gpt-block": (GPT, (BLOCK,) * 4),
-    "llama-block": (LLAMA, (BLOCK,) * 4),
-    # per-layer mixes, the grid left and entered at every slot boundary: GPT's embedding (and its tied
-    # head) and layer 1 on the grid, layer 0 row/column; Llama's embedding and layer 1 row/column
     "gpt-mix": (GPT, (BLOCK, ROW_COLUMN, BLOCK, ROW_COLUMN)),
     "llama-mix": (LLAMA, (ROW_COLUMN, BLOCK, ROW_COLUMN, BLOCK)),
 }
