@@ -46,6 +46,7 @@ return s ? {polls: d.polls, status: s.status, layout: document.getElementById('l
             goodput: document.getElementById('goodput-value').dataset.value,
             steps: d.charts['loss-chart'] ? Array.from(d.charts['loss-chart'].data[0]) : [],
             losses: d.charts['loss-chart'] ? Array.from(d.charts['loss-chart'].data[1]) : [],
+            markers: d.markers || null,
             lossScale: d.charts['loss-chart'] ? [d.charts['loss-chart'].scales.y.min,
                                                  d.charts['loss-chart'].scales.y.max] : null} : null;
 """
@@ -156,6 +157,9 @@ def test_page_follows_a_failover_in_chromium(tmp_path):
             metrics = read_metrics(run_dir)
             assert final["steps"] == list(range(1, MAX_STEPS + 1)) == [m["step"] for m in metrics]
             assert final["losses"] == pytest.approx([m["loss"] for m in metrics], rel=1e-12)
+            # the failure and both layout changes are marked on the loss chart
+            assert [f["step"] for f in final["markers"]["failures"]][:1] == [4], final["markers"]
+            assert len(final["markers"]["relayouts"]) >= 2, final["markers"]
             low, high = final["lossScale"]  # the curve is drawn: its axis spans the losses
             assert low is not None and high is not None
             assert low <= min(final["losses"]) <= max(final["losses"]) <= high
