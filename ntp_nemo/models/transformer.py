@@ -233,9 +233,20 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if not self.regular_gqa:  # query heads split inside a KV group: each reads its KV head
             k, v = k.index_select(1, self.kv_of_q), v.index_select(1, self.kv_of_q)
-        elif self.group > 1:  # whole KV groups: SDPA's grouped-query attention reads K/V without copies
+        elif self.group > 1 and sdpa_reads_groups(q):  # SDPA's grouped-query attention: no K/V copies
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        elif self.group > 1:  # each query head's KV head expanded, so a fused kernel runs
+            k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def sdpa_reads_groups(q: torch.Tensor) -> bool:
+    """Whether `scaled_dot_product_attention(..., enable_gqa=True)` runs a fused kernel for `q`: on the
+    CPU (its flash kernel takes grouped K/V in every dtype) and on CUDA in half precision (flash).  On
+    CUDA in float32 only the math kernel takes grouped K/V, which holds the whole score matrix
+    (`b x heads x s x s` floats, saved for the backward); with K/V expanded the memory-efficient kernel
+    runs instead."""
+    return not q.is_cuda or q.dtype in (torch.float16, torch.bfloat16)
 
 
 class MLP(nn.Module):
