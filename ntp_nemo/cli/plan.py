@@ -24,6 +24,10 @@ sqrt(p) x sqrt(p) grid) sharding of every weight matmul at TP mesh.tp on four me
 bytes moved, work between synchronisations), and map where block sharding wins over degrees and link
 bandwidths (a model: ntp_nemo/planner/patterns.py derives it), e.g.
     ntp-plan model=llama3_8b hardware=h100 mesh.tp=64 --patterns
+speeds=[...] (one measured speed in (0, 1] per global rank, 1: as fast as the work model says): instead
+of the ranking, the batch split the straggler watch's rebalance would run at those speeds on a training
+model's or recipe's layout (the mesh, ntp and data keys change it), e.g.
+    ntp-plan model=gpt_tiny mesh.dp=2 mesh.tp=2 ntp.replica_tp=[2,2] speeds=[1,0.5,1,1]
 """
 
 from __future__ import annotations
@@ -306,6 +310,8 @@ def run(argv: Sequence[str]) -> int:
     if unknown:
         raise ConfigError("argv", f"unknown option(s) {unknown}; use --all or --patterns, or pass settings "
                           "as key=value.")
+    if any(a.startswith("speeds=") for a in argv):
+        return print_speed_split(argv)
     argv, train_model, select = training_overrides(argv)
     cfg = load_config(argv)
     fmt = cfg.get("format", "table")
@@ -382,6 +388,39 @@ PATTERN_DEGREES = (4, 9, 16, 25, 36, 49, 64, 100, 144, 256)  # square grids: 2x2
 PATTERN_GBPS = (25.0, 50.0, 100.0, 200.0, 450.0, 900.0, 1800.0)
 
 
+def print_speed_split(argv: Sequence[str]) -> int:
+    """`speeds=[...]`: the rebalanced batch split of a training layout at measured per-rank speeds."""
+    from ntp_nemo.resilience.straggler import predicted_compute_s
+
+    pairs = [(a.partition("=")[0], a.partition("=")[2], a) for a in argv]
+    raw = next(v for k, v, _ in pairs if k == "speeds")
+    rest = [a for k, _, a in pairs if k != "speeds"]
+    if any(k == "run" for k, _, _ in pairs) or training_overrides(rest)[1] is None:
+        raise ConfigError("speeds", "needs a training model or recipe (model=NAME or recipe=NAME, with the "
+                          "mesh, ntp and data keys of the layout), e.g. ntp-plan model=gpt_tiny mesh.dp=2 "
+                          "mesh.tp=2 ntp.replica_tp=[2,2] speeds=[1,0.5,1,1].")
+    try:
+        speeds = [float(v) for v in OmegaConf.from_dotlist([f"s={raw}"]).s]
+    except Exception as err:  # noqa: BLE001 - any parse failure is the key's error
+        raise ConfigError("speeds", f"{raw!r} is not a list of numbers, e.g. speeds=[1,0.5,1,1].") from err
+    spec = _resolved(_compose_training(rest))
+    layout = spec.layout
+    if len(speeds) != layout.world_size or not all(0 < v <= 1 for v in speeds):
+        raise ConfigError("speeds", f"needs one speed in (0, 1] per global rank of layout "
+                          f"{layout.describe()} ({layout.world_size} ranks), got {raw}.")
+    replica = [min(speeds[r] for stage in layout.ranks_of(i) for r in stage) for i in range(layout.dp)]
+    new = layout.with_changes(speeds=None if all(v == 1 for v in replica) else replica)
+    before = predicted_compute_s(layout, 1.0, speeds)
+    after = predicted_compute_s(new, 1.0, speeds)
+    full = predicted_compute_s(layout, 1.0, [1.0] * layout.world_size)
+    print(f"layout {layout.describe()}, {sum(layout.microbatches)} micro-batches per step; replica speeds "
+          f"(slowest rank) {replica}\n"
+          f"  micro-batches per replica: {list(layout.microbatches)} -> {list(new.microbatches)}\n"
+          f"  modelled compute per step (the work model, relative to full speed): {before / full:.3f} -> "
+          f"{after / full:.3f}")
+    return 0
+
+
 def print_patterns(cfg: DictConfig, train_model: DictConfig | None, fmt: str) -> int:
     """`--patterns`: row/column against block sharding of each weight matmul at TP mesh.tp."""
     from ntp_nemo.planner import patterns as pt
@@ -404,11 +443,31 @@ def print_patterns(cfg: DictConfig, train_model: DictConfig | None, fmt: str) ->
               for name, link in (("scale_up", up), ("scale_out", out))}
     wins = pt.block_wins(model, tokens, device, up[1], list(PATTERN_DEGREES), list(PATTERN_GBPS))
     if fmt == "json":
+        recommended, compared = pt.recommend_patterns(rows, model)
         print(json.dumps({"model": model.name, "degree": p, "tokens": tokens, "grid_side": pt.grid_side(p),
-                          "matmuls": [r.to_dict() for r in rows], "step_totals": totals, "block_wins": wins}))
+                          "matmuls": [r.to_dict() for r in rows], "step_totals": totals, "block_wins": wins,
+                          "recommended_pattern": list(recommended), "pattern_times_ms": compared}))
         return 0
     print(format_patterns(model, device, links, p, tokens, rows, totals, wins))
     return 0
+
+
+def _recommendation(model: ModelShape, rows: list[Any]) -> list[str]:
+    """The per-slot `ntp.pattern` the model recommends at this degree and link, and why."""
+    from ntp_nemo.planner import patterns as pt
+
+    chosen, ms = pt.recommend_patterns(rows, model)
+    if all(c == "row_column" for c in chosen):
+        setting = "row_column"
+    elif len(set(chosen)) == 1:
+        setting = chosen[0]
+    else:
+        setting = "[" + ",".join(chosen) + "]"
+    why = [f"{part} {ms['block'][part]:.3f} ms on the grid against {ms['row/column'][part]:.3f} ms "
+           f"row/column" for part in ("layer", "head")] if ms["block"]["layer"] != float("inf") else [
+        "no square grid"]
+    return ["", f"recommended: ntp.pattern={setting} (per slot: embedding, {model.num_layers} layers, head; "
+            f"{'; '.join(why)}; the relayout between slots of different patterns is not modelled)"]
 
 
 def format_patterns(model: ModelShape, device: DeviceModel, links: LinkModel, p: int, tokens: int,
@@ -474,6 +533,7 @@ def format_patterns(model: ModelShape, device: DeviceModel, links: LinkModel, p:
         lines.append(f"  matmuls where block moves fewer bytes: {', '.join(better) or 'none'} (it wins on "
                      "bytes when 3kn + 2mn < 2 (sqrt(p) + 1) m hidden: large grids, many tokens, small "
                      "weights)")
+    lines += _recommendation(model, rows)
     lines += ["", "where block sharding wins: a step's time, block against row/column, by degree (rows) and "
               "link bandwidth (GB/s); + = block faster, [bytes] = block's bytes against 1D's"]
     gbps = sorted({w["gbps"] for w in wins})
