@@ -244,12 +244,17 @@ def _cluster_link(spec: RunSpec):
                           "coordinator serves live recovery only. Start the tasks without NTP_COORDINATOR "
                           "(and without ntp-coordinator: rank 0 hosts the store at MASTER_PORT), or make "
                           "live recovery possible.")
-    from ntp_nemo.resilience.cluster_task import LinkRefused, open_link
+    from ntp_nemo.resilience.cluster_task import LinkCut, LinkRefused, open_link
+    from ntp_nemo.resilience.coordinator import FALLBACK_EXIT
 
     try:
         link = open_link(proc.global_rank, proc.world_size, float(spec.failover.fault.heartbeat_timeout_s))
     except LinkRefused as err:
         raise ConfigError(COORDINATOR_ENV, f"{err}.") from None
+    except LinkCut as err:  # load on the coordinator's link, not a mistake in the config: requeued
+        print(f"error: {err}; exit {FALLBACK_EXIT} (the batch script requeues the job)", file=sys.stderr,
+              flush=True)
+        sys.exit(FALLBACK_EXIT)
     what = "rejoins as" if link.mode == "rejoin" else "trains as"
     print(f"coordinator {link.where}: this task ({proc.launcher} task {proc.global_rank}) {what} process "
           f"{link.place} of {link.world}", flush=True)

@@ -93,6 +93,27 @@ def auth_tag(secret: bytes, nonce: str, task_nonce: str = "") -> str:
     return _mac(secret, "ntp_nemo link hello", nonce, task_nonce)
 
 
+def claim_tag(secret: bytes, claim: str) -> str:
+    """The task's early proof, sent the moment it connects (before the coordinator's nonce arrives): it
+    shows the coordinator that this connection is one of the job's own, so strangers flooding the link
+    cannot push it out while its hello is under way. It proves nothing else (the hello still answers a
+    fresh nonce)."""
+    return _mac(secret, "ntp_nemo link claim", claim)
+
+
+def claim_ok(secret: bytes, msg: dict) -> bool:
+    claim, tag = msg.get("claim"), msg.get("tag")
+    if not isinstance(claim, str) or not isinstance(tag, str) or len(claim) > 64:
+        return False
+    return hmac.compare_digest(tag.encode(), claim_tag(secret, claim).encode())
+
+
+def task_claim(line: Line, secret: bytes) -> bool:
+    """Send the task's claim (`claim_tag`) on a fresh link connection."""
+    claim = secrets.token_hex(16)
+    return line.send({"claim": claim, "tag": claim_tag(secret, claim)})
+
+
 def auth_ok(secret: bytes, nonce: str, tag: object, task_nonce: object = "") -> bool:
     if not isinstance(tag, str) or not isinstance(task_nonce, str):
         return False

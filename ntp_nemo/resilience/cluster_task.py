@@ -27,6 +27,7 @@ import importlib
 import json
 import os
 import queue
+import selectors
 import socket
 import sys
 import threading
@@ -40,6 +41,7 @@ from ntp_nemo.resilience.cluster_protocol import (
     DECLARED_LOST_EXIT,
     LINK_KEY,
     Line,
+    task_claim,
     task_hello,
 )
 from ntp_nemo.resilience.coordinator import FALLBACK_EXIT
@@ -49,6 +51,15 @@ from ntp_nemo.resilience.store_auth import JobStore, connect_cluster_store
 
 class LinkRefused(RuntimeError):
     """The coordinator gave this task no place (its reason is the message)."""
+
+
+class LinkCut(RuntimeError):
+    """The link closed during the hello without a word: the coordinator closed it under load (strangers
+    crowding its link port) or went away. The task connects again until its join timeout."""
+
+
+ANSWER_S = 10.0  # what answers on the link sends its nonce at once: past this, it is not the coordinator
+NO_LINK_S = 30.0  # a store that answers but holds no signed link record this long is not the coordinator's
 
 
 class ClusterLink:
@@ -84,21 +95,42 @@ class ClusterLink:
 
     # ---- start-up ---------------------------------------------------------------------------------
     def open(self) -> ClusterLink:
-        """Connect, authenticate, get a place; exports NTP_PLACE and NTP_WORLD_SIZE for this process."""
+        """Connect, authenticate, get a place; exports NTP_PLACE and NTP_WORLD_SIZE for this process.
+
+        A hello the coordinator cuts (its link port crowded by strangers) is tried again with a growing
+        pause until `timeout_s`; something that answers on the address but is not this job's coordinator
+        (a silent listener, another job's store, a store without the job's link record) is named within
+        seconds."""
         host, port = self.address
-        self.job = connect_cluster_store(host, port, required_by=f"the coordinator's store at {self.where}",
-                                         timeout_s=self.timeout_s)
-        link_port = int(self.job.wait_for(LINK_KEY, self.timeout_s))
-        sock = socket.create_connection((host, link_port), timeout=self.timeout_s)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.line = Line(sock)
-        self.job.keep_fds.add(sock.fileno())  # severing a generation leaves the link alone
-        nonce = self._next().get("nonce")
-        if not isinstance(nonce, str):
-            raise LinkRefused(f"what answers at {host}:{link_port} is not ntp-coordinator's link")
-        task_hello(self.line, self.job.secret, nonce, want=self.want, ntasks=self.ntasks,
-                   host=socket.gethostname(), pid=os.getpid())
-        reply = self._next()
+        deadline = time.monotonic() + self.timeout_s
+        slow = threading.Timer(ANSWER_S, self.say, (
+            f"coordinator {self.where}: nothing has answered there as a store for {ANSWER_S:.0f} s; "
+            f"waiting up to {self.timeout_s:.0f} s (is NTP_COORDINATOR this job's `ntp-coordinator` "
+            "address?)",))
+        slow.daemon = True
+        slow.start()
+        try:
+            self.job = connect_cluster_store(host, port, timeout_s=self.timeout_s,
+                                             required_by=f"the coordinator's store at {self.where}")
+        finally:
+            slow.cancel()
+        link_port = self._link_port(deadline)
+        pause, said = 0.05, False
+        while True:
+            try:
+                reply = self._hello(host, link_port)
+                break
+            except LinkCut as err:
+                if time.monotonic() + pause >= deadline:
+                    raise LinkCut(f"{err}, and again on every try for {self.timeout_s:.0f} s (the "
+                                  "coordinator's link port is crowded, or the coordinator is gone)") from None
+                if not said:
+                    self.say(f"coordinator {self.where}: {err}; connecting again (someone else may be "
+                             "crowding its link port)")
+                    said = True
+                time.sleep(pause * (1 + 0.5 * (os.getpid() % 7) / 7))  # spread the tasks' retries
+                pause = min(2.0, pause * 2)
+        sock = self.line.sock
         if "wait" in reply:
             self.say(f"coordinator {self.where}: {reply['wait']}; this task waits as a spare for a place")
             # A spare builds its trainer the moment it gets a place, while the survivors keep training:
@@ -119,6 +151,49 @@ class ClusterLink:
         threading.Thread(target=self._send_beats, name="ntp-heartbeat", daemon=True).start()
         return self
 
+    def _link_port(self, deadline: float) -> int:
+        """The link's port from the coordinator's signed record on its store; a store that answers but
+        holds none for `NO_LINK_S` is not this job's coordinator (LinkRefused)."""
+        assert self.job is not None
+        wait_s = max(0.0, min(NO_LINK_S, deadline - time.monotonic()))
+        try:
+            return int(self.job.wait_for(LINK_KEY, wait_s))
+        except TimeoutError:
+            raise LinkRefused(f"the store at {self.where} answers but holds no link record signed with "
+                              f"this job's secret after {wait_s:.0f} s: NTP_COORDINATOR points at something "
+                              "that is not this job's `ntp-coordinator` (another job's or someone else's "
+                              "store), or NTP_JOB_SECRET differs from the coordinator's") from None
+
+    def _hello(self, host: str, link_port: int) -> dict:
+        """One try: connect to the link, claim, answer the nonce; the coordinator's first reply."""
+        assert self.job is not None
+        if self.line is not None:  # an earlier try's connection, cut
+            self.job.keep_fds.discard(self.line.sock.fileno())
+            self.line.close()
+        try:
+            sock = socket.create_connection((host, link_port), timeout=ANSWER_S)
+        except OSError as err:
+            raise LinkCut(f"the coordinator's link at {host}:{link_port} did not take the connection "
+                          f"({err.strerror or err})") from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.line = Line(sock)
+        self.job.keep_fds.add(sock.fileno())  # severing a generation leaves the link alone
+        self._inbox.clear()
+        task_claim(self.line, self.job.secret)  # at once: the coordinator keeps a claimed connection
+        with selectors.DefaultSelector() as sel:  # the coordinator sends its nonce as it accepts
+            sel.register(sock, selectors.EVENT_READ)
+            if not sel.select(ANSWER_S):
+                raise LinkRefused(f"what answers at {host}:{link_port} sent nothing in {ANSWER_S:.0f} s: it "
+                                  "is not ntp-coordinator's link (a silent listener?)")
+        nonce = self._next().get("nonce")
+        if not isinstance(nonce, str) or self._inbox:  # the coordinator says nothing more before the hello
+            raise LinkRefused(f"what answers at {host}:{link_port} is not ntp-coordinator's link (it "
+                              "answered the connection with something else than one nonce)")
+        task_hello(self.line, self.job.secret, nonce, want=self.want, ntasks=self.ntasks,
+                   host=socket.gethostname(), pid=os.getpid())
+        sock.settimeout(self.timeout_s)
+        return self._next()
+
     def _next(self) -> dict:
         assert self.line is not None
         while True:
@@ -132,7 +207,11 @@ class ClusterLink:
                                       f"{str(plain['refused'])[:300]} (an unsealed reply: the job's "
                                       "secret differs, or something else answers on its port)")
                 why = f" ({self.line.error})" if self.line.error else ""
-                raise LinkRefused(f"the coordinator at {self.where} closed the link during the hello{why}")
+                if self.line.rejected or self.line.last_rejected is not None:
+                    raise LinkRefused(f"the coordinator at {self.where} closed the link during the hello "
+                                      f"after a reply it did not seal{why} (the job's secret differs, or "
+                                      "something else answers on its port)")
+                raise LinkCut(f"the coordinator at {self.where} closed the link during the hello{why}")
             self._inbox.extend(msgs)  # one read may bring several (`wait`, then the place at once)
 
     def ready(self) -> tuple[int, int]:

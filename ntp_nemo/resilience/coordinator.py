@@ -45,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ntp_nemo.resilience.beats import PHASES, Beat, suspects
-from ntp_nemo.resilience.cluster_protocol import LINK_KEY, MAX_LINE, Line, auth_ok, session_key
+from ntp_nemo.resilience.cluster_protocol import LINK_KEY, MAX_LINE, Line, auth_ok, claim_ok, session_key
 from ntp_nemo.resilience.rendezvous import (
     prune_generations,
     publish_failed,
@@ -83,6 +83,8 @@ class _Pending:
     line: Line
     nonce: str
     peer: str
+    source: str = ""  # the peer's address without the port: what per-source limits count
+    claimed: bool = False  # it proved early that it is one of the job's tasks (`claim_ok`)
     t: float = field(default_factory=time.monotonic)
 
 
@@ -155,7 +157,8 @@ class Coordinator:
                  host: str = "0.0.0.0", poll_s: float = 0.05, grace_s: float = 0.1,
                  end_step: int | None = None, say: Callable[[str], None] = print,
                  store_timeout_s: float = 600.0, max_pending: int = 64, hello_timeout_s: float = 10.0,
-                 store_silent_s: float | None = None, rejoin_s: float | None = None) -> None:
+                 store_silent_s: float | None = None, rejoin_s: float | None = None,
+                 max_pending_per_source: int | None = None) -> None:
         self.instance = secrets.token_hex(16)  # this job's: the notices it signs carry it
         self._secret = secret
         self.world = int(world_size)
@@ -167,6 +170,11 @@ class Coordinator:
         self.store_silent_after_s = (float(store_silent_s) if store_silent_s is not None
                                      else max(1.0, min(5.0, self.heartbeat_s / 2)))
         self.max_pending, self.hello_timeout_s = int(max_pending), float(hello_timeout_s)
+        # Unproven connections one address may hold (strangers on other hosts cannot crowd it out), and
+        # the connections that claimed to be the job's own (`claim_ok`): strangers never evict those.
+        self.max_pending_per_source = (int(max_pending_per_source) if max_pending_per_source is not None
+                                       else max(4, self.max_pending // 4))
+        self.max_claimed = 2 * self.world + 8
         # How long an announced rejoin may take to form (the survivors wait for it at its step; under
         # `ntp-coordinator`, `Timeouts.rejoin_s`): meanwhile only stopped ticks mark a process hung.
         self.rejoin_s = float(rejoin_s) if rejoin_s is not None else 2 * self.store_timeout_s
@@ -297,20 +305,55 @@ class Coordinator:
             except OSError:
                 sock.close()
                 continue
-            if len(self._pending) >= self.max_pending:  # the oldest unproven connection makes room
-                self.dropped["too many unauthenticated"] += 1
-                self._say_once("pending", f"coordinator: more than {self.max_pending} connections have not "
-                               "proved the job's secret; the oldest are closed (someone else is connecting "
-                               "to the link port)")
-                self._drop(self._pending.pop(0).line)
+            self._make_room(str(peer[0]))
             line = Line(sock, limit=HELLO_LIMIT)
             nonce = secrets.token_hex(16)
             if not line.send({"nonce": nonce}):
                 line.close()
                 continue
-            line.owner = _Pending(line, nonce, f"{peer[0]}:{peer[1]}")
+            line.owner = _Pending(line, nonce, f"{peer[0]}:{peer[1]}", str(peer[0]))
             self._pending.append(line.owner)
             self._sel.register(sock, selectors.EVENT_READ, line)
+
+    def _make_room(self, source: str) -> None:
+        """Before a new connection from `source` is taken: past the bound on unproven connections (in all,
+        or from `source`), one is closed: the oldest of the address that holds the most. A connection that
+        claimed to be the job's (`claim_ok`) is never closed for a stranger; the victim's input is read
+        first, so a claim or hello already sent is served rather than cut."""
+        for _ in range(8):  # a victim served instead of closed is followed by another
+            open_ = [q for q in self._pending if not q.claimed]
+            mine = [q for q in open_ if q.source == source]
+            if len(mine) >= self.max_pending_per_source:
+                victims = mine
+            elif len(open_) >= self.max_pending:
+                counts: dict[str, int] = {}
+                for q in open_:
+                    counts[q.source] = counts.get(q.source, 0) + 1
+                crowd = max(counts, key=lambda s: counts[s])
+                victims = [q for q in open_ if q.source == crowd]
+            else:
+                return
+            victim = victims[0]
+            self._read_confined(victim.line)  # a claim (or the hello) already sent is served first
+            if victim in self._pending and not victim.claimed:
+                self._pending.remove(victim)
+                self.dropped["too many unauthenticated"] += 1
+                self._say_once("pending", f"coordinator: more than {self.max_pending} connections have not "
+                               f"proved the job's secret (or more than {self.max_pending_per_source} from "
+                               "one address); the oldest of the busiest address are closed (someone else is "
+                               "connecting to the link port)")
+                self._drop(victim.line)
+                return
+
+    def _claimed(self, pending: _Pending) -> None:
+        """`pending` proved early that it is the job's: it leaves the strangers' pool (the oldest claimed
+        connection makes room past `max_claimed`, which only the job's own can fill)."""
+        claimed = [q for q in self._pending if q.claimed]
+        if len(claimed) >= self.max_claimed:
+            self.dropped["too many unauthenticated"] += 1
+            self._pending.remove(claimed[0])
+            self._drop(claimed[0].line)
+        pending.claimed = True
 
     def _out_of_descriptors(self, err: OSError) -> None:
         """`accept` failed for want of descriptors: close the oldest unproven connection and stop
@@ -370,7 +413,14 @@ class Coordinator:
                     self.dropped["protocol"] += 1
                 self._drop(line)
                 return
+            while msgs and "claim" in msgs[0]:  # the task's early proof, sent before the nonce came
+                msg = msgs.pop(0)
+                if not pending.claimed and claim_ok(self._secret, msg):
+                    self._claimed(pending)
             if not msgs:  # nothing complete yet: a hello is one small line
+                return
+            if pending not in self._pending:
+                self._drop(line)  # made room for a later claim
                 return
             self._pending.remove(pending)
             self._hello(line, pending, msgs[0])

@@ -394,7 +394,7 @@ def test_a_task_refuses_a_coordinator_that_cannot_seal(monkeypatch):
     monkeypatch.setenv("NTP_JOB_SECRET", SECRET.decode())
     link = ClusterLink(("127.0.0.1", port), want=0, ntasks=2, heartbeat_s=5.0, timeout_s=10,
                        say=lambda _: None)
-    with pytest.raises(LinkRefused, match="closed the link during the hello"):
+    with pytest.raises(LinkRefused, match="not ntp-coordinator's link"):  # it spoke before the hello
         link.open()
     assert link.place is None
     fake.close()
@@ -635,3 +635,131 @@ def test_a_replacement_told_to_stop_before_it_joins_is_not_a_lost_coordinator(se
     _until(lambda: s.code == [0], timeout_s=5)
     time.sleep(1.0)  # longer than its heartbeat timeout: a lost coordinator would have ended it by now
     assert exits == [] and not link.coordinator_lost.is_set(), said
+
+
+# ---- 4. the job's own tasks first -----------------------------------------------------------------------
+class _Drip:
+    """Strangers on the link port: each sends a byte now and then and connects again when dropped."""
+
+    def __init__(self, port: int, clients: int) -> None:
+        self.port, self.stop, self.connects = port, threading.Event(), 0
+        self.threads = [threading.Thread(target=self._one, daemon=True) for _ in range(clients)]
+        for t in self.threads:
+            t.start()
+
+    def _one(self) -> None:
+        while not self.stop.is_set():
+            try:
+                sock = socket.create_connection(("127.0.0.1", self.port), timeout=0.2)
+            except OSError:
+                continue
+            self.connects += 1
+            with sock:
+                while not self.stop.is_set():
+                    try:
+                        sock.sendall(b"{")
+                        if sock.recv(4096) == b"":
+                            break  # dropped: connect again at once
+                    except TimeoutError:
+                        continue
+                    except OSError:
+                        break
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=5)
+
+
+def _served_on_port(served, **kw) -> tuple[Served, int]:
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=30))
+    return served(store=store, **kw), port
+
+
+def _link(port: int, want: int, said: list[str], timeout_s: float = 30.0, ntasks: int = 2):
+    """A real task link whose watcher records an exit instead of ending the test process (the coordinator
+    closes when the test ends)."""
+    from ntp_nemo.resilience.cluster_task import ClusterLink
+
+    link = ClusterLink(("127.0.0.1", port), want=want, ntasks=ntasks, heartbeat_s=3600.0, timeout_s=timeout_s,
+                       say=said.append)
+    link._exit = lambda code: said.append(f"exit {code}")
+    return link
+
+
+@pytest.fixture
+def task_env(monkeypatch):
+    from ntp_nemo.launch.cluster import PLACE_ENV, WORLD_ENV
+
+    monkeypatch.setenv("NTP_JOB_SECRET", SECRET.decode())
+    monkeypatch.setenv(PLACE_ENV, "unset")  # `open` exports the place: kept out of later tests
+    monkeypatch.setenv(WORLD_ENV, "unset")
+
+
+def test_reconnecting_strangers_never_cut_a_tasks_hello(served, task_env):
+    """Strangers that reconnect the moment they are dropped keep the unproven pool full; the job's tasks
+    claim their connection as they connect (`task_claim`), so none of their hellos is cut and none has to
+    try again: both get their places while the flood goes on."""
+    s, port = _served_on_port(served, world=8, max_pending=8, hello_timeout_s=5.0)
+    drip = _Drip(s.link_port, clients=80)
+    try:
+        _until(lambda: s.coordinator.dropped["too many unauthenticated"] >= 200, timeout_s=30)
+        said: list[str] = []
+        links = [_link(port, want, said, ntasks=8) for want in range(8)]
+        for link in links:
+            link.open()
+            link._halt.set()
+        assert sorted(link.place for link in links) == list(range(8))
+        assert not any("connecting again" in line for line in said), said  # no hello was cut
+        assert s.coordinator.dropped["too many unauthenticated"] > 200 and drip.connects > 200
+    finally:
+        drip.close()
+
+
+def test_a_hello_cut_by_the_coordinator_is_tried_again(served, task_env, monkeypatch):
+    """A hello the coordinator drops (as it does under load) is not a refusal: the task connects again
+    with a growing pause, says so once, and gets its place; it is never reported as a config error."""
+    s, port = _served_on_port(served)
+    hello, cuts = s.coordinator._hello, []
+
+    def cut_twice(line, pending, msg):
+        if len(cuts) < 2:
+            cuts.append(1)
+            s.coordinator._drop(line)
+            return
+        hello(line, pending, msg)
+
+    monkeypatch.setattr(s.coordinator, "_hello", cut_twice)
+    said: list[str] = []
+    link = _link(port, 0, said)
+    link.open()
+    link._halt.set()
+    assert link.place == 0 and len(cuts) == 2
+    assert sum("connecting again" in line for line in said) == 1, said
+
+
+def test_a_task_names_what_is_not_its_coordinator_within_seconds(task_env, monkeypatch):
+    """A store that holds no link record signed with the job's secret (a squatter's TCPStore), and a link
+    port where something listens but says nothing: each is named at once (the bounds are patched down from
+    30 s and 10 s), not waited on for the 300 s join timeout."""
+    from ntp_nemo.resilience import cluster_task
+    from ntp_nemo.resilience.cluster_task import ClusterLink, LinkRefused
+
+    monkeypatch.setattr(cluster_task, "NO_LINK_S", 1.0)
+    monkeypatch.setattr(cluster_task, "ANSWER_S", 1.0)
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=30))
+    start = time.monotonic()
+    with pytest.raises(LinkRefused, match="holds no link record signed with this job's secret"):
+        ClusterLink(("127.0.0.1", port), want=0, ntasks=2, heartbeat_s=5.0, timeout_s=300,
+                    say=lambda _: None).open()
+    silent = socket.create_server(("127.0.0.1", 0))
+    JobStore(store, SECRET).put(LINK_KEY, str(silent.getsockname()[1]))
+    with pytest.raises(LinkRefused, match="sent nothing in 1 s"):
+        ClusterLink(("127.0.0.1", port), want=0, ntasks=2, heartbeat_s=5.0, timeout_s=300,
+                    say=lambda _: None).open()
+    assert time.monotonic() - start < 60  # not the 300 s join timeout
+    silent.close()
