@@ -13,7 +13,10 @@ What: `DirectGroup`, a `torch.distributed.ProcessGroup` written in Python and re
 backend `ntpdirect` for CPU tensors, so `dist.all_reduce(x, group=g)` and the other calls of the TP
 regions reach it unchanged.  Each pair of ranks holds one TCP connection (a full mesh, made when the group
 is created: the higher rank connects, sends a hello with its rank and a token the group's rank 0 put in
-the group's store; anything else that connects is dropped).  A collective sends this rank's bytes to
+the group's store; a connection without that hello is dropped).  The token and the listeners' addresses
+sit in clear text in the job's store, which listens on loopback for a one-machine run: they keep out
+whatever reaches the port from the network, not a local user who can read that store (docs/security.md
+says what the project defends against).  A collective sends this rank's bytes to
 every peer and receives theirs in one non-blocking loop (no deadlock whatever the sizes), then reduces
 in rank order, so every rank computes the same sum bit for bit (an add of two values commutes exactly:
 at two ranks the result equals gloo's).
