@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -45,32 +46,34 @@ def require_mandatory(cfg: DictConfig, reads_data: bool = True) -> None:
             )
 
 
-def adjust(cfg: DictConfig) -> None:
-    """Clamp values that only make sense up to another one, with one warning line each."""
+def adjust(cfg: DictConfig) -> dict[str, Any]:
+    """Values that only make sense up to another one, clamped: {key: value} of those that change (with
+    one warning line each); `cfg` is not changed."""
     max_steps = int(cfg.trainer.max_steps)
     if int(cfg.optim.warmup_steps) > max_steps > 0:
         warn(
             f"optim.warmup_steps={cfg.optim.warmup_steps} is longer than the run "
             f"(trainer.max_steps={max_steps}); using warmup_steps={max_steps}."
         )
-        cfg.optim.warmup_steps = max_steps
+        return {"optim.warmup_steps": max_steps}
+    return {}
 
 
-def follow_mesh(cfg: DictConfig, explicit: set[str]) -> None:
+def follow_mesh(cfg: DictConfig, explicit: set[str]) -> dict[str, Any]:
     """A recipe's `ntp.replica_tp` (e.g. gpt_tiny's [2, 1]) that no longer fits a `mesh.tp`/`mesh.dp`
     given on the command line, with no `ntp.replica_tp` given there, follows the mesh: every replica
-    at `mesh.tp` (`ntp.replica_tp=null`), with one note. A replica_tp given explicitly is kept (and
-    validated)."""
+    at `mesh.tp` (returns {"ntp.replica_tp": None}), with one note. A replica_tp given explicitly is kept
+    (and validated): {}. `cfg` is not changed."""
     rtp = cfg.ntp.replica_tp
     if rtp is None or "ntp.replica_tp" in explicit or not {"mesh.tp", "mesh.dp"} & explicit:
-        return
+        return {}
     tp, dp = int(cfg.mesh.tp), int(cfg.mesh.dp)
     if len(rtp) == dp and all(1 <= int(n) <= tp for n in rtp):
-        return
+        return {}
     print(f"note: ntp.replica_tp={list(rtp)} (recipe {cfg.recipe}) does not fit mesh.tp={tp} mesh.dp={dp} "
           f"given on the command line: every replica runs at mesh.tp (ntp.replica_tp=null); pass "
           f"ntp.replica_tp=[...] (one entry per replica) to degrade one.", file=sys.stderr, flush=True)
-    cfg.ntp.replica_tp = None
+    return {"ntp.replica_tp": None}
 
 
 def _follows(counts: list[int], caps: list[float]) -> bool:

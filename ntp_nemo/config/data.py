@@ -1,5 +1,6 @@
 """The data keys before launch: `data.tokenizer` and `model.vocab_size` chosen from the tokenizer
-(`ntp_nemo.data.validate.choose_vocabulary` decides; this module reads and fills the keys).
+(`ntp_nemo.data.validate.choose_vocabulary` decides; this module reads the keys and returns the values,
+`config/resolve.py` sets them in the run's config).
 
 `model.vocab_size` given on the command line is explicit: it is kept, and is an error when smaller than
 the tokenizer's vocabulary. Values in model config files are the vocabulary the architecture was
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from ntp_nemo.errors import ConfigError
 
@@ -40,7 +41,8 @@ def _blend_paths(d: DictConfig) -> list[str]:
 
 
 def resolve_data_config(cfg: DictConfig, explicit: set[str] | None = None) -> dict:
-    """Fill in `data.tokenizer` and `model.vocab_size` (see the module doc); returns what was chosen."""
+    """`data.tokenizer` and `model.vocab_size` chosen (see the module doc): returns them (`tokenizer`,
+    `vocab_size`) with where the tokenizer came from and its own size; `cfg` is not changed."""
     from ntp_nemo.data.validate import check_paths, choose_vocabulary
 
     explicit = explicit or set()
@@ -52,11 +54,8 @@ def resolve_data_config(cfg: DictConfig, explicit: set[str] | None = None) -> di
     multiple = int(d.get("vocab_multiple") or 1)
     choice = choose_vocabulary(d.get("tokenizer"), sources, _init_from(cfg), multiple, int(cfg.mesh.tp),
                                d.get("eos_token"))
-    with open_dict(cfg):
-        cfg.data.tokenizer = choice.tokenizer
-        if "model.vocab_size" in explicit:
-            choice.check_given(cfg.model.vocab_size)
-        else:
-            cfg.model.vocab_size = choice.rows
+    if "model.vocab_size" in explicit:
+        choice.check_given(cfg.model.vocab_size)
+    vocab_size = int(cfg.model.vocab_size) if "model.vocab_size" in explicit else int(choice.rows)
     return {"tokenizer": choice.tokenizer, "tokenizer_from": choice.origin,
-            "tokenizer_vocab": choice.tokenizer_vocab, "vocab_size": int(cfg.model.vocab_size)}
+            "tokenizer_vocab": choice.tokenizer_vocab, "vocab_size": vocab_size}

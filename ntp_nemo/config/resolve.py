@@ -101,6 +101,16 @@ def _specs(group: Any) -> tuple[dict[str, Any], ...]:
         return tuple(OmegaConf.to_container(c, resolve=False) for c in group.values() if c is not None)
 
 
+def with_values(cfg: DictConfig, values: dict[str, Any]) -> DictConfig:
+    """A copy of `cfg` with `values` ({dotted key: value}) set; `cfg` is not changed."""
+    out = copy.deepcopy(cfg)
+    OmegaConf.set_readonly(out, False)
+    with open_dict(out):
+        for key, value in values.items():
+            OmegaConf.update(out, key, value, merge=False)
+    return out
+
+
 def resolve(cfg: DictConfig, explicit: Collection[str] = (), *, reads_data: bool = True) -> RunSpec:
     """The RunSpec of the composed config `cfg`, after every value check (`ConfigError` on bad input);
     `cfg` itself is not changed.  `explicit`: the keys set on the command line (a recipe's replica
@@ -114,19 +124,17 @@ def resolve(cfg: DictConfig, explicit: Collection[str] = (), *, reads_data: bool
     from ntp_nemo.config.model import model_config
     from ntp_nemo.config.validate import validate
 
-    work = copy.deepcopy(cfg)  # what is derived goes here, then into the RunSpec
-    OmegaConf.set_readonly(work, False)
     explicit = set(explicit)
-    if not reads_data:
-        with open_dict(work):
-            for key in ("path", "blend", "val_path"):
-                if key in work.data:
-                    work.data[key] = None
-    checks.require_mandatory(work, reads_data)
-    checks.adjust(work)
-    checks.follow_mesh(work, explicit)  # a recipe's replica_tp that a mesh override no longer fits
+    checks.require_mandatory(cfg, reads_data)
+    # What is derived, each helper returning its values from the composed config: {key: value}.
+    derived: dict[str, Any] = {f"data.{key}": None for key in ("path", "blend", "val_path")
+                               if not reads_data and key in cfg.data}
+    derived |= checks.adjust(cfg)
+    derived |= checks.follow_mesh(cfg, explicit)  # a recipe's replica_tp that a mesh override no longer fits
     if reads_data:
-        resolve_data_config(work, explicit)  # the tokenizer sizes model.vocab_size (unless given)
+        chosen = resolve_data_config(cfg, explicit)  # the tokenizer sizes model.vocab_size (unless given)
+        derived |= {"data.tokenizer": chosen["tokenizer"], "model.vocab_size": chosen["vocab_size"]}
+    work = with_values(cfg, derived)  # once: the composed config with the derived values
     validate(work)
     layout = resolve_layout(work)  # once: the supervisor, the strategy and every rank take this value
     checks.check_batch_split(layout, int(work.data.micro_batch_size))
@@ -150,4 +158,4 @@ def resolve(cfg: DictConfig, explicit: Collection[str] = (), *, reads_data: bool
     return seal(spec)
 
 
-__all__ = ["RunSpec", "resolve"]
+__all__ = ["RunSpec", "resolve", "with_values"]

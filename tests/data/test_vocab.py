@@ -7,6 +7,7 @@ import json
 import pytest
 
 from ntp_nemo.config.data import explicit_keys, resolve_data_config
+from ntp_nemo.config.resolve import with_values
 from ntp_nemo.data.tokenizer import build_tokenizer
 from ntp_nemo.data.validate import padded_vocab
 from ntp_nemo.errors import ConfigError
@@ -45,19 +46,19 @@ def test_padding_rule():
 
 def test_vocabulary_follows_the_tokenizer(tok_dir, token_file):
     cfg = compose(["recipe=gpt_tiny"])
-    assert resolve_data_config(cfg)["vocab_size"] == 257 and cfg.data.tokenizer == "byte"  # the default
+    chosen = resolve_data_config(cfg)
+    assert chosen["vocab_size"] == 257 and chosen["tokenizer"] == "byte"  # the default
     cfg = compose(["recipe=gpt_tiny", f"data.path={token_file}"])  # no tokenizer: the file's own
-    assert resolve_data_config(cfg)["vocab_size"] == VOCAB and cfg.model.vocab_size == VOCAB
+    assert resolve_data_config(cfg)["vocab_size"] == VOCAB
     cfg = compose(["recipe=gpt_tiny", f"data.path={token_file}", f"data.tokenizer={tok_dir}/tokenizer.json",
                    "data.vocab_multiple=128"])
-    resolve_data_config(cfg)
-    assert cfg.model.vocab_size == 384
+    assert resolve_data_config(cfg)["vocab_size"] == 384
+    assert cfg.model.vocab_size == 257  # the composed config is not changed
 
 
 def test_explicit_vocab_size_is_kept_or_refused(tok_dir, token_file):
     cfg = compose(["recipe=gpt_tiny", f"data.path={token_file}", "model.vocab_size=400"])
-    resolve_data_config(cfg, {"model.vocab_size"})
-    assert cfg.model.vocab_size == 400  # larger than the tokenizer: padding, kept
+    assert resolve_data_config(cfg, {"model.vocab_size"})["vocab_size"] == 400  # larger: padding, kept
     cfg = compose(["recipe=gpt_tiny", f"data.path={token_file}", "model.vocab_size=257"])
     with pytest.raises(ConfigError) as err:
         resolve_data_config(cfg, {"model.vocab_size"})
@@ -72,8 +73,8 @@ def test_init_from_directory_supplies_the_tokenizer(tmp_path, tok_dir):
     (hf / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
     cfg = compose(["recipe=llama_tiny_from_hf", f"model.init_from={hf}"])
     chosen = resolve_data_config(cfg)
-    assert chosen["tokenizer_from"] == "model.init_from" and cfg.data.tokenizer == str(hf.resolve())
-    assert cfg.model.vocab_size == VOCAB + 8  # at least the HF model's own embedding
+    assert chosen["tokenizer_from"] == "model.init_from" and chosen["tokenizer"] == str(hf.resolve())
+    assert chosen["vocab_size"] == VOCAB + 8  # at least the HF model's own embedding
     tok = build_tokenizer(str(hf))
     assert tok.vocab_size == VOCAB and tok.eos_id == tok._backend.token_to_id("<|endoftext|>")
 
@@ -86,9 +87,9 @@ def test_cluster_recipes_take_a_token_file_and_a_tokenizer(recipe, tok_dir, toke
     # ranks of a TP group empty (a config error of its own), so this checks the data path at block 1.
     cfg = compose([f"recipe={recipe}", f"data.path={token_file}", f"data.tokenizer={tok_dir}",
                    "ntp.shard_align=1"])
-    resolve_data_config(cfg)
-    assert cfg.model.vocab_size == 384  # 320 ids padded to a multiple of 128
-    validate(cfg)
+    chosen = resolve_data_config(cfg)
+    assert chosen["vocab_size"] == 384  # 320 ids padded to a multiple of 128
+    validate(with_values(cfg, {"data.tokenizer": chosen["tokenizer"], "model.vocab_size": 384}))
 
 
 def test_token_file_from_another_tokenizer_is_refused(tmp_path, tok_dir, token_file):

@@ -188,6 +188,7 @@ def check_config(args: list[str]) -> None:
     from ntp_nemo.config import checks
     from ntp_nemo.config.keys import check_override_keys
     from ntp_nemo.config.layout import resolve_layout
+    from ntp_nemo.config.resolve import with_values
     from ntp_nemo.config.validate import validate
 
     args = [a for a in args if a != "-m" and not a.startswith("hydra.")]
@@ -197,7 +198,7 @@ def check_config(args: list[str]) -> None:
     cfg = compose(overrides)
     if cfg.model.get("init_from") == "???":
         cfg.model.init_from = None  # the recipe's Hugging Face directory is the user's
-    checks.adjust(cfg)
+    cfg = with_values(cfg, checks.adjust(cfg))
     validate(cfg)
     checks.check_batch_split(resolve_layout(cfg), int(cfg.data.micro_batch_size))
 
