@@ -220,6 +220,29 @@ def step_totals(rows: list[Comparison]) -> dict[str, dict[str, float]] | None:
     return out
 
 
+LAYER_MATMULS = ("qkv", "attn out", "mlp up", "mlp down")
+
+
+def recommend_patterns(rows: list[Comparison], model: ModelShape) -> tuple[tuple[str, ...], dict[str, dict]]:
+    """Per layout slot (embedding, each layer, head), the pattern (`ntp.pattern` names: `row_column`,
+    `block`) whose modelled time is lower: a layer by its four matmuls, the head by its own; the
+    embedding (no matmul modelled) follows the head when tied, else the first layer.  All row/column
+    where there is no square grid.  Also returns the times compared (ms).  Not modelled: the relayout a
+    change of pattern between two slots costs (an all-reduce of the hidden state)."""
+    times = {ROW_COLUMN: {"layer": 0.0, "head": 0.0}, BLOCK: {"layer": 0.0, "head": 0.0}}
+    for r in rows:
+        part = "layer" if r.matmul.name in LAYER_MATMULS else "head"
+        times[ROW_COLUMN][part] += r.row_column.time_s * 1e3
+        times[BLOCK][part] += r.block.time_s * 1e3 if r.block is not None else math.inf
+
+    def pick(part: str) -> str:
+        return "block" if times[BLOCK][part] < times[ROW_COLUMN][part] else "row_column"
+
+    layer, head = pick("layer"), pick("head")
+    embedding = head if model.tie_embeddings else layer
+    return (embedding, *([layer] * model.num_layers), head), times
+
+
 def block_wins(model: ModelShape, tokens: int, device: DeviceModel, latency_s: float,
                degrees: list[int], bandwidths_gbps: list[float]) -> list[dict[str, float]]:
     """For each square degree and link bandwidth (GB/s): the step's time and bytes of both patterns and

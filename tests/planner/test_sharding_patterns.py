@@ -136,6 +136,9 @@ def test_ntp_plan_patterns_llama3_8b_tp64() -> None:
     values = 7 * (3 * 4096 * 6144 + 2 * 8192 * 6144) / 64
     assert qkv["block"]["bytes_moved"] == pytest.approx(values * 2)
     assert qkv["block"]["syncs"] == 40
+    # Per slot: the 32 layers on the grid (1.41 ms against 4.07 ms), the head row/column (2.08 against
+    # 1.83 ms: its 128256-wide output moves 2mn), the untied embedding with the first layer.
+    assert data["recommended_pattern"] == ["block"] * 33 + ["row_column"]
     table = _ntp_plan("model=llama3_8b", "hardware=h100", "mesh.tp=64", "--patterns")
     assert table.returncode == 0, table.stderr
     out = table.stdout
@@ -145,6 +148,7 @@ def test_ntp_plan_patterns_llama3_8b_tp64() -> None:
         assert measure in out
     assert "matmuls where block moves fewer bytes: qkv, attn out, mlp down" in out
     assert "where block sharding wins" in out and " 64  8x8" in out
+    assert "recommended: ntp.pattern=[block,block," in out and "block,row_column] (per slot" in out
 
 
 def test_ntp_plan_patterns_llama3_8b_tp8_and_bad_degree() -> None:
@@ -152,5 +156,21 @@ def test_ntp_plan_patterns_llama3_8b_tp8_and_bad_degree() -> None:
     assert proc.returncode == 0, proc.stderr
     assert "8 is not a square" in proc.stdout and "row/column (column)" in proc.stdout
     assert "where block sharding wins" in proc.stdout and "  9  3x3" in proc.stdout
+    assert "recommended: ntp.pattern=row_column (" in proc.stdout and "no square grid" in proc.stdout
     bad = _ntp_plan("model=llama3_8b", "mesh.tp=1", "--patterns")
     assert bad.returncode == 2 and "mesh.tp" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_recommended_patterns_per_slot() -> None:
+    """A layer goes on the grid where its four matmuls are modelled faster there, the head by its own
+    matmul; a tied embedding follows the head, an untied one the first layer; no grid, no block."""
+    from ntp_nemo.planner.patterns import recommend_patterns
+
+    for tied in (False, True):
+        model = ModelShape(vocab_size=128256, hidden_size=4096, num_layers=2, num_heads=32, num_kv_heads=8,
+                           ffn_hidden_size=14336, gated_mlp=True, tie_embeddings=tied)
+        chosen, ms = recommend_patterns(compare(model, 8192, 64, DeviceModel(), 450e9, 5e-6), model)
+        assert ms[BLOCK]["layer"] < ms[ROW_COLUMN]["layer"] and ms[BLOCK]["head"] > ms[ROW_COLUMN]["head"]
+        assert chosen == ("row_column" if tied else "block", "block", "block", "row_column")
+    assert recommend_patterns(compare(model, 8192, 8, DeviceModel(), 450e9, 5e-6), model)[0] == (
+        "row_column",) * 4
