@@ -129,12 +129,13 @@ class CorruptionInjector(FaultInjector):
             elif f.target == "grad":
                 self._arm_grad(f, p, index)
             else:
-                self._arm_activation(f, pl_module.model, index)
+                name = self._arm_activation(f, pl_module.model, index)
             if f.persistent and step > f.step:
                 continue  # a bad device: said once, when it starts
             self.fired.append({"step": step, "kind": "bitflip", "target": f.target, "rank": f.rank,
                                "parameter": name, "index": index, "bit": f.bit, "persistent": f.persistent})
-            print(f"fault: bitflip of bit {f.bit} in {f.target} {name}[{index}] on rank {f.rank} at step "
+            where = name if f.target == "activation" else f"{f.target} {name}[{index}]"
+            print(f"fault: bitflip of bit {f.bit} in {where} on rank {f.rank} at step "
                   f"{step}{' (persistent)' if f.persistent else ''}", flush=True)
 
     def _flip_param(self, fault: Fault, p: torch.Tensor, index: int) -> None:
@@ -160,11 +161,13 @@ class CorruptionInjector(FaultInjector):
         if fault.persistent:
             self._stuck[fault.index] = 1
 
-    def _arm_activation(self, fault: Fault, model: torch.nn.Module, index: int) -> None:
+    def _arm_activation(self, fault: Fault, model: torch.nn.Module, index: int) -> str:
+        """Arm the flip in the output of the rank's first layer; returns what it strikes, in words."""
         blocks = getattr(model, "blocks", None)
-        first = next(iter(blocks.values())) if blocks is not None and len(blocks) else None
-        if first is None:
-            return
+        key = next(iter(blocks.keys())) if blocks is not None and len(blocks) else None
+        if key is None:
+            return "nothing (no layer on this rank)"
+        first = blocks[key]
         handles: list[Any] = []
 
         def hook(mod: Any, args: tuple, output: Any) -> Any:
@@ -173,11 +176,13 @@ class CorruptionInjector(FaultInjector):
             if not fault.persistent:
                 for h in handles:
                     h.remove()
-            return flipped(output, index % output.numel(), fault.bit)
+            # The flipped value enters as a constant difference: the backward still flows through the layer.
+            return output + (flipped(output, index % output.numel(), fault.bit) - output.detach())
 
         handles.append(first.register_forward_hook(hook))
         if fault.persistent:
             self._stuck[fault.index] = 1
+        return f"the output of blocks.{key}"
 
 
 __all__ = ["CORRUPTING", "CorruptionInjector", "bit_of", "flip_bit_", "flipped", "poisoned_sample"]

@@ -1,0 +1,164 @@
+"""Seeded silent-corruption trials through `ntp-train`: each finding classified and attributed, the curve
+after recovery against a failure-free run, and clean runs without a false alarm.
+
+    python bench/integrity_campaign.py [--trials 20] [--kinds poison_sample,param,activation,grad]
+                                       [--curves 3] [--clean 3] [--clean-steps 200]
+
+Per kind, one `ntp-train -m` sweep over `seed=1..trials` on the CPU toy (the tests' TINY job), 10 steps,
+the fault at step 7 on a rank (and element, or sample) drawn from the seed, `integrity.every_n_steps=4`,
+`integrity.spike_window=4`:
+
+- `poison_sample` on (2,1): expected one finding at step 7, `nonfinite`, verdict `data`, naming the
+  sample the fault poisoned (`resilience.corruption.poisoned_sample` of the seed's stream);
+- `param` (bitflip of a parameter) on (2,1,1), three replicas: `divergence` at step 8 (the check after
+  the flip), verdict `bitflip`, naming the rank the fault struck and its replica;
+- `activation` and `grad` (bitflip, top exponent bit) on (2,1): a finding at step 7 (`nonfinite` or
+  `spike`), verdict `transient` (the replay does not repeat it).
+
+`--curves K`: for the first K seeds of each kind, the failure-free run of the same seed (skipping the
+poisoned sample for `poison_sample`) and the largest relative difference of the losses after recovery.
+`--clean N`: N clean runs of `--clean-steps` steps on (2,1) with the default `integrity` settings
+(fingerprint every 50 steps, spike detector at 8 standard deviations over 20 steps): findings counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._common import TOY_JOB  # noqa: E402
+from ntp_nemo.goodput.incidents import load_incidents  # noqa: E402
+
+NTP21 = ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]"]
+NTP211 = ["mesh.dp=3", "mesh.tp=2", "ntp.replica_tp=[2,1,1]"]
+STEPS, FAULT_STEP = 10, 7
+COMMON = [*TOY_JOB, f"trainer.max_steps={STEPS}", "checkpoint.every_n_steps=0",
+          "checkpoint.save_on_end=false", "integrity.every_n_steps=4", "integrity.spike_window=4",
+          "fault.collective_timeout_s=120", "fault.heartbeat_timeout_s=60", "fault.step_timeout_s=300"]
+KINDS = {
+    "poison_sample": [*NTP21, "fault=poison_sample", f"fault.step={FAULT_STEP}"],
+    "param": [*NTP211, "fault=bitflip", "fault.target=param", f"fault.step={FAULT_STEP}"],
+    "activation": [*NTP21, "fault=bitflip", "fault.target=activation", f"fault.step={FAULT_STEP}"],
+    "grad": [*NTP21, "fault=bitflip", "fault.target=grad", f"fault.step={FAULT_STEP}"],
+}
+
+
+def sweep(overrides: list[str], root: Path, name: str, timeout: int = 3600) -> Path:
+    out = root / name
+    cmd = [sys.executable, "-m", "ntp_nemo.train", "-m", *overrides, f"hydra.sweep.dir={out}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=root)
+    if proc.returncode != 0:
+        raise SystemExit(f"{name}: ntp-train exited {proc.returncode}\n{proc.stderr[-3000:]}")
+    return out
+
+
+def losses(run: Path) -> dict[int, float]:
+    out = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out[int(rec["step"])] = float(rec["loss"])
+    return out
+
+
+def expected_sample(run: Path, seed: int) -> int:
+    """The sample the seed's poison_sample fault poisons (the injector's rule, on the run's sample count)."""
+    from ntp_nemo.config.failover import FailoverSpec
+    from ntp_nemo.config.schema import FaultConfig
+    from ntp_nemo.data.sampler import GlobalBatchSampler
+    from ntp_nemo.resilience.corruption import poisoned_sample
+    from ntp_nemo.resilience.fault_config import resolve_faults
+
+    log = (run / "train.log").read_text()
+    n = int(re.search(r"(\d+) train / \d+ val samples", log)[1])
+    spec = FailoverSpec(FaultConfig(kind="poison_sample", step=FAULT_STEP), 1, seed, STEPS, None, 3, 2,
+                        "cpu", False, 0, False, "checkpoints")
+    (fault,) = resolve_faults(spec)
+
+    class Data:
+        sampler = GlobalBatchSampler(n, 12, seed)
+        train = range(n)
+
+    return poisoned_sample(fault, Data)
+
+
+def judge(kind: str, run: Path, seed: int) -> tuple[bool, str]:
+    found = load_incidents(run)
+    log = (run / "train.log").read_text()
+    if kind == "poison_sample":
+        want = expected_sample(run, seed)
+        ok = [(f["step"], f["kind"], f["verdict"], f["sample"]) for f in found] == \
+             [(FAULT_STEP, "nonfinite", "data", want)]
+        return ok, f"sample {want}: {[(f['kind'], f['verdict'], f['sample']) for f in found]}"
+    fired = re.search(r"fault: bitflip .* on rank (\d+) at step (\d+)", log)
+    if fired is None:
+        return False, "the fault did not fire"
+    rank = int(fired[1])
+    if kind == "param":
+        replica = 0 if rank < 2 else rank - 1  # (2,1,1): ranks 0-1 are replica 0, rank 2 replica 1, ...
+        ok = [(f["step"], f["kind"], f["verdict"], f["rank"], f["replica"]) for f in found] == \
+             [(8, "divergence", "bitflip", rank, replica)]
+        return ok, f"rank {rank}: {[(f['kind'], f['verdict'], f['rank'], f['replica']) for f in found]}"
+    ok = [(f["step"], f["verdict"]) for f in found] == [(FAULT_STEP, "transient")]
+    return ok, f"rank {rank}: {[(f['step'], f['kind'], f['verdict']) for f in found]}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trials", type=int, default=20)
+    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--curves", type=int, default=3)
+    ap.add_argument("--clean", type=int, default=3)
+    ap.add_argument("--clean-steps", type=int, default=200)
+    ap.add_argument("--dir", default=None, help="where the runs go (default: a temporary directory)")
+    args = ap.parse_args()
+    root = Path(args.dir or tempfile.mkdtemp(prefix="integrity_campaign_"))
+    root.mkdir(parents=True, exist_ok=True)
+    seeds = ",".join(str(s) for s in range(1, args.trials + 1))
+    for kind in [k for k in args.kinds.split(",") if k]:
+        t0 = time.perf_counter()
+        out = sweep([*COMMON, *KINDS[kind], f"seed={seeds}"], root, kind)
+        right, worst, notes = 0, 0.0, []
+        for job, seed in enumerate(range(1, args.trials + 1)):
+            ok, why = judge(kind, out / str(job), seed)
+            right += ok
+            if not ok:
+                notes.append(f"seed {seed}: {why}")
+        if args.curves:
+            layout = NTP211 if kind == "param" else NTP21
+            for job, seed in enumerate(range(1, min(args.curves, args.trials) + 1)):
+                run = out / str(job)
+                skip = [f["sample"] for f in load_incidents(run) if f.get("verdict") == "data"]
+                skips = f"integrity.skip_samples=[{','.join(map(str, skip))}]"
+                ref = sweep([*COMMON, *layout, f"seed={seed}", skips], root, f"{kind}-clean-{seed}")
+                got, want = losses(run), losses(ref / "0")
+                after = 8 if kind == "param" else FAULT_STEP  # the step the recovery ended in
+                worst = max([worst] + [abs(got[s] - want[s]) / abs(want[s]) for s in want if s >= after])
+        n = min(args.curves, args.trials)
+        curve = f", curve after recovery vs failure-free: max rel diff {worst:.2e} over {n} trial(s)" \
+            if args.curves else ""
+        print(f"{kind:14s} {right}/{args.trials} classified and attributed right{curve} "
+              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        for n in notes:
+            print(f"    {n}")
+    if args.clean:
+        t0 = time.perf_counter()
+        seeds = ",".join(str(s) for s in range(1, args.clean + 1))
+        out = sweep([*TOY_JOB, *NTP21, f"trainer.max_steps={args.clean_steps}", "checkpoint.every_n_steps=0",
+                     "checkpoint.save_on_end=false", f"seed={seeds}"], root, "clean")
+        found = [len(load_incidents(out / str(j))) for j in range(args.clean)]
+        print(f"clean runs     {args.clean} x {args.clean_steps} steps on (2,1), default integrity settings: "
+              f"findings {found} ({time.perf_counter() - t0:.0f} s)")
+    print(f"runs in {root}")
+
+
+if __name__ == "__main__":
+    main()
