@@ -32,7 +32,8 @@ Invariants checked after every scenario (a row fails when one does not hold):
 4. checkpoints: every checkpoint left in the run directory verifies (except one the scenario damaged on
    purpose), and none a `damage-all` rerun saw was deleted;
 5. goodput: every `failure_detected` in goodput.jsonl is followed by a `recovery_done` or the end of that
-   process's job.
+   process's job, and the incremental calculator (the running figures) equals the batch one after 50
+   evenly spread events and the last (`ntp_nemo.goodput.calculator.disagreement`).
 
 The last line: `fault campaign: N/M scenarios held (seed S)`.
 """
@@ -339,7 +340,10 @@ def goodput_pairs(run_dir: Path) -> str | None:
         later = events[i + 1:]
         if not any(x["event"] in ("recovery_done", "job_end") for x in later):
             return f"failure_detected at t={e['t']:.1f} has no recovery_done or job_end after it"
-    return None
+    from ntp_nemo.goodput.calculator import disagreement
+
+    differs = disagreement(events)  # the running (incremental) figures equal ntp-goodput's (batch) ones
+    return f"goodput: {differs}" if differs else None
 
 
 def check(sc: Scenario, work: Path, reference: dict[int, float], steps: int,
