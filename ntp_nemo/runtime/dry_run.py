@@ -81,6 +81,7 @@ from ntp_nemo.parallel.grad_sync import (
 from ntp_nemo.runtime.assemble import RankState, assemble
 from ntp_nemo.runtime.runtime import RankPlace
 from ntp_nemo.topology import ResolvedLayout, Topology
+from ntp_nemo.topology.grid import grid_group_tuples
 from ntp_nemo.topology.work import healthy_cost, rank_costs
 
 COMM_KINDS = ("tp", "pp", "dp", "world")
@@ -418,13 +419,15 @@ def link_group_lists(topology: Topology, schedule: str) -> list[list[int]]:
     return groups
 
 
-def subgroup_peers(topology: Topology, plans: Sequence[SyncPlan], schedule: str) -> list[int]:
+def subgroup_peers(topology: Topology, plans: Sequence[SyncPlan], schedule: str,
+                   patterns: Sequence[str] = ()) -> list[int]:
     """Per rank, the peers it has over every subgroup the runtime creates and it belongs to: its TP
-    groups and fragment holder sets (one group per distinct rank tuple, as `Topology.build_groups`), and
-    the pipeline's link groups (`link_group_lists`, two of each)."""
+    groups, block grids' rows and columns (`patterns`) and fragment holder sets (one group per distinct
+    rank tuple, as `Topology.build_groups`), and the pipeline's link groups (`link_group_lists`, two of
+    each)."""
     world = topology.world_size
     member: list[set[tuple[int, ...]]] = [set() for _ in range(world)]
-    for g in topology.tp_group_tuples():
+    for g in [*topology.tp_group_tuples(), *grid_group_tuples(topology, patterns)]:
         for r in g:
             member[r].add(g)
     peers = [0] * world
@@ -438,14 +441,17 @@ def subgroup_peers(topology: Topology, plans: Sequence[SyncPlan], schedule: str)
 
 
 def communicator_splits(topology: Topology, plans: Sequence[SyncPlan], schedule: str,
-                        checkpoint_group: bool) -> dict[str, int]:
+                        checkpoint_group: bool, patterns: Sequence[str] = ()) -> dict[str, int]:
     """World-wide communicator splits before step 1, by kind: every `new_group` is collective over the
     world (and with `device_id` bound a world-wide `ncclCommSplit`).  The world group itself, the TP
-    groups, the fragment holder sets that are not TP groups, the pipeline's link groups and the
-    checkpoint writer's group (created before step 1 when saves are asynchronous)."""
+    groups, the rows and columns of block grids (`patterns`, `topology.grid`) that are not TP groups, the
+    fragment holder sets that are neither, the pipeline's link groups and the checkpoint writer's group
+    (created before step 1 when saves are asynchronous)."""
     tp = set(topology.tp_group_tuples())
-    holders = {tuple(h) for p in plans[:1] for h in p.all_holder_sets if len(h) > 1} - tp
-    out = {"world": 1 if topology.world_size > 1 else 0, "tp": len(tp), "holder_sets": len(holders),
+    grid = set(grid_group_tuples(topology, patterns)) - tp
+    holders = {tuple(h) for p in plans[:1] for h in p.all_holder_sets if len(h) > 1} - tp - grid
+    out = {"world": 1 if topology.world_size > 1 else 0, "tp": len(tp), "grid": len(grid),
+           "holder_sets": len(holders),
            "pipeline_links": 2 * len(link_group_lists(topology, schedule)),
            "checkpoint_writer": int(checkpoint_group and topology.world_size > 1)}
     out["total"] = sum(out.values())
@@ -731,7 +737,12 @@ def _short_layout(layout: ResolvedLayout, cfg: ModelConfig, rank: int | None,
         return None
     n = layers * layout.pp
     degrees = (layout.layer_tp[0], *[inner.pop()] * n, layout.layer_tp[-1])
-    short = dataclasses.replace(layout, layer_tp=degrees, stage_layers=(layers,) * layout.pp)
+    pattern = layout.pattern
+    if pattern:  # per-slot sharding patterns (`ntp.pattern`): the layers' must be alike too
+        if len(set(pattern[1:-1])) != 1:
+            return None
+        pattern = (pattern[0], *[pattern[1]] * n, pattern[-1])
+    short = dataclasses.replace(layout, layer_tp=degrees, stage_layers=(layers,) * layout.pp, pattern=pattern)
     return short, dataclasses.replace(cfg, num_layers=n)
 
 
@@ -795,9 +806,9 @@ def _short_builds(layout: ResolvedLayout, cfg: ModelConfig, shape: StepShape,
                 desc[sig] = param_descriptors(model)
         descriptors = [desc[signature(topo, r)] for r in range(topo.world_size)]
         plans = build_sync_plans(descriptors, [co.replica for co in topo.coords], ranks=leaders)
-        splits = communicator_splits(topo, plans, lay.schedule, False)
-        out.append(_ShortBuild(lay, c, descriptors, dict(zip(leaders, plans, strict=True)),
-                               splits["tp"] + splits["holder_sets"] + splits["pipeline_links"]))
+        splits = communicator_splits(topo, plans, lay.schedule, False, lay.pattern)
+        made = splits["tp"] + splits["grid"] + splits["holder_sets"] + splits["pipeline_links"]
+        out.append(_ShortBuild(lay, c, descriptors, dict(zip(leaders, plans, strict=True)), made))
     return out
 
 
@@ -960,7 +971,7 @@ def dry_run(
     else:
         plans = [build_sync_plan(r, descriptors, replica_of) for r in range(world)]
     clock.lap("sync_plans")
-    splits = communicator_splits(topo, plans, layout.schedule, checkpoint_group)
+    splits = communicator_splits(topo, plans, layout.schedule, checkpoint_group, layout.pattern)
     say(splits_line(splits))
 
     counts = layout.microbatch_counts()
@@ -977,7 +988,7 @@ def dry_run(
             with fake_world(r, world):
                 step = _class_step(layout, r, cfg, shape, plans[r], descriptors[r], global_tokens,
                                    grad_norm=i == 0, cache=cache)
-            made = splits["tp"] + splits["holder_sets"] + splits["pipeline_links"]
+            made = splits["tp"] + splits["grid"] + splits["holder_sets"] + splits["pipeline_links"]
             if step.new_groups != made:
                 raise RuntimeError(f"rank {r}: its assembly created {step.new_groups} process groups, "
                                    f"the dry run counts {made}")
@@ -992,7 +1003,7 @@ def dry_run(
     if layout.work is not None:
         base = healthy_cost(layout.work, topo)
         work = [c / base for c in rank_costs(layout.work, topo)]
-    peers = subgroup_peers(topo, plans, layout.schedule)
+    peers = subgroup_peers(topo, plans, layout.schedule, layout.pattern)
     for r in range(world):
         c = topo.coord(r)
         sig = signature(topo, r)
@@ -1047,6 +1058,8 @@ def dry_run(
 
 def splits_line(splits: dict[str, int]) -> str:
     return (f"communicator splits before step 1 (each new_group is collective over the world): "
-            f"{splits['total']} (world {splits['world']}, TP groups {splits['tp']}, fragment holder sets "
+            f"{splits['total']} (world {splits['world']}, TP groups {splits['tp']}, "
+            + (f"grid rows and columns {splits['grid']}, " if splits.get("grid") else "")
+            + f"fragment holder sets "
             f"{splits['holder_sets']}, pipeline links {splits['pipeline_links']}, checkpoint writer "
             f"{splits['checkpoint_writer']})")
