@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ntp_nemo.resilience.cluster_protocol import LINK_KEY, Line, task_hello
+from ntp_nemo.resilience.cluster_protocol import LINK_KEY, Line, task_claim, task_hello
 from ntp_nemo.resilience.rehearsal import free_port, start_coordinator
 from ntp_nemo.resilience.store_auth import JobStore
 
@@ -55,6 +55,7 @@ class Task:
 
     def __init__(self, host: str, link_port: int, want: int, ntasks: int, *, via: int | None = None) -> None:
         self.line = Line(socket.create_connection((host, via or link_port), timeout=10))
+        task_claim(self.line, SECRET.encode())  # as a real task does, the moment it connects
         nonce = self._next()["nonce"]
         task_hello(self.line, SECRET.encode(), nonce, want=want, ntasks=ntasks, host="bench", pid=0)
         self.reply = self._next()
@@ -135,6 +136,57 @@ class Proxy:
                 s.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+
+
+class Drip:
+    """`clients` strangers on the link port, each sending a byte of a hello every `every_s` and connecting
+    again the moment it is dropped (the slow-drip attack that crowds the unproven connections)."""
+
+    def __init__(self, port: int, clients: int, every_s: float = 2.0) -> None:
+        self.port, self.every_s = port, every_s
+        self.stop, self.connects = threading.Event(), 0
+        self.threads = [threading.Thread(target=self._one, daemon=True) for _ in range(clients)]
+        for th in self.threads:
+            th.start()
+
+    def _one(self) -> None:
+        while not self.stop.is_set():
+            try:
+                sock = socket.create_connection(("127.0.0.1", self.port), timeout=self.every_s)
+            except OSError:
+                time.sleep(0.01)
+                continue
+            self.connects += 1
+            with sock:
+                while not self.stop.is_set():
+                    try:
+                        sock.sendall(b"{")
+                        if sock.recv(4096) == b"":
+                            break  # dropped: connect again at once
+                    except TimeoutError:
+                        continue
+                    except OSError:
+                        break
+
+    def close(self) -> None:
+        self.stop.set()
+        for th in self.threads:
+            th.join(timeout=10)
+
+
+def hellos_under_drip(link_port: int, n: int, want: int, ntasks: int) -> tuple[int, int]:
+    """`n` legitimate hellos (replacements: `ntasks` differs from the job's) while strangers drip:
+    (answered, cut mid-hello)."""
+    answered = cut = 0
+    for _ in range(n):
+        try:
+            spare = Task("127.0.0.1", link_port, want, ntasks)
+            answered += 1
+            spare.bye()
+            spare.line.close()
+        except (RuntimeError, OSError):
+            cut += 1
+    return answered, cut
 
 
 def _drain(sock: socket.socket) -> None:
@@ -393,7 +445,127 @@ def stored_input_attacks(work: Path) -> list[tuple[str, object]]:
             ("out-of-range token ids", token_ids),
             ("deep JSON in a sidecar/tokenizer_config.json", deep_json),
             ("a local job's heartbeat files (FIFO, deep, /dev/zero)", heartbeat_files),
-            ("full disk during a save", full_disk)]
+            ("full disk during a save", full_disk),
+            *second_round_stored_attacks(work / "second", fresh)]
+
+
+ADVERSARIAL_JSON = {  # 10 MB each: the shapes a depth check or a parser may take long on
+    "unterminated escaped string": '"\\' * (5 << 20),
+    "unclosed arrays": "[" * (10 << 20),
+    "a long number": "1" * (10 << 20),
+    "a million empty arrays": "[" + "[]," * (3 << 20) + "[]]",
+    "1e999": '{"vocab_size": 1e999, "num_tokens": 1e999, "num_documents": 1e999}',
+}
+
+
+def second_round_stored_attacks(work: Path, fresh) -> list[tuple[str, object]]:
+    """The second round's stored inputs: each adversarial JSON shape against each reader of untrusted
+    JSON (a token file's sidecar, a checkpoint's manifest, an HF config.json, a tokenizer.json, a local
+    job's heartbeat file, a run's summary.json as `ntp-coordinator` and the launcher read it), an index
+    whose records overlap while their counts add up, and overflowing sidecar counts. Withstood: refused
+    (or, for a valid shape, read) within 5 s, never hung, never an uncaught exception."""
+    import shutil
+
+    import numpy as np
+
+    from ntp_nemo.checkpoint import require_valid_checkpoint
+    from ntp_nemo.checkpoint.manifest import file_digest
+    from ntp_nemo.data.bounded_json import JSONInputError, read_json
+    from ntp_nemo.data.tokenizer import load_tokenizer_json
+    from ntp_nemo.data.tokens import open_token_file, sidecar_path, write_token_file
+    from ntp_nemo.errors import ConfigError
+    from ntp_nemo.hf.config_map import read_hf_config
+
+    work.mkdir(parents=True, exist_ok=True)
+
+    def sidecar(text: str) -> None:
+        path = write_token_file(np.arange(100) % 50, work / "tokens.bin", "byte", 257)
+        sidecar_path(path).write_text(text)
+        open_token_file(path)
+
+    def manifest(text: str) -> None:
+        ckpt = fresh()
+        (ckpt / "manifest.json").write_text(text)
+        require_valid_checkpoint(ckpt)
+
+    def hf_config(text: str) -> None:
+        d = work / "hf"
+        d.mkdir(exist_ok=True)
+        (d / "config.json").write_text(text)
+        read_hf_config(d)
+
+    def tokenizer(text: str) -> None:
+        d = work / "tok"
+        d.mkdir(exist_ok=True)
+        (d / "tokenizer.json").write_text(text)
+        load_tokenizer_json(str(d / "tokenizer.json"))
+
+    def plain(name: str):
+        def read(text: str) -> None:
+            (work / name).write_text(text)
+            read_json(work / name, 16 << 20)  # heartbeat files and summary.json go through this reader
+        return read
+
+    readers = {"sidecar": sidecar, "manifest.json": manifest, "HF config.json": hf_config,
+               "tokenizer.json": tokenizer, "heartbeat file": plain("beat.json"),
+               "summary.json": plain("summary.json")}
+
+    def shapes() -> str:
+        slowest, cells = 0.0, 0
+        for shape, text in ADVERSARIAL_JSON.items():
+            for reader, read in readers.items():
+                t = time.time()
+                outcome = _attempt(read, text, seconds=30)
+                took = time.time() - t
+                slowest = max(slowest, took)
+                cells += 1
+                assert took < 5, f"{reader} took {took:.1f} s on {shape}"
+                assert outcome is None or isinstance(outcome, (ConfigError, JSONInputError, ValueError)), \
+                    f"{reader} on {shape}: {type(outcome).__name__}: {outcome}"
+        return f"{cells} reader x shape pairs answered; slowest {slowest:.2f} s"
+
+    def overlapping_index() -> str:
+        ckpt = fresh()
+
+        def overlap(doc):
+            t = next(t for t in doc["tensors"].values() if len(t["shape"]) == 2 and t["shape"][0] >= 4)
+            (rows, cols), whole = t["shape"], t["records"][0]
+            item, half = whole["nbytes"] // (rows * cols), rows // 2
+            t["records"] = [dict(whole, offsets=[0, 0], sizes=[half, cols], nbytes=half * cols * item,
+                                 blocks=[]),
+                            dict(whole, offsets=[half - 1, 0], sizes=[rows - half, cols],
+                                 offset=whole["offset"] + (half - 1) * cols * item,
+                                 nbytes=(rows - half) * cols * item, blocks=[])]
+
+        doc = json.loads((ckpt / "index.json").read_text())
+        overlap(doc)
+        (ckpt / "index.json").write_text(json.dumps(doc))
+        man = json.loads((ckpt / "manifest.json").read_text())
+        size, digest = file_digest(ckpt / "index.json")  # the digests kept right, as an attacker would
+        man["files"]["index.json"] = {"size": size, "xxh3_64": digest}
+        (ckpt / "manifest.json").write_text(json.dumps(man))
+        err = _attempt(require_valid_checkpoint, ckpt)
+        assert isinstance(err, ConfigError) and "overlap" in str(err), repr(err)
+        return "refused before any read: records 0 and 1 overlap"
+
+    def overflow_sidecar() -> str:
+        refused = []
+        for key in ("num_tokens", "vocab_size", "num_documents"):
+            for literal in ("1e999", "Infinity"):
+                path = write_token_file(np.arange(100) % 50, work / f"o_{key}.bin", "byte", 257)
+                doc = json.loads(sidecar_path(path).read_text())
+                text = json.dumps(doc).replace(f'"{key}": {json.dumps(doc[key])}', f'"{key}": {literal}')
+                sidecar_path(path).write_text(text)
+                err = _attempt(open_token_file, path)
+                assert isinstance(err, ConfigError) and "\n" not in str(err), repr(err)
+                refused.append(key)
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True, exist_ok=True)
+        return f"{len(refused)} sidecars refused in one paragraph (exit 2), no OverflowError"
+
+    return [("adversarial JSON shapes x every reader", shapes),
+            ("overlapping checkpoint index records", overlapping_index),
+            ("1e999 / Infinity in sidecar counts", overflow_sidecar)]
 
 
 def main() -> int:
@@ -555,13 +727,24 @@ def main() -> int:
             s.close()
         return "200 idle connections to the store held: nobody evicted"
 
+    def drip_training() -> str:
+        drip = Drip(link_port, 300)
+        try:
+            time.sleep(max(args.hold, 2.0))
+            answered, cut = hellos_under_drip(link_port, 40, 0, 1)
+        finally:
+            drip.close()
+        assert cut == 0, f"{cut} of 40 legitimate hellos were cut"
+        return f"{drip.connects} stranger connections; {answered}/40 replacement hellos answered, none cut"
+
     attacks = [("deep JSON line (100,000 '[')", deep_line), ("endless line (no newline)", endless_line),
                ("garbage and malformed hellos", garbage), ("hello with a guessed secret", forged_hello),
                ("1,200 idle link connections", idle_1200), ("connection churn on the link", churn),
                ("replayed heartbeats on the store", replayed_beat),
                ("a sealed heartbeat replayed on a task's link (on path)", replayed_link_beat),
                ("unsealed lines on a task's link (on path)", on_path),
-               ("200 idle store connections", store_flood)]
+               ("200 idle store connections", store_flood),
+               ("300 slow-drip strangers reconnecting, during training", drip_training)]
     if not args.quick:
         attacks += [("an outsider joins a generation's rendezvous", outsider_rank),
                     ("gloo address keys pre-written on the store", prewritten_keys)]
@@ -603,6 +786,38 @@ def main() -> int:
     finally:
         second.kill()
     coordinator.kill()
+
+    # The job forms while 300 slow-drip strangers reconnect on its link port: every task gets its place
+    # at its first hello.
+    t = time.time()
+    port4 = free_port()
+    fourth = start_coordinator(over, port4, SECRET, work)
+    try:
+        job4 = JobStore(dist.TCPStore("127.0.0.1", port4, is_master=False, timeout=timedelta(seconds=30)),
+                        SECRET.encode())
+        lp4 = int(job4.read(LINK_KEY))
+        drip = Drip(lp4, 300)
+        time.sleep(1.0)
+        formed, cut = [], 0
+        for i in range(4):
+            try:
+                formed.append(Task("127.0.0.1", lp4, i, 4))
+            except (RuntimeError, OSError):
+                cut += 1
+        drip.close()
+        placed = sorted(x.reply.get("place", -1) for x in formed)
+        for x in formed:
+            x.bye()
+        code4 = fourth.wait(30)
+        ok = placed == [0, 1, 2, 3] and cut == 0 and code4 == 0
+        rows.append(("300 slow-drip strangers reconnecting, at formation", ok,
+                     f"{drip.connects} stranger connections; places {placed}, {cut} hellos cut; coordinator "
+                     f"exit {code4} ({time.time() - t:.1f} s)"))
+    except Exception as err:  # noqa: BLE001 - a failed check is a row
+        rows.append(("300 slow-drip strangers reconnecting, at formation", False,
+                     f"{type(err).__name__}: {err} ({time.time() - t:.1f} s)"))
+    finally:
+        fourth.kill()
 
     # Attacks the job cannot train through: it must stop, naming them (exit 75, every task told why,
     # nobody declared lost).  Each against a job of its own.

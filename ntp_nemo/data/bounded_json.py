@@ -9,6 +9,7 @@ that the caller puts into its own message naming the config key.
 
 from __future__ import annotations
 
+import gc
 import os
 import stat
 from pathlib import Path
@@ -69,12 +70,17 @@ def parse_json(text: str | bytes, max_depth: int = MAX_DEPTH) -> Any:
             text = text.decode("utf-8")
         except UnicodeDecodeError as err:
             raise JSONInputError(f"not UTF-8 text ({err.reason} at byte {err.start})") from None
+    collecting = gc.isenabled()
+    gc.disable()  # millions of small containers would each trigger a collection of all before them
     try:
         value = json.loads(text, parse_float=_finite_float)
     except RecursionError:
         raise JSONBoundError(f"nested more levels deep than the {max_depth} allowed") from None
     except ValueError as err:
         raise JSONInputError(f"not valid JSON ({_short(err)})") from None
+    finally:
+        if collecting:
+            gc.enable()
     depth = nesting_depth(text)
     if depth > max_depth:
         raise JSONBoundError(f"nested {depth} levels deep, more than the {max_depth} allowed")
