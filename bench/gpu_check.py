@@ -1,22 +1,40 @@
-"""GPU checks of the CUDA path, in one command that fits in about 5 minutes on one GPU:
+"""GPU checks of the CUDA path, in one command, each part independent and bounded:
 
-    python bench/gpu_check.py [--steps 20] [--only default,ntp,ckpt,llama] [--json gpu_check.json]
+    python bench/gpu_check.py [--steps 20] [--only devices,default,ntp,ckpt,llama] [--json gpu_check.json]
+                              [--keep DIR [--rest]] [--part-timeout 420] [--multi]
     python bench/gpu_check.py --rehearse [--visible-gpus 1]     # the same children, on CPU, here
 
+0. `devices` (CPU only, seconds, before any GPU time): the device-typed rehearsal
+   (`ntp_nemo.runtime.device_rehearsal`) of the step of the `ntp` part (a gloo world whose tensors are
+   CUDA tensors, fp32 and bf16), of the multi-GPU layout (NCCL, SP, TP chunks) and of a live recovery's
+   new NCCL generation: a collective handed a tensor its group's backend does not move, or an NCCL group
+   created without its device, fails here.
 1. `default`: the default recipe (gpt_tiny) through the real `ntp-train` CLI on cuda:0 (world 1,
    `trainer=gpu`: bf16-mixed), against the same run on CPU in float32 (bf16 tolerance); and the GPU
    runs' process-group backend `cpu:gloo,cuda:nccl` on the one GPU (a world-1 group: an NCCL
    all-reduce of a CUDA tensor and a gloo object all-gather; a world-1 run itself needs no group).
 2. `ntp`: an NTP layout (2,1) of three processes sharing cuda:0 over gloo with CUDA tensors, against
    the single-process curve on cuda:0, in float32 and in bf16-mixed.  (NCCL refuses two ranks on one
-   GPU, so the collectives run over gloo here; on several GPUs the default is `cpu:gloo,cuda:nccl`.)
+   GPU, so the collectives run over gloo here, the TP groups too: `ntpdirect` moves CPU tensors only.)
 3. `ckpt`: a checkpoint saved by a float32 run on cuda:0 (world 1), resumed on CPU and on the GPU
    (world 1 each): the next steps' losses agree.
 4. `llama`: training throughput of a ~1.2B-parameter Llama (Llama-3.2-1B shapes: hidden 2048, 16
    layers, 32 heads / 8 KV heads, FFN 8192, vocabulary 128256, tied embeddings) on ntp_nemo's model
    code, bf16 weights with fused AdamW (`bf16-true`) and fp32 weights under bf16 autocast
    (`bf16-mixed`): tokens/s and MFU = tokens/s x training FLOPs per token / the device's dense bf16
-   peak (H100/H200 SXM 989 TFLOPS, H100/H200 NVL 835, A100 312; `--peak-tflops` for others).
+   peak (H100/H200 SXM 989 TFLOPS, H100/H200 NVL 835, A100 312; `--peak-tflops` for others).  Each
+   precision's micro-batch (at most `--llama-micro-batch`, 8) is sized first on the CPU so that the dry
+   run's estimate leaves 25% of an 80 GB GPU free (`size_llama`): bf16-true 8, bf16-mixed 7.
+
+`--multi` (a machine with three GPUs or more) adds `tp2` (the layout (2,1) on three GPUs over NCCL
+with sequence parallelism, `ntp.tp_overlap`, `ntp.tp_chunks=2` and the distributed optimizer),
+`tp2_compiled` (the same layout with compiled blocks and the distributed optimizer) and `live` (a rank
+killed at step 3, recovered live on NCCL).
+
+Each part runs under its own bound (`--part-timeout`), prints its progress, and a failure in one leaves
+the others to run.  After each part `DIR/gpu_check_summary.json` lists the parts passed so far; with
+`--keep DIR --rest` a second try runs only the others.  Not yet timed on a GPU: the single-GPU parts'
+time is an estimate by reading (about 6 to 10 minutes, most of it the `ntp-train` start-ups).
 
 The launching process never initialises CUDA (devices are counted through NVML): every part runs in
 child processes, which bind their own device; they inherit no SLURM_* or torchrun variables (inside an
@@ -47,7 +65,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("default", "ntp", "ckpt", "llama")
+PARTS = ("devices", "default", "ntp", "ckpt", "llama")
 
 # Dense (no sparsity) bf16 tensor-core peaks, TFLOPS, by device-name fragment (first match wins).
 # NVIDIA's datasheets give the peaks with 2:4 sparsity; dense is half: H200/H100 SXM 1,979 -> 989.5,
@@ -205,9 +223,14 @@ class Plan:
     """One part's children and the device mappings they need, composed once for the GPU run and the
     CPU rehearsal alike."""
 
-    def __init__(self, rehearse: bool, visible: int) -> None:
+    def __init__(self, rehearse: bool, visible: int, timeout_s: float = 900.0) -> None:
         self.rehearse, self.visible = rehearse, visible
         self.problems: list[str] = []
+        self.deadline = time.monotonic() + timeout_s  # the part's own bound (`--part-timeout`)
+
+    def left(self, most: float) -> int:
+        """Seconds a child may run: `most`, or less where the part's deadline comes first (at least 1)."""
+        return max(1, int(min(most, self.deadline - time.monotonic())))
 
     def check(self, name: str, world: int, ordinals: list[int] | None, backend: str | None) -> bool:
         problem = mapping_problem(world, ordinals, backend, self.visible)
@@ -226,7 +249,12 @@ class Plan:
 
 
 # ---- running pieces in child processes --------------------------------------------------------------
-def run(cmd: list[str], log: Path, timeout: int = 600, env: dict | None = None) -> int:
+def run(cmd: list[str], log: Path, timeout: int = 600, env: dict | None = None,
+        plan: Plan | None = None) -> int:
+    """Run a child with its output in `log`, bounded by `timeout` and the part's deadline (`plan`);
+    124 when it ran out of time."""
+    if plan is not None:
+        timeout = plan.left(timeout)
     t0 = time.perf_counter()
     with log.open("w") as f:
         try:
@@ -240,15 +268,17 @@ def run(cmd: list[str], log: Path, timeout: int = 600, env: dict | None = None) 
     return rc
 
 
-def cli(overrides: list[str], run_dir: Path, log: Path, env: dict | None = None) -> int:
-    return run([sys.executable, "-m", "ntp_nemo.train", *overrides, f"hydra.run.dir={run_dir}"], log, env=env)
+def cli(overrides: list[str], run_dir: Path, log: Path, env: dict | None = None,
+        plan: Plan | None = None) -> int:
+    return run([sys.executable, "-m", "ntp_nemo.train", *overrides, f"hydra.run.dir={run_dir}"], log, env=env,
+               plan=plan)
 
 
 def gpu_cli(plan: Plan, name: str, overrides: list[str], run_dir: Path, log: Path) -> int:
     """A GPU run of `ntp-train` (every rank on its own GPU, Lightning's mapping), checked first."""
     if not plan.check(name, layout_world(overrides), None, None):
         return 3
-    return cli(plan.accel(plan.sizes(overrides)), run_dir, log)
+    return cli(plan.accel(plan.sizes(overrides)), run_dir, log, plan=plan)
 
 
 def worker_backend(out: Path, rehearse: bool = False) -> None:
@@ -284,14 +314,15 @@ def part_default(tmp: Path, steps: int, plan: Plan) -> dict:
     gpu, cpu = tmp / "default_gpu", tmp / "default_cpu"
     single = [*tiny_overrides(steps), *SINGLE]  # world 1: the one GPU
     rc_gpu = gpu_cli(plan, "default gpu", [*single, "trainer=gpu"], gpu, tmp / "default_gpu.log")
-    rc_cpu = cli(plan.sizes(single), cpu, tmp / "default_cpu.log")
+    rc_cpu = cli(plan.sizes(single), cpu, tmp / "default_cpu.log", plan=plan)
     got, ref = read_losses(gpu), read_losses(cpu)
     cmp = compare_curves(got, ref, BF16_RTOL)
     pg = tmp / "backend.json"
     rc_pg = 3
     if plan.check("default backend", 1, [0], "cpu:gloo,cuda:nccl"):
         rc_pg = run([sys.executable, __file__, "--worker-backend", str(pg), *(["--rehearse"] if plan.rehearse
-                                                                               else [])], tmp / "backend.log")
+                                                                               else [])], tmp / "backend.log",
+                    plan=plan)
     backend = json.loads(pg.read_text()) if rc_pg == 0 and pg.exists() else {"rc": rc_pg}
     return {
         "ok": rc_gpu == 0 and rc_cpu == 0 and cmp["ok"] and len(got) == steps and got[-1] < got[0]
@@ -356,7 +387,7 @@ def part_ntp(tmp: Path, steps: int, plan: Plan) -> dict:
             if plan.check(f"ntp ({layout}) {precision}", world, [0] * world, "gloo"):  # all on cuda:0
                 flags = ["--rehearse"] if plan.rehearse else []
                 rc = run([sys.executable, __file__, "--worker-ntp", str(run_dir), layout, precision,
-                          str(steps), *flags], tmp / f"{run_dir.name}.log")
+                          str(steps), *flags], tmp / f"{run_dir.name}.log", plan=plan)
             curves[layout] = read_losses(run_dir)
             ok &= rc == 0
         cmp = compare_curves(curves["2,1"], curves["1"], rtol)
@@ -383,7 +414,7 @@ def part_ckpt(tmp: Path, steps: int, plan: Plan) -> dict:
         if accel == "gpu":
             rc = gpu_cli(plan, "ckpt resume gpu", overrides, run_dir, tmp / f"ckpt_resume_{name}.log")
         else:
-            rc = cli(plan.sizes(overrides), run_dir, tmp / f"ckpt_resume_{name}.log")
+            rc = cli(plan.sizes(overrides), run_dir, tmp / f"ckpt_resume_{name}.log", plan=plan)
         logf = tmp / f"ckpt_resume_{name}.log"
         log = logf.read_text() if logf.exists() else ""
         results[name] = {"rc": rc, "resumed": "resuming from" in log, "losses": read_losses(run_dir)[first:]}
@@ -397,6 +428,44 @@ def part_ckpt(tmp: Path, steps: int, plan: Plan) -> dict:
 
 
 LLAMA_REHEARSAL = {"num_layers": 1, "vocab_size": 1024}  # the 1B's code path and dtypes, at CPU size
+GPU_BYTES = 80e9  # an 80 GB H100/H200-class card: the llama part leaves FREE_FRACTION of it free
+FREE_FRACTION = 0.25
+
+
+def llama_estimate(micro_batch: int, seq: int, precision: str) -> dict:
+    """Device bytes of one training step of the 1.2B Llama at `micro_batch` x `seq` in `precision`, by the
+    dry run (`runtime.dry_run`: parameters, gradients, AdamW state and the activations autograd saves,
+    counted on meta tensors) plus what it does not count: the loss's transient gradient of the logits (in
+    the compute dtype) with one chunk of float32 temporaries, and under `bf16-mixed` autocast's bf16 copy
+    of the weights.  CPU only (meta tensors, torch's fake process group): no CUDA call."""
+    import torch
+
+    from ntp_nemo.models import ModelConfig
+    from ntp_nemo.parallel.layers import CE_CHUNK_BYTES
+    from ntp_nemo.runtime.dry_run import StepShape, dry_run
+    from ntp_nemo.topology import ResolvedLayout, Topology
+
+    cfg = ModelConfig(**{**LLAMA_1B, "max_seq_len": seq})
+    layout = ResolvedLayout.make(Topology(1, [1], [1] * (cfg.num_layers + 2)), num_microbatches=1)
+    param = torch.bfloat16 if precision == "bf16-true" else torch.float32
+    shape = StepShape(seq_len=seq, micro_batch_size=micro_batch, param_dtype=param,
+                      compute_dtype=torch.bfloat16)
+    r = dry_run(layout, cfg, shape, measure_options=False).ranks[0]
+    logits_grad = micro_batch * seq * cfg.vocab_size * 2 + 2 * CE_CHUNK_BYTES
+    autocast_weights = r.params * 2 if precision == "bf16-mixed" else 0
+    total = r.memory_bytes + logits_grad + autocast_weights
+    return {"micro_batch": micro_batch, "dry_run_bytes": r.memory_bytes, "loss_transient_bytes": logits_grad,
+            "autocast_weight_bytes": autocast_weights, "total_bytes": total,
+            "free_fraction_of_80gb": 1 - total / GPU_BYTES}
+
+
+def size_llama(requested: int, seq: int, precision: str) -> dict:
+    """The largest micro-batch up to `requested` whose estimate (`llama_estimate`) leaves FREE_FRACTION
+    of an 80 GB GPU free, with its estimate (micro-batch 1 when none does)."""
+    est = llama_estimate(requested, seq, precision)
+    while est["free_fraction_of_80gb"] < FREE_FRACTION and est["micro_batch"] > 1:
+        est = llama_estimate(est["micro_batch"] - 1, seq, precision)
+    return {**est, "requested_micro_batch": requested}
 
 
 def worker_llama(
@@ -459,27 +528,149 @@ def worker_llama(
 
 
 def part_llama(tmp: Path, peak: float | None, micro_batch: int, seq: int, plan: Plan) -> dict:
+    """Each precision's micro-batch is first sized on the CPU (`size_llama`, in a child: the dry run's
+    estimate must leave 25% of an 80 GB GPU free), then timed on the GPU.  The rehearsal sizes the 1.2B
+    shape the same way and trains its one-layer cut at micro-batch 1."""
     out: dict = {"ok": True}
-    if plan.rehearse:
-        micro_batch, seq = 1, 32
+    sized_path = tmp / "llama_size.json"
+    rc_size = run([sys.executable, __file__, "--worker-size", str(sized_path), str(micro_batch), str(seq)],
+                  tmp / "llama_size.log", timeout=180, plan=plan)
+    sizes = json.loads(sized_path.read_text()) if rc_size == 0 and sized_path.exists() else {}
     for precision in ("bf16-true", "bf16-mixed"):
+        sized = sizes.get(precision, {"rc": rc_size})
+        mb = sized.get("micro_batch")
+        if mb is not None:
+            free = 100 * sized["free_fraction_of_80gb"]
+            print(f"  llama {precision}: micro-batch {mb} (asked {micro_batch}): estimate "
+                  f"{sized['total_bytes'] / 1e9:.1f} GB, {free:.0f}% of 80 GB free", flush=True)
         path = tmp / f"llama_{precision}.json"
-        rc = 3
-        if plan.check(f"llama {precision}", 1, [0], None):
-            cmd = [sys.executable, __file__, "--worker-llama", str(path), precision, str(micro_batch),
-                   str(seq), "2" if plan.rehearse else "10", str(peak or 0),
+        rc = 3 if mb is None else rc_size
+        if mb is not None and plan.check(f"llama {precision}", 1, [0], None):
+            run_mb, run_seq = (1, 32) if plan.rehearse else (mb, seq)
+            cmd = [sys.executable, __file__, "--worker-llama", str(path), precision, str(run_mb),
+                   str(run_seq), "2" if plan.rehearse else "10", str(peak or 0),
                    *(["--rehearse"] if plan.rehearse else [])]
-            rc = run(cmd, tmp / f"llama_{precision}.log", timeout=300)
+            rc = run(cmd, tmp / f"llama_{precision}.log", timeout=300, plan=plan)
         res = json.loads(path.read_text()) if rc == 0 and path.exists() else {"rc": rc}
-        out[precision] = res
+        out[precision] = {**res, "sizing": sized}
         out["ok"] &= rc == 0
     return out
+
+
+def worker_devices(out: Path) -> None:
+    """In a child process, on the CPU: the device-typed rehearsal (`ntp_nemo.runtime.device_rehearsal`:
+    meta tensors stand for CUDA tensors, every process group keeps its real backend's device types) of
+    the step each GPU part runs, and of a live recovery's new generation on NCCL."""
+    import dataclasses
+
+    import torch
+    import torch.distributed as dist
+
+    from ntp_nemo.models import ModelConfig
+    from ntp_nemo.runtime.device_rehearsal import DeviceTypedWorld
+    from ntp_nemo.runtime.dry_run import StepShape, dry_run
+    from ntp_nemo.topology import ResolvedLayout, Topology
+
+    cfg = ModelConfig(arch="llama", name="rehearsal", vocab_size=101, hidden_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=2, ffn_hidden_size=96, max_seq_len=33)
+    ntp21 = ResolvedLayout.make(Topology(2, [2, 1], [2] * (cfg.num_layers + 2)), num_microbatches=3)
+    sp = dataclasses.replace(ntp21, sequence_parallel=True)
+    cases = {  # name: (world backend, layout, step shape)
+        "ntp (2,1) on one GPU over gloo, fp32": ("gloo", ntp21, StepShape(seq_len=16, micro_batch_size=1)),
+        "ntp (2,1) on one GPU over gloo, bf16": ("gloo", ntp21, StepShape(
+            seq_len=16, micro_batch_size=1, compute_dtype=torch.bfloat16)),
+        "(2,1) on 3 GPUs, NCCL, SP, 2 chunks": ("cpu:gloo,cuda:nccl", sp, StepShape(
+            seq_len=16, micro_batch_size=1, compute_dtype=torch.bfloat16, tp_chunks=2)),
+    }
+    results: dict = {}
+    for name, (backend, layout, shape) in cases.items():
+        try:
+            with DeviceTypedWorld(backend):
+                dry_run(layout, cfg, shape, measure_options=False)
+            results[name] = {"ok": True}
+        except Exception as err:  # noqa: BLE001 - reported per case
+            results[name] = {"ok": False, "error": f"{type(err).__name__}: {err}"}
+    # A live recovery's generation on NCCL: every group bound to this process's GPU (mocked ordinal 1).
+    from ntp_nemo.resilience import rendezvous
+    from ntp_nemo.resilience.store_auth import JobStore
+    from ntp_nemo.runtime.runtime import RankPlace
+
+    current, auth = torch.cuda.current_device, rendezvous.authenticate_group
+    torch.cuda.current_device, rendezvous.authenticate_group = (lambda: 1), (lambda *a, **k: None)
+    world = DeviceTypedWorld()
+    try:
+        with world:
+            rendezvous.join(JobStore(dist.HashStore(), b"k" * 32), 1, 0, 2, backend="cpu:gloo,cuda:nccl")
+            try:
+                RankPlace(ResolvedLayout.make(Topology(1, [2], [2] * 4), num_microbatches=2), 0,
+                          device=torch.device("meta"))
+            finally:
+                dist.destroy_process_group()
+        unbound = [f"{r.how} {list(r.ranks)}" for r in world.unbound_nccl()]
+        results["live generation on NCCL: groups bound"] = {"ok": not unbound, "unbound": unbound}
+    except Exception as err:  # noqa: BLE001
+        results["live generation on NCCL: groups bound"] = {"ok": False,
+                                                             "error": f"{type(err).__name__}: {err}"}
+    finally:
+        torch.cuda.current_device, rendezvous.authenticate_group = current, auth
+    out.write_text(json.dumps(results))
+
+
+def part_devices(tmp: Path, plan: Plan) -> dict:
+    """On the CPU before any GPU time: the device-typed rehearsal of every part's step (`worker_devices`)."""
+    path = tmp / "devices.json"
+    rc = run([sys.executable, __file__, "--worker-devices", str(path)], tmp / "devices.log", timeout=300,
+             plan=plan)
+    cases = json.loads(path.read_text()) if rc == 0 and path.exists() else {}
+    for name, r in cases.items():
+        print(f"  {'ok' if r['ok'] else 'FAILED'}: {name}{'' if r['ok'] else ': ' + str(r)}", flush=True)
+    return {"ok": rc == 0 and bool(cases) and all(r["ok"] for r in cases.values()), "rc": rc, "cases": cases}
+
+
+# Multi-GPU parts (`--multi`): each rank on its own GPU, NCCL (`cpu:gloo,cuda:nccl`), the NTP layout (2,1).
+NTP21_GPUS = ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]", "trainer=gpu"]
+MULTI = {
+    "tp2": ["ntp.sequence_parallel=true", "ntp.tp_overlap=true", "ntp.tp_chunks=2", "optim.distributed=true"],
+    "tp2_compiled": ["trainer.compile=true", "optim.distributed=true"],
+    "live": ["fault=kill_rank", "fault.rank=2", "fault.step=3", "fault.recovery=live"],
+}
+
+
+def multi_overrides(part: str, steps: int) -> list[str]:
+    return [*tiny_overrides(max(steps, 6)), *NTP21_GPUS, *MULTI[part]]
+
+
+def part_multi(part: str, tmp: Path, steps: int, plan: Plan) -> dict:
+    """One multi-GPU part: `ntp-train` on the layout (2,1), three ranks on three GPUs over NCCL, with the
+    part's features (`MULTI`); it passes when it trains every step and its loss falls."""
+    run_dir = tmp / part
+    rc = gpu_cli(plan, part, multi_overrides(part, steps), run_dir, tmp / f"{part}.log")
+    losses = read_losses(run_dir)
+    want = max(steps, 6)
+    return {"ok": rc == 0 and len(losses) == want and losses[-1] < losses[0], "rc": rc,
+            "steps": len(losses), "first_loss": losses[0] if losses else None,
+            "final_loss": losses[-1] if losses else None}
+
+
+SUMMARY = "gpu_check_summary.json"
+
+
+def passed_before(keep: Path) -> list[str]:
+    """Parts an earlier run into `keep` passed (its summary), so `--rest` runs only the others."""
+    path = keep / SUMMARY
+    return list(json.loads(path.read_text()).get("passed", [])) if path.exists() else []
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, help="training steps of the curve comparisons (20; 4 rehearsed)")
-    ap.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts of {PARTS}")
+    ap.add_argument("--only", help=f"comma-separated parts of {PARTS} (and {tuple(MULTI)} with several GPUs)")
+    ap.add_argument("--multi", action="store_true",
+                    help=f"also the multi-GPU parts {tuple(MULTI)} (three ranks on three GPUs over NCCL)")
+    ap.add_argument("--rest", action="store_true",
+                    help="run only the parts the summary in --keep DIR does not list as passed")
+    ap.add_argument("--part-timeout", type=int,
+                    help="seconds each part may take (420 on a GPU; 1800 rehearsed on a shared CPU)")
     ap.add_argument("--json", help="also write the results to this file")
     ap.add_argument("--peak-tflops", type=float, help="dense bf16 peak of the device (default: by its name)")
     ap.add_argument("--llama-micro-batch", type=int, default=8)
@@ -491,7 +682,17 @@ def main() -> int:
     ap.add_argument("--worker-ntp", nargs=4, help=argparse.SUPPRESS)
     ap.add_argument("--worker-llama", nargs=6, help=argparse.SUPPRESS)
     ap.add_argument("--worker-backend", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-size", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--worker-devices", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.worker_devices:
+        worker_devices(Path(args.worker_devices))
+        return 0
+    if args.worker_size:
+        p, mb, seq = args.worker_size
+        Path(p).write_text(json.dumps({prec: size_llama(int(mb), int(seq), prec)
+                                       for prec in ("bf16-true", "bf16-mixed")}))
+        return 0
     if args.worker_ntp:
         d, layout, precision, steps = args.worker_ntp
         worker_ntp(Path(d), layout, precision, int(steps), args.rehearse)
@@ -508,10 +709,15 @@ def main() -> int:
     from ntp_nemo.launch.devices import cuda_device_count  # NVML: no CUDA context in this process
 
     args.steps = args.steps or (4 if args.rehearse else 20)
-    parts = [p for p in args.only.split(",") if p]
-    bad = [p for p in parts if p not in PARTS]
+    args.part_timeout = args.part_timeout or (1800 if args.rehearse else 420)
+    known = (*PARTS, *MULTI)
+    parts = [p for p in (args.only or ",".join(PARTS + (tuple(MULTI) if args.multi else ()))).split(",") if p]
+    bad = [p for p in parts if p not in known]
     if bad:
-        print(f"error: unknown part(s) {bad}; choose from {', '.join(PARTS)}", file=sys.stderr)
+        print(f"error: unknown part(s) {bad}; choose from {', '.join(known)}", file=sys.stderr)
+        return 2
+    if args.rest and not args.keep:
+        print("error: --rest reads the summary of an earlier run: give its --keep DIR", file=sys.stderr)
         return 2
     n = args.visible_gpus if args.rehearse else cuda_device_count()
     if n == 0:
@@ -520,40 +726,63 @@ def main() -> int:
         return 0
     tmp = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="gpu_check_"))
     tmp.mkdir(parents=True, exist_ok=True)
+    done = passed_before(tmp) if args.rest else []
+    todo = [p for p in parts if p not in done]
     what = f"rehearsal on CPU of {n} simulated GPU(s)" if args.rehearse else f"{n} CUDA device(s) visible"
     print(f"gpu_check: {what}; using cuda:0; logs in {tmp}", flush=True)
+    if done:
+        print(f"gpu_check: passed before ({tmp / SUMMARY}), not run again: {', '.join(done)}", flush=True)
     results: dict = {}
     t0 = time.perf_counter()
-    for part in parts:
-        print(f"[{part}]", flush=True)
-        plan = Plan(args.rehearse, n)
-        if part == "default":
-            results[part] = part_default(tmp, args.steps, plan)
-        elif part == "ntp":
-            results[part] = part_ntp(tmp, args.steps, plan)
-        elif part == "ckpt":
-            results[part] = part_ckpt(tmp, args.steps, plan)
-        else:
-            results[part] = part_llama(tmp, args.peak_tflops, args.llama_micro_batch, args.llama_seq, plan)
+    for i, part in enumerate(todo, 1):
+        print(f"[{i}/{len(todo)} {part}] at {time.perf_counter() - t0:.0f}s (bound {args.part_timeout}s)",
+              flush=True)
+        plan = Plan(args.rehearse, n, args.part_timeout)
+        started = time.perf_counter()
+        try:
+            if part == "devices":
+                results[part] = part_devices(tmp, plan)
+            elif part == "default":
+                results[part] = part_default(tmp, args.steps, plan)
+            elif part == "ntp":
+                results[part] = part_ntp(tmp, args.steps, plan)
+            elif part == "ckpt":
+                results[part] = part_ckpt(tmp, args.steps, plan)
+            elif part == "llama":
+                results[part] = part_llama(tmp, args.peak_tflops, args.llama_micro_batch, args.llama_seq,
+                                           plan)
+            else:
+                results[part] = part_multi(part, tmp, args.steps, plan)
+        except Exception as err:  # noqa: BLE001 - one part's failure leaves the others to run
+            results[part] = {"ok": False, "error": f"{type(err).__name__}: {err}"}
         if plan.problems:
             results[part].update(ok=False, mapping_problems=plan.problems)
+        results[part]["part_s"] = round(time.perf_counter() - started, 1)
         print(json.dumps(results[part], indent=2), flush=True)
+        passed_now = [p for p in parts if p in done or results.get(p, {}).get("ok")]
+        (tmp / SUMMARY).write_text(json.dumps({"passed": passed_now, "failed": [
+            p for p in todo if p in results and not results[p]["ok"]]}, indent=2) + "\n")
     results["wall_s"] = time.perf_counter() - t0
     print(f"\ngpu_check: {time.perf_counter() - t0:.0f}s")
     for part in parts:
-        print(f"  {part:8s} {'ok' if results[part]['ok'] else 'FAILED'}")
+        verdict = "ok (earlier run)" if part in done else ("ok" if results[part]["ok"] else "FAILED")
+        print(f"  {part:12s} {verdict}")
     for precision in ("bf16-true", "bf16-mixed"):
         r = results.get("llama", {}).get(precision)
         if r and "tokens_per_s" in r:
             mfu_text = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a (unknown peak)"
             print(f"  llama {r['params'] / 1e9:.2f}B {precision}: {r['tokens_per_s']:.0f} tokens/s, "
                   f"{r['tflops']:.0f} TFLOPS, MFU {mfu_text} on {r['device']}")
+    failed = [p for p in todo if not results[p]["ok"]]
+    if failed:
+        print(f"  rerun only the rest: python bench/gpu_check.py --keep {tmp} --rest"
+              f"{' --multi' if args.multi else ''}{' --rehearse' if args.rehearse else ''}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
-    passed = sum(bool(results[p]["ok"]) for p in parts)
+    passed = len(parts) - len(failed)
     if args.rehearse:
         print(f"gpu_check rehearsal: {passed}/{len(parts)} parts ok")
-    return 0 if passed == len(parts) else 1
+    return 0 if not failed else 1
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -76,6 +77,10 @@ def test_every_part_composes_children_that_fit_one_gpu_and_no_cluster_launch(mon
 
     def start(cmd, **kwargs):
         started.append((cmd, kwargs["env"]))
+        if "--worker-size" in cmd:  # the llama part's sizing child (CPU only): what it writes
+            sized = {"micro_batch": 7, "total_bytes": 56.8e9, "free_fraction_of_80gb": 0.29}
+            Path(cmd[cmd.index("--worker-size") + 1]).write_text(json.dumps(
+                {"bf16-true": sized, "bf16-mixed": sized}))
         return subprocess.CompletedProcess(cmd, 0)
 
     monkeypatch.setattr(gpu_check.subprocess, "run", start)
@@ -89,15 +94,22 @@ def test_every_part_composes_children_that_fit_one_gpu_and_no_cluster_launch(mon
         gpu_check.part_llama(tmp_path, None, 8, 2048, plan)
         assert plan.problems == []
         commands[rehearse] = [cmd for cmd, _ in started[before:]]
-    # default: GPU + CPU runs and the backend check; ntp: 2 layouts x 2 precisions; ckpt: 3; llama: 2.
-    assert len(commands[False]) == len(commands[True]) == 3 + 4 + 3 + 2
+    # default: GPU + CPU runs and the backend check; ntp: 2 layouts x 2 precisions; ckpt: 3; llama: the
+    # sizing and 2 runs.
+    assert len(commands[False]) == len(commands[True]) == 3 + 4 + 3 + 3
+    llama = [cmd for cmd in commands[False] if "--worker-llama" in cmd]
+    assert [cmd[cmd.index("--worker-llama") + 3] for cmd in llama] == ["7", "7"]  # the sized micro-batch
     for cmd, env in started:
         assert not [k for k in env if k.startswith("SLURM_") or k in gpu_check.LAUNCHER_VARS], cmd
     for cmd in commands[False]:
         if "ntp_nemo.train" in cmd and ("trainer=gpu" in cmd or "trainer.accelerator=gpu" in cmd):
             assert gpu_check.layout_world(cmd[3:]) == 1, cmd
     for gpu_cmd, cpu_cmd in zip(commands[False], commands[True], strict=True):  # same children, on CPU
-        if "ntp_nemo.train" not in gpu_cmd:
+        if "--worker-size" in gpu_cmd:  # on the CPU in both
+            assert cpu_cmd == gpu_cmd
+        elif "--worker-llama" in gpu_cmd:  # the one-layer cut at micro-batch 1 on the CPU
+            assert cpu_cmd[:4] == gpu_cmd[:4] and cpu_cmd[-1] == "--rehearse"
+        elif "ntp_nemo.train" not in gpu_cmd:
             assert cpu_cmd[:3] == gpu_cmd[:3] and cpu_cmd[-1] == "--rehearse"
         elif "trainer=gpu" in gpu_cmd or "trainer.accelerator=gpu" in gpu_cmd:  # smaller, on the CPU
             sizes = gpu_check.REHEARSAL_SIZES
@@ -121,6 +133,55 @@ def test_rehearsal_of_the_llama_part_on_cpu(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "gpu_check rehearsal: 1/1 parts ok"
+    sizes = json.loads((tmp_path / "llama_size.json").read_text())
     for precision in ("bf16-true", "bf16-mixed"):
         res = json.loads((tmp_path / f"llama_{precision}.json").read_text())
         assert res["device"] == "cpu (rehearsal)" and res["final_loss"] > 0
+        # sized on the 1.2B shape by the dry run's estimate: a quarter of an 80 GB GPU left free
+        assert sizes[precision]["free_fraction_of_80gb"] >= 0.25 and sizes[precision]["micro_batch"] >= 1
+    assert sizes["bf16-true"]["micro_batch"] == 8  # 49 GB
+    assert sizes["bf16-mixed"]["micro_batch"] == 7  # 8 would need 62 GB, 23% free
+
+
+def test_a_second_try_runs_only_the_parts_that_did_not_pass(monkeypatch, tmp_path, capsys):
+    """Each part independent: one that raises fails alone; the summary lists the parts passed, and
+    `--keep DIR --rest` runs only the others."""
+    ran = []
+
+    def part(name, ok):
+        def fn(*args, **kwargs):
+            ran.append(name)
+            if ok is None:
+                raise RuntimeError("boom")
+            return {"ok": ok}
+        return fn
+
+    monkeypatch.setattr(gpu_check, "part_devices", part("devices", True))
+    monkeypatch.setattr(gpu_check, "part_default", part("default", None))
+    monkeypatch.setattr(gpu_check, "part_ntp", part("ntp", False))
+    argv = ["gpu_check.py", "--rehearse", "--keep", str(tmp_path), "--only", "devices,default,ntp"]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert gpu_check.main() == 1 and ran == ["devices", "default", "ntp"]
+    summary = json.loads((tmp_path / gpu_check.SUMMARY).read_text())
+    assert summary == {"passed": ["devices"], "failed": ["default", "ntp"]}
+    assert "--rest" in capsys.readouterr().out
+    monkeypatch.setattr(gpu_check, "part_default", part("default", True))
+    monkeypatch.setattr(sys, "argv", [*argv, "--rest"])
+    ran.clear()
+    assert gpu_check.main() == 1 and ran == ["default", "ntp"]
+    assert json.loads((tmp_path / gpu_check.SUMMARY).read_text())["passed"] == ["devices", "default"]
+
+
+@pytest.mark.parametrize("part", ["tp2", "tp2_compiled", "live"])
+def test_multi_gpu_parts_are_valid_runs_of_three_ranks_on_three_gpus(part):
+    """`--multi`: each part's command is a valid `ntp-train` config (the checks a run makes before it
+    starts) of three ranks, each on its own GPU over NCCL."""
+    from ntp_nemo.train import check_config
+    from tests.conftest import compose
+
+    overrides = gpu_check.multi_overrides(part, 4)
+    rehearsed = gpu_check.Plan(True, 3).accel(gpu_check.Plan(True, 3).sizes(overrides))  # no CUDA here
+    spec = check_config(compose(rehearsed), {o.split("=")[0] for o in rehearsed})
+    assert gpu_check.layout_world(overrides) == 3
+    assert gpu_check.mapping_problem(3, None, None, visible=3) is None
+    assert spec is not None
