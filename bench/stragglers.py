@@ -1,26 +1,25 @@
 """Stragglers: a rank slowed to half speed, found while the job runs and given less work, against the same
 job that only reports it, the failure-free job, and the detector's own cost.
 
-    python bench/stragglers.py [--steps 200] [--fault-step 20] [--factor 0.5] [--clean-runs 3]
-                               [--cost-steps 100] [overrides ...]
+    python bench/stragglers.py [--steps 200] [--fault-step 20] [--factor 0.5] [--clean-runs 3] [overrides ...]
 
 The job: 2 DP replicas of TP 2 (4 processes, `ntp.replica_tp=[2,2]`), the tests' tiny GPT at a batch of
 6 micro-batches, through the real `ntp-train` CLI; global rank 1 computes at `--factor` of its speed from
-step `--fault-step` to the end (`fault=slow fault.factor=...`).  Runs, one after another:
+step `--fault-step` to the end (`fault=slow fault.factor=...`).  Runs take turns step by step
+(`bench._common.run_side_by_side`: one side computes while the others wait, so the load of a shared
+machine falls on all of them alike):
 
-- `rebalance` (the default policy): the straggler watch names the rank and its replica gets a batch share
-  proportional to its measured speed.  Printed: the step its `straggler` event names rank 1 at; the median
-  step time after the last rebalance, next to what the work model predicts for the measured speeds (the
-  failure-free steps before the fault, plus the modelled compute of the new split at those speeds minus
-  that of the nominal split at full speed, both from the `rebalance` event); the largest relative loss
-  difference from the failure-free run;
-- `report` (`fault.straggler=report`): the same job, the straggler only reported: its median step time over
-  the same steps, and rebalance / report;
-- `--clean-runs` failure-free runs of `--steps` steps with the watch on: every `straggler` event is a false
-  alarm (the first of them is also the loss curve's reference);
-- the detector's cost: the failure-free job with the watch on and off (`fault.straggler_every=0`: no timer,
-  nothing added to the fused all-reduce) side by side, taking turns step by step
-  (`bench._common.run_side_by_side`), median of the paired per-step ratios of wall and CPU time.
+1. `rebalance` (the default policy: the straggler watch names the rank and its replica gets a batch share
+   proportional to its measured speed) beside `report` (`fault.straggler=report`: the same job, the
+   straggler only reported).  Printed: the step its `straggler` event names rank 1 at; the median step
+   time after the last rebalance, next to what the work model predicts for the measured speeds (the
+   failure-free steps before the fault, plus the modelled compute of the new split at those speeds minus
+   that of the nominal split at full speed, both from the `rebalance` event); the report run's median
+   over the same steps and the paired per-step ratio;
+2. `--clean-runs` failure-free runs with the watch on beside one with it off (`fault.straggler_every=0`:
+   no timer, nothing added to the fused all-reduce): every `straggler` event of a watched run is a false
+   alarm; the detector's cost is the median of the paired per-step ratios watched / unwatched (wall and
+   rank 0's CPU time); the first watched run is the loss curve's reference for the rebalanced run.
 """
 
 from __future__ import annotations
@@ -28,25 +27,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as `python bench/NAME.py`: the checkout's root on the path, for `bench.*`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench._common import TOY_JOB, load_average, ntp_side, paired_ratio, run_side_by_side, thread_env  # noqa: E402
+from bench._common import TOY_JOB, load_average, ntp_side, paired_ratio, run_side_by_side  # noqa: E402
 
 LAYOUT = ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,2]", "checkpoint.every_n_steps=0",
           "checkpoint.save_on_end=false", "resume=never"]
-
-
-def run(overrides: list[str], run_dir: Path) -> None:
-    args = [sys.executable, "-m", "ntp_nemo.train", *overrides, f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run(args, cwd=run_dir.parent, env=thread_env(1), capture_output=True, text=True,
-                          timeout=1800)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
 
 
 def jsonl(path: Path) -> list[dict]:
@@ -59,7 +49,6 @@ def main() -> None:
     ap.add_argument("--fault-step", type=int, default=20)
     ap.add_argument("--factor", type=float, default=0.5)
     ap.add_argument("--clean-runs", type=int, default=3)
-    ap.add_argument("--cost-steps", type=int, default=100)
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     job = [*TOY_JOB, *LAYOUT, f"trainer.max_steps={a.steps}", *a.overrides]
@@ -67,14 +56,11 @@ def main() -> None:
     print(f"load before: {load_average()}")
     with tempfile.TemporaryDirectory(prefix="stragglers-") as tmp:
         root = Path(tmp)
-        dirs = {"rebalance": root / "rebalance", "report": root / "report"}
-        run([*job, *fault], dirs["rebalance"])
-        run([*job, *fault, "fault.straggler=report"], dirs["report"])
-        clean = [root / f"clean{i}" for i in range(a.clean_runs)]
-        for d in clean:
-            run(job, d)
-
-        ev = jsonl(dirs["rebalance"] / "goodput.jsonl")
+        # 1. the straggler under rebalance and under report, taking turns step by step
+        sides = [ntp_side("rebalance", [*job, *fault], root, 4, 1),
+                 ntp_side("report", [*job, *fault, "fault.straggler=report"], root, 4, 1)]
+        runs = run_side_by_side(sides, a.steps, root, timeout=3600)
+        ev = jsonl(root / "rebalance" / "goodput.jsonl")
         named = [e for e in ev if e["event"] == "straggler"]
         rebal = [e for e in ev if e["event"] == "rebalance"]
         if not named or not rebal:
@@ -85,7 +71,7 @@ def main() -> None:
               f"estimated speed {first['speed']:.2f} (injected {a.factor})")
         last = rebal[-1]
         since = last["step"] + 3  # the new split's steps, past the one the change fell on
-        m = {k: {r["step"]: r for r in jsonl(d / "metrics.jsonl")} for k, d in dirs.items()}
+        m = {k: {r["step"]: r for r in runs[k]["records"]} for k in ("rebalance", "report")}
         clean_steps = [r["step_time_s"] for s, r in m["rebalance"].items() if 5 <= s < a.fault_step]
         before = statistics.median(clean_steps)
         after = [r["step_time_s"] for s, r in m["rebalance"].items() if s >= since]
@@ -93,6 +79,7 @@ def main() -> None:
         predicted = before + last["predicted_compute_s"] - last["nominal_compute_s"]
         unmitigated = before + last["nominal_compute_s"] * (1 / a.factor - 1)
         med_after, med_report = statistics.median(after), statistics.median(reported)
+        paired = paired_ratio([runs["rebalance"]], [runs["report"]], "step_time_s", since)
         print(f"rebalance: split {last['microbatches']} from step {last['step'] + 1} (rank speeds "
               f"{[round(v, 2) for v in last['rank_speeds']]}); median step time steps {since}-{a.steps}: "
               f"{med_after:.4f} s; the work model predicts {predicted:.4f} s for the measured speeds "
@@ -100,24 +87,28 @@ def main() -> None:
               f"- nominal {last['nominal_compute_s']:.4f} s): measured / predicted = "
               f"{med_after / predicted:.3f} (goal <= 1.15)")
         print(f"report: median step time steps {since}-{a.steps}: {med_report:.4f} s (the work model's "
-              f"unmitigated {unmitigated:.4f} s); rebalance / report = {med_after / med_report:.3f}")
-        ref = {r["step"]: r["loss"] for r in jsonl(clean[0] / "metrics.jsonl")}
+              f"unmitigated {unmitigated:.4f} s); rebalance / report = {med_after / med_report:.3f} "
+              f"(paired per step: {paired:.3f})")
+
+        # 2. failure-free runs with the watch on, and one with it off, taking turns step by step
+        clean = [f"clean{i}" for i in range(a.clean_runs)]
+        sides = [*(ntp_side(n, job, root, 4, 1) for n in clean),
+                 ntp_side("watch_off", [*job, "fault.straggler_every=0"], root, 4, 1)]
+        runs.update(run_side_by_side(sides, a.steps, root, timeout=3600))
+        ref = {r["step"]: r["loss"] for r in runs["clean0"]["records"]}
         worst = max(abs(r["loss"] - ref[s]) / abs(ref[s]) for s, r in m["rebalance"].items())
         print(f"loss: max relative difference rebalance vs failure-free over {len(ref)} steps: {worst:.2e} "
               f"(goal <= 1e-5)")
-        alarms = [(i, e["rank"], e["step"]) for i, d in enumerate(clean)
-                  for e in jsonl(d / "goodput.jsonl") if e["event"] == "straggler"]
+        alarms = [(n, e["rank"], e["step"], round(e["speed"], 2)) for n in clean
+                  for e in jsonl(root / n / "goodput.jsonl") if e["event"] == "straggler"]
         print(f"false alarms: {len(alarms)} straggler events over {a.clean_runs} failure-free runs of "
               f"{a.steps} steps {alarms if alarms else ''}")
-
-        cost_job = [*TOY_JOB, *LAYOUT, f"trainer.max_steps={a.cost_steps}", *a.overrides]
-        sides = [ntp_side("watch_on", cost_job, root, 4, 1),
-                 ntp_side("watch_off", [*cost_job, "fault.straggler_every=0"], root, 4, 1)]
-        res = run_side_by_side(sides, a.cost_steps, root)
-        wall = paired_ratio([res["watch_on"]], [res["watch_off"]], "step_time_s", 5)
-        cpu = paired_ratio([res["watch_on"]], [res["watch_off"]], "cpu_s", 5)
-        print(f"detector cost: watch on / off, {a.cost_steps} steps side by side: step time ratio "
-              f"{wall:.4f}, rank 0 CPU time ratio {cpu:.4f} (goal < 1.01)")
+        off = [runs["watch_off"]]
+        wall = statistics.median(paired_ratio([runs[n]], off, "step_time_s", 5) for n in clean)
+        cpu = statistics.median(paired_ratio([runs[n]], off, "cpu_s", 5) for n in clean)
+        print(f"detector cost: watch on / off, {a.steps} steps side by side, median over the {a.clean_runs} "
+              f"watched runs of the paired per-step ratios: step time {wall:.4f}, rank 0 CPU time {cpu:.4f} "
+              f"(goal < 1.01)")
     print(f"load after: {load_average()}")
 
 

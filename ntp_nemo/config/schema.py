@@ -176,7 +176,7 @@ class FaultConfig(Sealable):
     # judgements in a row; below `straggler_floor` speed, `rebalance` excludes the rank too.
     straggler: str = "rebalance"
     straggler_every: int = 5
-    straggler_margin: float = 0.3
+    straggler_margin: float = 0.4
     straggler_persist: int = 3
     straggler_floor: float = 0.2
 

@@ -7,15 +7,14 @@ collective of its own.  Per rank and step the time is divided by the rank's mode
 that ran the step (`share_units`: the work model's cost per token of its slices, `topology/work.py`, times
 its replica's micro-batches), which makes ranks with unequal shares comparable.  Every `every` steps:
 
-- a rank's speed is the product of two window medians (one slow step, a checkpoint or a GC pause, moves
-  neither): how fast its replica's fastest rank runs against the job (the lower median of the median
-  time per unit over the ranks of the same TP degree: a healthy majority sets the reference; taken as 1
-  while the replica holds a straggler already, or where no other rank has its degree), and how fast
-  the rank runs against its TP peers of the same step (its time per
-  unit over the median of theirs, step by step: the peers computed the same micro-batches at the same
-  moment, so neither a split that changed nor the load on a shared machine moves the ratio).  A rank
-  without peers (TP 1) has only the first; a replica slow as a whole is found by the first, a slow rank
-  inside a healthy replica by the second;
+- a rank's speed is a window median (one slow step, a checkpoint or a GC pause, does not move it): for a
+  rank with TP peers, how fast it runs against them at the same steps (its time per unit over the median
+  of theirs, step by step: the peers computed the same micro-batches at the same moment, so neither a
+  split that changed nor the load on a shared machine moves the ratio); for a TP-1 rank, its median time
+  per unit against the lower median of the other TP-1 ranks' (a healthy majority sets the reference; a
+  TP-1 rank alone of its degree is not judged: the work model's device constants, an H100's FLOPs per
+  NVLink byte, need not hold on this machine).  A replica slow as a whole, all its TP ranks alike, is
+  not found;
 - a rank below `1 / (1 + margin)` for `persist` judgements in a row is a straggler; a straggler back above
   `1 / (1 + margin / 2)` for `persist` judgements has recovered (the gap keeps a borderline rank from
   flapping);
@@ -41,7 +40,7 @@ class StragglerSettings:
 
     policy: str = "rebalance"  # report | rebalance | exclude
     every: int = 5
-    margin: float = 0.3
+    margin: float = 0.4
     persist: int = 3
     floor: float = 0.2
 
@@ -159,13 +158,10 @@ class StragglerDetector:
                      if len(peers_now[q]) == len(peers_now[r]) and medians[q] is not None]
             mine = medians[r]
             cross.append(statistics.median_low(alike) / mine if mine is not None and len(alike) > 1 else 1.0)
-        # The group's pace: its fastest rank against the job, where no rank of it is a straggler already
-        # (a rebalance then gave the group fewer micro-batches, over which the phase's fixed costs weigh
-        # more per unit: its ranks are judged against their peers alone).
-        group_pace = [1.0 if self.stragglers & {r, *peers_now[r]} else
-                      min(1.0, max(cross[q] for q in (r, *peers_now[r]))) for r in range(world)]
-        speeds = tuple(group_pace[r] / max(relative[r], 1.0) if peers_now[r] else cross[r]
-                       for r in range(world))
+        # A rank with TP peers is judged against them alone: on a shared machine the processes of one
+        # replica were seen to get half the CPU together for 15 steps and more (three clean runs of 200
+        # steps, 2 cores at load 11-26), which no margin tells from a replica slow as a whole.
+        speeds = tuple(1.0 / max(relative[r], 1.0) if peers_now[r] else cross[r] for r in range(world))
         s = self.settings
         slow = tuple(r for r in range(world) if speeds[r] < s.slow_below)
         new, recovered = [], []

@@ -89,6 +89,14 @@ def test_unequal_shares_are_judged_against_the_work_model():
     assert [j.new for j in judged if j.new] == [(2,)]
 
 
+def test_a_replica_slow_as_a_whole_is_not_a_straggler():
+    """Both TP ranks of replica 0 at half speed for 40 steps (what two processes sharing an overloaded
+    machine's CPU looked like in clean runs): judged against their peers, neither is slow."""
+    det = StragglerDetector(StragglerSettings(every=5, persist=2))
+    judged = _feed(det, _layout(), range(1, 41), lambda r, s: 0.5 if r in (0, 1) else 1.0)
+    assert not any(j.new for j in judged) and min(judged[-1].speeds) == 1.0
+
+
 def test_a_rank_alone_of_its_degree_is_not_judged_by_the_device_constants():
     """The work model weighs a TP rank's traffic with an H100's FLOPs per NVLink byte; on another machine
     a TP-1 rank's time per unit differs from a TP-2 rank's.  Alone of its degree (layout (2,1)) it is
@@ -178,7 +186,7 @@ def _cfg(*overrides):
     (["fault.straggler_every=-1"], "fault.straggler_every", ">= 0"),
     (["fault.straggler_margin=0"], "fault.straggler_margin", "> 0"),
     (["fault.straggler_persist=0"], "fault.straggler_persist", ">= 1"),
-    (["fault.straggler_floor=0.9"], "fault.straggler_floor", "[0, 0.769)"),
+    (["fault.straggler_floor=0.9"], "fault.straggler_floor", "[0, 0.714)"),
 ])
 def test_bad_straggler_config(overrides, key, words):
     from ntp_nemo.resilience.fault_config import validate_fault_config
