@@ -21,7 +21,6 @@ Sources, all inside the run directory:
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 import warnings
@@ -43,6 +42,7 @@ BUCKET_S = 1.0  # the goodput series' time resolution (the calculator's buckets)
 SERIES_BUCKETS = 3600  # an hour of buckets kept (older time is still in the cumulative figures)
 ROLLING_WINDOW_S = 30.0  # the rolling goodput's window
 MAX_POINTS = 300  # points of each goodput curve sent to the page
+MAX_LOSS_POINTS = 20_000  # steps of the loss curve sent to the page (every step up to this many)
 MAX_INCIDENTS = 500  # the newest incidents sent to the page
 STALE_S = 180.0  # a run not finished that wrote nothing (metrics, events, heartbeats) for this long: stalled
 QUIET_EVENTS = frozenset({ev.STEP_START, ev.STEP_END, ev.DATA_WAIT})  # not incidents
@@ -87,14 +87,6 @@ def _mtime(path: Path) -> float | None:
         return path.stat().st_mtime
     except OSError:
         return None
-
-
-def _stamp(path: Path) -> tuple[int, int, int] | None:
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 @dataclass
@@ -456,6 +448,9 @@ class RunReader:
                          for e in events if e["event"] == ev.FAILURE_DETECTED]
         relayouts = [{"step": b["step"], "label": f"layout {a.get('layout')} -> {b.get('layout')}"}
                      for a, b in zip(rows, rows[1:], strict=False) if a.get("layout") != b.get("layout")]
+        stride = -(-len(rows) // MAX_LOSS_POINTS) or 1  # every step up to MAX_LOSS_POINTS, else every k-th
+        shown = rows if stride == 1 else [r for i, r in enumerate(rows)
+                                          if i % stride == 0 or i == len(rows) - 1]
         return {
             "kind": "run",
             "run_dir": str(d),
@@ -465,9 +460,9 @@ class RunReader:
             "now": now,
             "recipe": spec.get("recipe") if isinstance(spec, dict) else None,
             "max_steps": (spec.get("trainer") or {}).get("max_steps") if isinstance(spec, dict) else None,
-            "loss": {"step": [r["step"] for r in rows], "loss": [r.get("loss") for r in rows],
-                     "step_time_s": [r.get("step_time_s") for r in rows],
-                     "layout": [r.get("layout") for r in rows]},
+            "loss": {"step": [r["step"] for r in shown], "loss": [r.get("loss") for r in shown],
+                     "step_time_s": [r.get("step_time_s") for r in shown],
+                     "layout": [r.get("layout") for r in shown], "every": stride},
             "markers": {"failures": failure_steps, "relayouts": relayouts},
             "layout": layout_view(nominal, rows, events, beats, status != "running"),
             "goodput": gp,
@@ -503,8 +498,3 @@ def job_dir(sweep_dir: Path, job: str) -> Path | None:
             return p
     return None
 
-
-def stat_key(path: Path) -> tuple:
-    """Changes when any file the page reads changes (cheap: a few stats)."""
-    names = ("metrics.jsonl", ev.GOODPUT_FILENAME, "summary.json")
-    return tuple(_stamp(path / n) for n in names) + (os.path.getmtime(path) if path.exists() else None,)
