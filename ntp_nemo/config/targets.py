@@ -18,6 +18,9 @@ from omegaconf import DictConfig
 from ntp_nemo.errors import ConfigError
 
 GROUPS = ("callbacks", "logger")  # config groups whose entries are instantiated from `_target_`
+# What the LightningModule logs with `self.log` (`lightning/module.py`): the only names a callback's
+# `monitor` (EarlyStopping, ModelCheckpoint, ...) can find in `trainer.callback_metrics`.
+MONITORABLE = ("train/loss", "train/grad_norm", "val/loss")
 
 
 def _names_in(module: ModuleType) -> list[str]:
@@ -99,3 +102,46 @@ def check_targets(cfg: DictConfig) -> None:
                 raise ConfigError(key, f"cannot load {str(target)!r}: {problem} Fix the path "
                                        f"({key}=package.module.Class) or drop the entry with "
                                        f"~{group}.{name}.")
+            check_arguments(f"{group}.{name}", str(target), spec)
+
+
+def _parameters(obj: object) -> tuple[list[str], bool] | None:
+    """The keyword names `obj(...)` accepts and whether it takes any (**kwargs); None when unknown."""
+    import inspect
+
+    try:
+        sig = inspect.signature(obj)  # a class: its __init__ without self
+    except (TypeError, ValueError):
+        return None
+    names = [p.name for p in sig.parameters.values()
+             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return names, any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values())
+
+
+def check_arguments(where: str, target: str, spec: DictConfig) -> None:
+    """Every key of the entry `where` (callbacks.NAME, logger.NAME) is a keyword its `_target_` takes (a
+    misspelt one is named with the accepted ones, not Hydra's `unexpected keyword argument` in the
+    workers), and a `monitor` names a metric the run logs (else EarlyStopping fails at the first
+    validation, after training steps are spent)."""
+    from hydra.utils import get_object
+
+    params = _parameters(get_object(target))
+    if params is None:
+        return
+    names, any_keyword = params
+    cls = target.rsplit(".", 1)[-1]
+    for arg in spec:
+        if str(arg).startswith("_") or any_keyword or arg in names:
+            continue
+        close = difflib.get_close_matches(str(arg), names, n=1, cutoff=0.6)
+        hint = f" Did you mean {where}.{close[0]}?" if close else ""
+        takes = ", ".join(names) or "no arguments"
+        raise ConfigError(f"{where}.{arg}", f"{cls} ({target}) takes no argument {str(arg)!r}.{hint} It "
+                                            f"takes: {takes}. Fix the key or drop it with ~{where}.{arg}.")
+    monitor = spec.get("monitor") if "monitor" in names else None
+    if isinstance(monitor, str) and monitor not in MONITORABLE:
+        close = difflib.get_close_matches(monitor, MONITORABLE, n=1, cutoff=0.5)
+        hint = f" Did you mean {where}.monitor={close[0]}?" if close else ""
+        raise ConfigError(f"{where}.monitor", f"{monitor!r} is never logged by this run, so {cls} would stop "
+                                              f"the run at its first check.{hint} The metrics a callback can "
+                                              f"monitor: {', '.join(MONITORABLE)}.")

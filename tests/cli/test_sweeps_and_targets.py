@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from ntp_nemo.errors import ConfigError
-from tests.conftest import SINGLE, TINY, compose, run_cli
+from tests.conftest import ROOT, SINGLE, TINY, compose, run_cli
 
 
 def _check(overrides: list[str]):
@@ -112,6 +112,47 @@ def test_misspelt_target_names_key_reason_and_close_match(target, reason, match)
     assert err.value.key == f"{group}.{name}._target_"
     assert reason in str(err.value) and f"Did you mean {match}?" in str(err.value)
     check_targets(compose([]))  # the default callbacks and loggers load
+
+
+def test_a_callback_keyword_its_class_does_not_take_names_the_key_and_the_accepted_ones():
+    """`+callbacks.es.monitr=val/loss` was Hydra's `unexpected keyword argument` (exit 1) in the workers;
+    it is a config error naming `callbacks.es.monitr`, the close match and every accepted keyword."""
+    from ntp_nemo.config.targets import check_targets
+
+    cfg = compose(["+callbacks.es._target_=lightning.pytorch.callbacks.EarlyStopping",
+                   "+callbacks.es.monitr=val/loss"])
+    with pytest.raises(ConfigError) as err:
+        check_targets(cfg)
+    msg = str(err.value)
+    assert err.value.key == "callbacks.es.monitr" and "Did you mean callbacks.es.monitor?" in msg, msg
+    assert "patience" in msg and "min_delta" in msg and "~callbacks.es.monitr" in msg
+    cfg = compose(["+logger.csv2._target_=lightning.pytorch.loggers.CSVLogger", "+logger.csv2.save_dri=x"])
+    with pytest.raises(ConfigError, match="Did you mean logger.csv2.save_dir") as err:
+        check_targets(cfg)
+    assert err.value.key == "logger.csv2.save_dri"
+
+
+def test_a_monitored_metric_the_run_never_logs_is_caught_before_the_first_step():
+    """EarlyStopping watching `val_loss` (the run logs `val/loss`) crashed at the first validation with no
+    checkpoint; it is a config error with the did-you-mean, and every metric the module logs is one a
+    callback may monitor."""
+    import ast
+
+    from ntp_nemo.config.targets import MONITORABLE, check_targets
+
+    cfg = compose(["+callbacks.es._target_=lightning.pytorch.callbacks.EarlyStopping",
+                   "+callbacks.es.monitor=val_loss"])
+    with pytest.raises(ConfigError) as err:
+        check_targets(cfg)
+    assert err.value.key == "callbacks.es.monitor"
+    assert "Did you mean callbacks.es.monitor=val/loss?" in str(err.value), str(err.value)
+    check_targets(compose(["+callbacks.es._target_=lightning.pytorch.callbacks.EarlyStopping",
+                           "+callbacks.es.monitor=val/loss", "+callbacks.es.patience=3"]))
+    source = (ROOT / "ntp_nemo" / "lightning" / "module.py").read_text()
+    logged = {node.args[0].value for node in ast.walk(ast.parse(source))
+              if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr == "log" and node.args and isinstance(node.args[0], ast.Constant)}
+    assert logged == set(MONITORABLE)
 
 
 def test_misspelt_callback_exits_2_before_data_preparation(tmp_path):
