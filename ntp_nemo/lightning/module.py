@@ -166,7 +166,10 @@ class NTPLanguageModule(pl.LightningModule):
         """Only the token micro-batches go to the device; the step index and token count stay host
         integers (reading them never waits for the device)."""
         if isinstance(batch, dict) and "micro" in batch:
-            return {**batch, "micro": batch["micro"].to(device, non_blocking=True)}
+            micro = batch["micro"]
+            if device.type == "cuda" and micro.device.type == "cpu" and not micro.is_pinned():
+                micro = micro.pin_memory()  # from pageable memory the copy would hold the host until done
+            return {**batch, "micro": micro.to(device, non_blocking=True)}
         return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
     def _stop_requested(self) -> bool:

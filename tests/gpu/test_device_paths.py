@@ -77,3 +77,20 @@ def test_multi_gpu_parts(part, tmp_path):
                           timeout=900, cwd=ROOT)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     assert json.loads(out.read_text())[part]["ok"], proc.stdout[-3000:]
+
+
+def test_batches_reach_the_gpu_from_pinned_memory():
+    r = _child("""
+        import json, torch
+        from ntp_nemo.lightning.module import NTPLanguageModule
+        seen = []
+        original = torch.Tensor.to
+        def to(self, *args, **kwargs):
+            seen.append(self.is_pinned())
+            return original(self, *args, **kwargs)
+        torch.Tensor.to = to
+        batch = {"micro": torch.zeros(8, 2049, dtype=torch.long), "step": 0}
+        out = NTPLanguageModule.transfer_batch_to_device(None, batch, torch.device("cuda", 0), 0)
+        print(json.dumps({"pinned": seen, "device": str(out["micro"].device)}))
+    """)
+    assert r == {"pinned": [True], "device": "cuda:0"}, r
