@@ -67,6 +67,9 @@ class Piece:
     start: int
     stop: int
     nbytes: int
+    # A box of a tensor some participant holds as a 2D block (`ntp.pattern=block`) or split along another
+    # dim: its element interval along every dim (`dim`, `start`, `stop` repeat the first).
+    box: tuple[tuple[int, int], ...] | None = None
 
 
 @dataclass
@@ -152,6 +155,9 @@ def plan_reshard(
             if not have:
                 missing.append(f"{key} (all of it)")
                 continue
+            if _needs_boxes([w.spec] + [h.spec for _, h in have]):
+                needed += _plan_boxes(key, dst, w, have, replica_of, load, pieces, missing)
+                continue
             dim = _split_dim([w.spec] + [h.spec for _, h in have])
             row = _row_bytes(w, dim)
             spans = [(r, *_axis(h.spec, dim)) for r, h in have]
@@ -181,6 +187,55 @@ def plan_reshard(
         shown = "; ".join(missing[:5]) + (f"; and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise NoLiveCopy(f"no survivor holds {shown}")
     return ReshardPlan(pieces, needed)
+
+
+def _needs_boxes(specs: Sequence[ShardSpec]) -> bool:
+    """Whether the slices of one tensor are not all intervals of one dim: a block (2D) or two split dims."""
+    dims = {s.dim for s in specs if s.global_shape and not s.is_full}
+    return any(s.is_block for s in specs) or len(dims) > 1
+
+
+def _span(spec: ShardSpec) -> list[tuple[int, int]]:
+    return [(o, o + n) for o, n in zip(spec.offsets, spec.local_shape, strict=True)]
+
+
+def _plan_boxes(key: str, dst: int, w: Holding, have: Sequence[tuple[int, Holding]],
+                replica_of: Sequence[int], load: list[int], pieces: list[Piece], missing: list[str]) -> int:
+    """`plan_reshard` for one key some participant holds as a block: the wanted box split at every holder's
+    boundary on every dim, each piece from the preferred holder (same rule).  Returns the bytes moved."""
+    import itertools
+
+    want = _span(w.spec)
+    spans = [(r, _span(h.spec)) for r, h in have]
+    cuts = [sorted({lo, hi} | {b for _, sp in spans for b in sp[d] if lo < b < hi})
+            for d, (lo, hi) in enumerate(want)]
+    moved = 0
+    for box in itertools.product(*(list(zip(c[:-1], c[1:], strict=False)) for c in cuts)):
+        cands = [r for r, sp in spans
+                 if all(s[0] <= a and b <= s[1] for s, (a, b) in zip(sp, box, strict=True))]
+        if not cands:
+            missing.append(f"{key} elements {list(box)}")
+            continue
+        src = min(cands, key=lambda r: (_source_class(r, dst, replica_of), load[r], r))
+        nbytes = w.itemsize
+        for a, b in box:
+            nbytes *= b - a
+        if src != dst:
+            load[src] += nbytes
+            moved += nbytes
+        first = box[0] if box else (0, 1)
+        pieces.append(Piece(key, src, dst, 0, first[0], first[1], nbytes, box=tuple(box)))
+    return moved
+
+
+def _piece_view(item: NamedSlice, p: Piece) -> torch.Tensor:
+    """The part of a held tensor that piece `p` covers."""
+    if p.box is None:
+        return _view(item, p.dim, p.start, p.stop)
+    t = item.tensor
+    for d, ((a, b), at) in enumerate(zip(p.box, item.spec.offsets, strict=True)):
+        t = t.narrow(d, a - at, b - a)
+    return t
 
 
 def _view(item: NamedSlice, dim: int, start: int, stop: int) -> torch.Tensor:
@@ -222,13 +277,13 @@ def execute_plan(
     with torch.no_grad():
         for p in plan.pieces:
             if p.dst == me and p.src == me:
-                _view(wanted[p.key], p.dim, p.start, p.stop).copy_(_view(held[p.key], p.dim, p.start, p.stop))
+                _piece_view(wanted[p.key], p).copy_(_piece_view(held[p.key], p))
             elif p.src == me:
-                v = _view(held[p.key], p.dim, p.start, p.stop)
+                v = _piece_view(held[p.key], p)
                 sends[(p.dst, v.dtype, v.device)].append(v)
                 sent += p.nbytes
             elif p.dst == me:
-                v = _view(wanted[p.key], p.dim, p.start, p.stop)
+                v = _piece_view(wanted[p.key], p)
                 recvs[(p.src, v.dtype, v.device)].append(v)
                 received += p.nbytes
         ops: dict[torch.device, list] = defaultdict(list)
