@@ -19,8 +19,8 @@ Three detectors, each deciding the same way on every rank (from values every ran
   (`parallel.fingerprint`) are compared; a mismatch names the replica against the majority, its rank and
   parameter.  A corrupted replica's gradients reach every replica through the DP sum within a step, so
   every rank rolls back to the last verified state (`keep_verified`: a copy of the parameters, optimizer
-  and schedule taken at each passed check, one more model-and-optimizer of memory per rank) and replays
-  the steps since; the same rank diverging again is a bad device and is excluded.
+  and schedule taken at each passed check, one more model and optimizer in host memory per rank) and
+  replays the steps since; the same rank diverging again is a bad device and is excluded.
 
 Each finding is one console line (global rank 0), a line of `integrity/incidents.jsonl`
 (`goodput.incidents`, read by `ntp-incidents RUN_DIR` and the run summary) and the seconds it took as
@@ -408,9 +408,9 @@ class IntegrityWatch(Callback):
 
     def _keep(self, trainer: Trainer, pl_module: LightningModule, step: int, fingerprints: dict) -> None:
         state = trainer.strategy.state
-        with torch.no_grad():
-            params = [p.detach().clone() for p in state.model.parameters()]
-        optimizer = copy.deepcopy(state.optimizer.state_dict())
+        with torch.no_grad():  # in host memory: the device keeps its memory for training
+            params = [p.detach().to("cpu", copy=True) for p in state.model.parameters()]
+        optimizer = _host_copy(state.optimizer.state_dict())
         self.verified = Verified(step, id(pl_module.model), params, optimizer,
                                  copy.deepcopy(pl_module.lr_schedulers().state_dict()), _rng_state(),
                                  next(iter(fingerprints.values()), 0))
@@ -434,6 +434,17 @@ class IntegrityWatch(Callback):
             result, own = self._train(trainer, pl_module, pl_module.batch_of_step(index, device),
                                       watch=watch and last)
         return result, own
+
+
+def _host_copy(value: Any) -> Any:
+    """A deep copy of a state dict with every tensor copied to host memory (a load casts them back)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _host_copy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_host_copy(v) for v in value)
+    return copy.deepcopy(value)
 
 
 def _own_norm(params: list[torch.Tensor]) -> torch.Tensor:
