@@ -114,6 +114,9 @@ class IntegrityWatch(Callback):
             self._refetch_until = trainer.global_step + 3
             self._say(trainer, f"integrity: skipping {len(skip)} training sample(s) recorded as bad data: "
                                f"{', '.join(map(str, skip[:10]))}{' ...' if len(skip) > 10 else ''}")
+        recovery = getattr(trainer.strategy, "recovery", None)
+        if getattr(recovery, "rejoining", False):
+            return  # a repaired process joining a running job: the survivors are not at a start to check with
         if self.cfg.every_n_steps and self.cfg.keep_verified:
             self._check(trainer, pl_module, int(trainer.global_step))  # the first verified state
 
