@@ -94,6 +94,8 @@ def _page(browser, after_polls: int = 0, timeout: float = 30) -> dict:
 def test_page_follows_a_failover_in_chromium(tmp_path):
     browser = _browser()
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    for old in ARTIFACTS.glob("*.png"):  # this run's screenshots only
+        old.unlink()
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     proc = None
