@@ -1,9 +1,15 @@
-"""Offline goodput calculator: goodput.jsonl events -> time breakdown.
+"""Goodput calculator: goodput.jsonl events -> time breakdown.
 
-Two stages, both pure functions of the event stream so tests can feed synthetic streams:
-`build_timeline` turns events (spanning any number of process lifetimes) into intervals,
-and `compute_goodput` assigns every instant of job time to exactly one category, so
-productive time plus the badput categories add up to the total.
+Two implementations of one set of rules, equal bit for bit (time is counted in integer ticks):
+- `GoodputCalculator` (the one every figure comes from: `compute_goodput`, `ntp-goodput`, the running
+  figures of the training callback, the dashboard) takes events one at a time with constant work per
+  event, and gives the cumulative report, a rolling window and the badput per category over time at any
+  moment (its docstring describes the API);
+- the batch reference, two pure functions of the whole stream: `build_timeline` turns events (spanning
+  any number of process lifetimes) into intervals, and `breakdown` assigns every instant of job time to
+  exactly one category in one sweep (also what the timeline plot draws).
+Either way productive time plus the badput categories add up to the total; `disagreement` replays a
+stream and compares the two after its events.
 
 Rules:
 - A step is productive only in its last completed execution; earlier completed executions
@@ -39,7 +45,9 @@ from __future__ import annotations
 
 import bisect
 import gc
+import itertools
 import json
+import operator
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -208,6 +216,16 @@ def _check(file: Path, lineno: int, obj: Any) -> None:
         raise ConfigError("run_dir", f"{file}:{lineno} {what}; {_FIX}.")
 
 
+def _all_events(objs: list[Any]) -> bool:
+    """Every object a goodput event (a dict with numeric 't' and string 'event'), checked at C speed."""
+    try:
+        times = [o["t"] for o in objs]
+        names = [o["event"] for o in objs]
+    except (TypeError, KeyError, IndexError):
+        return False
+    return set(map(type, times)) <= {int, float} and set(map(type, names)) <= {str}
+
+
 def iter_event_chunks(path: str | Path) -> Iterator[list[dict[str, Any]]]:
     """A file's events in file order, a few megabytes at a time (memory stays flat however long the run),
     with `load_events`'s checks and messages.  Each chunk's lines are parsed by one `json.loads`."""
@@ -223,19 +241,15 @@ def iter_event_chunks(path: str | Path) -> Iterator[list[dict[str, Any]]]:
             first = lineno + 1
             lineno += len(lines)
             truncated = not lines[-1].endswith("\n")  # only the file's last line can lack its newline
-            body = [ln for ln in lines if ln.strip()]
             objs: list[Any] | None = None
-            if body and not truncated:
+            if not truncated:  # the recorder's lines: one parse for the chunk (a blank line fails it)
                 try:
-                    objs = json.loads("[" + ",".join(body) + "]")
+                    objs = json.loads("[" + ",".join(lines) + "]")
                 except json.JSONDecodeError:
                     objs = None
-                if objs is not None and len(objs) != len(body):
+                if objs is not None and (len(objs) != len(lines) or not _all_events(objs)):
                     objs = None
-            if objs is None or not all(
-                type(o) is dict and isinstance(o.get("t"), int | float) and isinstance(o.get("event"), str)
-                for o in objs
-            ):  # find the bad line, with its number (or skip a truncated last one)
+            if objs is None:  # line by line: skip blank lines, name a bad one (or skip a truncated last one)
                 objs = []
                 for i, line in enumerate(lines):
                     if line.strip():
@@ -671,6 +685,13 @@ class GoodputCalculator:
     only way the figures can differ from the batch ones.
     """
 
+    __slots__ = ("_L", "_appended", "_awaiting_mode", "_bticks", "_buckets", "_candidates",
+                 "_completed_runs", "_cover", "_disrupted", "_done", "_failed_in_step", "_fails", "_hist",
+                 "_hist_ticks", "_keep_buckets", "_last_bucket", "_last_mode", "_last_t", "_life",
+                 "_lifetimes", "_open_recoveries", "_prod", "_run", "_run_from", "_runs", "_start",
+                 "_start_t", "_step", "_step_from", "_tally", "_wasted", "bucket_s", "clipped_s",
+                 "events_fed", "late_events", "window_s")
+
     def __init__(self, window_s: float = 3600.0, bucket_s: float | None = None, series_buckets: int = 240,
                  history_s: float = 3600.0) -> None:
         if window_s <= 0 or (bucket_s is not None and bucket_s <= 0) or history_s <= 0 or series_buckets < 1:
@@ -734,24 +755,43 @@ class GoodputCalculator:
                     T = round(t * TICKS_PER_S)
                     L = self._L
                     if T > L:
-                        last = self._hist[-1] if self._hist else None
+                        hist = self._hist
+                        last = hist[-1] if hist else None
                         if last is not None and last[3] is run and last[2] is _EMPTY and last[1] == L:
                             last[1] = T
                             run.ticks += T - L
+                        elif self._appended < _TRIM_EVERY - 1:
+                            hist.append([L, T, _EMPTY, run, L // self._bticks])
+                            self._appended += 1
+                            run.ticks += T - L
                         else:
-                            self._advance(T)
+                            self._advance(T)  # appends, credits the run and trims the history
                     self._L, self._last_t = T, t
                     self._complete(e, step, t)
                     return
         elif name == _STEP_START and self._step is None and not self._candidates and self._start is not None:
             t = float(e["t"])
-            if t >= self._last_t:  # the common case: a step starts
+            step = e.get("step")
+            if t >= self._last_t and type(step) is int:  # the common case: a step starts
                 self.events_fed += 1
                 T = round(t * TICKS_PER_S)
-                if T > self._L:
-                    self._advance(T)
+                L = self._L
+                if T > L:
+                    if self._cover is _EMPTY and self._appended < _TRIM_EVERY - 1:  # other time
+                        idx = L // self._bticks
+                        self._hist.append([L, T, _EMPTY, None, idx])
+                        self._appended += 1
+                        self._tally[_OTHER_I] += T - L
+                        bucket = self._last_bucket[1] if idx == self._last_bucket[0] else self._bucket(idx)
+                        if bucket is not None:
+                            bucket[_OTHER_I] += T - L
+                        self._L = T
+                    else:
+                        self._advance(T)
                 self._last_t = t
-                self._open_step(_int(e, "step"), T)
+                run = _Run(step, T // self._bticks)
+                self._step, self._runs, self._run, self._run_from, self._step_from = step, [run], run, T, T
+                self._life.ran_steps = True  # type: ignore[union-attr]
                 return
         if name not in ev.EVENTS:
             return
@@ -1327,22 +1367,32 @@ class _OutOfOrder(Exception):
 
 def _sorted_chunks(chunks: Iterable[list[dict[str, Any]]]) -> Iterator[list[dict[str, Any]]]:
     """A file's events in time order (the batch's stable sort) from its chunks, holding only a chunk or
-    two: raises _OutOfOrder when an event is stamped before one already passed on (then sort it whole)."""
-    carry: list[dict[str, Any]] = []
+    two: raises _OutOfOrder when an event is stamped before one already passed on (then sort it whole).
+    A chunk is passed on once the next one starts no earlier than its last event (the usual case: a file
+    written in time order is never sorted here)."""
+    held: list[dict[str, Any]] = []  # in time order; passed on once no later event can come before them
     fed = float("-inf")
     for chunk in chunks:
-        low = min(float(e["t"]) for e in chunk)
+        times = [e["t"] for e in chunk]
+        low = min(times)
         if low < fed:
             raise _OutOfOrder
-        buf = carry + chunk
-        buf.sort(key=lambda e: float(e["t"]))
-        cut = bisect.bisect_right(buf, low, key=lambda e: float(e["t"]))
-        if cut:
-            fed = float(buf[cut - 1]["t"])
-            yield buf[:cut]
-        carry = buf[cut:]
-    if carry:
-        yield carry
+        if held and held[-1]["t"] <= low:
+            yield held
+            fed, held = held[-1]["t"], []
+        elif held:
+            cut = bisect.bisect_right(held, low, key=lambda e: e["t"])
+            if cut:
+                yield held[:cut]
+                fed = held[cut - 1]["t"]
+            held = held[cut:]
+        if not held and all(map(operator.le, times, itertools.islice(times, 1, None))):
+            held = chunk
+        else:
+            held += chunk
+            held.sort(key=lambda e: e["t"])
+    if held:
+        yield held
 
 
 def replay_file(path: str | Path, calculator: GoodputCalculator | None = None) -> GoodputCalculator:
