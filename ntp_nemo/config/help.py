@@ -9,7 +9,7 @@ GROUPS = (
     ("model", "architecture and sizes (model.hidden_size, model.num_layers, model.init_from)"),
     ("mesh", "mesh.dp replicas x mesh.tp nominal TP x mesh.pp stages"),
     ("ntp", "ntp.replica_tp active TP ranks per replica, ntp.power_boost, ntp.sequence_parallel, "
-            "ntp.capacity ranks|work"),
+            "ntp.capacity ranks|work, ntp.pattern row_column|block"),
     ("layout", "layout.layer_tp per-layer degrees (or auto), layout.stage_layers, layout.schedule"),
     ("data", "data.path, data.tokenizer, data.seq_len, data.global_batch_size, data.micro_batch_size"),
     ("optim", "optim.lr, optim.warmup_steps, optim.weight_decay, optim.grad_clip"),
