@@ -6,6 +6,12 @@ policy). Each job's overrides come from `.hydra/overrides.yaml`. The table is wr
 `sweep_summary.md` and `sweep_summary.csv` in the sweep directory; a job without either file
 (crashed, still running, or not a job of ours) is listed as missing instead of failing the sweep.
 
+A job that fails at run time is recorded as it ends (`on_job_end`: its status, exit code, the error's
+last line, its run directory) and said on the console at once; `sweep.on_failure` decides what follows:
+`stop` (the default) ends the sweep there (exit 1), `continue` runs every other job and the sweep exits 1
+at the end. Either way the table is printed on the console as well as written, followed by every
+failure.
+
 Before the first training job starts, every job of a `ntp-train -m` sweep is composed and checked
 in-process (`ntp_nemo.train.check_config`): an invalid job ends the sweep with exit 2 naming the job and
 its overrides before anything trains. The summary is written when the sweep ends, also when a job
@@ -34,7 +40,17 @@ log = logging.getLogger(__name__)
 TRAIN_COLUMNS = ("layout", "processes", "steps", "final_loss", "val_loss", "tokens_per_s", "goodput_pct",
                  "capacity_pct", "wall_s")
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+ON_FAILURE = ("stop", "continue")
 JOB_NUM_SUBDIRS = ("${hydra.job.num}", "${hydra:job.num}")  # job i's directory is `i`
+
+
+class JobFailed(RuntimeError):
+    """A sweep's training job that ended with a runtime failure (`code`; the message is its error line):
+    raised to Hydra so the job is reported failed instead of ending the process."""
+
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
 
 
 def _percent(value: Any) -> Any:
@@ -275,8 +291,18 @@ class SweepSummaryCallback(Callback):
     def __init__(self) -> None:
         self._pending: Path | None = None  # the sweep directory while its summary is not written
         self._jobs: list[list[str]] | None = None
+        self._failed: dict[str, tuple[str, str]] = {}  # job (its directory) -> (status, run directory)
+        self._on_failure = "stop"
 
     def on_multirun_start(self, config: DictConfig, config_name: str | None = None, **kwargs: Any) -> None:
+        self._on_failure = str((config.get("sweep") or {}).get("on_failure", "stop"))
+        if self._on_failure not in ON_FAILURE:
+            from ntp_nemo.errors import EXIT_CONFIG, ConfigError, report_config_error
+
+            report_config_error(ConfigError("sweep.on_failure", f"must be stop or continue, got "
+                                            f"{self._on_failure!r}: stop ends the sweep at the first job "
+                                            "that fails, continue runs every job."))
+            sys.exit(EXIT_CONFIG)
         self._jobs = sweep_jobs(config)
         if self._jobs is not None and _is_training(config):
             check_jobs(config_name, self._jobs)
@@ -285,6 +311,30 @@ class SweepSummaryCallback(Callback):
             self._jobs = None  # the directories are not named by job number: list only those found
         self._pending = Path(str(config.hydra.sweep.dir))
         atexit.register(self._write_pending)  # a job that exits (code 1 or 2) skips on_multirun_end
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        """A job that failed at run time: recorded and said now; under `sweep.on_failure=stop` the sweep
+        ends here (exit 1; the summary is written on the way out)."""
+        from hydra.core.utils import JobStatus
+
+        if self._pending is None or getattr(job_return, "status", None) != JobStatus.FAILED:
+            return
+        err = getattr(job_return, "_return_value", None)
+        lines = [s for s in str(err).strip().splitlines() if s.strip()] or [type(err).__name__]
+        reason = lines[-1].strip()[:300]
+        if not isinstance(err, JobFailed):
+            reason = f"{type(err).__name__}: {reason}"
+        run_dir = Path(str(job_return.hydra_cfg.hydra.runtime.output_dir))
+        try:
+            job = str(run_dir.relative_to(self._pending))
+        except ValueError:
+            job = run_dir.name
+        self._failed[job] = (f"failed (exit {getattr(err, 'code', 1)}): {reason}", str(run_dir))
+        print(f"sweep job {job} failed: {reason} (its run directory: {run_dir})", file=sys.stderr, flush=True)
+        if self._on_failure == "stop":
+            print("the sweep stops here (sweep.on_failure=stop; sweep.on_failure=continue runs the other "
+                  "jobs)", file=sys.stderr, flush=True)
+            sys.exit(1)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         self._pending = Path(str(config.hydra.sweep.dir))
@@ -297,5 +347,15 @@ class SweepSummaryCallback(Callback):
         if not sweep_dir.is_dir():
             log.warning("sweep summary skipped: %s does not exist", sweep_dir)
             return
-        md_path, _ = write_summary(sweep_dir, collect_rows(sweep_dir, self._jobs))
+        rows = collect_rows(sweep_dir, self._jobs)
+        for row in rows:
+            if row.job in self._failed:
+                row.status = self._failed[row.job][0]
+        md_path, _ = write_summary(sweep_dir, rows)
+        table = [line for line in md_path.read_text().splitlines()[4:] if line.startswith("|")]
+        print("\n".join(table), flush=True)
         print(f"sweep summary: {md_path}", flush=True)  # once (not also through Hydra's log handler)
+        if self._failed:
+            print(f"{len(self._failed)} job(s) failed:", file=sys.stderr, flush=True)
+            for job, (status, run_dir) in self._failed.items():
+                print(f"  job {job}: {status} (run directory {run_dir})", file=sys.stderr, flush=True)

@@ -498,6 +498,15 @@ def _hydra_entry(cfg: DictConfig, job: _Job) -> float | None:
 
             with dashboard_beside(cfg.get("dashboard"), run_dir, enabled=launcher_rank() == 0):
                 summary = train(cfg, job.start_t, console)
+        except SystemExit as exc:
+            if exc.code != EXIT_RUNTIME or not _in_sweep():
+                raise
+            from ntp_nemo.sweep import JobFailed
+
+            # A sweep's job that could not be recovered: a failed job to Hydra (the sweep's callback
+            # records it, says it, and stops or goes on as sweep.on_failure says), not the end of the
+            # process.
+            raise JobFailed(EXIT_RUNTIME, _last_error(log_path(run_dir))) from None
         except ConfigError as err:
             report_config_error(err)
             _drop_empty_run_dir()
@@ -506,6 +515,16 @@ def _hydra_entry(cfg: DictConfig, job: _Job) -> float | None:
             _drop_empty_run_dir()
             raise
     return summary.get("final_loss")
+
+
+def _last_error(log: Path) -> str:
+    """The last `error: ...` line a job printed (its train.log), for the sweep's report."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()[-200:]
+    except OSError:
+        return "the job exited 1"
+    found = [s.strip() for s in lines if s.strip().startswith("error:")]
+    return found[-1].removeprefix("error:").strip() if found else "the job exited 1"
 
 
 def _drop_empty_run_dir() -> None:

@@ -206,6 +206,13 @@ class DashboardConfig(Sealable):
 
 
 @dataclass
+class SweepConfig(Sealable):
+    """What a sweep (`ntp-train -m`) does when one of its jobs fails at run time (`ntp_nemo/sweep.py`)."""
+
+    on_failure: str = "stop"  # stop: the later jobs do not run | continue: every job runs
+
+
+@dataclass
 class RootConfig(Sealable):
     recipe: str = "gpt_tiny"
     seed: int = 1234
@@ -222,5 +229,6 @@ class RootConfig(Sealable):
     integrity: IntegrityConfig = field(default_factory=IntegrityConfig)
     quant: QuantConfig = field(default_factory=QuantConfig)
     dashboard: DashboardConfig = field(default_factory=DashboardConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
     callbacks: dict[str, Any] = field(default_factory=dict)
     logger: dict[str, Any] = field(default_factory=dict)

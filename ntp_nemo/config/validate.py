@@ -73,9 +73,10 @@ def resolve_init_from(cfg: DictConfig) -> None:
     from omegaconf import open_dict
 
     from ntp_nemo.config.model import model_config
+
+    resolved = model_config(cfg.model)  # a directory without a usable config.json: answered before torch
     from ntp_nemo.hf.files import HFWeightsReader
 
-    resolved = model_config(cfg.model)
     with HFWeightsReader(str(cfg.model.init_from)) as weights:
         weights.check_headers()  # a crafted header: exit 2 naming the file, before any worker starts
     with open_dict(cfg):

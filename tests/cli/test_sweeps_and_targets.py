@@ -62,21 +62,58 @@ def test_sweep_with_an_invalid_later_job_exits_2_before_any_job_trains(tmp_path)
 
 
 @pytest.mark.slow
-def test_sweep_summary_is_written_when_a_job_fails(tmp_path):
-    """Job 0 trains; job 1 loses its only rank (unrecoverable): the summary lists job 1 as missing and
-    job 0 with its processes, wall time, capacity and goodput in percent."""
+def test_a_sweep_that_continues_past_failures_reports_every_one(tmp_path):
+    """Jobs 0 and 2 lose their only rank (unrecoverable), job 1 trains; with sweep.on_failure=continue all
+    three run, each failure is said as it happens and again at the end with its run directory, the table
+    is printed on the console (failed jobs with their error, not "missing"), and the sweep exits 1."""
     sweep = tmp_path / "sweep"
-    proc = run_cli(["-m", *TINY, *SINGLE, "trainer.max_steps=2", "fault=none,kill_rank", "fault.rank=0",
-                    "fault.step=1", f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
-    assert proc.returncode != 0
+    proc = run_cli(["-m", *TINY, *SINGLE, "trainer.max_steps=2", "fault=kill_rank,none,kill_rank",
+                    "fault.rank=0", "fault.step=1", "sweep.on_failure=continue", f"hydra.sweep.dir={sweep}"],
+                   cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
     assert "sweep summary:" in proc.stdout
+    for job in ("0", "2"):
+        assert f"sweep job {job} failed:" in proc.stderr and f"  job {job}: failed (exit 1)" in proc.stderr
+        assert str(sweep / job) in proc.stderr
+    assert "2 job(s) failed:" in proc.stderr
     with (sweep / "sweep_summary.csv").open() as fh:
         rows = list(csv.DictReader(fh))
-    assert [(r["job"], r["status"][:7]) for r in rows] == [("0", "ok"), ("1", "missing")]
-    ok = rows[0]
-    assert "fault=none" in ok["overrides"] and "fault=kill_rank" in rows[1]["overrides"]
+    assert [(r["job"], r["status"][:6]) for r in rows] == [("0", "failed"), ("1", "ok"), ("2", "failed")]
+    table = [line for line in proc.stdout.splitlines() if line.startswith("| 1 | ok |")]
+    assert len(table) == 1  # the table on the console
+    ok = rows[1]
+    assert "fault=none" in ok["overrides"] and "fault=kill_rank" in rows[0]["overrides"]
     assert int(ok["processes"]) == 1 and int(ok["steps"]) == 2 and float(ok["wall_s"]) > 0
     assert float(ok["capacity_pct"]) == 100.0 and 1.0 < float(ok["goodput_pct"]) <= 100.0
+
+
+def test_a_failed_job_stops_the_sweep_by_default(tmp_path, capsys):
+    """Under the default sweep.on_failure=stop, the callback ends the sweep (exit 1) at the job Hydra
+    reports failed, after naming it; the summary written on the way out lists it as failed with its error,
+    and the jobs after it as missing."""
+    from hydra.core.utils import JobReturn, JobStatus
+    from omegaconf import OmegaConf
+
+    from ntp_nemo.sweep import SweepSummaryCallback, collect_rows
+
+    callback = SweepSummaryCallback()
+    callback._pending, callback._jobs = tmp_path, [["seed=1"], ["seed=2"], ["seed=3"]]
+    (tmp_path / "0").mkdir()
+    (tmp_path / "0" / "summary.json").write_text('{"goodput": 0.5, "processes": 1}')
+    (tmp_path / "1").mkdir()
+    failed = JobReturn(status=JobStatus.FAILED, _return_value=RuntimeError("worker 0 exited 1\nrank 0 lost"))
+    failed.hydra_cfg = OmegaConf.create({"hydra": {"runtime": {"output_dir": str(tmp_path / "1")}}})
+    with pytest.raises(SystemExit) as stop:
+        callback.on_job_end(OmegaConf.create({}), failed)
+    assert stop.value.code == 1
+    err = capsys.readouterr().err
+    assert "sweep job 1 failed: RuntimeError: rank 0 lost" in err and "sweep.on_failure=continue" in err
+    callback._write_pending()
+    out, err = capsys.readouterr()
+    assert "| 1 | failed (exit 1): RuntimeError: rank 0 lost |" in out and "1 job(s) failed:" in err
+    rows = collect_rows(tmp_path, callback._jobs)
+    assert [r.status.split()[0] for r in rows] == ["ok", "missing", "missing"]  # the file alone
+    assert "failed (exit 1)" in (tmp_path / "sweep_summary.csv").read_text()
 
 
 def test_sweep_summary_lists_jobs_that_left_no_directory(tmp_path):
