@@ -631,6 +631,8 @@ def _main(created: list[Path]) -> None:
         if exc.code == 1 and not job.started:
             _drop_created(created)
             sys.exit(EXIT_CONFIG)
+        if exc.code == EXIT_CONFIG and not job.started:  # a sweep refused before its first job
+            _drop_created(created)
         raise
     except Exception as exc:  # noqa: BLE001 - last resort: a runtime failure
         print(f"error: training failed: {exc}", file=sys.stderr)

@@ -59,6 +59,7 @@ def test_sweep_with_an_invalid_later_job_exits_2_before_any_job_trains(tmp_path)
     assert "sweep job 1 (mesh.tp=5): mesh.tp: mesh.tp=5 exceeds model.num_heads=4" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert "step 1" not in proc.stdout and not (sweep / "0").exists()  # job 0 did not train
+    assert not sweep.exists()  # a sweep refused before its first job leaves no directory
 
 
 @pytest.mark.slow
