@@ -7,7 +7,8 @@ against the same step with one GEMM per projection (the baseline: `fuse_projecti
 
 Each of `--tp` forked gloo processes (one torch thread) assembles two copies of its model slice from the
 same seed (`runtime.assemble`, as a run does), one fused and one not, and runs their training steps
-(`train_microbatches`, gradient path, step scalars, clipping, AdamW) alternately on the same batches, so
+(`runtime/step.py: train_step`, timed through its phase hook: micro-batches, gradient path, step scalars,
+clipping, AdamW) alternately on the same batches, so
 load on the machine falls on both sides alike.  Printed: medians over the timed steps of rank 0's wall and
 process CPU per step, of the forward/backward alone, the GEMM calls per step (counted with a dispatch
 mode in one extra untimed step of each side), and how far the two loss curves are apart.
@@ -24,6 +25,7 @@ import argparse
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -34,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ntp_nemo.launch.workers import run_workers  # noqa: E402
 from ntp_nemo.models.config import ModelConfig  # noqa: E402
 from ntp_nemo.runtime.assemble import assemble  # noqa: E402
+from ntp_nemo.runtime.step import train_step  # noqa: E402
 from ntp_nemo.topology import ResolvedLayout, Topology  # noqa: E402
 from tests.shapes import adamw, gpt_tiny, llama_tiny  # noqa: E402
 
@@ -71,21 +74,21 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> dict:
 
     def step(side: str, index: int) -> tuple[float, float, float, float]:
         state = states[side]
-        rt, model, path = state.runtime, state.model, state.grad_path
         mbs = [mb for i, mb in enumerate(_batch(index, micro, args.micro_batch, args.seq, cfg.vocab_size))
-               if i in rt.my_microbatches(micro)]
+               if i in state.runtime.my_microbatches(micro)]
+        ended: dict[str, float] = {}  # phase -> process CPU time when it ended
+
+        @contextmanager
+        def phase(name: str):
+            # `train_step`'s phase hook: bf16 autocast around the micro-batches; the end of each phase timed
+            with torch.autocast("cpu", dtype=torch.bfloat16,
+                                enabled=name == "microbatches" and args.precision == "bf16-mixed"):
+                yield
+            ended[name] = time.process_time()
+
         t, c = time.perf_counter(), time.process_time()
-        path.begin_step(len(mbs))
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16-mixed"):
-            loss_sum = rt.train_microbatches(model, mbs, global_tokens)
-        fb_cpu = time.process_time() - c
-        path.finish_sync()
-        fused = rt.step_scalars(loss_sum, path.grad_norm_sq_local())
-        path.clip_to_norm_(fused[1].sqrt(), 1.0)
-        values = rt.read_step_scalars(fused)
-        state.optimizer.step()
-        state.optimizer.zero_grad(set_to_none=False)
-        return time.perf_counter() - t, time.process_time() - c, fb_cpu, values["loss_sum"] / global_tokens
+        result = train_step(state, mbs, global_tokens, max_norm=1.0, phase=phase)
+        return time.perf_counter() - t, time.process_time() - c, ended["microbatches"] - c, result.loss
 
     rows: dict[str, list] = {side: [] for side in SIDES}
     losses: dict[str, list] = {side: [] for side in SIDES}
