@@ -388,7 +388,9 @@ class IntegrityWatch(Callback):
             self.divergent[r] += 1
         first = self.verified.step if self.verified is not None else None
         if first is not None:
-            self._rollback_and_replay(trainer, pl_module, step)
+            result, _ = self._rollback_and_replay(trainer, pl_module, step)
+            if result is not None:  # the step's record: its replay (what the state now holds)
+                self._record_step(pl_module, result, "replayed")
             _, again = self._fingerprints(trainer, pl_module)
             fixed = not compare(plan, again)
             if fixed:
