@@ -61,3 +61,13 @@ def cli_main(fn: Callable[[], Any]) -> Callable[[], None]:
     wrapper.__name__ = getattr(fn, "__name__", "main")
     wrapper.__doc__ = fn.__doc__
     return wrapper
+
+
+class JobFailed(RuntimeError):
+    """A sweep's training job that ended with a runtime failure (`code`; the message is its error line):
+    raised to Hydra so the sweep reports the job failed (`ntp_nemo/sweep.py`) instead of the process
+    ending."""
+
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code

@@ -44,15 +44,6 @@ ON_FAILURE = ("stop", "continue")
 JOB_NUM_SUBDIRS = ("${hydra.job.num}", "${hydra:job.num}")  # job i's directory is `i`
 
 
-class JobFailed(RuntimeError):
-    """A sweep's training job that ended with a runtime failure (`code`; the message is its error line):
-    raised to Hydra so the job is reported failed instead of ending the process."""
-
-    def __init__(self, code: int, reason: str) -> None:
-        super().__init__(reason)
-        self.code = code
-
-
 def _percent(value: Any) -> Any:
     return 100 * value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
@@ -322,6 +313,8 @@ class SweepSummaryCallback(Callback):
         err = getattr(job_return, "_return_value", None)
         lines = [s for s in str(err).strip().splitlines() if s.strip()] or [type(err).__name__]
         reason = lines[-1].strip()[:300]
+        from ntp_nemo.errors import JobFailed
+
         if not isinstance(err, JobFailed):
             reason = f"{type(err).__name__}: {reason}"
         run_dir = Path(str(job_return.hydra_cfg.hydra.runtime.output_dir))

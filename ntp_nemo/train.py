@@ -501,7 +501,7 @@ def _hydra_entry(cfg: DictConfig, job: _Job) -> float | None:
         except SystemExit as exc:
             if exc.code != EXIT_RUNTIME or not _in_sweep():
                 raise
-            from ntp_nemo.sweep import JobFailed
+            from ntp_nemo.errors import JobFailed
 
             # A sweep's job that could not be recovered: a failed job to Hydra (the sweep's callback
             # records it, says it, and stops or goes on as sweep.on_failure says), not the end of the
