@@ -526,13 +526,12 @@ def format_patterns(model: ModelShape, device: DeviceModel, links: LinkModel, p:
                      f"({one['memory_bytes'] / 1e9:.2f} GB -> {two['memory_bytes'] / 1e9:.2f} GB; 1D keeps "
                      "column-parallel inputs replicated)")
         lines.append(f"  work between collectives: {one['flops_per_sync'] / 1e9:.1f} -> "
-                     f"{two['flops_per_sync'] / 1e9:.1f} GFLOP (block synchronises {5 * q} times per "
-                     f"matmul, in groups of {q} instead of {p})")
+                     f"{two['flops_per_sync'] / 1e9:.1f} GFLOP (block synchronises {5 * q} to {6 * q} times "
+                     f"per matmul, in groups of {q} instead of {p})")
         better = [r.matmul.name for r in rows if r.block is not None
                   and r.block.bytes_moved < r.row_column.bytes_moved]
         lines.append(f"  matmuls where block moves fewer bytes: {', '.join(better) or 'none'} (it wins on "
-                     "bytes when 3kn + 2mn < 2 (sqrt(p) + 1) m hidden: large grids, many tokens, small "
-                     "weights)")
+                     "bytes on large grids, with many tokens and small weights: docs/sharding_patterns.md)")
     lines += _recommendation(model, rows)
     lines += ["", "where block sharding wins: a step's time, block against row/column, by degree (rows) and "
               "link bandwidth (GB/s); + = block faster, [bytes] = block's bytes against 1D's"]

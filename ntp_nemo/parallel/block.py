@@ -21,7 +21,9 @@ SUMMA, `Y = X W^T` on the grid (`_SummaLinear`), in q steps each:
 Per rank and matmul (m tokens, k inputs, n outputs, p = q^2): it receives (q-1)/p of the weight three
 times (two broadcasts, one reduction) and of the output twice (the forward's reduction and the output
 gradient's broadcast): `(q-1)(3kn + 2mn)/p` elements; the input never moves (it stays where the previous
-layer's output landed).  It keeps its input block `mk/p` for the backward.
+layer's output landed).  It keeps its input block `mk/p` for the backward.  A wide output (`2n > 3k`:
+the MLP's up projection, an untied head; `out_columns`) puts W's output units over grid columns and its
+inputs over grid rows instead, and moves the input instead of the output: `(q-1)(3mk + 3kn)/p`.
 
 Collectives are broadcasts, reductions and all-reduces in the grid's row and column groups (created as
 gloo subgroups: the `ntpdirect` TP backend has no reduce); none moves data between replicas.
@@ -113,6 +115,45 @@ class _SummaLinear(torch.autograd.Function):
                        grid.col_group)
             dx.addmm_(g, w)
             part = _reduce(g.t() @ x, step, grid.col_group)
+            if row == step:
+                dw = part
+        return dx, dw, None, None
+
+
+class _SummaLinearOutColumns(torch.autograd.Function):
+    """`Y = X W^T` with W's output units over grid columns and its input units over grid rows (the
+    placement of a wide output, `BlockLinear.out_columns`): rank (r, c) holds W[n_c, k_r].  `x`:
+    [m_i, k_c], `weight`: [n_c, k_r]; `in_lens[l]`: input elements of position l.  Output-stationary in
+    the forward (X's blocks broadcast along rows, W's down columns); backward, W's and X's blocks are
+    broadcast again and the partial dX (along rows) and dW (down columns) reduced onto their owners."""
+
+    @staticmethod
+    def forward(ctx, x, weight, grid, in_lens):  # type: ignore[override]
+        q, row, col = grid.q, grid.row, grid.col
+        y = x.new_zeros((x.shape[0], weight.shape[0]))
+        for step in range(q):
+            xs = _bcast(_held_or_empty(x, col == step, (x.shape[0], in_lens[step])), step, grid.row_group)
+            w = _bcast(_held_or_empty(weight, row == step, (weight.shape[0], in_lens[step])), step,
+                       grid.col_group)
+            y.addmm_(xs, w.t())
+        ctx.grid, ctx.in_lens = grid, in_lens
+        ctx.save_for_backward(x, weight)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        grid, in_lens = ctx.grid, ctx.in_lens
+        q, row, col = grid.q, grid.row, grid.col
+        dx = dw = None
+        for step in range(q):
+            w = _bcast(_held_or_empty(weight, row == step, (weight.shape[0], in_lens[step])), step,
+                       grid.col_group)
+            xs = _bcast(_held_or_empty(x, col == step, (x.shape[0], in_lens[step])), step, grid.row_group)
+            part = _reduce(dy @ w, step, grid.row_group)
+            if col == step:
+                dx = part
+            part = _reduce(dy.t() @ xs, step, grid.col_group)
             if row == step:
                 dw = part
         return dx, dw, None, None
@@ -254,8 +295,17 @@ def relayout(x: torch.Tensor, src: TPContext, dst: TPContext, batch: int, featur
     return resplit(x, src, dst)
 
 
+def out_columns(in_features: int, out_features: int) -> bool:
+    """Whether a weight of a block-sharded layer puts its output units over grid columns (and its inputs
+    over grid rows): where `2 n > 3 k` that moves (q-1)(3mk + 3kn)/p elements per rank instead of the
+    (q-1)(3kn + 2mn)/p of the default placement (outputs over rows), which sends the wide output's
+    partial sums."""
+    return 2 * out_features > 3 * in_features
+
+
 class BlockLinear(nn.Module):
-    """`y = x W^T + b` with `W` in blocks over the grid (module docstring).  `out_intervals[p]` /
+    """`y = x W^T + b` with `W` in blocks over the grid (module docstring; a wide output, `out_columns`,
+    puts W's output units over grid columns instead, `_SummaLinearOutColumns`).  `out_intervals[p]` /
     `in_intervals[p]`: the output / input units of grid position p (default balanced; a KV projection
     passes overlapping ones, a KV head read by two columns' query heads being held by both; the MLP's
     hidden columns and the vocabulary pass aligned ones, `ntp.shard_align`)."""
@@ -270,15 +320,22 @@ class BlockLinear(nn.Module):
         self.out_intervals = tuple(out_intervals or intervals(q, out_features // out_unit))
         self.in_intervals = tuple(in_intervals or intervals(q, in_features // in_unit))
         self.out_lens = tuple((hi - lo) * out_unit for lo, hi in self.out_intervals)
-        spec = ShardSpec.block((out_features, in_features), (0, out_unit, *self.out_intervals[grid.row]),
-                               (1, in_unit, *self.in_intervals[grid.col]))
+        self.in_lens = tuple((hi - lo) * in_unit for lo, hi in self.in_intervals)
+        self.out_columns = out_columns(in_features, out_features)
+        outs, ins = (grid.col, grid.row) if self.out_columns else (grid.row, grid.col)
+        spec = ShardSpec.block((out_features, in_features), (0, out_unit, *self.out_intervals[outs]),
+                               (1, in_unit, *self.in_intervals[ins]))
         self.weight = sharded_param(spec, grid.copies, ("normal", std))
         mine = self.out_intervals[grid.col]  # the output units of this rank's column
         self.bias = sharded_param(ShardSpec.split((out_features,), 0, out_unit, *mine), grid.copies,
                                   ("zeros",)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = block_linear(x, self.weight, self.grid, self.out_lens)
+        if self.out_columns:
+            y = _SummaLinearOutColumns.apply(x.reshape(-1, x.shape[-1]), self.weight, self.grid, self.in_lens)
+            y = y.view(*x.shape[:-1], y.shape[-1])
+        else:
+            y = block_linear(x, self.weight, self.grid, self.out_lens)
         return y + self.bias if self.bias is not None else y
 
 

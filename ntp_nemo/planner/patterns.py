@@ -31,7 +31,11 @@ lands in the activations' layout for the next matmul.  In q steps each:
 - backward: step l broadcasts dY's blocks of grid column l along the grid rows and W's blocks of grid
   row l down the columns (dX_ij accumulates dY_il W_lj), and reduces the partial weight gradients
   dY_il^T X_ij of grid column j onto device (l, j): (q-1) (mn + 2 kn)/p.
-X never moves (it stays where the previous matmul's output landed).  So per matmul
+X never moves (it stays where the previous matmul's output landed).  A wide output (2n > 3k: the MLP's up
+projection, an untied head) puts W's output units over grid columns and its inputs over grid rows
+instead: the forward broadcasts X's blocks along rows and W's down columns (output-stationary), the
+backward broadcasts both again and reduces dX along rows and dW down columns: (q-1)(3mk + 3kn)/p
+elements in 6 streams of collectives; Y never moves.  So per matmul (the default placement)
 - bytes moved per device: (q-1) (3 k n + 2 m n) / p * E (weights counted at E too: they move as bf16
   copies, as activations do).  (An output-stationary SUMMA for all three products, this model's first
   version, gives 2 (q-1)(m k + k n + m n)/p; the measured bytes of the layers that run were 0.63x to
@@ -87,6 +91,13 @@ class Matmul:
     n: int
     side: str  # COLUMN (input replicated, output sharded) or ROW (input sharded, output reduced)
     count: int = 1  # how many of it a model step runs (layers)
+    tied: bool = False  # the output head of a tied embedding: its weight keeps the embedding's placement
+
+    @property
+    def out_columns(self) -> bool:
+        """Block sharding puts W's outputs over grid columns (`parallel.block.out_columns`: 2n > 3k), except
+        for a tied head, whose weight is the embedding table (vocabulary over grid rows)."""
+        return 2 * self.n > 3 * self.k and not self.tied
 
     @property
     def outer(self) -> int:
@@ -150,13 +161,16 @@ def block_cost(mm: Matmul, tokens: int, p: int, device: DeviceModel, link_bw: fl
     m, k, n, e = tokens, mm.k, mm.n, device.act_bytes
     flops = 6.0 * m * k * n / p
     compute = flops / device.flops_per_s
-    moved = (q - 1) * (3 * k * n + 2 * m * n) / p * e
-    comm = (5 * (q - 1) * link_latency_s + moved / link_bw) if q > 1 else 0.0
+    if mm.out_columns:  # W's outputs over grid columns: X and W move, never Y
+        moved, streams = (q - 1) * (3 * m * k + 3 * k * n) / p * e, 6
+    else:
+        moved, streams = (q - 1) * (3 * k * n + 2 * m * n) / p * e, 5
+    comm = (streams * (q - 1) * link_latency_s + moved / link_bw) if q > 1 else 0.0
     exposed = comm / q + (q - 1) / q * max(0.0, comm - compute) if q > 1 else 0.0
     return PatternCost(
         pattern=BLOCK, degree=p, compute_s=compute, comm_s=comm, exposed_comm_s=exposed, bytes_moved=moved,
         memory_bytes=k * n / p * device.state_bytes_per_param + m * k / p * e,
-        flops=flops, syncs=5 * q if q > 1 else 0,
+        flops=flops, syncs=streams * q if q > 1 else 0,
     )
 
 
@@ -171,7 +185,7 @@ def model_matmuls(model: ModelShape) -> list[Matmul]:
         Matmul("attn out", h, h, ROW, layers),
         Matmul("mlp up", h, up, COLUMN, layers),
         Matmul("mlp down", model.ffn_hidden_size, h, ROW, layers),
-        Matmul("head", h, model.vocab_size, COLUMN, 1),
+        Matmul("head", h, model.vocab_size, COLUMN, 1, tied=model.tie_embeddings),
     ]
 
 

@@ -2,8 +2,10 @@
 gradients, the gradient norm and the parameters after two AdamW steps, GPT (tied head, learned
 positions, biases) and Llama (GQA, untied head), on a 2x2 grid with per-layer mixes of patterns, on a
 2x2 grid beside a row/column TP-2 replica, and on a 3x3 grid.  Blocks are uneven where q does not divide:
-GPT's 5 heads and 67 vocabulary rows over 2, the 3x3 Llama's 31 vocabulary rows, 20 MLP columns and the
-micro-batch's 5 sequences over 3 (which also shares a KV head between two grid columns)."""
+GPT's 5 heads and 67 vocabulary rows over 2, the 3x3 Llama's 41 vocabulary rows, 20 MLP columns and the
+micro-batch's 5 sequences over 3 (which also shares a KV head between two grid columns).  Both weight
+placements run: GPT's MLP up projection (84 x 40) and the 3x3 Llama's untied head (41 x 24) put their
+outputs over grid columns (`parallel.block.out_columns`), the other weights over grid rows."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ OPTIM = {"lr": 2e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0
 MICRO = ((0, 5),)  # one micro-batch of 5 sequences: grid rows of 2 and 3 (2x2), 1, 2 and 2 (3x3)
 # A smaller Llama for the 3x3 grid (9 processes on 2 cores): 6 query heads over 3 KV heads: columns hold
 # query heads 2/2/2 and KV heads {0}, {0, 1}, {1, 2}... shared between neighbouring columns.
-LLAMA_3X3 = ModelConfig(arch="llama", vocab_size=31, hidden_size=24, num_layers=1, num_heads=6,
+LLAMA_3X3 = ModelConfig(arch="llama", vocab_size=41, hidden_size=24, num_layers=1, num_heads=6,
                         num_kv_heads=2, ffn_hidden_size=20, max_seq_len=8, tie_embeddings=False)
 
 

@@ -52,17 +52,23 @@ def test_column_parallel_matmul_by_hand() -> None:
 
     two = block_cost(mm, tokens=8, p=4, device=DEVICE, link_bw=BW, link_latency_s=0.0)
     assert two is not None and two.pattern == BLOCK
-    # Elements received (q-1)(3kn + 2mn)/p: (3*4*16 + 2*8*16)/4 = 112 -> 224 B.
-    assert two.bytes_moved == pytest.approx(224.0)
-    assert two.comm_s == pytest.approx(224e-9)
-    # Exposed: 224/2 ns for the first step + (1/2)*(224 - 0.768) ns not hidden by the block products.
-    assert two.exposed_comm_s == pytest.approx(112e-9 + 111.616e-9)
-    assert two.time_s == pytest.approx(224.384e-9)
+    # A wide output (2n > 3k): W's outputs over grid columns, (q-1)(3mk + 3kn)/p elements received:
+    # (3*8*4 + 3*4*16)/4 = 72 -> 144 B.
+    assert mm.out_columns and two.bytes_moved == pytest.approx(144.0)
+    assert two.comm_s == pytest.approx(144e-9)
+    # Exposed: 144/2 ns for the first step + (1/2)*(144 - 0.768) ns not hidden by the block products.
+    assert two.exposed_comm_s == pytest.approx(72e-9 + 71.616e-9)
+    assert two.time_s == pytest.approx(144.384e-9)
     # W: 256 B as above; the input block 8*4/4 = 8 values x 2 B = 16 B.
     assert two.memory_bytes == pytest.approx(272.0)
-    # 5 collectives per step (forward: W's broadcast, Y's reduction; backward: dY's and W's broadcasts,
-    # dW's reduction) x 2 steps: 768 / 10 FLOPs between two.
-    assert (two.syncs, two.flops_per_sync) == (10, 76.8)
+    # 6 collectives per step (forward: X's and W's broadcasts; backward: both again, dX's and dW's
+    # reductions) x 2 steps: 768 / 12 FLOPs between two.
+    assert (two.syncs, two.flops_per_sync) == (12, 64)
+    # The same shape as a tied head keeps the embedding's placement: (3*4*16 + 2*8*16)/4 = 112 -> 224 B.
+    tied = block_cost(Matmul("head", k=4, n=16, side=COLUMN, tied=True), 8, 4, DEVICE, BW, 0.0)
+    assert not Matmul("head", 4, 16, COLUMN, tied=True).out_columns
+    assert tied.bytes_moved == pytest.approx(224.0)
+    assert tied.syncs == 10
 
 
 def test_row_parallel_matmul_and_latency_by_hand() -> None:
@@ -76,7 +82,7 @@ def test_row_parallel_matmul_and_latency_by_hand() -> None:
     assert one.memory_bytes == pytest.approx(576.0)
     assert one.flops == 6 * 8 * 16 * 8 / 4 == 1536
     two = block_cost(mm, tokens=8, p=4, device=DEVICE, link_bw=BW, link_latency_s=1e-6)
-    # (3*16*8 + 2*8*8)/4 = 128 elements = 256 B; 5 streams of collectives x 1 hop.
+    # Not wide (2n < 3k): (3*16*8 + 2*8*8)/4 = 128 elements = 256 B; 5 streams of collectives x 1 hop.
     assert two.bytes_moved == pytest.approx(256.0)
     assert two.comm_s == pytest.approx(5e-6 + 256e-9)
 
@@ -115,7 +121,9 @@ def test_model_matmuls_and_step_totals() -> None:
     assert totals[ROW_COLUMN]["bytes_moved"] == pytest.approx(9 * 192.0)
     # FLOPs per device: 6*8*(8*16 + 8*8 + 8*32 + 16*8)*2/4 + 6*8*8*100/4 = 13824 + 9600, over 9 collectives.
     assert totals[ROW_COLUMN]["flops_per_sync"] == pytest.approx((13824 + 9600) / 9)
-    assert totals[BLOCK]["flops_per_sync"] == pytest.approx((13824 + 9600) / (9 * 10))
+    # qkv (n = 16 > 1.5 k), mlp up and the head put W's outputs over grid columns: 6 q collectives each,
+    # attn out and mlp down 5 q: 2 * (12 + 10 + 12 + 10) + 12 over a step.
+    assert totals[BLOCK]["flops_per_sync"] == pytest.approx((13824 + 9600) / 100)
 
 
 def _ntp_plan(*args: str) -> subprocess.CompletedProcess[str]:
@@ -136,9 +144,9 @@ def test_ntp_plan_patterns_llama3_8b_tp64() -> None:
     values = 7 * (3 * 4096 * 6144 + 2 * 8192 * 6144) / 64
     assert qkv["block"]["bytes_moved"] == pytest.approx(values * 2)
     assert qkv["block"]["syncs"] == 40
-    # Per slot: the 32 layers on the grid (1.41 ms against 4.07 ms), the head row/column (2.08 against
-    # 1.83 ms: its 128256-wide output moves 2mn), the untied embedding with the first layer.
-    assert data["recommended_pattern"] == ["block"] * 33 + ["row_column"]
+    # Per slot: the 32 layers on the grid (1.26 ms against 4.07 ms) and the untied head (its outputs over
+    # grid columns: 1.14 against 1.83 ms), the untied embedding with the first layer.
+    assert data["recommended_pattern"] == ["block"] * 34
     table = _ntp_plan("model=llama3_8b", "hardware=h100", "mesh.tp=64", "--patterns")
     assert table.returncode == 0, table.stderr
     out = table.stdout
@@ -146,9 +154,9 @@ def test_ntp_plan_patterns_llama3_8b_tp64() -> None:
     assert "speed at 450 GB/s (scale-up)" in out and "speed at 50 GB/s (scale-out)" in out
     for measure in ("bytes moved per device", "memory per device", "work between collectives"):
         assert measure in out
-    assert "matmuls where block moves fewer bytes: qkv, attn out, mlp down" in out
+    assert "matmuls where block moves fewer bytes: qkv, attn out, mlp up, mlp down" in out
     assert "where block sharding wins" in out and " 64  8x8" in out
-    assert "recommended: ntp.pattern=[block,block," in out and "block,row_column] (per slot" in out
+    assert "recommended: ntp.pattern=block (per slot" in out
 
 
 def test_ntp_plan_patterns_llama3_8b_tp8_and_bad_degree() -> None:
@@ -163,14 +171,16 @@ def test_ntp_plan_patterns_llama3_8b_tp8_and_bad_degree() -> None:
 
 def test_recommended_patterns_per_slot() -> None:
     """A layer goes on the grid where its four matmuls are modelled faster there, the head by its own
-    matmul; a tied embedding follows the head, an untied one the first layer; no grid, no block."""
+    matmul; a tied embedding follows the head, an untied one the first layer; no grid, no block.  A tied
+    head keeps the embedding's placement (vocabulary over grid rows), whose 2mn term loses at TP 64."""
     from ntp_nemo.planner.patterns import recommend_patterns
 
     for tied in (False, True):
         model = ModelShape(vocab_size=128256, hidden_size=4096, num_layers=2, num_heads=32, num_kv_heads=8,
                            ffn_hidden_size=14336, gated_mlp=True, tie_embeddings=tied)
         chosen, ms = recommend_patterns(compare(model, 8192, 64, DeviceModel(), 450e9, 5e-6), model)
-        assert ms[BLOCK]["layer"] < ms[ROW_COLUMN]["layer"] and ms[BLOCK]["head"] > ms[ROW_COLUMN]["head"]
-        assert chosen == ("row_column" if tied else "block", "block", "block", "row_column")
+        assert ms[BLOCK]["layer"] < ms[ROW_COLUMN]["layer"]
+        assert (ms[BLOCK]["head"] > ms[ROW_COLUMN]["head"]) == tied
+        assert chosen == (("row_column", "block", "block", "row_column") if tied else ("block",) * 4)
     assert recommend_patterns(compare(model, 8192, 8, DeviceModel(), 450e9, 5e-6), model)[0] == (
         "row_column",) * 4
