@@ -681,8 +681,9 @@ class GoodputCalculator:
     blocking part, a step interrupted after a disruption, an implicit failure found false) is applied to
     the segments it reaches back over, which the calculator keeps for `history_s` seconds (and as long as
     an interval that started before is still open).  A run redone later is moved from productive to
-    wasted by its own tally, however old.  Reaching back further than the history (`clipped_s`) is the
-    only way the figures can differ from the batch ones.
+    wasted by its own tally, however old: the calculator keeps one small object per completed step (about
+    150 bytes), the only memory that grows with the job.  Reaching back further than the history
+    (`clipped_s`) is the only way the figures can differ from the batch ones.
     """
 
     __slots__ = ("_L", "_appended", "_awaiting_mode", "_bticks", "_buckets", "_candidates",
@@ -716,8 +717,7 @@ class GoodputCalculator:
         self._wasted = 0
         self._buckets: dict[int, list[float]] = {}
         self._last_bucket: tuple[int, list[float] | None] = (-1, None)  # the bucket used last (a cache)
-        # step -> its last completed execution: the run while the history holds it, then (ticks, key, bucket)
-        self._done: dict[int, _Run | tuple[int, tuple[str, float], int]] = {}
+        self._done: dict[int, _Run] = {}  # step -> its last completed execution (a redo makes it wasted)
         self._completed_runs = 0
         self._life: _Life | None = None
         self._lifetimes = 0
@@ -937,16 +937,6 @@ class GoodputCalculator:
             if bucket is not None:
                 bucket[_WASTED_SLOT] += n
 
-    def _flip_old(self, n: int, key: tuple[str, float], idx: int) -> None:
-        """A completed execution no longer in the history turns from productive to wasted."""
-        self._prod[key] -= n
-        self._wasted += n
-        bucket = self._bucket(idx)
-        if bucket is not None:
-            bucket[_PROD_SLOT] -= key[1] * n
-            bucket[_DEGRADED_SLOT] -= (1.0 - key[1]) * n
-            bucket[_WASTED_SLOT] += n
-
     def _retro(self, x: int, y: int | None, change: Callable[[tuple[int, ...], _Run | None],
                                                           tuple[tuple[int, ...], _Run | None]]) -> None:
         """Apply `change` to what covers [x, y) (y None: up to the last event), time already accounted."""
@@ -1010,11 +1000,8 @@ class GoodputCalculator:
             opens += [s[2] for s in life.saves] + ([life.restore] if life.restore is not None else [])
         limit = min([limit, *opens])
         hist = self._hist
-        done = self._done
         while len(hist) > 1 and hist[0][1] <= limit:
-            run = hist.popleft()[3]
-            if run is not None and run is not hist[0][3] and done.get(run.step) is run:
-                done[run.step] = (run.ticks, run.key, run.bucket)  # its last segment: keep its tally only
+            hist.popleft()  # a run in it keeps its own tally (a later redo moves it to wasted)
 
     # -- lifetimes and steps -----------------------------------------------------------------------------
     def _new_life(self, t: float, T: int, init: bool) -> None:
@@ -1119,9 +1106,7 @@ class GoodputCalculator:
         run.key = (layout if type(layout) is str else str(layout), capacity)
         done = self._done
         earlier = done.get(step)
-        if type(earlier) is tuple:  # redone: only the last completed execution counts
-            self._flip_old(*earlier)
-        elif earlier is not None:
+        if earlier is not None:  # redone: only the last completed execution counts
             self._set_state(earlier, _WASTED)
         done[step] = run
         self._completed_runs += 1
