@@ -530,9 +530,13 @@ def main() -> None:
             try:
                 rc1 = soak.command([], stop_at=plan.stop_step)
                 if rc1 not in STOP_EXITS:
-                    raise Broken("exits", f"the stop signal at step {plan.stop_step} ended the command with "
-                                 f"status {rc1} (expected one of {sorted(STOP_EXITS)}); see "
-                                 f"{work}/soak.console")
+                    reached = max(losses(soak.run_dir), default=0)
+                    when = f"the stop signal at step {plan.stop_step} ended the command"
+                    if reached < plan.stop_step:
+                        when = (f"the command ended at step {reached}, before the stop signal at step "
+                                f"{plan.stop_step},")
+                    raise Broken("exits", f"{when} with status {rc1} (expected one of {sorted(STOP_EXITS)}); "
+                                 f"see {work}/soak.console")
                 damaged = damage_newest(soak.run_dir)
                 soak.damaged = damaged.name if damaged else None
                 rc2 = soak.command(["resume=auto"], stop_at=None)
