@@ -2,6 +2,7 @@
 job that only reports it, the failure-free job, and the detector's own cost.
 
     python bench/stragglers.py [--steps 200] [--fault-step 20] [--factor 0.5] [--clean-runs 3] [overrides ...]
+    python bench/stragglers.py --components    # only the CPU cost per step of each piece, timed alone
 
 The job: 2 DP replicas of TP 2 (4 processes, `ntp.replica_tp=[2,2]`), the tests' tiny GPT at a batch of
 6 micro-batches, through the real `ntp-train` CLI; global rank 1 computes at `--factor` of its speed from
@@ -39,6 +40,51 @@ LAYOUT = ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,2]", "checkpoint.every_n_
           "checkpoint.save_on_end=false", "resume=never"]
 
 
+def component_costs(n: int = 2000) -> str:
+    """CPU microseconds per step of what the watch adds, each piece timed alone in this process: the
+    compute timer's phase and reading, the fused scalars' per-rank slots (a 4-rank world), the detector
+    (its judgement every 5 steps amortised) and its layout check."""
+    import time
+
+    import torch
+
+    from ntp_nemo.resilience.straggler import StragglerDetector, StragglerSettings, peer_groups, share_units
+    from ntp_nemo.runtime.compute_time import ComputeTimer
+    from ntp_nemo.topology import ResolvedLayout, Topology
+
+    def per_call(fn) -> float:
+        c0 = time.process_time()
+        for _ in range(n):
+            fn()
+        return (time.process_time() - c0) / n * 1e6
+
+    timer, cpu = ComputeTimer(), torch.device("cpu")
+    scalars, mine = torch.zeros(4, dtype=torch.float64), torch.tensor(0.1, dtype=torch.float64)
+
+    def phase() -> None:
+        with timer.phase("microbatches"):
+            pass
+
+    def slots() -> torch.Tensor:
+        out = torch.zeros(4, dtype=torch.float64)
+        out[1] = mine
+        return torch.cat([scalars, out])
+
+    layout = ResolvedLayout.make(Topology(2, [2, 2], [2] * 4), num_microbatches=6)
+    units, peers, step = share_units(layout), peer_groups(layout), [0]
+    det = StragglerDetector(StragglerSettings())
+
+    def observe() -> None:
+        step[0] += 1
+        det.observe(step[0], [0.1, 0.2, 0.1, 0.1], units, peers)
+
+    same = ResolvedLayout.from_dict(layout.to_dict())
+    parts = {"timer phase": per_call(phase), "timer reading": per_call(lambda: timer.reading(cpu)),
+             "fused slots": per_call(slots), "detector": per_call(observe),
+             "layout check": per_call(lambda: same != layout)}
+    return ", ".join(f"{k} {v:.1f} us" for k, v in parts.items()) + f"; total {sum(parts.values()):.1f} us"
+
+
 def jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
@@ -50,7 +96,11 @@ def main() -> None:
     ap.add_argument("--factor", type=float, default=0.5)
     ap.add_argument("--clean-runs", type=int, default=3)
     ap.add_argument("overrides", nargs="*")
+    ap.add_argument("--components", action="store_true", help="only the per-step costs of the pieces")
     a = ap.parse_args()
+    print(f"detector pieces, CPU per step: {component_costs()}")
+    if a.components:
+        return
     job = [*TOY_JOB, *LAYOUT, f"trainer.max_steps={a.steps}", *a.overrides]
     fault = ["fault=slow", "fault.rank=1", f"fault.step={a.fault_step}", f"fault.factor={a.factor}"]
     print(f"load before: {load_average()}")
