@@ -122,7 +122,7 @@ def resolve(cfg: DictConfig, explicit: Collection[str] = (), *, reads_data: bool
     from ntp_nemo.config.failover import failover_spec
     from ntp_nemo.config.layout import resolve_layout
     from ntp_nemo.config.model import model_config
-    from ntp_nemo.config.validate import validate
+    from ntp_nemo.config.validate import resolve_init_from, validate
 
     explicit = set(explicit)
     checks.require_mandatory(cfg, reads_data)
@@ -134,8 +134,10 @@ def resolve(cfg: DictConfig, explicit: Collection[str] = (), *, reads_data: bool
     if reads_data:
         chosen = resolve_data_config(cfg, explicit)  # the tokenizer sizes model.vocab_size (unless given)
         derived |= {"data.tokenizer": chosen["tokenizer"], "model.vocab_size": chosen["vocab_size"]}
-    work = with_values(cfg, derived)  # once: the composed config with the derived values
-    validate(work)
+    # The architecture of model.init_from's config.json (given the vocabulary chosen above).
+    derived |= resolve_init_from(with_values(cfg, derived))
+    work = with_values(cfg, derived)  # the composed config with every derived value: what is checked and run
+    validate(work)  # checks only
     layout = resolve_layout(work)  # once: the supervisor, the strategy and every rank take this value
     checks.check_batch_split(layout, int(work.data.micro_batch_size))
     checks.warn_no_ops(work, layout)

@@ -7,6 +7,7 @@ key, the value and the fix.  The CLI turns it into exit code 2 with no traceback
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -63,14 +64,13 @@ def validate_model(m: DictConfig) -> None:
     fam.validate(m)
 
 
-def resolve_init_from(cfg: DictConfig) -> None:
-    """With `model.init_from`, the architecture comes from the Hugging Face `config.json`: copy it into
-    the config so every later check sees the imported model's values."""
-    if cfg.model.get("init_from") is None:
-        return
+def resolve_init_from(cfg: DictConfig) -> dict[str, Any]:
+    """With `model.init_from`, the architecture comes from the Hugging Face `config.json`: returns the
+    model's keys as it gives them ({"model.KEY": value}; {} without `init_from`), which `resolve` sets
+    before the checks so that every check sees the imported model's values; `cfg` is not changed."""
+    if OmegaConf.is_missing(cfg.model, "init_from") or cfg.model.get("init_from") is None:
+        return {}  # (a missing one is validate's to report)
     import dataclasses
-
-    from omegaconf import open_dict
 
     from ntp_nemo.config.model import model_config
 
@@ -79,10 +79,7 @@ def resolve_init_from(cfg: DictConfig) -> None:
 
     with HFWeightsReader(str(cfg.model.init_from)) as weights:
         weights.check_headers()  # a crafted header: exit 2 naming the file, before any worker starts
-    with open_dict(cfg):
-        for k, v in dataclasses.asdict(resolved).items():
-            if k != "_target_":
-                cfg.model[k] = v
+    return {f"model.{k}": v for k, v in dataclasses.asdict(resolved).items() if k != "_target_"}
 
 
 def validate(cfg: DictConfig) -> None:
@@ -92,7 +89,6 @@ def validate(cfg: DictConfig) -> None:
             "this recipe continues from a Hugging Face model directory; pass "
             "model.init_from=PATH (a directory with config.json and *.safetensors).",
         )
-    resolve_init_from(cfg)
     validate_model(cfg.model)
     validate_quant(cfg)
     validate_memory_options(cfg)

@@ -276,3 +276,25 @@ def test_a_crafted_safetensors_header_is_a_config_error_naming_the_file(hf_dirs,
         cfg.model.init_from = str(crafted)
     with pytest.raises(ConfigError, match="refuses it"):
         resolve_init_from(cfg)
+
+
+def test_resolve_takes_the_architecture_from_init_from_and_validate_only_checks(hf_dirs):
+    """`resolve_init_from` returns the architecture of `model.init_from`'s config.json, `resolve` runs on it,
+    and neither it nor `validate` writes into the composed config."""
+    from omegaconf import OmegaConf
+
+    from ntp_nemo.config.resolve import resolve, with_values
+    from ntp_nemo.config.validate import resolve_init_from, validate
+    from tests.conftest import SINGLE, compose
+
+    cfg = compose([*SINGLE, "model=llama_tiny", f"model.init_from={hf_dirs['llama']}", "data.seq_len=8"])
+    before = OmegaConf.to_yaml(cfg)
+    derived = resolve_init_from(cfg)
+    want = resolved(hf_dirs["llama"], vocab=int(cfg.model.vocab_size))
+    assert derived["model.arch"] == "llama" and derived["model.hidden_size"] == want.hidden_size
+    assert want.hidden_size != cfg.model.hidden_size  # the HF model's own, not the composed one
+    validate(with_values(cfg, derived))
+    spec = resolve(cfg, {"mesh.dp", "mesh.tp", "ntp.replica_tp"})
+    assert (spec.model.arch, spec.model.hidden_size, spec.model.num_layers) == (
+        "llama", want.hidden_size, want.num_layers)
+    assert OmegaConf.to_yaml(cfg) == before  # the composed config is left as composed
