@@ -114,7 +114,8 @@ def run(argv: list[str]) -> int:
     if not port_text.isdigit() or not 0 < int(port_text) < 65536:
         raise ConfigError("MASTER_PORT", f"{port_text or 'unset'}: ntp-coordinator serves the job's store on "
                           "MASTER_PORT; export the same MASTER_ADDR/MASTER_PORT the tasks get (e.g. "
-                          "`export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))` in the batch script).")
+                          "`export MASTER_PORT=$((10000 + SLURM_JOB_ID % 20000))` in the batch script, as "
+                          "ntp_nemo/launch/slurm/train_live.sbatch does).")
     started = time.time()
     world, timeouts, end_step, checkpoint_dir = _settings(argv)
     heartbeat_s = timeouts.heartbeat_s

@@ -135,5 +135,5 @@ def port_taken_error(err: BaseException, env=None) -> ConfigError | None:
         "rendezvous store there. If ntp-coordinator runs for this job (it listens on MASTER_PORT), start "
         "the tasks with NTP_COORDINATOR exported (`export NTP_COORDINATOR=$MASTER_ADDR:$MASTER_PORT` "
         "before srun) so that they use its store; otherwise choose a free MASTER_PORT (e.g. "
-        "`export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))`).",
+        "`export MASTER_PORT=$((10000 + SLURM_JOB_ID % 20000))`: below Linux's ephemeral ports).",
     )

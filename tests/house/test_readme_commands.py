@@ -139,7 +139,7 @@ def plan(cmd: str) -> tuple[str, str]:
         return "skip", "this test suite"
     if words[:2] == ["git", "worktree"]:
         return "skip", "checks out the commits a benchmark compares (needs the repository's history)"
-    if words[0] in CLUSTER:
+    if words[0] in CLUSTER or "sbatch" in words:  # `NTP_ARGS="..." sbatch SCRIPT` too
         return "config", "needs a cluster"
     if words[0] == "python" and len(words) > 1 and words[1].startswith("bench/"):
         return "exists", "a benchmark of minutes; its figures are in docs/ next to the command"
@@ -156,6 +156,10 @@ def plan(cmd: str) -> tuple[str, str]:
 
 def train_args(cmd: str) -> list[str]:
     words = shlex.split(cmd)
+    if "sbatch" in words:  # a shipped batch script (it must exist) run with the overrides in NTP_ARGS
+        at = words.index("sbatch")
+        assert (ROOT / words[-1]).is_file(), cmd
+        return shlex.split(dict(w.split("=", 1) for w in words[:at]).get("NTP_ARGS", ""))
     for program in ("ntp-train", "ntp-coordinator"):  # the coordinator takes the tasks' overrides
         if program in words:
             return words[words.index(program) + 1 :]
