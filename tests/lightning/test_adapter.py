@@ -26,6 +26,8 @@ PRIVATE = re.compile(r"\bself\.(_\w+)|\bdef\s+(_\w+)")
 NOT_LIGHTNING = {
     ("ntp_nemo/quant/sharding.py", "_modules"): "a modelopt quantised layer's torch submodule registry",
     ("ntp_nemo/topology/groups.py", "_timeout"): "a torch process group backend's options",
+    ("ntp_nemo/parallel/sequence.py", "_version"): "a torch tensor's version counter (in-place writes)",
+    ("ntp_nemo/resilience/nccl_abort.py", "_world"): "torch.distributed's registry of process groups",
 }
 
 
