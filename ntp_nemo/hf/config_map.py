@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -143,6 +144,15 @@ def hf_fields(hf: dict, path: str = "<config>") -> dict[str, Any]:
     return {"arch": arch, "vocab_size": vocab, **fields}
 
 
+def model_choices(arch: str) -> list[str]:
+    """The shipped model configs (`conf/model/NAME.yaml`, `model=NAME`) whose `arch` is `arch`."""
+    from importlib import resources
+
+    folder = Path(str(resources.files("ntp_nemo.conf"))) / "model"
+    line = re.compile(rf"^arch:\s*{re.escape(arch)}\s*(#.*)?$", flags=re.M)
+    return sorted(p.stem for p in folder.glob("*.yaml") if line.search(p.read_text(encoding="utf-8")))
+
+
 def resolve_model_config(base: ModelConfig) -> ModelConfig:
     """`base` with its architecture fields taken from `base.init_from`'s config.json (no-op without one).
 
@@ -159,8 +169,9 @@ def resolve_model_config(base: ModelConfig) -> ModelConfig:
                                "save_pretrained()).")
     hf = hf_fields(read_hf_config(path), path)
     if hf["arch"] != base.arch:
-        raise ConfigError(KEY, f"{path!r} is a {hf['arch']} model but model.arch={base.arch}. Pick the "
-                               "matching model config (e.g. model=llama_tiny or model=gpt_tiny) or set "
+        choices = " or ".join(f"model={name}" for name in model_choices(hf["arch"]))
+        raise ConfigError(KEY, f"{path!r} is a {hf['arch']} model but model.arch={base.arch}. Pick a "
+                               f"{hf['arch']} model config ({choices or 'your own'}) or set "
                                f"model.arch={hf['arch']}.")
     if base.vocab_size < hf["vocab_size"]:
         raise ConfigError(KEY, f"{path!r} has a vocabulary of {hf['vocab_size']} tokens but "

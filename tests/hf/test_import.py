@@ -195,7 +195,8 @@ def test_unsupported_or_contradicting_directories_are_config_errors(hf_dirs, tmp
          "llama", "'llama3'"),
         (_edit_config(llama, tmp_path / "bias", attention_bias=True), "llama", "attention_bias"),
         (_edit_config(gpt2, tmp_path / "act", activation_function="relu"), "gpt2", "'relu'"),
-        (llama, "gpt2", "is a llama model but model.arch=gpt2"),
+        (llama, "gpt2", "is a llama model but model.arch=gpt2. Pick a llama model config "
+                        "(model=llama3_8b or model=llama_tiny)"),
         (tmp_path / "missing", "llama", "is not a directory"),
         (tmp_path, "llama", "has no config.json"),
     ]
@@ -204,6 +205,13 @@ def test_unsupported_or_contradicting_directories_are_config_errors(hf_dirs, tmp
     _expect_error(ModelConfig(arch="llama", vocab_size=HF_VOCAB - 1, init_from=str(llama)),
                   f"model.vocab_size={HF_VOCAB}")
     _expect_error(ModelConfig(arch="llama", init_from="???"), "is not set")
+
+
+def test_model_choices_name_each_familys_configs():
+    from ntp_nemo.hf.config_map import model_choices
+
+    assert model_choices("qwen2") == ["qwen2_tiny"]  # a Qwen2 directory is pointed at its own family
+    assert model_choices("gpt2") == ["gpt2_124m", "gpt_tiny"]
 
 
 def test_load_refuses_mismatched_models_and_files(hf_dirs, tmp_path):
