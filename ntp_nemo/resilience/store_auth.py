@@ -244,13 +244,19 @@ class SignedStore(dist.Store):
             if lost is not None:
                 raise RendezvousAborted(f"{self._prefix} cannot form: the launcher saw process(es) {lost} of "
                                         "it exit while it formed")
-        step = left if self._abort_key is None else min(left, self.SLICE_S)
-        if step <= 0:
-            return False
-        try:
-            self._inner.wait([key], timedelta(seconds=step))
-        except dist.DistStoreError:  # not written yet
-            return False
+        if self._abort_key is None:
+            try:
+                self._inner.wait([key], timedelta(seconds=left))
+            except dist.DistStoreError:  # not written yet
+                return False
+            return True
+        # Sliced by polling, not by `wait` with a short timeout: each such timeout makes the store's
+        # client log two c10d warnings (`waitForInput ... likely a timeout`), a dozen per rejoin.
+        until = time.monotonic() + min(left, self.SLICE_S)
+        while not self._inner.check([key]):
+            if time.monotonic() >= until:
+                return False
+            time.sleep(0.01)
         return True
 
     def delete_key(self, key: str) -> bool:

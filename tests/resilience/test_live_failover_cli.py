@@ -247,6 +247,7 @@ def test_repaired_rank_rejoins_live(live_runs, llama_runs, reference, model):
         assert sorted(reference) == STEPS
     assert "recovery live (fault.recovery=auto)" in log
     assert "repaired process(es) rejoined: layout (2,1) -> (2,2)" in log
+    assert "waitForInput" not in log  # the rejoin's sliced store waits poll: no c10d timeout warnings
     metrics = read_metrics(run)
     assert [m["step"] for m in metrics] == STEPS  # every step once
     layouts = [m["layout"] for m in metrics]
