@@ -382,5 +382,25 @@ def keep_last_k(directory: str | os.PathLike, k: int | None) -> list[Path]:
         removed += [p for p in directory.iterdir()
                     if p.is_dir() and p.name.endswith(TMP_SUFFIX) and _step_of(p) < newest]
     for path in removed:
-        shutil.rmtree(path, ignore_errors=True)
+        _remove(path)
+    for left in directory.iterdir():  # what a rotation killed halfway left
+        if left.is_dir() and left.name.startswith(DELETING_PREFIX):
+            shutil.rmtree(left, ignore_errors=True)
     return removed
+
+
+DELETING_PREFIX = ".deleting-"
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint directory so that a process killed halfway leaves nothing that looks committed:
+    renamed first (atomic) to a hidden name no reader lists, then removed; the next rotation removes what
+    a kill left.  (Deleted in place, a rotation killed halfway -- its process lost in a live job -- left a
+    `step_NNNNNN` directory with some data files gone, which every resume then reported as damaged and
+    no rotation ever deleted.)"""
+    doomed = path.with_name(DELETING_PREFIX + path.name)
+    try:
+        path.rename(doomed)
+    except OSError:  # gone already, or another process renamed it first
+        doomed = path
+    shutil.rmtree(doomed, ignore_errors=True)

@@ -228,3 +228,23 @@ def test_checkpoint_marked_corrupt_is_skipped_cheaply_and_not_counted_by_keep_la
     assert len(skipped) == 1 and "data_00000_0.bin fails its xxh3_64 check" in skipped[0]
     assert keep_last_k(ckpts, 1) == []  # the newest valid one stays; the corrupt one is left for inspection
     assert sorted(p.name for p in ckpts.iterdir()) == [checkpoint_name(1), checkpoint_name(2)]
+
+
+def test_a_rotation_killed_halfway_leaves_no_committed_looking_checkpoint(ckpts, monkeypatch):
+    """The process deleting an old checkpoint dies after its first file (the soak met it: a live job's
+    rank 0 lost during keep_last left `step_000175` with half its data files, reported damaged at every
+    resume and never deleted)."""
+    real_rmtree = shutil.rmtree
+
+    def killed(path, *args, **kwargs):
+        next(p for p in Path(path).iterdir() if p.is_file()).unlink()
+        raise KeyboardInterrupt  # the process dies here
+
+    monkeypatch.setattr(shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        keep_last_k(ckpts, 1)
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
+    assert [p.name for p in ckpts.iterdir() if not p.name.startswith(".")] == [checkpoint_name(2)]
+    assert latest_valid_checkpoint(ckpts) == ckpts / checkpoint_name(2)
+    keep_last_k(ckpts, 1)  # the next rotation removes what the dead one left
+    assert sorted(p.name for p in ckpts.iterdir()) == [checkpoint_name(2)]
