@@ -44,10 +44,29 @@ def say(*args, **kwargs) -> None:
         print(*args, **kwargs)
 
 
+class _StdoutHandler(logging.StreamHandler):
+    """Writes to the `sys.stdout` of the moment (a job's console copy to its train.log included)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        import sys
+
+        self.stream = sys.stdout
+        super().emit(record)
+
+
 def quiet_libraries() -> None:
     """Lightning logs through its own handler; stop Hydra's root handler from printing it twice."""
     for name in ("lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).propagate = False
+    # What a callback the user added says when asked to (`EarlyStopping(verbose=True)`: each improvement
+    # and why it stopped): on the console, as a plain line (Lightning's own logger has no handler here).
+    callbacks = logging.getLogger("lightning.pytorch.callbacks")
+    if not callbacks.handlers:
+        handler = _StdoutHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        callbacks.addHandler(handler)
+        callbacks.setLevel(logging.INFO)
+        callbacks.propagate = False
     # "Terminating process N via signal SIGTERM": torch stopping the other workers after one failed;
     # the supervisor reports the failure and what it does about it.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
@@ -169,6 +188,12 @@ def print_summary(summary: dict, run_dir: Path, log_dirs: list[str] | None = Non
                 + "; layouts " + " -> ".join(summary["failover"]["layouts"])
             ]
             if summary.get("failover")
+            else []
+        ),
+        *(
+            [f" stopped       at step {summary.get('steps')} of {summary.get('max_steps')} by "
+             f"{summary['stop_reason']}"]
+            if summary.get("stop_reason")
             else []
         ),
         *(

@@ -159,6 +159,9 @@ class RunSummary(Callback):
         stop = next((cb for cb in trainer.callbacks if isinstance(cb, PreemptionCheckpoint)), None)
         if stop is not None and stop.stopped and trainer.global_step < trainer.max_steps:
             summary["stopped_early"] = stop.signal_name or "signal"
+        reason = callback_stop(trainer)
+        if reason is not None:
+            summary["stop_reason"] = reason
         goodput_file = self.run_dir / "goodput.jsonl"
         if goodput_file.exists():
             from ntp_nemo.goodput import compute_goodput, load_events
@@ -384,6 +387,27 @@ class PreemptionCheckpoint(Callback):
                           else f"stopping at step {step} (checkpointing is off)")
                 print(f"{why}: {saving}{more}", flush=True)
             trainer.should_stop = True
+
+
+def callback_stop(trainer: pl.Trainer) -> str | None:
+    """Why a callback of the user's (Lightning's `EarlyStopping`, or any that sets `trainer.should_stop`)
+    ended training before trainer.max_steps: `EarlyStopping: <its message>`, or a line naming
+    `trainer.should_stop`; None when training ran to the end or a stop signal or planned stop ended it."""
+    step = int(trainer.global_step)
+    if step >= int(trainer.max_steps):
+        return None
+    for cb in trainer.callbacks:
+        if isinstance(cb, PreemptionCheckpoint) and cb.stopped:
+            return None  # a stop signal: `stopped_early` says it
+        if isinstance(cb, StopAtStep) and step >= cb.step:
+            return None  # a planned stop of this invocation
+    for cb in trainer.callbacks:
+        message = getattr(cb, "stopping_reason_message", None)  # EarlyStopping (Lightning >= 2.5)
+        if message:
+            return f"{type(cb).__name__}: {message}"
+    if trainer.should_stop:
+        return "a callback set trainer.should_stop"
+    return None
 
 
 def _saves_on_stop(trainer: pl.Trainer) -> bool:

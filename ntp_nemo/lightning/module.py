@@ -215,6 +215,7 @@ class NTPLanguageModule(pl.LightningModule):
         # read back for the loggers), twice a step.
         self.log("train/loss", torch.tensor(loss), prog_bar=True, rank_zero_only=True, batch_size=1)
         self.log("train/grad_norm", torch.tensor(grad_norm), rank_zero_only=True, batch_size=1)
+        self._log_step(int(batch["step"]) + 1)
         self.last_step = {
             "step": int(batch["step"]) + 1,
             "loss": loss,
@@ -249,6 +250,7 @@ class NTPLanguageModule(pl.LightningModule):
         self.stop_agreed = bool(note["stop"])
         self.log("train/loss", torch.tensor(record["loss"]), prog_bar=True, rank_zero_only=True, batch_size=1)
         self.log("train/grad_norm", torch.tensor(record["grad_norm"]), rank_zero_only=True, batch_size=1)
+        self._log_step(int(record["step"]))
         self.last_step = record
         return {"loss": torch.tensor(record["loss"])}
 
@@ -256,4 +258,10 @@ class NTPLanguageModule(pl.LightningModule):
         total = self.runtime.eval_microbatches(self.model, list(batch["micro"]))
         loss = float(self.runtime.global_sum(total)) / int(batch["global_tokens"])
         self.log("val/loss", torch.tensor(loss), prog_bar=True, rank_zero_only=True, batch_size=1)
+        self._log_step(int(self.trainer.global_step))  # after that many optimizer steps
         self.last_val_loss = loss
+
+    def _log_step(self, step: int) -> None:
+        """The loggers' step (Lightning uses a logged `step` as the x-axis): metrics.jsonl's, the count of
+        optimizer steps done, where Lightning's own counter is one behind during the training step."""
+        self.log("step", torch.tensor(float(step), dtype=torch.float64), rank_zero_only=True, batch_size=1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 
 import pytest
@@ -35,7 +36,11 @@ def test_single_process_run_learns_and_writes_run_dir(lr_sweep):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 30 and summary["final_loss"] == metrics[-1]["loss"]
     assert (run / "goodput.jsonl").exists() and (run / ".hydra" / "config.yaml").exists()
-    assert list((run / "logs").rglob("metrics.csv")), "CSV logger wrote nothing"
+    (csv_file,) = (run / "logs").rglob("metrics.csv")
+    with open(csv_file, newline="") as fh:  # the CSV logger's step is metrics.jsonl's (the module logs it)
+        rows = [r for r in csv.DictReader(fh) if r.get("train/loss")]
+    assert [int(r["step"]) for r in rows] == [m["step"] for m in metrics]
+    assert [float(r["train/loss"]) for r in rows] == pytest.approx([m["loss"] for m in metrics], rel=1e-6)
     log = (run / "train.log").read_text()  # this job's console
     assert "run summary" in log and "tokens/s" in log
     # Launch to the first step, from the job's start.
