@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, TINY, read_metrics, run_cli
+from tests.conftest import ROOT, TINY, read_metrics
 from tests.data_helpers import corpus_documents
 
 SEQ, BATCH = 32, 12  # TINY's data.seq_len and data.global_batch_size
+VAL = 4 * 2  # the windows the logged validation loss covers: data.val_batches x TINY's micro_batch_size
 
 
 def probe(out: str):
@@ -47,14 +48,19 @@ def trained(tmp_path_factory):
     """2 steps of the default NTP layout ((2,1): 3 processes) on a token file whose training part holds
     exactly one global batch of windows, with a checkpoint after step 1."""
     root = tmp_path_factory.mktemp("eval")
-    # 449 bytes + the end-of-document id = 450 tokens; val_fraction 0.1 keeps 405 for training:
-    # (405 - 1) // 32 = 12 windows = the global batch, so every step's batch is all of them.
-    (root / "doc.txt").write_bytes(" ".join(corpus_documents(5_000)).encode()[:449])
-    proc = run_cli(["doc.txt", "--out", "tokens.bin", "--tokenizer", "byte", "--no-progress"], cwd=root,
-                   module="ntp_nemo.data.preprocess")
-    assert proc.returncode == 0, proc.stderr
-    assert json.loads((root / "tokens.bin.json").read_text())["num_tokens"] == 450
-    args = [*TINY, f"data.path={root / 'tokens.bin'}", "data.val_fraction=0.1", "trainer.max_steps=2",
+    # 384 bytes + the end-of-document id = 385 tokens: (385 - 1) // 32 = 12 windows = the global batch,
+    # so every step's batch is all of them. Validation reads its own file (data.val_path): 8 windows.
+    text = " ".join(corpus_documents(5_000)).encode()
+    (root / "doc.txt").write_bytes(text[:384])
+    (root / "val.txt").write_bytes(text[1000:1000 + VAL * SEQ])
+    from ntp_nemo.data.preprocess import run as preprocess
+
+    for text_file, out in (("doc.txt", "tokens.bin"), ("val.txt", "val.bin")):
+        assert preprocess([str(root / text_file), "--out", str(root / out), "--tokenizer", "byte",
+                           "--no-progress"]) == 0
+    assert json.loads((root / "tokens.bin.json").read_text())["num_tokens"] == 385
+    args = [*TINY, f"data.path={root / 'tokens.bin'}", f"data.val_path={root / 'val.bin'}",
+            "trainer.max_steps=2",
             "checkpoint.every_n_steps=1", f"hydra.run.dir={root / 'run'}",
             "+callbacks.probe._target_=tests.cli.test_eval.probe", f"+callbacks.probe.out={root}"]
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
@@ -98,11 +104,22 @@ def test_eval_loss_equals_the_training_loss_of_the_same_weights_and_batch(traine
     assert loss < recorded[1]["loss"]
 
 
+def test_eval_gives_the_logged_validation_loss(trained, monkeypatch, capsys):
+    """README: `ntp-eval RUN VAL.bin --samples <data.val_batches x data.micro_batch_size>` is the run's
+    logged validation loss (the final validation, after the last step) when it trained with
+    data.val_path=VAL.bin."""
+    summary = json.loads((trained / "run" / "summary.json").read_text())
+    val = trained / "val.bin"
+    rc, out, err = _eval(monkeypatch, capsys, trained / "run", val, "--samples", VAL, "--json")
+    assert rc == 0, err
+    assert json.loads(out)["loss"] == pytest.approx(summary["val_loss"], rel=1e-5, abs=1e-5)
+
+
 def test_eval_bad_input_exits_2(trained, monkeypatch, capsys):
     run = trained / "run"
     rc, _, err = _eval(monkeypatch, capsys, run, trained / "doc.txt")
     assert rc == 2 and "TOKENS:" in err and "sidecar" in err and "ntp-preprocess" in err
     rc, _, err = _eval(monkeypatch, capsys, run, trained / "tokens.bin", "--samples", 99)
-    assert rc == 2 and "--samples:" in err and "14 windows" in err
+    assert rc == 2 and "--samples:" in err and "12 windows" in err
     rc, _, err = _eval(monkeypatch, capsys, trained / "nowhere", trained / "tokens.bin")
     assert rc == 2 and "RUN_DIR_OR_CHECKPOINT" in err and "Traceback" not in err
