@@ -25,6 +25,20 @@ EXAMPLES = (
     ("ntp-train hydra.run.dir=runs/a", "the same command again resumes from its last checkpoint"),
 )
 
+# The project's other programs ([project.scripts] of pyproject.toml), each with what it is for.
+COMMANDS = (
+    ("ntp-goodput RUN_DIR", "goodput and badput of a run, by category"),
+    ("ntp-eval RUN_DIR TOKENS", "a checkpoint's loss and perplexity on a token file"),
+    ("ntp-export RUN_DIR OUT_DIR", "a checkpoint as a Hugging Face directory"),
+    ("ntp-preprocess TEXT --out TOKENS", "text, .jsonl or Parquet files to a token file (data.path)"),
+    ("ntp-plan [key=value ...]", "per-layer TP layouts ranked by the cost model"),
+    ("ntp-sim", "the cluster goodput simulator (DP-DROP, NTP, NTP-PW, spares)"),
+    ("ntp-coordinator [overrides]", "a SLURM job's live-failover coordinator "
+                                    "(ntp_nemo/launch/slurm/train_live.sbatch)"),
+    ("ntp-incidents RUN_DIR", "a run's integrity findings (corruption, non-finite steps)"),
+    ("ntp-dashboard RUN_DIR", "a live read-only page of a run or a sweep"),
+)
+
 
 def recipe_summaries(width: int = 88) -> list[tuple[str, str]]:
     """(name, first sentence of the recipe file's leading comment, cut to `width`) for every recipe."""
@@ -60,7 +74,9 @@ def help_text() -> str:
         "examples:",
         *(f"  {c:<70}  # {d}" for c, d in EXAMPLES),
         "",
-        "also: --cfg job (print the composed config without running), --hydra-help (Hydra's options);",
-        "other commands: ntp-goodput, ntp-export, ntp-eval, ntp-preprocess, ntp-plan, ntp-sim.",
+        "also: --cfg job (print the composed config without running), --hydra-help (Hydra's options)",
+        "",
+        "other commands:",
+        *(f"  {c:<34}  {d}" for c, d in COMMANDS),
     ]
     return "\n".join(lines)
