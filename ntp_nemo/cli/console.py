@@ -183,7 +183,7 @@ def print_summary(summary: dict, run_dir: Path, log_dirs: list[str] | None = Non
         *(
             [
                 f" failover      {summary['failover']['failures']} failure(s)"
-                + "".join(f"; recovered {r['mode']} in {r['recovery_s']:.2f} s"
+                + "".join(f"; recovered {_mode(r)}in {r['recovery_s']:.2f} s"
                           for r in summary["failover"].get("recoveries", []))
                 + "; layouts " + " -> ".join(summary["failover"]["layouts"])
             ]
@@ -211,6 +211,13 @@ def print_summary(summary: dict, run_dir: Path, log_dirs: list[str] | None = Non
         "──────────────────────────────────────────────────────",
     ]
     say("\n".join(lines), flush=True)
+
+
+def _mode(recovery: dict) -> str:
+    """`live ` or `restart ` (with its space) of a recovery; nothing where the record does not say (a
+    relaunch of the whole command after its launcher died: the goodput calculator's `-`)."""
+    mode = str(recovery.get("mode") or "-")
+    return "" if mode == "-" else f"{mode} "
 
 
 def resume_command(run_dir: Path) -> str:

@@ -82,6 +82,17 @@ def test_stop_without_a_checkpoint_does_not_say_saved(tmp_path, capsys):
     assert "(Ctrl-C); checkpoint saved (step_000005)" in capsys.readouterr().out
 
 
+def test_a_recovery_of_unknown_mode_reads_recovered_in(tmp_path, capsys):
+    """After a relaunch whose launcher died, the goodput record has no mode (`-`) for the recovery."""
+    from ntp_nemo.cli.console import print_summary
+
+    recoveries = [{"mode": "-", "recovery_s": 11.36}, {"mode": "live", "recovery_s": 2.5}]
+    print_summary({"steps": 8, "max_steps": 8, "failover": {"failures": 2, "layouts": ["(2,1)"],
+                                                            "recoveries": recoveries}}, tmp_path)
+    out = capsys.readouterr().out
+    assert "2 failure(s); recovered in 11.36 s; recovered live in 2.50 s; layouts (2,1)" in out
+
+
 def test_ctrl_c_while_the_workers_fork_reaches_them_as_ctrl_c():
     """A Ctrl-C that reaches the launcher before its workers exist is passed on to them as SIGINT (they
     report an interrupt), not as the SIGTERM of a preemption; once they exist (and got the terminal's
