@@ -352,6 +352,9 @@ def _describe(spec: RunSpec, data) -> None:
         f"step: {list(layout.microbatches)}",
         flush=True,
     )
+    if spec.trainer.compile:
+        say("trainer.compile=true: the first step compiles each transformer block (torch.compile) and takes "
+            "much longer than the others (minutes on a CPU; fault.startup_timeout_s bounds it)", flush=True)
 
 
 def _report(spec: RunSpec, run_dir: Path, t0: float, result, start_t: float) -> tuple[dict, int, str | None]:

@@ -156,3 +156,18 @@ def test_the_config_key_reaches_the_blocks_through_the_lightning_module(tmp_path
 
 def test_a_slice_without_blocks_compiles_nothing():
     assert compile_blocks(torch.nn.Linear(2, 2)) == 0
+
+
+def test_the_opening_lines_say_the_first_step_compiles(capsys):
+    from types import SimpleNamespace
+
+    from ntp_nemo.config.resolve import resolve
+    from ntp_nemo.train import _describe
+    from tests.conftest import SINGLE, TINY, compose
+
+    data = SimpleNamespace(tokenizer_name="byte", vocab_size=257, num_tokens=1000, train=range(30),
+                           val=range(2))
+    for flag in ("true", "false"):
+        _describe(resolve(compose([*TINY, *SINGLE, f"trainer.compile={flag}"])), data)
+        said = "the first step compiles each transformer block" in capsys.readouterr().out
+        assert said == (flag == "true")
