@@ -17,7 +17,9 @@ answer for fault.collective_timeout_s: resubmit with resume=auto), 78 when the t
 or time-limit signal (SIGTERM, SIGUSR1) before trainer.max_steps after saving a checkpoint (resubmit with
 resume=auto; 1, saying so, when that stop saved none), 2 on bad input.  It reads how the tasks stopped
 from the run directory the overrides name (`hydra.run.dir=`, on storage every node sees: the run's
-summary.json and checkpoints); without one it exits 0 when the tasks finished.  See the README's
+summary.json and checkpoints); without one it exits 0 when the tasks finished.  There it also writes what it
+knows of the places, at most once a second (failover/coordinator.json: `ntp-dashboard RUN_DIR` shows
+them).  See the README's
 "Live failover on a cluster" and docs/failover.md.
 """
 
@@ -120,7 +122,7 @@ def run(argv: list[str]) -> int:
     world, timeouts, end_step, checkpoint_dir = _settings(argv)
     heartbeat_s = timeouts.heartbeat_s
     _raise_open_files()
-    from ntp_nemo.resilience.coordinator import Coordinator
+    from ntp_nemo.resilience.coordinator import STATE_FILE, Coordinator
     from ntp_nemo.resilience.store_auth import host_cluster_store, job_secret
 
     port = int(port_text)
@@ -130,16 +132,18 @@ def run(argv: list[str]) -> int:
         raise ConfigError("MASTER_PORT", f"cannot listen on port {port} ({err}); pick a free port.") from None
     # Its own store may stay silent as long as a collective may wait; then the job stops (exit 75).  A
     # rejoin may form as long as a repaired task waits for the survivors.
+    run_dir = _run_dir(argv)
     coordinator = Coordinator(job, job_secret(), world, heartbeat_s, end_step=end_step,
                               store_timeout_s=timeouts.collective_s, rejoin_s=timeouts.rejoin_s,
-                              say=lambda s: print(s, flush=True))
+                              say=lambda s: print(s, flush=True),
+                              state_path=run_dir / STATE_FILE if run_dir is not None else None)
     host = os.environ.get("MASTER_ADDR") or socket.gethostname()
     print(f"coordinator ready on {host}:{port} ({world} places; heartbeat timeout {heartbeat_s:g} s)",
           flush=True)
     code = coordinator.serve()
     if code != EXIT_OK:
         return code
-    code, note = tasks_stop_code(_run_dir(argv), checkpoint_dir, started)
+    code, note = tasks_stop_code(run_dir, checkpoint_dir, started)
     if note is not None:
         print(f"coordinator: the tasks {note.removeprefix('error: ')}", flush=True)
     if code == EXIT_STOPPED:

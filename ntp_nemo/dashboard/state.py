@@ -13,6 +13,8 @@ Sources, all inside the run directory:
   `straggler_recovered` or the next re-layout);
 - `.hydra/run_spec.json`: the nominal layout (replicas, nominal TP, per-layer degrees, stages);
 - `failover/heartbeats/rank_NNNNN.json`: each worker process's latest beat (step, phase, time);
+- `failover/coordinator.json`: on a cluster job, what `ntp-coordinator` knows (each place's state, host,
+  last beat and heartbeat age; the generation; waiting spares), rewritten by it at most once a second;
 - `failover/faults/fired_*.json`: injected faults; `integrity/incidents.jsonl`: integrity findings;
   `checkpoints/step_NNNNNN/`: saved checkpoints;
 - `summary.json`: the run has ended.
@@ -35,6 +37,7 @@ from ntp_nemo.data.bounded_json import JSONInputError, read_json
 from ntp_nemo.errors import ConfigError
 from ntp_nemo.goodput.calculator import GoodputCalculator, load_events
 from ntp_nemo.goodput.incidents import load_incidents
+from ntp_nemo.resilience.coordinator import STATE_FILE as COORDINATOR_STATE
 from ntp_nemo.topology.topology import effective_degree
 
 RUN_FILES = ("metrics.jsonl", ev.GOODPUT_FILENAME, "summary.json", "train.log")
@@ -58,7 +61,8 @@ def classify(path: Path) -> str:
         raise ConfigError("run_dir", f"{path} does not exist; {fix}.")
     if not path.is_dir():
         raise ConfigError("run_dir", f"{path} is not a directory; {fix}.")
-    if (path / ".hydra").is_dir() or any((path / name).is_file() for name in RUN_FILES):
+    if ((path / ".hydra").is_dir() or any((path / name).is_file() for name in RUN_FILES)
+            or (path / COORDINATOR_STATE).is_file()):
         return "run"
     if (path / "multirun.yaml").is_file() or any(p.is_dir() for p in path.glob("*/.hydra")):
         return "sweep"
@@ -328,12 +332,42 @@ def _heartbeats(directory: Path, now: float) -> list[dict[str, Any]]:
     return out
 
 
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def cluster_view(path: Path, now: float) -> dict[str, Any] | None:
+    """What `ntp-coordinator` knows of a cluster job (its state file), or None without one: each place's
+    state, host, last (step, phase) and heartbeat age now (its age when written plus the file's age)."""
+    doc = _read_json_file(path)
+    if not isinstance(doc, dict) or _number(doc.get("t")) is None or not isinstance(doc.get("places"), list):
+        return None
+    late = max(0.0, now - doc["t"])
+    places = []
+    for p in doc["places"][:100_000]:
+        if not isinstance(p, dict):
+            continue
+        age = _number(p.get("beat_age_s"))
+        places.append({"place": p.get("place"), "state": str(p.get("state", "?"))[:40],
+                       "host": str(p["host"])[:200] if p.get("host") is not None else None,
+                       "step": p.get("step") if isinstance(p.get("step"), int) else None,
+                       "phase": str(p["phase"])[:40] if p.get("phase") is not None else None,
+                       "age_s": age + late if age is not None else None})
+    spares = doc.get("spares")
+    return {"places": places, "generation": doc.get("generation"), "formed": bool(doc.get("formed")),
+            "started": bool(doc.get("started")), "ended": bool(doc.get("ended")),
+            "stop": str(doc["stop"])[:500] if doc.get("stop") else None,
+            "spares": [str(h)[:200] for h in spares[:1000]] if isinstance(spares, list) else [],
+            "started_t": _number(doc.get("started_t")), "written_age_s": late}
+
+
 def layout_view(nominal: Mapping[str, Any] | None, rows: list[dict[str, Any]], events: list[dict[str, Any]],
-                beats: list[dict[str, Any]], finished: bool) -> dict[str, Any]:
+                beats: list[dict[str, Any]], finished: bool, cluster: dict[str, Any] | None = None,
+                ) -> dict[str, Any]:
     """Every nominal replica, its TP slots (ranks) per pipeline stage and their state, the TP degree of
     each layer slot (embedding, layers, head) and the batch share, for the layout of the latest step.
     `state`: 'starting' (no step yet), 'full', 'degraded' (fewer active ranks than nominal) or 'repaired'
-    (full again after a failure)."""
+    (full again after a failure).  `cluster`: the coordinator's places (`cluster_view`), passed through."""
     failures = [e for e in events if e["event"] == ev.FAILURE_DETECTED]
     current = rows[-1].get("layout") if rows else None
     for e in events:  # a recovery after the latest step: its layout is the one running now
@@ -398,7 +432,7 @@ def layout_view(nominal: Mapping[str, Any] | None, rows: list[dict[str, Any]], e
         })
         rank += active * pp
     return {"state": state, "current": current, "nominal_tp": tp, "pp": pp, "replicas": replicas,
-            "heartbeats": beats, "failures": len(failures)}
+            "heartbeats": beats, "failures": len(failures), "cluster": cluster}
 
 
 @dataclass
@@ -464,7 +498,8 @@ class RunReader:
                      "step_time_s": [r.get("step_time_s") for r in shown],
                      "layout": [r.get("layout") for r in shown], "every": stride},
             "markers": {"failures": failure_steps, "relayouts": relayouts},
-            "layout": layout_view(nominal, rows, events, beats, status != "running"),
+            "layout": layout_view(nominal, rows, events, beats, status != "running",
+                                  cluster_view(d / COORDINATOR_STATE, now)),
             "goodput": gp,
             "timeline": incidents(events, faults, t0, load_incidents(d), {
                 r["step"]: r["time"] for r in rows if isinstance(r.get("time"), (int, float))}),

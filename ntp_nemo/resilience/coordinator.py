@@ -31,11 +31,17 @@ proved the job's secret (the oldest goes first), each for `hello_timeout_s`, a p
 `accept` runs out of descriptors, and every error of one connection confined to that connection.
 
 Its own death is seen by every task (their links close): they stop (`COORDINATOR_LOST_EXIT`).
+
+What it knows (each place's state, host, last beat and heartbeat age, the generation, waiting spares) it
+writes, given a `state_path` (`ntp-coordinator`: `STATE_FILE` in the run directory), at most once a second
+from a thread of its own, atomically (`_StateWriter`): `ntp-dashboard` shows a cluster job's places from it.
 """
 
 from __future__ import annotations
 
 import errno
+import json
+import os
 import secrets
 import selectors
 import socket
@@ -43,6 +49,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ntp_nemo.resilience.beats import PHASES, Beat, suspects
 from ntp_nemo.resilience.cluster_protocol import LINK_KEY, MAX_LINE, Line, auth_ok, claim_ok, session_key
@@ -61,6 +68,8 @@ REJOIN_AHEAD = 4  # steps between the announcement of a rejoin and the step it h
 PROBE_KEY = "coordinator/probe"  # the coordinator's own round trips to its store
 HELLO_LIMIT = 2048  # bytes an unauthenticated connection may send
 STORE_GROWTH_MB = 512.0  # growth of the coordinator (which hosts the store) that counts as a flood of it
+STATE_FILE = Path("failover") / "coordinator.json"  # what it knows, relative to the run directory
+STATE_EVERY_S = 1.0  # the state file is written at most this often
 
 
 @dataclass
@@ -76,6 +85,7 @@ class Place:
     declared: bool = False  # declared lost while its link stayed open (a hang)
     started: bool = False  # reported a phase past set-up (it left the first rendezvous)
     stale: int = 0  # beats whose tick did not move forward (ignored)
+    host: str = ""  # the host its task said it runs on
 
 
 @dataclass
@@ -150,6 +160,56 @@ class _StoreProbe:
         self._thread.join(timeout=5.0)
 
 
+class _StateWriter:
+    """Writes the coordinator's state file in a thread (a slow shared filesystem never holds the loop up):
+    the newest document handed over, to a temporary file then `os.replace`d.  A failure to write is said
+    once and never stops the coordinator."""
+
+    def __init__(self, path: Path, say: Callable[[str], None]) -> None:
+        self.path, self.say = Path(path), say
+        self._doc: dict | None = None
+        self._lock = threading.Lock()
+        self._wake, self._halt = threading.Event(), threading.Event()
+        self._failed = False
+        self._thread = threading.Thread(target=self._run, name="ntp-coordinator-state", daemon=True)
+        self._thread.start()
+
+    def put(self, doc: dict) -> None:
+        with self._lock:
+            self._doc = doc
+        self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(1.0)
+            self._wake.clear()
+            with self._lock:
+                doc, self._doc = self._doc, None
+            if doc is not None:
+                self._write(doc)
+            if self._halt.is_set() and self._doc is None:
+                return
+
+    def _write(self, doc: dict) -> None:
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)  # as the run's failover/
+            tmp.write_text(json.dumps(doc))
+            os.replace(tmp, self.path)
+        except Exception as err:  # noqa: BLE001 - the page's file must never stop the job
+            if not self._failed:
+                self._failed = True
+                self.say(f"coordinator: cannot write its state file {self.path} ({type(err).__name__}: "
+                         f"{err}); it goes on without (ntp-dashboard does not show the cluster's places)")
+
+    def close(self, doc: dict) -> None:
+        """Write `doc` last and stop (bounded: a write stuck on the filesystem is left behind)."""
+        self.put(doc)
+        self._halt.set()
+        self._wake.set()
+        self._thread.join(timeout=5.0)
+
+
 class Coordinator:
     """Serve one job until every task is gone; `serve()` returns the exit code."""
 
@@ -158,8 +218,9 @@ class Coordinator:
                  end_step: int | None = None, say: Callable[[str], None] = print,
                  store_timeout_s: float = 600.0, max_pending: int = 64, hello_timeout_s: float = 10.0,
                  store_silent_s: float | None = None, rejoin_s: float | None = None,
-                 max_pending_per_source: int | None = None) -> None:
+                 max_pending_per_source: int | None = None, state_path: Path | None = None) -> None:
         self.instance = secrets.token_hex(16)  # this job's: the notices it signs carry it
+        self.started_t = time.time()
         self._secret = secret
         self.world = int(world_size)
         self.heartbeat_s, self.poll_s, self.grace_s = float(heartbeat_s), poll_s, grace_s
@@ -205,6 +266,8 @@ class Coordinator:
         self._sel.register(self.listener, selectors.EVENT_READ, None)
         self._listening = True
         self.probe = _StoreProbe(self.job, every_s=0.25)
+        self._state = _StateWriter(Path(state_path), say) if state_path is not None else None
+        self._state_t = float("-inf")
 
     # ---- the loop ---------------------------------------------------------------------------------
     def serve(self) -> int:
@@ -229,6 +292,7 @@ class Coordinator:
                     return self._stop_code()
                 self._place_spares()
                 self._maybe_rejoin()
+                self._publish_state(now)
                 if self._finished():
                     for line, _ in self._spares:
                         line.send({"end": "the job ended before a place came free"})
@@ -237,6 +301,36 @@ class Coordinator:
             return 1
         finally:
             self.probe.stop()
+            if self._state is not None:
+                try:
+                    self._state.close(self.state_doc(time.monotonic(), ended=True))
+                except Exception:  # noqa: BLE001 - the page's file must never change how the job ends
+                    pass
+
+    # ---- what it knows, for the dashboard -----------------------------------------------------------
+    def state_doc(self, now: float, ended: bool = False) -> dict:
+        """Each place's state, host, last (step, phase) and heartbeat age (seconds since its last fresh
+        beat, at `t`), the generation, the waiting spares, and how far the job got."""
+        places = [{"place": p.pid, "state": p.state, "host": p.host or None,
+                   "step": p.beat[0] if p.beat else None, "phase": p.beat[1] if p.beat else None,
+                   "beat_age_s": round(max(0.0, now - p.alive_t), 3) if p.tick >= 0 else None,
+                   "progress_age_s": round(max(0.0, now - p.moved_t), 3) if p.beat else None,
+                   "connected": p.line is not None, "declared": p.declared, "ready": p.ready}
+                  for p in self.places]
+        return {"version": 1, "t": time.time(), "started_t": self.started_t, "world": self.world,
+                "generation": self.generation, "formed": self.formed, "started": self.started,
+                "fallback": self.fallback, "stop": self.stop_why, "ended": ended,
+                "heartbeat_timeout_s": self.heartbeat_s, "store_silent_s": round(self.probe.silent_s(now), 3),
+                "spares": [host for _, host in self._spares], "places": places}
+
+    def _publish_state(self, now: float) -> None:
+        if self._state is None or now - self._state_t < STATE_EVERY_S:
+            return
+        self._state_t = now
+        try:
+            self._state.put(self.state_doc(now))
+        except Exception as err:  # noqa: BLE001 - the page's file must never stop the job
+            self._say_once("state", f"coordinator: cannot describe its state ({type(err).__name__}: {err})")
 
     def _finished(self) -> bool:
         if not self.formed and not self.fallback:
@@ -492,6 +586,7 @@ class Coordinator:
             else:
                 place = self.places[want]
                 place.state, place.line, place.moved_t = "active", line, time.monotonic()
+                place.host = host
                 line.owner = place
                 self.formed = all(p.state != "free" for p in self.places)
                 if self.formed:
@@ -529,6 +624,7 @@ class Coordinator:
             if place.line is not None:  # a declared-lost (hung) process still connected: replaced now
                 self._drop(place.line)
             place.state, place.line, place.ready, place.declared = "replacing", line, False, False
+            place.host = host
             line.owner = place
             place.beat, place.tick = None, -1
             line.send({"place": place.pid, "mode": "rejoin", "world": self.world,

@@ -69,6 +69,25 @@
     ctx.restore();
   }
 
+  // A cluster job's places as ntp-coordinator knows them (its failover/coordinator.json).
+  const PLACE_CLASS = { active: "healthy", done: "healthy", lost: "lost", replacing: "rejoining" };
+  function renderCluster(c) {
+    $("cluster").hidden = !c;
+    if (!c) return;
+    const phase = c.ended ? "ended" : c.started ? "training" : c.formed ? "formed" : "forming";
+    $("cluster-note").textContent = "(ntp-coordinator: " + phase + ", generation " + c.generation +
+      (c.spares.length ? ", " + c.spares.length + " spare(s) waiting" : "") + (c.stop ? "; " + c.stop : "") + ")";
+    $("cluster-places").replaceChildren(...c.places.map((p) => el("span", p.place, {
+      class: "slot " + (PLACE_CLASS[p.state] || "excluded"), "data-state": p.state,
+      title: p.state + (p.host ? " on " + p.host : "") + ", heartbeat " + fmt(p.age_s, 1) + " s ago" })));
+    fill($("places").tBodies[0], c.places.map((p) => {
+      const tr = row([p.place, p.host || "-", p.state, p.step === null ? "-" : p.step, p.phase || "-",
+                      p.age_s === null ? "-" : fmt(p.age_s, 1) + " s"]);
+      tr.setAttribute("data-state", p.state);
+      return tr;
+    }));
+  }
+
   function renderLayout(lay) {
     const box = $("layout");
     box.setAttribute("data-state", lay.state);
@@ -93,6 +112,7 @@
       nodes.push(d);
     }
     box.replaceChildren(...nodes);
+    renderCluster(lay.cluster);
     fill($("beats").tBodies[0], lay.heartbeats.map((b) => {
       const tr = row([b.file, b.pid, b.step, b.phase, fmt(b.age_s, 1) + " s"]);
       if (b.age_s > 30 && b.phase !== "end") tr.classList.add("stale");
