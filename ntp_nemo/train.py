@@ -418,8 +418,45 @@ def resolve_resume(cfg: DictConfig, run_dir: Path) -> Path | None:
             found = latest_valid_checkpoint(run_dir / cfg.checkpoint.dir)
         for w in caught:
             print(f"warning: {w.message}", file=sys.stderr, flush=True)
+        gone = vanished_checkpoint(run_dir, run_dir / cfg.checkpoint.dir, found)
+        if gone is not None:
+            print(f"warning: {gone}", file=sys.stderr, flush=True)
         return found
     return require_valid_checkpoint(Path(mode).expanduser(), key="resume")
+
+
+def vanished_checkpoint(run_dir: Path, checkpoint_dir: Path, found: Path | None) -> str | None:
+    """A line when the newest checkpoint this run committed (its goodput.jsonl says so) is no longer on
+    disk and resume=auto takes an older one (or none): steps are trained again, say which."""
+    from ntp_nemo.checkpoint.manifest import checkpoint_name
+    from ntp_nemo.goodput import GOODPUT_FILENAME
+
+    saved, commits = set(), {}
+    try:
+        with open(run_dir / GOODPUT_FILENAME, encoding="utf-8") as fh:
+            for line in fh:
+                if '"ckpt_' not in line:
+                    continue
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue
+                if event.get("event") == "ckpt_save_end" and isinstance(event.get("step"), int):
+                    saved.add(event["step"])
+                elif event.get("event") == "ckpt_commit" and isinstance(event.get("step"), int):
+                    commits[event["step"]] = bool(event.get("ok"))
+    except OSError:
+        return None
+    # Asynchronous saves commit in the background (`ckpt_commit`); synchronous ones are done at save_end.
+    committed = {s for s, ok in commits.items() if ok} if commits else saved
+    newest = max(committed, default=None)
+    name = found.name if found is not None else ""
+    have = int(name.removeprefix("step_")) if name.startswith("step_") else 0
+    if newest is None or newest <= have or (checkpoint_dir / checkpoint_name(newest)).exists():
+        return None
+    instead = f"resuming from {found.name}" if found is not None else "no checkpoint is left: starting over"
+    return (f"checkpoint {checkpoint_name(newest)}, which this run saved ({GOODPUT_FILENAME}), is no longer "
+            f"in {checkpoint_dir}; {instead}, so steps {have + 1} to {newest} are trained again")
 
 
 def _raise_if_found_corrupt(ckpt_path: Path | None, auto_dir: Path | None = None) -> None:
