@@ -1,6 +1,8 @@
 """A cluster job on the page: a real `Coordinator` serving in a thread, two tasks speaking the link
 protocol, its state file (`failover/coordinator.json` in the run directory) and the dashboard's state of
-that directory (what the server sends the page), then one task's link closes and the page shows it lost."""
+that directory (what the server sends the page), then one task's link closes and the page shows it lost;
+and the same with `ntp-coordinator` itself started as a cluster rehearsal starts it (its own process,
+`hydra.run.dir=` naming the run directory: the file lands where the page looks)."""
 
 from __future__ import annotations
 
@@ -10,14 +12,16 @@ import threading
 import time
 from datetime import timedelta
 
+import pytest
 import torch.distributed as dist
 
 from ntp_nemo.dashboard.server import Dashboard
 from ntp_nemo.dashboard.state import classify
 from ntp_nemo.resilience.cluster_protocol import LINK_KEY, Line, task_hello
 from ntp_nemo.resilience.coordinator import STATE_FILE, Coordinator
-from ntp_nemo.resilience.rehearsal import free_port
+from ntp_nemo.resilience.rehearsal import free_port, start_coordinator
 from ntp_nemo.resilience.store_auth import JobStore
+from tests.conftest import TINY
 
 SECRET = b"unit-test-secret-0123456789"
 
@@ -25,11 +29,11 @@ SECRET = b"unit-test-secret-0123456789"
 class Task:
     """One task's link by hand: the hello for place `want` from `host`, then beats as its sender does."""
 
-    def __init__(self, job: JobStore, want: int, host: str) -> None:
+    def __init__(self, job: JobStore, want: int, host: str, secret: bytes = SECRET) -> None:
         port = int(job.read(LINK_KEY))
         self.line = Line(socket.create_connection(("127.0.0.1", port), timeout=10))
         nonce = self.next()["nonce"]
-        task_hello(self.line, SECRET, nonce, want=want, ntasks=2, host=host, pid=want)
+        task_hello(self.line, secret, nonce, want=want, ntasks=2, host=host, pid=want)
         self.reply = self.next()
         self.tick = 0
 
@@ -135,3 +139,35 @@ def test_a_state_file_that_cannot_be_written_never_stops_the_coordinator(tmp_pat
         coordinator.stopping = True
         thread.join(timeout=5)
     assert not thread.is_alive()
+
+
+@pytest.mark.slow
+def test_the_page_on_a_cluster_rehearsal_of_ntp_coordinator(tmp_path):
+    run = tmp_path / "run"
+    over = [*TINY, "mesh.dp=1", "mesh.tp=2", "ntp.replica_tp=null", "trainer.max_steps=50",
+            "fault.heartbeat_timeout_s=30", f"hydra.run.dir={run}"]
+    port, secret = free_port(), "rehearsal-secret-0123456789"
+    coordinator = start_coordinator(over, port, secret, tmp_path)
+    dash = Dashboard(run, "token")
+    try:
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+        job = JobStore(client, secret.encode())
+        a, b = (Task(job, i, f"node-{i}", secret.encode()) for i in range(2))
+        a.beat(1), b.beat(1)
+
+        def states():
+            c = (run / STATE_FILE).is_file() and _page(dash, run)["layout"]["cluster"]
+            return c and [(p["state"], p["host"], p["step"]) for p in c["places"]]
+
+        _until(lambda: states() == [("active", "node-0", 1), ("active", "node-1", 1)],
+               "the page shows the coordinator's two places", timeout_s=30)
+        b.line.close()
+        coordinator.wait_for("process 1 lost", 30)
+        _until(lambda: states() == [("active", "node-0", 1), ("lost", "node-1", 1)], "place 1 shown lost",
+               timeout_s=30)
+        a.line.close()
+        assert coordinator.wait(30) == 1  # every task gone, none finished training
+    finally:
+        coordinator.kill()
+    cluster = _page(dash, run)["layout"]["cluster"]
+    assert cluster["ended"] and [p["state"] for p in cluster["places"]] == ["lost", "lost"]
