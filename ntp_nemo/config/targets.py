@@ -20,7 +20,7 @@ from ntp_nemo.errors import ConfigError
 GROUPS = ("callbacks", "logger")  # config groups whose entries are instantiated from `_target_`
 # What the LightningModule logs with `self.log` (`lightning/module.py`): the only names a callback's
 # `monitor` (EarlyStopping, ModelCheckpoint, ...) can find in `trainer.callback_metrics`.
-MONITORABLE = ("train/loss", "train/grad_norm", "val/loss")
+MONITORABLE = ("train/loss", "train/grad_norm", "val/loss", "step")
 
 
 def _names_in(module: ModuleType) -> list[str]:
