@@ -444,7 +444,8 @@ class Soak:
         bad = [(c.name, why) for c in ckpts if c.name != self.damaged and (why := verify(c))]
         if bad:
             raise Broken("checkpoints", f"committed checkpoints that do not verify: {bad}")
-        expect = [f"step_{s:06d}" for s in range(self.plan.steps // CKPT_EVERY * CKPT_EVERY, 0, -CKPT_EVERY)]
+        saves = sorted({*range(CKPT_EVERY, self.plan.steps + 1, CKPT_EVERY), self.plan.steps}, reverse=True)
+        expect = [f"step_{s:06d}" for s in saves]  # every N steps and the end of training's
         names = {c.name for c in ckpts}
         lost = [n for n in expect[:KEEP_LAST] if n not in names]
         if lost:
