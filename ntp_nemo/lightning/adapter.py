@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -35,7 +36,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 
 from ntp_nemo.launch.loopback import loopback_children_env
-from ntp_nemo.lightning.signals import hold_stop_signals
+from ntp_nemo.lightning.signals import FORWARDED_INTERRUPT, hold_stop_signals
 
 # Lightning releases (major.minor) whose private names below were checked: the launcher's
 # `_wrapping_function(process_idx, trainer, function, args, kwargs, return_queue)`,
@@ -297,18 +298,22 @@ class ForkLauncher(_MultiProcessingLauncher):
                 return
             interrupts.append(signum)
             if len(interrupts) == 1:
-                # A terminal's Ctrl-C reaches the workers that exist too: they get SIGTERM, the same stop
-                # (a second SIGINT would stop them at once). While they are still being forked the rest
-                # never saw it: they get SIGINT as they start, so the run says Ctrl-C, not preemption.
-                forward(signal.SIGTERM if self.procs else signal.SIGINT, frame)
+                # Every worker gets it as FORWARDED_INTERRUPT: a Ctrl-C to them too, never a second one
+                # for those that got the terminal's SIGINT themselves, and the only one for those that
+                # did not (`kill -INT` of this process; workers still being forked).
+                forward(getattr(signal, FORWARDED_INTERRUPT), frame)
                 return
             for proc in self.procs or []:
                 if proc.is_alive():
                     os.kill(proc.pid, signal.SIGKILL)
+            print("second Ctrl-C: the workers were stopped at once, without a checkpoint of this step; the "
+                  "same command continues from the latest checkpoint (resume=auto)", file=sys.stderr,
+                  flush=True)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGINT)
 
-        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+        forwarded = (signal.SIGTERM, signal.SIGUSR1, getattr(signal, FORWARDED_INTERRUPT))
+        previous = {sig: signal.signal(sig, forward) for sig in forwarded}
         previous[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)
         try:
             yield

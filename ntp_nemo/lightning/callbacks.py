@@ -12,7 +12,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 
-from ntp_nemo.lightning.signals import STOP_SIGNALS
+from ntp_nemo.lightning.signals import FORWARDED_INTERRUPT, STOP_SIGNALS
 
 
 class MetricsJSONL(Callback):
@@ -306,6 +306,7 @@ class PreemptionCheckpoint(Callback):
     def __init__(self) -> None:
         self.requested = False
         self.signal_name: str | None = None
+        self.sigint_seen = False  # a SIGINT reached this process itself (a second one stops it at once)
         self.stopped = False  # this run stopped on a signal (received here or by another rank)
         self.launcher_pid = os.getpid()  # built in the process that forks the workers (when one does)
         self.store_gone: str | None = None  # what hosted the job's store, when it died (a coordinator)
@@ -341,14 +342,17 @@ class PreemptionCheckpoint(Callback):
             self.requested = True
             self.signal_name = self.signal_name if self.store_gone is not None else "launcher lost"
             return
-        if signum == signal.SIGINT and self.signal_name == "SIGINT":
+        if signum == signal.SIGINT and self.sigint_seen:
             # The second Ctrl-C: die of SIGINT now, as an uncaught Ctrl-C would (no checkpoint).
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGINT)
             return
+        self.sigint_seen = self.sigint_seen or signum == signal.SIGINT
+        # The launcher's Ctrl-C, passed on (`kill -INT` of ntp-train, or the terminal's, seen here too).
+        name = "SIGINT" if signal.Signals(signum).name == FORWARDED_INTERRUPT else signal.Signals(signum).name
         self.requested = True
-        if self.signal_name is None or signum == signal.SIGINT:
-            self.signal_name = signal.Signals(signum).name
+        if self.signal_name is None or name == "SIGINT":
+            self.signal_name = name
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int

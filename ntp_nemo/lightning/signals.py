@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
+# SIGUSR2 is a Ctrl-C passed on by the launcher (`ForkLauncher.forwarding_signals`): a worker answers it as
+# SIGINT, and it never counts as a second Ctrl-C for a worker that got the terminal's SIGINT itself.
+FORWARDED_INTERRUPT = "SIGUSR2"
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT", FORWARDED_INTERRUPT)
 
 
 def hold_stop_signals() -> None:

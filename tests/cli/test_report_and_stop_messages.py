@@ -94,18 +94,20 @@ def test_a_recovery_of_unknown_mode_reads_recovered_in(tmp_path, capsys):
 
 
 def test_ctrl_c_while_the_workers_fork_reaches_them_as_ctrl_c():
-    """A Ctrl-C that reaches the launcher before its workers exist is passed on to them as SIGINT (they
-    report an interrupt), not as the SIGTERM of a preemption; once they exist (and got the terminal's
-    SIGINT themselves) it is passed on as SIGTERM, so one Ctrl-C never counts twice."""
+    """A Ctrl-C that reaches the launcher is passed on to its workers as SIGUSR2, the forwarded interrupt,
+    whether they exist yet or not (pending until they do): they report an interrupt (exit 0), not the
+    SIGTERM of a preemption (exit 78), also for `kill -INT` of the launcher alone; a worker that got the
+    terminal's SIGINT itself does not count the forwarded one as a second Ctrl-C."""
     import os
     import signal
 
     from ntp_nemo.lightning.adapter import ForkLauncher
+    from ntp_nemo.lightning.callbacks import PreemptionCheckpoint
 
     launcher = ForkLauncher.__new__(ForkLauncher)  # only its signal forwarding is exercised
     with launcher.forwarding_signals():
         os.kill(os.getpid(), signal.SIGINT)  # no worker forked yet
-    assert launcher._pending_signal == signal.SIGINT and launcher.stop_requested is not None
+    assert launcher._pending_signal == signal.SIGUSR2 and launcher.stop_requested is not None
 
     class Worker:
         pid = os.getpid()
@@ -117,11 +119,20 @@ def test_ctrl_c_while_the_workers_fork_reaches_them_as_ctrl_c():
     got = []
     launcher = ForkLauncher.__new__(ForkLauncher)
     launcher._procs = [Worker()]
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    previous = signal.signal(signal.SIGUSR2, lambda signum, frame: got.append(signum))
     try:
         with launcher.forwarding_signals():
-            signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))  # the "worker"
+            signal.signal(signal.SIGUSR2, lambda signum, frame: got.append(signum))  # the "worker"
             os.kill(os.getpid(), signal.SIGINT)
     finally:
-        signal.signal(signal.SIGTERM, previous)
-    assert got == [signal.SIGTERM] and launcher._pending_signal is None
+        signal.signal(signal.SIGUSR2, previous)
+    assert got == [signal.SIGUSR2] and launcher._pending_signal is None
+
+    for order in ([signal.SIGINT, signal.SIGUSR2], [signal.SIGUSR2, signal.SIGINT], [signal.SIGUSR2]):
+        worker = PreemptionCheckpoint()  # its handler, called as the signals arrive (none kills it)
+        for signum in order:
+            worker._request(signum, None)
+        assert worker.requested and worker.signal_name == "SIGINT", order
+    worker = PreemptionCheckpoint()
+    worker._request(signal.SIGTERM, None)
+    assert worker.signal_name == "SIGTERM"  # a preemption stays one

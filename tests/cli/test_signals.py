@@ -169,6 +169,19 @@ def test_ctrl_c_at_every_moment(tmp_path):
 
 
 @pytest.mark.slow
+def test_kill_int_of_the_launcher_alone_is_a_ctrl_c(tmp_path):
+    """`kill -INT` of ntp-train alone (its workers do not get the SIGINT): they stop as on a Ctrl-C, with
+    a checkpoint and exit 0, not as on the SIGTERM of a preemption (exit 78)."""
+    run = tmp_path / "run"
+    rc, out, took = _interrupt([*TINY, *TWO, "trainer.max_steps=40", f"hydra.run.dir={run}"], tmp_path,
+                               f"start:{run}", group=False)
+    assert rc == 0 and took < BOUND_S, out[-3000:]
+    assert "interrupted (Ctrl-C): checkpointing at step" in out and "SIGTERM" not in out, out[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["stopped_early"] == "SIGINT" and summary["steps"] < 40
+
+
+@pytest.mark.slow
 def test_kill_9_of_the_launcher(tmp_path):
     """kill -9 of the launcher alone: torch sends the workers SIGINT; they stop and say that no
     checkpoint is written (none could be: the launcher hosted their store); the rerun says why it
