@@ -309,6 +309,7 @@ class Soak:
         self.reference: dict[int, float] = {}
         self.damaged: str | None = None
         self.worst = 0.0  # the largest relative difference from the failure-free loss so far
+        self.committed: set[str] = set()  # checkpoint directories seen with their manifest
         self._dir_at = 0  # run-directory bytes at the start of the window
 
     # one command of the job; returns its exit status
@@ -367,6 +368,8 @@ class Soak:
 
     def sample(self, launcher: int, keys: bool) -> None:
         import psutil
+
+        self.committed.update(c.name for c in checkpoint_dirs(self.run_dir) if (c / "manifest.json").exists())
 
         try:
             kids = [c.pid for c in psutil.Process(launcher).children()]
@@ -444,8 +447,9 @@ class Soak:
         bad = [(c.name, why) for c in ckpts if c.name != self.damaged and (why := verify(c))]
         if bad:
             raise Broken("checkpoints", f"committed checkpoints that do not verify: {bad}")
-        saves = sorted({*range(CKPT_EVERY, self.plan.steps + 1, CKPT_EVERY), self.plan.steps}, reverse=True)
-        expect = [f"step_{s:06d}" for s in saves]  # every N steps and the end of training's
+        # The newest checkpoints seen committed (a manifest written) while the job ran: a save a kill
+        # interrupted never commits, and the damaged one does not count
+        expect = sorted(self.committed - {self.damaged}, reverse=True)
         names = {c.name for c in ckpts}
         lost = [n for n in expect[:KEEP_LAST] if n not in names]
         if lost:
