@@ -7,7 +7,6 @@ and the same with `ntp-coordinator` itself started as a cluster rehearsal starts
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from datetime import timedelta
@@ -17,36 +16,16 @@ import torch.distributed as dist
 
 from ntp_nemo.dashboard.server import Dashboard
 from ntp_nemo.dashboard.state import classify
-from ntp_nemo.resilience.cluster_protocol import LINK_KEY, Line, task_hello
 from ntp_nemo.resilience.coordinator import STATE_FILE, Coordinator
 from ntp_nemo.resilience.rehearsal import free_port, start_coordinator
 from ntp_nemo.resilience.store_auth import JobStore
 from tests.conftest import TINY
+from tests.resilience.test_coordinator import SECRET, Raw
 
-SECRET = b"unit-test-secret-0123456789"
 
-
-class Task:
-    """One task's link by hand: the hello for place `want` from `host`, then beats as its sender does."""
-
-    def __init__(self, job: JobStore, want: int, host: str, secret: bytes = SECRET) -> None:
-        port = int(job.read(LINK_KEY))
-        self.line = Line(socket.create_connection(("127.0.0.1", port), timeout=10))
-        nonce = self.next()["nonce"]
-        task_hello(self.line, secret, nonce, want=want, ntasks=2, host=host, pid=want)
-        self.reply = self.next()
-        self.tick = 0
-
-    def beat(self, step: int, phase: str = "step_start") -> None:
-        self.tick += 1
-        assert self.line.send({"beat": [step, phase], "tick": self.tick})
-
-    def next(self) -> dict:
-        while True:
-            msgs = self.line.receive()
-            assert msgs is not None, "the coordinator closed the link"
-            if msgs:
-                return msgs[0]
+def Task(job: JobStore, want: int, host: str, secret: bytes = SECRET) -> Raw:
+    """One task's link by hand (the hello for place `want` from `host`, then beats as its sender does)."""
+    return Raw(job, want, secret=secret, host=host)
 
 
 def _until(cond, what: str, timeout_s: float = 5.0):

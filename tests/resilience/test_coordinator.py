@@ -45,11 +45,12 @@ class Raw:
     """A task's link done by hand: connect, answer the nonce (with `secret`), ask for `want`; `beat` sends
     a heartbeat as the task's sender thread does."""
 
-    def __init__(self, job: JobStore, want: int, ntasks: int = 2, secret: bytes = SECRET) -> None:
+    def __init__(self, job: JobStore, want: int, ntasks: int = 2, secret: bytes = SECRET,
+                 host: str = "h") -> None:
         port = int(job.read(LINK_KEY))
         self.line = Line(socket.create_connection(("127.0.0.1", port), timeout=10))
         nonce = self.next()["nonce"]
-        task_hello(self.line, secret, nonce, want=want, ntasks=ntasks, host="h", pid=0)
+        task_hello(self.line, secret, nonce, want=want, ntasks=ntasks, host=host, pid=0)
         self.reply = self.next() if secret == SECRET else self.line.receive() or self.line.last_rejected
         self.tick = 0
 

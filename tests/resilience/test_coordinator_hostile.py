@@ -17,6 +17,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
+from bench.hostile import Drip
 from ntp_nemo.resilience.cluster_protocol import LINK_KEY, MAX_DEPTH, Line, parse
 from ntp_nemo.resilience.coordinator import FALLBACK_EXIT, Coordinator
 from ntp_nemo.resilience.rehearsal import free_port
@@ -638,39 +639,6 @@ def test_a_replacement_told_to_stop_before_it_joins_is_not_a_lost_coordinator(se
 
 
 # ---- 4. the job's own tasks first -----------------------------------------------------------------------
-class _Drip:
-    """Strangers on the link port: each sends a byte now and then and connects again when dropped."""
-
-    def __init__(self, port: int, clients: int) -> None:
-        self.port, self.stop, self.connects = port, threading.Event(), 0
-        self.threads = [threading.Thread(target=self._one, daemon=True) for _ in range(clients)]
-        for t in self.threads:
-            t.start()
-
-    def _one(self) -> None:
-        while not self.stop.is_set():
-            try:
-                sock = socket.create_connection(("127.0.0.1", self.port), timeout=0.2)
-            except OSError:
-                continue
-            self.connects += 1
-            with sock:
-                while not self.stop.is_set():
-                    try:
-                        sock.sendall(b"{")
-                        if sock.recv(4096) == b"":
-                            break  # dropped: connect again at once
-                    except TimeoutError:
-                        continue
-                    except OSError:
-                        break
-
-    def close(self) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=5)
-
-
 def _served_on_port(served, **kw) -> tuple[Served, int]:
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
@@ -703,7 +671,7 @@ def test_reconnecting_strangers_never_cut_a_tasks_hello(served, task_env):
     claim their connection as they connect (`task_claim`), so none of their hellos is cut and none has to
     try again: both get their places while the flood goes on."""
     s, port = _served_on_port(served, world=8, max_pending=8, hello_timeout_s=5.0)
-    drip = _Drip(s.link_port, clients=80)
+    drip = Drip(s.link_port, clients=80, every_s=0.2)
     try:
         _until(lambda: s.coordinator.dropped["too many unauthenticated"] >= 200, timeout_s=30)
         said: list[str] = []
