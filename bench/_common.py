@@ -63,7 +63,7 @@ def llama_1b_slice(layers: int, tp: int, rank: int) -> Callable[[], nn.Module]:
     """`make()`: TP rank `rank`'s slice of a Llama of the ~1.2B recipe's widths (hidden 2048, 16 heads /
     8 KV heads, MLP 5632, vocabulary 128256, untied head) with `layers` layers, built without a process
     group (the rank's TP context made by hand): what the start-up benches time."""
-    from ntp_nemo.models.config import ModelConfig
+    from ntp_nemo.models.model_config import ModelConfig
     from ntp_nemo.models.transformer import DecoderLM
     from ntp_nemo.topology.tp_context import TPContext
 
@@ -98,7 +98,7 @@ def model_config(cfg):
 
 
 def build_data_for(cfg):
-    from ntp_nemo.data.module import build_data
+    from ntp_nemo.data.prepare import build_data
 
     d = cfg.data
     return build_data(

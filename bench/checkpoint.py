@@ -54,7 +54,7 @@ from ntp_nemo.checkpoint.dcp_io import load_dcp, save_dcp
 from ntp_nemo.checkpoint.sharded import Staging, WritePlan, take_snapshot
 from ntp_nemo.checkpoint.storage import Chunk
 from ntp_nemo.launch.workers import run_workers
-from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.models.model_config import ModelConfig
 from ntp_nemo.runtime.assemble import assemble
 from ntp_nemo.runtime.runtime import RankPlace
 from ntp_nemo.topology import ResolvedLayout, Topology

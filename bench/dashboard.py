@@ -45,7 +45,7 @@ def start_dashboard(run_dir: Path, log: Path, timeout: float = 60.0) -> tuple[su
     """`ntp-dashboard run_dir` in its own process; returns it with its port and token once it printed them."""
     run_dir.mkdir(parents=True, exist_ok=True)
     out = log.open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "ntp_nemo.dashboard.cli", str(run_dir),  # stops with us
+    proc = subprocess.Popen([sys.executable, "-m", "ntp_nemo.cli.dashboard", str(run_dir),  # stops with us
                              "--parent", str(os.getpid())], stdout=out,
                             stderr=subprocess.STDOUT, start_new_session=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))

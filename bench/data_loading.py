@@ -34,7 +34,7 @@ def main() -> None:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as cache:
         os.environ["NTP_NEMO_CACHE"] = cache
-        from ntp_nemo.data.module import build_data
+        from ntp_nemo.data.prepare import build_data
 
         t0 = time.perf_counter()
         data = build_data(None, args.tokenizer, args.seq_len, args.batch, seed=0)

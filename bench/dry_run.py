@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.models.model_config import ModelConfig
 from ntp_nemo.parallel.grad_sync import build_sync_plan, build_sync_plans, param_descriptors
 from ntp_nemo.runtime.dry_run import StepShape, dry_run, fake_world
 from ntp_nemo.runtime.runtime import RankPlace

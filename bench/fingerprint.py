@@ -26,7 +26,7 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 
 from ntp_nemo.launch.workers import run_workers  # noqa: E402
-from ntp_nemo.models.config import ModelConfig  # noqa: E402
+from ntp_nemo.models.model_config import ModelConfig  # noqa: E402
 from ntp_nemo.parallel.fingerprint import (  # noqa: E402
     compare,
     gather_fingerprints,

@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ntp_nemo.launch.workers import run_workers  # noqa: E402
-from ntp_nemo.models.config import ModelConfig  # noqa: E402
+from ntp_nemo.models.model_config import ModelConfig  # noqa: E402
 from ntp_nemo.runtime.assemble import assemble  # noqa: E402
 from ntp_nemo.runtime.step import train_step  # noqa: E402
 from ntp_nemo.topology import ResolvedLayout, Topology  # noqa: E402

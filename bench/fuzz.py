@@ -113,7 +113,7 @@ def readers(work: Path) -> dict[str, tuple[str, Callable[[str], Any], tuple[type
     from ntp_nemo.data.tokens import open_token_file, sidecar_path, write_token_file
     from ntp_nemo.errors import ConfigError
     from ntp_nemo.hf.config_map import hf_fields, read_hf_config
-    from ntp_nemo.models.config import ModelConfig
+    from ntp_nemo.models.model_config import ModelConfig
     from ntp_nemo.resilience.cluster_protocol import parse
     from ntp_nemo.runtime.runtime import RankPlace
     from ntp_nemo.topology import ResolvedLayout, Topology

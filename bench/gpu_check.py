@@ -352,7 +352,7 @@ def worker_ntp(run_dir: Path, layout: str, precision: str, steps: int, rehearse:
     from ntp_nemo.config.register import register_configs
     from ntp_nemo.config.resolve import resolve
     from ntp_nemo.config.validate import validate
-    from ntp_nemo.data.module import build_data
+    from ntp_nemo.data.prepare import build_data
     from ntp_nemo.lightning.factory import build_trainer
 
     sizes = [int(x) for x in layout.split(",")]

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import ntp_nemo.models.transformer as transformer
-from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.models.model_config import ModelConfig
 from ntp_nemo.models.transformer import DecoderLM
 from ntp_nemo.topology import Topology
 from ntp_nemo.topology.tp_context import TPContext

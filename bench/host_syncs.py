@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ntp_nemo.models.config import ModelConfig  # noqa: E402
+from ntp_nemo.models.model_config import ModelConfig  # noqa: E402
 from tests.shapes import adamw  # noqa: E402
 
 MODEL = ModelConfig(arch="llama", name="host_syncs", vocab_size=96, hidden_size=64, num_layers=4, num_heads=4,
@@ -177,7 +177,7 @@ def run_rank(cfg: Config, rank: int, steps: int) -> dict:
     """Steps of one rank; the reads and uploads of the last one."""
     from lightning.pytorch.core.module import LightningModule
 
-    from ntp_nemo.lightning.module import NTPLanguageModule
+    from ntp_nemo.lightning.lm_module import NTPLanguageModule
     from ntp_nemo.parallel.grad_sync import build_sync_plan
     from ntp_nemo.runtime.assemble import assemble
     from ntp_nemo.runtime.dry_run import fake_world, flash_attention_on_meta

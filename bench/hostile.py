@@ -287,7 +287,7 @@ def stored_input_attacks(work: Path) -> list[tuple[str, object]]:
     from ntp_nemo.data.tokenizer import load_tokenizer_json
     from ntp_nemo.data.tokens import open_token_file, sidecar_path, write_token_file
     from ntp_nemo.errors import ConfigError
-    from ntp_nemo.models.config import ModelConfig
+    from ntp_nemo.models.model_config import ModelConfig
     from ntp_nemo.runtime.runtime import RankPlace
     from ntp_nemo.topology import ResolvedLayout, Topology
 

@@ -36,7 +36,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import TOY_JOB  # noqa: E402
-from ntp_nemo.goodput.incidents import load_incidents  # noqa: E402
+from ntp_nemo.goodput.incident_log import load_incidents  # noqa: E402
 
 NTP21 = ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]"]
 NTP211 = ["mesh.dp=3", "mesh.tp=2", "ntp.replica_tp=[2,1,1]"]

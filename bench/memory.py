@@ -51,7 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ntp_nemo.checkpoint.sharded import take_snapshot
 from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.models import build_model
-from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.models.model_config import ModelConfig
 from ntp_nemo.pipeline.engine import ActivationMeter
 from ntp_nemo.runtime.assemble import assemble
 from ntp_nemo.runtime.runtime import RankPlace

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ntp_nemo.launch.workers import run_workers
-from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.models.model_config import ModelConfig
 from ntp_nemo.parallel.overlap import OverlappedGradSync
 from ntp_nemo.runtime.assemble import assemble
 from ntp_nemo.topology import ResolvedLayout, Topology

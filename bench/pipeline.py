@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from ntp_nemo.launch.workers import run_workers
-from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.models.model_config import ModelConfig
 from ntp_nemo.pipeline.schedule import INTERLEAVED, analytical_bubble, simulate
 from ntp_nemo.runtime.assemble import assemble
 from ntp_nemo.topology import ResolvedLayout, Topology

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.models import families
-from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.models.model_config import ModelConfig
 from ntp_nemo.planner.cost import item_cost, item_kinds
 from ntp_nemo.planner.shapes import DeviceModel, LinkModel
 from ntp_nemo.runtime.runtime import RankPlace

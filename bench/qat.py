@@ -25,14 +25,14 @@ from pathlib import Path
 
 import torch
 
-from ntp_nemo.data.module import build_data
-from ntp_nemo.lightning.data import StepBatches, ValBatches
+from ntp_nemo.data.prepare import build_data
+from ntp_nemo.lightning.batches import StepBatches, ValBatches
 from ntp_nemo.models import build_model
-from ntp_nemo.models.config import ModelConfig, OptimConfig
+from ntp_nemo.models.model_config import ModelConfig, OptimConfig
 
 
 def _optimizer(model: torch.nn.Module, o: OptimConfig, max_steps: int):
-    from ntp_nemo.lightning.module import warmup_cosine
+    from ntp_nemo.lightning.lm_module import warmup_cosine
 
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]

@@ -20,7 +20,7 @@ import time
 import numpy as np
 from hydra import compose, initialize_config_dir
 
-from ntp_nemo.goodput.sim.cli import CONFIG_DIR
+from ntp_nemo.cli.sim import CONFIG_DIR
 from ntp_nemo.goodput.sim.settings import SimSettings, settings_from_config
 from ntp_nemo.goodput.sim.studies import policy_tables, run_throughput, run_trace
 

@@ -1,6 +1,6 @@
 """Settings that cannot change once a run is resolved: `Sealable` dataclasses and `seal`.
 
-The config groups' dataclasses (`config/schema.py`, `models/config.py`, `quant/config.py`) must stay
+The config groups' dataclasses (`config/schema.py`, `models/model_config.py`, `quant/qat_config.py`) must stay
 mutable for Hydra: an override is merged into them while the config is composed.  `resolve` then seals
 the values it hands the run (`RunSpec`): every list becomes a tuple, every dict a `FrozenDict`, and an
 assignment to a field of a sealed dataclass raises `dataclasses.FrozenInstanceError`.  A changed copy

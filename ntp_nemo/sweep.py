@@ -249,7 +249,7 @@ def check_jobs(config_name: str | None, jobs: list[list[str]]) -> None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from ntp_nemo.config.data import explicit_keys
+    from ntp_nemo.config.data_keys import explicit_keys
     from ntp_nemo.errors import EXIT_CONFIG, ConfigError, report_config_error
     from ntp_nemo.train import check_config
 

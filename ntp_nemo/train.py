@@ -230,7 +230,7 @@ def _cluster_link(spec: RunSpec):
 
     if coordinator_address() is None:
         return None
-    from ntp_nemo.launch.cluster import launcher_layout
+    from ntp_nemo.launch.node_layout import launcher_layout
     from ntp_nemo.resilience.fault_config import recovery_mode
 
     proc = launcher_layout()
@@ -281,7 +281,7 @@ def _explicit() -> set[str]:
     """The keys this command set on its command line (a sweep job's own)."""
     from hydra.core.hydra_config import HydraConfig
 
-    from ntp_nemo.config.data import explicit_keys
+    from ntp_nemo.config.data_keys import explicit_keys
 
     return explicit_keys(HydraConfig.get().overrides.task if HydraConfig.initialized() else [])
 
@@ -292,7 +292,7 @@ def _resolve(cfg: DictConfig, run_dir: Path) -> tuple[RunSpec, Path | None]:
     from ntp_nemo.config import checks
 
     spec = check_config(cfg, _explicit())
-    from ntp_nemo.launch.cluster import slurm_batch_without_srun
+    from ntp_nemo.launch.node_layout import slurm_batch_without_srun
 
     if slurm_batch_without_srun():
         say(f"note: a SLURM batch script without srun (SLURM_NTASKS={os.environ['SLURM_NTASKS']} is the "
@@ -319,7 +319,7 @@ def _resolve(cfg: DictConfig, run_dir: Path) -> tuple[RunSpec, Path | None]:
 
 def _data(spec: RunSpec):
     """The run's data (tokenised once, in the launching process; the workers inherit it)."""
-    from ntp_nemo.data.module import build_data
+    from ntp_nemo.data.prepare import build_data
 
     d = spec.data
     data = build_data(d.path, d.tokenizer, d.seq_len, d.global_batch_size, spec.seed, d.val_fraction,

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ntp_nemo.models import build_model
-from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.models.model_config import ModelConfig
 from ntp_nemo.runtime.assemble import assemble
 from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout, Topology

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.models.model_config import ModelConfig
 
 # The tiny model: small enough for 2 cores, big enough to learn.
 TINY_MODEL = (

@@ -78,7 +78,7 @@ from ntp_nemo.checkpoint.storage import (
 )
 from ntp_nemo.errors import ConfigError
 from ntp_nemo.quant.sharding import is_quantized
-from ntp_nemo.quant.state import restore_quant_state
+from ntp_nemo.quant.quant_state import restore_quant_state
 from ntp_nemo.topology.shard import ShardSpec
 
 SMALL_FILES = (INDEX_FILE, META_FILE)

@@ -45,7 +45,7 @@ def _settings(overrides: list[str]) -> tuple[int, Timeouts, int, str]:
     tasks start with `overrides`."""
     from ntp_nemo.cli.plan import _compose_training
     from ntp_nemo.config import checks
-    from ntp_nemo.config.data import explicit_keys
+    from ntp_nemo.config.data_keys import explicit_keys
     from ntp_nemo.config.keys import check_override_keys
     from ntp_nemo.config.resolve import resolve
     from ntp_nemo.resilience.fault_config import Timeouts

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from ntp_nemo.errors import ConfigError, cli_main
-from ntp_nemo.goodput.incidents import load_incidents, load_skipped, table
+from ntp_nemo.goodput.incident_log import load_incidents, load_skipped, table
 
 
 def run(argv: list[str] | None = None) -> int:

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ntp_nemo.errors import ConfigError
 from ntp_nemo.models import families
-from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.models.model_config import ModelConfig
 from ntp_nemo.planner.shapes import SIZE_FIELDS
 from ntp_nemo.topology.layout import ResolvedLayout
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ntp_nemo.errors import ConfigError
-from ntp_nemo.quant.config import CUDA_ONLY, FORMATS
+from ntp_nemo.quant.qat_config import CUDA_ONLY, FORMATS
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:

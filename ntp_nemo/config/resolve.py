@@ -24,8 +24,8 @@ from omegaconf.errors import InterpolationResolutionError
 
 from ntp_nemo.config.failover import FailoverSpec
 from ntp_nemo.config.schema import CheckpointConfig, DataConfig, NTPConfig, OptimConfig, TrainerConfig
-from ntp_nemo.models.config import ModelConfig
-from ntp_nemo.quant.config import QuantConfig
+from ntp_nemo.models.model_config import ModelConfig
+from ntp_nemo.quant.qat_config import QuantConfig
 from ntp_nemo.sealed import frozen, seal
 from ntp_nemo.topology.layout import ResolvedLayout
 
@@ -118,9 +118,9 @@ def resolve(cfg: DictConfig, explicit: Collection[str] = (), *, reads_data: bool
     tokenizer).  `reads_data=False` (the dry run, the coordinator): the data files are neither required
     nor read, and `model.vocab_size` is taken as given."""
     from ntp_nemo.config import checks
-    from ntp_nemo.config.data import resolve_data_config
+    from ntp_nemo.config.data_keys import resolve_data_config
     from ntp_nemo.config.failover import failover_spec
-    from ntp_nemo.config.layout import resolve_layout
+    from ntp_nemo.config.resolve_layout import resolve_layout
     from ntp_nemo.config.model import model_config
     from ntp_nemo.config.validate import resolve_init_from, validate
 

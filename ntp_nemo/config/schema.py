@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ntp_nemo.models.config import ModelConfig
-from ntp_nemo.quant.config import QuantConfig
+from ntp_nemo.models.model_config import ModelConfig
+from ntp_nemo.quant.qat_config import QuantConfig
 from ntp_nemo.sealed import Sealable
 
 __all__ = ["ModelConfig", "RootConfig"]

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from ntp_nemo.errors import ConfigError
 
 GROUPS = ("callbacks", "logger")  # config groups whose entries are instantiated from `_target_`
-# What the LightningModule logs with `self.log` (`lightning/module.py`): the only names a callback's
+# What the LightningModule logs with `self.log` (`lightning/lm_module.py`): the only names a callback's
 # `monitor` (EarlyStopping, ModelCheckpoint, ...) can find in `trainer.callback_metrics`.
 MONITORABLE = ("train/loss", "train/grad_norm", "val/loss", "step")
 

@@ -75,7 +75,7 @@ def resolve_init_from(cfg: DictConfig) -> dict[str, Any]:
     from ntp_nemo.config.model import model_config
 
     resolved = model_config(cfg.model)  # a directory without a usable config.json: answered before torch
-    from ntp_nemo.hf.files import HFWeightsReader
+    from ntp_nemo.hf.safetensors_files import HFWeightsReader
 
     with HFWeightsReader(str(cfg.model.init_from)) as weights:
         weights.check_headers()  # a crafted header: exit 2 naming the file, before any worker starts
@@ -186,7 +186,7 @@ def validate(cfg: DictConfig) -> None:
 
 def check_environment(cfg: DictConfig) -> None:
     """Checks against this machine (not the config's consistency): run just before launching."""
-    from ntp_nemo.launch.cluster import check_not_batch_of_several_nodes
+    from ntp_nemo.launch.node_layout import check_not_batch_of_several_nodes
 
     check_not_batch_of_several_nodes()  # sbatch without srun: one node's ranks only
     if cfg.trainer.accelerator in ("gpu", "cuda"):
@@ -300,7 +300,7 @@ def _validate_shard_align(cfg: DictConfig, tp: int) -> None:
 
 def resolve_layer_tp(cfg: DictConfig) -> list[int]:
     """Per-slot degrees (embedding, each layer, head), validated against the model and mesh."""
-    from ntp_nemo.planner.layout import parse_layer_tp, validate_layer_tp
+    from ntp_nemo.planner.layer_tp import parse_layer_tp, validate_layer_tp
 
     tp = int(cfg.mesh.tp)
     spec = cfg.layout.layer_tp

@@ -22,7 +22,7 @@ STOP_WAIT_S = 10.0
 
 
 def command(run_dir: Path, port: int, host: str) -> list[str]:
-    return [sys.executable, "-m", "ntp_nemo.dashboard.cli", str(run_dir), "--port", str(port), "--host", host,
+    return [sys.executable, "-m", "ntp_nemo.cli.dashboard", str(run_dir), "--port", str(port), "--host", host,
             "--parent", str(os.getpid())]
 
 

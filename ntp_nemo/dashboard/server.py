@@ -24,7 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
-from ntp_nemo.dashboard.state import RunReader, classify, job_dir, sweep_state
+from ntp_nemo.dashboard.page_state import RunReader, classify, job_dir, sweep_state
 from ntp_nemo.errors import ConfigError
 
 REFRESH_S = 0.5  # a state is recomputed at most this often per directory

@@ -31,7 +31,7 @@ from ntp_nemo.checkpoint.state import MODEL_PREFIX
 from ntp_nemo.checkpoint.storage import Chunk, read_chunks, stored_tensors
 from ntp_nemo.errors import ConfigError
 from ntp_nemo.hf.config_map import resolve_model_config
-from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.models.model_config import ModelConfig
 
 ARG = "RUN_DIR_OR_CHECKPOINT"
 

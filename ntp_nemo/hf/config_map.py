@@ -21,7 +21,7 @@ from typing import Any
 
 from ntp_nemo.data.bounded_json import read_json
 from ntp_nemo.errors import ConfigError
-from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.models.model_config import ModelConfig
 from ntp_nemo.models.families import by_hf_model_type, family_of
 
 KEY = "model.init_from"

@@ -30,9 +30,9 @@ from torch import nn
 
 from ntp_nemo.errors import ConfigError, cli_main
 from ntp_nemo.hf.config_map import generation_config, hf_config, read_hf_config
-from ntp_nemo.hf.files import INDEX_FILE, HFWeightsWriter
+from ntp_nemo.hf.safetensors_files import INDEX_FILE, HFWeightsWriter
 from ntp_nemo.hf.mapping import weight_map
-from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.models.model_config import ModelConfig
 
 Fetch = Callable[[Sequence[str]], list[torch.Tensor]]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

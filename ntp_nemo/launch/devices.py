@@ -51,7 +51,7 @@ def local_cuda_ordinals(local_processes: int, visible: int | None = None) -> lis
     then reaches the node's other GPUs over NVLink and CUDA IPC): local rank i binds cuda:i.  Each rank
     sees one GPU of its own (`srun --gpus-per-task=1`: CUDA_VISIBLE_DEVICES is one id per task): every
     rank binds cuda:0, which is a different GPU in each, and the start-up warns (per-task isolation
-    keeps NCCL off NVLink; `ntp_nemo.launch.cluster.isolated_gpu_warning`).  `visible` defaults to
+    keeps NCCL off NVLink; `ntp_nemo.launch.node_layout.isolated_gpu_warning`).  `visible` defaults to
     this process's count (NVML: no CUDA context).
     """
     visible = cuda_device_count() if visible is None else visible

@@ -169,8 +169,8 @@ class RunSummary(Callback):
             report = compute_goodput(load_events(goodput_file))
             summary["goodput"] = report.goodput
             summary["capacity_fraction"] = report.capacity_fraction
-        from ntp_nemo.goodput.incidents import load_incidents
-        from ntp_nemo.goodput.incidents import summary as integrity_summary
+        from ntp_nemo.goodput.incident_log import load_incidents
+        from ntp_nemo.goodput.incident_log import summary as integrity_summary
 
         findings = load_incidents(self.run_dir)  # corruption and non-finite steps (`ntp-incidents RUN_DIR`)
         if findings:

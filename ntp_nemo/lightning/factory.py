@@ -13,7 +13,7 @@ import torch
 from hydra.utils import instantiate
 
 from ntp_nemo.config.resolve import RunSpec
-from ntp_nemo.data.module import DataBundle
+from ntp_nemo.data.prepare import DataBundle
 from ntp_nemo.lightning.callbacks import (
     FinalValidation,
     MemoryReport,
@@ -23,10 +23,10 @@ from ntp_nemo.lightning.callbacks import (
     StepCheckpoint,
     StopAtStep,
 )
-from ntp_nemo.lightning.cluster import cluster_environment, launcher_layout
+from ntp_nemo.lightning.environments import cluster_environment, launcher_layout
 from ntp_nemo.lightning.goodput_callback import GoodputCallback
 from ntp_nemo.lightning.hooks import RecoveryHooks
-from ntp_nemo.lightning.module import NTPLanguageModule
+from ntp_nemo.lightning.lm_module import NTPLanguageModule
 from ntp_nemo.lightning.strategy import NTPStrategy
 from ntp_nemo.topology.layout import ResolvedLayout
 
@@ -47,7 +47,7 @@ class NTPTrainer(pl.Trainer):
 
 def process_layout(world_size: int) -> tuple[int, int]:
     """(devices on this node, nodes) for Lightning: from torchrun/SLURM when they launched us (nodes may
-    run unequal process counts; see ntp_nemo.lightning.cluster), else all on this machine."""
+    run unequal process counts; see ntp_nemo.lightning.environments), else all on this machine."""
     layout = launcher_layout()
     if layout is None:
         return world_size, 1

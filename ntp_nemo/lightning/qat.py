@@ -3,7 +3,7 @@
 Calibration runs at the start of the first optimizer step at or after `start_step` (steps before it
 train in full precision): by then the strategy has built and sharded the model, and any checkpoint
 (weights, global step) has been restored, so the scales are those of the weights being trained.  A
-model that is already quantised (restored with `ntp_nemo.quant.state.restore_quant_state`) is left
+model that is already quantised (restored with `ntp_nemo.quant.quant_state.restore_quant_state`) is left
 as it is.  Each replica calibrates on its share of the global batches of the next `calib_batches`
 steps, the batches the unsharded model would see, and `sync_amax` makes every scale the unsharded
 model's.
@@ -20,7 +20,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from ntp_nemo.errors import ConfigError
-from ntp_nemo.quant.config import FORMATS
+from ntp_nemo.quant.qat_config import FORMATS
 
 
 class QuantizationCallback(Callback):
@@ -40,7 +40,7 @@ class QuantizationCallback(Callback):
     def calibration_batches(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                             step: int) -> list[torch.Tensor]:
         """This replica's micro-batches of the global batches of steps `[step, step + calib_batches)`."""
-        from ntp_nemo.lightning.data import StepBatches
+        from ntp_nemo.lightning.batches import StepBatches
 
         runtime = getattr(trainer.strategy, "runtime", None)
         my_range = runtime.my_microbatches if runtime is not None else range

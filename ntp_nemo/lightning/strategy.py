@@ -39,7 +39,7 @@ from ntp_nemo.lightning.adapter import (
     warn_if_unsupported_lightning,
 )
 from ntp_nemo.lightning.hooks import RecoveryHooks
-from ntp_nemo.quant.state import quant_state
+from ntp_nemo.quant.quant_state import quant_state
 from ntp_nemo.runtime.assemble import RankState
 from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.topology import ResolvedLayout
@@ -75,7 +75,7 @@ class NTPStrategy(StrategyAdapter):
         **kwargs: Any,
     ) -> None:
         """`layout`: the run's layout, resolved once from the config before launch
-        (`ntp_nemo.config.layout.resolve_layout`).  `keep_last`, `async_save`: `checkpoint.keep_last`,
+        (`ntp_nemo.config.resolve_layout.resolve_layout`).  `keep_last`, `async_save`: `checkpoint.keep_last`,
         `checkpoint.async_save`; `allow_cross_node_tp`: `ntp.allow_cross_node_tp`; `cpu_tp_backend`:
         `ntp.cpu_tp_backend` (the workers' TP groups on a CPU world, `topology.groups.tp_backend`);
         `recovery`: live
@@ -161,7 +161,7 @@ class NTPStrategy(StrategyAdapter):
                 try:
                     init_process_group(self.cluster_environment, self._process_group_backend, **kwargs)
                 except RuntimeError as err:  # DistNetworkError: MASTER_PORT held by another process
-                    from ntp_nemo.lightning.cluster import port_taken_error
+                    from ntp_nemo.lightning.environments import port_taken_error
 
                     taken = port_taken_error(err)
                     if taken is None:
@@ -176,7 +176,7 @@ class NTPStrategy(StrategyAdapter):
     def _check_placement(self) -> None:
         """Collective, once at start-up of a launcher-started job: every TP group inside one node (else
         ConfigError), and a warning from rank 0 for tasks that each see one GPU of a larger node."""
-        from ntp_nemo.launch.cluster import check_placement
+        from ntp_nemo.launch.node_layout import check_placement
         from ntp_nemo.launch.devices import visible_gpus
 
         def warn(text: str) -> None:  # printed before a refusal too (check_placement)

@@ -9,10 +9,10 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.models.model_config import ModelConfig
 
 if TYPE_CHECKING:
-    from ntp_nemo.models.plan import TPPlan
+    from ntp_nemo.models.tp_contexts import TPPlan
     from ntp_nemo.models.transformer import DecoderLM
 
 __all__ = [
@@ -28,8 +28,8 @@ __all__ = [
 
 _LAZY = {
     "DecoderLM": "ntp_nemo.models.transformer",
-    "SingleDevicePlan": "ntp_nemo.models.plan",
-    "TPPlan": "ntp_nemo.models.plan",
+    "SingleDevicePlan": "ntp_nemo.models.tp_contexts",
+    "TPPlan": "ntp_nemo.models.tp_contexts",
     "flops_per_token": "ntp_nemo.models.stats",
     "param_count": "ntp_nemo.models.stats",
     "initialize_": "ntp_nemo.models.init",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.models.model_config import ModelConfig
 from ntp_nemo.models.families import family_of, model_shape
 
 

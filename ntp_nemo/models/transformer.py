@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.models.model_config import ModelConfig
 from ntp_nemo.models.families import family_of
-from ntp_nemo.models.plan import SingleDevicePlan, TPPlan
+from ntp_nemo.models.tp_contexts import SingleDevicePlan, TPPlan
 from ntp_nemo.parallel.block import (
     BlockEmbedding,
     BlockLinear,

@@ -9,6 +9,6 @@ imports it; quantising or restoring a model imports modelopt.
 
 from __future__ import annotations
 
-from ntp_nemo.quant.config import FORMATS, QuantConfig, modelopt_config
+from ntp_nemo.quant.qat_config import FORMATS, QuantConfig, modelopt_config
 
 __all__ = ["FORMATS", "QuantConfig", "modelopt_config"]

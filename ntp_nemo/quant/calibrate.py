@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ntp_nemo.errors import ConfigError
-from ntp_nemo.quant.config import modelopt_config
+from ntp_nemo.quant.qat_config import modelopt_config
 from ntp_nemo.quant.sharding import (
     QUANTIZER_ROLES,
     quantizer_amax_spec,

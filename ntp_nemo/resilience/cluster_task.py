@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ntp_nemo.launch.cluster import PLACE_ENV, WORLD_ENV
+from ntp_nemo.launch.node_layout import PLACE_ENV, WORLD_ENV
 from ntp_nemo.resilience.cluster_protocol import (
     COORDINATOR_LOST_EXIT,
     DECLARED_LOST_EXIT,

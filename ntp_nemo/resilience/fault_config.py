@@ -17,7 +17,7 @@ from typing import Any
 from ntp_nemo.config.failover import FailoverSpec
 from ntp_nemo.config.schema import FaultConfig
 from ntp_nemo.errors import ConfigError
-from ntp_nemo.launch.cluster import launcher_layout
+from ntp_nemo.launch.node_layout import launcher_layout
 from ntp_nemo.resilience.integrity_config import validate_integrity_config
 from ntp_nemo.resilience.policies import make_policy
 

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from ntp_nemo.config.schema import IntegrityConfig
-from ntp_nemo.goodput.incidents import append_incident, load_skipped, record_skipped
+from ntp_nemo.goodput.incident_log import append_incident, load_skipped, record_skipped
 from ntp_nemo.parallel.fingerprint import (
     FingerprintPlan,
     build_plan,

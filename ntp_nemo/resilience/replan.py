@@ -131,7 +131,7 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
 def _procs_per_node(text: str, world_size: int) -> list[int]:
     """`--gpus-per-node`: one count for every node (`4`), or the old run's per-node counts in SLURM's
     notation (`4,3`, `4(x2),3`)."""
-    from ntp_nemo.launch.cluster import parse_tasks_per_node
+    from ntp_nemo.launch.node_layout import parse_tasks_per_node
 
     try:
         counts = parse_tasks_per_node(text)

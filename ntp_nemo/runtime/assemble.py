@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.models.model_config import ModelConfig
 from ntp_nemo.parallel.grad_sync import SyncPlan
 from ntp_nemo.parallel.layers import set_tp_overlap
 from ntp_nemo.parallel.step_path import GradientPath, build_optimizer, use_fused_adamw

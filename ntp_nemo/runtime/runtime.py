@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.models.model_config import ModelConfig
 from ntp_nemo.parallel.comm import all_reduce_on, check_device
 from ntp_nemo.parallel.grad_sync import (
     GradientSynchronizer,

@@ -1,6 +1,6 @@
 """ResolvedLayout: the one plain value a run's process layout is resolved into before launch.
 
-The config layer (`ntp_nemo.config.layout.resolve_layout`) turns the mesh, NTP and layout keys into
+The config layer (`ntp_nemo.config.resolve_layout.resolve_layout`) turns the mesh, NTP and layout keys into
 this value once: per replica its active TP ranks, per layout slot the TP degree, per pipeline stage
 its layers, the schedule, the batch shares and (optionally) the device of every global rank.  The
 strategy, the runtime, the dry run and failover re-planning all take it; nothing below the config

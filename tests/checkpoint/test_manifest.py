@@ -27,7 +27,7 @@ from ntp_nemo.checkpoint import (
 )
 from ntp_nemo.errors import ConfigError
 from ntp_nemo.launch.workers import run_workers
-from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.models.model_config import ModelConfig
 from ntp_nemo.runtime.runtime import RankPlace
 from ntp_nemo.topology import ResolvedLayout, Topology
 from tests.ntp_cases import GPT, SEED

@@ -17,7 +17,7 @@ import torch
 
 from ntp_nemo.checkpoint import load_checkpoint, save_checkpoint, stored_chunks
 from ntp_nemo.launch.workers import run_workers
-from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.models.model_config import ModelConfig
 from ntp_nemo.runtime.assemble import RankState, assemble
 from ntp_nemo.runtime.step import train_step
 from ntp_nemo.topology import ResolvedLayout, Topology

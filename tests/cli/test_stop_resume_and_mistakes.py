@@ -166,7 +166,7 @@ def test_config_mistakes_exit_2_with_the_fix_and_leave_nothing_behind(tmp_path):
 def test_recipe_checks_through_the_public_api(capsys):
     """Warnings that keep a short smoke run going (composed configs, the same checks ntp-train runs)."""
     from ntp_nemo.config import checks
-    from ntp_nemo.config.layout import resolve_layout
+    from ntp_nemo.config.resolve_layout import resolve_layout
     from tests.conftest import compose
 
     cfg = compose(["trainer.max_steps=4", "optim.warmup_steps=10"])
@@ -186,7 +186,7 @@ def test_power_boost_warning_compares_the_split_that_runs(capsys):
     """The default recipe's 6 micro-batches split [4, 2] with or without a 1.3 boost: the warning says
     so; at 12 micro-batches the boost moves one ([8, 4] -> [7, 5]) and nothing is said."""
     from ntp_nemo.config import checks
-    from ntp_nemo.config.layout import resolve_layout
+    from ntp_nemo.config.resolve_layout import resolve_layout
     from tests.conftest import compose
 
     cfg = compose(["ntp.power_boost=1.3"])
@@ -203,7 +203,7 @@ def test_power_boost_warning_compares_the_split_that_runs(capsys):
 
 def test_readme_power_boost_example_changes_the_split():
     """The README's NTP-PW command runs another split than the same command without the boost."""
-    from ntp_nemo.config.layout import resolve_layout
+    from ntp_nemo.config.resolve_layout import resolve_layout
     from tests.conftest import compose
 
     line = next(x for x in (ROOT / "README.md").read_text().splitlines() if "ntp-train ntp.power_boost" in x)
@@ -216,7 +216,7 @@ def test_coarse_batch_split_is_reported(capsys):
     """2 micro-batches over capacities [1, 0.5] run as [1, 1]: a warning names the split and a global
     batch that follows the capacities; a split that follows them says nothing."""
     from ntp_nemo.config import checks
-    from ntp_nemo.config.layout import resolve_layout
+    from ntp_nemo.config.resolve_layout import resolve_layout
     from tests.conftest import compose
 
     def split(overrides):

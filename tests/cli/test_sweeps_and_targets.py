@@ -15,7 +15,7 @@ from tests.conftest import ROOT, SINGLE, TINY, compose, run_cli
 
 
 def _check(overrides: list[str]):
-    from ntp_nemo.config.data import explicit_keys
+    from ntp_nemo.config.data_keys import explicit_keys
     from ntp_nemo.train import check_config
 
     cfg = compose(overrides)
@@ -186,7 +186,7 @@ def test_a_monitored_metric_the_run_never_logs_is_caught_before_the_first_step()
     assert "Did you mean callbacks.es.monitor=val/loss?" in str(err.value), str(err.value)
     check_targets(compose(["+callbacks.es._target_=lightning.pytorch.callbacks.EarlyStopping",
                            "+callbacks.es.monitor=val/loss", "+callbacks.es.patience=3"]))
-    source = (ROOT / "ntp_nemo" / "lightning" / "module.py").read_text()
+    source = (ROOT / "ntp_nemo" / "lightning" / "lm_module.py").read_text()
     logged = {node.args[0].value for node in ast.walk(ast.parse(source))
               if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
               and node.func.attr == "log" and node.args and isinstance(node.args[0], ast.Constant)}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ntp_nemo.config.layout import resolve_layout
+from ntp_nemo.config.resolve_layout import resolve_layout
 from ntp_nemo.config.validate import validate
 from ntp_nemo.errors import ConfigError
 from ntp_nemo.topology import ResolvedLayout, Topology

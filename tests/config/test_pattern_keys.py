@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ntp_nemo.config.layout import resolve_layout
+from ntp_nemo.config.resolve_layout import resolve_layout
 from ntp_nemo.config.validate import validate
 from ntp_nemo.errors import ConfigError
 from tests.conftest import TINY, compose, run_cli

@@ -15,7 +15,7 @@ import pytest
 import torch.distributed as dist
 
 from ntp_nemo.dashboard.server import Dashboard
-from ntp_nemo.dashboard.state import classify
+from ntp_nemo.dashboard.page_state import classify
 from ntp_nemo.resilience.coordinator import STATE_FILE, Coordinator
 from ntp_nemo.resilience.rehearsal import free_port, start_coordinator
 from ntp_nemo.resilience.store_auth import JobStore

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ntp_nemo.dashboard.cli import _raise_open_files_limit, is_loopback, parse_args
+from ntp_nemo.cli.dashboard import _raise_open_files_limit, is_loopback, parse_args
 from ntp_nemo.dashboard.server import new_token, serve
 from tests.conftest import REFERENCES, read_metrics
 
@@ -115,7 +115,7 @@ def test_empty_state_and_not_a_run(tmp_path, monkeypatch, capsys):
     assert status == 200 and doc["status"] == "not_started" and doc["loss"]["step"] == []
     assert doc["layout"]["state"] == "starting" and doc["goodput"] is None
     (tmp_path / "notes.txt").write_text("not a run")
-    from ntp_nemo.dashboard.cli import main
+    from ntp_nemo.cli.dashboard import main
 
     for argv in ([str(tmp_path)], [str(tmp_path / "missing")], [str(tmp_path / "notes.txt")],
                  [str(tmp_path), "--port", "70000"]):

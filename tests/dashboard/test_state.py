@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from ntp_nemo.dashboard.state import RunReader
+from ntp_nemo.dashboard.page_state import RunReader
 from ntp_nemo.goodput.calculator import breakdown, build_timeline
-from ntp_nemo.goodput.incidents import append_incident
+from ntp_nemo.goodput.incident_log import append_incident
 from ntp_nemo.goodput.report import analyse
 from ntp_nemo.goodput.synthetic import StreamShape, write_stream
 

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from ntp_nemo.data.module import build_data
+from ntp_nemo.data.prepare import build_data
 from ntp_nemo.data.rebalance import assign_microbatches, replica_microbatch_slices
 from ntp_nemo.data.tokens import TokenFileWriter
 from ntp_nemo.errors import ConfigError
-from ntp_nemo.lightning.data import StepBatches
+from ntp_nemo.lightning.batches import StepBatches
 
 SEQ, GBS, MBS = 16, 12, 2
 SIZES = {"a": 4000, "b": 1500, "c": 700}  # tokens; source s holds ids in [100*s, 100*s + 100)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ntp_nemo.data.corpus import default_corpus_tokens
-from ntp_nemo.data.module import build_data
+from ntp_nemo.data.prepare import build_data
 from ntp_nemo.data.stdlib_text import stdlib_documents
 from ntp_nemo.data.tokenizer import ByteTokenizer
 from ntp_nemo.data.tokens import open_token_file, write_token_file

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from ntp_nemo.data import preprocess, readers
-from ntp_nemo.data.module import build_data
+from ntp_nemo.data.prepare import build_data
 from ntp_nemo.data.tokens import open_token_file, read_sidecar, sidecar_path
 from ntp_nemo.errors import ConfigError
 from tests.conftest import run_cli

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ntp_nemo.data import text_files, tokens
-from ntp_nemo.data.module import build_data
+from ntp_nemo.data.prepare import build_data
 from ntp_nemo.data.readers import collect_inputs
 from ntp_nemo.data.text_files import tokenize_to_file
 from ntp_nemo.data.tokenizer import build_tokenizer

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ntp_nemo.data.bounded_json import JSONBoundError, parse_json, read_json
-from ntp_nemo.data.module import build_data
+from ntp_nemo.data.prepare import build_data
 from ntp_nemo.data.tokenizer import load_tokenizer_json
 from ntp_nemo.data.tokens import open_token_file, read_sidecar, sidecar_path, write_token_file
 from ntp_nemo.errors import ConfigError
@@ -122,7 +122,7 @@ def test_bounded_parse_keeps_ordinary_json_and_strings_with_brackets():
 
 
 def test_hf_index_naming_a_file_outside_the_directory_is_refused(tmp_path):
-    from ntp_nemo.hf.files import HFWeightsReader
+    from ntp_nemo.hf.safetensors_files import HFWeightsReader
 
     (tmp_path / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {"lm_head.weight": "../../etc/passwd"}}))
@@ -174,7 +174,7 @@ def test_a_sidecar_count_beyond_range_or_not_whole_is_a_clear_error(tmp_path, ke
     """`1e999` in a sidecar's count raised an uncaught OverflowError (exit 1 with a traceback); every
     count that is not a whole number is now the token file's one-paragraph error, at open and where the
     launcher chooses the vocabulary from the sidecars."""
-    from ntp_nemo.data.validate import choose_vocabulary
+    from ntp_nemo.data.vocabulary import choose_vocabulary
 
     path = _token_file(tmp_path)
     meta = sidecar_path(path).read_text()

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from ntp_nemo.config.data import explicit_keys, resolve_data_config
+from ntp_nemo.config.data_keys import explicit_keys, resolve_data_config
 from ntp_nemo.config.resolve import with_values
 from ntp_nemo.data.tokenizer import build_tokenizer
-from ntp_nemo.data.validate import padded_vocab
+from ntp_nemo.data.vocabulary import padded_vocab
 from ntp_nemo.errors import ConfigError
 from tests.conftest import compose
 from tests.data_helpers import make_tokenizer_json, run_preprocess, write_jsonl
@@ -93,7 +93,7 @@ def test_cluster_recipes_take_a_token_file_and_a_tokenizer(recipe, tok_dir, toke
 
 
 def test_token_file_from_another_tokenizer_is_refused(tmp_path, tok_dir, token_file):
-    from ntp_nemo.data.module import build_data
+    from ntp_nemo.data.prepare import build_data
 
     other = tmp_path / "other"  # same name and size, other merges: another hash
     make_tokenizer_json(other, VOCAB - 10)

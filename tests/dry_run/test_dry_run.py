@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.models.model_config import ModelConfig
 from ntp_nemo.parallel.grad_sync import build_sync_plan, build_sync_plans, param_descriptors
 from ntp_nemo.runtime.dry_run import (
     CommMeter,

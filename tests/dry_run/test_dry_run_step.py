@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 
-from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.models.model_config import ModelConfig
 from ntp_nemo.parallel.grad_sync import build_sync_plans, param_descriptors
 from ntp_nemo.runtime import dry_run as dr
 from ntp_nemo.runtime.dry_run import MetaKernelCache, StepShape, dry_run, fake_world, option_savings

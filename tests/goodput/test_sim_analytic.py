@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 
-from ntp_nemo.goodput.sim.cli import CONFIG_DIR
-from ntp_nemo.goodput.sim.cluster import ClusterSpec, form_replicas, replica_histogram
+from ntp_nemo.cli.sim import CONFIG_DIR
+from ntp_nemo.goodput.sim.domains import ClusterSpec, form_replicas, replica_histogram
 from ntp_nemo.goodput.sim.failures import sample_placements
 from ntp_nemo.goodput.sim.perf import ReplicaPerf
-from ntp_nemo.goodput.sim.policies import DP_DROP, NTP, NTP_PW, policy_table, replica_metrics
+from ntp_nemo.goodput.sim.policy_tables import DP_DROP, NTP, NTP_PW, policy_table, replica_metrics
 from ntp_nemo.goodput.sim.settings import settings_from_config
 from ntp_nemo.goodput.sim.studies import expected_availability, run_availability
 from ntp_nemo.planner.shapes import DeviceModel, LinkModel, ModelShape

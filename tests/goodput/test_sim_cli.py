@@ -15,7 +15,7 @@ REQUIRED = {"policy", "failed_fraction", "throughput_rel", "replicas_available"}
 
 def ntp_sim(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     exe = shutil.which("ntp-sim")
-    cmd = [exe] if exe else [sys.executable, "-m", "ntp_nemo.goodput.sim.cli"]
+    cmd = [exe] if exe else [sys.executable, "-m", "ntp_nemo.cli.sim"]
     return subprocess.run(cmd + list(args), cwd=cwd, capture_output=True, text=True, timeout=300)
 
 

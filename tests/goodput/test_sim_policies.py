@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 
-from ntp_nemo.goodput.sim.cli import CONFIG_DIR
-from ntp_nemo.goodput.sim.cluster import replica_histogram
+from ntp_nemo.cli.sim import CONFIG_DIR
+from ntp_nemo.goodput.sim.domains import replica_histogram
 from ntp_nemo.goodput.sim.failures import FailureSpec, Trace, generate_trace, sample_placements, trace_states
-from ntp_nemo.goodput.sim.policies import DP_DROP, NTP, NTP_PW, replica_metrics
+from ntp_nemo.goodput.sim.policy_tables import DP_DROP, NTP, NTP_PW, replica_metrics
 from ntp_nemo.goodput.sim.settings import settings_from_config
 from ntp_nemo.goodput.sim.studies import policy_tables, replica_perf, run_throughput, run_trace, spares_needed
 

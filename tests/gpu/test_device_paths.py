@@ -82,7 +82,7 @@ def test_multi_gpu_parts(part, tmp_path):
 def test_batches_reach_the_gpu_from_pinned_memory():
     r = _child("""
         import json, torch
-        from ntp_nemo.lightning.module import NTPLanguageModule
+        from ntp_nemo.lightning.lm_module import NTPLanguageModule
         seen = []
         original = torch.Tensor.to
         def to(self, *args, **kwargs):

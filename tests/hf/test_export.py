@@ -16,7 +16,7 @@ from ntp_nemo.hf import load_hf_into
 from ntp_nemo.hf.checkpoint_source import iter_logical_tensors
 from ntp_nemo.hf.config_map import hf_fields
 from ntp_nemo.hf.export import export_checkpoint, export_model, main, parse_size
-from ntp_nemo.hf.files import HFWeightsReader
+from ntp_nemo.hf.safetensors_files import HFWeightsReader
 from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.models import build_model
 from ntp_nemo.runtime.assemble import assemble

@@ -21,7 +21,7 @@ from ntp_nemo.errors import ConfigError
 from ntp_nemo.hf import load_hf_into, resolve_model_config
 from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.models import build_model
-from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.models.model_config import ModelConfig
 from ntp_nemo.runtime.runtime import RankPlace
 from ntp_nemo.topology import ResolvedLayout, Topology
 
@@ -255,7 +255,7 @@ def test_a_crafted_safetensors_header_is_a_config_error_naming_the_file(hf_dirs,
     from omegaconf import open_dict
 
     from ntp_nemo.config.validate import resolve_init_from
-    from ntp_nemo.hf.files import HFWeightsReader
+    from ntp_nemo.hf.safetensors_files import HFWeightsReader
     from tests.conftest import compose
 
     crafted = _edit_config(hf_dirs["gpt2"], tmp_path / "crafted")

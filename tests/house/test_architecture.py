@@ -79,3 +79,17 @@ def test_readme_links_the_architecture_first():
     docs = re.findall(r"`(docs/\w+\.md)`", readme.split("## Documentation", 1)[1])
     assert docs[0] == "docs/architecture.md"
     assert "docs/architecture.md" in readme.split("\n## ", 1)[0]  # named in the introduction too
+
+
+def test_module_names_say_what_they_hold():
+    """No two modules of the package share a file name, except the entry points of `ntp_nemo/cli/`, each
+    named for its command (`cli/plan.py` runs `ntp-plan`): a reader who meets `layout.py` in a traceback
+    knows which one it is."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "ntp_nemo").rglob("*.py")):
+        rel = path.relative_to(ROOT / "ntp_nemo")
+        if path.name == "__init__.py" or rel.parts[0] == "cli":
+            continue
+        seen.setdefault(path.name, []).append(str(rel))
+    twice = {name: where for name, where in seen.items() if len(where) > 1}
+    assert not twice, f"module names used more than once: {twice}"

@@ -19,13 +19,13 @@ IMPORTERS = {"import_module", "__import__"}
 
 # Known upward references, each with its reason (file, referenced module) -> why.
 KNOWN = {
-    ("ntp_nemo/quant/config.py", "ntp_nemo.lightning.qat.QuantizationCallback"): (
+    ("ntp_nemo/quant/qat_config.py", "ntp_nemo.lightning.qat.QuantizationCallback"): (
         "QuantConfig's `_target_` (and conf/quant/*.yaml's) names the callback `lightning/factory.py` builds "
         "from `quant.format`; nothing instantiates it from the string. Dropping it means changing the "
         "schema and the four conf/quant files together."
     ),
     **{
-        (f"conf/quant/{name}.yaml", "ntp_nemo.lightning.qat.QuantizationCallback"): "as quant/config.py"
+        (f"conf/quant/{name}.yaml", "ntp_nemo.lightning.qat.QuantizationCallback"): "as quant/qat_config.py"
         for name in ("none", "int8", "fp8", "nvfp4")
     },
 }
@@ -164,7 +164,7 @@ def test_config_files_name_classes_of_their_level():
 def test_the_check_sees_every_way_of_naming_a_package(tmp_path):
     source = "\n".join([
         "def f():",
-        "    from ntp_nemo.lightning.module import NTPLightningModule",  # 2: absolute
+        "    from ntp_nemo.lightning.lm_module import NTPLightningModule",  # 2: absolute
         "    from ..lightning import module",  # 3: relative, from ntp_nemo/topology/x.py
         "    from . import groups",  # 4: relative, same package
         "    from ntp_nemo import resilience",  # 5: the root package
@@ -177,7 +177,7 @@ def test_the_check_sees_every_way_of_naming_a_package(tmp_path):
     ])
     got = sorted(_imports(ast.parse(source), "ntp_nemo.topology"))
     assert got == [
-        (2, "ntp_nemo.lightning.module"),
+        (2, "ntp_nemo.lightning.lm_module"),
         (3, "ntp_nemo.lightning"),
         (4, "ntp_nemo.topology.groups"),
         (5, "ntp_nemo.resilience"),

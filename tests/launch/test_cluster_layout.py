@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ntp_nemo.errors import ConfigError
-from ntp_nemo.lightning.cluster import (
+from ntp_nemo.lightning.environments import (
     NTPSLURMEnvironment,
     NTPTorchElasticEnvironment,
     launcher_layout,
@@ -111,7 +111,7 @@ def test_trainer_on_the_one_process_node_keeps_the_launchers_rank(monkeypatch, t
     from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
     from ntp_nemo.config.resolve import resolve
-    from ntp_nemo.data.module import build_data
+    from ntp_nemo.data.prepare import build_data
     from ntp_nemo.lightning.factory import build_trainer
 
     for tracker in (rank_zero_only, fabric_rank_zero_only):  # the Trainer sets them to rank 2: restore after
@@ -217,7 +217,7 @@ def test_supervisor_relaunches_on_the_survivors_devices(tmp_path: Path, monkeypa
     """Two losses on a GPU (2,2) layout: each relaunch binds the surviving ranks' GPUs, never a lost one
     (the devices come from the real re-plan and reach the build function and attempts.jsonl)."""
     from ntp_nemo.config.failover import failover_spec
-    from ntp_nemo.config.layout import resolve_layout
+    from ntp_nemo.config.resolve_layout import resolve_layout
     from ntp_nemo.launch import devices as devices_mod
     from ntp_nemo.resilience.supervisor import ATTEMPTS_FILE, FAILOVER_DIR, Supervisor
 
@@ -247,7 +247,7 @@ def test_heartbeats_only_where_a_monitor_reads_them(tmp_path: Path):
     from types import SimpleNamespace
 
     from ntp_nemo.config.failover import failover_spec
-    from ntp_nemo.config.layout import resolve_layout
+    from ntp_nemo.config.resolve_layout import resolve_layout
     from ntp_nemo.resilience.heartbeat import Heartbeat
     from ntp_nemo.resilience.supervisor import Supervisor
 
@@ -286,7 +286,7 @@ def test_live_recovery_keeps_every_layout_option_of_the_restart_path(tmp_path: P
     next generation trains (live) are the same value, with the boosted split [6, 10] of 16 micro-batches
     (before, the live path rebuilt the layout without the boost and trained [5, 11])."""
     from ntp_nemo.config.failover import failover_spec
-    from ntp_nemo.config.layout import resolve_layout
+    from ntp_nemo.config.resolve_layout import resolve_layout
     from ntp_nemo.config.validate import validate
     from ntp_nemo.resilience.recovery import Generation
     from ntp_nemo.resilience.supervisor import Supervisor

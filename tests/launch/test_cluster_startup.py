@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from ntp_nemo.errors import ConfigError
-from ntp_nemo.launch.cluster import (
+from ntp_nemo.launch.node_layout import (
     NodeFacts,
     check_placement,
     check_tp_within_nodes,
@@ -236,7 +236,7 @@ def test_pipeline_links_take_one_group_per_stage_pair_and_direction():
 def test_dry_run_counts_the_communicator_splits_before_step_1():
     import torch
 
-    from ntp_nemo.models.config import ModelConfig
+    from ntp_nemo.models.model_config import ModelConfig
     from ntp_nemo.runtime.dry_run import StepShape, dry_run, splits_line
     from ntp_nemo.topology import ResolvedLayout
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ntp_nemo.errors import ConfigError
-from ntp_nemo.launch.cluster import (
+from ntp_nemo.launch.node_layout import (
     check_not_batch_of_several_nodes,
     launcher_layout,
     slurm_batch_without_srun,
@@ -44,7 +44,7 @@ def test_a_batch_script_is_not_a_slurm_launch():
 def test_lightning_does_not_detect_slurm_from_a_batch_script(monkeypatch):
     from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
 
-    from ntp_nemo.lightning.cluster import cluster_environment
+    from ntp_nemo.lightning.environments import cluster_environment
 
     for k, v in BATCH.items():
         monkeypatch.setenv(k, v)
@@ -116,7 +116,7 @@ def test_trainer_of_an_srun_task_with_one_gpu_binds_cuda_0(monkeypatch, tmp_path
     from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
     from ntp_nemo.config.resolve import resolve
-    from ntp_nemo.data.module import build_data
+    from ntp_nemo.data.prepare import build_data
     from ntp_nemo.lightning.factory import build_trainer
     from tests.conftest import compose
 

@@ -18,9 +18,9 @@ import sys
 
 import pytest
 
-from ntp_nemo.config.layout import resolve_layout
+from ntp_nemo.config.resolve_layout import resolve_layout
 from ntp_nemo.errors import ConfigError
-from ntp_nemo.launch.cluster import check_tp_within_nodes
+from ntp_nemo.launch.node_layout import check_tp_within_nodes
 from tests.conftest import TINY, compose
 from tests.resilience.test_cluster_rehearsal import free_port
 

@@ -32,7 +32,7 @@ from ntp_nemo.hf.export import export_model, main
 from ntp_nemo.hf.mapping import weight_map
 from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.models import build_model, param_count
-from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.models.model_config import ModelConfig
 from ntp_nemo.models.families import family, model_shape, names
 from ntp_nemo.runtime.assemble import RankState, assemble
 from ntp_nemo.runtime.step import train_step

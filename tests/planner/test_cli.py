@@ -116,7 +116,7 @@ def test_printed_shares_are_the_split_of_the_printed_command(tmp_path):
     """The shares `ntp-plan` prints are the micro-batch split the `ntp-train` command it prints runs:
     the default recipe's 6 micro-batches over replicas (2, 1) are 4 and 2; with a 1.3 boost and 12
     micro-batches, 7 and 5."""
-    from ntp_nemo.config.layout import resolve_layout
+    from ntp_nemo.config.resolve_layout import resolve_layout
     from tests.conftest import compose
 
     for args, split in ((["model=gpt_tiny"], [4, 2]),

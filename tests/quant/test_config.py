@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 from ntp_nemo.config.paths import conf_dir
 from ntp_nemo.config.quant_keys import validate_quant
 from ntp_nemo.errors import ConfigError
-from ntp_nemo.quant.config import FORMATS, QuantConfig, modelopt_config
+from ntp_nemo.quant.qat_config import FORMATS, QuantConfig, modelopt_config
 
 
 def _root(**quant) -> OmegaConf:

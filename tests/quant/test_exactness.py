@@ -102,7 +102,7 @@ def calibrate_worker(rank: int, world: int, cfg, fmt: str, exclude: list[str], l
                      save_to: str | None = None) -> dict:
     from ntp_nemo.checkpoint.sharded import take_snapshot, write_snapshot
     from ntp_nemo.quant.calibrate import quantize_model
-    from ntp_nemo.quant.state import quant_state
+    from ntp_nemo.quant.quant_state import quant_state
 
     rt, model = _runtime(*layout, rank, cfg, ref["logits"].dtype)
     quantize_model(model, fmt, exclude, _microbatches(tokens(cfg), rt.my_microbatches(GLOBAL_BATCH)))
@@ -118,7 +118,7 @@ def restore_worker(rank: int, world: int, cfg, layout: tuple, path: str, ref: di
     amax slices read back from the sharded checkpoint."""
     from ntp_nemo.checkpoint.sharded import META_FILE, load_checkpoint
     from ntp_nemo.checkpoint.storage import Chunk, read_chunks
-    from ntp_nemo.quant.state import restore_quant_state
+    from ntp_nemo.quant.quant_state import restore_quant_state
 
     rt, model = _runtime(*layout, rank, cfg, ref["logits"].dtype)
     extra = torch.load(Path(path) / META_FILE, weights_only=True)["extra"]

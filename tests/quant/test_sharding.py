@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ntp_nemo.errors import ConfigError
-from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.models.model_config import ModelConfig
 from ntp_nemo.quant.sharding import TensorSharding, amax_spec, split_block
 from ntp_nemo.topology.shard import ShardSpec
 from ntp_nemo.topology.tp_context import TPContext
@@ -50,7 +50,7 @@ class _Rank0Of2:
 def test_nvfp4_refuses_layouts_whose_shards_cut_blocks(head_dim, heads, ok):
     from ntp_nemo.models import DecoderLM
     from ntp_nemo.quant.calibrate import check_block_alignment
-    from ntp_nemo.quant.config import modelopt_config
+    from ntp_nemo.quant.qat_config import modelopt_config
 
     cfg = ModelConfig(hidden_size=heads * head_dim, num_heads=heads, num_layers=1, ffn_hidden_size=128,
                       vocab_size=64, max_seq_len=16)

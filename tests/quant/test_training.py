@@ -16,7 +16,7 @@ STEPS, START = 6, 3
 def _fit(tmp_path, name: str, layout: list[str], fmt: str) -> list[float]:
     from ntp_nemo.config.resolve import resolve
     from ntp_nemo.config.validate import validate
-    from ntp_nemo.data.module import build_data
+    from ntp_nemo.data.prepare import build_data
     from ntp_nemo.lightning.factory import build_trainer
     from ntp_nemo.lightning.qat import QuantizationCallback
 

@@ -13,7 +13,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from ntp_nemo.launch.cluster import PLACE_ENV, WORLD_ENV
+from ntp_nemo.launch.node_layout import PLACE_ENV, WORLD_ENV
 from ntp_nemo.resilience.cluster_protocol import LINK_KEY, Line, task_hello
 from ntp_nemo.resilience.coordinator import Coordinator
 from ntp_nemo.resilience.rehearsal import free_port

@@ -334,7 +334,7 @@ def test_heartbeat_files_from_elsewhere_never_block_or_break_a_monitor(tmp_path)
 
 # ---- 5. the coordinator's words -----------------------------------------------------------------------
 def test_a_task_acts_only_on_lines_its_coordinator_sealed(served, monkeypatch):
-    from ntp_nemo.launch.cluster import PLACE_ENV, WORLD_ENV
+    from ntp_nemo.launch.node_layout import PLACE_ENV, WORLD_ENV
     from ntp_nemo.resilience.cluster_protocol import DECLARED_LOST_EXIT
     from ntp_nemo.resilience.cluster_task import ClusterLink
 
@@ -611,7 +611,7 @@ def test_a_replacement_waiting_to_join_when_the_job_ends_is_told_and_the_coordin
 
 
 def test_a_replacement_told_to_stop_before_it_joins_is_not_a_lost_coordinator(served, monkeypatch):
-    from ntp_nemo.launch.cluster import PLACE_ENV, WORLD_ENV
+    from ntp_nemo.launch.node_layout import PLACE_ENV, WORLD_ENV
     from ntp_nemo.resilience.cluster_task import ClusterLink
 
     s = served()
@@ -659,7 +659,7 @@ def _link(port: int, want: int, said: list[str], timeout_s: float = 30.0, ntasks
 
 @pytest.fixture
 def task_env(monkeypatch):
-    from ntp_nemo.launch.cluster import PLACE_ENV, WORLD_ENV
+    from ntp_nemo.launch.node_layout import PLACE_ENV, WORLD_ENV
 
     monkeypatch.setenv("NTP_JOB_SECRET", SECRET.decode())
     monkeypatch.setenv(PLACE_ENV, "unset")  # `open` exports the place: kept out of later tests

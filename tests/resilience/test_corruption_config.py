@@ -10,7 +10,7 @@ from tests.conftest import compose, run_cli
 
 
 def _check(overrides: list[str]):
-    from ntp_nemo.config.data import explicit_keys
+    from ntp_nemo.config.data_keys import explicit_keys
     from ntp_nemo.resilience.fault_config import resolve_faults
     from ntp_nemo.train import check_config
 

@@ -169,7 +169,7 @@ def _supervised_run(tmp_path, first_attempt):
     the run stopped with."""
     from ntp_nemo.checkpoint import checkpoint_name, load_with_fallback, save_checkpoint
     from ntp_nemo.config.failover import failover_spec
-    from ntp_nemo.config.layout import resolve_layout
+    from ntp_nemo.config.resolve_layout import resolve_layout
     from ntp_nemo.resilience.supervisor import Supervisor
     from ntp_nemo.runtime.runtime import RankPlace
     from ntp_nemo.topology import ResolvedLayout, Topology

@@ -242,7 +242,7 @@ def test_a_stop_signal_ends_a_degraded_attempt_without_its_repair_relaunch(tmp_p
 
     from torch.multiprocessing import ProcessExitedException
 
-    from ntp_nemo.config.layout import resolve_layout
+    from ntp_nemo.config.resolve_layout import resolve_layout
     from ntp_nemo.resilience.supervisor import Supervisor
 
     class Proc:

@@ -11,7 +11,7 @@ import torch
 from ntp_nemo.config.schema import IntegrityConfig
 from ntp_nemo.goodput import compute_goodput
 from ntp_nemo.goodput import events as ev
-from ntp_nemo.goodput.incidents import (
+from ntp_nemo.goodput.incident_log import (
     append_incident,
     load_incidents,
     load_skipped,

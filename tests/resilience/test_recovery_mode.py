@@ -84,7 +84,7 @@ def test_launch_context_from_the_launchers_variables():
 def _start_up_lines(capsys, run_dir, context, *overrides):
     """What `Supervisor.build_first` prints (the trainer is a stand-in: nothing is built)."""
     from ntp_nemo.config.failover import failover_spec
-    from ntp_nemo.config.layout import resolve_layout
+    from ntp_nemo.config.resolve_layout import resolve_layout
     from ntp_nemo.resilience.supervisor import Supervisor
 
     cfg = compose([*TWO_REPLICAS, "fault=kill_rank", "fault.rank=1", "fault.step=3", *overrides])

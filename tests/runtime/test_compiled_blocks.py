@@ -21,7 +21,7 @@ import torch
 
 from ntp_nemo.errors import ConfigError
 from ntp_nemo.launch.workers import run_workers
-from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.models.model_config import ModelConfig
 from ntp_nemo.runtime.assemble import assemble
 from ntp_nemo.runtime.compile import compile_blocks, validate_compile
 from ntp_nemo.runtime.step import train_step

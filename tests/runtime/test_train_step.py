@@ -169,7 +169,7 @@ class _CountedOptimizer:
 
 
 def _module_on_world_one():
-    from ntp_nemo.lightning.module import NTPLanguageModule
+    from ntp_nemo.lightning.lm_module import NTPLanguageModule
 
     state = _world_one()
     sched = torch.optim.lr_scheduler.LambdaLR(state.optimizer, lambda step: 1.0 / (1 + step))

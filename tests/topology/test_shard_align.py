@@ -54,7 +54,7 @@ def test_impossible_alignment_exits_2_before_launch(tmp_path, overrides, needle)
 
 
 def test_the_layout_carries_the_alignment_to_every_rank():
-    from ntp_nemo.config.layout import resolve_layout
+    from ntp_nemo.config.resolve_layout import resolve_layout
     from ntp_nemo.config.validate import validate
     from ntp_nemo.topology import ResolvedLayout
     from tests.conftest import compose

@@ -15,9 +15,9 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from ntp_nemo.errors import ConfigError
-from ntp_nemo.goodput.sim.cluster import ClusterSpec
+from ntp_nemo.goodput.sim.domains import ClusterSpec
 from ntp_nemo.goodput.sim.failures import BERNOULLI, EXACT, FailureSpec
-from ntp_nemo.goodput.sim.policies import POLICIES
+from ntp_nemo.goodput.sim.policy_tables import POLICIES
 from ntp_nemo.planner.shapes import DeviceModel, LinkModel, ModelShape
 
 STUDIES = ("availability", "throughput", "trace")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ntp_nemo.goodput.sim.cluster import (
+from ntp_nemo.goodput.sim.domains import (
     ClusterSpec,
     DamagedDomains,
     replica_histogram,
@@ -24,7 +24,7 @@ from ntp_nemo.goodput.sim.cluster import (
 )
 from ntp_nemo.goodput.sim.failures import BERNOULLI, Trace, generate_trace, sample_placements, trace_states
 from ntp_nemo.goodput.sim.perf import ReplicaPerf
-from ntp_nemo.goodput.sim.policies import DP_DROP, NTP, PolicyTable, capacity, policy_table, replica_metrics
+from ntp_nemo.goodput.sim.policy_tables import DP_DROP, NTP, PolicyTable, capacity, policy_table, replica_metrics
 from ntp_nemo.goodput.sim.settings import SimSettings
 
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from ntp_nemo.errors import ConfigError
 from ntp_nemo.planner.cost import ItemCost, item_cost, item_kinds, item_names, stage_of_items, units_of
-from ntp_nemo.planner.layout import divisors, effective_degree, validate_layer_tp
+from ntp_nemo.planner.layer_tp import divisors, effective_degree, validate_layer_tp
 from ntp_nemo.planner.shapes import DeviceModel, LinkModel, ModelShape
 from ntp_nemo.topology.layout import ResolvedLayout
 from ntp_nemo.topology.topology import Topology

@@ -8,7 +8,7 @@
   degree of a layout needs is one row per rank. GPU recipes set `data.vocab_multiple=128` (GPT-2's
   50257 ids become 50304 rows).
 
-Plain values in, plain values out: the config layer (`ntp_nemo.config.data`) reads the keys and
+Plain values in, plain values out: the config layer (`ntp_nemo.config.data_keys`) reads the keys and
 applies the choice.
 """
 

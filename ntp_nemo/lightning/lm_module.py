@@ -15,10 +15,10 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
-from ntp_nemo.data.module import DataBundle
+from ntp_nemo.data.prepare import DataBundle
 from ntp_nemo.lightning.adapter import count_skipped_step
-from ntp_nemo.lightning.data import StepBatches, ValBatches
-from ntp_nemo.models.config import ModelConfig
+from ntp_nemo.lightning.batches import StepBatches, ValBatches
+from ntp_nemo.models.model_config import ModelConfig
 from ntp_nemo.runtime.compute_time import ComputeTimer
 from ntp_nemo.schedules import warmup_cosine
 

@@ -1,5 +1,5 @@
 """The data keys before launch: `data.tokenizer` and `model.vocab_size` chosen from the tokenizer
-(`ntp_nemo.data.validate.choose_vocabulary` decides; this module reads the keys and returns the values,
+(`ntp_nemo.data.vocabulary.choose_vocabulary` decides; this module reads the keys and returns the values,
 `config/resolve.py` sets them in the run's config).
 
 `model.vocab_size` given on the command line is explicit: it is kept, and is an error when smaller than
@@ -43,7 +43,7 @@ def _blend_paths(d: DictConfig) -> list[str]:
 def resolve_data_config(cfg: DictConfig, explicit: set[str] | None = None) -> dict:
     """`data.tokenizer` and `model.vocab_size` chosen (see the module doc): returns them (`tokenizer`,
     `vocab_size`) with where the tokenizer came from and its own size; `cfg` is not changed."""
-    from ntp_nemo.data.validate import check_paths, choose_vocabulary
+    from ntp_nemo.data.vocabulary import check_paths, choose_vocabulary
 
     explicit = explicit or set()
     d = cfg.data

@@ -36,7 +36,7 @@ from ntp_nemo.checkpoint.manifest import checkpoint_problem
 from ntp_nemo.data.bounded_json import JSONInputError, read_json
 from ntp_nemo.errors import ConfigError
 from ntp_nemo.goodput.calculator import GoodputCalculator, load_events
-from ntp_nemo.goodput.incidents import load_incidents
+from ntp_nemo.goodput.incident_log import load_incidents
 from ntp_nemo.resilience.coordinator import STATE_FILE as COORDINATOR_STATE
 from ntp_nemo.topology.topology import effective_degree
 

@@ -1,6 +1,6 @@
 """The Lightning cluster environments for jobs started by torchrun or srun, accepting unequal process
 counts per node: Lightning gets `devices` = this node's process count and `num_nodes` = the node count
-(see ntp_nemo.launch.cluster), and the global rank stays the launcher's.
+(see ntp_nemo.launch.node_layout), and the global rank stays the launcher's.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from lightning.fabric.plugins.environments import (
 )
 
 from ntp_nemo.errors import ConfigError
-from ntp_nemo.launch.cluster import ProcessLayout, launcher_layout, parse_tasks_per_node
+from ntp_nemo.launch.node_layout import ProcessLayout, launcher_layout, parse_tasks_per_node
 
 __all__ = [
     "NTPCoordinatedEnvironment",
