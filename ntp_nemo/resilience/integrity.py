@@ -375,7 +375,10 @@ class IntegrityWatch(Callback):
 
     def _check(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
         t0 = time.perf_counter()
-        plan, got = self._fingerprints(trainer, pl_module)
+        gathered = _between_steps(trainer, lambda: self._fingerprints(trainer, pl_module))
+        if gathered is None:  # a peer was lost during the check: the survivors recovered, no check this step
+            return
+        plan, got = gathered
         mismatches = compare(plan, got)
         if not mismatches:
             if self.cfg.keep_verified:
@@ -439,6 +442,14 @@ class IntegrityWatch(Callback):
             result, own = self._train(trainer, pl_module, pl_module.batch_of_step(index, device),
                                       watch=watch and last)
         return result, own
+
+
+def _between_steps(trainer: Trainer, fn: Any) -> Any:
+    """`fn()`, collectives outside the training step, run as the strategy runs its own
+    (`NTPStrategy.between_steps`): under live recovery a peer lost during them is recovered from before
+    the next step and None is returned (the survivors ahead may have passed them before the loss)."""
+    between = getattr(trainer.strategy, "between_steps", None)
+    return between(fn) if between is not None else fn()
 
 
 def _host_copy(value: Any) -> Any:

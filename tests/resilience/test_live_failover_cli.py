@@ -64,6 +64,8 @@ LIVE = {
     "live-sp": ["ntp.sequence_parallel=true", "fault=kill_rank", "fault.rank=1"],
     "validation": ["fault=kill_rank", "fault.rank=3", "fault.step=4", "fault.phase=validation",
                    "fault.recovery=live", "logger=tensorboard", "trainer.val_every_n_steps=4"],
+    "integrity": ["fault=kill_rank", "fault.rank=2", "fault.step=4", "fault.phase=optimizer",
+                  "fault.recovery=live", "integrity.every_n_steps=4"],
 }
 
 
@@ -463,3 +465,22 @@ def test_a_peer_lost_during_validation_is_recovered_from_and_the_validation_redo
         assert got[step] == pytest.approx(want[step], rel=1e-5), (step, got, want)
     done = [e for e in _events(run) if e["event"] == "recovery_done"]
     assert [(e["mode"], e["layout"], e["step"]) for e in done] == [("live", "(2,1)", 5)]
+
+
+@pytest.mark.slow
+def test_a_peer_lost_during_the_integrity_check_is_recovered_from_live(live_runs, reference):
+    """Rank 2 dies right after its optimizer step of step 4: the others complete step 4 and enter the
+    integrity watch's fingerprint check of step 4 (`integrity.every_n_steps=4`), whose gather fails on the
+    closed connection. The check's collectives run as the strategy's between steps do: the survivors
+    recover live there (before, the gloo error escaped the callback and the job fell to the restart
+    path), skip the check and train steps 5-8 on (2,1) on the failure-free curve."""
+    run, log = _job(live_runs, "integrity")
+    assert log.count("the survivors reshard in place") == 1, log[-3000:]
+    assert "restart path" not in log and "Traceback" not in log, log[-3000:]
+    layouts = [m["layout"] for m in read_metrics(run)]
+    # (step 4's record is written after the check, so it names the layout the recovery installed)
+    assert layouts[:3] == ["(2,2)"] * 3 and layouts[4:] == ["(2,1)"] * 4, layouts
+    _on_reference_curve(run, reference)
+    done = [e for e in _events(run) if e["event"] == "recovery_done"]
+    assert [(e["mode"], e["layout"], e["step"]) for e in done] == [("live", "(2,1)", 5)]
+    assert (run / "failover" / "attempts.jsonl").read_text().count("\n") == 1
