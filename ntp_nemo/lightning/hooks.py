@@ -76,5 +76,10 @@ class RecoveryHooks:
         """A counter the step reads at its start and hands to `check_generation` before its update."""
         return 0
 
+    def aborts_silently(self) -> bool:
+        """Whether a collective of an aborted generation may return without raising (NCCL), so that the
+        optimizer's own collectives are checked (`check_generation`) before their results are written."""
+        return False
+
     def check_generation(self, epoch: int) -> None:
         """Raise if the step's collectives may have returned garbage since `abort_epoch()` gave `epoch`."""

@@ -9,6 +9,7 @@ fragment gradient sync, the TP-aware clipping, the optimizer and the LR schedule
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -61,6 +62,11 @@ class NTPLanguageModule(pl.LightningModule):
         # or a `slow` fault; None: untimed) and what the last step gathered (index = global rank).
         self.compute_timer: ComputeTimer | None = None
         self.rank_compute_s: tuple[float, ...] | None = None
+        # The integrity watch's per-step check (`train_step`'s `own` and `guard`; None: unchecked) and
+        # every rank's own statistic the last step gathered (index = global rank).
+        self.integrity_own: Callable[[], torch.Tensor] | None = None
+        self.integrity_guard: Callable[[dict], bool] | None = None
+        self.rank_own: tuple[float, ...] | None = None
 
     @property
     def runtime(self):
@@ -206,8 +212,11 @@ class NTPLanguageModule(pl.LightningModule):
         result = train_step(self.trainer.strategy.state, batch["micro"], global_tokens,
                             max_norm=self.optim_cfg["grad_clip"], optimizer=opt, scheduler=sched,
                             backward=self.manual_backward, stop=self._stop_requested,
-                            before_update=check, on_skip=count_skipped_step, timer=timer)
+                            before_update=check, on_skip=count_skipped_step, timer=timer,
+                            commit_check=check if recovery is not None and recovery.aborts_silently()
+                            else None, own=self.integrity_own, guard=self.integrity_guard)
         self.rank_compute_s = result.compute_s
+        self.rank_own = result.own
         skipped = result.skipped
         self.stop_agreed = result.stop  # read by PreemptionCheckpoint at the end of the batch
         loss, grad_norm = result.loss, result.grad_norm

@@ -11,6 +11,12 @@ split into `len(holders)` equal chunks and holder `i` owns chunk `i`:
    scalar (the caller's fused step all-reduce, or `clip_grad_norm_`);
 3. `step`: AdamW (torch's own `adamw` function, same arithmetic as `torch.optim.AdamW`) on the owned
    chunks, then each bucket's updated chunks are all-gathered back into every holder's parameters.
+   With a commit check (`commit_check`, set for a step by `runtime.step.train_step` when a recovery's
+   aborted collectives may return without raising: NCCL) the step is a transaction: the update runs on
+   staged moments and masters, every bucket is gathered into a staging buffer, the check runs, and only
+   then is anything written; a gather or a check that raises leaves the parameters and the state as
+   they were (tests/parallel/test_dist_optimizer_commit.py).  The staging costs two moment copies of
+   the owned chunks and one parameter-sized gather buffer per dtype, only on runs that set the check.
 
 Steps 1 and 3 together move the same bytes as the all-reduce of the plain sync.  Fragments the plan
 does not communicate (identical copies inside one replica, or held by one rank) are updated whole on
@@ -86,6 +92,8 @@ class _Owned:
         self.grad: torch.Tensor | None = None  # the reduced gradient of the owned part, this step
         self.reduced: torch.Tensor | None = None  # the reduce-scatter writes here (kept between steps)
         self.work: torch.Tensor | None = None  # the update's copy of the owned parameters (kept)
+        # The transactional step's copies of the moments (swapped with them at its commit; kept)
+        self.staged: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def _flat_piece(t: torch.Tensor, f: Fragment, offset: int, length: int) -> torch.Tensor:
@@ -152,8 +160,12 @@ class DistributedAdamW(torch.optim.Optimizer):
             self.owned.append(own)
         # The buckets' gradient buffers: whole-fragment `.grad`s are views into them (`prepare_grads`).
         self.grad_buffers = BucketBuffers(self.buckets, self.named)
-        self._gather_scratch: dict[tuple, torch.Tensor] = {}  # one all-gather buffer per (dtype, device)
+        # one all-gather buffer per (dtype, device); the transactional step's staging per dtype
+        self._gather_scratch: dict[tuple, torch.Tensor] = {}
         self._grads_ready = False
+        # Called by a transactional step after its all-gathers, before it writes anything (`step`); set
+        # for a step by `runtime.step.train_step(commit_check=...)`, None otherwise
+        self.commit_check: Callable[[], None] | None = None
         self._load_masters()
         # Where `gather_state` stages the full moments (pageable host memory: a save is not a hot path).
         self.host = torch.device("cpu")
@@ -249,6 +261,15 @@ class DistributedAdamW(torch.optim.Optimizer):
     # ---- update --------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
+        """AdamW on the owned chunks, then each bucket's updated chunks all-gathered into the parameters.
+
+        With `commit_check` set the step is a transaction: the update runs on staged copies of the
+        moments (and masters), every bucket is gathered into a staging buffer, `commit_check()` runs once
+        all the gathers returned, and only then are the parameters, moments, masters and step counters
+        written.  A gather that raises, or a `commit_check` that raises (a generation aborted under the
+        step: an aborted NCCL collective may return without raising, with partial data), leaves all of
+        them as they were before the step.  Without it (the default) the update is in place and the
+        gathered buckets are unpacked one by one: no staging memory."""
         if closure is not None:  # Lightning's manual optimisation passes a do-nothing closure
             with torch.enable_grad():
                 closure()
@@ -256,36 +277,62 @@ class DistributedAdamW(torch.optim.Optimizer):
             self._take_over_state()
         if not self._grads_ready:
             self.reduce_scatter_grads()
-        work: list[torch.Tensor] = []
-        for own in self.owned:
-            if own.master is not None:
-                buf = own.master
+        try:
+            if self.commit_check is None:
+                self._step_in_place()
             else:
-                if own.work is None or own.work.dtype != own.exp_avg.dtype:
-                    own.work = torch.zeros(own.numel, dtype=own.exp_avg.dtype, device=self.device)
-                buf = own.work
-                for s in own.segments:
-                    buf[s.offset : s.offset + s.length] = _flat_piece(self.named[s.frag.name], s.frag,
-                                                                      s.frag_offset, s.length)
-            work.append(buf)
+                self._step_staged(self.commit_check)
+        finally:
+            for own in self.owned:
+                own.grad = None
+            self._grads_ready = False
+        return None
+
+    def _work_buffer(self, own: _Owned) -> torch.Tensor:
+        """The update's copy of `own`'s parameters in the master dtype (kept between steps)."""
+        if own.work is None or own.work.dtype != own.exp_avg.dtype:
+            own.work = torch.zeros(own.numel, dtype=own.exp_avg.dtype, device=self.device)
+        return own.work
+
+    def _load_work(self, own: _Owned) -> torch.Tensor:
+        buf = self._work_buffer(own)
+        for s in own.segments:
+            buf[s.offset : s.offset + s.length] = _flat_piece(self.named[s.frag.name], s.frag,
+                                                              s.frag_offset, s.length)
+        return buf
+
+    def _adamw(self, work: list[torch.Tensor], exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor],
+               steps: list[list[torch.Tensor]]) -> None:
+        """torch's AdamW on every owned segment, group by group: `work[i]` holds owned part i's
+        parameters, `exp_avg[i]`/`exp_avg_sq[i]` its moments, `steps[i]` its segments' step counters."""
         for gi, group in enumerate(self.param_groups):
-            ps, gs, m1, m2, steps = [], [], [], [], []
-            for own, buf in zip(self.owned, work, strict=True):
+            ps, gs, m1, m2, st = [], [], [], [], []
+            for own, buf, a, b, counters in zip(self.owned, work, exp_avg, exp_avg_sq, steps, strict=True):
                 grad = own.grad.to(buf.dtype)
-                for s in own.segments:
+                for s, counter in zip(own.segments, counters, strict=True):
                     if s.group != gi:
                         continue
                     sl = slice(s.offset, s.offset + s.length)
                     ps.append(buf[sl])
                     gs.append(grad[sl])
-                    m1.append(own.exp_avg[sl])
-                    m2.append(own.exp_avg_sq[sl])
-                    steps.append(s.step)
+                    m1.append(a[sl])
+                    m2.append(b[sl])
+                    st.append(counter)
             if not ps:
                 continue
             beta1, beta2 = group["betas"]
-            adamw(ps, gs, m1, m2, [], steps, foreach=None, amsgrad=False, beta1=beta1, beta2=beta2,
+            adamw(ps, gs, m1, m2, [], st, foreach=None, amsgrad=False, beta1=beta1, beta2=beta2,
                   lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+
+    def _copy_local(self, own: _Owned, buf: torch.Tensor) -> None:
+        s = own.segments[0]
+        p = self.named[s.frag.name]
+        fragment_view(p, s.frag).copy_(buf.view(fragment_view(p, s.frag).shape).to(p.dtype))
+
+    def _step_in_place(self) -> None:
+        work = [own.master if own.master is not None else self._load_work(own) for own in self.owned]
+        self._adamw(work, [o.exp_avg for o in self.owned], [o.exp_avg_sq for o in self.owned],
+                    [[s.step for s in o.segments] for o in self.owned])
         self._step_count += 1
         nb = len(self.buckets)
         for b, buf in zip(self.buckets, work[:nb], strict=True):
@@ -294,13 +341,64 @@ class DistributedAdamW(torch.optim.Optimizer):
             dist.all_gather_single(full, buf.to(p0.dtype), group=self.group_of(b.holders))
             unpack(b, full, self.named)
         for own, buf in zip(self.owned[nb:], work[nb:], strict=True):
-            s = own.segments[0]
-            p = self.named[s.frag.name]
-            fragment_view(p, s.frag).copy_(buf.view(fragment_view(p, s.frag).shape).to(p.dtype))
+            self._copy_local(own, buf)
+
+    def _staged_moments(self, own: _Owned) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of `own`'s moments the staged update writes (buffers kept between steps)."""
+        if own.staged is None or own.staged[0].dtype != own.exp_avg.dtype:
+            own.staged = (torch.empty_like(own.exp_avg), torch.empty_like(own.exp_avg_sq))
+        own.staged[0].copy_(own.exp_avg)
+        own.staged[1].copy_(own.exp_avg_sq)
+        return own.staged
+
+    def _step_staged(self, commit_check: Callable[[], None]) -> None:
+        """The transaction of `step`: nothing this rank keeps is written before every gather returned and
+        `commit_check()` passed."""
+        work, m1, m2, steps = [], [], [], []
         for own in self.owned:
-            own.grad = None
-        self._grads_ready = False
-        return None
+            buf = self._work_buffer(own)
+            if own.master is not None:
+                buf.copy_(own.master)
+            else:
+                self._load_work(own)
+            a, b = self._staged_moments(own)
+            work.append(buf)
+            m1.append(a)
+            m2.append(b)
+            steps.append([s.step.clone() for s in own.segments])
+        self._adamw(work, m1, m2, steps)
+        nb = len(self.buckets)
+        gathered = []
+        offsets: dict[torch.dtype, int] = {}
+        for b, buf in zip(self.buckets, work[:nb], strict=True):
+            dtype = self.named[b.frags[0].name].dtype
+            at = offsets.get(dtype, 0)
+            full = self._staging_buffer(dtype)[at : at + b.padded]
+            offsets[dtype] = at + b.padded
+            dist.all_gather_single(full, buf.to(dtype), group=self.group_of(b.holders))
+            gathered.append(full)
+        commit_check()  # raises: nothing below runs, the parameters and the state stay as they were
+        for b, full in zip(self.buckets, gathered, strict=True):
+            unpack(b, full, self.named)
+        for own, buf in zip(self.owned[nb:], work[nb:], strict=True):
+            self._copy_local(own, buf)
+        for own, buf, counters in zip(self.owned, work, steps, strict=True):
+            own.exp_avg, own.exp_avg_sq, own.staged = own.staged[0], own.staged[1], (own.exp_avg,
+                                                                                     own.exp_avg_sq)
+            if own.master is not None:
+                own.master.copy_(buf)
+            for s, counter in zip(own.segments, counters, strict=True):
+                s.step.copy_(counter)
+        self._step_count += 1
+
+    def _staging_buffer(self, dtype: torch.dtype) -> torch.Tensor:
+        """The transactional step's gather target for `dtype` parameters: every bucket of that dtype at
+        once (kept between steps; allocated only when a step runs with `commit_check`)."""
+        key = ("staged", dtype, self.device)
+        if key not in self._gather_scratch:
+            size = sum(b.padded for b in self.buckets if self.named[b.frags[0].name].dtype == dtype)
+            self._gather_scratch[key] = torch.empty(size, dtype=dtype, device=self.device)
+        return self._gather_scratch[key]
 
     def _gather_buffer(self, dtype: torch.dtype) -> torch.Tensor:
         """The all-gather buffer for `dtype` parameters, as large as their largest bucket (kept between

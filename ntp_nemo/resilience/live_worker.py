@@ -148,6 +148,10 @@ class LiveRecovery(Callback, RecoveryHooks):
         hands it to `check_generation` before its optimizer step."""
         return self._aborts
 
+    def aborts_silently(self) -> bool:
+        """NCCL: an aborted communicator's collective can return without raising (`check_generation`)."""
+        return uses_nccl(self.backend)
+
     def check_generation(self, epoch: int) -> None:
         """Raise `GenerationAborted` if a generation was aborted since `abort_epoch()` returned `epoch`
         and the step's collectives may have returned garbage (NCCL: an aborted communicator's collective

@@ -51,8 +51,13 @@ class StepResult:
 
     @property
     def skipped(self) -> bool:
-        """Some rank found a non-finite gradient: no update this step."""
-        return self.values is not None and self.values["nonfinite"] > 0
+        """Some rank found a non-finite gradient, or the step's `guard` held it suspect: no update."""
+        return self.values is not None and (self.values["nonfinite"] > 0 or bool(self.values.get("suspect")))
+
+    @property
+    def own(self) -> tuple[float, ...] | None:
+        """Every rank's `own` statistic of this step (index = global rank), when it was gathered."""
+        return None if self.values is None else self.values.get("own")
 
     @property
     def stop(self) -> bool:
@@ -75,11 +80,14 @@ def train_step(
     backward: Callable[[torch.Tensor], None] | None = None,
     stop: bool | Callable[[], bool] = False,
     before_update: Callable[[], None] | None = None,
+    commit_check: Callable[[], None] | None = None,
     on_skip: Callable[[Any], None] | None = None,
     phase: Callable[[str], AbstractContextManager] | None = None,
     grad_norm: bool = True,
     read_scalars: bool = True,
     timer: ComputeTimer | None = None,
+    own: Callable[[], torch.Tensor] | None = None,
+    guard: Callable[[dict], bool] | None = None,
 ) -> StepResult:
     """One optimizer step of `state` on this replica's `micro_batches` of a global batch of
     `global_tokens` target tokens (the loss is normalised by it, so every layout sees the same gradient).
@@ -90,13 +98,20 @@ def train_step(
     (default `loss.backward()`; Lightning's `manual_backward`).  `stop`: this rank asks to stop; a
     callable is asked after the backward.  `before_update()`: runs after the host read and before the
     optimizer (a recovery that must not apply a step of an aborted generation raises there).
+    `commit_check()`: the same question asked again after the collectives of the optimizer's own step
+    (the distributed optimizer's parameter all-gather) and before it writes anything: an optimizer
+    that takes it (`commit_check` attribute) runs its step as a transaction, and raising there leaves
+    the parameters and the optimizer state as they were.
     `on_skip(optimizer)`: runs in place of the optimizer's step when the update is skipped.
     `phase(name)`: a context manager entered around each of `PHASES` (the dry run counts there).
     `grad_norm=False` hands the fused all-reduce a zero squared norm (clipping then does nothing): the
     dry run's shape-only steps, where no figure comes from it.  `read_scalars=False` leaves the fused
     scalars unread on the device and the optimizer steps (meta tensors hold no values: the dry run).
     `timer`: times this rank's micro-batch phase, and every rank's time rides on the fused scalars
-    (`StepResult.compute_s`: straggler detection)."""
+    (`StepResult.compute_s`: straggler detection).  `own()`: this rank's own gradient statistic, asked
+    after the micro-batches and before the DP sync (the integrity watch's), every rank's riding on the
+    fused scalars (`StepResult.own`); `guard(values)`, asked after the host read: True holds the step
+    suspect, and no rank applies its update (`values["suspect"]`, `StepResult.skipped`)."""
     runtime, path, model = state.runtime, state.grad_path, state.model
     opt = state.optimizer if optimizer is None else optimizer
     phase = phase or _no_phase
@@ -104,6 +119,7 @@ def train_step(
     path.begin_step(len(micro))
     with phase("microbatches"), timer.phase("microbatches") if timer is not None else nullcontext():
         loss_sum = runtime.train_microbatches(model, micro, global_tokens, backward)
+    mine = own() if own is not None else None  # before the sync: this rank's gradients alone
     with phase("grad_sync"):
         path.finish_sync()
     if grad_norm:
@@ -112,9 +128,13 @@ def train_step(
         sq = torch.zeros((), dtype=runtime.acc_dtype, device=runtime.device)
     with phase("scalars"):
         fused = runtime.step_scalars(loss_sum, sq, stop=stop() if callable(stop) else stop,
-                                     compute_s=None if timer is None else timer.reading(runtime.device))
+                                     compute_s=None if timer is None else timer.reading(runtime.device),
+                                     own=mine)
     path.clip_to_norm_(fused[1].sqrt(), max_norm)
-    values = runtime.read_step_scalars(fused) if read_scalars else None  # the step's one host read
+    values = runtime.read_step_scalars(fused, own=0 if mine is None else runtime.topology.world_size) \
+        if read_scalars else None  # the step's one host read
+    if values is not None and guard is not None and values["nonfinite"] <= 0 and guard(values):
+        values["suspect"] = 1.0
     if before_update is not None:
         before_update()
     result = StepResult(fused, values, global_tokens)
@@ -123,7 +143,15 @@ def train_step(
             on_skip(opt)
     else:
         with phase("optimizer"):
-            opt.step()
+            inner = state.optimizer  # the optimizer itself (`opt` may be Lightning's wrapper of it)
+            guarded = commit_check is not None and hasattr(inner, "commit_check")
+            if guarded:
+                inner.commit_check = commit_check
+            try:
+                opt.step()
+            finally:
+                if guarded:
+                    inner.commit_check = None
     opt.zero_grad(set_to_none=False)
     if scheduler is not None:
         scheduler.step()
