@@ -48,6 +48,7 @@ from ntp_nemo.resilience.rendezvous import (
     SEAL_KEY,
     connect,
     decide_rejoin,
+    drop_generation,
     host_store,
     is_ready,
     local_secret,
@@ -158,7 +159,8 @@ class LiveMonitor(threading.Thread):
         self.launcher = launcher
         self.world_size = world_size
         self.heartbeat_dir, self.heartbeat_s = heartbeat_dir, heartbeat_s
-        self._hung: set[int] = set()
+        self._hung: dict[int, int] = {}  # process index -> the pid killed as hung there (a repaired
+        # process in the same place is watched afresh: before, a place killed once was never blamed again)
         self.state = state
         self.poll_s, self.grace_s = poll_s, grace_s
         self.verdict: Verdict | None = None
@@ -221,7 +223,7 @@ class LiveMonitor(threading.Thread):
                     self._stop_all(procs, verdict.detail, verdict.ranks)
                     self.verdict = verdict
                     return
-                self._kill_hung(procs, self.world_size - len(self.launcher.lost))
+                self._kill_hung(procs)
                 self._watch_rejoin(procs, seen)
                 self._maybe_rejoin(procs, seen)
                 continue
@@ -241,6 +243,8 @@ class LiveMonitor(threading.Thread):
             if lost and not fallback and not errors:
                 if r is not None and r.get("decided"):  # the rejoin into this generation failed
                     lost = self._abandon_rejoin(procs, seen, lost)
+                elif r is not None:  # a survivor lost while the announced rejoin awaits its decision
+                    self._withdraw_rejoin(procs, seen, lost)
                 self.launcher.lost.update(lost)
                 publish_failed(self.launcher.store, self.generation, lost)
                 self.fresh_window()
@@ -347,6 +351,26 @@ class LiveMonitor(threading.Thread):
         print(f"failover | live: the rejoin of process(es) {r['pids']} failed ({why}); the survivors go on "
               "without them", flush=True)
 
+    def _withdraw_rejoin(self, procs, seen: set[int], lost: list[int]) -> None:
+        """A survivor died while the announced rejoin awaited its decision: the survivors are still in
+        generation `g` (none has joined `g + 1`), so the loss is theirs to recover from in `g`.  The
+        repaired processes are stopped, the rejoin cancelled (a survivor waiting at its step goes on in
+        `g`, and fails there), the keys the repaired processes wrote for `g + 1` deleted (the survivors
+        form `g + 1` next, with other ranks) and the monitor's generation set back to `g`; the repair is
+        tried again later.  (Before, the loss was published for `g + 1`, which no survivor waits on: they
+        waited out the collective timeout and fell back to the restart path.)"""
+        r, self._rejoin = self._rejoin, None
+        assert r is not None
+        self.launcher.lost.update(r["pids"])  # before the kill: the launcher then never counts them as lost
+        _stop(procs, r["pids"])
+        seen.update(r["pids"])
+        store = self.launcher.store
+        decide_rejoin(store, r["generation"], r["announced"], join=False)
+        drop_generation(store, r["generation"] + 1)
+        self.generation = r["generation"]
+        print(f"failover | live: the rejoin of process(es) {r['pids']} is withdrawn: process(es) {lost} died "
+              "before it was decided; it is tried again later", flush=True)
+
     def _abandon_rejoin(self, procs, seen: set[int], lost: list[int]) -> list[int]:
         """A process died while the decided rejoin formed its generation (`g + 1`): the repaired
         processes still alive are stopped too, and all of them are listed lost with `lost`, so that the
@@ -380,6 +404,8 @@ class LiveMonitor(threading.Thread):
         if step < self._degraded_at + self.repair_after_steps:
             return
         gone = [i for i, p in enumerate(procs) if p.exitcode is not None]
+        if any(i not in seen for i in gone):
+            return  # an exit since this poll began, not yet published: the next poll handles it first
         if not gone or len(gone) == len(procs):
             self._degraded_at = None
             return
@@ -411,22 +437,28 @@ class LiveMonitor(threading.Thread):
         """A change of generation begins now: every rank gets a full heartbeat timeout from here."""
         self._window_t = time.time()
 
-    def _kill_hung(self, procs, world: int) -> None:
+    def _kill_hung(self, procs) -> None:
         """A rank whose heartbeat is older than the heartbeat timeout while it trains, and whose process is
         stopped or (none being stopped) is behind the others (`detection.blame`), is hung: kill it, so
         that it is handled as a lost rank (its peers' collectives fail).  The ranks left get a fresh
-        heartbeat window from the kill: their beats still carry the time of the step the hang held up."""
+        heartbeat window from the kill: their beats still carry the time of the step the hang held up.
+
+        Each process writes the heartbeat file of its place (`rank_<index>`); only the beats of running
+        processes count (a lost process's last beat is stale, not behind; a repaired one counts from its
+        first beat), and every running process must have beaten."""
         if self.heartbeat_dir is None or self.heartbeat_s is None:
             return
-        beats = read_beats(self.heartbeat_dir, world)
+        running = {i: p.pid for i, p in enumerate(procs) if p.exitcode is None and p.pid is not None}
+        beats = {i: b for i, b in read_beats(self.heartbeat_dir, len(procs)).items() if running.get(i) == b.pid}
         now = time.time()
-        if len(beats) < world or not any(b.training and now - max(b.t, self._window_t) > self.heartbeat_s
-                                         for b in beats.values()):
+        if not beats or len(beats) < len(running) or not any(
+                b.training and now - max(b.t, self._window_t) > self.heartbeat_s for b in beats.values()):
             return
-        pids = {beats[r].pid for r in blame(beats, world, self.state)}
+        ordered = dict(enumerate(beats.values()))  # `blame` numbers the ranks it compares 0..n-1
+        pids = {ordered[r].pid for r in blame(ordered, len(ordered), self.state)}
         for i, p in enumerate(procs):
-            if p.pid in pids and p.exitcode is None and i not in self._hung:
-                self._hung.add(i)
+            if p.pid in pids and p.exitcode is None and self._hung.get(i) != p.pid:
+                self._hung[i] = p.pid
                 stopped = " and its process is stopped" if self.state(p.pid) in STOPPED_STATES else ""
                 print(f"failover | live: process {i} hung (no heartbeat for {self.heartbeat_s:.0f} s"
                       f"{stopped}); killing it to recover without it", flush=True)

@@ -245,6 +245,25 @@ def prune_generations(store: JobStore, current: int, keep: int = KEPT_GENERATION
     return removed
 
 
+def drop_generation(store: JobStore, generation: int) -> int:
+    """Delete the keys of `generation` alone from the job's store (a withdrawn rejoin's: its repaired
+    processes began that generation's rendezvous, and the survivors form a generation of that number
+    next, with other ranks); returns how many."""
+    try:
+        keys = store.store.list_keys()
+    except Exception:  # noqa: BLE001 - a store that cannot list its keys keeps them
+        return 0
+    removed = 0
+    for key in keys:
+        m = _GENERATION_KEY.match(key)
+        if m is not None and int(m.group(1)) == generation:
+            try:
+                removed += bool(store.store.delete_key(key))
+            except Exception:  # noqa: BLE001 - gone already
+                pass
+    return removed
+
+
 def store_barrier(store: JobStore, key: str, count: int, timeout_s: float = 60.0) -> None:
     """Block until `count` processes have reached `key` (no process group needed)."""
     store.add(key, 1)

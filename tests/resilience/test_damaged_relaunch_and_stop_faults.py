@@ -118,10 +118,10 @@ def test_the_live_monitor_kills_the_stopped_rank_alone_and_gives_the_others_a_fr
         launcher = SimpleNamespace(procs=procs, store=object(), lost=set(), stop_requested=None)
         monitor = LiveMonitor(launcher, 3, tmp_path, 0.5)
         time.sleep(0.7)  # every beat is now older than the heartbeat timeout
-        monitor._kill_hung(procs, 3)
+        monitor._kill_hung(procs)
         procs[1].join(5)
         assert procs[1].exitcode == -9
-        monitor._kill_hung(procs, 3)  # the same stale beats, before the loss is published
+        monitor._kill_hung(procs)  # the same stale beats, before the loss is published
         time.sleep(0.2)
         assert [procs[0].exitcode, procs[2].exitcode] == [None, None]
     finally:

@@ -40,11 +40,11 @@ def test_no_survivor_is_judged_hung_by_a_beat_from_before_its_recovery(tmp_path)
         monitor = LiveMonitor(launcher, 3, tmp_path, 0.5)
         time.sleep(0.7)  # every beat is now older than the heartbeat timeout
         monitor.fresh_window()  # a loss was published: the survivors recover
-        monitor._kill_hung(procs, 3)
+        monitor._kill_hung(procs)
         time.sleep(0.2)
         assert [p.exitcode for p in procs] == [None, None, None]  # nobody killed by a stale beat
         time.sleep(0.5)  # no fresh beat a full heartbeat timeout after the recovery began
-        monitor._kill_hung(procs, 3)
+        monitor._kill_hung(procs)
         procs[1].join(5)
         assert procs[1].exitcode == -9  # the one behind
         assert [procs[0].exitcode, procs[2].exitcode] == [None, None]
