@@ -154,7 +154,7 @@ def main() -> None:
                                 capture_output=True, text=True, check=True).stdout
         source = source.replace("import ntp_nemo.goodput.events as ev", "import baseline_events as ev")
         (work / name).write_text(source)
-    cli = [sys.executable, "-m", "ntp_nemo.goodput.report"]
+    cli = [sys.executable, "-m", "ntp_nemo.cli.goodput"]
     rows = []
     wall, cpu, out = timed([sys.executable, "-c", BASELINE_DRIVER, str(baseline), str(small)])
     old = json.loads(out.strip().splitlines()[-1])

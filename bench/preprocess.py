@@ -93,7 +93,7 @@ def preprocess(tok_path: Path, corpus: Path, out: Path, workers: int) -> tuple[f
         p.unlink()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     c0, t0 = cpu_children(), time.perf_counter()
-    cmd = [sys.executable, "-m", "ntp_nemo.data.preprocess", str(corpus), "--tokenizer", str(tok_path),
+    cmd = [sys.executable, "-m", "ntp_nemo.cli.preprocess", str(corpus), "--tokenizer", str(tok_path),
            "--out", str(out), "--workers", str(workers), "--no-progress"]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall, cpu = time.perf_counter() - t0, cpu_children() - c0

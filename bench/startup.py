@@ -4,7 +4,7 @@
                             [--run-repeats 3] [--cases TEXT]
 
 Each command runs in a fresh Python process, the way the `ntp-train` console script runs it
-(`ntp_nemo.train:main` with the command's arguments), several times; the table gives best and median
+(`ntp_nemo.cli.train:main` with the command's arguments), several times; the table gives best and median
 wall seconds from the process start to
 
 - `--help`: its exit;
@@ -48,9 +48,9 @@ from tests.shapes import TINY_OVERRIDES as TINY  # noqa: E402  (the tests' TINY:
 
 HEAVY = ("torch", "torch.distributed", "lightning", "modelopt", "matplotlib", "transformers")
 
-# Runs `ntp_nemo.train:main` from the checkout ROOT (argv[1]) with the rest of argv, as the console
-# script does; `ntp_nemo.conf`/`ntp_nemo.recipes` are that checkout's conf/ and recipes/ (an editable
-# install of another checkout would otherwise supply its own).
+# Runs `ntp_nemo.cli.train:main` (`ntp_nemo.train:main` in older checkouts) from the checkout ROOT
+# (argv[1]) with the rest of argv, as the console script does; `ntp_nemo.conf`/`ntp_nemo.recipes` are that
+# checkout's conf/ and recipes/ (an editable install of another checkout would otherwise supply its own).
 LAUNCH = """\
 import importlib.util, sys
 root = sys.argv[1]
@@ -62,7 +62,10 @@ for name, sub in (("ntp_nemo.conf", "conf"), ("ntp_nemo.recipes", "recipes")):
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
 sys.argv = ["ntp-train", *sys.argv[2:]]
-from ntp_nemo.train import main
+try:
+    from ntp_nemo.cli.train import main
+except ModuleNotFoundError:  # a checkout from before ntp-train's command moved to ntp_nemo/cli/
+    from ntp_nemo.train import main
 sys.exit(main())
 """
 

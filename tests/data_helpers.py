@@ -50,7 +50,7 @@ def write_jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
 def run_preprocess(*args: str, cwd: Path, timeout: int = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env.setdefault("NTP_NEMO_CACHE", str(cwd / "cache"))
-    return subprocess.run([sys.executable, "-m", "ntp_nemo.data.preprocess", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "ntp_nemo.cli.preprocess", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -53,7 +53,7 @@ def trained(tmp_path_factory):
     text = " ".join(corpus_documents(5_000)).encode()
     (root / "doc.txt").write_bytes(text[:384])
     (root / "val.txt").write_bytes(text[1000:1000 + VAL * SEQ])
-    from ntp_nemo.data.preprocess import run as preprocess
+    from ntp_nemo.cli.preprocess import run as preprocess
 
     for text_file, out in (("doc.txt", "tokens.bin"), ("val.txt", "val.bin")):
         assert preprocess([str(root / text_file), "--out", str(root / out), "--tokenizer", "byte",

@@ -26,7 +26,7 @@ def _goodput_run(tmp_path: Path) -> Path:
 
 
 def test_ntp_goodput_without_matplotlib_prints_the_table_and_notes_the_png(tmp_path, monkeypatch, capsys):
-    from ntp_nemo.goodput import report
+    from ntp_nemo.cli import goodput as report
 
     run = _goodput_run(tmp_path)
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:

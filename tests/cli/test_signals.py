@@ -262,7 +262,7 @@ def test_ctrl_c_before_training_removes_the_run_dirs_the_command_made(tmp_path):
                 (run / RECORD_DIR / "config.yaml").write_text("trainer: {}\n")
                 (run / LOG_NAMES[0]).write_text("ntp_nemo | recipe gpt_tiny\n")
             (trained / "metrics.jsonl").write_text('{"step": 1}\n')
-            from ntp_nemo.train import _interrupted
+            from ntp_nemo.cli.train import _interrupted
 
             os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
             _interrupted(created, signal.SIGINT, None)  # exits

@@ -92,5 +92,5 @@ def test_entry_point_is_this_checkout():
     """The probes load the installed `ntp-train`; it must be this checkout's."""
     import ntp_nemo
 
-    assert entry_points(group="console_scripts")["ntp-train"].value == "ntp_nemo.train:main"
+    assert entry_points(group="console_scripts")["ntp-train"].value == "ntp_nemo.cli.train:main"
     assert ROOT in Path(ntp_nemo.__file__).resolve().parents

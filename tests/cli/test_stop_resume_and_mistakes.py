@@ -85,8 +85,8 @@ def test_ctrl_c_checkpoints_then_resume_has_no_duplicate_steps(tmp_path, monkeyp
     assert ends and all(e["tokens"] == 12 * 32 for e in ends)
     # The console, summary.json and ntp-goodput agree on the goodput (ntp-goodput and ntp-plan are
     # called in this process, as their console scripts call them).
+    from ntp_nemo.cli import goodput as report
     from ntp_nemo.cli import plan
-    from ntp_nemo.goodput import report
 
     capsys.readouterr()
     monkeypatch.setattr(sys, "argv", ["ntp-goodput", str(run), "--json", "--no-plot"])

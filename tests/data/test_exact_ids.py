@@ -12,7 +12,8 @@ import sys
 import numpy as np
 import pytest
 
-from ntp_nemo.data import preprocess, readers
+from ntp_nemo.cli import preprocess
+from ntp_nemo.data import readers
 from ntp_nemo.data.prepare import build_data
 from ntp_nemo.data.tokens import open_token_file, read_sidecar, sidecar_path
 from ntp_nemo.errors import ConfigError

@@ -10,7 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from ntp_nemo.data import preprocess, readers
+from ntp_nemo.cli import preprocess
+from ntp_nemo.data import readers
 from ntp_nemo.data.tokens import open_token_file
 from tests.data_helpers import corpus_documents, write_jsonl
 

@@ -195,7 +195,7 @@ def test_events_of_a_real_live_failover_run() -> None:
 
 def _ntp_goodput(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "120"}
-    return subprocess.run([sys.executable, "-m", "ntp_nemo.goodput.report", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "ntp_nemo.cli.goodput", *args], capture_output=True,
                           text=True, env=env, timeout=120)
 
 

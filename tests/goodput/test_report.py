@@ -38,7 +38,7 @@ EXPECTED = {
 
 def ntp_goodput(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "120"}
-    cmd = [sys.executable, "-m", "ntp_nemo.goodput.report", *args]
+    cmd = [sys.executable, "-m", "ntp_nemo.cli.goodput", *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
 
 

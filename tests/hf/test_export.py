@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from ntp_nemo.checkpoint.sharded import save_checkpoint
+from ntp_nemo.cli.export import main
 from ntp_nemo.errors import ConfigError
 from ntp_nemo.hf import load_hf_into
 from ntp_nemo.hf.checkpoint_source import iter_logical_tensors
 from ntp_nemo.hf.config_map import hf_fields
-from ntp_nemo.hf.export import export_checkpoint, export_model, main, parse_size
+from ntp_nemo.hf.export import export_checkpoint, export_model, parse_size
 from ntp_nemo.hf.safetensors_files import HFWeightsReader
 from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.models import build_model
@@ -23,8 +24,8 @@ from ntp_nemo.runtime.assemble import assemble
 from ntp_nemo.runtime.runtime import NTPRuntime
 from ntp_nemo.runtime.step import train_step
 from ntp_nemo.topology import ResolvedLayout, Topology
-from tests.ntp_cases import OPTIM
 from tests.hf.test_import import HF_VOCAB, PADDED_VOCAB, TOL, _rel, hf_logits, make_hf_dir, resolved, tokens
+from tests.ntp_cases import OPTIM
 
 transformers = pytest.importorskip("transformers")
 

@@ -18,7 +18,7 @@ TEXT = "Hello world. The quick brown fox jumps over the lazy dog; def main(argv)
 
 def _export_in_process(monkeypatch, capsys, args: list[str]) -> str:
     """`ntp-export ARGS` called in this process; returns what it printed (it must exit 0)."""
-    from ntp_nemo.hf.export import main
+    from ntp_nemo.cli.export import main
 
     monkeypatch.setattr(sys, "argv", ["ntp-export", *args])
     with pytest.raises(SystemExit) as done:
@@ -57,7 +57,7 @@ def test_export_writes_the_runs_tokenizer(tmp_path, monkeypatch, capsys):
     assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~mask}, modes
     # The tokenizer deleted after training: refused (exit 2, the fix named), or weights alone if asked.
     (tok_dir / "tokenizer.json").rename(tmp_path / "moved.json")
-    res = run_cli([str(run), str(tmp_path / "hf2")], cwd=tmp_path, module="ntp_nemo.hf.export")
+    res = run_cli([str(run), str(tmp_path / "hf2")], cwd=tmp_path, module="ntp_nemo.cli.export")
     assert res.returncode == 2 and "no longer exists" in res.stderr and "--no-tokenizer" in res.stderr
     assert "Traceback" not in res.stderr
     _export_in_process(monkeypatch, capsys, [str(run), str(tmp_path / "hf3"), "--no-tokenizer"])

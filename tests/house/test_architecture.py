@@ -74,6 +74,19 @@ def test_console_scripts_table_is_pyprojects():
     assert rows == scripts
 
 
+def test_console_scripts_live_in_cli():
+    """Every console script's function is the `main` of a module of `ntp_nemo/cli/` named for its command
+    (`ntp-plan` -> `ntp_nemo.cli.plan`; `ntp-eval` -> `ntp_nemo.cli.evaluate`): one place to find them."""
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    elsewhere = {}
+    for command, target in scripts.items():
+        module, _, func = target.partition(":")
+        package, _, name = module.rpartition(".")
+        if package != "ntp_nemo.cli" or func != "main" or not name.startswith(command.removeprefix("ntp-")):
+            elsewhere[command] = target
+    assert len(scripts) >= 10 and not elsewhere, elsewhere
+
+
 def test_readme_links_the_architecture_first():
     readme = (ROOT / "README.md").read_text()
     docs = re.findall(r"`(docs/\w+\.md)`", readme.split("## Documentation", 1)[1])

@@ -24,7 +24,7 @@ def _without_matplotlib(code: str) -> subprocess.CompletedProcess[str]:
 def test_goodput_timeline_without_matplotlib_names_the_extra(run_dir: Path) -> None:  # noqa: F811
     """The table is what the user asked for: it is printed (exit 0), and the missing PNG is a note naming
     the extra to install and the way to leave the plot out."""
-    call = "from ntp_nemo.goodput.report import main; sys.argv = ['ntp-goodput', sys.argv[1]]; main()"
+    call = "from ntp_nemo.cli.goodput import main; sys.argv = ['ntp-goodput', sys.argv[1]]; main()"
     proc = _without_matplotlib(call.replace("sys.argv[1]", repr(str(run_dir))))
     assert proc.returncode == 0 and "goodput" in proc.stdout, proc.stderr
     assert "goodput_timeline.png not written" in proc.stderr

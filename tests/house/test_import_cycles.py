@@ -3,8 +3,10 @@
 An edge A -> B is any import in A that names B: `import B`, `from B import x` (B's namespace is read, so
 a submodule importing a name from its own package's `__init__` counts), and `from P import B` where B is
 a submodule; imports inside functions count too (a deferred import hides a circle, it does not remove
-it); imports under `if TYPE_CHECKING:` do not (they never run).  The groups of modules that reach each
-other (strongly connected components) must be empty, apart from KNOWN.
+it); imports under `if TYPE_CHECKING:` do not (they never run), nor those under
+`if __name__ == "__main__":` (they run only in a module run as a script, which is then `__main__`, not the
+module the others import).  The groups of modules that reach each other (strongly connected components)
+must be empty, apart from KNOWN.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ def _modules(pkg: Path) -> dict[str, Path]:
 
 def _imports(stmts: list[ast.stmt]):
     for s in stmts:
-        if isinstance(s, ast.If) and "TYPE_CHECKING" in ast.unparse(s.test):
+        if isinstance(s, ast.If) and ("TYPE_CHECKING" in ast.unparse(s.test)
+                                      or ast.unparse(s.test) == "__name__ == '__main__'"):
             continue
         if isinstance(s, (ast.Import, ast.ImportFrom)):
             yield s

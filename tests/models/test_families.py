@@ -24,22 +24,23 @@ import torch
 from omegaconf import OmegaConf
 
 from ntp_nemo.checkpoint import load_checkpoint, save_checkpoint
+from ntp_nemo.cli.export import main
 from ntp_nemo.config.validate import validate_model
 from ntp_nemo.errors import ConfigError
 from ntp_nemo.hf import load_hf_into
 from ntp_nemo.hf.config_map import hf_config, hf_fields, resolve_model_config
-from ntp_nemo.hf.export import export_model, main
+from ntp_nemo.hf.export import export_model
 from ntp_nemo.hf.mapping import weight_map
 from ntp_nemo.launch.workers import run_workers
 from ntp_nemo.models import build_model, param_count
-from ntp_nemo.models.model_config import ModelConfig
 from ntp_nemo.models.families import family, model_shape, names
+from ntp_nemo.models.model_config import ModelConfig
 from ntp_nemo.runtime.assemble import RankState, assemble
 from ntp_nemo.runtime.step import train_step
 from ntp_nemo.topology import ResolvedLayout, Topology
-from tests.ntp_cases import OPTIM
 from tests.hf.test_export import assert_bit_exact, hf_state
 from tests.hf.test_import import HF_VOCAB, TOL, _one_thread, _rel, hf_logits, tokens
+from tests.ntp_cases import OPTIM
 
 transformers = pytest.importorskip("transformers")
 

@@ -441,7 +441,7 @@ def test_ctrl_c_between_restart_attempts_prints_the_resume_command(tmp_path):
             job = OmegaConf.create({"runtime": {"output_dir": str(run)},
                                     "overrides": {"task": ["trainer.max_steps=8"]}})
             HydraConfig.get = staticmethod(lambda: job)  # the Hydra job of the command (in this fork only)
-            from ntp_nemo.train import _interrupted
+            from ntp_nemo.cli.train import _interrupted
 
             _interrupted([], signal.SIGINT, None)  # exits
         finally:
