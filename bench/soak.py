@@ -25,6 +25,8 @@ Checked as it goes (every 100 failures) and at the end; the first invariant that
 4. exits: the stop ends with a documented stop status, the resumed command with 0;
 5. planned: no process is lost but those the soak strikes (a validation out of step after a rejoin, a
    recovery that hangs, would show as one more loss);
+   live: every failure is recovered live: the first fall to the restart path (the survivors gave up, a
+   worker raised) ends the soak at once, naming the console line;
 6. bounded: per window of 100 failures, each process's (launcher, ranks 0-3) most open descriptors and
    threads stay within 12 and 8 of the first window's; resident memory, the job's store keys and the run
    directory's bytes per failure do not grow from window to window beyond noise (see `BOUNDS`).
@@ -77,6 +79,8 @@ class Settings:
     def precision_override(self) -> str:
         return f"trainer.precision={'64-true' if self.precision == '64' else '32-true'}"
 WINDOW = 100  # failures per row of the table
+# Console lines of a fall to the restart path (`live_launcher.LiveMonitor`, the supervisor's re-plan)
+RESTART_PATH = ("falling back to the restart path", "failover | live: a worker raised", " -> policy ")
 STOP_EXITS = {0, 76, 78}  # a stop signal honoured (the workers checkpointed and stopped)
 # Growth allowed from the first window to a later one: descriptors and threads (a count), resident memory
 # (MiB, over the run), store keys, run-directory bytes per failure (relative)
@@ -337,6 +341,9 @@ class Soak:
                         self.failures += 1
                         if self.failures % WINDOW == 0:
                             self.close_window()
+                    elif any(s in line for s in RESTART_PATH):
+                        raise Broken("live", f"the job left the live path: {line.strip()[:300]!r}; see "
+                                     f"{log}")
                 if stopped and now >= stopped[1]:
                     _signal(stopped[0], signal.SIGCONT)
                     stopped = None
