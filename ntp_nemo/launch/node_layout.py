@@ -203,15 +203,20 @@ def gpus_on_node(env: Mapping[str, str] | None = None) -> int | None:
     return None
 
 
-def local_node_facts(visible_gpus: int, env: Mapping[str, str] | None = None,
-                     host: str | None = None) -> NodeFacts:
-    """This process's facts; its node is `host`, else SLURM's name for it (SLURMD_NODENAME, set in every
-    task of a job step), else the host name."""
+def node_name(env: Mapping[str, str] | None = None) -> str:
+    """This process's node: SLURM's name for it (SLURMD_NODENAME, set in every task of a job step), else
+    the host name."""
     import socket
 
     env = os.environ if env is None else env
-    node = host or env.get("SLURMD_NODENAME", "").strip() or socket.gethostname()
-    return NodeFacts(node, int(visible_gpus), gpus_on_node(env))
+    return env.get("SLURMD_NODENAME", "").strip() or socket.gethostname()
+
+
+def local_node_facts(visible_gpus: int, env: Mapping[str, str] | None = None,
+                     host: str | None = None) -> NodeFacts:
+    """This process's facts; its node is `host`, else `node_name`."""
+    env = os.environ if env is None else env
+    return NodeFacts(host or node_name(env), int(visible_gpus), gpus_on_node(env))
 
 
 def exchange_node_facts(mine: NodeFacts) -> list[NodeFacts]:

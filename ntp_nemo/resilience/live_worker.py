@@ -424,6 +424,8 @@ class LiveRecovery(Callback, RecoveryHooks):
             runs = "training ends on it" if ends else f"step {rec.step + 1} runs on it"
             print(f"failover | live: {what}; {runs}; moved {moved} bytes (minimum {minimum}) in "
                   f"{rec.seconds:.2f} s", flush=True)
+            if rec.cross_node:
+                print(rec.cross_node, flush=True)
         return rec
 
     def _install(self, strategy: Any, rec: Any, step: int) -> None:
@@ -512,6 +514,8 @@ class LiveRecovery(Callback, RecoveryHooks):
             print(f"failover | live: repaired process(es) rejoined: layout {old_layout.describe()} -> "
                   f"{self.nominal.describe()} before step {step + 1}; moved {rec.reshard.moved_bytes} bytes "
                   f"(minimum {rec.reshard.needed_bytes}) in {rec.seconds:.2f} s", flush=True)
+            if rec.cross_node:
+                print(rec.cross_node, flush=True)
         self._install(strategy, rec, step)
         # The validation loader was checked (a collective) before the repaired ranks existed: every rank
         # sets it up again at the next validation.

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ntp_nemo.launch.node_layout import node_name
 from ntp_nemo.resilience.live import Captured, ReshardResult, capture, reshard_snapshot
 from ntp_nemo.resilience.policies import Policy, Replan, replan
 from ntp_nemo.resilience.rendezvous import join, leave, store_barrier, wait_failed
@@ -101,6 +102,8 @@ class Recovery:
     phase: int = IN_STEP
     note: Any = None
     behind: bool = False  # this survivor had completed fewer steps: the others' last one is done here too
+    # One console line when a TP group of the new layout spans nodes (`tp_across_nodes`), else None
+    cross_node: str | None = None
 
     @property
     def runtime(self) -> Any:
@@ -113,6 +116,32 @@ class Recovery:
     @property
     def optimizer(self) -> Any:
         return self.state.optimizer
+
+
+def tp_across_nodes(layout: ResolvedLayout, hosts: Sequence[str], *, rejoin: bool) -> str | None:
+    """One console line when a TP group of `layout` (rank r runs on node `hosts[r]`) spans nodes, None when
+    every group is inside one node.  NTP keeps TP inside a node (the start-up refuses a placement that
+    does not, `launch/node_layout.check_tp_within_nodes`); after a recovery the processes are where they
+    are: a replacement started on another node than the process it replaces (a rejoin puts it in that
+    process's place), or survivors of several nodes re-planned into one replica.  The policy keeps the
+    group (the run goes on, its all-reduces crossing the network every layer) and the line says so."""
+    from ntp_nemo.launch.node_layout import tp_groups_across_nodes
+
+    topology = layout.topology()  # no process group is made: the rank arithmetic only
+    spanning = tp_groups_across_nodes(hosts, topology.tp_group_tuples())
+    if not spanning:
+        return None
+    group, names = spanning[0]
+    where = ", ".join(f"{n} (ranks {[r for r in group if hosts[r] == n]})" for n in names)
+    c = topology.coord(group[0])
+    more = f" (and {len(spanning) - 1} more TP group(s))" if len(spanning) > 1 else ""
+    why = ("a rejoin puts every process back in its place" if rejoin
+           else "the failover policy re-plans over the survivors where they run")
+    fix = ("start replacements on the node of the process they replace (srun --nodelist)" if rejoin
+           else "make each node's process count a multiple of the replicas' TP sizes")
+    return (f"failover | live: warning: the TP group of ranks {list(group)} (replica {c.replica}, stage "
+            f"{c.stage}) spans nodes {where}{more}; kept ({why}): its all-reduces now cross the network "
+            f"every layer; to keep TP inside a node, {fix}")
 
 
 def recover(
@@ -157,8 +186,9 @@ def recover(
         return None
     join(store, new_gen.index, rank, new_gen.layout.world_size, backend=backend, timeout_s=timeout_s)
     stands: list = [None] * new_gen.layout.world_size
-    dist.all_gather_object(stands, (int(completed_steps), int(phase), note))
-    step, front, front_note = max(stands, key=lambda s: (s[0], s[1]))
+    dist.all_gather_object(stands, (int(completed_steps), int(phase), note, node_name()))
+    step, front, front_note, _ = max(stands, key=lambda s: (s[0], s[1]))
+    cross_node = tp_across_nodes(new_gen.layout, [s[3] for s in stands], rejoin=False)
     if min(s[0] for s in stands) < step - 1:  # every step's collectives span every survivor: impossible
         raise RuntimeError(f"the survivors stand more than one step apart ({sorted(s[0] for s in stands)} "
                            "steps completed): the live state cannot be agreed on")
@@ -175,7 +205,7 @@ def recover(
                                           strict=True)}
     return Recovery(new_gen, rank, state, step, result, tuple(failed), plan, detect_t,
                     marks[-1] - detect_t, phases, phase=front, note=front_note,
-                    behind=completed_steps < step)
+                    behind=completed_steps < step, cross_node=cross_node)
 
 
 def grow(store: dist.Store, generation: Generation, layout: ResolvedLayout, pid: int, completed_steps: int,
@@ -196,20 +226,22 @@ def grow(store: dist.Store, generation: Generation, layout: ResolvedLayout, pid:
         snapshot = capture(*old)
     state = build(layout, rank)
     marks.append(time.time())
-    steps: list = [None] * layout.world_size
-    dist.all_gather_object(steps, int(completed_steps))
+    stands: list = [None] * layout.world_size  # (completed steps, node) of every rank; `arrive` sends its own
+    dist.all_gather_object(stands, (int(completed_steps), node_name()))
+    steps = [s[0] for s in stands]
     result = reshard_snapshot(snapshot, state.model, state.optimizer, old_replica,
                               stale=completed_steps < max(steps))
     marks.append(time.time())
     phases = {k: b - a for k, a, b in zip(("join", "build", "reshard"), marks[:-1], marks[1:], strict=True)}
     return Recovery(new_gen, rank, state, max(steps), result, (), None, start,
-                    marks[-1] - start, phases)
+                    marks[-1] - start, phases,
+                    cross_node=tp_across_nodes(layout, [s[1] for s in stands], rejoin=True))
 
 
 def arrive(model: Any, optimizer: Any, replica: int) -> tuple[int, ReshardResult]:
     """A repaired process's side of a rejoin, on generation `g + 1`'s default group, after building
     its runtime, model and optimizer (in the survivors' order): returns (last completed step, result).
     Its model holds nothing valid: every element comes from the survivors."""
-    steps: list = [None] * dist.get_world_size()
-    dist.all_gather_object(steps, -1)
-    return max(steps), reshard_snapshot(capture(model, optimizer), model, optimizer, replica, stale=True)
+    stands: list = [None] * dist.get_world_size()
+    dist.all_gather_object(stands, (-1, node_name()))  # as `grow` sends: (completed steps, node)
+    return max(s[0] for s in stands), reshard_snapshot(capture(model, optimizer), model, optimizer, replica, stale=True)

@@ -7,7 +7,9 @@ the launcher (this process, hosting the store) publishes the loss; the survivors
 step, `recover` (sever and leave the generation, join the next, rebuild on (2,1), reshard from memory),
 redo the step, and at the next step boundary `grow` back to the nominal layout, which a repaired process
 3 (forked here, as `LiveLauncher.respawn` does) joins with `arrive`.  After each rejoin every survivor
-counts its descriptors and threads at the same point (after a step on the nominal layout).
+counts its descriptors and threads at the same point (after a step on the nominal layout).  The repaired
+process says it runs on another node (SLURMD_NODENAME): every rejoin reports its TP group across nodes,
+no shrink (the survivors share one node) does.
 
 Before the fix, `sockets.sever` duplicated every non-socket descriptor of a survivor on each recovery
 and never closed the duplicates: the counts doubled every cycle (about 45, 120, 240, ...).
@@ -48,6 +50,7 @@ pytestmark = pytest.mark.slow
 CYCLES = 10
 HANDFUL = 4  # descriptors or threads a survivor may hold above its first cycle's count
 LOST = 3  # the process lost in every cycle
+SPARE_NODE = "spare-node-of-the-test"  # where the repaired process says it runs
 SEQ, GLOBAL_BATCH, SEED, TIMEOUT_S = 8, 4, 3, 60.0
 NOMINAL = ResolvedLayout.make(Topology(2, [2, 2], [2] * (LLAMA.num_layers + 2)))
 
@@ -77,6 +80,7 @@ def _survivor(pid: int, store: JobStore) -> list[tuple[int, int]]:
         return _build(layout, rank, keep=(opt, state.model))
 
     counts, step = [], 0
+    cross = []  # each recovery's and rejoin's line on a TP group across nodes (None: none)
     for _ in range(CYCLES):
         _step(state, step)  # with process LOST, which then dies
         step += 1
@@ -88,14 +92,16 @@ def _survivor(pid: int, store: JobStore) -> list[tuple[int, int]]:
             rec = recover(store, gen, pid, step, (state.model, opt), rebuild, make_policy("ntp"),
                           timeout_s=TIMEOUT_S)
         assert rec is not None and rec.generation.layout.describe() == "(2,1)"
+        cross.append(rec.cross_node)
         gen, state = rec.generation, rec.state
         _step(state, step)  # redone on the degraded layout
         step += 1
         rec = grow(store, gen, NOMINAL, pid, step, (state.model, opt), rebuild, timeout_s=TIMEOUT_S)
+        cross.append(rec.cross_node)
         gen, state = rec.generation, rec.state
     _step(state, step)
     counts.append(_counts())
-    return counts
+    return {"counts": counts, "cross_node": cross}
 
 
 def _lost(store: JobStore, generation: int) -> None:
@@ -105,6 +111,7 @@ def _lost(store: JobStore, generation: int) -> None:
     state = _build(NOMINAL, LOST)
     step = 0
     if generation:
+        os.environ["SLURMD_NODENAME"] = SPARE_NODE  # a replacement started on another node
         step, _ = arrive(state.model, state.optimizer, NOMINAL.replica_of(LOST))
     _step(state, step)
     if generation < 2 * CYCLES:
@@ -184,8 +191,14 @@ def test_ten_failure_and_rejoin_cycles_leave_every_survivor_its_first_cycles_des
     # about 20 more a cycle when no generation's keys are deleted; the count at a loss varies with where
     # the survivors are in their recovery (25 to 40 here)
     assert len(keys) == CYCLES and max(keys) <= 2 * max(keys[:3]), f"the job's store keys per cycle: {keys}"
-    for pid, counts in results.items():
+    for pid, res in results.items():
+        counts = res["counts"]
         assert len(counts) == CYCLES + 1, counts
+        shrinks, rejoins = res["cross_node"][0::2], res["cross_node"][1::2]
+        assert shrinks == [None] * CYCLES, shrinks  # survivors of one node
+        for line in rejoins:  # the repaired process 3 on another node: the group of ranks 2 and 3
+            assert line is not None and "TP group of ranks [2, 3] (replica 1, stage 0)" in line, line
+            assert f"{SPARE_NODE} (ranks [3])" in line and "kept" in line, line
         fds = [c[0] for c in counts]
         threads = [c[1] for c in counts]
         # counts[0]: generation 0; counts[1]: after the first failure-and-rejoin cycle
