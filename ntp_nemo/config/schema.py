@@ -164,6 +164,9 @@ class FaultConfig(Sealable):
     policy: str = "ntp"  # ntp | dp_drop | restart
     recovery: str = "auto"  # auto (live where it can work) | live (survivors reshard in memory) | restart
     repair_after_steps: int | None = None
+    # Hot spares (live recovery under ntp-train): processes started with the job, initialised and waiting;
+    # a replacement takes one instead of starting a process (resilience/spares.py, docs/failover.md)
+    spares: int = 0
     max_restarts: int = 3
     # Timeout hierarchy (docs/failover.md): heartbeat < collective < whole step.
     heartbeat_timeout_s: float = 120.0
@@ -190,6 +193,10 @@ class IntegrityConfig(Sealable):
     every_n_steps: int = 50
     spike_zscore: float = 8.0
     spike_window: int = 20
+    # Every step, each rank's own largest gradient element per parameter (before the DP sync) and largest
+    # activation entering its layers ride on the step's fused all-reduce; a rank whose value is this many
+    # times every other rank of its stage holds the step suspect: no update, replayed (0: off).
+    outlier_ratio: float = 1000.0
     # Keep a copy of the parameters and optimizer state at each passed check, so a finding rolls back to
     # it and replays the steps since (memory: one more copy of the model and optimizer state per rank).
     keep_verified: bool = True

@@ -32,8 +32,10 @@ from __future__ import annotations
 import copy
 import os
 import statistics
+import sys
 import time
 from collections import Counter, deque
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,7 +59,42 @@ from ntp_nemo.parallel.fingerprint import (
 )
 from ntp_nemo.resilience.faults import KILL_EXIT_CODE
 
-OUTLIER = 1e3  # a rank's own gradient norm this many times the others' median: its device is suspect
+SLOTS = 64  # the per-step check's slots per rank: parameter i of the rank's stage in slot i % SLOTS, then one
+#             for the activations entering its layers
+
+
+@dataclass(frozen=True)
+class Suspect:
+    """A rank whose own value of a slot (a parameter's largest gradient element before the DP sync, or
+    `SLOTS`: the largest activation entering its layers) stands out of its stage's other ranks'."""
+
+    rank: int
+    slot: int
+    value: float
+    others: float  # the largest of the other ranks' values of the slot (NaN: the value is not finite)
+
+
+def find_suspects(own: Sequence[float], stages: Sequence[int], ratio: float) -> list[Suspect]:
+    """Every (rank, slot) whose value is not finite or more than `ratio` times every other rank's value of
+    the slot among the ranks of its pipeline stage (those hold the same parameters, in any sharding).
+    `own`: every rank's row of `SLOTS + 1` values, flattened (index = global rank; < 0: not held)."""
+    world = len(stages)
+    if not own or world < 2 or ratio <= 0:
+        return []
+    width = len(own) // world
+    rows = [own[r * width:(r + 1) * width] for r in range(world)]
+    out = []
+    for j in range(width):
+        for stage in sorted(set(stages)):
+            held = [(r, rows[r][j]) for r in range(world) if stages[r] == stage and not rows[r][j] < 0]
+            for r, v in held:
+                if v != v or v == float("inf"):
+                    out.append(Suspect(r, j, v, float("nan")))
+                    continue
+                others = [x for q, x in held if q != r and x == x and x != float("inf")]
+                if others and v > ratio * max(max(others), 1e-30):
+                    out.append(Suspect(r, j, v, max(others)))
+    return sorted(out, key=lambda s: (s.rank, s.slot))
 
 
 @dataclass
@@ -98,6 +135,9 @@ class IntegrityWatch(Callback):
         self._exit_next = False  # this rank's device was found bad: leave when the next step starts
         self.divergent: Counter = Counter()  # rank -> divergences found on it
         self.findings: list[dict[str, Any]] = []  # every finding of this process (the same on all ranks)
+        self._act: torch.Tensor | None = None  # this rank's largest activation entering a layer, this step
+        self._hooks: list[Any] = []  # the activation hooks on the current model
+        self._hooked: int | None = None  # id of the model they sit on
 
     # ---- Lightning hooks -------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -108,6 +148,9 @@ class IntegrityWatch(Callback):
             cbs.insert(0, self)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if float(self.cfg.outlier_ratio) > 0:  # the per-step check rides on every step's fused scalars
+            pl_module.integrity_own = lambda: self._own(pl_module)
+            pl_module.integrity_guard = lambda values: self._guard(pl_module, values)
         skip = sorted({int(i) for i in self.cfg.skip_samples or ()} | set(load_skipped(self.run_dir)))
         if skip:
             pl_module.data.sampler.skip(skip)
@@ -125,6 +168,8 @@ class IntegrityWatch(Callback):
         if self._exit_next:
             os._exit(KILL_EXIT_CODE)  # as a lost GPU: the live path re-plans without this rank
         self._before = (copy.deepcopy(pl_module.lr_schedulers().state_dict()), _rng_state())
+        self._hook_model(pl_module)
+        self._act = None
         step = int(batch["step"])
         if step < self._refetch_until:  # fetched ahead of a skip: the stream has changed since
             batch.update(pl_module.batch_of_step(step, pl_module.runtime.device))
@@ -136,7 +181,7 @@ class IntegrityWatch(Callback):
         if self.verified is not None and self.verified.model_id != id(pl_module.model):
             self.verified = None  # a live recovery changed the layout: the copy no longer fits
         if rec.get("skipped"):
-            self._nonfinite(trainer, pl_module, batch, step)
+            self._suspect_step(trainer, pl_module, batch, step)
         else:
             spike = self._spike(rec)
             if spike:
@@ -186,27 +231,19 @@ class IntegrityWatch(Callback):
         plugin = getattr(trainer, "precision_plugin", None)
         return plugin.train_step_context() if plugin is not None else nullcontext()
 
-    def _train(self, trainer: Trainer, pl_module: LightningModule, batch: dict, watch: bool = False
-               ) -> tuple[Any, torch.Tensor | None]:
+    def _train(self, trainer: Trainer, pl_module: LightningModule, batch: dict) -> Any:
         """One optimizer step of `batch` (the module's path, its raw optimizer: Lightning's step count is
-        not touched).  `watch`: also this rank's own squared gradient norm before the DP sync (NaN when
-        not finite)."""
+        not touched), under the per-step check when it is on (a suspect step applies no update; its
+        `StepResult.own` names the ranks)."""
         from ntp_nemo.runtime.step import train_step
 
         state = trainer.strategy.state
-        params = [p for p in state.model.parameters() if p.requires_grad]
-        own: list[torch.Tensor] = []
-        backward = pl_module.manual_backward
-        if watch:
-            def backward(loss: torch.Tensor) -> None:  # after each micro-batch, before the step's DP sync
-                pl_module.manual_backward(loss)
-                own[:] = [_own_norm(params)]
-
+        self._act = None
         with self._context(trainer):
-            result = train_step(state, batch["micro"], int(batch["global_tokens"]),
-                                max_norm=pl_module.optim_cfg["grad_clip"], optimizer=state.optimizer,
-                                scheduler=pl_module.lr_schedulers(), backward=backward)
-        return result, (own[0] if own else None)
+            return train_step(state, batch["micro"], int(batch["global_tokens"]),
+                              max_norm=pl_module.optim_cfg["grad_clip"], optimizer=state.optimizer,
+                              scheduler=pl_module.lr_schedulers(), backward=pl_module.manual_backward,
+                              own=pl_module.integrity_own, guard=pl_module.integrity_guard)
 
     def _restore_schedule(self, trainer: Trainer, pl_module: LightningModule, saved: dict) -> None:
         """The LR schedule as `saved`, and the optimizer's learning rates with it (a schedule's state does
@@ -222,6 +259,71 @@ class IntegrityWatch(Callback):
         rec.update(loss=result.loss, grad_norm=result.grad_norm, integrity=verdict)
         if result.skipped:
             rec["skipped"] = True
+
+    # ---- the per-step check: each rank's own gradients and activations against its stage's others ----
+    def _hook_model(self, pl_module: LightningModule) -> None:
+        """Forward pre-hooks on the model's layers and final norm: the largest activation entering them."""
+        model = pl_module.model
+        if float(self.cfg.outlier_ratio) <= 0 or model is None or id(model) == self._hooked:
+            return
+        for h in self._hooks:
+            h.remove()
+        self._hooks, self._hooked = [], id(model)
+        blocks = getattr(model, "blocks", None)
+        mods = [*(blocks.values() if blocks is not None else ()), getattr(model, "final_norm", None)]
+        for m in mods:
+            if isinstance(m, torch.nn.Module):
+                self._hooks.append(m.register_forward_pre_hook(self._activation_hook))
+
+    def _activation_hook(self, mod: Any, args: tuple) -> None:
+        x = args[0] if args else None
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel():
+            m = x.detach().abs().amax().float()
+            self._act = m if self._act is None else torch.maximum(self._act, m)
+
+    def _own(self, pl_module: LightningModule) -> torch.Tensor:
+        """This rank's row of the per-step check, on the device, before the DP sync: slot i % SLOTS holds
+        the largest gradient element of the stage's parameter i (NaN when one is not finite), the last
+        slot the largest activation that entered a layer; -1: nothing held there."""
+        out = torch.full((SLOTS + 1,), -1.0, dtype=torch.float32, device=pl_module.runtime.device)
+        for i, p in enumerate(pl_module.model.parameters()):
+            if p.grad is None or p.grad.numel() == 0:
+                continue
+            m = p.grad.detach().abs().amax().float()
+            j = i % SLOTS
+            out[j] = m if i < SLOTS else torch.maximum(out[j], m)
+        if self._act is not None:
+            out[SLOTS] = self._act
+        return out
+
+    def _stages(self, pl_module: LightningModule) -> list[int]:
+        topo = pl_module.runtime.topology
+        return [topo.coord(r).stage for r in range(topo.world_size)]
+
+    def _suspects_of(self, pl_module: LightningModule, own: Sequence[float] | None) -> list[Suspect]:
+        return find_suspects(own or (), self._stages(pl_module), float(self.cfg.outlier_ratio))
+
+    def _guard(self, pl_module: LightningModule, values: dict) -> bool:
+        """`train_step`'s guard: a step where some rank stands out applies no update (every rank alike)."""
+        return bool(self._suspects_of(pl_module, values.get("own")))
+
+    def _slot_name(self, pl_module: LightningModule, slot: int) -> str:
+        if slot == SLOTS:
+            return "activations"
+        names = [n for n, _ in pl_module.model.named_parameters()]
+        return "/".join(names[slot::SLOTS]) or f"parameter slot {slot}"
+
+    def _where(self, pl_module: LightningModule, suspects: list[Suspect]) -> dict[str, Any]:
+        """The finding's rank, replica and parameter when the suspects name one rank, else nothing."""
+        ranks = sorted({s.rank for s in suspects})
+        if len(ranks) != 1:
+            return {}
+        # A corrupted activation corrupts the gradients computed from it: the activation names the cause.
+        slots = [s for s in suspects if s.slot == SLOTS] or suspects
+        worst = max(slots, key=lambda s: (s.value != s.value, s.value / max(s.others, 1e-30)
+                                          if s.others == s.others else float("inf")))
+        return {"rank": ranks[0], "replica": pl_module.runtime.topology.coord(ranks[0]).replica,
+                "parameter": self._slot_name(pl_module, worst.slot)}
 
     # ---- non-finite steps ------------------------------------------------------------------------
     def _eval_nonfinite(self, trainer: Trainer, pl_module: LightningModule, ids: list[int]) -> list[bool]:
@@ -239,47 +341,69 @@ class IntegrityWatch(Callback):
             model.train(was_training)
         return [bool(x) for x in torch.stack(flags).cpu().tolist()] if flags else []
 
-    def _nonfinite(self, trainer: Trainer, pl_module: LightningModule, batch: dict, step: int) -> None:
+    def _suspect_step(self, trainer: Trainer, pl_module: LightningModule, batch: dict, step: int) -> None:
+        """The step applied no update: some rank's gradient or loss was not finite, or the per-step check
+        found a rank standing out.  Non-finite samples are looked for first (data); else the step is
+        replayed from the state before it on the same ranks: clean -> transient (the replay is the step),
+        the same rank again -> its device (excluded, the step redone without it)."""
         t0 = time.perf_counter()
         rt = pl_module.runtime
+        first = self._suspects_of(pl_module, pl_module.rank_own)
+        nonfinite = not first or any(s.value != s.value or s.value == float("inf") for s in first)
+        kind = "nonfinite" if nonfinite else "outlier"
         rng = _rng_state()
-        sampler, mbs = pl_module.data.sampler, pl_module.micro_batch_size
-        micro = sampler.microbatch_ids(int(batch["step"]), mbs)
-        mine = [int(i) for j in rt.my_microbatches(len(micro)) for i in micro[j]]
-        last = rt.coord.stage == rt.topology.pp - 1
-        replica, dp = rt.coord.replica, rt.topology.dp
-        seen = self._gather(pl_module, (replica, last, mine, self._eval_nonfinite(trainer, pl_module, mine)))
-        suspects = sorted({i for rep, lst, ids, fl in seen if lst for i, f in zip(ids, fl, strict=True) if f})
-        if suspects:
-            others = [i for i in suspects if i not in mine]
-            again = self._gather(pl_module, (replica, last, others,
-                                             self._eval_nonfinite(trainer, pl_module, others)))
-            bad_on: dict[int, set[int]] = {i: set() for i in suspects}
-            for rep, lst, ids, fl in (*seen, *again):
-                for i, f in zip(ids, fl, strict=True):
-                    if lst and f and i in bad_on:
-                        bad_on[i].add(rep)
-            data = [i for i in suspects if len(bad_on[i]) >= min(2, dp)]
-            _set_rng_state(rng)
-            if data:
-                self._skip(trainer, pl_module, batch, step, data, bad_on, t0)
-            for i in suspects:
-                if i not in data:
-                    (rep,) = bad_on[i] or {None}
-                    self._finding(trainer, t0, step=step, kind="nonfinite", replica=rep, sample=i,
-                                  verdict="device", action="reported: the sample's loss is finite on the "
-                                  "other replicas, not on this one (no single rank named)")
-            return
+        if nonfinite:
+            sampler, mbs = pl_module.data.sampler, pl_module.micro_batch_size
+            micro = sampler.microbatch_ids(int(batch["step"]), mbs)
+            mine = [int(i) for j in rt.my_microbatches(len(micro)) for i in micro[j]]
+            last = rt.coord.stage == rt.topology.pp - 1
+            replica, dp = rt.coord.replica, rt.topology.dp
+            flags = self._eval_nonfinite(trainer, pl_module, mine)
+            seen = self._gather(pl_module, (replica, last, mine, flags))
+            suspects = sorted({i for rep, lst, ids, fl in seen if lst
+                               for i, f in zip(ids, fl, strict=True) if f})
+            if suspects:
+                others = [i for i in suspects if i not in mine]
+                again = self._gather(pl_module, (replica, last, others,
+                                                 self._eval_nonfinite(trainer, pl_module, others)))
+                bad_on: dict[int, set[int]] = {i: set() for i in suspects}
+                for rep, lst, ids, fl in (*seen, *again):
+                    for i, f in zip(ids, fl, strict=True):
+                        if lst and f and i in bad_on:
+                            bad_on[i].add(rep)
+                data = [i for i in suspects if len(bad_on[i]) >= min(2, dp)]
+                _set_rng_state(rng)
+                if data:
+                    self._skip(trainer, pl_module, batch, step, data, bad_on, t0)
+                for i in suspects:
+                    if i not in data:
+                        (rep,) = bad_on[i] or {None}
+                        self._finding(trainer, t0, step=step, kind="nonfinite", replica=rep, sample=i,
+                                      verdict="device", action="reported: the sample's loss is finite on the "
+                                      "other replicas, not on this one (no single rank named)")
+                return
         _set_rng_state(self._before[1] if self._before else rng)
         self._restore_schedule(trainer, pl_module, self._before[0])
-        result, own = self._train(trainer, pl_module, batch, watch=True)
+        result = self._train(trainer, pl_module, batch)
+        where = self._where(pl_module, first)
+        detail = "; ".join(self._describe(pl_module, x) for x in first[:4]) or None
         if not result.skipped:
             self._record_step(pl_module, result, "transient")
-            self._finding(trainer, t0, step=step, kind="nonfinite", verdict="transient",
-                          action="step replayed from the state before it on the same ranks: finite, kept")
+            self._finding(trainer, t0, step=step, kind=kind, **where, verdict="transient", detail=detail,
+                          action="no update applied; the step replayed from the state before it on the same "
+                                 "ranks: clean, kept")
             return
+        again = self._suspects_of(pl_module, result.own)
         self._record_step(pl_module, result, "device")
-        self._device(trainer, pl_module, step, own, t0, "nonfinite", "the replay was not finite again")
+        self._exclude(trainer, pl_module, batch, step, first, again, t0, kind,
+                      "no update applied; the replay on the same ranks was suspect again")
+
+    def _describe(self, pl_module: LightningModule, s: Suspect) -> str:
+        what = "largest activation" if s.slot == SLOTS \
+            else f"largest gradient of {self._slot_name(pl_module, s.slot)}"
+        if s.others != s.others:
+            return f"rank {s.rank}: {what} is {s.value}"
+        return f"rank {s.rank}: {what} {s.value:.3g}, the other ranks' at most {s.others:.3g}"
 
     def _skip(self, trainer: Trainer, pl_module: LightningModule, batch: dict, step: int, data: list[int],
               bad_on: dict[int, set[int]], t0: float) -> None:
@@ -292,31 +416,47 @@ class IntegrityWatch(Callback):
         if self._before is not None:
             _set_rng_state(self._before[1])
             self._restore_schedule(trainer, pl_module, self._before[0])
-        result, _ = self._train(trainer, pl_module, fresh)
+        result = self._train(trainer, pl_module, fresh)
         self._record_step(pl_module, result, "data")
         for i in data:
             self._finding(trainer, t0, step=step, kind="nonfinite", sample=i, verdict="data",
                           action=f"sample skipped (recorded), step redone without it; not finite on "
                                  f"replica(s) {', '.join(map(str, sorted(bad_on[i])))}")
 
-    def _device(self, trainer: Trainer, pl_module: LightningModule, step: int, own: torch.Tensor | None,
-                t0: float, kind: str, why: str) -> None:
-        """Name the rank whose own gradient (before the sync) is not finite or stands out; exclude it."""
-        norms = self._gather(pl_module, float(own) if own is not None else float("nan"))
-        bad = _outliers(norms)
-        rt = pl_module.runtime
-        if len(bad) == 1:
-            (rank,) = bad
-            replica = rt.topology.coord(rank).replica
-            if rank == trainer.global_rank:
-                self._exit_next = True
-            self._finding(trainer, t0, step=step, kind=kind, rank=rank, replica=replica, verdict="device",
-                          action=f"{why}; rank {rank}'s own gradient is the outlier: it leaves at the next "
-                                 "step (the live path continues without it)")
+    def _exclude(self, trainer: Trainer, pl_module: LightningModule, batch: dict, step: int,
+                 first: list[Suspect], again: list[Suspect], t0: float, kind: str, why: str) -> None:
+        """The replay of step `step` repeated what the step showed: the one rank named by both (or by the
+        replay alone) is a bad device.  Its update was not applied; the rank leaves now and, under live
+        recovery, the survivors redo the step from the state before it on the new layout (the curve stays
+        the failure-free one); else the restart path takes over at the next collective."""
+        named = sorted({s.rank for s in again} & {s.rank for s in first}) or sorted({s.rank for s in again})
+        if len(named) != 1:
+            self._finding(trainer, t0, step=step, kind=kind, verdict="unknown",
+                          detail="; ".join(self._describe(pl_module, x) for x in again[:4]) or None,
+                          action=f"{why}; no single rank stands out "
+                                 f"({'ranks ' + ', '.join(map(str, named)) if named else 'none'}): reported")
             return
-        self._finding(trainer, t0, step=step, kind=kind, verdict="unknown",
-                      action=f"{why}; no single rank's own gradient stands out "
-                             f"({'ranks ' + ', '.join(map(str, bad)) if bad else 'none'}): reported")
+        (rank,) = named
+        recovery = getattr(trainer.strategy, "recovery", None)
+        live = recovery is not None and getattr(recovery, "store", None) is not None
+        where = self._where(pl_module, [s for s in again if s.rank == rank])
+        self._finding(trainer, t0, step=step, kind=kind, **where, verdict="device",
+                      detail="; ".join(self._describe(pl_module, x) for x in again[:4]),
+                      action=f"{why}; rank {rank} is excluded: it leaves now and "
+                             + ("the survivors redo the step on the live path's new layout" if live
+                                else "the run goes on without it by the restart path"))
+        if rank == trainer.global_rank:
+            sys.stdout.flush()
+            os._exit(KILL_EXIT_CODE)  # as a lost GPU: the live path re-plans without this rank
+        if not live:
+            return
+        if self._before is not None:  # the step again, from the state before it (its update was not applied)
+            _set_rng_state(self._before[1])
+            self._restore_schedule(trainer, pl_module, self._before[0])
+        result = recovery.run_step(trainer.strategy, lambda b: self._train(trainer, pl_module, b), batch)
+        self._record_step(pl_module, result, "device")
+        self._say(trainer, f"integrity: step {step} redone without rank {rank} on the new layout: "
+                           f"loss {result.loss:.6g}")
 
     # ---- spikes ----------------------------------------------------------------------------------
     def _spike(self, rec: dict) -> str | None:
@@ -342,17 +482,18 @@ class IntegrityWatch(Callback):
             return
         first = self.verified.step
         before = dict(pl_module.last_step)
-        result, own = self._rollback_and_replay(trainer, pl_module, step, watch=True)
+        result = self._rollback_and_replay(trainer, pl_module, step)
         again = self._spike({"loss": result.loss, "grad_norm": result.grad_norm})
+        suspects = self._suspects_of(pl_module, result.own)
         self._record_step(pl_module, result, "spike")
+        if result.skipped and suspects:  # the replay's last step stood out on a rank: applied no update
+            self._exclude(trainer, pl_module, batch, step, suspects, suspects, t0, "spike",
+                          f"rolled back to verified step {first} and replayed: step {step} stood out again")
+            return
         if not again:
             self._finding(trainer, t0, step=step, kind="spike", verdict="transient", detail=why,
                           action=f"rolled back to verified step {first}, replayed {step - first} step(s): "
                                  f"loss {before['loss']:.6g} -> {result.loss:.6g}")
-            return
-        norms = self._gather(pl_module, float(own) if own is not None else float("nan"))
-        if _outliers(norms):
-            self._device(trainer, pl_module, step, own, t0, "spike", f"the replay repeated it ({again})")
             return
         self._finding(trainer, t0, step=step, kind="spike", verdict="reproducible", detail=why,
                       action=f"rolled back to verified step {first} and replayed: the replay repeats it and "
@@ -391,7 +532,7 @@ class IntegrityWatch(Callback):
             self.divergent[r] += 1
         first = self.verified.step if self.verified is not None else None
         if first is not None:
-            result, _ = self._rollback_and_replay(trainer, pl_module, step)
+            result = self._rollback_and_replay(trainer, pl_module, step)
             if result is not None:  # the step's record: its replay (what the state now holds)
                 self._record_step(pl_module, result, "replayed")
             _, again = self._fingerprints(trainer, pl_module)
@@ -423,8 +564,7 @@ class IntegrityWatch(Callback):
                                  copy.deepcopy(pl_module.lr_schedulers().state_dict()), _rng_state(),
                                  next(iter(fingerprints.values()), 0))
 
-    def _rollback_and_replay(self, trainer: Trainer, pl_module: LightningModule, step: int,
-                             watch: bool = False) -> tuple[Any, torch.Tensor | None]:
+    def _rollback_and_replay(self, trainer: Trainer, pl_module: LightningModule, step: int) -> Any:
         """Every rank back to the verified state, then steps `verified.step + 1 .. step` again."""
         v = self.verified
         assert v is not None
@@ -436,12 +576,10 @@ class IntegrityWatch(Callback):
         self._restore_schedule(trainer, pl_module, v.scheduler)
         _set_rng_state(v.rng)
         device = pl_module.runtime.device
-        result, own = None, None
+        result = None
         for index in range(v.step, step):  # 0-based step indices of steps v+1 .. step
-            last = index == step - 1
-            result, own = self._train(trainer, pl_module, pl_module.batch_of_step(index, device),
-                                      watch=watch and last)
-        return result, own
+            result = self._train(trainer, pl_module, pl_module.batch_of_step(index, device))
+        return result
 
 
 def _between_steps(trainer: Trainer, fn: Any) -> Any:
@@ -463,25 +601,4 @@ def _host_copy(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
-def _own_norm(params: list[torch.Tensor]) -> torch.Tensor:
-    """This rank's squared norm of its own gradients (NaN or inf when one is not finite)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    return torch.stack([g.detach().double().pow(2).sum() for g in grads]).sum()
-
-
-def _outliers(norms: list[float]) -> list[int]:
-    """Ranks whose own squared gradient norm is not finite, or `OUTLIER` times the others' median."""
-    bad = [r for r, n in enumerate(norms) if n != n or n == float("inf")]
-    if bad:
-        return bad
-    out = []
-    for r, n in enumerate(norms):
-        rest = [m for q, m in enumerate(norms) if q != r]
-        if rest and n > OUTLIER * max(statistics.median(rest), 1e-30):
-            out.append(r)
-    return out
-
-
-__all__ = ["IntegrityWatch", "Verified"]
+__all__ = ["SLOTS", "IntegrityWatch", "Suspect", "Verified", "find_suspects"]

@@ -161,6 +161,7 @@ class RankPlace:
         nonfinite: torch.Tensor | bool | None = None,
         stop: bool | torch.Tensor = False,
         compute_s: torch.Tensor | None = None,
+        own: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The step's one fused all-reduce: returns `[loss_sum, grad_norm_sq, nonfinite, stop]`,
         summed over the world, as a tensor on the runtime's device (float64, float32 without it).
@@ -170,7 +171,10 @@ class RankPlace:
         non-finite gradient (default: the local norm is not finite); `stop`: this rank asks to stop
         (preemption).  Entries 2 and 3 are counts: > 0 means some rank raised the flag.  `compute_s`: this
         rank's compute seconds (`ComputeTimer`); when given, entries 4.. hold every rank's (each rank fills
-        its own slot; the sum is the gather), read back as `compute_s` (straggler detection).
+        its own slot; the sum is the gather), read back as `compute_s` (straggler detection).  `own`:
+        this rank's row of own gradient statistics (the integrity watch's, before the DP sync); when given,
+        the last world-size rows hold every rank's, read back flat as `own` (`read_step_scalars(own=N)`,
+        N the number of those entries).
         """
         check_device(grad_norm_sq_local, self.device, "squared gradient norm")
         sq = grad_norm_sq_local.detach().to(self.acc_dtype)
@@ -189,18 +193,29 @@ class RankPlace:
             slots = torch.zeros(self.topology.world_size, dtype=self.acc_dtype, device=self.device)
             slots[self.rank] = check_device(compute_s, self.device, "compute seconds").to(self.acc_dtype)
             buf = torch.cat([buf, slots])
+        if own is not None:
+            row = check_device(own, self.device, "own gradient statistic").to(self.acc_dtype).reshape(-1)
+            slots = torch.zeros(self.topology.world_size, row.numel(), dtype=self.acc_dtype,
+                                device=self.device)
+            slots[self.rank] = row
+            buf = torch.cat([buf, slots.reshape(-1)])
         if self.topology.world_size > 1:
             all_reduce_on(buf, self.device, self.world_group, what="fused step scalars")
         return buf
 
     @staticmethod
-    def read_step_scalars(buf: torch.Tensor) -> dict[str, float]:
+    def read_step_scalars(buf: torch.Tensor, own: int = 0) -> dict[str, float]:
         """The step's single host read of the fused scalars (with `compute_s`, every rank's compute
-        seconds as a tuple, when the step gathered them)."""
+        seconds as a tuple, when the step gathered them; `own`: how many of the last entries are every
+        rank's `own` row, read back as one flat tuple)."""
         values = buf.tolist()
+        if own:
+            values, out_own = values[:-own], tuple(values[-own:])
         out: dict = dict(zip(STEP_SCALARS, values[: len(STEP_SCALARS)], strict=True))
         if len(values) > len(STEP_SCALARS):
             out["compute_s"] = tuple(values[len(STEP_SCALARS):])
+        if own:
+            out["own"] = out_own
         return out
 
 

@@ -131,7 +131,8 @@ def train_step(
                                      compute_s=None if timer is None else timer.reading(runtime.device),
                                      own=mine)
     path.clip_to_norm_(fused[1].sqrt(), max_norm)
-    values = runtime.read_step_scalars(fused, own=0 if mine is None else runtime.topology.world_size) \
+    values = runtime.read_step_scalars(fused, own=0 if mine is None else runtime.topology.world_size
+                                       * mine.numel()) \
         if read_scalars else None  # the step's one host read
     if values is not None and guard is not None and values["nonfinite"] <= 0 and guard(values):
         values["suspect"] = 1.0

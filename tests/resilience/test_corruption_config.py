@@ -42,6 +42,7 @@ def test_corrupting_faults_resolve_seeded():
     (["fault=poison_sample", "fault.sample=-1"], "fault.sample", ">= 0"),
     (["integrity.every_n_steps=-1"], "integrity.every_n_steps", ">= 0"),
     (["integrity.spike_window=1"], "integrity.spike_window", ">= 3"),
+    (["integrity.outlier_ratio=0.5"], "integrity.outlier_ratio", "e.g. 1000"),
     (["integrity.skip_samples=[-2]"], "integrity.skip_samples", "ntp-incidents"),
 ])
 def test_bad_values_name_the_key(overrides, key, words):

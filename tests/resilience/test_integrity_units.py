@@ -20,7 +20,7 @@ from ntp_nemo.goodput.incident_log import (
     table,
 )
 from ntp_nemo.resilience.corruption import bit_of, flip_bit_, flipped
-from ntp_nemo.resilience.integrity import IntegrityWatch, _outliers
+from ntp_nemo.resilience.integrity import IntegrityWatch, Suspect, find_suspects
 
 
 def test_bit_flips_in_float32_and_bfloat16():
@@ -55,10 +55,19 @@ def test_spike_detector_on_a_noisy_decline_and_a_spike(tmp_path):
     assert IntegrityWatch(IntegrityConfig(spike_zscore=0), tmp_path)._spike({"loss": 1e9}) is None
 
 
-def test_outlier_rank():
-    assert _outliers([1.0, 1.2, 0.9, 1.1]) == []
-    assert _outliers([1.0, 3e40, 0.9, 1.1]) == [1]
-    assert _outliers([1.0, 1.0, float("nan"), 1.0]) == [2]
+def test_suspect_ranks_of_the_per_step_check():
+    # rows of (slot 0, slot 1): every rank's own largest gradient element of two parameters
+    clean = [0.3, 0.02, 0.5, 0.01, 0.4, 0.03]
+    assert find_suspects(clean, [0, 0, 0], 1000) == []
+    assert find_suspects([0.3, 0.02, 0.5, 40.0, 0.4, 0.03], [0, 0, 0], 1000) == [Suspect(1, 1, 40.0, 0.03)]
+    nan = find_suspects([0.3, 0.02, float("nan"), 0.01, 0.4, 0.03], [0, 0, 0], 1000)
+    assert [(s.rank, s.slot) for s in nan] == [(1, 0)] and nan[0].others != nan[0].others
+    # a parameter whose gradient is 0 everywhere: any value elsewhere stands out (it changes the update)
+    assert [(s.rank, s.slot) for s in find_suspects([0.0, 0.0, 2.0], [0, 0, 0], 1000)] == [(2, 0)]
+    # -1: not held (another pipeline stage); a rank is compared with its own stage's ranks only
+    assert find_suspects([5.0, -1.0, -1.0, 0.001], [0, 1], 1000) == []
+    assert find_suspects([5.0, 0.001], [0, 1], 1000) == []
+    assert find_suspects([0.3, 600.0], [0, 0], 0) == []  # 0: the check is off
 
 
 def test_incident_record_table_and_cli(tmp_path, capsys, monkeypatch):
