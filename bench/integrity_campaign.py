@@ -1,8 +1,8 @@
 """Seeded silent-corruption trials through `ntp-train`: each finding classified and attributed, the curve
 after recovery against a failure-free run, and clean runs without a false alarm.
 
-    python bench/integrity_campaign.py [--trials 20] [--kinds poison_sample,param,activation,grad]
-                                       [--curves 3] [--clean 3] [--clean-steps 200]
+    python bench/integrity_campaign.py [--trials 20] [--kinds poison_sample,param,activation,grad,persistent]
+                                       [--curves 20] [--clean 3] [--clean-steps 200]
 
 Per kind, one `ntp-train -m` sweep over `seed=1..trials` on the CPU toy (the tests' TINY job), 10 steps,
 the fault at step 7 on a rank (and element, or sample) drawn from the seed, `integrity.every_n_steps=4`,
@@ -12,11 +12,16 @@ the fault at step 7 on a rank (and element, or sample) drawn from the seed, `int
   sample the fault poisoned (`resilience.corruption.poisoned_sample` of the seed's stream);
 - `param` (bitflip of a parameter) on (2,1,1), three replicas: `divergence` at step 8 (the check after
   the flip), verdict `bitflip`, naming the rank the fault struck and its replica;
-- `activation` and `grad` (bitflip, top exponent bit) on (2,1): a finding at step 7 (`nonfinite` or
-  `spike`), verdict `transient` (the replay does not repeat it).
+- `activation` and `grad` (bitflip, top exponent bit) on (2,1): one finding at step 7 (`outlier`, the
+  per-step check, or `nonfinite`), verdict `transient` (the replay does not repeat it), naming the rank
+  the fault struck;
+- `persistent` (bitflip of a gradient on every step from 7 on, a bad device) on (2,1) with live recovery:
+  one finding at step 7, verdict `device`, naming the struck rank, which is excluded; the survivors redo
+  step 7 without it.
 
-`--curves K`: for the first K seeds of each kind, the failure-free run of the same seed (skipping the
-poisoned sample for `poison_sample`) and the largest relative difference of the losses after recovery.
+`--curves K`: for the first K seeds of each kind, the failure-free run of the same seed on the same layout
+(skipping the poisoned sample for `poison_sample`) and the largest relative difference of the losses from
+the fault's step on (`param`: from the check that found it, step 8; before it the flipped weight trains).
 `--clean N`: N clean runs of `--clean-steps` steps on (2,1) with the default `integrity` settings
 (fingerprint every 50 steps, spike detector at 8 standard deviations over 20 steps): findings counted.
 """
@@ -49,6 +54,8 @@ KINDS = {
     "param": [*NTP211, "fault=bitflip", "fault.target=param", f"fault.step={FAULT_STEP}"],
     "activation": [*NTP21, "fault=bitflip", "fault.target=activation", f"fault.step={FAULT_STEP}"],
     "grad": [*NTP21, "fault=bitflip", "fault.target=grad", f"fault.step={FAULT_STEP}"],
+    "persistent": [*NTP21, "fault=bitflip", "fault.target=grad", "fault.persistent=true",
+                   "fault.recovery=live", f"fault.step={FAULT_STEP}"],
 }
 
 
@@ -90,6 +97,21 @@ def expected_sample(run: Path, seed: int) -> int:
     return poisoned_sample(fault, Data)
 
 
+def reference(root: Path, kind: str, seed: int, run: Path, seeds: int) -> dict[int, float]:
+    """The losses of the failure-free run of `seed` on the kind's layout: one sweep of seeds 1..`seeds`
+    per layout, shared by the kinds; `poison_sample`: a run of its own skipping the trial's skipped sample."""
+    if kind == "poison_sample":
+        skip = [f["sample"] for f in load_incidents(run) if f.get("verdict") == "data"]
+        ref = sweep([*COMMON, *NTP21, f"seed={seed}", f"integrity.skip_samples=[{','.join(map(str, skip))}]"],
+                    root, f"{kind}-clean-{seed}")
+        return losses(ref / "0")
+    layout, name = (NTP211, "clean-211") if kind == "param" else (NTP21, "clean-21")
+    out = root / name
+    if not (out / str(seeds - 1) / "metrics.jsonl").exists():
+        sweep([*COMMON, *layout, f"seed={','.join(str(s) for s in range(1, seeds + 1))}"], root, name)
+    return losses(out / str(seed - 1))
+
+
 def judge(kind: str, run: Path, seed: int) -> tuple[bool, str]:
     found = load_incidents(run)
     log = (run / "train.log").read_text()
@@ -107,15 +129,16 @@ def judge(kind: str, run: Path, seed: int) -> tuple[bool, str]:
         ok = [(f["step"], f["kind"], f["verdict"], f["rank"], f["replica"]) for f in found] == \
              [(8, "divergence", "bitflip", rank, replica)]
         return ok, f"rank {rank}: {[(f['kind'], f['verdict'], f['rank'], f['replica']) for f in found]}"
-    ok = [(f["step"], f["verdict"]) for f in found] == [(FAULT_STEP, "transient")]
-    return ok, f"rank {rank}: {[(f['step'], f['kind'], f['verdict']) for f in found]}"
+    verdict = "device" if kind == "persistent" else "transient"
+    ok = [(f["step"], f["verdict"], f["rank"]) for f in found] == [(FAULT_STEP, verdict, rank)]
+    return ok, f"rank {rank}: {[(f['step'], f['kind'], f['verdict'], f['rank']) for f in found]}"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--kinds", default=",".join(KINDS))
-    ap.add_argument("--curves", type=int, default=3)
+    ap.add_argument("--curves", type=int, default=20)
     ap.add_argument("--clean", type=int, default=3)
     ap.add_argument("--clean-steps", type=int, default=200)
     ap.add_argument("--dir", default=None, help="where the runs go (default: a temporary directory)")
@@ -132,17 +155,13 @@ def main() -> None:
             right += ok
             if not ok:
                 notes.append(f"seed {seed}: {why}")
-        if args.curves:
-            layout = NTP211 if kind == "param" else NTP21
-            for job, seed in enumerate(range(1, min(args.curves, args.trials) + 1)):
-                run = out / str(job)
-                skip = [f["sample"] for f in load_incidents(run) if f.get("verdict") == "data"]
-                skips = f"integrity.skip_samples=[{','.join(map(str, skip))}]"
-                ref = sweep([*COMMON, *layout, f"seed={seed}", skips], root, f"{kind}-clean-{seed}")
-                got, want = losses(run), losses(ref / "0")
-                after = 8 if kind == "param" else FAULT_STEP  # the step the recovery ended in
-                worst = max([worst] + [abs(got[s] - want[s]) / abs(want[s]) for s in want if s >= after])
         n = min(args.curves, args.trials)
+        for job, seed in enumerate(range(1, n + 1)):
+            run = out / str(job)
+            want = reference(root, kind, seed, run, n)
+            got = losses(run)
+            after = 8 if kind == "param" else FAULT_STEP  # the step the recovery ended in
+            worst = max([worst] + [abs(got[s] - want[s]) / abs(want[s]) for s in want if s >= after])
         curve = f", curve after recovery vs failure-free: max rel diff {worst:.2e} over {n} trial(s)" \
             if args.curves else ""
         print(f"{kind:14s} {right}/{args.trials} classified and attributed right{curve} "

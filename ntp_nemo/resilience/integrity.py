@@ -315,11 +315,12 @@ class IntegrityWatch(Callback):
 
     def _where(self, pl_module: LightningModule, suspects: list[Suspect]) -> dict[str, Any]:
         """The finding's rank, replica and parameter when the suspects name one rank, else nothing."""
-        ranks = sorted({s.rank for s in suspects})
+        # A corrupted activation corrupts the gradients computed from it (on its TP peers too, through
+        # the TP collectives): the rank whose activation stands out names the cause.
+        slots = [s for s in suspects if s.slot == SLOTS] or suspects
+        ranks = sorted({s.rank for s in slots})
         if len(ranks) != 1:
             return {}
-        # A corrupted activation corrupts the gradients computed from it: the activation names the cause.
-        slots = [s for s in suspects if s.slot == SLOTS] or suspects
         worst = max(slots, key=lambda s: (s.value != s.value, s.value / max(s.others, 1e-30)
                                           if s.others == s.others else float("inf")))
         return {"rank": ranks[0], "replica": pl_module.runtime.topology.coord(ranks[0]).replica,
