@@ -67,6 +67,13 @@ class StragglerWatch(Callback):
         layout = getattr(strategy, "layout", None)
         if compute_s is None or layout is None:
             return
+        if len(compute_s) != layout.world_size:
+            # The step ran on another layout: a live recovery inside this hook (a peer lost during a
+            # collective between steps that ran before this callback, such as the integrity watch's
+            # check) renumbered the ranks; the step's figures fit none of the new ones.
+            self.detector.reset()
+            self._layout = layout
+            return
         if self._layout is not None and not layout.same_ranks(self._layout):
             self.detector.reset()  # renumbered ranks (a live recovery or rejoin): start over
         self._layout = layout

@@ -64,8 +64,8 @@ LIVE = {
     "live-sp": ["ntp.sequence_parallel=true", "fault=kill_rank", "fault.rank=1"],
     "validation": ["fault=kill_rank", "fault.rank=3", "fault.step=4", "fault.phase=validation",
                    "fault.recovery=live", "logger=tensorboard", "trainer.val_every_n_steps=4"],
-    "integrity": ["fault=kill_rank", "fault.rank=2", "fault.step=4", "fault.phase=optimizer",
-                  "fault.recovery=live", "integrity.every_n_steps=4"],
+    "integrity": ["fault=kill_rank", "fault.rank=2", "fault.step=5", "fault.phase=optimizer",
+                  "fault.recovery=live", "integrity.every_n_steps=5"],
 }
 
 
@@ -469,18 +469,21 @@ def test_a_peer_lost_during_validation_is_recovered_from_and_the_validation_redo
 
 @pytest.mark.slow
 def test_a_peer_lost_during_the_integrity_check_is_recovered_from_live(live_runs, reference):
-    """Rank 2 dies right after its optimizer step of step 4: the others complete step 4 and enter the
-    integrity watch's fingerprint check of step 4 (`integrity.every_n_steps=4`), whose gather fails on the
+    """Rank 2 dies right after its optimizer step of step 5: the others complete step 5 and enter the
+    integrity watch's fingerprint check of step 5 (`integrity.every_n_steps=5`), whose gather fails on the
     closed connection. The check's collectives run as the strategy's between steps do: the survivors
     recover live there (before, the gloo error escaped the callback and the job fell to the restart
-    path), skip the check and train steps 5-8 on (2,1) on the failure-free curve."""
+    path), skip the check and train steps 6-8 on (2,1) on the failure-free curve. The straggler watch
+    judges at step 5 too (`fault.straggler_every=5`), after the recovery inside the same hook: it skips
+    the step's figures, taken on the four ranks of (2,2) (it indexed them by the three of (2,1) and
+    raised IndexError)."""
     run, log = _job(live_runs, "integrity")
     assert log.count("the survivors reshard in place") == 1, log[-3000:]
     assert "restart path" not in log and "Traceback" not in log, log[-3000:]
     layouts = [m["layout"] for m in read_metrics(run)]
-    # (step 4's record is written after the check, so it names the layout the recovery installed)
-    assert layouts[:3] == ["(2,2)"] * 3 and layouts[4:] == ["(2,1)"] * 4, layouts
+    # (step 5's record is written after the check, so it names the layout the recovery installed)
+    assert layouts[:4] == ["(2,2)"] * 4 and layouts[5:] == ["(2,1)"] * 3, layouts
     _on_reference_curve(run, reference)
     done = [e for e in _events(run) if e["event"] == "recovery_done"]
-    assert [(e["mode"], e["layout"], e["step"]) for e in done] == [("live", "(2,1)", 5)]
+    assert [(e["mode"], e["layout"], e["step"]) for e in done] == [("live", "(2,1)", 6)]
     assert (run / "failover" / "attempts.jsonl").read_text().count("\n") == 1
