@@ -558,8 +558,12 @@ def main() -> None:
                 if rc2 != 0:
                     raise Broken("exits", f"the resumed command ended with status {rc2}; see "
                                  f"{work}/soak.console")
+            except Broken:
+                os.killpg(ref.pid, signal.SIGKILL)  # the soak is over: its reference is not needed
+                ref.wait()
+                raise
             finally:
-                if ref.wait() != 0:
+                if ref.returncode is None and ref.wait() != 0:
                     sys.exit(f"the failure-free run failed (exit {ref.returncode}): "
                              f"{(work / 'reference.console').read_text()[-2000:]}")
             if soak.current.failures or soak.failures % WINDOW:
