@@ -78,11 +78,16 @@ def _global_index(spec: ShardSpec, local_shape: Sequence[int], row0: int, device
 
 @dataclass(frozen=True)
 class Fragment:
-    """Units `[lo, hi)` of parameter `name` (a piece of the common refinement of every rank's interval)."""
+    """Units `[lo, hi)` of parameter `name` (a piece of the common refinement of every rank's interval).
+
+    A parameter some rank holds as a block (`ntp.pattern=block`: a 2D `ShardSpec`) is refined on every
+    split dim instead: `box` holds the piece's element interval `(dim, start, stop)` of each such dim,
+    and `lo, hi` are its elements along the first of them."""
 
     name: str
     lo: int
     hi: int
+    box: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -98,12 +103,44 @@ class FingerprintPlan:
 
 
 def descriptors(model: nn.Module) -> dict[str, tuple]:
-    """(global shape, dim, unit size, lo, hi) of every parameter this rank holds."""
+    """(global shape, dim, unit size, lo, hi) of every parameter this rank holds; a block-sharded one's
+    adds its second split, (dim2, unit size, lo2, hi2)."""
     out = {}
     for name, p in model.named_parameters():
         s = getattr(p, "ntp_spec", None) or ShardSpec.full(p.shape)
         out[name] = (tuple(s.global_shape), s.dim, s.unit_size, s.lo, s.hi)
+        if s.is_block:
+            out[name] += ((s.dim2, s.unit_size2, s.lo2, s.hi2),)
     return out
+
+
+def _box(d: tuple) -> dict[int, tuple[int, int]]:
+    """The element interval a descriptor holds along each of its split dims."""
+    box = {d[1]: (d[3] * d[2], d[4] * d[2])}
+    if len(d) > 5:
+        dim2, unit2, lo2, hi2 = d[5]
+        box[dim2] = (lo2 * unit2, hi2 * unit2)
+    return box
+
+
+def _box_pieces(name: str, entries: list[tuple[int, tuple]], per_rank: list[list[Fragment]]) -> None:
+    """The common refinement of the holders' boxes (some block-sharded) on every split dim: each piece
+    goes to every rank whose box holds all of it."""
+    shape = entries[0][1][0]
+    boxes = [(r, _box(d)) for r, d in entries]
+    dims = sorted({dim for _, b in boxes for dim in b})
+
+    def span(b: dict[int, tuple[int, int]], dim: int) -> tuple[int, int]:
+        return b.get(dim, (0, shape[dim]))
+
+    pieces: list[tuple[tuple[int, int, int], ...]] = [()]
+    for dim in dims:
+        bounds = sorted({x for _, b in boxes for x in span(b, dim)})
+        pieces = [(*p, (dim, a, b)) for p in pieces for a, b in zip(bounds[:-1], bounds[1:], strict=False)]
+    for piece in pieces:
+        for r, b in boxes:
+            if all(span(b, dim)[0] <= a and stop <= span(b, dim)[1] for dim, a, stop in piece):
+                per_rank[r].append(Fragment(name, piece[0][1], piece[0][2], piece))
 
 
 def build_plan(all_descriptors: Sequence[dict[str, tuple]], replica_of: Sequence[int]) -> FingerprintPlan:
@@ -117,6 +154,10 @@ def build_plan(all_descriptors: Sequence[dict[str, tuple]], replica_of: Sequence
         entries = holders[name]
         if len({d[0] for _, d in entries}) != 1:
             raise RuntimeError(f"parameter {name} has different global shapes across ranks")
+        # blocks, or splits in other units (a grid's norm split along its columns, another replica's whole)
+        if any(len(d) > 5 for _, d in entries) or len({(d[1], d[2]) for _, d in entries}) > 1:
+            _box_pieces(name, entries, per_rank)
+            continue
         bounds = sorted({d[3] for _, d in entries} | {d[4] for _, d in entries})
         for a, b in zip(bounds[:-1], bounds[1:], strict=False):
             for r, d in entries:
@@ -147,15 +188,24 @@ def local_fingerprints(model: nn.Module, fragments: Sequence[Fragment], chunk_el
                 index = _global_index(spec, (r1 - r0, *data.shape[1:]), r0, data.device)
                 h = element_hashes(data[r0:r1], index)
                 for i in idxs:
-                    f = fragments[i]
-                    start, length = (f.lo - spec.lo) * spec.unit_size, (f.hi - f.lo) * spec.unit_size
-                    if spec.dim == 0 and len(data.shape) > 0:
-                        a, b = max(start, r0), min(start + length, r1)
-                        if a < b:
-                            out[i] += h[a - r0 : b - r0].sum()
+                    part = h
+                    for dim, (start, stop) in _local_ranges(spec, fragments[i]).items():
+                        if dim == 0:  # the chunk's rows of it
+                            start, stop = max(start, r0) - r0, min(stop, r1) - r0
+                            if start >= stop:
+                                break
+                        part = part.narrow(dim, start, stop - start)
                     else:
-                        out[i] += h.narrow(spec.dim, start, length).sum()
+                        out[i] += part.sum()
     return out
+
+
+def _local_ranges(spec: ShardSpec, f: Fragment) -> dict[int, tuple[int, int]]:
+    """The local element interval of fragment `f` along each dim it bounds, in this rank's shard."""
+    if f.box:
+        offsets = spec.offsets
+        return {dim: (a - offsets[dim], b - offsets[dim]) for dim, a, b in f.box}
+    return {spec.dim: ((f.lo - spec.lo) * spec.unit_size, (f.hi - spec.lo) * spec.unit_size)}
 
 
 @dataclass(frozen=True)
@@ -165,7 +215,7 @@ class Mismatch:
     replica: int
     rank: int
     parameter: str
-    units: tuple[int, int]  # [lo, hi) of the parameter's split dim
+    units: tuple[int, int]  # [lo, hi) of the parameter's split dim (a block's: elements of its first)
     replicas_agreeing: int  # size of the largest group of replicas agreeing on the fragment
     replicas: int
     majority: bool = True  # False: no strict majority (e.g. two replicas), `replica` is one side of it

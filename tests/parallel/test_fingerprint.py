@@ -33,11 +33,11 @@ def _flip(t: torch.Tensor, index: int, which: str) -> None:
 
 
 def _worker(rank: int, world: int, tp: int, replica_tp: list[int], layer_tp: list[int],
-            flips: dict[int, tuple[str, int, int]]) -> dict:
+            flips: dict[int, tuple[str, int, int]], pattern: str = "row_column") -> dict:
     topo = Topology(tp, replica_tp, layer_tp)
     out = {}
     for dtype in DTYPES:
-        layout = ResolvedLayout.make(topo)
+        layout = ResolvedLayout.make(topo, pattern=pattern)
         model = assemble(layout, rank, GPT, OPTIM, None, seed=SEED, param_dtype=dtype).model
         plan = gather_plan(model, topo.coord(rank).replica)
         if rank in flips:
@@ -59,6 +59,8 @@ LAYOUTS = {
     "replicas-3-2": (3, [3, 2], [3, 3, 3, 3]),
     "per-layer-2-1": (2, [2, 1], [2, 1, 2, 1]),  # layer 0 and the head replicated inside replica 0
 }
+# ntp.pattern=block: replica 0 on a 2x2 grid (its weights in 2D blocks), replica 1 row/column at TP 2
+BLOCK = (4, [4, 2], [4, 4, 4, 4])
 
 
 @pytest.mark.slow
@@ -72,6 +74,22 @@ def test_fingerprint_equal_across_replicas_of_any_degree(layout):
             per_replica, mismatches = res[str(dtype)]
             assert mismatches == [], f"{layout} {dtype} rank {rank}: {mismatches}"
             assert per_replica == {r: want for r in range(len(replica_tp))}, f"{layout} {dtype}"
+
+
+@pytest.mark.slow
+def test_block_grid_fingerprint_equals_row_column_and_names_a_flip():
+    """A 2x2 grid's blocks and a TP-2 replica's slices give the unsharded fingerprint; a bit flipped in
+    one block of the grid (rank 2: grid row 1, column 0) is named by replica, rank and parameter (two
+    replicas: no majority, so the TP-2 replica's holder of that piece, rank 4, is named too)."""
+    name = "blocks.0.mlp.up_proj.weight"
+    clean = run_workers(_worker, 6, *BLOCK, {}, "block")
+    flipped = run_workers(_worker, 6, *BLOCK, {2: (name, 3, "high")}, "block")
+    for dtype in DTYPES:
+        want = _unsharded(dtype)
+        assert all(r[str(dtype)] == ({0: want, 1: want}, []) for r in clean), (dtype, clean[0][str(dtype)])
+        _, mismatches = flipped[0][str(dtype)]
+        assert [(m.replica, m.rank, m.parameter, m.majority) for m in mismatches] == [
+            (0, 2, name, False), (1, 4, name, False)], mismatches
 
 
 @pytest.mark.slow
