@@ -56,8 +56,32 @@ def train(cfg: DictConfig, start_t: float | None = None, console=None) -> dict:
         _leave_run_log(console)
     quiet_libraries()
     data = _data(spec)
+    supervisor, first = _supervisor(spec, run_dir, data, link, rejoining)
+    _describe(spec, data)
+    done = _already_complete(spec, run_dir, ckpt_path)
+    if done is not None:
+        return done
+    # "resuming from ..." is said by the strategy once the checkpoint's data has passed its check.
+    if launcher_rank() == 0 and not rejoining:
+        from ntp_nemo.goodput import GoodputRecorder
+
+        GoodputRecorder(run_dir).record("job_start", layout=spec.layout.describe())
+    t0 = time.time()
+    result = _fit(supervisor, first, ckpt_path, run_dir / spec.checkpoint.dir if str(cfg.resume) == "auto"
+                  else None)
+    with _LateStops():  # training is over: a stop signal now changes nothing (the report finishes)
+        summary, code = _finish(spec, run_dir, result, first[0], rejoining, t0,
+                                process_start_time() if start_t is None else start_t)
+    if code:
+        sys.exit(code)
+    return summary
+
+
+def _supervisor(spec: RunSpec, run_dir: Path, data, link, rejoining: bool):  # noqa: ANN001
+    """The run's `Supervisor` (it builds each attempt's trainer with `build_trainer`) and its first
+    attempt's (trainer, module, strategy). Imports Lightning."""
     from ntp_nemo.lightning.factory import build_trainer
-    from ntp_nemo.resilience.supervisor import FailoverError, Supervisor  # imports Lightning
+    from ntp_nemo.resilience.supervisor import Supervisor
 
     supervisor = Supervisor(
         spec.failover,
@@ -65,31 +89,37 @@ def train(cfg: DictConfig, start_t: float | None = None, console=None) -> dict:
         run_dir,
         lambda lay, extra, devices, stop_at: build_trainer(
             spec, run_dir, data, lay, extra, devices, stop_at,
-            job_started=launcher_rank() == 0 and not rejoining,  # recorded below, before supervisor.run
+            job_started=launcher_rank() == 0 and not rejoining,  # recorded in `train`, before supervisor.run
         ),
         link=link,
     )
-    first = supervisor.build_first()
-    _describe(spec, data)
-    done_step = _checkpoint_step(ckpt_path) if ckpt_path is not None else -1
-    if done_step >= spec.trainer.max_steps:
-        say(
-            f"run in {run_dir} is already complete: checkpoint {ckpt_path.name} is at step "
-            f"{done_step} >= trainer.max_steps={spec.trainer.max_steps}; nothing to do. "
-            "Raise trainer.max_steps to continue, or pass resume=never / a new hydra.run.dir to start "
-            "over."
-        )
-        return {"already_complete": True, "checkpoint": str(ckpt_path)}
-    # "resuming from ..." is said by the strategy once the checkpoint's data has passed its check.
-    if launcher_rank() == 0 and not rejoining:
-        from ntp_nemo.goodput import GoodputRecorder
+    return supervisor, supervisor.build_first()
 
-        GoodputRecorder(run_dir).record("job_start", layout=spec.layout.describe())
-    t0 = time.time()
+
+def _already_complete(spec: RunSpec, run_dir: Path, ckpt_path: Path | None) -> dict | None:
+    """The summary of a run whose checkpoint to resume from is at trainer.max_steps already (said on the
+    console: nothing to do), else None."""
+    done_step = _checkpoint_step(ckpt_path) if ckpt_path is not None else -1
+    if done_step < spec.trainer.max_steps:
+        return None
+    say(
+        f"run in {run_dir} is already complete: checkpoint {ckpt_path.name} is at step "
+        f"{done_step} >= trainer.max_steps={spec.trainer.max_steps}; nothing to do. "
+        "Raise trainer.max_steps to continue, or pass resume=never / a new hydra.run.dir to start "
+        "over."
+    )
+    return {"already_complete": True, "checkpoint": str(ckpt_path)}
+
+
+def _fit(supervisor, first, ckpt_path: Path | None, auto_dir: Path | None):  # noqa: ANN001
+    """`supervisor.run`, its errors said as the user's: what could not be recovered (exit 1, its message),
+    a checkpoint the workers found corrupt (exit 2, naming it), a checkpoint that could not be written
+    (exit 1, the saver's line). `auto_dir`: the directory `resume=auto` chose the checkpoint from."""
+    from ntp_nemo.resilience.supervisor import FailoverError
+
     supervisor.initial_resume = ckpt_path
-    auto_dir = run_dir / spec.checkpoint.dir if str(cfg.resume) == "auto" else None  # where it was chosen
     try:
-        result = supervisor.run(first, ckpt_path)
+        return supervisor.run(first, ckpt_path)
     except FailoverError as err:  # what could not be recovered, and why: its message, not a traceback
         _raise_if_found_corrupt(ckpt_path, auto_dir)
         print(f"error: {err}", file=sys.stderr, flush=True)
@@ -100,22 +130,22 @@ def train(cfg: DictConfig, start_t: float | None = None, console=None) -> dict:
         _raise_if_found_corrupt(ckpt_path, auto_dir)
         _exit_if_save_failed(exc)
         raise
-    with _LateStops():  # training is over: a stop signal now changes nothing (the report finishes)
-        if launcher_rank() != 0:  # summary.json has one writer, global rank 0, which also reads and prints it
-            # A cluster task whose coordinator died: the batch script sees why (76). Otherwise rank 0's
-            # decision, from this rank's own trainer (the same stop flag, agreed by every rank).
-            code = result.exit_code or stop_exit(trainer_stop(first[0]), run_dir / spec.checkpoint.dir)[0]
-            summary: dict = {}
-        else:
-            # A process 0 that rejoined a running job reports the whole job's steps, not its own share.
-            since = (job_started_at(run_dir) or t0) if rejoining else t0
-            summary, code, note = _report(spec, run_dir, since, result,
-                                          process_start_time() if start_t is None else start_t)
-            if note is not None:
-                print(note, file=sys.stderr if code != EXIT_STOPPED else sys.stdout, flush=True)
-    if code:
-        sys.exit(code)
-    return summary
+
+
+def _finish(spec: RunSpec, run_dir: Path, result, trainer, rejoining: bool, t0: float,  # noqa: ANN001
+            start_t: float) -> tuple[dict, int]:
+    """After training: (summary, exit code). Global rank 0 writes and prints summary.json (`_report`);
+    another rank only takes the exit code of how training ended."""
+    if launcher_rank() != 0:  # summary.json has one writer, global rank 0, which also reads and prints it
+        # A cluster task whose coordinator died: the batch script sees why (76). Otherwise rank 0's
+        # decision, from this rank's own trainer (the same stop flag, agreed by every rank).
+        return {}, result.exit_code or stop_exit(trainer_stop(trainer), run_dir / spec.checkpoint.dir)[0]
+    # A process 0 that rejoined a running job reports the whole job's steps, not its own share.
+    since = (job_started_at(run_dir) or t0) if rejoining else t0
+    summary, code, note = _report(spec, run_dir, since, result, start_t)
+    if note is not None:
+        print(note, file=sys.stderr if code != EXIT_STOPPED else sys.stdout, flush=True)
+    return summary, code
 
 
 class _LateStops:

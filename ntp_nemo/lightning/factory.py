@@ -70,62 +70,21 @@ def build_trainer(
     after a lost GPU); default ranks 0..n-1 on ordinals 0..n-1.  `stop_at_step`: where this attempt
     stops (default `trainer.stop_at_step`). `extra_callbacks`: added to the Trainer's; one that is a
     `RecoveryHooks` (live recovery's) is also the strategy's recovery. `job_started`: the caller
-    records the lifetime's `job_start` in goodput.jsonl (else the goodput callback does)."""
+    records the lifetime's `job_start` in goodput.jsonl (else the goodput callback does).
+
+    In stages: the processes and devices (`_placement`) -> the strategy (`_strategy`) -> the callbacks
+    (`_callbacks`) and loggers -> the Trainer -> the module (`_module`)."""
     t, ckpt = spec.trainer, spec.checkpoint
     layout = layout if layout is not None else spec.layout
-    devices, nodes = process_layout(layout.world_size)
-    gpu = t.accelerator in ("gpu", "cuda")
-    parallel_devices = None  # Lightning's choice: ranks 0..n-1 on devices 0..n-1
-    if gpu and cuda_devices is None and launcher_layout() is not None:
-        from ntp_nemo.launch.devices import local_cuda_ordinals
-
-        ordinals = local_cuda_ordinals(devices)  # one GPU per task: every rank binds cuda:0
-        parallel_devices = [torch.device("cuda", i) for i in ordinals]
-        devices = sorted(set(ordinals))  # the GPUs Lightning checks exist
-    elif gpu and cuda_devices is not None:
-        if len(cuda_devices) != devices or nodes != 1:
-            raise ValueError(f"{len(cuda_devices)} CUDA devices for {devices} processes on {nodes} nodes")
-        # Local rank i binds cuda:cuda_devices[i] (ranks may share a GPU: gloo only, NCCL refuses that).
-        parallel_devices = [torch.device("cuda", int(i)) for i in cuda_devices]
-        devices = sorted(set(int(i) for i in cuda_devices))  # the GPUs Lightning checks exist
+    devices, nodes, parallel_devices = _placement(spec, layout, cuda_devices)
     # Live recovery's hooks come with the callbacks (ntp_nemo.resilience's LiveRecovery is both).
     recovery = next((cb for cb in extra_callbacks if isinstance(cb, RecoveryHooks)), None)
-    strategy = NTPStrategy(
-        layout,
-        bucket_mb=float(spec.ntp.grad_bucket_mb),
-        start_method=t.start_method,
-        process_group_backend=t.process_group_backend,
-        timeout=timedelta(seconds=float(spec.failover.fault.collective_timeout_s)),
-        keep_last=int(ckpt.keep_last),
-        async_save=bool(ckpt.async_save),
-        allow_cross_node_tp=bool(spec.ntp.allow_cross_node_tp),
-        cpu_tp_backend=str(spec.ntp.cpu_tp_backend),
-        recovery=recovery,
-        parallel_devices=parallel_devices,
-    )
+    strategy = _strategy(spec, layout, recovery, parallel_devices)
     env = cluster_environment(launcher_layout())
-    metrics = MetricsJSONL(run_dir)
-    goodput = GoodputCallback(str(run_dir), job_started=job_started)
-    callbacks: list[Any] = [metrics, goodput, RunSummary(run_dir, metrics)]
-    if ckpt.every_n_steps or ckpt.save_on_end:
-        callbacks.append(StepCheckpoint(run_dir / ckpt.dir, int(ckpt.every_n_steps), bool(ckpt.save_on_end)))
-    callbacks.append(MemoryReport(spec.data.micro_batch_size, spec.data.seq_len, spec.num_microbatches))
-    callbacks.append(PreemptionCheckpoint())
-    callbacks.append(FinalValidation())  # after the last step, whatever trainer.max_steps is
-    stop_at_step = stop_at_step if stop_at_step is not None else t.stop_at_step
-    if stop_at_step:
-        callbacks.append(StopAtStep(int(stop_at_step)))
-    if t.progress_bar:
-        from ntp_nemo.lightning.callbacks import StepProgress
-
-        callbacks.append(StepProgress())  # steps of max_steps, loss, tokens/s, ETA; plain lines off a TTY
-    callbacks += [instantiate(c) for c in spec.callbacks]
-    if spec.quant.format != "none":  # ntp_nemo.lightning.qat.QuantizationCallback
-        callbacks.append(instantiate(dataclasses.asdict(spec.quant)))
-    callbacks += list(extra_callbacks)  # failure injection and heartbeats (ntp_nemo.resilience)
+    callbacks = _callbacks(spec, run_dir, stop_at_step, job_started, extra_callbacks)
     loggers = [instantiate(lg) for lg in spec.loggers]
     trainer = NTPTrainer(
-        accelerator="gpu" if gpu else t.accelerator,
+        accelerator="gpu" if t.accelerator in ("gpu", "cuda") else t.accelerator,
         devices=devices,
         num_nodes=nodes,
         strategy=strategy,
@@ -149,7 +108,83 @@ def build_trainer(
     # After the Trainer, which turned deterministic algorithms on or off (torch fills new memory only while
     # they are on, and by default does): the workers inherit both flags.
     torch.utils.deterministic.fill_uninitialized_memory = bool(t.fill_uninitialized_memory)
-    module = NTPLanguageModule(
+    return trainer, _module(spec, data), strategy
+
+
+def _placement(spec: RunSpec, layout: ResolvedLayout,
+               cuda_devices: Sequence[int] | None) -> tuple[Any, int, list[torch.device] | None]:
+    """(devices, nodes, parallel_devices) for Lightning: the processes of this node and the node count,
+    and on GPU the device each local rank binds (None: Lightning's choice, ranks 0..n-1 on devices
+    0..n-1)."""
+    devices, nodes = process_layout(layout.world_size)
+    if spec.trainer.accelerator not in ("gpu", "cuda"):
+        return devices, nodes, None
+    if cuda_devices is None and launcher_layout() is not None:
+        from ntp_nemo.launch.devices import local_cuda_ordinals
+
+        ordinals = local_cuda_ordinals(devices)  # one GPU per task: every rank binds cuda:0
+        # The GPUs Lightning checks exist, and the device of each rank.
+        return sorted(set(ordinals)), nodes, [torch.device("cuda", i) for i in ordinals]
+    if cuda_devices is not None:
+        if len(cuda_devices) != devices or nodes != 1:
+            raise ValueError(f"{len(cuda_devices)} CUDA devices for {devices} processes on {nodes} nodes")
+        # Local rank i binds cuda:cuda_devices[i] (ranks may share a GPU: gloo only, NCCL refuses that).
+        return (sorted(set(int(i) for i in cuda_devices)), nodes,
+                [torch.device("cuda", int(i)) for i in cuda_devices])
+    return devices, nodes, None
+
+
+def _strategy(spec: RunSpec, layout: ResolvedLayout, recovery: RecoveryHooks | None,
+              parallel_devices: list[torch.device] | None) -> NTPStrategy:
+    """The attempt's `NTPStrategy` on `layout`, with the recovery hooks of live recovery (else None)."""
+    t, ckpt = spec.trainer, spec.checkpoint
+    return NTPStrategy(
+        layout,
+        bucket_mb=float(spec.ntp.grad_bucket_mb),
+        start_method=t.start_method,
+        process_group_backend=t.process_group_backend,
+        timeout=timedelta(seconds=float(spec.failover.fault.collective_timeout_s)),
+        keep_last=int(ckpt.keep_last),
+        async_save=bool(ckpt.async_save),
+        allow_cross_node_tp=bool(spec.ntp.allow_cross_node_tp),
+        cpu_tp_backend=str(spec.ntp.cpu_tp_backend),
+        recovery=recovery,
+        parallel_devices=parallel_devices,
+    )
+
+
+def _callbacks(spec: RunSpec, run_dir: Path, stop_at_step: int | None, job_started: bool,
+               extra_callbacks: Sequence[Any]) -> list[Any]:
+    """The Trainer's callbacks, in order: metrics, goodput, the summary, checkpoints, the memory report,
+    stop handling, the final validation, the progress line, the config's `callbacks` group, QAT, then
+    `extra_callbacks` (the supervisor's: fault injection, heartbeats, live recovery)."""
+    t, ckpt = spec.trainer, spec.checkpoint
+    metrics = MetricsJSONL(run_dir)
+    goodput = GoodputCallback(str(run_dir), job_started=job_started)
+    callbacks: list[Any] = [metrics, goodput, RunSummary(run_dir, metrics)]
+    if ckpt.every_n_steps or ckpt.save_on_end:
+        callbacks.append(StepCheckpoint(run_dir / ckpt.dir, int(ckpt.every_n_steps), bool(ckpt.save_on_end)))
+    callbacks.append(MemoryReport(spec.data.micro_batch_size, spec.data.seq_len, spec.num_microbatches))
+    callbacks.append(PreemptionCheckpoint())
+    callbacks.append(FinalValidation())  # after the last step, whatever trainer.max_steps is
+    stop_at_step = stop_at_step if stop_at_step is not None else t.stop_at_step
+    if stop_at_step:
+        callbacks.append(StopAtStep(int(stop_at_step)))
+    if t.progress_bar:
+        from ntp_nemo.lightning.callbacks import StepProgress
+
+        callbacks.append(StepProgress())  # steps of max_steps, loss, tokens/s, ETA; plain lines off a TTY
+    callbacks += [instantiate(c) for c in spec.callbacks]
+    if spec.quant.format != "none":  # ntp_nemo.lightning.qat.QuantizationCallback
+        callbacks.append(instantiate(dataclasses.asdict(spec.quant)))
+    callbacks += list(extra_callbacks)  # failure injection and heartbeats (ntp_nemo.resilience)
+    return callbacks
+
+
+def _module(spec: RunSpec, data: DataBundle) -> NTPLanguageModule:
+    """The `NTPLanguageModule` of the run (it builds the rank's model in `configure_model`)."""
+    t = spec.trainer
+    return NTPLanguageModule(
         spec.model,
         spec.optim_options(),
         data,
@@ -162,4 +197,3 @@ def build_trainer(
         tp_chunks=int(spec.ntp.tp_chunks),
         compile=bool(t.compile),
     )
-    return trainer, module, strategy

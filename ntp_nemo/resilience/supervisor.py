@@ -34,7 +34,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ntp_nemo.config.failover import FailoverSpec
 from ntp_nemo.errors import ConfigError
@@ -102,6 +102,16 @@ class SupervisorResult:
             "failures": self.failures,
             "layouts": [a.layout for a in self.attempts],
         }
+
+
+class _Relaunch(NamedTuple):
+    """The next attempt: its layout, why it runs (`failover` | `repair`), what made it a relaunch (said
+    when no checkpoint is left to resume from) and the CUDA ordinal of each rank (None: CPU, or 0..n-1)."""
+
+    layout: ResolvedLayout
+    reason: str
+    why: str
+    devices: list[int] | None
 
 
 class Supervisor:
@@ -282,130 +292,142 @@ class Supervisor:
 
     # ---- running ----------------------------------------------------------------------------------
     def run(self, first: tuple[Any, Any, Any], resume: Path | None) -> SupervisorResult:
+        """Training attempts until one ends without a failure to recover from: each attempt is one fit
+        (`_attempt`); what its end means is `_after_end` (done, or the repair stop's relaunch on the
+        original layout) or `_after_failure` (record the failure, then stop or re-plan); the next
+        attempt is `_next_attempt` (its checkpoint, its repair stop, its trainer).  Under torchrun/SLURM
+        the processes are not ours: one fit (`_run_once`)."""
         trainer, module, _ = first
-        if trainer.strategy.launcher is None and self.link is not None:
+        if trainer.strategy.launcher is None:
+            return self._run_once(trainer, module, resume)
+        layout, reason, stop_at, why = self.nominal, "start", None, ""  # why: what made it a relaunch
+        restarts = 0
+        while True:
+            rec = AttemptRecord(len(self.result.attempts), layout.describe(), reason,
+                                str(resume) if resume else None, stop_at, time.time(), devices=self.devices)
+            self.result.attempts.append(rec)
+            lost = self._attempt(rec, trainer, module, layout, resume, why)
+            # Asked to stop (SIGTERM, SIGUSR1, Ctrl-C): the workers checkpoint and stop together.
+            stopping = getattr(trainer.strategy.launcher, "stop_requested", None) is not None
+            if lost is None:
+                relaunch = self._after_end(rec, layout, stopping)
+            else:
+                restarts += 1
+                relaunch = self._after_failure(rec, layout, lost, stopping, restarts)
+            if relaunch is None:
+                return self.result
+            layout, reason, why = relaunch.layout, relaunch.reason, relaunch.why
+            trainer, module, resume, stop_at = self._next_attempt(relaunch)
+
+    def _run_once(self, trainer: Any, module: Any, resume: Path | None) -> SupervisorResult:
+        """Processes created outside (torchrun/SLURM): this one's fit; an srun task of a job with
+        ntp-coordinator runs it under the coordinator's link (`run_task`: live recovery)."""
+        if self.link is not None:
             from ntp_nemo.resilience.cluster_task import run_task
 
             run_task(self.link, trainer, module, resume, self.result)
             return self.result
-        if trainer.strategy.launcher is None:
-            trainer.fit(module, ckpt_path=str(resume) if resume else None)
-            return self.result
-        layout, reason, stop_at = self.nominal, "start", None
-        restarts = 0
-        why = ""  # what made the running attempt a relaunch ("" for the first)
-        while True:
-            rec = AttemptRecord(
-                len(self.result.attempts),
-                layout.describe(),
-                reason,
-                str(resume) if resume else None,
-                stop_at,
-                time.time(),
-                devices=self.devices,
+        trainer.fit(module, ckpt_path=str(resume) if resume else None)
+        return self.result
+
+    def _attempt(self, rec: AttemptRecord, trainer: Any, module: Any, layout: ResolvedLayout,
+                 resume: Path | None, why: str) -> LostRanks | None:
+        """One fit (`_execute`) with its record's end time; a relaunch whose workers found no usable
+        checkpoint ends the run (ConfigError: a stop on bad data, not a failure)."""
+        try:
+            lost = self._execute(trainer, module, layout, resume, why)
+        except ConfigError:
+            rec.end_t, rec.outcome = time.time(), "no usable checkpoint"
+            self._log(rec)
+            raise
+        rec.end_t = time.time()
+        return lost
+
+    def _after_end(self, rec: AttemptRecord, layout: ResolvedLayout, stopping: bool) -> _Relaunch | None:
+        """An attempt that ended without a failure: the run is done (None), unless it was an attempt on a
+        degraded layout that reached its repair stop: then the next runs on the original layout. An
+        attempt on a degraded layout that a stop signal ended is not its repair stop (no relaunch)."""
+        rec.outcome = ("stopped" if stopping and rec.stop_at_step is not None
+                       else "repair_stop" if rec.stop_at_step is not None else "ok")
+        self._log(rec)
+        if rec.outcome != "repair_stop":
+            self.result.stopped = rec.outcome == "stopped"
+            return None
+        self.lost_devices.clear()  # the lost GPUs are back: the original placement again
+        print(f"failover | repaired: step {rec.stop_at_step} reached on {layout.describe()}; relaunching "
+              f"on the original layout {self.nominal.describe()}", flush=True)
+        return _Relaunch(self.nominal, "repair", f"the repair stop at step {rec.stop_at_step}", None)
+
+    def _after_failure(self, rec: AttemptRecord, layout: ResolvedLayout, lost: LostRanks, stopping: bool,
+                       restarts: int) -> _Relaunch | None:
+        """An attempt that lost ranks: the failure is recorded; then the run stops (a stop signal was
+        being answered: `_failed_while_stopping`), ends (more failures than fault.max_restarts:
+        FailoverError), or goes on on the re-planned layout."""
+        rec.outcome = "failed"
+        rec.failure = {"ranks": list(lost.ranks), "reason": lost.reason, "step": lost.step,
+                       "detail": lost.detail}
+        self._record("failure_detected", rank=lost.ranks[0] if lost.ranks else None, ranks=list(lost.ranks),
+                     reason=lost.reason, step=lost.step, detail=lost.detail)
+        if stopping:  # asked to stop (SIGTERM, Ctrl-C): whatever failed meanwhile, no relaunch
+            self._failed_while_stopping(rec, lost)
+            return None
+        plan = self._replan(layout, lost)
+        rec.replan = plan.describe()
+        self._log(rec)
+        ranks = list(lost.ranks) or "unknown"
+        what = (f"{lost.reason}: {lost.detail}" if not lost.ranks and lost.step is None else
+                f"rank(s) {ranks} lost at step {lost.step} ({lost.reason}: {lost.detail})")
+        print(f"failover | {what} -> {plan.describe()}", flush=True)
+        if restarts > int(self.spec.fault.max_restarts):
+            last = (f"the job's coordination keys vanished or changed under it ({lost.detail}); "
+                    "find what deletes or writes keys on the job's store (not the machine)"
+                    if lost.reason == STORE_WIPED else
+                    f"{lost.detail}; find what writes to the job's store (not the machine)"
+                    if lost.reason == STORE_FLOODED else
+                    f"rank(s) {ranks} lost ({lost.reason}: {lost.detail}). Raise "
+                    "fault.max_restarts or check the machine")
+            raise FailoverError(
+                f"{restarts} failures exceed fault.max_restarts={self.spec.fault.max_restarts}; last: {last}."
             )
-            self.result.attempts.append(rec)
-            try:
-                lost = self._execute(trainer, module, layout, resume, why)
-            except ConfigError:  # the relaunch's workers found no usable checkpoint: a stop, not a failure
-                rec.end_t, rec.outcome = time.time(), "no usable checkpoint"
-                self._log(rec)
-                raise
-            rec.end_t = time.time()
-            if lost is None:
-                stopping = getattr(trainer.strategy.launcher, "stop_requested", None) is not None
-                # Asked to stop (SIGTERM, SIGUSR1, Ctrl-C): the workers checkpointed and stopped together;
-                # an attempt on a degraded layout that ended so is not its repair stop (no relaunch).
-                rec.outcome = ("stopped" if stopping and rec.stop_at_step is not None
-                               else "repair_stop" if rec.stop_at_step is not None else "ok")
-                self._log(rec)
-                if rec.outcome != "repair_stop":
-                    self.result.stopped = rec.outcome == "stopped"
-                    return self.result
-                plan_layout, reason = self.nominal, "repair"
-                self.lost_devices.clear()  # the lost GPUs are back: the original placement again
-                new_devices = None
-                print(
-                    f"failover | repaired: step {rec.stop_at_step} reached on {layout.describe()}; "
-                    f"relaunching on the original layout {self.nominal.describe()}",
-                    flush=True,
-                )
-                why = f"the repair stop at step {rec.stop_at_step}"
-            else:
-                restarts += 1
-                rec.outcome = "failed"
-                stopping = getattr(trainer.strategy.launcher, "stop_requested", None) is not None
-                rec.failure = {
-                    "ranks": list(lost.ranks),
-                    "reason": lost.reason,
-                    "step": lost.step,
-                    "detail": lost.detail,
-                }
-                self._record(
-                    "failure_detected",
-                    rank=lost.ranks[0] if lost.ranks else None,
-                    ranks=list(lost.ranks),
-                    reason=lost.reason,
-                    step=lost.step,
-                    detail=lost.detail,
-                )
-                if stopping:  # asked to stop (SIGTERM, Ctrl-C): whatever failed meanwhile, no relaunch
-                    saved = self._stop_saved(rec)
-                    if saved is not None:  # the stop's own checkpoint committed: the stop stands
-                        rec.outcome = "stopped"
-                        self._log(rec)
-                        print(f"failover | {lost.reason} ({lost.detail}) while the workers stopped; the "
-                              f"stop's checkpoint {saved.name} is valid: the stop stands", flush=True)
-                        self._record("job_end", status="ok", reason=f"stopped on a stop signal; a worker "
-                                     f"was lost after checkpoint {saved.name} ({lost.reason})")
-                        self.result.stopped = True
-                        return self.result
-                    self._log(rec)
-                    message = self._stop_message(lost)
-                    # The workers were killed before they could say it: the job's end, after its failure.
-                    self._record("job_end", status="failed",
-                                 reason=f"stopped on a stop signal ({lost.reason})")
-                    raise FailoverError(message)
-                plan = self._replan(layout, lost)
-                rec.replan = plan.describe()
-                self._log(rec)
-                ranks = list(lost.ranks) or "unknown"
-                what = (f"{lost.reason}: {lost.detail}" if not lost.ranks and lost.step is None else
-                        f"rank(s) {ranks} lost at step {lost.step} ({lost.reason}: {lost.detail})")
-                print(f"failover | {what} -> {plan.describe()}", flush=True)
-                why = what
-                if restarts > int(self.spec.fault.max_restarts):
-                    what = (f"the job's coordination keys vanished or changed under it ({lost.detail}); "
-                            "find what deletes or writes keys on the job's store (not the machine)"
-                            if lost.reason == STORE_WIPED else
-                            f"{lost.detail}; find what writes to the job's store (not the machine)"
-                            if lost.reason == STORE_FLOODED else
-                            f"rank(s) {ranks} lost ({lost.reason}: {lost.detail}). Raise "
-                            "fault.max_restarts or check the machine")
-                    raise FailoverError(
-                        f"{restarts} failures exceed fault.max_restarts={self.spec.fault.max_restarts};"
-                        f" last: {what}."
-                    )
-                plan_layout, reason = plan.new, "failover"
-                new_devices = self.relaunch_devices(layout, plan, lost.ranks)
-            resume = self._relaunch_checkpoint(why)
-            stop_at = self._repair_stop(plan_layout, self._step_of(resume))
-            layout = plan_layout  # as re-planned: every option of the run's layout carries over
-            self.devices = new_devices
-            if not self._port_was_set:
-                os.environ.pop("MASTER_PORT", None)  # a fresh rendezvous port for the new workers
-            trainer, module, _ = self.build(
-                layout, self.callbacks(len(self.result.attempts), reason == "failover"), new_devices, stop_at
-            )
-            print(
-                f"failover | attempt {len(self.result.attempts)} on layout {layout.describe()}"
-                f"{f' until step {stop_at}' if stop_at else ''}; resuming from "
-                f"{resume.name if resume else 'the start (no checkpoint)'}",
-                flush=True,
-            )
-            self._record(
-                "job_start", layout=layout.describe(), attempt=len(self.result.attempts), reason=reason
-            )
+        return _Relaunch(plan.new, "failover", what, self.relaunch_devices(layout, plan, lost.ranks))
+
+    def _failed_while_stopping(self, rec: AttemptRecord, lost: LostRanks) -> None:
+        """A worker was lost while the workers answered a stop signal: the stop stands when its own
+        checkpoint committed (returns); otherwise FailoverError says which checkpoint a rerun takes."""
+        saved = self._stop_saved(rec)
+        if saved is not None:  # the stop's own checkpoint committed: the stop stands
+            rec.outcome = "stopped"
+            self._log(rec)
+            print(f"failover | {lost.reason} ({lost.detail}) while the workers stopped; the stop's "
+                  f"checkpoint {saved.name} is valid: the stop stands", flush=True)
+            self._record("job_end", status="ok", reason=f"stopped on a stop signal; a worker was lost "
+                         f"after checkpoint {saved.name} ({lost.reason})")
+            self.result.stopped = True
+            return
+        self._log(rec)
+        message = self._stop_message(lost)
+        # The workers were killed before they could say it: the job's end, after its failure.
+        self._record("job_end", status="failed", reason=f"stopped on a stop signal ({lost.reason})")
+        raise FailoverError(message)
+
+    def _next_attempt(self, relaunch: _Relaunch) -> tuple[Any, Any, Path | None, int | None]:
+        """The relaunch: the checkpoint it resumes from, the step it stops at (an attempt on a degraded
+        layout stops for its repair), a fresh rendezvous port, and its trainer on the re-planned layout
+        (every option of the run's layout carries over). Returns (trainer, module, resume, stop_at)."""
+        resume = self._relaunch_checkpoint(relaunch.why)
+        layout = relaunch.layout
+        stop_at = self._repair_stop(layout, self._step_of(resume))
+        self.devices = relaunch.devices
+        if not self._port_was_set:
+            os.environ.pop("MASTER_PORT", None)  # a fresh rendezvous port for the new workers
+        attempt = len(self.result.attempts)
+        trainer, module, _ = self.build(layout, self.callbacks(attempt, relaunch.reason == "failover"),
+                                        relaunch.devices, stop_at)
+        print(f"failover | attempt {attempt} on layout {layout.describe()}"
+              f"{f' until step {stop_at}' if stop_at else ''}; resuming from "
+              f"{resume.name if resume else 'the start (no checkpoint)'}", flush=True)
+        self._record("job_start", layout=layout.describe(), attempt=attempt, reason=relaunch.reason)
+        return trainer, module, resume, stop_at
 
     def _stop_saved(self, rec: AttemptRecord) -> Path | None:
         """The checkpoint of the step a stop signal ended attempt `rec` at, when it is valid: the step
@@ -492,25 +514,7 @@ class Supervisor:
 
         shutil.rmtree(self.heartbeat_dir, ignore_errors=True)
         self.heartbeat_dir.mkdir(parents=True, exist_ok=True)
-        if self.live:  # survivors recover in place; the monitor tells them who is gone
-            from ntp_nemo.resilience.live_launcher import LiveLauncher, LiveMonitor
-
-            if not isinstance(trainer.strategy.launcher, LiveLauncher):
-                raise RuntimeError("a live attempt's trainer must be built with the attempt's callbacks "
-                                   "(`Supervisor.callbacks`: its LiveRecovery names the LiveLauncher)")
-            repair = self.spec.fault.repair_after_steps
-            monitor = LiveMonitor(trainer.strategy.launcher, layout.world_size, self.heartbeat_dir,
-                                  self.timeouts.heartbeat_s, layout=layout,
-                                  repair_after_steps=None if repair is None else int(repair),
-                                  end_step=self.end_step, timeouts=self.timeouts)
-        else:
-            monitor = WorkerMonitor(
-                lambda: getattr(trainer.strategy.launcher, "procs", None),
-                self.heartbeat_dir,
-                layout.world_size,
-                self.timeouts,
-                stop_requested=lambda: getattr(trainer.strategy.launcher, "stop_requested", None),
-            )
+        monitor = self._monitor(trainer, layout)
         monitor.start()
         try:
             trainer.fit(module, ckpt_path=str(resume) if resume else None)
@@ -520,17 +524,7 @@ class Supervisor:
             stop = self._workers_found_none(resume, why) if why else None
             if stop is not None and isinstance(exc, ProcessRaisedException):
                 raise stop from None
-            procs = trainer.strategy.launcher.procs
-            beats = read_beats(self.heartbeat_dir, layout.world_size)
-            step = max((b.step for b in beats.values()), default=None)
-            lost = classify(
-                [p.exitcode for p in procs],
-                monitor.killed,
-                monitor.verdict,
-                str(exc),
-                suspects(beats, layout.world_size),
-                step,
-            )
+            lost = self._lost(exc, trainer, layout, monitor)
             if lost is None:
                 raise
             if self.live and isinstance(exc, ProcessRaisedException):  # what the worker raised, kept
@@ -544,3 +538,34 @@ class Supervisor:
             close = getattr(trainer.strategy.launcher, "close", None)
             if close is not None:  # the live path's store goes here, not in the next attempt's workers
                 close()
+
+    def _monitor(self, trainer: Any, layout: ResolvedLayout) -> Any:
+        """The attempt's failure monitor (not started): `LiveMonitor` when recovery is live (the
+        survivors recover in place; it tells them who is gone), else `WorkerMonitor`."""
+        if self.live:
+            from ntp_nemo.resilience.live_launcher import LiveLauncher, LiveMonitor
+
+            if not isinstance(trainer.strategy.launcher, LiveLauncher):
+                raise RuntimeError("a live attempt's trainer must be built with the attempt's callbacks "
+                                   "(`Supervisor.callbacks`: its LiveRecovery names the LiveLauncher)")
+            repair = self.spec.fault.repair_after_steps
+            return LiveMonitor(trainer.strategy.launcher, layout.world_size, self.heartbeat_dir,
+                               self.timeouts.heartbeat_s, layout=layout,
+                               repair_after_steps=None if repair is None else int(repair),
+                               end_step=self.end_step, timeouts=self.timeouts)
+        return WorkerMonitor(
+            lambda: getattr(trainer.strategy.launcher, "procs", None),
+            self.heartbeat_dir,
+            layout.world_size,
+            self.timeouts,
+            stop_requested=lambda: getattr(trainer.strategy.launcher, "stop_requested", None),
+        )
+
+    def _lost(self, exc: Exception, trainer: Any, layout: ResolvedLayout, monitor: Any) -> LostRanks | None:
+        """Which ranks the attempt lost and why (`classify`: exit codes, the monitor's kills and verdict,
+        the error, the heartbeats' suspects and step); None when it was no failure to recover from."""
+        procs = trainer.strategy.launcher.procs
+        beats = read_beats(self.heartbeat_dir, layout.world_size)
+        step = max((b.step for b in beats.values()), default=None)
+        return classify([p.exitcode for p in procs], monitor.killed, monitor.verdict, str(exc),
+                        suspects(beats, layout.world_size), step)

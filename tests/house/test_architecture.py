@@ -106,3 +106,26 @@ def test_module_names_say_what_they_hold():
         seen.setdefault(path.name, []).append(str(rel))
     twice = {name: where for name, where in seen.items() if len(where) > 1}
     assert not twice, f"module names used more than once: {twice}"
+
+
+MAIN_PATH = ("ntp_nemo/train.py", "ntp_nemo/cli/train.py", "ntp_nemo/resilience/supervisor.py",
+             "ntp_nemo/lightning/factory.py")
+MAIN_PATH_MOST_LINES = 60
+
+
+def long_functions(source: str, most: int) -> list[tuple[str, int]]:
+    """(name, lines) of each function of `source` longer than `most` lines (docstring included)."""
+    return [(node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(ast.parse(source))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > most]
+
+
+def test_main_path_functions_read_as_named_stages():
+    """From `ntp-train` to Lightning's loop (the CLI, `train`, the supervisor, the trainer's factory) no
+    function is longer than MAIN_PATH_MOST_LINES: a long one is split into stages named for what they do
+    (docs/architecture.md's life of a run names them)."""
+    long = {path: found for path in MAIN_PATH
+            if (found := long_functions((ROOT / path).read_text(), MAIN_PATH_MOST_LINES))}
+    assert not long, long
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAIN_PATH_MOST_LINES))
+    assert long_functions(f"def f():\n{body}\n", MAIN_PATH_MOST_LINES) == [("f", MAIN_PATH_MOST_LINES + 1)]
