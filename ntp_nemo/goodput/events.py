@@ -51,6 +51,9 @@ REBALANCE = "rebalance"  # step, speeds, microbatches, predicted_compute_s, nomi
 # Silent-corruption checks (ntp_nemo.resilience.integrity): the seconds a replica-fingerprint check, or a
 # finding's attribution and action (replay, rollback, skipped sample), took, ending at `t`.
 INTEGRITY_CHECK = "integrity"  # seconds
+# Hot spares (ntp_nemo.resilience.spares), recorded by the launching process: a spare ready (seconds from
+# its start), taken (in the place of `process`) or dead before it was used
+SPARE = "spare"  # action (ready | taken | died), spare, spare_pid, seconds, process
 
 EVENTS: frozenset[str] = frozenset(
     {
@@ -73,6 +76,7 @@ EVENTS: frozenset[str] = frozenset(
         STRAGGLER_WAIT,
         REBALANCE,
         INTEGRITY_CHECK,
+        SPARE,
     }
 )
 

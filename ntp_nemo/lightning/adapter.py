@@ -196,7 +196,7 @@ class ForkLauncher(_MultiProcessingLauncher):
 
     Besides Lightning's `launch` (fork, join, collect), the steps one by one for a launcher whose workers
     may be lost and replaced (`resilience/live_launcher.py`): `start_workers`, `start_replacement`,
-    `worker_results`, `forget_workers`."""
+    `start_process`, `worker_results`, `forget_workers`."""
 
     _procs: Any = None
     _pending_signal: int | None = None
@@ -244,6 +244,22 @@ class ForkLauncher(_MultiProcessingLauncher):
         assert spawned is not None, "start_workers first"
         proc = mp.get_context("fork").Process(target=self._replacement_main,
                                               args=(idx, prepare, ckpt_path, spawned), name=name)
+        proc.start()
+        return proc
+
+    def start_process(self, body: Callable[[Any, Callable[[int, Callable[[Any], None], str], None]], None],
+                      name: str) -> Any:
+        """Fork a process (after `start_workers`) that runs `body(trainer, replace)` and exits when it
+        returns; `replace(idx, prepare, ckpt_path)` makes it, from then on, what `start_replacement` starts
+        (a hot spare: `resilience/spares.py`).  Returns the process (started)."""
+        spawned = self._spawned
+        assert spawned is not None, "start_workers first"
+
+        def main() -> None:
+            body(spawned.trainer, lambda idx, prepare, ckpt_path: self._replacement_main(
+                idx, prepare, ckpt_path, spawned))
+
+        proc = mp.get_context("fork").Process(target=main, name=name)
         proc.start()
         return proc
 

@@ -262,8 +262,37 @@ def validate_fault_config(spec: FailoverSpec, context: LaunchContext | None = No
                 "returning to the repaired layout needs checkpoints; "
                 "set checkpoint.every_n_steps>0 or checkpoint.save_on_end=true.",
             )
+    validate_spares(spec, context)
     resolve_faults(spec)
     validate_integrity_config(spec.integrity)
+
+
+def validate_spares(spec: FailoverSpec, context: LaunchContext) -> None:
+    """`fault.spares`: a whole number >= 0 of hot spares, which only the live recovery of ntp-train's own
+    launcher takes (`resilience/spares.py`)."""
+    raw = getattr(spec.fault, "spares", 0)
+    whole = isinstance(raw, int) or isinstance(raw, float) and raw.is_integer()
+    if isinstance(raw, bool) or not whole:
+        raise ConfigError("fault.spares", f"is the number of hot spare processes started with the job and "
+                          f"kept waiting to replace a lost one, a whole number >= 0, got {raw!r}; e.g. "
+                          "fault.spares=1 (0: none, a replacement is started when it is needed).")
+    spares = int(raw)
+    if spares < 0:
+        raise ConfigError("fault.spares", f"must be >= 0 hot spare processes, got {spares}; e.g. "
+                          "fault.spares=1 (0: none, a replacement is started when it is needed).")
+    if spares == 0:
+        return
+    mode, why = recovery_mode(spec, context.launcher, context.coordinator)
+    if mode != "live":
+        raise ConfigError("fault.spares", f"hot spares replace a lost process during a live recovery, but "
+                          f"this run recovers by restart ({why}); use fault.recovery=live (or auto where "
+                          "live can work), or set fault.spares=0.")
+    if context.launcher is not None:
+        raise ConfigError("fault.spares", f"hot spares are started by ntp-train's own launcher, but the "
+                          f"processes of this run are started by {context.launcher}"
+                          f"{' with an ntp-coordinator' if context.coordinator else ''}, which keeps no "
+                          "spare processes (a cluster job's spare is a node its batch script leaves out of "
+                          "the main step, docs/failover.md); set fault.spares=0.")
 
 
 RECOVERY_MODES = ("auto", "live", "restart")

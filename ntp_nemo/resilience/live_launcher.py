@@ -18,6 +18,7 @@ and then handled as a lost one.  The workers' side is `live_worker.py`.
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import threading
 import time
@@ -60,6 +61,7 @@ from ntp_nemo.resilience.rendezvous import (
     seal_intact,
     seal_store,
 )
+from ntp_nemo.resilience.spares import SparePool, spare_body, warm_up
 from ntp_nemo.resilience.store_auth import JobStore
 from ntp_nemo.topology.layout import ResolvedLayout
 
@@ -67,8 +69,13 @@ from ntp_nemo.topology.layout import ResolvedLayout
 class LiveLauncher(ForkLauncher):
     """Fork launcher whose workers rendezvous on a store hosted here and may lose a peer."""
 
-    def __init__(self, strategy: Any) -> None:
+    def __init__(self, strategy: Any, spares: int = 0, spare_timeout_s: float = 600.0,
+                 record: Callable[..., None] | None = None) -> None:
+        """`spares`: hot spares kept waiting (`fault.spares`), each ready within `spare_timeout_s`
+        (`fault.startup_timeout_s`); `record(**fields)`: a goodput `spare` event (None: none)."""
         super().__init__(strategy, start_method="fork")
+        self.spares, self.spare_timeout_s, self.record_spare = int(spares), float(spare_timeout_s), record
+        self.spare_pool: SparePool | None = None  # while the workers run, with `spares` > 0
         self.store: JobStore | None = None
         self.seal: str | None = None  # `rendezvous.seal_store`'s value on the store hosted here
         self.secret: bytes | None = None  # the job's store secret, drawn before the fork (workers inherit it)
@@ -81,13 +88,36 @@ class LiveLauncher(ForkLauncher):
         up to `timeout_s` for the survivors (`Timeouts.rejoin_s`); `attempt`: the rejoin's number, under
         which it says it is ready (`rendezvous.publish_ready`)."""
         assert self.port is not None
+        message = (idx, generation, layout, source, timeout_s, attempt)
+        spare = self.spare_pool.take() if self.spare_pool is not None else None
+        if spare is not None:  # a hot spare, initialised and waiting, takes the place
+            self.spare_pool.assign(spare, message, idx)
+            self.procs[idx] = spare.proc
+        else:
+            self.procs[idx] = self.start_replacement(idx, self._repaired(message)[1], Rejoining.CKPT_PATH,
+                                                     name=f"ntp-rejoin-{idx}")
+        self.lost.discard(idx)
+
+    def _repaired(self, message: tuple) -> tuple[int, Callable[[Any], None]]:
+        """What `respawn`'s `message` makes of a process: its index and its first code (`prepare`)."""
+        idx, generation, layout, source, timeout_s, attempt = message
         port, secret = self.port, self.secret
         joining = Rejoining(lambda: JobStore(connect(port, timeout_s), secret), layout, idx,
                             index=generation, source=source, timeout_s=timeout_s, attempt=attempt)
-        self.procs[idx] = self.start_replacement(
-            idx, lambda trainer: _prepare_repaired(trainer, idx, joining), Rejoining.CKPT_PATH,
-            name=f"ntp-rejoin-{idx}")
-        self.lost.discard(idx)
+        return idx, lambda trainer: _prepare_repaired(trainer, idx, joining)
+
+    def _start_spare(self, number: int, conn: Any, parent_conn: Any) -> Any:
+        """Fork hot spare `number` (`spares.SparePool`): it warms up, then waits for a `respawn` message."""
+        launcher_pid = os.getpid()
+
+        def body(trainer: Any, replace: Callable) -> None:
+            def work(message: tuple) -> None:
+                idx, prepare = self._repaired(message)
+                replace(idx, prepare, Rejoining.CKPT_PATH)
+
+            spare_body(conn, parent_conn, lambda: warm_up(trainer), work, launcher_pid)
+
+        return self.start_process(body, name=f"ntp-spare-{number}")
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         # SIGTERM/Ctrl-C: the workers checkpoint and stop, as without live; they listen on loopback only
@@ -98,8 +128,14 @@ class LiveLauncher(ForkLauncher):
         """Stop hosting the job's store, here in the launching process (the attempt is over).  A store
         whose server thread runs here must never be destroyed in a forked child, where that thread does
         not exist and the destructor's join never returns."""
+        self._release_spares()
         self.store, self.port = None, None
         self.forget_workers()
+
+    def _release_spares(self) -> None:
+        pool, self.spare_pool = self.spare_pool, None
+        if pool is not None:
+            pool.close()
 
     def _launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         (listener, port), self.secret = reserve_port(), local_secret()  # the port is the job's from here
@@ -111,6 +147,12 @@ class LiveLauncher(ForkLauncher):
         with environment({"MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}):
             process_context = self.start_workers(function, args, kwargs, trainer)
             self.port = port
+            if self.spares > 0:  # forked before the store's server thread exists, as the workers are
+                self.spare_pool = SparePool(self.spares, self._start_spare,
+                                            ready_timeout_s=self.spare_timeout_s,
+                                            say=lambda line: print(line, flush=True),
+                                            record=self.record_spare)
+                self.spare_pool.start()
             # after the fork: no server thread is copied into a worker
             store = JobStore(host_store(listener=listener), self.secret)
             self.seal = seal_store(store)  # the monitor checks that the job's keys stay its own
@@ -118,9 +160,12 @@ class LiveLauncher(ForkLauncher):
             # Until every process has exited, including repaired ones started meanwhile in place of a
             # lost one.  (The monitor thread polls the same children: a join that loses the race to reap
             # one returns before its exit status is recorded, so the status is what is waited for.)
-            while any(p.exitcode is None for p in list(self.procs)):
-                for p in list(self.procs):
-                    p.join(0.05)
+            try:
+                while any(p.exitcode is None for p in list(self.procs)):
+                    for p in list(self.procs):
+                        p.join(0.05)
+            finally:  # every path (the end, a fallback to restart, Ctrl-C): no spare outlives the attempt
+                self._release_spares()
         bad = [(i, p) for i, p in enumerate(self.procs) if p.exitcode != 0 and i not in self.lost]
         raised = [(i, p) for i, p in bad if p.exitcode == 1]
         if raised:  # a Python exception in a worker: its traceback, as torch's own join reports it (the
@@ -324,6 +369,8 @@ class LiveMonitor(threading.Thread):
         if all(is_ready(store, r["generation"], r["attempt"], i) for i in r["pids"]):
             decide_rejoin(store, r["generation"], r["announced"], join=True)
             r["decided"] = True
+            print(f"failover | live: process(es) {r['pids']} ready to join {time.time() - r['t']:.2f} s "
+                  "after the rejoin was announced", flush=True)
             return
         bound = self.timeouts.startup_s if self.timeouts is not None else None
         if bound is not None and time.time() - r["t"] > bound:
@@ -396,12 +443,14 @@ class LiveMonitor(threading.Thread):
     def _maybe_rejoin(self, procs, seen: set[int]) -> None:
         """`fault.repair_after_steps` steps after a live recovery, start a repaired process for every
         process that is gone (lost, or left idle by the new layout) and announce that they join before a
-        step no survivor has started yet; the survivors return to the original layout there."""
-        if self.repair_after_steps is None or self._degraded_at is None or self.layout is None \
+        step no survivor has started yet; the survivors return to the original layout there.  With a hot
+        spare ready (`fault.spares`) there is nothing to repair: it takes the place at once."""
+        delay = self._repair_delay()
+        if delay is None or self._degraded_at is None or self.layout is None \
                 or getattr(self.launcher, "stop_requested", None) is not None:
             return
         step = self._max_step()
-        if step < self._degraded_at + self.repair_after_steps:
+        if step < self._degraded_at + delay:
             return
         gone = [i for i, p in enumerate(procs) if p.exitcode is not None]
         if any(i not in seen for i in gone):
@@ -421,17 +470,26 @@ class LiveMonitor(threading.Thread):
         self.fresh_window()
         publish_rejoin(self.launcher.store, self.generation, join_at, range(self.layout.world_size), source,
                        attempt=self._attempts)
+        started = time.time()
         for i in gone:
             self.launcher.respawn(i, self.generation + 1, self.layout, source, timeout_s=wait_s,
                                   attempt=self._attempts)
             seen.discard(i)
         self._rejoin = {"generation": self.generation, "attempt": self._attempts, "pids": list(gone),
-                        "announced": announced, "t": time.time()}
+                        "announced": announced, "t": started}
         self.generation += 1
         prune_generations(self.launcher.store, self.generation)
         self._degraded_at = None
         print(f"failover | live: repaired process(es) {gone} start and rejoin before step {join_at}",
               flush=True)
+
+    def _repair_delay(self) -> int | None:
+        """Steps from a loss to its replacement's start: none while a hot spare is ready (the pool's news,
+        a spare ready or dead, is read here), else `fault.repair_after_steps` (None: no repair)."""
+        pool = getattr(self.launcher, "spare_pool", None)
+        if pool is not None and pool.ready():
+            return 0
+        return self.repair_after_steps
 
     def fresh_window(self) -> None:
         """A change of generation begins now: every rank gets a full heartbeat timeout from here."""

@@ -24,6 +24,7 @@ the coordinator, which says who is lost, and a replacement task rejoins (`run_ta
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -172,11 +173,14 @@ class Supervisor:
             from ntp_nemo.resilience.live_launcher import LiveLauncher
             from ntp_nemo.resilience.live_worker import LiveRecovery
 
+            spares = int(getattr(self.spec.fault, "spares", 0))
             out.append(LiveRecovery(self.policy.name, self.spec.min_replica_tp,
                                     timeout_s=self.timeouts.collective_s,
-                                    repair=self.spec.fault.repair_after_steps is not None,
+                                    repair=self.spec.fault.repair_after_steps is not None or spares > 0,
                                     decision_s=self.timeouts.startup_s + self.timeouts.heartbeat_s,
-                                    launcher=LiveLauncher))
+                                    launcher=functools.partial(
+                                        LiveLauncher, spares=spares, spare_timeout_s=self.timeouts.startup_s,
+                                        record=functools.partial(self._record, "spare"))))
         return out
 
     def build_first(self) -> tuple[Any, Any, Any]:
