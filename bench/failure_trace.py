@@ -67,6 +67,7 @@ from ntp_nemo.goodput.sim.replay import (
     FailureTrace,
     ReplayCosts,
     ReplayPolicy,
+    StragglerModel,
     generate_trace,
     replay,
 )
@@ -78,6 +79,7 @@ DP, TP = 2, 2
 TIMEOUTS = ["fault.heartbeat_timeout_s=4", "fault.collective_timeout_s=30", "fault.step_timeout_s=600"]
 POLICIES = {
     "live-ntp": (["fault.policy=ntp", "fault.recovery=live"], "live", "ntp"),
+    "live-rebalance": (["fault.policy=ntp", "fault.recovery=live"], "live", "ntp"),
     "ntp-pw": (["fault.policy=ntp", "fault.recovery=live", "ntp.power_boost=1.3"], "live", "ntp"),
     "ntp-restart": (["fault.policy=ntp", "fault.recovery=restart"], "restart", "ntp"),
     "dp-drop": (["fault.policy=dp_drop", "fault.recovery=live"], "live", "dp_drop"),
@@ -85,6 +87,28 @@ POLICIES = {
     "wait-repair": (["fault.policy=restart", "fault.recovery=restart", "fault.max_restarts=0"], "wait",
                     "restart"),
 }
+
+# What each row does with the trace's straggler (`fault.straggler`): live-rebalance gives its replica a
+# batch share by its measured speed; every other row only reports it.
+STRAGGLER = {name: "rebalance" if name == "live-rebalance" else "report" for name in POLICIES}
+WATCH = (5, 3)  # fault.straggler_every, fault.straggler_persist (the defaults)
+MICROBATCHES = 12  # global batch 12 in micro-batches of 1
+
+
+def split(speeds: tuple[float, ...]) -> list[int]:
+    """Micro-batches per replica of the full layout for replica `speeds`, as the job's layout splits them."""
+    from ntp_nemo.topology import ResolvedLayout, Topology
+
+    layout = ResolvedLayout.make(Topology(TP, [TP] * DP, [TP] * DP * TP), num_microbatches=MICROBATCHES)
+    return layout.with_changes(speeds=speeds).microbatch_counts()
+
+
+def policy_of(name: str) -> ReplayPolicy:
+    """The replay's policy for row `name`: its recovery mode, layouts after losses and straggler watch."""
+    _, mode, rule = POLICIES[name]
+    watch = StragglerModel(STRAGGLER[name], WATCH[0], WATCH[1], nominal=(MICROBATCHES // DP,) * DP,
+                           replica_of=lambda r: r // TP, split=split)
+    return ReplayPolicy(name, mode, shrink(rule), watch)
 
 
 def shrink(rule: str):
@@ -140,7 +164,8 @@ def run_policy(name: str, job: list[str], trace: FailureTrace, work: Path, repai
         return Run(name, run_dir, [Command(**c) for c in doc["commands"]], doc["repair_wait_s"])
     faults = trace.fault_overrides() if name != "failure-free" else [
         "fault=none", f"checkpoint.every_n_steps={trace.checkpoint_every}"]
-    args = [*job, *faults, *extra]
+    watch = [f"fault.straggler={STRAGGLER[name]}"] if name in STRAGGLER else []
+    args = [*job, *faults, *extra, *watch]
     run = Run(name, run_dir)
     run.commands.append(launch(args, run_dir, log, timeout))
     while mode == "wait" and run.commands[-1].rc != 0 and len(run.commands) <= len(trace.losses()):
@@ -191,6 +216,9 @@ class Measured:
     fallbacks: int  # live recoveries that fell back to the restart path
 
     work: dict[str, float]  # per layout key: the busiest rank's micro-batches per step (see `rank_work`)
+    straggler_named: tuple[int, ...] = ()  # the steps of the run's `straggler` events
+    rebalanced_steps: int = 0  # full-layout steps run on a split other than the nominal one
+    straggler_s: float = 0.0  # seconds the straggler added to the full-layout steps it slowed or rebalanced
 
 
 def _mean(xs: list[float], default: float = 0.0) -> float:
@@ -215,22 +243,43 @@ def measure(run: Run, trace: FailureTrace, reference: dict[int, float] | None,
     marks = sorted([f["t"] for f in fired if f["kind"] != "slow"]
                    + [e["t"] for e in events
                       if e["event"] in ("failure_detected", "recovery_done", "job_start")])
-    slow = [e for e in trace.events if e.kind == SLOW]
+    slow = [e for e in trace.events if e.kind == SLOW] if run.name != "failure-free" else []
 
     def key(r: dict) -> str:
         return FULL if r["layout"] == full_layout else r["layout"]
 
+    full_recs = [tuple(r["microbatches"]) for r in recs if key(r) == FULL]
+    nominal = statistics.mode(full_recs) if full_recs else ()
+
+    def plain_split(r: dict) -> bool:  # a full-layout step on the nominal split (not one rebalanced)
+        return key(r) != FULL or tuple(r["microbatches"]) == nominal
+
     periods: dict[str, list[float]] = {}
+    slowed_periods: list[tuple[float, float]] = []  # (period, factor) of unmitigated slow full steps
     rejoin_steps: list[float] = []
     prev = None
     for r in recs:
         if prev is not None and r["step"] == prev["step"] + 1:
             between = [m for m in marks if prev["time"] < m <= r["time"]]
-            slowed = any(e.step <= r["step"] < e.step + e.steps for e in slow)
-            if not between and not slowed:
+            slowed = [e for e in slow if e.slows(r["step"])]
+            if not between and not slowed and plain_split(r):
                 periods.setdefault(key(r), []).append(r["time"] - prev["time"])
+            elif not between and slowed and key(r) == FULL and plain_split(r) and slowed[0].factor:
+                slowed_periods.append((r["time"] - prev["time"], slowed[0].factor))
         prev = r
     step_s = {k: _mean(v) for k, v in periods.items()}
+    # What the straggler cost: the full-layout steps it slowed or that ran on a split by speed, beyond a
+    # plain full step (steps with a recovery or a failure inside are left out, as above).
+    straggler_s = 0.0
+    prev = None
+    for r in recs:
+        if prev is not None and r["step"] == prev["step"] + 1 and key(r) == FULL:
+            between = [m for m in marks if prev["time"] < m <= r["time"]]
+            if not between and (any(e.slows(r["step"]) for e in slow) or not plain_split(r)):
+                straggler_s += r["time"] - prev["time"] - step_s.get(FULL, 0.0)
+        prev = r
+    # A slow device's compute: an unmitigated slow step takes compute_s * (1/factor - 1) more.
+    compute = [(d - step_s.get(FULL, 0.0)) / (1 / f - 1) for d, f in slowed_periods]
     # Detection: fault fired -> the next failure_detected.
     detect: dict[str, list[float]] = {}
     detected = [e for e in events if e["event"] == "failure_detected"]
@@ -287,6 +336,7 @@ def measure(run: Run, trace: FailureTrace, reference: dict[int, float] | None,
         stop_s=_mean(stop),
         repair_wait_s=run.repair_wait_s,
         commit_s=_mean(commits),
+        compute_s=_mean(compute),
     )
     degraded = [r for r in recs if key(r) != FULL]
     layouts: dict[str, int] = {}
@@ -309,6 +359,9 @@ def measure(run: Run, trace: FailureTrace, reference: dict[int, float] | None,
         failures=len(detected),
         fallbacks=sum(1 for e in events if e["event"] == "recovery_done" and e.get("mode") == "restart"
                       and any(d.get("detail") == "live recovery" for d in detected)),
+        straggler_named=tuple(e["step"] for e in events if e["event"] == "straggler"),
+        rebalanced_steps=sum(1 for r in recs if not plain_split(r)),
+        straggler_s=straggler_s,
     )
 
 
@@ -326,8 +379,8 @@ def costs_row(name: str, c: ReplayCosts) -> tuple:
     def s(v: float) -> str:
         return f"{v:.2f}" if v else "-"
 
-    return (name, f"{c.startup_s:.2f}", steps, det, s(c.reshard_s), s(c.rejoin_s), s(c.restart_s),
-            s(c.repair_relaunch_s), s(c.stop_s), s(c.repair_wait_s))
+    return (name, f"{c.startup_s:.2f}", steps, s(c.compute_s), det, s(c.reshard_s), s(c.rejoin_s),
+            s(c.restart_s), s(c.repair_relaunch_s), s(c.stop_s), s(c.repair_wait_s))
 
 
 def rank_work(layout: str, microbatches: list[int], boost: float) -> float:
@@ -353,13 +406,12 @@ def at_common_load(trace: FailureTrace, measured: dict[str, Measured], names: li
     startup = statistics.median(m.costs.startup_s for m in measured.values())
     out = {"failure-free": startup + trace.steps * step_s[FULL]}
     for name in names:
-        _, mode, rule = POLICIES[name]
         steps = step_s
         if by_work:
             work = measured[name].work
             steps = {k: step_s[FULL] * w / work[FULL] for k, w in work.items()}
         costs = replace(measured[name].costs, step_s=steps, startup_s=startup)
-        out[name] = replay(trace, ReplayPolicy(name, mode, shrink(rule)), costs).time_to_last_step_s
+        out[name] = replay(trace, policy_of(name), costs).time_to_last_step_s
     return out
 
 
@@ -373,58 +425,75 @@ def summary_line(steps: int, times: dict[str, float]) -> str:
             f"{ratio('ntp-restart')}, DP-drop {ratio('dp-drop')}, wait-for-repair {ratio('wait-repair')}")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--repair-after", type=int, default=30, help="fault.repair_after_steps")
-    ap.add_argument("--every", type=int, default=10, help="checkpoint.every_n_steps")
-    ap.add_argument("--policies", default=",".join(POLICIES), help="comma-separated rows to run")
-    ap.add_argument("--keep", type=Path, help="keep the run directories here")
-    ap.add_argument("--reuse", action="store_true",
-                    help="with --keep: read the runs a previous run left there instead of running them again")
-    ap.add_argument("--timeout", type=float, default=1800.0, help="bound on each ntp-train command (s)")
-    ap.add_argument("overrides", nargs="*", help="extra ntp-train overrides for every run")
-    args = ap.parse_args()
-    names = [p for p in args.policies.split(",") if p]
-    unknown = [p for p in names if p not in POLICIES]
-    if unknown or "live-ntp" not in names:
-        sys.exit(f"--policies: {unknown or 'live-ntp missing'}; choose from {', '.join(POLICIES)} "
-                 "(live-ntp is required: the last line compares against it)")
-    try:
-        trace = generate_trace(args.seed, args.steps, DP * TP, args.repair_after, args.every)
-    except ValueError as err:
-        sys.exit(f"--steps: {err}")
+def for_trace(costs: ReplayCosts) -> ReplayCosts:
+    """One run's costs made usable on another trace: a shrunk layout the run never trained on takes the
+    step time of its mirror image ((1,2) for (2,1)) or, without one, of the known layouts with as many
+    ranks (else the full layout's)."""
+    step_s = dict(costs.step_s)
+    keys = {"(1,2)", "(2,1)", "(1,1)", "(2)"}
+    for k in sorted(keys - set(step_s)):
+        sizes = k.strip("()").split(",")
+        mirror = "(" + ",".join(reversed(sizes)) + ")"
+        same = [v for q, v in costs.step_s.items() if q != FULL and sum(map(int, q.strip("()").split(",")))
+                == sum(map(int, sizes))]
+        step_s[k] = step_s.get(mirror) or (statistics.fmean(same) if same else costs.step_s[FULL])
+    return replace(costs, step_s=step_s)
+
+
+@dataclass
+class Seed:
+    """One seed's trace, job and failure-free reference, and the rows run on it so far."""
+
+    seed: int
+    trace: FailureTrace
+    job: list[str]
+    work: Path
+    reference: dict[int, float] = field(default_factory=dict)
+    repair_wait: float = 0.0
+    measured: dict[str, Measured] = field(default_factory=dict)
+    predicted: dict = field(default_factory=dict)
+
+
+FULL_LAYOUT = f"({TP},{TP})"
+
+
+def start_seed(seed: int, args: argparse.Namespace, root: Path) -> Seed:
+    """Seed `seed`'s trace (job seed `seed` too) and its failure-free run."""
+    trace = generate_trace(seed, args.steps, DP * TP, args.repair_after, args.every)
     job = [*TINY, f"mesh.dp={DP}", f"mesh.tp={TP}", f"ntp.replica_tp=[{TP},{TP}]",
-           f"trainer.max_steps={args.steps}", f"seed={args.seed}", *TIMEOUTS, *args.overrides]
-    full_layout = f"({TP},{TP})"
-    print(f"failure trace (seed {args.seed}, {args.steps} steps, checkpoints every {args.every}, repair "
+           f"trainer.max_steps={args.steps}", f"seed={seed}", *TIMEOUTS, *args.overrides]
+    print(f"failure trace (seed {seed}, {args.steps} steps, checkpoints every {args.every}, repair "
           f"after {args.repair_after} steps): {trace.describe()}", flush=True)
-    print(f"job: ntp-train {' '.join(job)} {' '.join(trace.fault_overrides())} POLICY; load average "
-          f"{load_average()}; repository {ROOT}", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        work = args.keep or Path(tmp)
-        work.mkdir(parents=True, exist_ok=True)
-        ref_run = run_policy("failure-free", job, trace, work, 0.0, args.timeout, args.reuse)
-        ref_recs = read_jsonl(ref_run.run_dir / "metrics.jsonl")
-        reference = {r["step"]: r["loss"] for r in ref_recs}
-        measured = {"failure-free": measure(ref_run, trace, None, full_layout)}
-        full_step = measured["failure-free"].costs.step_s[FULL]
-        repair_wait = args.repair_after * full_step
-        print(f"  failure-free: {measured['failure-free'].time_to_last_step_s:.1f} s to step {args.steps} "
-              f"({full_step:.3f} s/step); a repair takes {args.repair_after} steps = {repair_wait:.1f} s",
-              flush=True)
-        predicted = {}
-        for name in names:
-            run = run_policy(name, job, trace, work, repair_wait, args.timeout, args.reuse)
-            boost = next((float(o.split("=")[1]) for o in POLICIES[name][0]
-                          if o.startswith("ntp.power_boost=")), 1.0)
-            m = measured[name] = measure(run, trace, reference, full_layout, boost)
-            _, mode, rule = POLICIES[name]
-            predicted[name] = replay(trace, ReplayPolicy(name, mode, shrink(rule)), m.costs)
-            print(f"  {name}: {m.time_to_last_step_s:.1f} s measured, "
-                  f"{predicted[name].time_to_last_step_s:.1f} s predicted; load average {load_average()}",
-                  flush=True)
+    print(f"job: ntp-train {' '.join(job)} {' '.join(trace.fault_overrides())} POLICY "
+          f"fault.straggler=report|rebalance; load average {load_average()}; repository {ROOT}", flush=True)
+    sd = Seed(seed, trace, job, root / f"seed{seed}")
+    sd.work.mkdir(parents=True, exist_ok=True)
+    ref_run = run_policy("failure-free", job, trace, sd.work, 0.0, args.timeout, args.reuse)
+    sd.reference = {r["step"]: r["loss"] for r in read_jsonl(ref_run.run_dir / "metrics.jsonl")}
+    sd.measured["failure-free"] = measure(ref_run, trace, None, FULL_LAYOUT)
+    full_step = sd.measured["failure-free"].costs.step_s[FULL]
+    sd.repair_wait = args.repair_after * full_step
+    print(f"  failure-free: {sd.measured['failure-free'].time_to_last_step_s:.1f} s to step {args.steps} "
+          f"({full_step:.3f} s/step); a repair takes {args.repair_after} steps = {sd.repair_wait:.1f} s",
+          flush=True)
+    return sd
+
+
+def run_row(sd: Seed, name: str, args: argparse.Namespace) -> None:
+    run = run_policy(name, sd.job, sd.trace, sd.work, sd.repair_wait, args.timeout, args.reuse)
+    boost = next((float(o.split("=")[1]) for o in POLICIES[name][0]
+                  if o.startswith("ntp.power_boost=")), 1.0)
+    m = sd.measured[name] = measure(run, sd.trace, sd.reference, FULL_LAYOUT, boost)
+    sd.predicted[name] = replay(sd.trace, policy_of(name), m.costs)
+    print(f"  seed {sd.seed} {name}: {m.time_to_last_step_s:.1f} s measured, "
+          f"{sd.predicted[name].time_to_last_step_s:.1f} s predicted; load average {load_average()}",
+          flush=True)
+
+
+def report_seed(sd: Seed, args: argparse.Namespace, names: list[str]) -> None:
+    """Seed `sd`'s table: each row measured and replayed with its own measured costs."""
+    trace, measured, predicted = sd.trace, sd.measured, sd.predicted
+    print(f"\n## seed {sd.seed}: {trace.describe()}")
     rows = []
     expected = len(trace.losses())
     for name, m in measured.items():
@@ -436,6 +505,7 @@ def main() -> None:
             notes.append(f"{m.fallbacks} live recovery(ies) fell back to a restart")
         if name != "failure-free" and m.max_rel_loss_diff > 1e-4:
             notes.append("loss OFF the failure-free curve (> 1e-4)")
+        named = f"{m.straggler_named[0]}" if m.straggler_named else "-"
         rows.append((
             name, f"{m.time_to_last_step_s:.1f}",
             f"{p.time_to_last_step_s:.1f}" if p else "-",
@@ -443,21 +513,36 @@ def main() -> None:
             f"{m.steps_redone}" + (f" ({p.steps_redone})" if p else ""),
             f"{m.degraded_s:.1f} s / {m.degraded_steps}" + (f" ({p.degraded_steps})" if p else ""),
             f"{m.repairs}" + (f" ({p.repairs})" if p else ""),
+            named + (f" ({p.straggler_named[0] if p.straggler_named else '-'})" if p else ""),
+            f"{m.straggler_s:.1f} s / {m.rebalanced_steps}" + (f" ({p.straggler_s:.1f} s / "
+                                                               f"{p.rebalanced_steps})" if p else ""),
             f"{m.max_rel_loss_diff:.1e}" if name != "failure-free" else "-",
             "yes" if m.batch_kept else "NO", "; ".join(notes) or "-",
         ))
     print("\n" + table(("policy", f"time to step {args.steps} s", "predicted s",
                         "predicted / measured",
                         "goodput", "steps redone (pred.)", "degraded time / steps (pred. steps)",
-                        "repairs (pred.)", "max rel loss diff", "global batch kept", "notes"), rows))
+                        "repairs (pred.)", "straggler named at step (pred.)",
+                        "straggler cost / rebalanced steps (pred.)", "max rel loss diff",
+                        "global batch kept", "notes"), rows))
     print("\nmeasured per-event costs fed to the simulator (s):\n" + table(
-        ("policy", "startup", "step per layout", "detect", "reshard", "rejoin", "restart",
-         "repair relaunch", "stop", "repair wait"),
+        ("policy", "startup", "step per layout", "slow rank's compute", "detect", "reshard", "rejoin",
+         "restart", "repair relaunch", "stop", "repair wait"),
         [costs_row(n, m.costs) for n, m in measured.items()]))
     worst = max(abs(p.time_to_last_step_s / measured[n].time_to_last_step_s - 1)
                 for n, p in predicted.items())
     print(f"\nsimulator: every policy's time to step {args.steps} predicted within {worst * 100:.1f}% "
           f"({'inside' if worst <= 0.10 else 'OUTSIDE'} the 10% bound); load average {load_average()}")
+    if "live-rebalance" in measured and "live-ntp" in measured:
+        a, b = measured["live-ntp"], measured["live-rebalance"]
+        pa, pb = predicted["live-ntp"], predicted["live-rebalance"]
+        print(f"straggler ({next(e.describe() for e in trace.events if e.kind == SLOW)}): it cost live NTP "
+              f"{a.straggler_s:.1f} s reported (predicted {pa.straggler_s:.1f} s) and {b.straggler_s:.1f} s "
+              f"rebalanced (predicted {pb.straggler_s:.1f} s): rebalance saves "
+              f"{a.straggler_s - b.straggler_s:.1f} s (predicted {pa.straggler_s - pb.straggler_s:.1f} s); "
+              f"time to step {args.steps} "
+              f"{a.time_to_last_step_s:.1f} s against {b.time_to_last_step_s:.1f} s (rows run one after "
+              "another: load moves these)")
     common = at_common_load(trace, measured, names)
     print("simulator at one load (every policy's step times and start-up the median over the runs, its "
           "event costs its own): " + summary_line(args.steps, common).split(": ", 1)[1])
@@ -466,6 +551,71 @@ def main() -> None:
           "as fast as a healthy one, as on GPUs): " + summary_line(args.steps, ideal).split(": ", 1)[1])
     print(summary_line(args.steps, {n: m.time_to_last_step_s for n, m in measured.items()}))
 
+
+def held_out(seeds: list[int], traces: dict, measured: dict, names: list[str], steps: int) -> float:
+    """Each seed's trace replayed with another seed's measured costs (per row, the same row's), next to
+    what the seed's own runs measured; the worst relative gap."""
+    rows, worst = [], 0.0
+    for name in names:
+        for a in seeds:
+            for b in seeds:
+                if a == b:
+                    continue
+                p = replay(traces[b], policy_of(name), for_trace(measured[a][name].costs))
+                m = measured[b][name].time_to_last_step_s
+                gap = p.time_to_last_step_s / m - 1
+                worst = max(worst, abs(gap))
+                rows.append((name, a, b, f"{m:.1f}", f"{p.time_to_last_step_s:.1f}",
+                             f"{p.time_to_last_step_s / m:.3f}",
+                             f"{measured[b][name].straggler_s:.1f} ({p.straggler_s:.1f})"))
+    print("\nheld out: each seed's trace predicted with the costs measured on the other seed's trace\n"
+          + table(("policy", "calibrated on seed", "predicts seed", f"measured time to step {steps} s",
+                   "predicted s", "predicted / measured", "straggler cost s (pred.)"), rows))
+    print(f"held out: every policy predicted within {worst * 100:.1f}% "
+          f"({'inside' if worst <= 0.10 else 'OUTSIDE'} the 10% bound)")
+    return worst
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--held-out", type=int, default=None, metavar="SEED",
+                    help="also run every row on this seed's trace, and predict each seed's times with the "
+                         "costs measured on the other's")
+    ap.add_argument("--repair-after", type=int, default=30, help="fault.repair_after_steps")
+    ap.add_argument("--every", type=int, default=10, help="checkpoint.every_n_steps")
+    ap.add_argument("--policies", default=",".join(POLICIES), help="comma-separated rows to run")
+    ap.add_argument("--keep", type=Path, help="keep the run directories here (one folder per seed)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="with --keep: read the runs a previous run left there instead of running them again")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="bound on each ntp-train command (s)")
+    ap.add_argument("overrides", nargs="*", help="extra ntp-train overrides for every run")
+    args = ap.parse_args()
+    names = [p for p in args.policies.split(",") if p]
+    unknown = [p for p in names if p not in POLICIES]
+    if unknown or "live-ntp" not in names:
+        sys.exit(f"--policies: {unknown or 'live-ntp missing'}; choose from {', '.join(POLICIES)} "
+                 "(live-ntp is required: the last line compares against it)")
+    seeds = [args.seed]
+    if args.held_out is not None and args.held_out != args.seed:
+        seeds.append(args.held_out)
+    try:
+        for seed in seeds:
+            generate_trace(seed, args.steps, DP * TP, args.repair_after, args.every)
+    except ValueError as err:
+        sys.exit(f"--steps: {err}")
+    with tempfile.TemporaryDirectory() as tmp:
+        root = args.keep or Path(tmp)
+        runs = [start_seed(seed, args, root) for seed in seeds]
+        for name in names:  # one row on every seed back to back: the machine's load alike for both
+            for sd in runs:
+                run_row(sd, name, args)
+    for sd in runs:
+        report_seed(sd, args, names)
+    if len(runs) > 1:
+        held_out(seeds, {sd.seed: sd.trace for sd in runs}, {sd.seed: sd.measured for sd in runs}, names,
+                 args.steps)
 
 if __name__ == "__main__":
     main()

@@ -26,13 +26,17 @@ def test_no_arguments_prints_paper_table_and_writes_outputs(tmp_path):
     assert "Replica availability: 32768 GPUs, 0.10% failed" in out
     assert "TP32 x PP8, 128 replicas, local batch 8" in out
     assert "Throughput loss vs failure-free" in out and "15-day failure trace" in out
+    assert "15-day straggler trace" in out and "rebalance" in out
     run_dirs = list((tmp_path / "outputs" / "sim").glob("*/*"))
     assert len(run_dirs) == 1
     run = run_dirs[0]
     for name in ("results.json", "results.csv", "throughput_loss.png", "availability.png", "trace.png"):
         assert (run / name).stat().st_size > 0, name
     records = json.loads((run / "results.json").read_text())
-    assert all(REQUIRED <= set(r) for r in records)
+    assert all(REQUIRED <= set(r) for r in records if r["study"] != "stragglers")
+    strag = [r for r in records if r["study"] == "stragglers"]
+    assert [r["policy"] for r in strag] == ["report", "rebalance", "exclude"]
+    assert all(0 < r["throughput_rel"] < 1 and r["episodes"] > 0 for r in strag)
     thr = [r for r in records if r["study"] == "throughput"]
     assert len(thr) == 20 * 3 and {r["samples"] for r in thr} == {100}
 
@@ -65,6 +69,7 @@ def test_small_cluster_run_honours_overrides(tmp_path):
         ("foo=1", "overrides"),
         ("train.tokens_per_batch=1000", "train.tokens_per_batch"),
         ("policies=[DP-DROP,FAST]", "policies"),
+        ("stragglers.speed=[0,0.5]", "stragglers.speed"),
     ],
 )
 def test_bad_config_exits_2_without_running(tmp_path, override, key):

@@ -184,4 +184,19 @@ def format_tables(results: SimResults, s: SimSettings) -> str:
                 f"{_pct(r['throughput_rel']):>10} {_pct(r['throughput_rel_min']):>8} {spares:>7} "
                 f"{_pct(r['spare_gpus_fraction']):>10}"
             )
+    strag = _study(results.records, "stragglers")
+    if strag:
+        g = s.stragglers
+        r0 = strag[0]
+        out.append("")
+        out.append(
+            f"{r0['days']:g}-day straggler trace: {r0['episodes']} slow-GPU episodes "
+            f"({g.rate_per_gpu_hour:.3g}/GPU-hour, speed {g.speed[0]:g}-{g.speed[1]:g}, mean "
+            f"{g.duration_hours:g} h), named after {g.detect_minutes:g} min, floor {g.floor:g}; "
+            f"{_pct(r0['slow_gpu_fraction'], 4)} of GPUs slow on average"
+        )
+        out.append(f"{'policy':<10} {'throughput':>10} {'min':>8}")
+        for r in strag:
+            out.append(f"{r['policy']:<10} {_pct(r['throughput_rel']):>10} "
+                       f"{_pct(r['throughput_rel_min']):>8}")
     return "\n".join(out)

@@ -18,9 +18,10 @@ from ntp_nemo.errors import ConfigError
 from ntp_nemo.goodput.sim.domains import ClusterSpec
 from ntp_nemo.goodput.sim.failures import BERNOULLI, EXACT, FailureSpec
 from ntp_nemo.goodput.sim.policy_tables import POLICIES
+from ntp_nemo.goodput.sim.stragglers import StragglerSpec
 from ntp_nemo.planner.shapes import DeviceModel, LinkModel, ModelShape
 
-STUDIES = ("availability", "throughput", "trace")
+STUDIES = ("availability", "throughput", "trace", "stragglers")
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class SimSettings:
     power_boost_cap: float = 0.3
     seed: int = 0
     plots: bool = True
+    stragglers: StragglerSpec = StragglerSpec()
 
     @property
     def seq_len(self) -> int:
@@ -161,6 +163,8 @@ def settings_from_config(cfg: DictConfig | Mapping[str, Any]) -> SimSettings:
     bad = [s for s in studies if s not in STUDIES]
     if bad:
         raise ConfigError("studies", f"unknown {bad}; choose from {list(STUDIES)}.")
+    stragglers = (_build(StragglerSpec, _section(raw, "stragglers"), "stragglers", ("speed", "policies"))
+                  if raw.get("stragglers") is not None else StragglerSpec())
     cap = raw.get("power_boost_cap", 0.3)
     if isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap < 0:
         raise ConfigError("power_boost_cap", f"must be a non-negative fraction (0.3 = +30%), got {cap!r}.")
@@ -178,6 +182,7 @@ def settings_from_config(cfg: DictConfig | Mapping[str, Any]) -> SimSettings:
         power_boost_cap=float(cap),
         seed=int(raw.get("seed", 0)),
         plots=bool(raw.get("plots", True)),
+        stragglers=stragglers,
     )
     _check_batch(settings)
     _check_units(settings)

@@ -5,7 +5,9 @@
 - throughput: throughput relative to failure-free vs failed fraction, per policy, over random
   placements (the same placements for every policy, so comparisons are paired);
 - trace: a Poisson failure trace; time-weighted throughput per policy and the fewest spare
-  domains that let fixed mini-batch training run without ever pausing.
+  domains that let fixed mini-batch training run without ever pausing;
+- stragglers: a Poisson trace of slow GPUs; time-weighted throughput per straggler policy (report,
+  rebalance, exclude: `stragglers.py`).
 """
 
 from __future__ import annotations
@@ -24,8 +26,16 @@ from ntp_nemo.goodput.sim.domains import (
 )
 from ntp_nemo.goodput.sim.failures import BERNOULLI, Trace, generate_trace, sample_placements, trace_states
 from ntp_nemo.goodput.sim.perf import ReplicaPerf
-from ntp_nemo.goodput.sim.policy_tables import DP_DROP, NTP, PolicyTable, capacity, policy_table, replica_metrics
+from ntp_nemo.goodput.sim.policy_tables import (
+    DP_DROP,
+    NTP,
+    PolicyTable,
+    capacity,
+    policy_table,
+    replica_metrics,
+)
 from ntp_nemo.goodput.sim.settings import SimSettings
+from ntp_nemo.goodput.sim.stragglers import JobShape, generate_episodes, trace_throughput
 
 
 def expected_availability(num_gpus: int, group: int, failed_fraction: float, sampling: str) -> float:
@@ -259,6 +269,32 @@ def run_trace(
     return records, timelines
 
 
+def straggler_job(s: SimSettings) -> JobShape:
+    """The job as the straggler study sees it; a replica short of GPUs keeps the NTP table's on-time batch."""
+    c, mbs = s.cluster, s.train.micro_batch_size
+    table = policy_table(NTP, replica_perf(s), s.local_batch, s.power_boost_cap)
+    return JobShape(c.num_replicas, c.tp, c.pp, s.local_batch // mbs,
+                    tuple(int(b) // mbs for b in table.batch))
+
+
+def run_stragglers(s: SimSettings, rng: np.random.Generator) -> list[dict]:
+    """One trace of straggler episodes over `failures.days` on the job's GPUs, under each straggler policy."""
+    spec, job = s.stragglers, straggler_job(s)
+    gpus = job.num_replicas * job.gpus_per_replica
+    episodes = generate_episodes(gpus, spec, s.failures.days * 24.0, rng)
+    records = []
+    for policy in spec.policies:
+        mean, low, slow = trace_throughput(job, spec, episodes, policy)
+        records.append({
+            "study": "stragglers", "policy": policy, "throughput_rel": mean, "throughput_rel_min": low,
+            "slow_gpu_fraction": slow, "episodes": episodes.count, "days": s.failures.days,
+            "rate_per_gpu_hour": spec.rate_per_gpu_hour, "speed": list(spec.speed),
+            "duration_hours": spec.duration_hours, "detect_minutes": spec.detect_minutes, "floor": spec.floor,
+            "tp": job.tp, "pp": job.pp, "num_gpus": gpus, "num_replicas": job.num_replicas,
+        })
+    return records
+
+
 @dataclass
 class SimResults:
     records: list[dict] = dataclasses.field(default_factory=list)
@@ -277,4 +313,6 @@ def run_all(s: SimSettings) -> SimResults:
     if "trace" in s.studies:
         recs, out.timelines = run_trace(s, rng, out.policy_tables)
         out.records += recs
+    if "stragglers" in s.studies:
+        out.records += run_stragglers(s, rng)
     return out
