@@ -19,7 +19,11 @@ seconds. Each scenario draws 2-3 faults from:
 - `wipe`      an outsider on the machine deletes or overwrites every key of the launcher's store (found
   among the launcher's listening ports; the store lists its keys to anyone);
 - `damage-all` every checkpoint truncated after the run, then a rerun with resume=auto must stop with
-  exit 2 naming them and delete nothing.
+  exit 2 naming them and delete nothing;
+- with `--corruption` also `bitflip`: the top exponent bit of one element of a rank's gradient or of the
+  activation leaving its first layer, once (`fault.more` kind `bitflip`, `target` grad or activation):
+  the integrity watch's per-step check holds the step, which applies no update and is replayed, so the
+  curve stays the failure-free one (`docs/integrity.md`).
 
 Invariants checked after every scenario (a row fails when one does not hold):
 
@@ -83,19 +87,19 @@ class Scenario:
         return ", ".join(parts)
 
 
-def draw(index: int, seed: int, steps: int) -> Scenario:
+def draw(index: int, seed: int, steps: int, kinds: tuple[str, ...] = KINDS) -> Scenario:
     """Scenario `index` of campaign `seed`: 2-3 faults at distinct steps, ranks valid for the layout the
     earlier faults leave (a lost rank shrinks the world by one). Redrawn until two faults remain."""
     for attempt in range(100):
-        sc = _draw(random.Random((seed * 100003 + index) * 101 + attempt), index, seed, steps)
+        sc = _draw(random.Random((seed * 100003 + index) * 101 + attempt), index, seed, steps, kinds)
         if len(sc.faults) + len(sc.external) + sc.damage_all >= 2:
             return sc
     raise RuntimeError("no scenario with two faults drawn")
 
 
-def _draw(rng: random.Random, index: int, seed: int, steps: int) -> Scenario:
+def _draw(rng: random.Random, index: int, seed: int, steps: int, pool: tuple[str, ...] = KINDS) -> Scenario:
     count = rng.choice((2, 2, 3))
-    kinds = [rng.choice(KINDS) for _ in range(count)]
+    kinds = [rng.choice(pool) for _ in range(count)]
     if kinds.count("damage-all") > 1:
         kinds = [k for k in kinds if k != "damage-all"] + ["damage-all"]
     fault_steps = sorted(rng.sample(range(2, steps), k=min(count, steps - 2)))
@@ -135,6 +139,10 @@ def _draw(rng: random.Random, index: int, seed: int, steps: int) -> Scenario:
             sc.faults.append({"what": f"rejoin-after-2{dies}"})
         elif kind == "damage-all":
             sc.damage_all = True
+        elif kind == "bitflip":
+            target = rng.choice(("grad", "activation"))
+            more.append({"kind": "bitflip", "rank": rank, "step": step, "target": target, "bit": 30})
+            sc.faults.append({"what": f"bitflip({target})", "rank": rank, "step": step})
         if world < 1:
             break
     lost = [f["rank"] for f in more if f["kind"] in ("kill_rank", "hang", "kill_during_save")]
@@ -419,6 +427,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--only", type=int, action="append", help="run only scenario K (repeatable)")
     ap.add_argument("--keep", type=Path, help="keep the run directories here")
+    ap.add_argument("--corruption", action="store_true",
+                    help="also draw silent corruption (a bit flipped in a gradient or an activation)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     print(f"fault campaign: seed {args.seed}, {args.scenarios} scenarios of {args.steps} steps; "
@@ -443,7 +453,7 @@ def main() -> None:
         held = total = 0
         indices = args.only or range(args.scenarios)
         for i in indices:
-            sc = draw(i, args.seed, args.steps)
+            sc = draw(i, args.seed, args.steps, KINDS + (("bitflip",) if args.corruption else ()))
             sc.overrides = [*sc.overrides, *args.overrides]
             ok, row = check(sc, work, reference, args.steps, bound)
             held += ok

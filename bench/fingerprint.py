@@ -7,8 +7,11 @@ on an NTP layout (default (2,1): replicas of TP 2 and 1) with the recipe's batch
 tokens, micro-batches of 2) and time, alternately in the same processes: optimizer steps (`train_step`,
 the run's step), fingerprint checks (`local_fingerprints` + the all-gather + `compare`: what
 `IntegrityWatch` does every `integrity.every_n_steps` steps), and the verified copy kept at each passed
-check (`keep_verified`: parameters and optimizer state cloned).  Prints medians over the ranks' slowest
-and the check's share of training time at the interval: (check + copy) / (every * step).
+check (`keep_verified`: parameters and optimizer state cloned), and steps under the per-step check
+(`integrity.outlier_ratio`: each rank's largest gradient element per parameter and largest layer input
+on the fused scalars, the guard asked before the update).  Prints medians over the ranks' slowest, the
+check's share of training time at the interval: (check + copy) / (every * step), and the per-step
+check's: (checked step - step) / step.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from ntp_nemo.parallel.fingerprint import (  # noqa: E402
     gather_plan,
     local_fingerprints,
 )
+from ntp_nemo.resilience.integrity import LayerInputs, find_suspects, own_row  # noqa: E402
 from ntp_nemo.runtime.assemble import assemble  # noqa: E402
 from ntp_nemo.runtime.step import train_step  # noqa: E402
 from ntp_nemo.topology import ResolvedLayout, Topology  # noqa: E402
@@ -59,6 +63,19 @@ def worker(rank: int, world: int, replica_tp: list[int], steps: int, reps: int) 
         train_step(state, micro, BATCH * SEQ, max_norm=1.0)
         return time.perf_counter() - t0
 
+    inputs = LayerInputs()
+    inputs.attach(state.model)
+    stages = [topo.coord(r).stage for r in range(topo.world_size)]
+
+    def checked_step() -> float:
+        t0 = time.perf_counter()
+        inputs.reset()
+        result = train_step(state, micro, BATCH * SEQ, max_norm=1.0,
+                            own=lambda: own_row(state.model, inputs.value, state.runtime.device),
+                            guard=lambda values: bool(find_suspects(values["own"], stages, 1000.0)))
+        assert not result.skipped
+        return time.perf_counter() - t0
+
     def check() -> float:
         torch.distributed.barrier()
         t0 = time.perf_counter()
@@ -74,13 +91,16 @@ def worker(rank: int, world: int, replica_tp: list[int], steps: int, reps: int) 
         return time.perf_counter() - t0
 
     step()  # warm-up
-    step_s, check_s, keep_s = [], [], []
-    for _ in range(reps):  # alternate, so both see the same machine load
-        step_s += [step() for _ in range(max(1, steps // reps))]
+    checked_step()
+    step_s, check_s, keep_s, checked_s = [], [], [], []
+    for _ in range(reps):  # alternate, so all see the same machine load
+        for _ in range(max(1, steps // reps)):
+            step_s.append(step())
+            checked_s.append(checked_step())
         check_s.append(check())
         keep_s.append(keep())
     local_params = sum(p.numel() for p in state.model.parameters())
-    return {"step": step_s, "check": check_s, "keep": keep_s, "params": local_params,
+    return {"step": step_s, "check": check_s, "keep": keep_s, "checked": checked_s, "params": local_params,
             "fragments": len(plan.fragments[rank])}
 
 
@@ -97,6 +117,7 @@ def main() -> None:
     step = statistics.median(max(r["step"][i] for r in res) for i in range(len(res[0]["step"])))
     check = statistics.median(max(r["check"][i] for r in res) for i in range(len(res[0]["check"])))
     keep = statistics.median(max(r["keep"][i] for r in res) for i in range(len(res[0]["keep"])))
+    checked = statistics.median(max(r["checked"][i] for r in res) for i in range(len(res[0]["checked"])))
     print(f"layout {tuple(replica_tp)}, gpt_tiny 3.3M params, batch {BATCH}x{SEQ} tokens, CPU gloo, "
           f"{len(res)} ranks: params per rank {[r['params'] for r in res]}, "
           f"fragments {[r['fragments'] for r in res]}")
@@ -106,6 +127,8 @@ def main() -> None:
     share = (check + keep) / (args.every * step)
     print(f"  at integrity.every_n_steps={args.every}: check + copy = {100 * share:.3f}% of training time "
           f"({100 * check / (args.every * step):.3f}% for the check alone)")
+    print(f"  step under the per-step check (outlier_ratio) {1e3 * checked:5.2f} ms  = "
+          f"{100 * (checked - step) / step:+.2f}% of the step")
 
 
 if __name__ == "__main__":

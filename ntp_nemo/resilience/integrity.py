@@ -110,6 +110,52 @@ class Verified:
     fingerprint: int
 
 
+class LayerInputs:
+    """The largest activation entering a model's layers and final norm (forward pre-hooks), on the device,
+    since the last `reset`; `attach` moves the hooks to another model (a live recovery's)."""
+
+    def __init__(self) -> None:
+        self.value: torch.Tensor | None = None
+        self._hooks: list[Any] = []
+        self._model: int | None = None
+
+    def attach(self, model: torch.nn.Module) -> None:
+        if id(model) == self._model:
+            return
+        for h in self._hooks:
+            h.remove()
+        self._hooks, self._model = [], id(model)
+        blocks = getattr(model, "blocks", None)
+        for m in [*(blocks.values() if blocks is not None else ()), getattr(model, "final_norm", None)]:
+            if isinstance(m, torch.nn.Module):
+                self._hooks.append(m.register_forward_pre_hook(self._hook))
+
+    def reset(self) -> None:
+        self.value = None
+
+    def _hook(self, mod: Any, args: tuple) -> None:
+        x = args[0] if args else None
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel():
+            m = x.detach().abs().amax().float()
+            self.value = m if self.value is None else torch.maximum(self.value, m)
+
+
+def own_row(model: torch.nn.Module, activations: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """A rank's row of the per-step check, on the device, before the DP sync: slot i % SLOTS holds the
+    largest gradient element of the rank's parameter i (NaN when one is not finite), the last slot the
+    largest activation that entered a layer (`LayerInputs.value`); -1: nothing held there."""
+    out = torch.full((SLOTS + 1,), -1.0, dtype=torch.float32, device=device)
+    for i, p in enumerate(model.parameters()):
+        if p.grad is None or p.grad.numel() == 0:
+            continue
+        m = p.grad.detach().abs().amax().float()
+        j = i % SLOTS
+        out[j] = m if i < SLOTS else torch.maximum(out[j], m)
+    if activations is not None:
+        out[SLOTS] = activations
+    return out
+
+
 def _rng_state() -> tuple:
     return (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
 
@@ -135,9 +181,7 @@ class IntegrityWatch(Callback):
         self._exit_next = False  # this rank's device was found bad: leave when the next step starts
         self.divergent: Counter = Counter()  # rank -> divergences found on it
         self.findings: list[dict[str, Any]] = []  # every finding of this process (the same on all ranks)
-        self._act: torch.Tensor | None = None  # this rank's largest activation entering a layer, this step
-        self._hooks: list[Any] = []  # the activation hooks on the current model
-        self._hooked: int | None = None  # id of the model they sit on
+        self._inputs = LayerInputs()  # this rank's largest activation entering a layer, this step
 
     # ---- Lightning hooks -------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -168,8 +212,9 @@ class IntegrityWatch(Callback):
         if self._exit_next:
             os._exit(KILL_EXIT_CODE)  # as a lost GPU: the live path re-plans without this rank
         self._before = (copy.deepcopy(pl_module.lr_schedulers().state_dict()), _rng_state())
-        self._hook_model(pl_module)
-        self._act = None
+        if float(self.cfg.outlier_ratio) > 0 and pl_module.model is not None:
+            self._inputs.attach(pl_module.model)
+        self._inputs.reset()
         step = int(batch["step"])
         if step < self._refetch_until:  # fetched ahead of a skip: the stream has changed since
             batch.update(pl_module.batch_of_step(step, pl_module.runtime.device))
@@ -238,7 +283,7 @@ class IntegrityWatch(Callback):
         from ntp_nemo.runtime.step import train_step
 
         state = trainer.strategy.state
-        self._act = None
+        self._inputs.reset()
         with self._context(trainer):
             return train_step(state, batch["micro"], int(batch["global_tokens"]),
                               max_norm=pl_module.optim_cfg["grad_clip"], optimizer=state.optimizer,
@@ -261,40 +306,8 @@ class IntegrityWatch(Callback):
             rec["skipped"] = True
 
     # ---- the per-step check: each rank's own gradients and activations against its stage's others ----
-    def _hook_model(self, pl_module: LightningModule) -> None:
-        """Forward pre-hooks on the model's layers and final norm: the largest activation entering them."""
-        model = pl_module.model
-        if float(self.cfg.outlier_ratio) <= 0 or model is None or id(model) == self._hooked:
-            return
-        for h in self._hooks:
-            h.remove()
-        self._hooks, self._hooked = [], id(model)
-        blocks = getattr(model, "blocks", None)
-        mods = [*(blocks.values() if blocks is not None else ()), getattr(model, "final_norm", None)]
-        for m in mods:
-            if isinstance(m, torch.nn.Module):
-                self._hooks.append(m.register_forward_pre_hook(self._activation_hook))
-
-    def _activation_hook(self, mod: Any, args: tuple) -> None:
-        x = args[0] if args else None
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel():
-            m = x.detach().abs().amax().float()
-            self._act = m if self._act is None else torch.maximum(self._act, m)
-
     def _own(self, pl_module: LightningModule) -> torch.Tensor:
-        """This rank's row of the per-step check, on the device, before the DP sync: slot i % SLOTS holds
-        the largest gradient element of the stage's parameter i (NaN when one is not finite), the last
-        slot the largest activation that entered a layer; -1: nothing held there."""
-        out = torch.full((SLOTS + 1,), -1.0, dtype=torch.float32, device=pl_module.runtime.device)
-        for i, p in enumerate(pl_module.model.parameters()):
-            if p.grad is None or p.grad.numel() == 0:
-                continue
-            m = p.grad.detach().abs().amax().float()
-            j = i % SLOTS
-            out[j] = m if i < SLOTS else torch.maximum(out[j], m)
-        if self._act is not None:
-            out[SLOTS] = self._act
-        return out
+        return own_row(pl_module.model, self._inputs.value, pl_module.runtime.device)
 
     def _stages(self, pl_module: LightningModule) -> list[int]:
         topo = pl_module.runtime.topology
@@ -531,17 +544,25 @@ class IntegrityWatch(Callback):
         ranks = sorted({m.rank for m in mismatches})
         for r in ranks:
             self.divergent[r] += 1
+        bad = sorted({m.rank for m in mismatches if m.majority})  # against a majority: the others are good
         first = self.verified.step if self.verified is not None else None
-        if first is not None:
-            result = self._rollback_and_replay(trainer, pl_module, step)
+        if first is not None or bad:
+            result, moved = self._rollback_and_replay(trainer, pl_module, step, repair=bad) \
+                if first is not None else (None, self._repair_from_peers(trainer, pl_module, bad))
             if result is not None:  # the step's record: its replay (what the state now holds)
                 self._record_step(pl_module, result, "replayed")
             _, again = self._fingerprints(trainer, pl_module)
             fixed = not compare(plan, again)
-            if fixed:
+            if fixed and first is not None:
                 self._keep(trainer, pl_module, step, replica_fingerprints(plan, again))
-            action = (f"every rank rolled back to verified step {first} and replayed {step - first} step(s); "
-                      f"replicas {'agree again' if fixed else 'STILL DISAGREE'}")
+            took = (f"rank(s) {', '.join(map(str, bad))} took their parameters and optimizer state from the "
+                    f"good replicas' memory ({moved} bytes moved)") if bad else ""
+            if first is not None:
+                action = (f"every rank rolled back to verified step {first}"
+                          f"{' (' + took + ')' if took else ''} and replayed {step - first} step(s); ")
+            else:
+                action = f"{took} (no verified state to roll back to: the update since stays); "
+            action += f"replicas {'agree again' if fixed else 'STILL DISAGREE'}"
         else:
             action = "reported (no verified state: integrity.keep_verified=false)"
         for m in mismatches:
@@ -565,8 +586,29 @@ class IntegrityWatch(Callback):
                                  copy.deepcopy(pl_module.lr_schedulers().state_dict()), _rng_state(),
                                  next(iter(fingerprints.values()), 0))
 
-    def _rollback_and_replay(self, trainer: Trainer, pl_module: LightningModule, step: int) -> Any:
-        """Every rank back to the verified state, then steps `verified.step + 1 .. step` again."""
+    def _repair_from_peers(self, trainer: Trainer, pl_module: LightningModule, bad: list[int]) -> int:
+        """Collective over the world: the ranks `bad` take every parameter and optimizer state tensor they
+        hold from the other ranks' memory (the live path's reshard, `resilience.live`: a TP peer of their
+        own replica first, else a good replica; their own memory is not a source).  Returns the bytes
+        moved."""
+        from ntp_nemo.checkpoint.state import install_optimizer_state, load_targets, sharded_state
+        from ntp_nemo.resilience.live import reshard_state, stored_shapes
+
+        state, rt = trainer.strategy.state, pl_module.runtime
+        mine = trainer.global_rank in bad
+        held = {} if mine else sharded_state(state.model, state.optimizer)
+        stored = stored_shapes(rt.world_group, held)
+        targets, problems = load_targets(state.model, state.optimizer, stored) if mine else ({}, [])
+        result = reshard_state(held, targets, rt.coord.replica, group=rt.world_group, problems=problems)
+        if mine:
+            install_optimizer_state(state.model, state.optimizer, targets)
+        return int(result.moved_bytes)
+
+    def _rollback_and_replay(self, trainer: Trainer, pl_module: LightningModule, step: int,
+                             repair: list[int] | None = None) -> Any:
+        """Every rank back to the verified state, then steps `verified.step + 1 .. step` again.  `repair`:
+        ranks whose memory disagreed with the majority: they take the verified state from the good ranks'
+        memory (`_repair_from_peers`) instead of their own copy; then returns (result, bytes moved)."""
         v = self.verified
         assert v is not None
         state = trainer.strategy.state
@@ -576,11 +618,12 @@ class IntegrityWatch(Callback):
         state.optimizer.load_state_dict(copy.deepcopy(v.optimizer))
         self._restore_schedule(trainer, pl_module, v.scheduler)
         _set_rng_state(v.rng)
+        moved = self._repair_from_peers(trainer, pl_module, repair) if repair else 0
         device = pl_module.runtime.device
         result = None
         for index in range(v.step, step):  # 0-based step indices of steps v+1 .. step
             result = self._train(trainer, pl_module, pl_module.batch_of_step(index, device))
-        return result
+        return (result, moved) if repair is not None else result
 
 
 def _between_steps(trainer: Trainer, fn: Any) -> Any:
@@ -602,4 +645,4 @@ def _host_copy(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
-__all__ = ["SLOTS", "IntegrityWatch", "Suspect", "Verified", "find_suspects"]
+__all__ = ["SLOTS", "IntegrityWatch", "LayerInputs", "Suspect", "Verified", "find_suspects", "own_row"]
