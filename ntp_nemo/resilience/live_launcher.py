@@ -444,7 +444,8 @@ class LiveMonitor(threading.Thread):
         """`fault.repair_after_steps` steps after a live recovery, start a repaired process for every
         process that is gone (lost, or left idle by the new layout) and announce that they join before a
         step no survivor has started yet; the survivors return to the original layout there.  With a hot
-        spare ready (`fault.spares`) there is nothing to repair: it takes the place at once."""
+        spare ready (`fault.spares`) there is nothing to repair: it takes the place one step after the
+        loss, once the survivors train again."""
         delay = self._repair_delay()
         if delay is None or self._degraded_at is None or self.layout is None \
                 or getattr(self.launcher, "stop_requested", None) is not None:
@@ -484,11 +485,14 @@ class LiveMonitor(threading.Thread):
               flush=True)
 
     def _repair_delay(self) -> int | None:
-        """Steps from a loss to its replacement's start: none while a hot spare is ready (the pool's news,
-        a spare ready or dead, is read here), else `fault.repair_after_steps` (None: no repair)."""
+        """Steps from a loss to its replacement's start: one while a hot spare is ready (the pool's news,
+        a spare ready or dead, is read here), else `fault.repair_after_steps` (None: no repair).  One, not
+        none: a survivor's beat past the lost step says the survivors recovered and train again; a rejoin
+        announced before that would take a spare into a generation the survivors may yet give up (a
+        fallback to the restart path)."""
         pool = getattr(self.launcher, "spare_pool", None)
         if pool is not None and pool.ready():
-            return 0
+            return 1
         return self.repair_after_steps
 
     def fresh_window(self) -> None:
