@@ -150,10 +150,12 @@ class Snapshot:
 def _piece_view(held: ShardSpec, piece: ShardSpec, tensor: torch.Tensor) -> torch.Tensor:
     if not held.global_shape:
         return tensor
-    if not (held.is_block or piece.is_block):
+    if not (held.is_block or piece.is_block) and (held.dim, held.unit_size) == (piece.dim, piece.unit_size):
         return tensor.narrow(held.dim, (piece.lo - held.lo) * held.unit_size, piece.length)
+    # a box: of a block-sharded weight (2D), or a piece of one-element units (another replica's pattern
+    # splits this tensor where this rank holds it whole, e.g. a grid's norm split along its columns)
     for d, (at, have, size) in enumerate(zip(piece.offsets, held.offsets, piece.local_shape, strict=True)):
-        tensor = tensor.narrow(d, at - have, size)  # a box of a block-sharded weight (2D)
+        tensor = tensor.narrow(d, at - have, size)
     return tensor
 
 

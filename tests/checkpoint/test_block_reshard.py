@@ -19,6 +19,9 @@ from tests.ntp_cases import GPT, LLAMA, OPTIM
 SEED, SEQ, BATCH, BEFORE, AFTER = 5, 6, 4, 1, 2
 BLOCK = ((4, [4], [4] * 4), "block")
 TP3 = ((3, [3], [3] * 4), "row_column")
+# Two replicas of different patterns: a 2x2 grid beside a row/column TP-2 replica (degree 2 is no
+# square), one micro-batch of 2 sequences each; the grid's norms are split, the TP-2 replica's whole.
+MIXED = ((4, [4, 2], [4] * 4), "block", 2)
 
 
 def _tokens(cfg: ModelConfig, step: int) -> torch.Tensor:
@@ -30,13 +33,14 @@ def worker(rank: int, world: int, cfg: ModelConfig, side: tuple, path: str, save
     """Saving side: one step, save, then the continuation; loading side (seed + 1): load, continuation.
     Returns this rank's parameter slices right after the save / load, and the continuation's losses."""
     torch.set_num_threads(1)
-    (topology, pattern) = side
-    layout = ResolvedLayout.make(Topology(*topology), num_microbatches=1, pattern=pattern)
+    (topology, pattern, micro) = (*side, 1)[:3]
+    layout = ResolvedLayout.make(Topology(*topology), num_microbatches=micro, pattern=pattern)
     state = assemble(layout, rank, cfg, OPTIM, "cpu", seed=SEED + (not save), param_dtype=torch.float64)
 
     def step(s: int) -> float:
         toks = _tokens(cfg, s)
-        return train_step(state, [toks], toks[:, 1:].numel(), max_norm=None).loss
+        mine = [toks.chunk(micro)[i] for i in state.my_microbatches(micro)]
+        return train_step(state, mine, toks[:, 1:].numel(), max_norm=None).loss
 
     if save:
         for s in range(BEFORE):
@@ -49,8 +53,8 @@ def worker(rank: int, world: int, cfg: ModelConfig, side: tuple, path: str, save
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cfg,saved_on,loaded_on", [(LLAMA, BLOCK, TP3), (GPT, TP3, BLOCK)],
-                         ids=["llama-block-to-tp3", "gpt-tp3-to-block"])
+@pytest.mark.parametrize("cfg,saved_on,loaded_on", [(LLAMA, BLOCK, TP3), (GPT, TP3, BLOCK), (GPT, MIXED, TP3)],
+                         ids=["llama-block-to-tp3", "gpt-tp3-to-block", "gpt-grid-beside-tp2-to-tp3"])
 def test_checkpoint_moves_between_patterns(tmp_path, cfg, saved_on, loaded_on):
     path = str(tmp_path / "ckpt")
     saved = run_workers(worker, sum(saved_on[0][1]), cfg, saved_on, path, True)
