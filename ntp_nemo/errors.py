@@ -41,6 +41,9 @@ EXIT_CONFIG = 2  # bad input: nothing trained
 # checkpoint of the step it stopped at: not trained yet, the same command (resume=auto) continues it.
 # The live-recovery codes (75, 76, 77) are in resilience/coordinator.py and resilience/cluster_protocol.py.
 EXIT_STOPPED = 78
+# A second Ctrl-C: the workers were killed mid-step, without a checkpoint of it (summary.json says so); the
+# same command continues from the latest checkpoint. 128 + SIGINT, as a shell reports a Ctrl-C'd command.
+EXIT_INTERRUPTED = 130
 
 
 def report_config_error(err: ConfigError) -> None:

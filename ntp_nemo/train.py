@@ -24,12 +24,14 @@ from ntp_nemo.cli.console import (
     quiet_libraries,
     say,
 )
-from ntp_nemo.errors import EXIT_OK, EXIT_RUNTIME, EXIT_STOPPED, ConfigError
+from ntp_nemo.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_RUNTIME, EXIT_STOPPED, ConfigError
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
     from ntp_nemo.config.resolve import RunSpec
+
+ABANDONED = "second Ctrl-C"  # summary.json's `stopped_early` when a second Ctrl-C killed the workers
 
 # Module level imports stay light (the command imports this module before Hydra): heavy ones are made
 # inside the functions, Lightning once the config is valid, before the workers are forked.
@@ -387,6 +389,8 @@ def _report(spec: RunSpec, run_dir: Path, t0: float, result, start_t: float) -> 
     explains it, if any)."""
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    if result.abandoned:  # the workers were killed before writing theirs: this command's own numbers
+        summary = _abandoned_summary(summary_path, t0, spec)
     summary["wall_s"] = time.time() - t0
     summary["processes"] = spec.layout.world_size  # the processes the run was launched with
     summary.update(invocation_stats(run_dir, t0))  # every attempt of this command, not the last one's
@@ -414,6 +418,7 @@ def _report(spec: RunSpec, run_dir: Path, t0: float, result, start_t: float) -> 
         summary["stopped_early"] = "stop signal"
     # The code the command exits with: a cluster task's (its coordinator died), else how training ended.
     code, note = ((result.exit_code, None) if result.exit_code
+                  else (EXIT_INTERRUPTED, None) if result.abandoned
                   else stop_exit(summary, run_dir / spec.checkpoint.dir))
     summary["exit_code"] = code
     tmp = summary_path.with_name(summary_path.name + ".tmp")
@@ -426,6 +431,27 @@ def _report(spec: RunSpec, run_dir: Path, t0: float, result, start_t: float) -> 
                                "recoveries": recoveries}
     print_summary(summary, run_dir, logger_dirs(spec.loggers), run_dir / spec.checkpoint.dir)
     return summary, code, note
+
+
+def _abandoned_summary(summary_path: Path, t0: float, spec: RunSpec) -> dict:
+    """The summary of a run a second Ctrl-C ended: its workers were killed mid-step, so the summary.json
+    of their rank 0 is missing (or one this command did not write: left out). `steps`: the last step
+    metrics.jsonl holds (the step in progress is abandoned); `stopped_early`: ABANDONED."""
+    try:
+        summary = json.loads(summary_path.read_text()) if summary_path.stat().st_mtime >= t0 else {}
+    except (OSError, ValueError):
+        summary = {}
+    steps = summary.get("steps")
+    metrics = summary_path.with_name("metrics.jsonl")
+    if not isinstance(steps, int) and metrics.exists():
+        for line in reversed(metrics.read_text(errors="replace").splitlines()):
+            try:
+                steps = int(json.loads(line)["step"])
+                break
+            except (ValueError, KeyError, TypeError):
+                continue
+    return {"layout": spec.layout.describe(), **summary, "steps": steps if isinstance(steps, int) else 0,
+            "max_steps": int(spec.trainer.max_steps), "stopped_early": ABANDONED}
 
 
 def resolve_resume(cfg: DictConfig, run_dir: Path) -> Path | None:

@@ -5,7 +5,9 @@ Composition errors (unknown key, bad override) and validation errors exit with c
 one-paragraph message before any worker starts; runtime failures exit 1.  A run stopped by a preemption
 or time-limit signal (SIGTERM, SIGUSR1) before `trainer.max_steps` exits 78 once the checkpoint of the
 step it stopped at is saved (1, saying so, when none was); a run that trained to `trainer.max_steps`, or
-that a Ctrl-C stopped, exits 0 (`ntp_nemo/train.py: stop_exit`).
+that a Ctrl-C stopped, exits 0 (`ntp_nemo/train.py: stop_exit`). A second Ctrl-C while the workers run
+kills them (the step in progress and its checkpoint are abandoned); summary.json still says where the
+run stopped (`stopped_early`: "second Ctrl-C") and the command exits 130 (`EXIT_INTERRUPTED`).
 """
 
 from __future__ import annotations

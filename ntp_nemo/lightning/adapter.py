@@ -201,6 +201,7 @@ class ForkLauncher(_MultiProcessingLauncher):
     _procs: Any = None
     _pending_signal: int | None = None
     stop_requested: float | None = None  # when (time.time()) the first stop signal was forwarded
+    abandoned: bool = False  # a second Ctrl-C killed the workers: the run ends without a checkpoint
     _spawned: _Spawned | None = None
 
     @property
@@ -293,7 +294,7 @@ class ForkLauncher(_MultiProcessingLauncher):
     @contextmanager
     def forwarding_signals(self):
         """While the workers run: SIGTERM/SIGUSR1 to the parent reach every worker; a first Ctrl-C makes
-        them checkpoint and stop (as SIGTERM does), a second one kills them."""
+        them checkpoint and stop (as SIGTERM does), a second one kills them (`abandoned`)."""
         import signal
 
         interrupts, parent = [], os.getpid()
@@ -319,14 +320,15 @@ class ForkLauncher(_MultiProcessingLauncher):
                 # did not (`kill -INT` of this process; workers still being forked).
                 forward(getattr(signal, FORWARDED_INTERRUPT), frame)
                 return
+            # The second: the workers are killed now; the supervisor ends the run (no relaunch) and the
+            # command writes summary.json and exits EXIT_INTERRUPTED (a third Ctrl-C ends it at once).
+            self.abandoned = True
             for proc in self.procs or []:
                 if proc.is_alive():
                     os.kill(proc.pid, signal.SIGKILL)
-            print("second Ctrl-C: the workers were stopped at once, without a checkpoint of this step; the "
-                  "same command continues from the latest checkpoint (resume=auto)", file=sys.stderr,
-                  flush=True)
+            print("second Ctrl-C: the workers are stopped now; the step in progress and its checkpoint are "
+                  "abandoned (summary.json is still written)", file=sys.stderr, flush=True)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGINT)
 
         forwarded = (signal.SIGTERM, signal.SIGUSR1, getattr(signal, FORWARDED_INTERRUPT))
         previous = {sig: signal.signal(sig, forward) for sig in forwarded}

@@ -176,7 +176,8 @@ class LiveLauncher(ForkLauncher):
                                             error_index=i, error_pid=p.pid)
         if bad:
             codes = ", ".join(f"{i}: {p.exitcode}" for i, p in enumerate(self.procs))
-            print(f"failover | live: workers ended with exit status {codes}", file=sys.stderr, flush=True)
+            if not self.abandoned:  # a second Ctrl-C's kills are said by its own line
+                print(f"failover | live: workers ended with exit status {codes}", file=sys.stderr, flush=True)
             i, p = bad[0]
             raise mp.ProcessExitedException(f"process {i} terminated with exit code {p.exitcode}",
                                             error_index=i, error_pid=p.pid, exit_code=p.exitcode)
@@ -259,6 +260,8 @@ class LiveMonitor(threading.Thread):
         self._rss0 = resident_mb()
         seen: set[int] = set()
         while not self._halt.wait(self.poll_s):
+            if getattr(self.launcher, "abandoned", False):  # a second Ctrl-C killed them: nothing to recover
+                return
             exited = [i for i, p in enumerate(procs) if i not in seen and p.exitcode is not None]
             if not exited:
                 verdict = self._overdue()

@@ -92,6 +92,7 @@ class SupervisorResult:
     attempts: list[AttemptRecord] = field(default_factory=list)
     exit_code: int = 0  # a cluster task that stopped because its coordinator died: COORDINATOR_LOST_EXIT
     stopped: bool = False  # a stop signal ended the last attempt on a degraded layout: no repair relaunch
+    abandoned: bool = False  # a second Ctrl-C killed the workers: the run ends without a checkpoint
 
     @property
     def failures(self) -> int:
@@ -103,6 +104,11 @@ class SupervisorResult:
             "failures": self.failures,
             "layouts": [a.layout for a in self.attempts],
         }
+
+
+def _abandoned(trainer: Any) -> bool:
+    """Whether a second Ctrl-C killed the workers of `trainer`'s attempt (`ForkLauncher.abandoned`)."""
+    return bool(getattr(trainer.strategy.launcher, "abandoned", False))
 
 
 class _Relaunch(NamedTuple):
@@ -311,6 +317,8 @@ class Supervisor:
                                 str(resume) if resume else None, stop_at, time.time(), devices=self.devices)
             self.result.attempts.append(rec)
             lost = self._attempt(rec, trainer, module, layout, resume, why)
+            if _abandoned(trainer):  # a second Ctrl-C: whatever the workers' exits say, no relaunch
+                return self._abandon(rec)
             # Asked to stop (SIGTERM, SIGUSR1, Ctrl-C): the workers checkpoint and stop together.
             stopping = getattr(trainer.strategy.launcher, "stop_requested", None) is not None
             if lost is None:
@@ -344,8 +352,22 @@ class Supervisor:
             rec.end_t, rec.outcome = time.time(), "no usable checkpoint"
             self._log(rec)
             raise
+        except Exception:
+            if not _abandoned(trainer):
+                raise
+            lost = None  # the workers a second Ctrl-C killed: `run` ends the run
         rec.end_t = time.time()
         return lost
+
+    def _abandon(self, rec: AttemptRecord) -> SupervisorResult:
+        """A second Ctrl-C killed the attempt's workers mid-step: the run ends here (recorded), and the
+        command writes summary.json and exits EXIT_INTERRUPTED."""
+        rec.outcome = "abandoned"
+        self._log(rec)
+        self._record("job_end", status="ok", reason="a second Ctrl-C: the workers were killed, the "
+                     "step in progress and its checkpoint abandoned")
+        self.result.abandoned = True
+        return self.result
 
     def _after_end(self, rec: AttemptRecord, layout: ResolvedLayout, stopping: bool) -> _Relaunch | None:
         """An attempt that ended without a failure: the run is done (None), unless it was an attempt on a
