@@ -94,6 +94,7 @@ class GradientPath:
 
     def finish_sync(self) -> None:
         """After the last backward: the whole DP sync (blocking, overlapped, or reduce-scatter)."""
+        self._zero_missing_grads()
         if self.overlap is not None:
             self.overlap.finish()
         elif self.distributed:
@@ -114,6 +115,36 @@ class GradientPath:
         if self.distributed:
             return self.optimizer.clip_grad_norm_(max_norm)
         return self.sync.clip_grad_norm_(max_norm)
+
+    def _grad_buffers(self) -> list[torch.Tensor]:
+        """The persistent flat buffers whose views are whole-fragment parameters' `.grad`s."""
+        if self.distributed:
+            return [buf for buf, _, _ in self.optimizer.grad_buffers.all()]
+        if self.overlap is not None:
+            return [buf for buf, _, _ in self.overlap.buffers.all()]
+        return [b.buffer for b in self.sync.buckets() if b.buffer is not None]
+
+    @torch.no_grad()
+    def zero_grad(self) -> None:
+        """After the update, for the next step: a `.grad` that is a view of a bucket buffer is zeroed with
+        its buffer (one fill per bucket; the backward accumulates there, where the collective reads);
+        every other `.grad` is set to None, so the next step's first backward writes it (autograd takes
+        the computed gradient as it is) instead of a fill of zeros and an addition to them."""
+        buffers = self._grad_buffers()
+        held = {id(b) for b in buffers}
+        for p in self.sync.params.values():
+            g = p.grad
+            if g is not None and not (g._base is not None and id(g._base) in held):
+                p.grad = None
+        for b in buffers:
+            b.zero_()
+
+    def _zero_missing_grads(self) -> None:
+        """A parameter the backward did not reach (no `.grad`) gets a zero gradient, as a zero-filled
+        `.grad` would have been: the optimizer decays it and the norm counts it like every other."""
+        for p in self.sync.params.values():
+            if p.grad is None and p.requires_grad:
+                p.grad = torch.zeros_like(p)
 
     def remove(self) -> None:
         if self.overlap is not None:

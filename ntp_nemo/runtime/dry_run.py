@@ -668,7 +668,8 @@ def _class_step(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: Step
         raise RuntimeError(f"rank {rank}: gradient sync sent {comm.bytes['dp']} bytes in {comm.calls['dp']} "
                            f"calls, its plan gives {expected}")
     return _ClassStep(
-        grad_bytes=sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()),
+        # one gradient per parameter, in its shape and dtype (set to None after the step: GradientPath)
+        grad_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
         optimizer_bytes=sum(
             t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
             if isinstance(t, torch.Tensor) and t.device == META

@@ -153,7 +153,7 @@ def train_step(
             finally:
                 if guarded:
                     inner.commit_check = None
-    opt.zero_grad(set_to_none=False)
+    path.zero_grad()  # bucket buffers zeroed, every other gradient set to None (GradientPath)
     if scheduler is not None:
         scheduler.step()
     return result
