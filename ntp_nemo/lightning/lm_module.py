@@ -24,6 +24,14 @@ from ntp_nemo.runtime.compute_time import ComputeTimer
 from ntp_nemo.schedules import warmup_cosine
 
 
+def batch_loader(batches: Any, device: torch.device) -> DataLoader:
+    """The loader of a dataset of whole batches (`StepBatches`, `ValBatches`): in this process, and for a
+    CUDA device into pinned host memory (Lightning fetches a batch ahead, so the pinning happens before
+    its step and `transfer_batch_to_device` copies it asynchronously); on the CPU nothing is pinned."""
+    return DataLoader(batches, batch_size=None, shuffle=False, num_workers=0,
+                      pin_memory=device.type == "cuda")
+
+
 class NTPLanguageModule(pl.LightningModule):
     def __init__(
         self,
@@ -134,7 +142,7 @@ class NTPLanguageModule(pl.LightningModule):
             self.my_microbatches,
         )
         self._train_set.start_step = self.trainer.global_step
-        return DataLoader(self._train_set, batch_size=None, shuffle=False, num_workers=0)
+        return batch_loader(self._train_set, self.trainer.strategy.root_device)
 
     def batch_of_step(self, step: int, device: torch.device) -> dict:
         """The batch of training step index `step` (0-based) as the loader gives it now, on `device`:
@@ -150,7 +158,7 @@ class NTPLanguageModule(pl.LightningModule):
 
     def val_dataloader(self) -> DataLoader:
         ds = ValBatches(self.data.val, self.val_batches, self.micro_batch_size, self.my_microbatches)
-        return DataLoader(ds, batch_size=None, num_workers=0)
+        return batch_loader(ds, self.trainer.strategy.root_device)
 
     def on_train_start(self) -> None:
         if not self.weights_drawn and not self.trainer.ckpt_path:  # Lightning read no checkpoint
