@@ -16,10 +16,18 @@ import torch.multiprocessing as mp
 from ntp_nemo.errors import ConfigError
 from ntp_nemo.resilience.fault_config import LaunchContext, validate_fault_config
 from ntp_nemo.resilience.spares import GIVE_UP_AFTER, SparePool, spare_body
-from tests.conftest import TINY, run_cli
+from tests.conftest import TINY, sweep_cases
 
-BASE = [*TINY, "mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,2]", "trainer.max_steps=8",
-        "checkpoint.every_n_steps=0", "checkpoint.save_on_end=false"]
+COMMON = [*TINY, "trainer.max_steps=8", "checkpoint.every_n_steps=0", "checkpoint.save_on_end=false",
+          "fault=kill_rank", "fault.spares=1"]
+BASE = ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,2]"]
+# Rank 3 killed at step 2 with one hot spare and no fault.repair_after_steps: the spare takes its place.
+# Then (the second job of the sweep: a rejoin runs first, see test_live_failover_cli's LIVE) one replica
+# of TP 2 loses rank 1: no survivor holds its shards, the live path falls back to the restart path, and
+# the spares of that attempt are released, none taken.
+CASES = {"spare": [*BASE, "fault.rank=3", "fault.step=2"],
+         "fallback": ["mesh.dp=1", "mesh.tp=2", "ntp.replica_tp=[2]", "fault.rank=1", "fault.step=3",
+                      "fault.recovery=live"]}
 
 
 def _alive(pid: int) -> bool:
@@ -31,19 +39,20 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def spare_run(tmp_path_factory):
-    """Rank 3 killed at step 2 with one hot spare and no fault.repair_after_steps: the spare takes its place."""
-    tmp = tmp_path_factory.mktemp("spares")
-    run = tmp / "run"
-    proc = run_cli([*BASE, "fault=kill_rank", "fault.rank=3", "fault.step=2", "fault.spares=1",
-                    f"hydra.run.dir={run}"], cwd=tmp)
-    return run, proc
+def spare_runs(tmp_path_factory):
+    """CASES, as the jobs of one sweep."""
+    return sweep_cases(CASES, COMMON, tmp_path_factory.mktemp("spares"))
 
 
-def test_a_spare_replaces_the_lost_process_and_the_pool_refills(spare_run, reference_losses):
-    run, proc = spare_run
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-3000:]
+def _job(runs, name):
+    assert runs.proc.returncode == 0, runs.proc.stdout[-2000:] + runs.proc.stderr[-3000:]
+    run = runs.run_dir(name)
+    events = [json.loads(line) for line in (run / "goodput.jsonl").read_text().splitlines() if line.strip()]
+    return run, (run / "train.log").read_text(), events
+
+
+def test_a_spare_replaces_the_lost_process_and_the_pool_refills(spare_runs, reference_losses):
+    run, log, events = _job(spare_runs, "spare")
     # the failure-free curve over every step (the survivors' reshard, then the spare's rejoin)
     got = {m["step"]: m["loss"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
            if "loss" in m}
@@ -55,7 +64,6 @@ def test_a_spare_replaces_the_lost_process_and_the_pool_refills(spare_run, refer
     assert "spare 1 starts in its place" in log
     assert "failover | spares: spare 1 ready" in log  # the pool refilled in the background
     assert "repaired process(es) rejoined: layout (2,1) -> (2,2)" in log
-    events = [json.loads(line) for line in (run / "goodput.jsonl").read_text().splitlines() if line.strip()]
     spares = [(e["action"], e["spare"]) for e in events if e["event"] == "spare"]
     assert spares == [("ready", 0), ("taken", 0), ("ready", 1)], spares
     taken = next(e for e in events if e["event"] == "spare" and e["action"] == "taken")
@@ -65,6 +73,20 @@ def test_a_spare_replaces_the_lost_process_and_the_pool_refills(spare_run, refer
     # nothing left behind: the spare still waiting at the end was released
     pids = {e["spare_pid"] for e in events if e["event"] == "spare"}
     assert len(pids) == 2 and not any(_alive(p) for p in pids), pids
+
+
+def test_spares_are_released_when_the_live_path_falls_back_to_restart(spare_runs, reference_losses):
+    run, log, events = _job(spare_runs, "fallback")
+    assert "falling back to the restart path" in log
+    assert "failover | spares: spare 0 ready" in log
+    assert "takes the place" not in log  # no rejoin was announced while the survivors were giving up
+    got = {m["step"]: m["loss"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+           if "loss" in m}
+    ref = reference_losses("single-8")
+    for step, want in ref.items():  # the restart from the start, on layout (1)
+        assert abs(got[step] - want) <= 1e-4 * abs(want), (step, got[step], want)
+    pids = {e["spare_pid"] for e in events if e["event"] == "spare"}
+    assert pids and not any(_alive(p) for p in pids), pids
 
 
 # -- the pool on its own (forked spares whose work is an exit status) -------------------------------------
@@ -133,7 +155,7 @@ def _spec(*overrides):
     from ntp_nemo.config.failover import failover_spec
     from tests.conftest import compose
 
-    return failover_spec(compose([*BASE, *overrides]))
+    return failover_spec(compose([*TINY, *BASE, *overrides]))
 
 
 @pytest.mark.parametrize("overrides,context,says", [
