@@ -93,6 +93,9 @@ LAYOUTS = {
     # Block (SUMMA) sharding on a 2x2 grid: micro-batches of 2 sequences split along the grid rows, 64
     # features along its columns (tests/parallel/test_block_exactness.py proves it exact in float64).
     "block-2x2": ["mesh.dp=1", "mesh.tp=4", "ntp.replica_tp=[4]", "ntp.pattern=block"],
+    # Replicas of different patterns: the 2x2 grid beside a row/column TP-2 replica (2 is no square),
+    # gradients synced across the patterns and the final checkpoint written by both.
+    "block-2x2-beside-tp2": ["mesh.dp=2", "mesh.tp=4", "ntp.replica_tp=[4,2]", "ntp.pattern=block"],
 }
 
 
