@@ -288,11 +288,12 @@ def validate_spares(spec: FailoverSpec, context: LaunchContext) -> None:
                           f"this run recovers by restart ({why}); use fault.recovery=live (or auto where "
                           "live can work), or set fault.spares=0.")
     if context.launcher is not None:
+        cluster = (" with an ntp-coordinator: there a spare is a task started beyond the job's task count, "
+                   "which waits for a place (docs/failover.md)" if context.coordinator else
+                   ", which starts no spare processes")
         raise ConfigError("fault.spares", f"hot spares are started by ntp-train's own launcher, but the "
-                          f"processes of this run are started by {context.launcher}"
-                          f"{' with an ntp-coordinator' if context.coordinator else ''}, which keeps no "
-                          "spare processes (a cluster job's spare is a node its batch script leaves out of "
-                          "the main step, docs/failover.md); set fault.spares=0.")
+                          f"processes of this run are started by {context.launcher}{cluster}; set "
+                          "fault.spares=0.")
 
 
 RECOVERY_MODES = ("auto", "live", "restart")
