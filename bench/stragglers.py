@@ -12,15 +12,19 @@ machine falls on all of them alike):
 
 1. `rebalance` (the default policy: the straggler watch names the rank and its replica gets a batch share
    proportional to its measured speed) beside `report` (`fault.straggler=report`: the same job, the
-   straggler only reported).  Printed: the step its `straggler` event names rank 1 at; the median step
-   time after the last rebalance, next to what the work model predicts for the measured speeds (the
-   failure-free steps before the fault, plus the modelled compute of the new split at those speeds minus
-   that of the nominal split at full speed, both from the `rebalance` event); the report run's median
-   over the same steps and the paired per-step ratio;
+   straggler only reported) and the failure-free job (`clean_ref`, also the loss curve's reference).
+   Printed: the step its `straggler` event names rank 1 at; the median step time after the last
+   rebalance, next to what the work model predicts for the measured speeds: the failure-free side's
+   median step over the same steps (the step's fixed costs, gradient sync and optimizer, at the load of
+   those moments) plus the modelled compute of the new split at those speeds minus that of the nominal
+   split at full speed (both from the `rebalance` event, measured at its judgement window), scaled by
+   the failure-free side's step time after over its time at that window (the load's drift); the former
+   check's figure (the fixed costs taken from steps 5-19, at another load) beside it; the report run's
+   median over the same steps and the paired per-step ratio;
 2. `--clean-runs` failure-free runs with the watch on beside one with it off (`fault.straggler_every=0`:
    no timer, nothing added to the fused all-reduce): every `straggler` event of a watched run is a false
    alarm; the detector's cost is the median of the paired per-step ratios watched / unwatched (wall and
-   rank 0's CPU time); the first watched run is the loss curve's reference for the rebalanced run.
+   rank 0's CPU time), next to the noise floor: the watched runs against each other (the same job).
 """
 
 from __future__ import annotations
@@ -106,9 +110,11 @@ def main() -> None:
     print(f"load before: {load_average()}")
     with tempfile.TemporaryDirectory(prefix="stragglers-") as tmp:
         root = Path(tmp)
-        # 1. the straggler under rebalance and under report, taking turns step by step
+        # 1. the straggler under rebalance and under report, and the failure-free job, taking turns step by
+        # step (the failure-free side gives the step's fixed costs at the same moments: the load moves)
         sides = [ntp_side("rebalance", [*job, *fault], root, 4, 1),
-                 ntp_side("report", [*job, *fault, "fault.straggler=report"], root, 4, 1)]
+                 ntp_side("report", [*job, *fault, "fault.straggler=report"], root, 4, 1),
+                 ntp_side("clean_ref", job, root, 4, 1)]
         runs = run_side_by_side(sides, a.steps, root, timeout=3600)
         ev = jsonl(root / "rebalance" / "goodput.jsonl")
         named = [e for e in ev if e["event"] == "straggler"]
@@ -121,31 +127,45 @@ def main() -> None:
               f"estimated speed {first['speed']:.2f} (injected {a.factor})")
         last = rebal[-1]
         since = last["step"] + 3  # the new split's steps, past the one the change fell on
-        m = {k: {r["step"]: r for r in runs[k]["records"]} for k in ("rebalance", "report")}
+        m = {k: {r["step"]: r for r in runs[k]["records"]} for k in ("rebalance", "report", "clean_ref")}
         clean_steps = [r["step_time_s"] for s, r in m["rebalance"].items() if 5 <= s < a.fault_step]
         before = statistics.median(clean_steps)
         after = [r["step_time_s"] for s, r in m["rebalance"].items() if s >= since]
         reported = [r["step_time_s"] for s, r in m["report"].items() if s >= since]
-        predicted = before + last["predicted_compute_s"] - last["nominal_compute_s"]
-        unmitigated = before + last["nominal_compute_s"] * (1 / a.factor - 1)
+        pred_c, nom_c = last["predicted_compute_s"], last["nominal_compute_s"]
+        # The step = fixed costs (gradient sync, optimizer, the loop) + compute; the work model gives the
+        # compute.  Measured at the judgement window (the watch's unit_s), scaled to each later moment's
+        # load by the failure-free side's step time then over its time at the window.
+        window = range(last["step"] - 5 + 1, last["step"] + 1)  # the judgement's steps (every 5)
+        cr = m["clean_ref"]
+        ref_window = statistics.median(cr[s]["step_time_s"] for s in window if s in cr)
+        ref_after = statistics.median(r["step_time_s"] for s, r in m["clean_ref"].items() if s >= since)
+        load = ref_after / ref_window
+        predicted = ref_after + (pred_c - nom_c) * load
+        stale = before + pred_c - nom_c  # the former check: the fixed costs of steps 5-19, another load
+        unmitigated = ref_after + nom_c * (1 / a.factor - 1) * load
         med_after, med_report = statistics.median(after), statistics.median(reported)
         paired = paired_ratio([runs["rebalance"]], [runs["report"]], "step_time_s", since)
+        paired_ref = paired_ratio([runs["rebalance"]], [runs["clean_ref"]], "step_time_s", since)
+        pred_ratio = 1 + (pred_c - nom_c) / ref_window
         print(f"rebalance: split {last['microbatches']} from step {last['step'] + 1} (rank speeds "
               f"{[round(v, 2) for v in last['rank_speeds']]}); median step time steps {since}-{a.steps}: "
-              f"{med_after:.4f} s; the work model predicts {predicted:.4f} s for the measured speeds "
-              f"(failure-free steps {before:.4f} s + modelled compute {last['predicted_compute_s']:.4f} s "
-              f"- nominal {last['nominal_compute_s']:.4f} s): measured / predicted = "
-              f"{med_after / predicted:.3f} (goal <= 1.15)")
+              f"{med_after:.4f} s; the work model predicts {predicted:.4f} s for the measured speeds (the "
+              f"failure-free side's steps then, {ref_after:.4f} s, + (modelled compute {pred_c:.4f} s - "
+              f"nominal {nom_c:.4f} s, at the judgement window) x load {load:.3f}): measured / predicted = "
+              f"{med_after / predicted:.3f} (goal <= 1.15); paired per step against the failure-free side "
+              f"{paired_ref:.3f}, the model's {pred_ratio:.3f}; with the fixed costs of steps 5-"
+              f"{a.fault_step - 1} instead (the former check) {stale:.4f} s: {med_after / stale:.3f}")
         print(f"report: median step time steps {since}-{a.steps}: {med_report:.4f} s (the work model's "
               f"unmitigated {unmitigated:.4f} s); rebalance / report = {med_after / med_report:.3f} "
-              f"(paired per step: {paired:.3f})")
+              f"(paired per step: {paired:.3f}); failure-free side {ref_after:.4f} s")
 
         # 2. failure-free runs with the watch on, and one with it off, taking turns step by step
         clean = [f"clean{i}" for i in range(a.clean_runs)]
         sides = [*(ntp_side(n, job, root, 4, 1) for n in clean),
                  ntp_side("watch_off", [*job, "fault.straggler_every=0"], root, 4, 1)]
         runs.update(run_side_by_side(sides, a.steps, root, timeout=3600))
-        ref = {r["step"]: r["loss"] for r in runs["clean0"]["records"]}
+        ref = {r["step"]: r["loss"] for r in runs["clean_ref"]["records"]}
         worst = max(abs(r["loss"] - ref[s]) / abs(ref[s]) for s, r in m["rebalance"].items())
         print(f"loss: max relative difference rebalance vs failure-free over {len(ref)} steps: {worst:.2e} "
               f"(goal <= 1e-5)")
@@ -159,6 +179,12 @@ def main() -> None:
         print(f"detector cost: watch on / off, {a.steps} steps side by side, median over the {a.clean_runs} "
               f"watched runs of the paired per-step ratios: step time {wall:.4f}, rank 0 CPU time {cpu:.4f} "
               f"(goal < 1.01)")
+        if len(clean) > 1:  # the noise floor: two watched runs, the same job, against each other
+            aa = [paired_ratio([runs[x]], [runs[y]], "step_time_s", 5) for x in clean for y in clean if x < y]
+            aa_cpu = [paired_ratio([runs[x]], [runs[y]], "cpu_s", 5) for x in clean for y in clean if x < y]
+            print(f"noise floor: watched / watched, the same job, paired per step: step time "
+                  f"{', '.join(f'{v:.4f}' for v in aa)}; rank 0 CPU time "
+                  f"{', '.join(f'{v:.4f}' for v in aa_cpu)}")
     print(f"load after: {load_average()}")
 
 

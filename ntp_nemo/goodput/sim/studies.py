@@ -277,8 +277,10 @@ def straggler_job(s: SimSettings) -> JobShape:
                     tuple(int(b) // mbs for b in table.batch))
 
 
-def run_stragglers(s: SimSettings, rng: np.random.Generator) -> list[dict]:
-    """One trace of straggler episodes over `failures.days` on the job's GPUs, under each straggler policy."""
+def run_stragglers(s: SimSettings) -> list[dict]:
+    """One trace of straggler episodes over `failures.days` on the job's GPUs, under each straggler policy
+    (a stream of its own, seeded by `seed`: the same episodes whichever other studies run)."""
+    rng = np.random.default_rng([s.seed, 48])
     spec, job = s.stragglers, straggler_job(s)
     gpus = job.num_replicas * job.gpus_per_replica
     episodes = generate_episodes(gpus, spec, s.failures.days * 24.0, rng)
@@ -314,5 +316,5 @@ def run_all(s: SimSettings) -> SimResults:
         recs, out.timelines = run_trace(s, rng, out.policy_tables)
         out.records += recs
     if "stragglers" in s.studies:
-        out.records += run_stragglers(s, rng)
+        out.records += run_stragglers(s)
     return out
