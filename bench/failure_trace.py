@@ -1,18 +1,23 @@
 """One seeded failure trace replayed under every recovery policy, side by side, and the simulator's
 prediction of each policy's time to the last step next to the measured one.
 
-    python bench/failure_trace.py [--steps 200] [--seed 1] [--repair-after 30] [--every 10]
+    python bench/failure_trace.py [--steps 200] [--seed 1] [--held-out 2] [--repair-after 30] [--every 10]
                                   [--policies live-ntp,ntp-pw,...] [--keep DIR [--reuse]] [overrides ...]
 
 The job: the real `ntp-train` CLI (`python -m ntp_nemo.train`), the tiny model of the tests, 2 DP
 replicas of TP 2 (4 forked gloo workers), global batch 12 in micro-batches of 1 (so that NTP-PW's boost
 changes the split), checkpoints every `--every` steps, heartbeat timeout 4 s.  The trace
 (`ntp_nemo.goodput.sim.replay.generate_trace`, seeded): a lost rank repaired `--repair-after` steps
-later, a hung rank (caught by the heartbeats) repaired likewise, a straggler for a few steps, and a late
-lost rank the run ends before repairing.  Policies (rows), all on the same data, seed and layout:
+later, a hung rank (caught by the heartbeats) repaired likewise, a straggler (a rank computing at 0.4-0.6
+of its speed for 25-40 steps, `fault.factor`), and a late lost rank the run ends before repairing.
+Policies (rows), all on the same data, seed and layout; every row but `live-rebalance` only reports the
+straggler (`fault.straggler=report`):
 
 - `live-ntp`   fault.policy=ntp fault.recovery=live: the survivors reshard in memory, the repaired rank
                rejoins live;
+- `live-rebalance` the same with fault.straggler=rebalance: once the watch names the straggler its
+               replica gets a batch share by its measured speed, and the even split comes back when the
+               device recovers;
 - `ntp-pw`     the same with ntp.power_boost=1.3: the degraded replica takes a larger share of the
                micro-batches (on a CPU there is no clock to boost: its ranks simply do more work);
 - `ntp-restart` fault.policy=ntp fault.recovery=restart: relaunch on the shrunk layout from the last
@@ -33,14 +38,18 @@ difference of the loss (last execution of every step) from the failure-free run.
 the global batch (tokens per step are checked), so every curve must be the failure-free one.
 
 Then the simulator (`ntp_nemo.goodput.sim.replay`) replays the same trace under each policy with the
-per-event costs measured in that policy's run (startup, step time per layout, detection per kind, live
-reshard, rejoin, restart, repair relaunch) and prints its time to the last step next to the measured
-one.  The rows run one after another, so on a shared machine their times differ by load as much as by
-policy: two more lines replay every policy with the same step times and start-up (the median over the
-runs), and with each layout's step time from its busiest rank's work (`rank_work`: a degraded rank as
-fast as a healthy one).  `--keep DIR --reuse` reads the runs a previous `--keep DIR` left instead of
-running them.  The last line: `failure trace: live NTP time-to-N / failure-free R0, restart R1,
-DP-drop R2, wait-for-repair R3` (measured times; restart is NTP by restart).
+per-event costs measured in that policy's run (startup, step time per layout, the slow rank's compute per
+step from the steps it slowed before any rebalance, detection per kind, live reshard, rejoin, restart,
+repair relaunch) and prints its time to the last step next to the measured one, with the step the watch
+named the straggler at and what the straggler cost (measured and predicted). `--held-out SEED` runs every
+row on a second seed's trace too (each row on both seeds back to back, so the two meet the same load) and
+predicts each seed's times with the costs measured on the other seed's runs (a layout the calibrating run
+never trained on takes its mirror image's step time). The rows run one after another, so on a shared
+machine their times differ by load as much as by policy: two more lines replay every policy with the same
+step times and start-up (the median over the runs), and with each layout's step time from its busiest
+rank's work (`rank_work`: a degraded rank as fast as a healthy one). `--keep DIR --reuse` reads the runs
+a previous `--keep DIR` left instead of running them. The last line: `failure trace: live NTP time-to-N /
+failure-free R0, restart R1, DP-drop R2, wait-for-repair R3` (measured times; restart is NTP by restart).
 """
 
 from __future__ import annotations
