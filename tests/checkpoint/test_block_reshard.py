@@ -52,6 +52,24 @@ def worker(rank: int, world: int, cfg: ModelConfig, side: tuple, path: str, save
     return held, [step(s) for s in range(BEFORE, BEFORE + AFTER)]
 
 
+def _exports_as_unsharded(cfg: ModelConfig, path: str, full: dict[str, torch.Tensor], tmp) -> None:
+    """`ntp-export`'s reader on the grid's checkpoint writes the tensors the unsharded model holding the
+    same logical values exports."""
+    from safetensors.torch import load_file
+
+    from ntp_nemo.hf.export import export_checkpoint, export_model
+    from ntp_nemo.models import build_model
+
+    model = build_model(cfg).to(torch.float64)
+    model.load_state_dict(full)
+    export_checkpoint(path, tmp / "from_grid", cfg=cfg, tokenizer=False)
+    export_model(model, tmp / "unsharded")
+    read = [{k: v for f in sorted((tmp / d).glob("*.safetensors")) for k, v in load_file(f).items()}
+            for d in ("from_grid", "unsharded")]
+    assert read[0].keys() == read[1].keys() and read[0]
+    assert all(torch.equal(read[0][k], read[1][k]) for k in read[0])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("cfg,saved_on,loaded_on", [(LLAMA, BLOCK, TP3), (GPT, TP3, BLOCK), (GPT, MIXED, TP3)],
                          ids=["llama-block-to-tp3", "gpt-tp3-to-block", "gpt-grid-beside-tp2-to-tp3"])
@@ -65,6 +83,8 @@ def test_checkpoint_moves_between_patterns(tmp_path, cfg, saved_on, loaded_on):
             full.setdefault(name, torch.full(spec.global_shape, float("nan"), dtype=torch.float64))
             spec.narrow(full[name]).copy_(torch.from_numpy(value))
     assert not any(t.isnan().any() for t in full.values())
+    if saved_on[1] == "block":  # Hugging Face export reads a grid's checkpoint as any other
+        _exports_as_unsharded(cfg, path, full, tmp_path)
     for held, _ in loaded:
         for name, (spec, value) in held.items():
             assert torch.equal(torch.from_numpy(value), spec.narrow(full[name])), name
