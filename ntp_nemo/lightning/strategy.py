@@ -142,6 +142,9 @@ class NTPStrategy(StrategyAdapter):
         if self.topology.world_size > 1:
             if self.root_device.type == "cpu":
                 torch.set_num_threads(1)  # several CPU ranks share the cores: no oversubscription
+            from ntp_nemo.launch.cpp_log import quiet_cpp_warnings
+
+            quiet_cpp_warnings()  # a lost store or peer is reported in one line, not c10d's C++ stacks
             from ntp_nemo.topology.groups import CPU_TP_BACKEND_ENV
 
             os.environ[CPU_TP_BACKEND_ENV] = self.cpu_tp_backend  # read where this process makes TP groups
