@@ -174,8 +174,11 @@ def main() -> None:
         out = sweep([*TOY_JOB, *NTP21, f"trainer.max_steps={args.clean_steps}", "checkpoint.every_n_steps=0",
                      "checkpoint.save_on_end=false", f"seed={seeds}"], root, "clean")
         found = [len(load_incidents(out / str(j))) for j in range(args.clean)]
+        margin = max((float(json.loads(line).get("outlier_ratio", 0.0)) for j in range(args.clean)
+                      for line in (out / str(j) / "metrics.jsonl").read_text().splitlines()), default=0.0)
         print(f"clean runs     {args.clean} x {args.clean_steps} steps on (2,1), default integrity settings: "
-              f"findings {found} ({time.perf_counter() - t0:.0f} s)")
+              f"findings {found}; the per-step check's largest ratio of a rank to every other "
+              f"{margin:.3g} (threshold 1000) ({time.perf_counter() - t0:.0f} s)")
     print(f"runs in {root}")
 
 

@@ -74,27 +74,47 @@ class Suspect:
     others: float  # the largest of the other ranks' values of the slot (NaN: the value is not finite)
 
 
+def _others_max(own: Sequence[float], stages: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values [world, width], for each (rank, slot) the largest finite value of the slot among the other
+    ranks of its stage holding it: -inf when none).  Vectorised: O(world x width)."""
+    world = len(stages)
+    vals = torch.tensor(own, dtype=torch.float64).view(world, -1)
+    usable = torch.where((vals >= 0) & torch.isfinite(vals), vals, torch.full_like(vals, -float("inf")))
+    out = torch.full_like(vals, -float("inf"))
+    stage_of = torch.tensor(list(stages))
+    for stage in sorted(set(stages)):
+        idx = (stage_of == stage).nonzero().flatten()
+        if len(idx) < 2:
+            continue
+        top, arg = usable[idx].topk(2, dim=0)  # the two largest of each slot, and whose
+        mine = torch.arange(len(idx)).unsqueeze(1) == arg[0].unsqueeze(0)
+        out[idx] = torch.where(mine, top[1].unsqueeze(0), top[0].unsqueeze(0))
+    return vals, out
+
+
 def find_suspects(own: Sequence[float], stages: Sequence[int], ratio: float) -> list[Suspect]:
     """Every (rank, slot) whose value is not finite or more than `ratio` times every other rank's value of
     the slot among the ranks of its pipeline stage (those hold the same parameters, in any sharding).
     `own`: every rank's row of `SLOTS + 1` values, flattened (index = global rank; < 0: not held)."""
-    world = len(stages)
-    if not own or world < 2 or ratio <= 0:
+    if not own or len(stages) < 2 or ratio <= 0:
         return []
-    width = len(own) // world
-    rows = [own[r * width:(r + 1) * width] for r in range(world)]
-    out = []
-    for j in range(width):
-        for stage in sorted(set(stages)):
-            held = [(r, rows[r][j]) for r in range(world) if stages[r] == stage and not rows[r][j] < 0]
-            for r, v in held:
-                if v != v or v == float("inf"):
-                    out.append(Suspect(r, j, v, float("nan")))
-                    continue
-                others = [x for q, x in held if q != r and x == x and x != float("inf")]
-                if others and v > ratio * max(max(others), 1e-30):
-                    out.append(Suspect(r, j, v, max(others)))
-    return sorted(out, key=lambda s: (s.rank, s.slot))
+    vals, others = _others_max(own, stages)
+    held = ~(vals < 0)  # NaN is held
+    bad = held & ~torch.isfinite(vals)
+    bad |= held & (others > -float("inf")) & (vals > ratio * others.clamp(min=1e-30))
+    return [Suspect(int(r), int(j), float(vals[r, j]),
+                    float(others[r, j]) if torch.isfinite(vals[r, j]) else float("nan"))
+            for r, j in bad.nonzero().tolist()]
+
+
+def largest_ratio(own: Sequence[float], stages: Sequence[int]) -> float:
+    """The largest ratio of a rank's finite value to every other rank's of its stage (what the per-step
+    check compares with `integrity.outlier_ratio`), over the slots the other ranks' value is > 0 in."""
+    if not own or len(stages) < 2:
+        return 0.0
+    vals, others = _others_max(own, stages)
+    ok = (vals >= 0) & torch.isfinite(vals) & (others > 0)
+    return float((vals[ok] / others[ok]).max()) if bool(ok.any()) else 0.0
 
 
 @dataclass
@@ -225,6 +245,8 @@ class IntegrityWatch(Callback):
         rec = pl_module.last_step
         if self.verified is not None and self.verified.model_id != id(pl_module.model):
             self.verified = None  # a live recovery changed the layout: the copy no longer fits
+        if pl_module.rank_own:  # the per-step check's margin, in metrics.jsonl: how near a clean step came
+            rec["outlier_ratio"] = round(largest_ratio(pl_module.rank_own, self._stages(pl_module)), 3)
         if rec.get("skipped"):
             self._suspect_step(trainer, pl_module, batch, step)
         else:
@@ -645,4 +667,5 @@ def _host_copy(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
-__all__ = ["SLOTS", "IntegrityWatch", "LayerInputs", "Suspect", "Verified", "find_suspects", "own_row"]
+__all__ = ["SLOTS", "IntegrityWatch", "LayerInputs", "Suspect", "Verified", "find_suspects", "largest_ratio",
+           "own_row"]

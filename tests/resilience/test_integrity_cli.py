@@ -18,7 +18,15 @@ CASES = {
     "poison": ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]", "fault=poison_sample", "fault.step=3"],
     # three replicas: a majority names the one that disagrees
     "bitflip": ["mesh.dp=3", "mesh.tp=2", "ntp.replica_tp=[2,1,1]", "fault=bitflip", "fault.rank=1",
-                "fault.step=3"],
+                "fault.step=3"],  # bit 22: the top mantissa bit
+    "bitflip_low": ["mesh.dp=3", "mesh.tp=2", "ntp.replica_tp=[2,1,1]", "fault=bitflip", "fault.rank=2",
+                    "fault.step=3", "fault.bit=0"],  # the lowest mantissa bit, on the TP=1 replica 1
+    # the top exponent bit of one gradient element of rank 2 at step 3: once, then on every step (a bad
+    # device, excluded through the live path)
+    "grad": ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]", "fault=bitflip", "fault.target=grad",
+             "fault.rank=2", "fault.step=3"],
+    "device": ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]", "fault=bitflip", "fault.target=grad",
+               "fault.rank=2", "fault.step=3", "fault.persistent=true", "fault.recovery=live"],
 }
 COMMON = [*TINY, "trainer.max_steps=8", "integrity.every_n_steps=4"]
 
@@ -65,21 +73,56 @@ def test_poisoned_sample_skipped_and_recorded(runs, reference_losses, capsys, mo
 
 
 @pytest.mark.slow
-def test_bitflip_named_and_repaired_from_the_verified_state(runs, reference_losses, capsys, monkeypatch):
-    run = runs.run_dir("bitflip")
+@pytest.mark.parametrize("case, rank, replica", [("bitflip", 1, 0), ("bitflip_low", 2, 1)])
+def test_bitflip_named_and_repaired_from_a_good_replica(runs, reference_losses, case, rank, replica):
+    """A high and a low mantissa bit flipped in one replica's weights at step 3: found by the check at step
+    4, the rank and parameter named, its state taken from the good replicas' memory at the rollback to the
+    verified step 0, and the curve from the repaired step on is the failure-free one."""
+    run = runs.run_dir(case)
     log = (run / "train.log").read_text()
     fired = next(line for line in log.splitlines() if line.startswith("fault: bitflip"))
     parameter = fired.split(" in param ")[1].split("[")[0]
     (finding,) = _findings(run)
     assert (finding["step"], finding["kind"], finding["verdict"]) == (4, "divergence", "bitflip")
-    assert (finding["replica"], finding["rank"], finding["parameter"]) == (0, 1, parameter)
-    assert "rolled back to verified step 0 and replayed 4 step(s); replicas agree again" in finding["action"]
+    assert (finding["replica"], finding["rank"], finding["parameter"]) == (replica, rank, parameter)
+    moved = int(finding["action"].split("good replicas' memory (")[1].split(" bytes")[0])
+    assert moved > 0 and f"rolled back to verified step 0 (rank(s) {rank} took their parameters and " \
+        "optimizer state from the good replicas' memory" in finding["action"]
+    assert finding["action"].endswith("replayed 4 step(s); replicas agree again")
     losses = {m["step"]: m["loss"] for m in read_metrics(run)}
     ref = reference_losses("single-8")
-    for step in range(5, 9):  # after the repair: the failure-free curve
+    for step in range(4, 9):  # from the repaired step on: the failure-free curve
         assert losses[step] == pytest.approx(ref[step], rel=1e-5), step
+
+
+@pytest.mark.slow
+def test_bitflip_said_everywhere(runs, capsys, monkeypatch):
+    run = runs.run_dir("bitflip")
+    (finding,) = _findings(run)
+    parameter = finding["parameter"]
     report = compute_goodput(load_events(run))
     assert report.badput_s["integrity"] > 0  # the checks and the repair, a category of their own
     assert json.loads((run / "summary.json").read_text())["integrity"]["by_kind"] == {"divergence/bitflip": 1}
     out = _incidents(run, capsys, monkeypatch)
     assert f"replica 0, rank 1, {parameter}" in out and "bitflip" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, verdict", [("grad", "transient"), ("device", "device")])
+def test_gradient_flip_caught_before_the_update(runs, reference_losses, case, verdict):
+    """A flipped exponent bit in one rank's gradient stands out of the other ranks' (the per-step check):
+    the step applies no update and is replayed on the same ranks.  Once: transient, the replay is the
+    step.  On every step: the rank's device is bad, it leaves and the survivors redo the step without it.
+    Either way the curve is the failure-free one, the struck step included."""
+    run = runs.run_dir(case)
+    (finding,) = _findings(run)
+    assert (finding["step"], finding["verdict"], finding["rank"], finding["replica"]) == (3, verdict, 2, 1)
+    assert finding["kind"] in ("outlier", "nonfinite") and "no update applied" in finding["action"]
+    losses = {m["step"]: m["loss"] for m in read_metrics(run)}
+    ref = reference_losses("single-8")
+    assert sorted(losses) == list(range(1, 9))
+    for step in range(1, 9):
+        assert losses[step] == pytest.approx(ref[step], rel=1e-5), step
+    if case == "device":
+        log = (run / "train.log").read_text()
+        assert "layout (2,1) -> (2)" in log and "integrity: step 3 redone without rank 2" in log
