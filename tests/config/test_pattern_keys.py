@@ -31,11 +31,15 @@ def test_block_pattern_reaches_the_layout():
     ([*BLOCK4, "data.micro_batch_size=1"], "data.micro_batch_size", "grid side 2"),
     ([*BLOCK4, "ntp.sequence_parallel=true"], "ntp.sequence_parallel", "ntp.pattern=row_column"),
     ([*BLOCK4, "model.dropout=0.1"], "model.dropout", "model.dropout=0"),
+    ([*BLOCK4, "mesh.pp=2"], "mesh.pp", "mesh.pp=1"),
+    ([*BLOCK4, "optim.distributed=true"], "optim.distributed", "optim.distributed=false"),
+    ([*BLOCK4, "quant=int8"], "quant", "quant=none"),
+    ([*BLOCK4, "model.init_from=/tmp"], "model.init_from", "no model.init_from"),
 ])
 def test_bad_pattern_names_the_key_and_the_fix(overrides, key, says):
     with pytest.raises(ConfigError) as err:
         validate(compose([*TINY, *overrides]))
-    assert err.value.key == key and says in str(err.value)
+    assert err.value.key == key and says in str(err.value) and "ntp.pattern" in str(err.value)
     assert "\n" not in str(err.value).strip()  # one paragraph
 
 
