@@ -24,13 +24,16 @@ machine falls on all of them alike):
 2. `--clean-runs` failure-free runs with the watch on beside one with it off (`fault.straggler_every=0`:
    no timer, nothing added to the fused all-reduce): every `straggler` event of a watched run is a false
    alarm; the detector's cost is the median of the paired per-step ratios watched / unwatched (wall and
-   rank 0's CPU time), next to the noise floor: the watched runs against each other (the same job).
+   rank 0's CPU time), next to the noise floor: the watched runs against each other (the same job); and
+   what the watch itself spends, timed inside each watched run (its console line at the end: the compute
+   timer's bookkeeping and the detector and policy, CPU per step on rank 0) against rank 0's CPU per step.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -179,6 +182,18 @@ def main() -> None:
         print(f"detector cost: watch on / off, {a.steps} steps side by side, median over the {a.clean_runs} "
               f"watched runs of the paired per-step ratios: step time {wall:.4f}, rank 0 CPU time {cpu:.4f} "
               f"(goal < 1.01)")
+        own = []  # what the watch says it cost rank 0 (its console line at the end of each watched run)
+        for n in clean:
+            log = (root / f"{n}.log").read_text() if (root / f"{n}.log").exists() else ""
+            hit = re.search(r"the watch's CPU per step on rank 0: ([0-9.]+) us", log)
+            if hit:
+                recs = runs[n]["records"][5:]
+                own.append((float(hit.group(1)) * 1e-6, statistics.median(r["cpu_s"] for r in recs),
+                            statistics.median(r["step_time_s"] for r in recs)))
+        if own:
+            print("detector's own CPU, measured inside the watched runs: "
+                  + "; ".join(f"{c * 1e6:.1f} us per step = {c / cpu:.3%} of rank 0's CPU per step, "
+                              f"{c / wall:.3%} of the step" for c, cpu, wall in own) + " (goal < 1%)")
         if len(clean) > 1:  # the noise floor: two watched runs, the same job, against each other
             aa = [paired_ratio([runs[x]], [runs[y]], "step_time_s", 5) for x in clean for y in clean if x < y]
             aa_cpu = [paired_ratio([runs[x]], [runs[y]], "cpu_s", 5) for x in clean for y in clean if x < y]

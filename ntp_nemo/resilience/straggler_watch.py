@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -48,6 +49,8 @@ class StragglerWatch(Callback):
         self.last: Judgement | None = None
         self._layout: Any = None  # the layout whose ranks the detector's history numbers
         self._units: tuple[Any, list[float], list] | None = None  # (layout, `share_units`, `peer_groups`)
+        self.own_cpu_s = 0.0  # CPU seconds the watch spent after the steps (detector, policy), this rank
+        self.steps = 0
 
     @classmethod
     def from_config(cls, fault: FaultConfig) -> StragglerWatch | None:
@@ -62,6 +65,25 @@ class StragglerWatch(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        c0 = time.process_time()
+        try:
+            self._after_step(trainer, pl_module)
+        finally:
+            self.own_cpu_s += time.process_time() - c0
+            self.steps += 1
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Rank 0 says what the watch cost it: CPU per step of the timer's bookkeeping and of the detector
+        and policy (the fused all-reduce's extra slots are not counted: one float per rank)."""
+        timer = getattr(pl_module, "compute_timer", None)
+        if int(trainer.global_rank) != 0 or not self.steps:
+            return
+        own = self.own_cpu_s + (timer.own_cpu_s if timer is not None else 0.0)
+        print(f"straggler | the watch's CPU per step on rank 0: {own / self.steps * 1e6:.1f} us over "
+              f"{self.steps} steps (timer {(timer.own_cpu_s if timer else 0.0) / self.steps * 1e6:.1f} us, "
+              f"detector and policy {self.own_cpu_s / self.steps * 1e6:.1f} us)", flush=True)
+
+    def _after_step(self, trainer: Trainer, pl_module: LightningModule) -> None:
         compute_s = getattr(pl_module, "rank_compute_s", None)
         strategy = trainer.strategy
         layout = getattr(strategy, "layout", None)

@@ -30,6 +30,7 @@ class ComputeTimer:
         self.device = torch.device(device or "cpu")
         self.factor = 1.0  # the speed this rank computes at (`slow` fault); 1: its own
         self.last_s = 0.0  # the last completed measurement, seconds
+        self.own_cpu_s = 0.0  # CPU seconds this timer spent on itself (its bookkeeping, not the phase)
         self._events: tuple | None = None  # CUDA: the events of the last phase, read at the next one
 
     def slowdown(self, factor: float) -> None:
@@ -47,6 +48,7 @@ class ComputeTimer:
         if name != MEASURED_PHASE:
             yield
             return
+        c0 = time.process_time()
         cuda = self.device.type == "cuda"
         if cuda:
             done = self._cuda_reading()
@@ -55,7 +57,9 @@ class ComputeTimer:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
         t0 = time.perf_counter()
+        c1 = time.process_time()
         yield
+        c2 = time.process_time()
         took = time.perf_counter() - t0
         if self.factor < 1.0:
             # CUDA: the host saw only the kernels' launch; stretch by the last device reading instead
@@ -72,6 +76,7 @@ class ComputeTimer:
             self._events = (start, end)
         else:
             self.last_s = took
+        self.own_cpu_s += (c1 - c0) + (time.process_time() - c2)
 
     def reading(self, device: torch.device | str) -> torch.Tensor:
         """The last measurement as a 0-dim float64 tensor on `device` (for the step's fused scalars)."""
