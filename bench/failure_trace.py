@@ -570,7 +570,10 @@ def held_out(seeds: list[int], traces: dict, measured: dict, names: list[str], s
             for b in seeds:
                 if a == b:
                     continue
-                p = replay(traces[b], policy_of(name), for_trace(measured[a][name].costs))
+                # the repair's wait is the scheduler's (this bench's) choice for the run, not a cost
+                costs = replace(for_trace(measured[a][name].costs),
+                                repair_wait_s=measured[b][name].costs.repair_wait_s)
+                p = replay(traces[b], policy_of(name), costs)
                 m = measured[b][name].time_to_last_step_s
                 gap = p.time_to_last_step_s / m - 1
                 worst = max(worst, abs(gap))
