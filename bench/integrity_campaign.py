@@ -97,14 +97,37 @@ def expected_sample(run: Path, seed: int) -> int:
     return poisoned_sample(fault, Data)
 
 
+def skipped(run: Path) -> list[int]:
+    return [f["sample"] for f in load_incidents(run) if f.get("verdict") == "data"]
+
+
+def drawn(run: Path, seed: int) -> set[int]:
+    """The sample ids seed `seed`'s first STEPS steps draw with nothing skipped."""
+    from ntp_nemo.data.sampler import GlobalBatchSampler
+
+    n = int(re.search(r"(\d+) train / \d+ val samples", (run / "train.log").read_text())[1])
+    s = GlobalBatchSampler(n, 12, seed)
+    return {int(i) for step in range(STEPS) for i in s.batch_ids(step)}
+
+
 def reference(root: Path, kind: str, seed: int, run: Path, seeds: int) -> dict[int, float]:
     """The losses of the failure-free run of `seed` on the kind's layout: one sweep of seeds 1..`seeds`
-    per layout, shared by the kinds; `poison_sample`: a run of its own skipping the trial's skipped sample."""
+    per layout, shared by the kinds.  `poison_sample`: one sweep skipping every trial's skipped sample
+    (skipping an id the seed's first steps never draw leaves them as they were: checked, and a seed whose
+    steps draw another trial's sample gets a run of its own)."""
     if kind == "poison_sample":
-        skip = [f["sample"] for f in load_incidents(run) if f.get("verdict") == "data"]
-        ref = sweep([*COMMON, *NTP21, f"seed={seed}", f"integrity.skip_samples=[{','.join(map(str, skip))}]"],
-                    root, f"{kind}-clean-{seed}")
-        return losses(ref / "0")
+        trials = run.parent
+        union = sorted({i for j in range(seeds) for i in skipped(trials / str(j))})
+        mine = skipped(run)
+        if (set(union) - set(mine)) & drawn(run, seed):
+            own = f"integrity.skip_samples=[{','.join(map(str, mine))}]"
+            ref = sweep([*COMMON, *NTP21, f"seed={seed}", own], root, f"{kind}-clean-{seed}")
+            return losses(ref / "0")
+        out = root / f"{kind}-clean"
+        if not (out / str(seeds - 1) / "metrics.jsonl").exists():
+            sweep([*COMMON, *NTP21, f"seed={','.join(str(s) for s in range(1, seeds + 1))}",
+                   f"integrity.skip_samples=[{','.join(map(str, union))}]"], root, f"{kind}-clean")
+        return losses(out / str(seed - 1))
     layout, name = (NTP211, "clean-211") if kind == "param" else (NTP21, "clean-21")
     out = root / name
     if not (out / str(seeds - 1) / "metrics.jsonl").exists():
@@ -142,13 +165,16 @@ def main() -> None:
     ap.add_argument("--clean", type=int, default=3)
     ap.add_argument("--clean-steps", type=int, default=200)
     ap.add_argument("--dir", default=None, help="where the runs go (default: a temporary directory)")
+    ap.add_argument("--reuse", action="store_true", help="take a kind's trials already complete in --dir")
     args = ap.parse_args()
     root = Path(args.dir or tempfile.mkdtemp(prefix="integrity_campaign_"))
     root.mkdir(parents=True, exist_ok=True)
     seeds = ",".join(str(s) for s in range(1, args.trials + 1))
     for kind in [k for k in args.kinds.split(",") if k]:
         t0 = time.perf_counter()
-        out = sweep([*COMMON, *KINDS[kind], f"seed={seeds}"], root, kind)
+        out = root / kind
+        if not (args.reuse and all((out / str(j) / "summary.json").exists() for j in range(args.trials))):
+            out = sweep([*COMMON, *KINDS[kind], f"seed={seeds}"], root, kind)
         right, worst, notes = 0, 0.0, []
         for job, seed in enumerate(range(1, args.trials + 1)):
             ok, why = judge(kind, out / str(job), seed)
