@@ -6,9 +6,9 @@
 
 0. `devices` (CPU only, seconds, before any GPU time): the device-typed rehearsal
    (`ntp_nemo.runtime.device_rehearsal`) of the step of the `ntp` part (a gloo world whose tensors are
-   CUDA tensors, fp32 and bf16), of the multi-GPU layout (NCCL, SP, TP chunks) and of a live recovery's
-   new NCCL generation: a collective handed a tensor its group's backend does not move, or an NCCL group
-   created without its device, fails here.
+   CUDA tensors, fp32 and bf16), of the multi-GPU layouts (NCCL, SP, TP chunks; two pipeline stages) and
+   of a live recovery's new NCCL generation: a collective handed a tensor its group's backend does not
+   move, or an NCCL group created without its device, fails here.
 1. `default`: the default recipe (gpt_tiny) through the real `ntp-train` CLI on cuda:0 (world 1,
    `trainer=gpu`: bf16-mixed), against the same run on CPU in float32 (bf16 tolerance); and the GPU
    runs' process-group backend `cpu:gloo,cuda:nccl` on the one GPU (a world-1 group: an NCCL
@@ -27,14 +27,16 @@
    run's estimate leaves 25% of an 80 GB GPU free (`size_llama`): bf16-true 8, bf16-mixed 7.
 
 `--multi` (a machine with three GPUs or more) adds `tp2` (the layout (2,1) on three GPUs over NCCL
-with sequence parallelism, `ntp.tp_overlap`, `ntp.tp_chunks=2` and the distributed optimizer),
-`tp2_compiled` (the same layout with compiled blocks and the distributed optimizer) and `live` (a rank
-killed at step 3, recovered live on NCCL).
+with sequence parallelism, `ntp.tp_overlap`, `ntp.tp_chunks=2`, the overlapped DP sync and the
+distributed optimizer), `tp2_compiled` (the same layout with compiled blocks and the distributed
+optimizer), `pp2` (two pipeline stages on two GPUs: NCCL sends) and `live` (a rank killed at step 3,
+recovered live on NCCL).
 
 Each part runs under its own bound (`--part-timeout`), prints its progress, and a failure in one leaves
 the others to run.  After each part `DIR/gpu_check_summary.json` lists the parts passed so far; with
-`--keep DIR --rest` a second try runs only the others.  Not yet timed on a GPU: the single-GPU parts'
-time is an estimate by reading (about 6 to 10 minutes, most of it the `ntp-train` start-ups).
+`--keep DIR --rest` a second try runs only the others (`--only a,b` runs just those).  Not yet timed on a
+GPU: the start prints the estimate by reading (`ESTIMATE_S`): 6.7 minutes for the single-GPU parts, 5.2
+for the multi-GPU ones.
 
 The launching process never initialises CUDA (devices are counted through NVML): every part runs in
 child processes, which bind their own device; they inherit no SLURM_* or torchrun variables (inside an
@@ -42,8 +44,9 @@ allocation those would make a child wait for a cluster launch).  Before a child 
 checked against the visible GPUs: ranks on distinct GPUs need as many, ranks sharing cuda:0 go over
 gloo.  Without a CUDA device it says so and exits 0.
 
-`--rehearse` runs every part's children with the same configurations, launcher environment and device
-mapping (checked against `--visible-gpus`, default 1) on CPU: `trainer.accelerator=cpu`, gloo, float32
+`--rehearse` runs every part, the multi-GPU ones included, with the same children, configurations,
+launcher environment and device mapping (checked against `--visible-gpus`, default 1, and 3 simulated
+GPUs for the multi parts) on CPU: `trainer.accelerator=cpu`, gloo, float32
 or bf16 on the CPU, 4 steps of a smaller model (`REHEARSAL_SIZES`: hidden 64, 2 layers, 12 x 32
 tokens).  The llama part keeps its code path and dtypes on a model cut to one layer and a 1024-token
 vocabulary (1.2B parameters do not train on a CPU in minutes).  Its last line is
@@ -581,6 +584,9 @@ def worker_devices(out: Path) -> None:
             seq_len=16, micro_batch_size=1, compute_dtype=torch.bfloat16)),
         "(2,1) on 3 GPUs, NCCL, SP, 2 chunks": ("cpu:gloo,cuda:nccl", sp, StepShape(
             seq_len=16, micro_batch_size=1, compute_dtype=torch.bfloat16, tp_chunks=2)),
+        "2 pipeline stages on 2 GPUs, NCCL sends": ("cpu:gloo,cuda:nccl", ResolvedLayout.make(
+            Topology(1, [1], [1] * (cfg.num_layers + 2), pp=2, stage_layers=[1, 1]), num_microbatches=2),
+            StepShape(seq_len=16, micro_batch_size=1, compute_dtype=torch.bfloat16)),
     }
     results: dict = {}
     for name, (backend, layout, shape) in cases.items():
@@ -627,22 +633,42 @@ def part_devices(tmp: Path, plan: Plan) -> dict:
     return {"ok": rc == 0 and bool(cases) and all(r["ok"] for r in cases.values()), "rc": rc, "cases": cases}
 
 
-# Multi-GPU parts (`--multi`): each rank on its own GPU, NCCL (`cpu:gloo,cuda:nccl`), the NTP layout (2,1).
+# Multi-GPU parts (`--multi`): each rank on its own GPU, NCCL (`cpu:gloo,cuda:nccl`).
 NTP21_GPUS = ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]", "trainer=gpu"]
 MULTI = {
-    "tp2": ["ntp.sequence_parallel=true", "ntp.tp_overlap=true", "ntp.tp_chunks=2", "optim.distributed=true"],
-    "tp2_compiled": ["trainer.compile=true", "optim.distributed=true"],
-    "live": ["fault=kill_rank", "fault.rank=2", "fault.step=3", "fault.recovery=live"],
+    # TP 2 with every TP feature, the overlapped DP sync and the distributed optimizer (reduce-scatter)
+    "tp2": [*NTP21_GPUS, "ntp.sequence_parallel=true", "ntp.tp_overlap=true", "ntp.tp_chunks=2",
+            "optim.distributed=true", "ntp.overlap_grad_sync=true"],
+    "tp2_compiled": [*NTP21_GPUS, "trainer.compile=true", "optim.distributed=true"],
+    # two pipeline stages on two GPUs: NCCL point-to-point sends of activations and gradients
+    "pp2": ["mesh.dp=1", "mesh.tp=1", "ntp.replica_tp=null", "mesh.pp=2", "trainer=gpu"],
+    "live": [*NTP21_GPUS, "fault=kill_rank", "fault.rank=2", "fault.step=3", "fault.recovery=live"],
 }
+MULTI_GPUS = 3  # the most GPUs a multi part needs (the (2,1) layout); a rehearsal simulates as many
+
+# Each part's time on one H100-class GPU, seconds, by reading (no GPU has run it yet): an `ntp-train`
+# child starts in about 20 s (the imports, CUDA's context, Hydra, the data), a forked world adds about 10 s
+# per process group; gpt_tiny's steps take milliseconds.  devices: one CPU child of dry runs on meta;
+# default: two runs and the backend child; ntp: four runs, two of three processes; ckpt: three runs;
+# llama: the sizing child (dry runs of the 1.2B on meta, about 30 s), then per precision the model's
+# build and initialisation on the GPU (about 15 s) and 13 steps of 8 x 2048 tokens (about 0.4 s each).
+# Multi parts: a three-rank run each; compiled blocks compile every block on the first step.
+ESTIMATE_S = {"devices": 30, "default": 65, "ntp": 125, "ckpt": 70, "llama": 110,
+              "tp2": 50, "tp2_compiled": 150, "pp2": 40, "live": 70}
+
+
+def estimate_s(parts: Sequence[str]) -> int:
+    """The estimated seconds of `parts` on one H100-class GPU (`ESTIMATE_S`)."""
+    return sum(ESTIMATE_S[p] for p in parts)
 
 
 def multi_overrides(part: str, steps: int) -> list[str]:
-    return [*tiny_overrides(max(steps, 6)), *NTP21_GPUS, *MULTI[part]]
+    return [*tiny_overrides(max(steps, 6)), *MULTI[part]]
 
 
 def part_multi(part: str, tmp: Path, steps: int, plan: Plan) -> dict:
-    """One multi-GPU part: `ntp-train` on the layout (2,1), three ranks on three GPUs over NCCL, with the
-    part's features (`MULTI`); it passes when it trains every step and its loss falls."""
+    """One multi-GPU part: `ntp-train` with each rank on its own GPU over NCCL, with the part's layout and
+    features (`MULTI`); it passes when it trains every step and its loss falls."""
     run_dir = tmp / part
     rc = gpu_cli(plan, part, multi_overrides(part, steps), run_dir, tmp / f"{part}.log")
     losses = read_losses(run_dir)
@@ -711,7 +737,8 @@ def main() -> int:
     args.steps = args.steps or (4 if args.rehearse else 20)
     args.part_timeout = args.part_timeout or (1800 if args.rehearse else 420)
     known = (*PARTS, *MULTI)
-    parts = [p for p in (args.only or ",".join(PARTS + (tuple(MULTI) if args.multi else ()))).split(",") if p]
+    every = PARTS + (tuple(MULTI) if args.multi or args.rehearse else ())  # a rehearsal runs them all
+    parts = [p for p in (args.only or ",".join(every)).split(",") if p]
     bad = [p for p in parts if p not in known]
     if bad:
         print(f"error: unknown part(s) {bad}; choose from {', '.join(known)}", file=sys.stderr)
@@ -730,6 +757,11 @@ def main() -> int:
     todo = [p for p in parts if p not in done]
     what = f"rehearsal on CPU of {n} simulated GPU(s)" if args.rehearse else f"{n} CUDA device(s) visible"
     print(f"gpu_check: {what}; using cuda:0; logs in {tmp}", flush=True)
+    single = [p for p in todo if p in PARTS]
+    print(f"gpu_check: parts {', '.join(todo)}; estimate on one H100-class GPU (by reading, not timed on a "
+          f"GPU yet): {estimate_s(single) / 60:.1f} min for the single-GPU parts"
+          + (f", {estimate_s([p for p in todo if p in MULTI]) / 60:.1f} min for the multi-GPU parts"
+             if len(single) < len(todo) else ""), flush=True)
     if done:
         print(f"gpu_check: passed before ({tmp / SUMMARY}), not run again: {', '.join(done)}", flush=True)
     results: dict = {}
@@ -737,7 +769,9 @@ def main() -> int:
     for i, part in enumerate(todo, 1):
         print(f"[{i}/{len(todo)} {part}] at {time.perf_counter() - t0:.0f}s (bound {args.part_timeout}s)",
               flush=True)
-        plan = Plan(args.rehearse, n, args.part_timeout)
+        # A rehearsal maps a multi part's ranks on MULTI_GPUS simulated GPUs, as a `--multi` machine has.
+        visible = max(n, MULTI_GPUS) if args.rehearse and part in MULTI else n
+        plan = Plan(args.rehearse, visible, args.part_timeout)
         started = time.perf_counter()
         try:
             if part == "devices":

@@ -172,16 +172,41 @@ def test_a_second_try_runs_only_the_parts_that_did_not_pass(monkeypatch, tmp_pat
     assert json.loads((tmp_path / gpu_check.SUMMARY).read_text())["passed"] == ["devices", "default"]
 
 
-@pytest.mark.parametrize("part", ["tp2", "tp2_compiled", "live"])
-def test_multi_gpu_parts_are_valid_runs_of_three_ranks_on_three_gpus(part):
+@pytest.mark.parametrize(("part", "world"), [("tp2", 3), ("tp2_compiled", 3), ("pp2", 2), ("live", 3)])
+def test_multi_gpu_parts_are_valid_runs_with_each_rank_on_its_own_gpu(part, world):
     """`--multi`: each part's command is a valid `ntp-train` config (the checks a run makes before it
-    starts) of three ranks, each on its own GPU over NCCL."""
+    starts), each rank on its own GPU over NCCL, within the GPUs a multi part may use."""
     from ntp_nemo.train import check_config
     from tests.conftest import compose
 
     overrides = gpu_check.multi_overrides(part, 4)
     rehearsed = gpu_check.Plan(True, 3).accel(gpu_check.Plan(True, 3).sizes(overrides))  # no CUDA here
     spec = check_config(compose(rehearsed), {o.split("=")[0] for o in rehearsed})
-    assert gpu_check.layout_world(overrides) == 3
-    assert gpu_check.mapping_problem(3, None, None, visible=3) is None
+    assert gpu_check.layout_world(overrides) == world <= gpu_check.MULTI_GPUS
+    assert gpu_check.mapping_problem(world, None, None, visible=gpu_check.MULTI_GPUS) is None
     assert spec is not None
+
+
+def test_the_multi_parts_cover_the_gpu_features_the_review_listed():
+    """Issue 53: NCCL with TP > 1, compiled blocks, tp_overlap, tp_chunks, SP, the overlapped sync, the
+    distributed optimizer, PP, and a live recovery."""
+    every = [o for overrides in gpu_check.MULTI.values() for o in overrides]
+    for wanted in ("mesh.tp=2", "trainer.compile=true", "ntp.tp_overlap=true", "ntp.tp_chunks=2",
+                   "ntp.sequence_parallel=true", "ntp.overlap_grad_sync=true", "optim.distributed=true",
+                   "mesh.pp=2", "fault.recovery=live"):
+        assert wanted in every, wanted
+
+
+def test_the_single_gpu_estimate_is_at_most_seven_minutes_and_printed(monkeypatch, tmp_path, capsys):
+    assert gpu_check.estimate_s(gpu_check.PARTS) <= 7 * 60
+    for name in (*gpu_check.PARTS, "multi"):  # every part passes at once: only the printing is checked
+        monkeypatch.setattr(gpu_check, f"part_{name}", lambda *a, **k: {"ok": True})
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--rehearse", "--keep", str(tmp_path)])
+    assert gpu_check.main() == 0
+    out = capsys.readouterr().out
+    minutes = gpu_check.estimate_s(gpu_check.PARTS) / 60
+    assert f"estimate on one H100-class GPU (by reading, not timed on a GPU yet): {minutes:.1f} min" in out
+    # the rehearsal runs the part list of a `--multi` GPU run: every single-GPU and multi-GPU part
+    ran = json.loads((tmp_path / gpu_check.SUMMARY).read_text())["passed"]
+    assert ran == [*gpu_check.PARTS, *gpu_check.MULTI]
+    assert out.strip().splitlines()[-1] == f"gpu_check rehearsal: {len(ran)}/{len(ran)} parts ok"
