@@ -71,7 +71,8 @@ def _exports_as_unsharded(cfg: ModelConfig, path: str, full: dict[str, torch.Ten
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cfg,saved_on,loaded_on", [(LLAMA, BLOCK, TP3), (GPT, TP3, BLOCK), (GPT, MIXED, TP3)],
+@pytest.mark.parametrize("cfg,saved_on,loaded_on",
+                         [(LLAMA, BLOCK, TP3), (GPT, TP3, BLOCK), (GPT, MIXED, TP3)],
                          ids=["llama-block-to-tp3", "gpt-tp3-to-block", "gpt-grid-beside-tp2-to-tp3"])
 def test_checkpoint_moves_between_patterns(tmp_path, cfg, saved_on, loaded_on):
     path = str(tmp_path / "ckpt")

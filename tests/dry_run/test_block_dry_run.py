@@ -47,7 +47,8 @@ def test_ntp_plan_recommendation_for_llama3_8b_at_tp16_dry_runs_on_16_ranks(tmp_
     run = tmp_path / "dry"
     res = run_cli(["recipe=llama3_8b", "trainer.dry_run=true", "mesh.dp=1", "mesh.pp=1", "mesh.tp=16",
                    "ntp.replica_tp=null", "data.micro_batch_size=4", "ntp.sequence_parallel=false",
-                   f"ntp.pattern=[{','.join(recommended)}]", f"hydra.run.dir={run}"], cwd=tmp_path, timeout=600)
+                   f"ntp.pattern=[{','.join(recommended)}]", f"hydra.run.dir={run}"],
+                  cwd=tmp_path, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     report = json.loads((run / "dry_run.json").read_text())
     assert report["world_size"] == len(report["ranks"]) == 16
