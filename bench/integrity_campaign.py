@@ -135,26 +135,30 @@ def reference(root: Path, kind: str, seed: int, run: Path, seeds: int) -> dict[i
     return losses(out / str(seed - 1))
 
 
-def judge(kind: str, run: Path, seed: int) -> tuple[bool, str]:
+def judge(kind: str, run: Path, seed: int) -> tuple[bool, bool, str]:
+    """(classified right: one finding, at the step and of the kind and verdict expected; attributed right:
+    it names the poisoned sample, or the rank the fault struck (and its replica), and a note)."""
     found = load_incidents(run)
     log = (run / "train.log").read_text()
     if kind == "poison_sample":
         want = expected_sample(run, seed)
-        ok = [(f["step"], f["kind"], f["verdict"], f["sample"]) for f in found] == \
-             [(FAULT_STEP, "nonfinite", "data", want)]
-        return ok, f"sample {want}: {[(f['kind'], f['verdict'], f['sample']) for f in found]}"
+        expected = [(FAULT_STEP, "nonfinite", "data")]
+        classified = [(f["step"], f["kind"], f["verdict"]) for f in found] == expected
+        return classified, classified and found[0]["sample"] == want, \
+            f"sample {want}: {[(f['kind'], f['verdict'], f['sample']) for f in found]}"
     fired = re.search(r"fault: bitflip .* on rank (\d+) at step (\d+)", log)
     if fired is None:
-        return False, "the fault did not fire"
+        return False, False, "the fault did not fire"
     rank = int(fired[1])
     if kind == "param":
         replica = 0 if rank < 2 else rank - 1  # (2,1,1): ranks 0-1 are replica 0, rank 2 replica 1, ...
-        ok = [(f["step"], f["kind"], f["verdict"], f["rank"], f["replica"]) for f in found] == \
-             [(8, "divergence", "bitflip", rank, replica)]
-        return ok, f"rank {rank}: {[(f['kind'], f['verdict'], f['rank'], f['replica']) for f in found]}"
+        classified = [(f["step"], f["kind"], f["verdict"]) for f in found] == [(8, "divergence", "bitflip")]
+        return classified, classified and (found[0]["rank"], found[0]["replica"]) == (rank, replica), \
+            f"rank {rank}: {[(f['kind'], f['verdict'], f['rank'], f['replica']) for f in found]}"
     verdict = "device" if kind == "persistent" else "transient"
-    ok = [(f["step"], f["verdict"], f["rank"]) for f in found] == [(FAULT_STEP, verdict, rank)]
-    return ok, f"rank {rank}: {[(f['step'], f['kind'], f['verdict'], f['rank']) for f in found]}"
+    classified = [(f["step"], f["verdict"]) for f in found] == [(FAULT_STEP, verdict)]
+    return classified, classified and found[0]["rank"] == rank, \
+        f"rank {rank}: {[(f['step'], f['kind'], f['verdict'], f['rank']) for f in found]}"
 
 
 def main() -> None:
@@ -175,11 +179,12 @@ def main() -> None:
         out = root / kind
         if not (args.reuse and all((out / str(j) / "summary.json").exists() for j in range(args.trials))):
             out = sweep([*COMMON, *KINDS[kind], f"seed={seeds}"], root, kind)
-        right, worst, notes = 0, 0.0, []
+        classified = attributed = equal = 0
+        worst, notes = 0.0, []
         for job, seed in enumerate(range(1, args.trials + 1)):
-            ok, why = judge(kind, out / str(job), seed)
-            right += ok
-            if not ok:
+            c, a, why = judge(kind, out / str(job), seed)
+            classified, attributed = classified + c, attributed + a
+            if not (c and a):
                 notes.append(f"seed {seed}: {why}")
         n = min(args.curves, args.trials)
         for job, seed in enumerate(range(1, n + 1)):
@@ -187,13 +192,19 @@ def main() -> None:
             want = reference(root, kind, seed, run, n)
             got = losses(run)
             after = 8 if kind == "param" else FAULT_STEP  # the step the recovery ended in
-            worst = max([worst] + [abs(got[s] - want[s]) / abs(want[s]) for s in want if s >= after])
-        curve = f", curve after recovery vs failure-free: max rel diff {worst:.2e} over {n} trial(s)" \
-            if args.curves else ""
-        print(f"{kind:14s} {right}/{args.trials} classified and attributed right{curve} "
+            diff = max(abs(got[s] - want[s]) / abs(want[s]) for s in want if s >= after)
+            equal += diff <= 1e-5
+            worst = max(worst, diff)
+            if diff > 1e-5:
+                notes.append(f"seed {seed}: curve after recovery differs by {diff:.2e} (relative)")
+        curve = f"; curve after recovery equal to the failure-free run (1e-5) {equal}/{n}, max rel diff " \
+                f"{worst:.2e}" if n else ""
+        what = "sample" if kind == "poison_sample" else "rank"
+        print(f"{kind:14s} trials {args.trials}: classified right {classified}/{args.trials}, attributed to "
+              f"the right {what} {attributed}/{args.trials}{curve} "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
-        for n in notes:
-            print(f"    {n}")
+        for note in notes:
+            print(f"    {note}")
     if args.clean:
         t0 = time.perf_counter()
         seeds = ",".join(str(s) for s in range(1, args.clean + 1))
