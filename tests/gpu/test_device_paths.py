@@ -94,3 +94,43 @@ def test_batches_reach_the_gpu_from_pinned_memory():
         print(json.dumps({"pinned": seen, "device": str(out["micro"].device)}))
     """)
     assert r == {"pinned": [True], "device": "cuda:0"}, r
+
+
+def test_rope_on_cuda_matches_the_float64_cpu_rotation():
+    """RoPE's three-kernel form (issue 53, second pass) on CUDA in float32 and bfloat16 against the CPU in
+    float64, forward and the input's gradient."""
+    r = _child("""
+        import json, torch
+        from ntp_nemo.models.transformer import apply_rope, rope_dtype, rope_tables
+        x = torch.randn(2, 4, 64, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        ref_x = x.clone().requires_grad_(True)
+        ref = apply_rope(ref_x, *rope_tables(64, 32, 10000.0, "cpu", torch.float64))
+        ref.backward(torch.ones_like(ref))
+        out = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            xc = x.to("cuda", dtype).requires_grad_(True)
+            y = apply_rope(xc, *rope_tables(64, 32, 10000.0, "cuda", rope_dtype(dtype)))
+            y.backward(torch.ones_like(y))
+            out[str(dtype)] = [float((y.double().cpu() - ref).abs().max()),
+                               float((xc.grad.double().cpu() - ref_x.grad).abs().max())]
+        print(json.dumps(out))
+    """)
+    assert max(r["torch.float32"]) < 1e-5, r
+    assert max(r["torch.bfloat16"]) < 5e-2, r  # bf16 inputs and outputs: a few units in the last place
+
+
+def test_batches_reach_cuda_from_pinned_memory_unchanged():
+    """The loader pins for CUDA (`batch_loader`), the transfer copies without blocking: same tokens."""
+    r = _child("""
+        import json, torch
+        from ntp_nemo.lightning.lm_module import NTPLanguageModule, batch_loader
+        batches = [{"micro": torch.arange(24).view(2, 12), "step": s} for s in range(2)]
+        out = []
+        for b in batch_loader(batches, torch.device("cuda", 0)):
+            pinned = b["micro"].is_pinned()
+            moved = NTPLanguageModule.transfer_batch_to_device(None, b, torch.device("cuda", 0), 0)
+            torch.cuda.synchronize()
+            out.append([pinned, moved["micro"].is_cuda, bool((moved["micro"].cpu() == batches[0]["micro"]).all())])
+        print(json.dumps({"batches": out}))
+    """)
+    assert r["batches"] == [[True, True, True], [True, True, True]], r
