@@ -90,10 +90,12 @@ def test_spares_are_released_when_the_live_path_falls_back_to_restart(spare_runs
 
 
 # -- the pool on its own (forked spares whose work is an exit status) -------------------------------------
-def _pool(size: int, warm, ready_timeout_s: float = 30.0) -> tuple[SparePool, list[str]]:
+def _pool(size: int, warm, ready_timeout_s: float = 30.0,
+          me: int | None = None) -> tuple[SparePool, list[str]]:
+    """`me`: the pid the spares take for their launching process (default: this one)."""
     lines: list[str] = []
     ctx = mp.get_context("fork")
-    me = os.getpid()
+    me = os.getpid() if me is None else me
 
     def start_one(number, child, parent):
         proc = ctx.Process(target=spare_body, args=(child, parent, warm, lambda code: os._exit(code), me))
@@ -146,6 +148,17 @@ def test_a_spare_not_ready_in_time_is_stopped_and_the_pool_gives_up():
         assert sum("not ready 0.3 s after its start" in ln for ln in lines) == GIVE_UP_AFTER
         assert "no more are started" in lines[-1]
         assert all(p.exitcode is not None for p in started)
+    finally:
+        pool.close()
+
+
+def test_a_spare_whose_launcher_is_gone_exits_by_itself():
+    pool, _ = _pool(1, lambda: None, me=-1)  # its launching process is "gone" from the start
+    try:
+        pool.start()
+        spare = pool.waiting[0]
+        spare.proc.join(5)  # it said it was ready, then saw its launcher gone within one POLL_S
+        assert spare.proc.exitcode == 0
     finally:
         pool.close()
 
