@@ -112,6 +112,13 @@ SUITE: tuple[Comparison, ...] = (
         Figure("parts ok, CPU rehearsal", r"gpu_check rehearsal: (\d+/\d+) parts ok", "4/4",
                "python bench/gpu_check.py --rehearse", "fb2a0ef"),
     )),
+    Comparison("block_sharding", "bytes moved and memory kept per rank of each matmul class, block and "
+               "row/column at degrees 4 and 9, measured against ntp-plan --patterns' model",
+               ("--degrees", "4"), (
+        Figure("largest deviation from the model (goal <= 5%)",
+               r"largest deviation of measured from predicted: ([\d.]+%)", "0.00%",
+               "python bench/block_sharding.py", "25b7212"),
+    )),
 )
 
 

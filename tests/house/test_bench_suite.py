@@ -34,10 +34,13 @@ PRINTED = {
         "   whole stages / short builds: 1.9x wall, 2.0x CPU; per rank / short builds: 2.1x wall, 2.4x CPU; "
         "identical per-rank results: True",
     ("gpu_check", "parts ok, CPU rehearsal"): "gpu_check rehearsal: 4/4 parts ok",
+    ("block_sharding", "largest deviation from the model (goal <= 5%)"):
+        "largest deviation of measured from predicted: 0.00% (within 5%)",
 }
 EXPECTED = {"throughput": ["2.379", "0.988", "2.121"], "checkpoint": ["1.76", "1.64", "0.94"],
             "failover": ["0.16"], "failure_trace": ["1.4%"], "fault_campaign": ["30/30"],
-            "hostile": ["23/23"], "memory": ["9.56"], "dry_run": ["2.4x"], "gpu_check": ["4/4"]}
+            "hostile": ["23/23"], "memory": ["9.56"], "dry_run": ["2.4x"], "gpu_check": ["4/4"],
+            "block_sharding": ["0.00%"]}
 
 
 def test_the_doc_holds_one_row_per_figure_of_the_suite():
