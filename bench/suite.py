@@ -83,6 +83,12 @@ SUITE: tuple[Comparison, ...] = (
                "python bench/failover.py --live --steps 8 --fail-step 4 --every 2 " + " ".join(TINY_MODEL),
                "1ee0c71"),
     )),
+    Comparison("spares", "time from a lost process to the full layout again: no hot spare over one",
+               ("--steps", "24", "--losses", "6,13", "--repair-after", "3"), (
+        Figure("loss -> full layout, without / with fault.spares=1",
+               r"spares: loss -> full layout, mean without [\d.]+ s, with [\d.]+ s: ratio ([\d.]+)", "2.78",
+               "python bench/spares.py", "99faca0"),
+    )),
     Comparison("failure_trace", "one seeded failure trace under every policy; the simulator's prediction",
                None, (
         Figure("simulator's worst error on time to step 200", r"predicted within ([\d.]+%)", "1.4%",
