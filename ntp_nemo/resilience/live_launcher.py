@@ -90,8 +90,7 @@ class LiveLauncher(ForkLauncher):
         assert self.port is not None
         message = (idx, generation, layout, source, timeout_s, attempt)
         spare = self.spare_pool.take() if self.spare_pool is not None else None
-        if spare is not None:  # a hot spare, initialised and waiting, takes the place
-            self.spare_pool.assign(spare, message, idx)
+        if spare is not None and self.spare_pool.assign(spare, message, idx):  # a hot spare takes the place
             self.procs[idx] = spare.proc
         else:
             self.procs[idx] = self.start_replacement(idx, self._repaired(message)[1], Rejoining.CKPT_PATH,
@@ -147,7 +146,8 @@ class LiveLauncher(ForkLauncher):
         with environment({"MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}):
             process_context = self.start_workers(function, args, kwargs, trainer)
             self.port = port
-            if self.spares > 0:  # forked before the store's server thread exists, as the workers are
+            if self.spares > 0 and self.num_processes > 1:  # forked before the store's server thread exists,
+                # as the workers are (one process has no survivor to take a spare in)
                 self.spare_pool = SparePool(self.spares, self._start_spare,
                                             ready_timeout_s=self.spare_timeout_s,
                                             say=lambda line: print(line, flush=True),

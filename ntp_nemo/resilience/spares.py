@@ -155,10 +155,17 @@ class SparePool:
             s.successor = self._start()
             return s
 
-    def assign(self, spare: Spare, message: Any, idx: int) -> None:
+    def assign(self, spare: Spare, message: Any, idx: int) -> bool:
         """Send the taken `spare` its work (`message`: what its body turns into a rejoin as process
-        `idx`)."""
-        spare.conn.send(message)
+        `idx`); False if it died since it was taken (it is reaped: the caller starts a process instead)."""
+        try:
+            spare.conn.send(message)
+        except OSError:
+            spare.conn.close()
+            _kill(spare.proc)
+            self._note("died", spare, f"spare {spare.number} died as it was taken for process {idx}; a "
+                       "process is started instead", process=idx)
+            return False
         spare.conn.close()
         then = (f"spare {spare.successor} starts in its place" if spare.successor is not None
                 else "no spare starts in its place")
@@ -166,6 +173,7 @@ class SparePool:
             self._note("taken", spare, f"spare {spare.number} takes the place of process {idx} (it waited "
                        f"{time.monotonic() - spare.started:.1f} s); {then} "
                        f"(pool {len(self._ready_now())}/{self.size} ready)", process=idx)
+        return True
 
     def close(self) -> None:
         """Tell every waiting spare to exit and reap it (SIGKILL after `grace_s`); no spare starts after."""

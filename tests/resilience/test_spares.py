@@ -131,7 +131,13 @@ def test_a_spare_that_dies_while_waiting_is_replaced_not_used():
         pool.assign(taken, 7, idx=3)  # its work: exit with status 7
         taken.proc.join(5)
         assert taken.proc.exitcode == 7
-        _until(pool.ready)  # the refilled spare
+        late = _until(pool.ready)[0]  # the refilled spare, dead as it is taken: assign says so
+        assert pool.take() is late
+        os.kill(late.proc.pid, signal.SIGKILL)
+        late.proc.join(5)
+        assert pool.assign(late, 0, idx=1) is False
+        assert "spare 2 died as it was taken for process 1" in lines[-1]
+        _until(pool.ready)  # the one started in its place
     finally:
         waiting = list(pool.waiting)
         pool.close()
