@@ -877,9 +877,12 @@ def option_savings(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: S
     measure = _microbatch_scaled if scale_layers else _microbatch
     out: dict[str, Any] = {}
     names = {f.name for f in dataclasses.fields(cfg)}
+    # A layout with block-sharded slots (`ntp.pattern`) runs neither SP nor the distributed optimizer (the
+    # config refuses both): no what-if of them.
+    block = "block" in layout.pattern
     with fake_world(rank, layout.world_size):
         sp_act, sp_ops = {}, {}
-        for on in (False, True):
+        for on in () if block else (False, True):
             key = "on" if on else "off"
             if on == layout.sequence_parallel and tp_ops is not None:  # measured by the step on this rank
                 sp_act[key], sp_ops[key] = activation_bytes, tp_ops
@@ -887,8 +890,9 @@ def option_savings(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: S
             sp_layout = dataclasses.replace(layout, sequence_parallel=on)
             sp_act[key], ops = measure(sp_layout, rank, cfg, shape, global_tokens, cache)
             sp_ops[key] = _ops_figures(ops)
-        out["sequence_parallel"] = {"rank": rank, "activation_bytes": sp_act, "tp_collectives": sp_ops,
-                                    "saved_bytes": sp_act["off"] - sp_act["on"]}
+        if not block:
+            out["sequence_parallel"] = {"rank": rank, "activation_bytes": sp_act, "tp_collectives": sp_ops,
+                                        "saved_bytes": sp_act["off"] - sp_act["on"]}
         if "recompute" in names:
             measured = {mode: activation_bytes if mode == cfg.recompute else measure(
                 layout, rank, dataclasses.replace(cfg, recompute=mode), shape, global_tokens, cache)[0]
@@ -896,6 +900,8 @@ def option_savings(layout: ResolvedLayout, rank: int, cfg: ModelConfig, shape: S
             out["recompute"] = {"rank": rank, "activation_bytes": measured,
                                 "saved_bytes": {m: measured["none"] - b for m, b in measured.items()
                                                 if m != "none"}}
+        if block:
+            return out
         with CommMeter(META, cache):
             opt = _assemble(layout, rank, cfg, shape, plan, distributed=True).optimizer
         distributed = opt.state_bytes()

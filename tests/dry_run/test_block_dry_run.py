@@ -55,6 +55,8 @@ def test_ntp_plan_recommendation_for_llama3_8b_at_tp16_dry_runs_on_16_ranks(tmp_
     assert {r["tp_degree"] for r in report["ranks"]} == {16}
     if "block" in recommended:  # four grid rows and four columns, every rank in one of each
         assert "grid rows and columns 8" in res.stdout
+        # no what-if of the options a block layout refuses (sequence parallelism, distributed optimizer)
+        assert set(report["options"]) == {"recompute"}, report["options"]
     if recommended == ["block"] * 34:  # (what the model says at TP 16: docs/sharding_patterns.md)
         # every weight element held once over the grid: the ranks' parameters add up to the model's, plus
         # the norms' copies (split along the 4 grid columns, so held by each of the 4 grid rows)
