@@ -244,4 +244,5 @@ def arrive(model: Any, optimizer: Any, replica: int) -> tuple[int, ReshardResult
     Its model holds nothing valid: every element comes from the survivors."""
     stands: list = [None] * dist.get_world_size()
     dist.all_gather_object(stands, (-1, node_name()))  # as `grow` sends: (completed steps, node)
-    return max(s[0] for s in stands), reshard_snapshot(capture(model, optimizer), model, optimizer, replica, stale=True)
+    return max(s[0] for s in stands), reshard_snapshot(capture(model, optimizer), model, optimizer, replica,
+                                                       stale=True)

@@ -130,7 +130,8 @@ def test_batches_reach_cuda_from_pinned_memory_unchanged():
             pinned = b["micro"].is_pinned()
             moved = NTPLanguageModule.transfer_batch_to_device(None, b, torch.device("cuda", 0), 0)
             torch.cuda.synchronize()
-            out.append([pinned, moved["micro"].is_cuda, bool((moved["micro"].cpu() == batches[0]["micro"]).all())])
+            same = bool((moved["micro"].cpu() == batches[0]["micro"]).all())
+            out.append([pinned, moved["micro"].is_cuda, same])
         print(json.dumps({"batches": out}))
     """)
     assert r["batches"] == [[True, True, True], [True, True, True]], r

@@ -29,8 +29,8 @@ except dist.DistNetworkError:
 def _run(mode: str, env: dict | None = None) -> subprocess.CompletedProcess:
     import os
 
-    return subprocess.run([sys.executable, "-c", STORE_GONE, mode], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run([sys.executable, "-c", STORE_GONE, mode], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **(env or {})})
 
 
 def test_a_lost_store_prints_no_cpp_frames_at_error():

@@ -54,7 +54,8 @@ def commit_worker(rank: int, world: int) -> dict:
     rt = RankPlace(ResolvedLayout.make(Topology(1, [1, 1], [1] * (LLAMA.num_layers + 2))), rank)
     out: dict = {}
     for dtype in (torch.float32, torch.bfloat16):
-        run, ref = setup(rt, LLAMA, distributed=True, dtype=dtype), setup(rt, LLAMA, distributed=True, dtype=dtype)
+        run = setup(rt, LLAMA, distributed=True, dtype=dtype)
+        ref = setup(rt, LLAMA, distributed=True, dtype=dtype)
         run_steps(rt, ref, LLAMA, 0, 2)  # the uninterrupted reference: steps 0 and 1
         _step(rt, run, 0, lambda: None)  # a committed transactional step: moments non-zero
         res: dict = {"buckets": len(run.opt.buckets)}
@@ -71,13 +72,13 @@ def commit_worker(rank: int, world: int) -> dict:
         res["changed_after_check"] = _changed(before, _kept(run))
         run.opt.zero_grad(set_to_none=False)  # what the aborted step's end would have done
 
-        real, calls = dist.all_gather_single, []
+        real = dist.all_gather_single
 
-        def failing(*args, **kwargs):  # a group whose all-gather fails at the second bucket
-            calls.append(1)
-            if len(calls) == 2:
+        def failing(*args, _real=real, _calls=[], **kwargs):  # noqa: B006 - fails at the second bucket
+            _calls.append(1)
+            if len(_calls) == 2:
                 raise dist.DistError("connection closed by peer")
-            return real(*args, **kwargs)
+            return _real(*args, **kwargs)
 
         dist.all_gather_single = failing
         try:

@@ -31,7 +31,8 @@ class Zeroed(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.__name__.split(".")[0] in ZEROING:
             first = args[0]
-            self.elements += sum(t.numel() for t in first) if isinstance(first, (list, tuple)) else first.numel()
+            tensors = first if isinstance(first, (list, tuple)) else [first]
+            self.elements += sum(t.numel() for t in tensors)
         return func(*args, **(kwargs or {}))
 
 
