@@ -156,8 +156,14 @@ class LayerInputs:
     def _hook(self, mod: Any, args: tuple) -> None:
         x = args[0] if args else None
         if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel():
-            m = x.detach().abs().amax().float()
+            m = _largest(x)
             self.value = m if self.value is None else torch.maximum(self.value, m)
+
+
+def _largest(t: torch.Tensor) -> torch.Tensor:
+    """max |t| as a float32 0-dim tensor (NaN if any element is NaN): one pass, no temporary."""
+    lo, hi = t.detach().aminmax()
+    return torch.maximum(-lo, hi).float()
 
 
 def own_row(model: torch.nn.Module, activations: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -168,7 +174,7 @@ def own_row(model: torch.nn.Module, activations: torch.Tensor | None, device: to
     for i, p in enumerate(model.parameters()):
         if p.grad is None or p.grad.numel() == 0:
             continue
-        m = p.grad.detach().abs().amax().float()
+        m = _largest(p.grad)
         j = i % SLOTS
         out[j] = m if i < SLOTS else torch.maximum(out[j], m)
     if activations is not None:

@@ -20,7 +20,7 @@ from ntp_nemo.goodput.incident_log import (
     table,
 )
 from ntp_nemo.resilience.corruption import bit_of, flip_bit_, flipped
-from ntp_nemo.resilience.integrity import IntegrityWatch, Suspect, find_suspects
+from ntp_nemo.resilience.integrity import SLOTS, IntegrityWatch, LayerInputs, Suspect, find_suspects, own_row
 
 
 def test_bit_flips_in_float32_and_bfloat16():
@@ -68,6 +68,29 @@ def test_suspect_ranks_of_the_per_step_check():
     assert find_suspects([5.0, -1.0, -1.0, 0.001], [0, 1], 1000) == []
     assert find_suspects([5.0, 0.001], [0, 1], 1000) == []
     assert find_suspects([0.3, 600.0], [0, 0], 0) == []  # 0: the check is off
+
+
+def test_own_row_holds_each_parameters_largest_gradient_and_the_layer_inputs():
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleDict({"0": torch.nn.Linear(3, 2), "1": torch.nn.Linear(2, 1)})
+
+        def forward(self, x):
+            return self.blocks["1"](self.blocks["0"](x))
+
+    model = Two()
+    inputs = LayerInputs()
+    inputs.attach(model)  # the hooks sit on the layers (`blocks`) and a final norm, if any
+    model(torch.tensor([[1.0, -7.0, 2.0]])).sum().backward()
+    w = model.blocks["0"].weight.grad
+    w[1, 2] = -9.5  # the largest magnitude is negative
+    row = own_row(model, inputs.value, torch.device("cpu"))
+    assert row.shape == (SLOTS + 1,) and row[0] == 9.5
+    assert row[1] == model.blocks["0"].bias.grad.abs().max() and row[4] == -1.0  # 4 parameters: slot 4 unheld
+    assert row[SLOTS] == 7.0  # the largest input entering a layer
+    w[0, 0] = float("nan")
+    assert torch.isnan(own_row(model, None, torch.device("cpu"))[0])
 
 
 def test_incident_record_table_and_cli(tmp_path, capsys, monkeypatch):
