@@ -59,6 +59,8 @@ from ntp_nemo.parallel.fingerprint import (
 )
 from ntp_nemo.resilience.faults import KILL_EXIT_CODE
 
+DEVICE_RATIO = 1e6  # a repeated outlier this many times every other rank's (or not finite): a bad device;
+#                    a smaller one that the replay repeats exactly is the data's (kept)
 SLOTS = 64  # the per-step check's slots per rank: parameter i of the rank's stage in slot i % SLOTS, then one
 #             for the activations entering its layers
 
@@ -105,6 +107,14 @@ def find_suspects(own: Sequence[float], stages: Sequence[int], ratio: float) -> 
     return [Suspect(int(r), int(j), float(vals[r, j]),
                     float(others[r, j]) if torch.isfinite(vals[r, j]) else float("nan"))
             for r, j in bad.nonzero().tolist()]
+
+
+def device_evidence(repeated: Sequence[Suspect]) -> bool:
+    """Whether outliers a replay repeated exactly are a bad device's: some value is not finite or more than
+    `DEVICE_RATIO` times every other rank's (what a flipped high exponent bit gives); smaller ones can be
+    the data's (a sample unlike the others)."""
+    return any(s.value != s.value or s.value == float("inf") or s.value > DEVICE_RATIO * s.others
+               for s in repeated)
 
 
 def largest_ratio(own: Sequence[float], stages: Sequence[int]) -> float:
@@ -304,7 +314,7 @@ class IntegrityWatch(Callback):
         plugin = getattr(trainer, "precision_plugin", None)
         return plugin.train_step_context() if plugin is not None else nullcontext()
 
-    def _train(self, trainer: Trainer, pl_module: LightningModule, batch: dict) -> Any:
+    def _train(self, trainer: Trainer, pl_module: LightningModule, batch: dict, guard: bool = True) -> Any:
         """One optimizer step of `batch` (the module's path, its raw optimizer: Lightning's step count is
         not touched), under the per-step check when it is on (a suspect step applies no update; its
         `StepResult.own` names the ranks)."""
@@ -316,7 +326,7 @@ class IntegrityWatch(Callback):
             return train_step(state, batch["micro"], int(batch["global_tokens"]),
                               max_norm=pl_module.optim_cfg["grad_clip"], optimizer=state.optimizer,
                               scheduler=pl_module.lr_schedulers(), backward=pl_module.manual_backward,
-                              own=pl_module.integrity_own, guard=pl_module.integrity_guard)
+                              own=pl_module.integrity_own, guard=pl_module.integrity_guard if guard else None)
 
     def _restore_schedule(self, trainer: Trainer, pl_module: LightningModule, saved: dict) -> None:
         """The LR schedule as `saved`, and the optimizer's learning rates with it (a schedule's state does
@@ -436,9 +446,29 @@ class IntegrityWatch(Callback):
                                  "ranks: clean, kept")
             return
         again = self._suspects_of(pl_module, result.own)
+        self._repeated(trainer, pl_module, batch, step, result, first, again, t0, kind,
+                       "no update applied; the replay on the same ranks was suspect again")
+
+    def _repeated(self, trainer: Trainer, pl_module: LightningModule, batch: dict, step: int, result: Any,
+                  first: list[Suspect], again: list[Suspect], t0: float, kind: str, why: str) -> None:
+        """The replay of step `step` (its update not applied) was suspect again.  Outliers that are finite and
+        below `DEVICE_RATIO` are what honest data can give (a sample unlike the others): the step is applied
+        as computed, `reproducible`.  Else the rank's device is bad (`_exclude`)."""
+        if again and not device_evidence(again):
+            if self._before is not None:
+                _set_rng_state(self._before[1])
+                self._restore_schedule(trainer, pl_module, self._before[0])
+            redo = self._train(trainer, pl_module, batch, guard=False)
+            self._record_step(pl_module, redo, "reproducible")
+            self._finding(trainer, t0, step=step, kind=kind, **self._where(pl_module, again),
+                          verdict="reproducible",
+                          detail="; ".join(self._describe(pl_module, x) for x in again[:4]),
+                          action=f"{why}, by less than {DEVICE_RATIO:.0e}x the other ranks (a flipped "
+                                 "exponent bit of a bad device gives more; honest data can give this): the "
+                                 "step applied as computed")
+            return
         self._record_step(pl_module, result, "device")
-        self._exclude(trainer, pl_module, batch, step, first, again, t0, kind,
-                      "no update applied; the replay on the same ranks was suspect again")
+        self._exclude(trainer, pl_module, batch, step, first, again, t0, kind, why)
 
     def _describe(self, pl_module: LightningModule, s: Suspect) -> str:
         what = "largest activation" if s.slot == SLOTS \
@@ -529,8 +559,8 @@ class IntegrityWatch(Callback):
         suspects = self._suspects_of(pl_module, result.own)
         self._record_step(pl_module, result, "spike")
         if result.skipped and suspects:  # the replay's last step stood out on a rank: applied no update
-            self._exclude(trainer, pl_module, batch, step, suspects, suspects, t0, "spike",
-                          f"rolled back to verified step {first} and replayed: step {step} stood out again")
+            self._repeated(trainer, pl_module, batch, step, result, suspects, suspects, t0, "spike",
+                           f"rolled back to verified step {first} and replayed: step {step} stood out again")
             return
         if not again:
             self._finding(trainer, t0, step=step, kind="spike", verdict="transient", detail=why,
@@ -673,5 +703,5 @@ def _host_copy(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
-__all__ = ["SLOTS", "IntegrityWatch", "LayerInputs", "Suspect", "Verified", "find_suspects", "largest_ratio",
-           "own_row"]
+__all__ = ["DEVICE_RATIO", "SLOTS", "IntegrityWatch", "LayerInputs", "Suspect", "Verified", "device_evidence",
+           "find_suspects", "largest_ratio", "own_row"]

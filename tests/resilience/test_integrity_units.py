@@ -20,7 +20,15 @@ from ntp_nemo.goodput.incident_log import (
     table,
 )
 from ntp_nemo.resilience.corruption import bit_of, flip_bit_, flipped
-from ntp_nemo.resilience.integrity import SLOTS, IntegrityWatch, LayerInputs, Suspect, find_suspects, own_row
+from ntp_nemo.resilience.integrity import (
+    SLOTS,
+    IntegrityWatch,
+    LayerInputs,
+    Suspect,
+    device_evidence,
+    find_suspects,
+    own_row,
+)
 
 
 def test_bit_flips_in_float32_and_bfloat16():
@@ -68,6 +76,10 @@ def test_suspect_ranks_of_the_per_step_check():
     assert find_suspects([5.0, -1.0, -1.0, 0.001], [0, 1], 1000) == []
     assert find_suspects([5.0, 0.001], [0, 1], 1000) == []
     assert find_suspects([0.3, 600.0], [0, 0], 0) == []  # 0: the check is off
+    # repeated by the replay: a bad device only beyond what data can give (or not finite)
+    assert not device_evidence([Suspect(1, 3, 2.0, 0.00185)])  # 1081x: kept as the data's
+    assert device_evidence([Suspect(1, 3, 1.06e35, 0.00147)])  # a flipped top exponent bit
+    assert device_evidence([Suspect(1, 3, float("nan"), float("nan"))])
 
 
 def test_own_row_holds_each_parameters_largest_gradient_and_the_layer_inputs():
