@@ -67,12 +67,23 @@ def worker(rank: int, world: int, replica_tp: list[int], steps: int, reps: int) 
     inputs.attach(state.model)
     stages = [topo.coord(r).stage for r in range(topo.world_size)]
 
+    parts: list[float] = []  # the check's own host work per checked step: the row and the guard
+
+    def timed(fn):
+        def run(*a):
+            t0 = time.perf_counter()
+            out = fn(*a)
+            parts[-1] += time.perf_counter() - t0
+            return out
+        return run
+
     def checked_step() -> float:
+        parts.append(0.0)
         t0 = time.perf_counter()
         inputs.reset()
         result = train_step(state, micro, BATCH * SEQ, max_norm=1.0,
-                            own=lambda: own_row(state.model, inputs.value, state.runtime.device),
-                            guard=lambda values: bool(find_suspects(values["own"], stages, 1000.0)))
+                            own=timed(lambda: own_row(state.model, inputs.value, state.runtime.device)),
+                            guard=timed(lambda values: bool(find_suspects(values["own"], stages, 1000.0))))
         assert not result.skipped
         return time.perf_counter() - t0
 
@@ -94,13 +105,18 @@ def worker(rank: int, world: int, replica_tp: list[int], steps: int, reps: int) 
     checked_step()
     step_s, check_s, keep_s, checked_s = [], [], [], []
     for _ in range(reps):  # alternate, so all see the same machine load
-        for _ in range(max(1, steps // reps)):
-            step_s.append(step())
-            checked_s.append(checked_step())
+        for k in range(max(1, steps // reps)):  # ABBA: neither kind always runs first
+            if k % 2:
+                checked_s.append(checked_step())
+                step_s.append(step())
+            else:
+                step_s.append(step())
+                checked_s.append(checked_step())
         check_s.append(check())
         keep_s.append(keep())
     local_params = sum(p.numel() for p in state.model.parameters())
-    return {"step": step_s, "check": check_s, "keep": keep_s, "checked": checked_s, "params": local_params,
+    return {"step": step_s, "check": check_s, "keep": keep_s, "checked": checked_s, "parts": parts[1:],
+            "params": local_params,
             "fragments": len(plan.fragments[rank])}
 
 
@@ -118,6 +134,7 @@ def main() -> None:
     check = statistics.median(max(r["check"][i] for r in res) for i in range(len(res[0]["check"])))
     keep = statistics.median(max(r["keep"][i] for r in res) for i in range(len(res[0]["keep"])))
     checked = statistics.median(max(r["checked"][i] for r in res) for i in range(len(res[0]["checked"])))
+    parts = statistics.median(max(r["parts"][i] for r in res) for i in range(len(res[0]["parts"])))
     print(f"layout {tuple(replica_tp)}, gpt_tiny 3.3M params, batch {BATCH}x{SEQ} tokens, CPU gloo, "
           f"{len(res)} ranks: params per rank {[r['params'] for r in res]}, "
           f"fragments {[r['fragments'] for r in res]}")
@@ -128,7 +145,8 @@ def main() -> None:
     print(f"  at integrity.every_n_steps={args.every}: check + copy = {100 * share:.3f}% of training time "
           f"({100 * check / (args.every * step):.3f}% for the check alone)")
     print(f"  step under the per-step check (outlier_ratio) {1e3 * checked:5.2f} ms  = "
-          f"{100 * (checked - step) / step:+.2f}% of the step")
+          f"{100 * (checked - step) / step:+.2f}% of the step; its row and guard alone {1e3 * parts:.2f} ms "
+          f"= {100 * parts / step:.2f}% (the activation hooks and the longer all-reduce not included)")
 
 
 if __name__ == "__main__":
