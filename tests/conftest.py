@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -21,6 +20,7 @@ from typing import NamedTuple
 import pytest
 
 from tests.shapes import TINY_OVERRIDES
+from tests.waits import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 # `--failures-file`: the failed test calls a session writes down for its rerun (`python -m tests.rerun`)
@@ -86,17 +86,20 @@ def start_cli_until_step(args: list[str], cwd: Path, run_dir: Path, step: int,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
     beat = run_dir / "failover" / "heartbeats" / "rank_00000.json"
-    deadline = time.time() + timeout
-    while time.time() < deadline and proc.poll() is None:
+
+    def started() -> bool:
         try:
             doc = json.loads(beat.read_text())
         except (OSError, ValueError):
-            doc = {}
-        if doc.get("step") == step and doc.get("phase") == "step_start":
-            return proc
-        time.sleep(0.02)
-    proc.kill()
-    pytest.fail(f"step {step} never started:\n{proc.communicate()[0]}")
+            return False
+        return doc.get("step") == step and doc.get("phase") == "step_start"
+
+    try:
+        wait_until(started, timeout, f"step {step} to start", alive=lambda: proc.poll() is None)
+    except AssertionError:
+        proc.kill()
+        pytest.fail(f"step {step} never started:\n{proc.communicate()[0]}")
+    return proc
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -268,10 +271,8 @@ def reference_losses(tmp_path_factory) -> Callable[[str], dict[int, float]]:
             root = Path(shared) if shared else tmp_path_factory.mktemp("references")
             if not shared:
                 reference_sweep(root)
-            deadline = time.monotonic() + REFERENCE_WAIT_S
-            while not (root / "losses.json").is_file():
-                assert time.monotonic() < deadline, f"no reference sweep in {root} after {REFERENCE_WAIT_S} s"
-                time.sleep(0.5)
+            wait_until((root / "losses.json").is_file, REFERENCE_WAIT_S, f"the reference sweep in {root}",
+                       poll_s=0.5)
             doc = json.loads((root / "losses.json").read_text())
             assert "error" not in doc, f"the reference sweep failed: {doc.get('error')}"
             done.update({case: {int(k): v for k, v in losses.items()} for case, losses in doc.items()})

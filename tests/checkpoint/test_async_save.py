@@ -11,8 +11,9 @@ import torch
 
 from ntp_nemo.checkpoint import AsyncCheckpointSaver, checkpoint_name, is_valid_checkpoint, load_checkpoint
 from ntp_nemo.launch.workers import run_workers
-from tests.ntp_cases import LLAMA
 from tests.checkpoint.test_reshard import _one_process, _setup, _slices, _train_step
+from tests.ntp_cases import LLAMA
+from tests.waits import wait_until
 
 LAYOUT = (2, [2, 1], [2] * 4)
 
@@ -94,8 +95,7 @@ def _killed_while_writing(directory: str) -> None:
 
     storage._write_file = slow_write
     saver.save(f"{directory}/{checkpoint_name(2)}", model, opt, {"step": 2}, step=2)  # returns at once
-    while not started.exists():
-        time.sleep(0.01)
+    wait_until(started.exists, 60, "the background write to start", poll_s=0.01)
     os.kill(os.getpid(), signal.SIGKILL)
 
 

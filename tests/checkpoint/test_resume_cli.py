@@ -7,11 +7,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from tests.conftest import NTP21, SINGLE, TINY, read_metrics, sweep_cases
+from tests.waits import wait_until
 
 CKPT = ["checkpoint.every_n_steps=5", "trainer.max_steps=20"]
 SAVE5, NO_SAVES = CKPT[:1], ["checkpoint.every_n_steps=0"]
@@ -61,11 +61,8 @@ def _stopped_from_outside(sweep_dir) -> dict:
         args, cwd=sweep_dir.parent, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        if (run / "checkpoints" / "step_000010" / "manifest.json").exists() and len(read_metrics(run)) >= 12:
-            break
-        time.sleep(0.2)
+    wait_until(lambda: (run / "checkpoints" / "step_000010" / "manifest.json").exists()
+               and len(read_metrics(run)) >= 12, 240, "checkpoint step_000010 and 12 steps", poll_s=0.2)
     os.killpg(proc.pid, signal.SIGKILL)  # every process of the job, no chance to clean up
     proc.wait()
     sigkill = {"done": done(run)}
@@ -75,9 +72,8 @@ def _stopped_from_outside(sweep_dir) -> dict:
             "checkpoint.async_save=true", f"hydra.run.dir={run}"]
     proc = subprocess.Popen(args, cwd=sweep_dir.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
-    deadline = time.time() + 240
-    while time.time() < deadline and not ((run / "metrics.jsonl").exists() and len(read_metrics(run)) >= 4):
-        time.sleep(0.1)
+    wait_until(lambda: (run / "metrics.jsonl").exists() and len(read_metrics(run)) >= 4, 240, "4 steps",
+               poll_s=0.1)
     proc.send_signal(signal.SIGTERM)  # to the parent only: it forwards to the workers
     try:
         out, _ = proc.communicate(timeout=120)

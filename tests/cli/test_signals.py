@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import SINGLE, TINY, read_metrics
+from tests.waits import wait_until
 
 TWO = ["mesh.dp=2", "mesh.tp=1", "ntp.replica_tp=null", "checkpoint.every_n_steps=0",
        "checkpoint.save_on_end=true", "trainer.progress_bar=true"]
@@ -233,9 +234,7 @@ time.sleep(0.5)
 ctypes.CDLL(None).pthread_exit(None)
 """
     subprocess.run([sys.executable, "-c", code], timeout=60, check=False)
-    deadline = time.time() + 20
-    while not out.exists() and time.time() < deadline:
-        time.sleep(0.05)
+    wait_until(out.exists, 20, "the child's answer", poll_s=0.05)
     assert out.read_text() == "False True True"
 
 

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.conftest import ROOT, SINGLE, TINY, read_metrics, run_cli
+from tests.waits import wait_until
 
 CKPT_ON_END = ["checkpoint.save_on_end=true"]
 
@@ -34,14 +35,9 @@ def _start(args: list[str], cwd: Path) -> subprocess.Popen:
 
 
 def _wait_for_steps(proc: subprocess.Popen, run: Path, n: int, timeout: float = 240) -> None:
-    deadline = time.time() + timeout
     metrics = run / "metrics.jsonl"
-    while time.time() < deadline:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= n:
-            return
-        assert proc.poll() is None, proc.communicate()[0]
-        time.sleep(0.1)
-    raise AssertionError(f"no {n} steps in {timeout}s")
+    wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= n, timeout, f"{n} steps",
+               poll_s=0.1, alive=lambda: proc.poll() is None, detail=lambda: proc.communicate()[0])
 
 
 def test_ctrl_c_checkpoints_then_resume_has_no_duplicate_steps(tmp_path, monkeypatch, capsys):

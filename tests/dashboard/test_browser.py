@@ -26,6 +26,7 @@ import pytest
 
 from tests.conftest import read_metrics
 from tests.dashboard.test_server import served
+from tests.waits import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = Path(os.environ.get("NTP_TEST_ARTIFACTS", ROOT / "test-artifacts")) / "dashboard"
@@ -81,13 +82,11 @@ def _browser():
 
 def _page(browser, after_polls: int = 0, timeout: float = 30) -> dict:
     """The page's state once it has polled more than `after_polls` times."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def updated():
         state = browser.execute_script(PAGE_STATE)
-        if state and state["polls"] > after_polls:
-            return state
-        time.sleep(0.1)
-    pytest.fail(f"the page did not update within {timeout} s")
+        return state if state and state["polls"] > after_polls else None
+
+    return wait_until(updated, timeout, "the page to update", poll_s=0.1)
 
 
 @pytest.mark.slow

@@ -8,19 +8,19 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
 
-from ntp_nemo.dashboard.server import Dashboard
 from ntp_nemo.dashboard.page_state import classify
+from ntp_nemo.dashboard.server import Dashboard
 from ntp_nemo.resilience.coordinator import STATE_FILE, Coordinator
 from ntp_nemo.resilience.rehearsal import free_port, start_coordinator
 from ntp_nemo.resilience.store_auth import JobStore
 from tests.conftest import TINY
 from tests.resilience.test_coordinator import SECRET, Raw
+from tests.waits import wait_until
 
 
 def Task(job: JobStore, want: int, host: str, secret: bytes = SECRET) -> Raw:
@@ -29,13 +29,7 @@ def Task(job: JobStore, want: int, host: str, secret: bytes = SECRET) -> Raw:
 
 
 def _until(cond, what: str, timeout_s: float = 5.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = cond()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-        time.sleep(0.05)
+    return wait_until(cond, timeout_s, what, poll_s=0.05)
 
 
 def _page(dash: Dashboard, run) -> dict:

@@ -15,6 +15,7 @@ from ntp_nemo.checkpoint.manifest import latest_valid_checkpoint, read_manifest
 from ntp_nemo.resilience.cluster_protocol import COORDINATOR_LOST_EXIT, DECLARED_LOST_EXIT
 from ntp_nemo.resilience.rehearsal import free_port, start_coordinator, start_task
 from tests.conftest import TINY, read_metrics
+from tests.waits import wait_until
 
 STEPS = 40
 SECRET = "rehearsal-secret-0123456789"
@@ -37,12 +38,9 @@ def _step(run) -> int:
 
 
 def _wait_step(run, step: int, procs, timeout_s: float = 300) -> int:
-    deadline = time.time() + timeout_s
-    while (now := _step(run)) < step:
-        assert time.time() < deadline and all(p.popen.poll() is None for p in procs), \
-            "\n".join(p.output[-2000:] for p in procs)
-        time.sleep(0.02)
-    return now
+    return wait_until(lambda: (now := _step(run)) >= step and now, timeout_s, f"step {step}",
+                      alive=lambda: all(p.popen.poll() is None for p in procs),
+                      detail=lambda: "\n".join(p.output[-2000:] for p in procs))
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ from ntp_nemo.resilience.coordinator import Coordinator
 from ntp_nemo.resilience.rehearsal import free_port
 from ntp_nemo.resilience.rendezvous import failed_key, read_rejoin
 from ntp_nemo.resilience.store_auth import JobStore
+from tests.waits import wait_until
 
 SECRET = b"unit-test-secret-0123456789"
 
@@ -67,10 +68,7 @@ class Raw:
 
 
 def _until(cond, timeout_s: float = 10.0) -> None:
-    deadline = time.time() + timeout_s
-    while not cond():
-        assert time.time() < deadline
-        time.sleep(0.01)
+    wait_until(cond, timeout_s, "the coordinator's state", poll_s=0.01)
 
 
 def test_places_secret_and_a_loss_published_on_the_store(served):

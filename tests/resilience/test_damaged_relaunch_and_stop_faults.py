@@ -19,6 +19,7 @@ from ntp_nemo.resilience.detection import WorkerMonitor, blame, process_state, s
 from ntp_nemo.resilience.fault_config import Timeouts
 from tests.conftest import TINY, run_cli
 from tests.resilience.test_hang_window import silent_ranks
+from tests.waits import wait_until
 
 
 @pytest.mark.slow
@@ -62,13 +63,9 @@ def test_the_process_state_reader_sees_a_stopped_process(tmp_path):
     try:
         assert process_state(child.pid) in ("R", "S")
         os.kill(child.pid, signal.SIGSTOP)
-        deadline = time.time() + 10
-        while process_state(child.pid) != "T" and time.time() < deadline:
-            time.sleep(0.01)
-        assert process_state(child.pid) == "T"
+        wait_until(lambda: process_state(child.pid) == "T", 10, "the stopped state (T)", poll_s=0.01)
         os.kill(child.pid, signal.SIGCONT)
-        while process_state(child.pid) == "T" and time.time() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: process_state(child.pid) != "T", 10, "the continued state", poll_s=0.01)
         assert process_state(child.pid) in ("R", "S")
     finally:
         child.kill()
@@ -111,10 +108,8 @@ def test_the_live_monitor_kills_the_stopped_rank_alone_and_gives_the_others_a_fr
 
     procs = silent_ranks(tmp_path, [("step_start", 5), ("step_start", 5), ("step_end", 5)])
     try:
-        deadline = time.time() + 20
         os.kill(procs[1].pid, signal.SIGSTOP)
-        while process_state(procs[1].pid) != "T" and time.time() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: process_state(procs[1].pid) == "T", 20, "process 1 stopped (T)", poll_s=0.01)
         launcher = SimpleNamespace(procs=procs, store=object(), lost=set(), stop_requested=None)
         monitor = LiveMonitor(launcher, 3, tmp_path, 0.5)
         time.sleep(0.7)  # every beat is now older than the heartbeat timeout

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from ntp_nemo.resilience.beats import read_beats
 from ntp_nemo.resilience.heartbeat import Heartbeat
 from ntp_nemo.resilience.live_launcher import LiveMonitor
+from tests.waits import wait_until
 
 
 def _rank(directory, rank: int, phase: str, step: int) -> None:
@@ -24,9 +25,8 @@ def silent_ranks(directory, progress: list[tuple[str, int]]) -> list:
     procs = [ctx.Process(target=_rank, args=(directory, r, ph, st)) for r, (ph, st) in enumerate(progress)]
     for p in procs:
         p.start()
-    deadline = time.time() + 20
-    while len(read_beats(directory, len(procs))) < len(procs) and time.time() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: len(read_beats(directory, len(procs))) == len(procs), 20, "every rank's first beat",
+               poll_s=0.05)
     return procs
 
 

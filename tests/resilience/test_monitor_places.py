@@ -17,6 +17,7 @@ from types import SimpleNamespace
 from ntp_nemo.resilience.beats import read_beats
 from ntp_nemo.resilience.live_launcher import LiveMonitor
 from tests.resilience.test_hang_window import _rank, silent_ranks
+from tests.waits import wait_until
 
 
 def _stop_all(procs) -> None:
@@ -40,10 +41,8 @@ def test_a_place_killed_as_hung_is_watched_again_once_repaired(tmp_path):
         repaired = mp.get_context("fork").Process(target=_rank, args=(tmp_path, 1, "step_end", 4))
         repaired.start()
         procs[1] = repaired
-        deadline = time.time() + 20
-        while read_beats(tmp_path, 2).get(1, SimpleNamespace(pid=None)).pid != repaired.pid:
-            assert time.time() < deadline, "the repaired process never beat"
-            time.sleep(0.05)
+        wait_until(lambda: read_beats(tmp_path, 2).get(1, SimpleNamespace(pid=None)).pid == repaired.pid, 20,
+                   "the repaired process's first beat", poll_s=0.05)
         monitor._kill_hung(procs)
         time.sleep(0.2)
         assert repaired.exitcode is None  # its first beat is fresh: not hung yet
@@ -129,10 +128,9 @@ def test_a_survivor_lost_before_the_rejoin_is_decided_is_published_for_the_survi
     monitor.start()
     try:
         procs[1].kill()
-        deadline = time.time() + 20
-        while store.read(failed_key(0)) is None:
-            assert time.time() < deadline and store.read(failed_key(1)) is None, "published for generation 1"
-            time.sleep(0.05)
+        wait_until(lambda: store.read(failed_key(0)) is not None, 20, "the loss published for generation 0",
+                   poll_s=0.05, alive=lambda: store.read(failed_key(1)) is None,
+                   detail=lambda: "published for generation 1")
         assert json.loads(store.read(failed_key(0))) == [1]
         assert read_rejoin(store, 0)["decision"] == "cancel"
         assert store.read("gen1/rank_2") is None
