@@ -400,6 +400,9 @@ class Soak:
         w.failures = self.failures
         w.wall = time.monotonic() - self.t0
         size = dir_bytes(self.run_dir)
+        if self.damaged:  # the checkpoint damaged on purpose stays (the run sets it aside, never deletes it):
+            # a one-time step of the soak's own making, not growth per failure
+            size -= dir_bytes(self.run_dir / "checkpoints" / self.damaged)
         w.dir_mb = size / 2**20
         w.dir_bytes_per_failure = (size - self._dir_at) / WINDOW
         self._dir_at = size
