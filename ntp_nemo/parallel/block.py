@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ntp_nemo.parallel.comm import compute_dtype
 from ntp_nemo.parallel.layers import sharded_param
 from ntp_nemo.topology.direct_group import BACKEND as DIRECT_BACKEND
 from ntp_nemo.topology.grid import GridContext, is_grid
@@ -332,16 +333,26 @@ class BlockLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.out_columns:
-            y = _SummaLinearOutColumns.apply(x.reshape(-1, x.shape[-1]), self.weight, self.grid, self.in_lens)
+            x, weight = _in_compute_dtype(x, self.weight)
+            y = _SummaLinearOutColumns.apply(x.reshape(-1, x.shape[-1]), weight, self.grid, self.in_lens)
             y = y.view(*x.shape[:-1], y.shape[-1])
         else:
             y = block_linear(x, self.weight, self.grid, self.out_lens)
         return y + self.bias if self.bias is not None else y
 
 
+def _in_compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x` and `weight` cast to the compute dtype (autocast's under mixed precision, else `x`'s), outside
+    the SUMMA functions: their products, broadcasts and reductions then run in it forward and backward
+    (the backward runs outside autocast), and autograd casts the weight's gradient back to its dtype."""
+    dtype = compute_dtype(x)
+    return x.to(dtype), weight.to(dtype)
+
+
 def block_linear(x: torch.Tensor, weight: torch.Tensor, grid: GridContext, out_lens: Sequence[int]
                  ) -> torch.Tensor:
     """`x W^T` of a block-sharded `weight` for `x` [..., k_c]: [..., n of this rank's column]."""
+    x, weight = _in_compute_dtype(x, weight)
     y = _SummaLinear.apply(x.reshape(-1, x.shape[-1]), weight, grid, tuple(out_lens))
     return y.view(*x.shape[:-1], y.shape[-1])
 

@@ -99,16 +99,18 @@ LAYOUTS = {
 }
 
 
-# bf16 autocast on (2,1): one more job of the same sweep.
+# bf16 autocast on (2,1), and on the 2x2 grid: two more jobs of the same sweep.
 BF16 = [*LAYOUTS["ntp-2-1"], "trainer.precision=bf16-mixed"]
+BF16_BLOCK = [*LAYOUTS["block-2x2"], "trainer.precision=bf16-mixed"]
 STEPS = 8  # equality of curves shows from the first steps; the schedule is that of an 8-step run
 
 
 @pytest.fixture(scope="module")
 def layout_sweep(tmp_path_factory):
-    """Every layout of LAYOUTS (and bf16 on (2,1)), 8 steps each: one `ntp-train -m` sweep."""
-    return sweep_cases({**LAYOUTS, "bf16": BF16}, [*TINY, f"trainer.max_steps={STEPS}"],
-                       tmp_path_factory.mktemp("layouts"))
+    """Every layout of LAYOUTS (and bf16 on (2,1) and on the 2x2 grid), 8 steps each: one `ntp-train -m`
+    sweep."""
+    return sweep_cases({**LAYOUTS, "bf16": BF16, "bf16-block": BF16_BLOCK},
+                       [*TINY, f"trainer.max_steps={STEPS}"], tmp_path_factory.mktemp("layouts"))
 
 
 @pytest.fixture(scope="module")
@@ -206,8 +208,9 @@ def test_torchrun_launch_follows_the_same_curve(tmp_path, single_process_curve):
 
 
 @pytest.mark.slow
-def test_bf16_mixed_precision_tracks_float32(layout_sweep, single_process_curve):
-    curve = [m["loss"] for m in read_metrics(layout_sweep.run_dir("bf16"))]
+@pytest.mark.parametrize("case", ["bf16", "bf16-block"])
+def test_bf16_mixed_precision_tracks_float32(layout_sweep, single_process_curve, case):
+    curve = [m["loss"] for m in read_metrics(layout_sweep.run_dir(case))]
     assert len(curve) == STEPS
     # bf16 autocast rounds activations to 8 mantissa bits: close to, but not equal to, the float32 curve
     assert max(abs(a - b) / b for a, b in zip(curve, single_process_curve, strict=True)) < 0.05
