@@ -16,8 +16,8 @@ from tests.conftest import TINY, read_metrics, run_cli
 def test_half_speed_rank_is_found_rebalanced_and_restored(tmp_path, reference_losses):
     run = tmp_path / "run"
     proc = run_cli([*TINY, "mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,2]", "trainer.max_steps=20",
-                    "fault=slow", "fault.rank=1", "fault.step=3", "fault.factor=0.5", "fault.steps=6",
-                    "fault.straggler_every=2", "fault.straggler_persist=2", "fault.straggler_margin=0.5",
+                    "fault=slow", "fault.rank=1", "fault.step=3", "fault.factor=0.5", "fault.steps=8",
+                    "fault.straggler_every=2", "fault.straggler_persist=3", "fault.straggler_margin=0.5",
                     f"hydra.run.dir={run}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     events = [json.loads(line) for line in (run / "goodput.jsonl").read_text().splitlines()]
