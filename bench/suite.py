@@ -86,8 +86,8 @@ SUITE: tuple[Comparison, ...] = (
     Comparison("spares", "time from a lost process to the full layout again: no hot spare over one",
                ("--steps", "24", "--losses", "6,13", "--repair-after", "3"), (
         Figure("loss -> full layout, without / with fault.spares=1",
-               r"spares: loss -> full layout, mean without [\d.]+ s, with [\d.]+ s: ratio ([\d.]+)", "2.78",
-               "python bench/spares.py", "99faca0"),
+               r"spares: loss -> full layout, mean without [\d.]+ s, with [\d.]+ s: ratio ([\d.]+)", "5.71",
+               "python bench/spares.py", "bb08263"),
     )),
     Comparison("failure_trace", "one seeded failure trace under every policy; the simulator's prediction",
                None, (
