@@ -6,8 +6,9 @@ workers (a Lightning callback next to `faults.FaultInjector`, whose once-per-run
 - `target=grad`: the bit is flipped in that element's gradient as the backward of step `step` computes
   it (before the DP sync); `target=activation`: in one element of the output of the rank's first layer
   in the forward of step `step`.
-- `persistent=true`: the same flip on every step from `step` on, replays included (a bad device); else
-  once per run.
+- `persistent=true`: the same flip on every step from `step` on, replays included (a bad device: it stays
+  with the process that held rank `rank` at step `step`, whatever rank a live re-layout gives it since,
+  and leaves with it); else once per run.
 - `poison_sample`: training sample `sample` (a data-set id; unset: one of the samples of step `step`,
   drawn from the seed) gives a non-finite loss on whatever rank sees it: its embeddings become NaN.
 
@@ -78,7 +79,11 @@ class CorruptionInjector(FaultInjector):
         self._hooks: list[Any] = []  # (model id, handle) of the hooks on the current model
         self._hooked: int | None = None  # id of the model the hooks sit on
         self.fired: list[dict[str, Any]] = []  # what fired in this process: {step, kind, target, rank, ...}
-        self._stuck: dict[int, int] = {}  # persistent faults set up: fault index -> the stuck bit's value
+        self._stuck: dict[int, int] = {}  # persistent param faults: fault index -> the stuck bit's value
+        self._armed_on: dict[int, int] = {}  # persistent grad/activation faults: fault index -> model id
+        # A persistent fault is a bad device: it stays with the process that held its rank when it started
+        # (fault index -> whether this process is that one), whatever rank a re-layout gives it since.
+        self._device: dict[int, bool] = {}
 
     # ---- hooks on the model (re-registered when a live recovery adopts a new one) ----------------
     def _hook_model(self, trainer: Trainer, module: LightningModule) -> None:
@@ -115,11 +120,13 @@ class CorruptionInjector(FaultInjector):
                              batch_idx: int) -> None:
         self._hook_model(trainer, pl_module)
         step = trainer.global_step + 1
-        for f in self._mine(trainer, ("bitflip",)):
+        for f in [f for f in self.faults if f.kind == "bitflip"]:
             if f.persistent:
-                if step < f.step or (f.target != "param" and f.index in self._stuck):
-                    continue  # a persistent grad/activation hook, once armed, stays
-            elif step != f.step or not self._claim(f, step):
+                if step < f.step or not self._device.setdefault(f.index, f.rank == trainer.global_rank):
+                    continue
+                if f.target != "param" and self._armed_on.get(f.index) == id(pl_module.model):
+                    continue  # a persistent grad/activation hook, once armed on this model, stays
+            elif f.rank != trainer.global_rank or step != f.step or not self._claim(f, step):
                 continue
             params = [(n, p) for n, p in pl_module.model.named_parameters() if p.numel() > 0]
             name, p = params[f.draw % len(params)]
@@ -130,10 +137,13 @@ class CorruptionInjector(FaultInjector):
                 self._arm_grad(f, p, index)
             else:
                 name = self._arm_activation(f, pl_module.model, index)
-            if f.persistent and step > f.step:
+            if f.persistent and f.target != "param":
+                self._armed_on[f.index] = id(pl_module.model)
+            if f.persistent and f.index in {x["fault"] for x in self.fired}:
                 continue  # a bad device: said once, when it starts
-            self.fired.append({"step": step, "kind": "bitflip", "target": f.target, "rank": f.rank,
-                               "parameter": name, "index": index, "bit": f.bit, "persistent": f.persistent})
+            self.fired.append({"fault": f.index, "step": step, "kind": "bitflip", "target": f.target,
+                               "rank": f.rank, "parameter": name, "index": index, "bit": f.bit,
+                               "persistent": f.persistent})
             where = name if f.target == "activation" else f"{f.target} {name}[{index}]"
             print(f"fault: bitflip of bit {f.bit} in {where} on rank {f.rank} at step "
                   f"{step}{' (persistent)' if f.persistent else ''}", flush=True)
@@ -158,8 +168,6 @@ class CorruptionInjector(FaultInjector):
             return flipped(grad, index, fault.bit)
 
         handles.append(p.register_hook(hook))
-        if fault.persistent:
-            self._stuck[fault.index] = 1
 
     def _arm_activation(self, fault: Fault, model: torch.nn.Module, index: int) -> str:
         """Arm the flip in the output of the rank's first layer; returns what it strikes, in words."""
@@ -180,8 +188,6 @@ class CorruptionInjector(FaultInjector):
             return output + (flipped(output, index % output.numel(), fault.bit) - output.detach())
 
         handles.append(first.register_forward_hook(hook))
-        if fault.persistent:
-            self._stuck[fault.index] = 1
         return f"the output of blocks.{key}"
 
 
