@@ -144,3 +144,39 @@ def test_integrity_time_is_its_own_badput():
     report = compute_goodput(events)
     assert report.badput_s[ev.INTEGRITY] == pytest.approx(0.5)
     assert report.productive_s == pytest.approx(1.5)
+
+
+def test_a_persistent_bitflip_stays_with_its_process(tmp_path):
+    """A bad device is a process, not a rank number: after a live re-layout gives another process the
+    rank, that process is not struck; the struck process is struck on its new model too."""
+    from types import SimpleNamespace
+
+    from ntp_nemo.resilience.corruption import CorruptionInjector
+    from ntp_nemo.resilience.fault_config import Fault
+
+    fault = Fault(0, "bitflip", rank=0, step=2, target="grad", bit=30, persistent=True, draw=0)
+
+    def process(rank: int):
+        injector = CorruptionInjector([fault], tmp_path / "faults", tmp_path / "ckpt")
+        module = SimpleNamespace(model=torch.nn.Linear(2, 2), data=None)
+        trainer = SimpleNamespace(global_rank=rank, global_step=0)
+        return injector, module, trainer
+
+    def step(injector, module, trainer, n: int, rank: int) -> bool:
+        """Step n as `rank`: is the first parameter's gradient flipped (its top exponent bit)?"""
+        trainer.global_rank, trainer.global_step = rank, n - 1
+        injector.on_train_batch_start(trainer, module, {}, n - 1)
+        module.model.zero_grad()
+        module.model(torch.ones(1, 2)).sum().backward()
+        return abs(float(module.model.weight.grad.view(-1)[0])) > 1e30
+
+    bad, good = process(0), process(1)
+    assert not step(*bad, 1, rank=0) and not step(*good, 1, rank=1)  # before the fault's step
+    assert step(*bad, 2, rank=0) and not step(*good, 2, rank=1)
+    assert step(*bad, 3, rank=0)
+    # the bad process excluded: the good one is rank 0 now, and stays good
+    assert not step(*good, 3, rank=0) and not step(*good, 4, rank=0)
+    # a re-layout gives the bad process a new model and rank: still bad
+    bad[1].model = torch.nn.Linear(2, 2)
+    assert step(*bad, 4, rank=1)
+    assert [f["step"] for f in bad[0].fired] == [2] and good[0].fired == []
