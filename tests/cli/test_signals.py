@@ -220,20 +220,23 @@ def test_parent_gone_sees_a_launcher_whose_main_thread_has_exited(tmp_path):
 import ctypes, os, threading, time
 from ntp_nemo.lightning.callbacks import parent_gone
 launcher = os.getpid()
+ready_r, ready_w = os.pipe()
 child = os.fork()
 if child == 0:
     before = parent_gone(launcher)
+    os.write(ready_w, b"1")  # the launcher's main thread exits only after this first look
     deadline = time.time() + 20
     while not parent_gone(launcher) and time.time() < deadline:
         time.sleep(0.01)
     with open({str(out)!r}, "w") as fh:
         fh.write(f"{{before}} {{parent_gone(launcher)}} {{os.getppid() == launcher}}")
     os._exit(0)
+import select
+select.select([ready_r], [], [], 60)
 threading.Thread(target=time.sleep, args=(4,)).start()
-time.sleep(0.5)
 ctypes.CDLL(None).pthread_exit(None)
 """
-    subprocess.run([sys.executable, "-c", code], timeout=60, check=False)
+    subprocess.run([sys.executable, "-c", code], timeout=180, check=False)
     wait_until(out.exists, 20, "the child's answer", poll_s=0.05)
     assert out.read_text() == "False True True"
 
