@@ -218,6 +218,7 @@ class IntegrityWatch(Callback):
         self.divergent: Counter = Counter()  # rank -> divergences found on it
         self.findings: list[dict[str, Any]] = []  # every finding of this process (the same on all ranks)
         self._inputs = LayerInputs()  # this rank's largest activation entering a layer, this step
+        self._model: int | None = None  # id of the model the watch's state belongs to
 
     # ---- Lightning hooks -------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -259,8 +260,7 @@ class IntegrityWatch(Callback):
                            batch_idx: int) -> None:
         step = int(trainer.global_step)
         rec = pl_module.last_step
-        if self.verified is not None and self.verified.model_id != id(pl_module.model):
-            self.verified = None  # a live recovery changed the layout: the copy no longer fits
+        self._follow_model(pl_module)
         if pl_module.rank_own:  # the per-step check's margin, in metrics.jsonl: how near a clean step came
             rec["outlier_ratio"] = round(largest_ratio(pl_module.rank_own, self._stages(pl_module)), 3)
         if rec.get("skipped"):
@@ -278,6 +278,19 @@ class IntegrityWatch(Callback):
                 self.history[key].append(float(value))
 
     # ---- helpers ---------------------------------------------------------------------------------
+    def _follow_model(self, pl_module: LightningModule) -> None:
+        """A live re-layout (a recovery or a rejoin) gave this process a new model: the verified copy no
+        longer fits, and the spike detector's window starts again, so that every rank decides from the
+        same steps (a process that joined has seen none of the earlier ones: a decision from a window
+        only some ranks hold would run a rollback's collectives on those ranks alone)."""
+        if id(pl_module.model) == self._model:
+            return
+        if self._model is not None:
+            self.verified = None
+            for window in self.history.values():
+                window.clear()
+        self._model = id(pl_module.model)
+
     def _say(self, trainer: Trainer, line: str) -> None:
         if trainer.is_global_zero:
             print(line, flush=True)

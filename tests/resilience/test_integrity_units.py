@@ -180,3 +180,24 @@ def test_a_persistent_bitflip_stays_with_its_process(tmp_path):
     bad[1].model = torch.nn.Linear(2, 2)
     assert step(*bad, 4, rank=1)
     assert [f["step"] for f in bad[0].fired] == [2] and good[0].fired == []
+
+
+def test_a_new_model_restarts_the_spike_window_and_drops_the_verified_copy(tmp_path):
+    """After a live re-layout every rank decides spikes from the same steps: a joining process has seen
+    none of the earlier ones, so the survivors forget theirs too (and the verified copy no longer fits)."""
+    from types import SimpleNamespace
+
+    watch = IntegrityWatch(IntegrityConfig(spike_window=3), tmp_path)
+    module = SimpleNamespace(model=torch.nn.Linear(1, 1))
+    watch._follow_model(module)
+    for loss in (3.0, 2.9, 2.8):
+        watch.history["loss"].append(loss)
+        watch.history["grad_norm"].append(1.0)
+    watch.verified = "the copy"
+    watch._follow_model(module)  # the same model: nothing forgotten
+    assert len(watch.history["loss"]) == 3 and watch.verified == "the copy"
+    assert watch._spike({"loss": 9.0, "grad_norm": 1.0})
+    module.model = torch.nn.Linear(1, 1)  # a live recovery adopted a new one
+    watch._follow_model(module)
+    assert not watch.history["loss"] and not watch.history["grad_norm"] and watch.verified is None
+    assert watch._spike({"loss": 9.0, "grad_norm": 1.0}) is None  # no window yet, as on a joining process
