@@ -230,25 +230,18 @@ def prune_generations(store: JobStore, current: int, keep: int = KEPT_GENERATION
     below = current - keep + 1
     if below <= 0:
         return 0
-    try:
-        keys = store.store.list_keys()
-    except Exception:  # noqa: BLE001 - a store that cannot list its keys keeps them
-        return 0
-    removed = 0
-    for key in keys:
-        m = _GENERATION_KEY.match(key)
-        if m is not None and int(m.group(1)) < below:
-            try:
-                removed += bool(store.store.delete_key(key))
-            except Exception:  # noqa: BLE001 - gone already
-                pass
-    return removed
+    return _delete_generations(store, lambda g: g < below)
 
 
 def drop_generation(store: JobStore, generation: int) -> int:
     """Delete the keys of `generation` alone from the job's store (a withdrawn rejoin's: its repaired
     processes began that generation's rendezvous, and the survivors form a generation of that number
     next, with other ranks); returns how many."""
+    return _delete_generations(store, lambda g: g == generation)
+
+
+def _delete_generations(store: JobStore, chosen) -> int:  # noqa: ANN001 - a predicate on a generation
+    """Delete the store's keys of every generation `chosen(g)` accepts; returns how many."""
     try:
         keys = store.store.list_keys()
     except Exception:  # noqa: BLE001 - a store that cannot list its keys keeps them
@@ -256,7 +249,7 @@ def drop_generation(store: JobStore, generation: int) -> int:
     removed = 0
     for key in keys:
         m = _GENERATION_KEY.match(key)
-        if m is not None and int(m.group(1)) == generation:
+        if m is not None and chosen(int(m.group(1))):
             try:
                 removed += bool(store.store.delete_key(key))
             except Exception:  # noqa: BLE001 - gone already
