@@ -24,7 +24,7 @@ from ntp_nemo.resilience.policies import make_policy
 FAULT_KINDS = ("kill_rank", "hang", "slow", "kill_during_save", "corrupt_checkpoint", "bitflip",
                "poison_sample")
 BITFLIP_TARGETS = ("param", "grad", "activation")
-KILL_PHASES = ("step_start", "backward", "optimizer", "validation", "rejoin", "joining")
+KILL_PHASES = ("step_start", "backward", "optimizer", "validation", "rejoin", "joining", "decided")
 
 
 @dataclass(frozen=True)

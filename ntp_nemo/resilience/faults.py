@@ -160,6 +160,10 @@ class FaultInjector(Callback):
                         flush=True,
                     )
                 continue
+            if f.kind == "kill_rank" and f.phase == "decided":
+                if step >= f.step:
+                    self._die_before_join(f, trainer, step)
+                continue
             if f.kind == "kill_rank" and f.phase in ("rejoin", "joining", "validation"):  # not in a step
                 continue
             if f.kind == "kill_rank" and f.phase != "step_start":
@@ -171,6 +175,23 @@ class FaultInjector(Callback):
                     os._exit(KILL_EXIT_CODE)
                 while True:  # hang: alive, silent, holding its peers in their next collective
                     time.sleep(3600)
+
+    def _die_before_join(self, fault: Fault, trainer: Trainer, step: int) -> None:
+        """Phase `decided`, on a survivor: at the start of the step before an announced rejoin's join
+        step, wait for the launcher's decision to take the repaired processes in, then die (once per run):
+        a loss between a rejoin's decision and its join, while the survivors are still in their
+        generation."""
+        from ntp_nemo.resilience.live_worker import LiveRecovery
+        from ntp_nemo.resilience.rendezvous import read_rejoin
+
+        live = next((c for c in trainer.callbacks if isinstance(c, LiveRecovery)), None)
+        if live is None or live.store is None or live.generation is None:
+            return
+        announced = read_rejoin(live.store, live.generation.index)
+        if announced is None or "attempt" not in announced or step != int(announced["step"]) - 1:
+            return
+        if self._claim(fault, step):
+            _die_once_decided(live.store, live.generation.index, live.decision_s)
 
     def on_validation_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
                                   batch_idx: int, dataloader_idx: int = 0) -> None:

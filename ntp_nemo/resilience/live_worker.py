@@ -390,6 +390,8 @@ class LiveRecovery(Callback, RecoveryHooks):
             self._recovering = True
         notice, snapshot = (None, None) if failed_rejoin is None \
             else (self.generation.index + 1, failed_rejoin[1])
+        if failed_rejoin is None and self._next_is_rejoins():
+            notice = self.generation.index + 1  # the loss is published for the rejoin's generation
         try:
             rec = recover(self.store, self.generation, self.pid, trainer.global_step, (module.model, opt),
                           self._builder(strategy), self.policy, backend=self.backend,
@@ -461,19 +463,44 @@ class LiveRecovery(Callback, RecoveryHooks):
 
     def _rejoin_decided(self, trainer: Any) -> bool:
         """Wait for the launcher's decision on the announced rejoin: True to join, False if cancelled."""
-        deadline = time.monotonic() + self.decision_s
-        while True:
-            announced = read_rejoin(self.store, self.generation.index) or {}
-            if announced.get("decision") in ("join", "cancel"):
-                break
-            if time.monotonic() > deadline:
-                _give_up(self.pid, TimeoutError(f"no word from the launcher on the rejoin in "
-                                                f"{self.decision_s:g} s"), self.launcher_pid, self.link)
-            time.sleep(0.02)
+        announced = self._decision()
         if announced["decision"] == "cancel" and trainer.is_global_zero:
             print(f"failover | live: the rejoin before step {announced['step']} was cancelled; going on with "
                   f"layout {self.generation.layout.describe()}", flush=True)
         return announced["decision"] == "join"
+
+    def _decision(self) -> dict:
+        """The announced rejoin of this process's generation once the launcher decided on it (waits at
+        most `decision_s`, then gives up: the restart path)."""
+        deadline = time.monotonic() + self.decision_s
+        while True:
+            announced = read_rejoin(self.store, self.generation.index) or {}
+            if announced.get("decision") in ("join", "cancel"):
+                return announced
+            if time.monotonic() > deadline:
+                _give_up(self.pid, TimeoutError(f"no word from the launcher on the rejoin in "
+                                                f"{self.decision_s:g} s"), self.launcher_pid, self.link)
+            time.sleep(0.02)
+
+    def _next_is_rejoins(self) -> bool:
+        """Whether generation `g + 1` belongs to a rejoin announced in this process's generation `g`:
+        one the launcher decided to take in (its undecided ones are waited for: a loss makes it cancel
+        them), or one a coordinator announced (it decides nothing).  A loss in `g` is then published for
+        `g + 1`, as the launcher cannot tell whether the survivors began forming it, and every survivor
+        re-forms `g + 2` from `g`'s layout without the lost ones: one still in `g` (the loss came between
+        the decision and the join step) exactly as one whose `grow` failed.  (Before, the survivors still
+        in `g` waited for a notice under `g`, found none and fell back to the restart path.)"""
+        if not self.repair or self.store is None or self.generation is None:
+            return False
+        try:
+            announced = read_rejoin(self.store, self.generation.index)
+        except Exception:  # noqa: BLE001 - a store that stopped answering: the recovery's wait says so
+            return False
+        if announced is None:
+            return False
+        if "attempt" not in announced:
+            return True
+        return self._decision()["decision"] == "join"
 
     def _grow(self, strategy: Any, source: int) -> None:
         """Rejoin at this step boundary; process `source` (a survivor, rank `source` of the original

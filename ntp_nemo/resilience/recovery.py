@@ -48,7 +48,7 @@ import torch.distributed as dist
 from ntp_nemo.launch.node_layout import node_name
 from ntp_nemo.resilience.live import Captured, ReshardResult, capture, reshard_snapshot
 from ntp_nemo.resilience.policies import Policy, Replan, replan
-from ntp_nemo.resilience.rendezvous import join, leave, store_barrier, wait_failed
+from ntp_nemo.resilience.rendezvous import failed_key, join, leave, store_barrier, wait_failed
 from ntp_nemo.topology.layout import ResolvedLayout
 
 # build(layout, rank) -> the rank's state on `layout` (a `runtime.assemble.RankState`, or any object with
@@ -215,7 +215,9 @@ def grow(store: dist.Store, generation: Generation, layout: ResolvedLayout, pid:
     `capture(*old)`, taken by the caller to re-form from if the rejoin fails (`recover(notice=...)`)."""
     start = time.time()
     marks = [start]
-    store_barrier(store, f"rejoin/gen{generation.index}/left", len(generation.members), timeout_s)
+    # A survivor lost before it came here is published for the generation being formed (`g + 1`)
+    store_barrier(store, f"rejoin/gen{generation.index}/left", len(generation.members), timeout_s,
+                  abort_key=failed_key(generation.index + 1))
     leave()  # generation `g` is healthy and idle: nothing to sever
     new_gen = generation.grown(layout)
     rank = new_gen.rank_of(pid)

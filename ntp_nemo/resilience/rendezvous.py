@@ -32,6 +32,7 @@ from ntp_nemo.resilience.nccl_abort import abort_generation, drain_device, prepa
 from ntp_nemo.resilience.sockets import sever
 from ntp_nemo.resilience.store_auth import (
     JobStore,
+    RendezvousAborted,
     SignedStore,
     UnauthenticatedPeerError,
     authenticate_group,
@@ -257,13 +258,24 @@ def _delete_generations(store: JobStore, chosen) -> int:  # noqa: ANN001 - a pre
     return removed
 
 
-def store_barrier(store: JobStore, key: str, count: int, timeout_s: float = 60.0) -> None:
-    """Block until `count` processes have reached `key` (no process group needed)."""
+def store_barrier(store: JobStore, key: str, count: int, timeout_s: float = 60.0,
+                  abort_key: str | None = None) -> None:
+    """Block until `count` processes have reached `key` (no process group needed).  `abort_key`: a signed
+    notice (the launcher's list of lost processes) that ends the wait at once with RendezvousAborted: one
+    of the `count` died and will never arrive."""
     store.add(key, 1)
     deadline = time.monotonic() + timeout_s
+    looked = time.monotonic()
     while store.add(key, 0) < count:
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             raise TimeoutError(f"{key}: fewer than {count} processes arrived in {timeout_s:.0f} s")
+        if abort_key is not None and now - looked >= SignedStore.SLICE_S:
+            looked = now
+            lost = store.read(abort_key)
+            if lost is not None:
+                raise RendezvousAborted(f"{key}: the launcher saw process(es) {lost} exit before every "
+                                        f"process arrived")
         time.sleep(0.002)
 
 

@@ -84,6 +84,35 @@ def test_a_failed_rejoin_cancels_the_rejoin_not_the_job(tmp_path, reference_loss
 
 
 @pytest.mark.slow
+def test_a_survivor_lost_between_a_rejoins_decision_and_its_join_step_is_recovered_live(tmp_path,
+                                                                                       reference_losses):
+    """Rank 2 of three is lost at step 3; its repair is announced to join two steps ahead and decided (the
+    repaired process is ready), and then survivor 1 dies at the start of the step before the join step
+    (phase `decided`): the last survivor is still in its generation, the launcher takes the rejoin's
+    generation as forming.  The loss is published for the rejoin's generation and the survivor re-forms
+    the one after it, live (before, it waited for a notice under its own generation, found none and fell
+    back to the restart path).  Both places are repaired later, and every step lands once on the
+    failure-free curve."""
+    run = tmp_path / "run"
+    proc = run_cli([*REJOIN_BASE, "mesh.dp=3", "fault=kill_rank", "fault.rank=2", "fault.step=3",
+                    "fault.repair_after_steps=1", "+fault.more=[{kind:kill_rank,rank:1,step:4,phase:decided}]",
+                    f"hydra.run.dir={run}"], cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert ("the rejoin of process(es) [2] failed after it was decided (process(es) [1] died): the "
+            "survivors re-form without them") in out, out[-4000:]
+    assert "falling back" not in out, out[-4000:]
+    assert "repaired process(es) rejoined: layout (1) -> (1,1,1)" in out, out[-4000:]
+    metrics = read_metrics(run)
+    assert [m["step"] for m in metrics] == list(range(1, 21))  # every step once
+    assert metrics[-1]["layout"] == "(1,1,1)"
+    reference = reference_losses("single-20")
+    for step, loss in _losses(run).items():
+        assert abs(loss - reference[step]) <= 1e-4 * abs(reference[step]), (step, loss, reference[step])
+    assert (run / "failover" / "attempts.jsonl").read_text().count("\n") == 1  # no relaunch
+
+
+@pytest.mark.slow
 def test_ctrl_c_during_a_live_rejoin_stops_quietly_with_the_resume_command(tmp_path):
     """Ctrl-C while a repaired process waits to join slow survivors: the survivors checkpoint and stop,
     the repaired process is stopped without a traceback, and the command prints the summary and the
