@@ -1,6 +1,6 @@
 """The vocabulary-parallel cross entropy read in chunks of tokens (`parallel.layers`): the value and the
 gradient of the unsharded softmax cross entropy, and no float32 copy of the whole batch's logits kept
-for the backward (`python bench/ce_memory.py` measures the peaks)."""
+for the backward (docs/performance.md, ce_memory: the peaks measured)."""
 
 from __future__ import annotations
 
