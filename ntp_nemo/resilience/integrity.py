@@ -57,6 +57,7 @@ from ntp_nemo.parallel.fingerprint import (
     local_fingerprints,
     replica_fingerprints,
 )
+from ntp_nemo.resilience.cross_replay import CrossVerdict, cross_source, cross_verdict, tolerance
 from ntp_nemo.resilience.faults import KILL_EXIT_CODE
 
 DEVICE_RATIO = 1e6  # a repeated outlier this many times every other rank's (or not finite): a bad device;
@@ -464,10 +465,28 @@ class IntegrityWatch(Callback):
 
     def _repeated(self, trainer: Trainer, pl_module: LightningModule, batch: dict, step: int, result: Any,
                   first: list[Suspect], again: list[Suspect], t0: float, kind: str, why: str) -> None:
-        """The replay of step `step` (its update not applied) was suspect again.  Outliers that are finite and
-        below `DEVICE_RATIO` are what honest data can give (a sample unlike the others): the step is applied
-        as computed, `reproducible`.  Else the rank's device is bad (`_exclude`)."""
-        if again and not device_evidence(again):
+        """The replay of step `step` (its update not applied) was suspect again.  The suspect replica's
+        micro-batches are computed by another replica too (`_cross_replay`): what it reproduces within the
+        dtype's rounding is the data's (a sample unlike the others), and the step is applied as computed,
+        `reproducible`; what it does not is the rank's device (`_exclude`).  With one replica, nothing to
+        compare with: outliers finite and below `DEVICE_RATIO` are kept as the data's."""
+        cross = self._cross_replay(trainer, pl_module, batch, result, again) if again else None
+        if cross is not None:
+            verdict, q_of, tol = cross
+            device = bool(verdict.unreproduced)
+            confirmed = [s for s in again if (s.rank, s.slot) in set(verdict.unreproduced)]
+            said = (f"replica(s) {q_of} computed the same micro-batches: the suspect value(s) "
+                    f"{'not ' if device else ''}reproduced (relative difference {verdict.suspect_diff:.3g}, "
+                    f"tolerance {tol:.2g}; every other slot within {verdict.honest_diff:.2g})")
+            evidence = {"cross": {"suspect_diff": verdict.suspect_diff, "honest_diff": verdict.honest_diff,
+                                  "tolerance": tol}}
+        else:
+            device = not again or device_evidence(again)
+            confirmed = again
+            said = f"by {'more' if device else 'less'} than {DEVICE_RATIO:.0e}x the other ranks (one replica: " \
+                   "no other to compute the same micro-batches)"
+            evidence = {}
+        if not device:
             if self._before is not None:
                 _set_rng_state(self._before[1])
                 self._restore_schedule(trainer, pl_module, self._before[0])
@@ -475,13 +494,56 @@ class IntegrityWatch(Callback):
             self._record_step(pl_module, redo, "reproducible")
             self._finding(trainer, t0, step=step, kind=kind, **self._where(pl_module, again),
                           verdict="reproducible",
-                          detail="; ".join(self._describe(pl_module, x) for x in again[:4]),
-                          action=f"{why}, by less than {DEVICE_RATIO:.0e}x the other ranks (a flipped "
-                                 "exponent bit of a bad device gives more; honest data can give this): the "
-                                 "step applied as computed")
+                          detail="; ".join(self._describe(pl_module, x) for x in again[:4]), **evidence,
+                          action=f"{why}; {said}: the data's, the step applied as computed")
             return
         self._record_step(pl_module, result, "device")
-        self._exclude(trainer, pl_module, batch, step, first, again, t0, kind, why)
+        self._exclude(trainer, pl_module, batch, step, first, confirmed, t0, kind, f"{why}; {said}", evidence)
+
+    def _compute_dtype(self, trainer: Trainer, pl_module: LightningModule) -> torch.dtype:
+        precision = str(getattr(trainer, "precision", ""))
+        if "bf16" in precision:
+            return torch.bfloat16
+        if precision.startswith("16"):
+            return torch.float16
+        return next((p.dtype for p in pl_module.model.parameters()), torch.float32)
+
+    def _cross_replay(self, trainer: Trainer, pl_module: LightningModule, batch: dict, result: Any,
+                      again: list[Suspect]) -> tuple[CrossVerdict, str, float] | None:
+        """Collective over the world: each replica computes the gradients of the next replica's
+        micro-batches of this step (forward and backward from the state before the step, no DP sync, no
+        update; `cross_replay.cross_source`) and every rank's row of the per-step check is gathered and
+        compared with the replay's (`cross_replay.cross_verdict`).  None with one replica, or when the
+        gradient sync overlaps the backward (its hooks would start the sync on one replica alone)."""
+        rt, state = pl_module.runtime, trainer.strategy.state
+        topo = rt.topology
+        if topo.dp < 2 or not dist.is_initialized() or result.own is None \
+                or getattr(state.grad_path, "overlap", None) is not None:
+            return None
+        mbs = pl_module.micro_batch_size
+        micro = pl_module.data.sampler.microbatch_ids(int(batch["step"]), mbs)
+        counts = rt.microbatch_counts(len(micro))
+        src = cross_source(rt.coord.replica, topo.dp)
+        start = sum(counts[:src])
+        ids = [int(i) for j in range(start, start + counts[src]) for i in micro[j]]
+        tokens = pl_module.data.train.batch(ids).view(counts[src], mbs, -1) if ids else []
+        rng = _rng_state()
+        self._inputs.reset()
+        state.grad_path.begin_step(len(tokens))
+        with self._context(trainer):
+            rt.train_microbatches(state.model, list(tokens), int(batch["global_tokens"]),
+                                  pl_module.manual_backward)
+        row = self._own(pl_module).cpu().tolist()
+        state.grad_path.zero_grad()
+        _set_rng_state(rng)
+        crossed = [x for r in self._gather(pl_module, row) for x in r]
+        stages = self._stages(pl_module)
+        replicas = [topo.coord(r).replica for r in range(topo.world_size)]
+        tol = tolerance(self._compute_dtype(trainer, pl_module))
+        verdict = cross_verdict([(s.rank, s.slot) for s in again], result.own, crossed, stages, replicas,
+                                topo.dp, tol)
+        q_of = ", ".join(sorted({str((replicas[s.rank] - 1) % topo.dp) for s in again}))
+        return verdict, q_of, tol
 
     def _describe(self, pl_module: LightningModule, s: Suspect) -> str:
         what = "largest activation" if s.slot == SLOTS \
@@ -509,7 +571,8 @@ class IntegrityWatch(Callback):
                                  f"replica(s) {', '.join(map(str, sorted(bad_on[i])))}")
 
     def _exclude(self, trainer: Trainer, pl_module: LightningModule, batch: dict, step: int,
-                 first: list[Suspect], again: list[Suspect], t0: float, kind: str, why: str) -> None:
+                 first: list[Suspect], again: list[Suspect], t0: float, kind: str, why: str,
+                 evidence: dict | None = None) -> None:
         """The replay of step `step` repeated what the step showed: the one rank named by both (or by the
         replay alone) is a bad device.  Its update was not applied; the rank leaves now and, under live
         recovery, the survivors redo the step from the state before it on the new layout (the curve stays
@@ -526,7 +589,7 @@ class IntegrityWatch(Callback):
         live = recovery is not None and getattr(recovery, "store", None) is not None
         where = self._where(pl_module, [s for s in again if s.rank == rank])
         self._finding(trainer, t0, step=step, kind=kind, **where, verdict="device",
-                      detail="; ".join(self._describe(pl_module, x) for x in again[:4]),
+                      detail="; ".join(self._describe(pl_module, x) for x in again[:4]), **(evidence or {}),
                       action=f"{why}; rank {rank} is excluded: it leaves now and "
                              + ("the survivors redo the step on the live path's new layout" if live
                                 else "the run goes on without it by the restart path"))

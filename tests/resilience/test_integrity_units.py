@@ -20,6 +20,7 @@ from ntp_nemo.goodput.incident_log import (
     table,
 )
 from ntp_nemo.resilience.corruption import bit_of, flip_bit_, flipped
+from ntp_nemo.resilience.cross_replay import cross_source, cross_verdict, relative_difference, tolerance
 from ntp_nemo.resilience.integrity import (
     SLOTS,
     IntegrityWatch,
@@ -80,6 +81,37 @@ def test_suspect_ranks_of_the_per_step_check():
     assert not device_evidence([Suspect(1, 3, 2.0, 0.00185)])  # 1081x: kept as the data's
     assert device_evidence([Suspect(1, 3, 1.06e35, 0.00147)])  # a flipped top exponent bit
     assert device_evidence([Suspect(1, 3, float("nan"), float("nan"))])
+
+
+def test_cross_replay_tells_a_bad_device_from_the_data():
+    """The replay repeated a suspect value: another replica computing the same micro-batches reproduces
+    the data's (within the dtype's rounding, whatever the TP degree) and not a bad device's."""
+    # (2,1): ranks 0-1 replica 0 (TP 2), rank 2 replica 1; rows of (slot 0, slot 1, activations)
+    stages, replicas = [0, 0, 0], [0, 0, 1]
+    tol = tolerance(torch.float32)
+    assert tol == pytest.approx(3.45e-4, rel=1e-2) and tolerance(torch.bfloat16) == pytest.approx(0.088, rel=1e-2)
+    # replica 1 (rank 2) computed replica 0's micro-batches and replica 0 replica 1's (cross_source)
+    assert (cross_source(0, 2), cross_source(1, 2), cross_source(2, 3)) == (1, 0, 0)
+    # seed 1 of the persistent campaign: an unused position row's gradient, 0 on every rank, is 2.0 on
+    # rank 1 on every step (1081x the others: below the old magnitude rule's 1e6, kept as data then)
+    replayed = [0.00185, 0.3, 1.2, 2.0, 0.2, 1.1, 0.0017, 0.25, 1.3]
+    # replica 0 computed replica 1's micro-batches (ranks 0-1), replica 1 replica 0's (rank 2)
+    crossed = [0.0017, 0.25, 1.2999999, 0.0009, 0.2, 1.1, 0.00185, 0.3000001, 1.2]
+    v = cross_verdict([(1, 0)], replayed, crossed, stages, replicas, 2, tol)
+    assert v.unreproduced == ((1, 0),) and v.suspect_diff > 0.99 and v.honest_diff < 1e-6
+    # seed 5's false alarm: one replica's honest gradient 1028x the other's, reproduced by the other replica
+    replayed = [0.00102, 0.3, 1.2, 0.0, 0.2, 1.1, 9.9e-7, 0.25, 1.3]
+    crossed = [9.9e-7, 0.25, 1.3, 9.9e-7, 0.25, 1.3, 0.0010200002, 0.3, 1.2]
+    v = cross_verdict([(0, 0)], replayed, crossed, stages, replicas, 2, tol)
+    assert v.unreproduced == () and v.suspect_diff < 1e-6
+    # not finite on the replay and on the other replica too: the data's; on one only: the device's
+    nan = float("nan")
+    assert cross_verdict([(2, 2)], [1, 1, 1, 1, 1, 1, 1, 1, nan], [1, 1, 1, 1, 1, 1, 1, 1, 1],
+                         stages, replicas, 2, tol).unreproduced == ((2, 2),)
+    assert cross_verdict([(2, 2)], [1, 1, 1, 1, 1, 1, 1, 1, nan], [1, 1, nan, 1, 1, nan, 1, 1, 1],
+                         stages, replicas, 2, tol).unreproduced == ()
+    # near zero, honest rounding is judged against the step's gradient scale, not the value itself
+    assert relative_difference(1e-9, 3e-9, 0.5) < tol and relative_difference(1e-9, 3e-9, 0.0) > tol
 
 
 def test_own_row_holds_each_parameters_largest_gradient_and_the_layer_inputs():
