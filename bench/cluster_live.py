@@ -12,6 +12,13 @@ four tasks; task 3 is killed with `kill -9` from outside when a step drawn from 
   every `--every` steps: every task exits, four new processes start with `resume=auto` (what a
   resubmitted job or the batch script's relaunch loop does) and resume from the latest checkpoint.
 
+With `--spares`: the time from the loss to the full layout training again, twice in one invocation: with a
+spare task started with the job (its own srun step, `--ntasks=1`: it waits for a place, warm: Lightning,
+torch and the model's shapes loaded meanwhile) and with a replacement started only after the loss (what a
+batch script's relaunch loop does without spares: it imports and builds everything while the survivors
+wait).  Last line: `cluster spares: loss -> full layout, replacement started after the loss X s, spare
+waiting Y s: ratio R`.
+
 Per path: caught up = from the kill until the step that was in flight completes again (its last record in
 metrics.jsonl), and lost steps = steps executed again, the interrupted one included (live: from the first
 step of the new layout, `recovery_done`; restart: from the checkpoint the relaunch resumes from).  Last line:
@@ -101,6 +108,51 @@ def live(base: list[str], steps: int, kill_after: int, work: Path) -> tuple[floa
     return caught_up(run, kill_after + 1, killed_t), lost, done[0]
 
 
+def to_full(base: list[str], steps: int, kill_after: int, work: Path, *, spare: bool) -> tuple[float, float]:
+    """(seconds from the kill of task 3 to the rejoin's `recovery_done`, seconds from the kill to the
+    replacement's word that it is ready to join): `spare`: the replacement waits from the job's start;
+    else it is started right after the kill."""
+    run = work / ("spare" if spare else "cold")
+    over = [*base, f"trainer.max_steps={steps}", "checkpoint.every_n_steps=0", f"hydra.run.dir={run}"]
+    port = free_port()
+    coordinator = start_coordinator(over, port, SECRET, work)
+    tasks = [start_task(over, i, 4, port, SECRET, work) for i in range(4)]
+    extra = []
+    try:
+        if spare:
+            extra.append(start_task(over, 0, 1, port, SECRET, work, step_id=1))
+            extra[0].wait_for("this spare is warm", 600)
+        wait_step(run, kill_after, tasks)
+        killed_t = time.time()
+        tasks[3].signal(signal.SIGKILL)
+        if not spare:
+            extra.append(start_task(over, 0, 1, port, SECRET, work, step_id=1))
+        for t in [*tasks[:3], *extra]:
+            if t.wait(900) != 0:
+                raise RuntimeError(f"{t.name} failed:\n{t.output[-3000:]}")
+        coordinator.wait(60)
+        ready_t = coordinator.wait_for("rejoin before step", 1)
+    finally:
+        for p in [coordinator, *tasks, *extra]:
+            p.kill()
+    events = [json.loads(x) for x in (run / "goodput.jsonl").read_text().splitlines()]
+    back = [e for e in events if e["event"] == "recovery_done" and e.get("rejoin")]
+    if not back:
+        raise RuntimeError(f"the replacement never rejoined in {steps} steps (raise --steps):\n"
+                           + coordinator.output[-3000:])
+    return back[0]["t"] - killed_t, ready_t - killed_t
+
+
+def spares(base: list[str], steps: int, kill_after: int, work: Path) -> None:
+    cold, cold_ready = to_full(base, steps, kill_after, work, spare=False)
+    warm, warm_ready = to_full(base, steps, kill_after, work, spare=True)
+    print(f"{'replacement':<28} {'loss -> rejoin announced (s)':>29} {'loss -> full layout (s)':>24}")
+    print(f"{'started after the loss':<28} {cold_ready:>29.2f} {cold:>24.2f}")
+    print(f"{'spare waiting (warm)':<28} {warm_ready:>29.2f} {warm:>24.2f}")
+    print(f"cluster spares: loss -> full layout, replacement started after the loss {cold:.2f} s, spare "
+          f"waiting {warm:.2f} s: ratio {cold / warm:.2f}")
+
+
 def restart(base: list[str], steps: int, kill_after: int, every: int, work: Path) -> tuple[float, int]:
     """(caught up, lost steps): the relaunched job redoes every step after the checkpoint it resumes from."""
     run = work / "restart"
@@ -137,9 +189,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--every", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--spares", action="store_true",
+                    help="compare a spare waiting with a replacement started after the loss (live only)")
     args, overrides = ap.parse_known_args()
     kill_after = random.Random(args.seed).randint(args.every + 2, args.steps // 2)
     base = [*TINY, *overrides]
+    if args.spares:
+        print(f"layout (2,2), 4 srun-like tasks, task 3 killed with kill -9 after step {kill_after} of "
+              f"{args.steps}; live recovery, then a replacement rejoins", flush=True)
+        with tempfile.TemporaryDirectory(prefix="cluster_spares_") as tmp:
+            spares(base, args.steps, kill_after, Path(tmp))
+        return
     print(f"layout (2,2), 4 srun-like tasks, task 3 killed with kill -9 after step {kill_after} of "
           f"{args.steps}; restart path: checkpoints every {args.every} steps", flush=True)
     with tempfile.TemporaryDirectory(prefix="cluster_live_") as tmp:

@@ -274,7 +274,8 @@ def _cluster_link(spec: RunSpec):
     from ntp_nemo.resilience.coordinator import FALLBACK_EXIT
 
     try:
-        link = open_link(proc.global_rank, proc.world_size, float(spec.failover.fault.heartbeat_timeout_s))
+        link = open_link(proc.global_rank, proc.world_size, float(spec.failover.fault.heartbeat_timeout_s),
+                         warm=lambda: _warm_spare(spec))
     except LinkRefused as err:
         raise ConfigError(COORDINATOR_ENV, f"{err}.") from None
     except LinkCut as err:  # load on the coordinator's link, not a mistake in the config: requeued
@@ -285,6 +286,15 @@ def _cluster_link(spec: RunSpec):
     print(f"coordinator {link.where}: this task ({proc.launcher} task {proc.global_rank}) {what} process "
           f"{link.place} of {link.world}", flush=True)
     return link
+
+
+def _warm_spare(spec: RunSpec) -> None:
+    """A cluster spare's warm-up while it waits for a place: torch as a CPU rank and the model on meta
+    (no CUDA call before the task has its place)."""
+    from ntp_nemo.resilience.spares import warm_torch_and_model
+
+    world = spec.layout.world_size if spec.failover.accelerator == "cpu" else 1
+    warm_torch_and_model(spec.model, "cpu", world)
 
 
 def check_config(cfg: DictConfig, explicit: set[str]) -> RunSpec:

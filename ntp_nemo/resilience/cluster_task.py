@@ -66,8 +66,13 @@ class ClusterLink:
     """This task's connection to the coordinator (see the module docstring)."""
 
     def __init__(self, address: tuple[str, int], want: int, ntasks: int, *, heartbeat_s: float,
-                 timeout_s: float = 300.0, say: Callable[[str], None] | None = None) -> None:
+                 timeout_s: float = 300.0, say: Callable[[str], None] | None = None,
+                 warm: Callable[[], None] | None = None) -> None:
+        """`warm()`: what a task told to wait as a spare does meanwhile, besides loading Lightning
+        (`spares.warm_torch_and_model`: torch and the model's shapes), so that it builds its trainer at
+        once when it gets a place."""
         self.address, self.want, self.ntasks = address, int(want), int(ntasks)
+        self.warm = warm
         self.heartbeat_s, self.timeout_s = float(heartbeat_s), float(timeout_s)
         self.say = say or (lambda s: print(s, file=sys.stderr, flush=True))
         self.job: JobStore | None = None
@@ -134,9 +139,8 @@ class ClusterLink:
         if "wait" in reply:
             self.say(f"coordinator {self.where}: {reply['wait']}; this task waits as a spare for a place")
             # A spare builds its trainer the moment it gets a place, while the survivors keep training:
-            # load Lightning (~10 s) during the wait, not after it.
-            threading.Thread(target=importlib.import_module, args=("lightning.pytorch",),
-                             name="ntp-spare-imports", daemon=True).start()
+            # load Lightning (~10 s) and warm torch and the model during the wait, not after it.
+            threading.Thread(target=self._warm_up, name="ntp-spare-warm-up", daemon=True).start()
             reply = self._next()
             if "end" in reply:
                 self.say(f"coordinator {self.where}: {reply['end']}; this spare exits")
@@ -150,6 +154,21 @@ class ClusterLink:
         threading.Thread(target=self._watch, name="ntp-coordinator-link", daemon=True).start()
         threading.Thread(target=self._send_beats, name="ntp-heartbeat", daemon=True).start()
         return self
+
+    def _warm_up(self) -> None:
+        """A waiting spare's warm-up (in a thread while the link waits for a place); a failure of it is
+        said and changes nothing else: the same work then happens once the task has its place."""
+        t0 = time.monotonic()
+        try:
+            importlib.import_module("lightning.pytorch")
+            if self.warm is not None:
+                self.warm()
+        except Exception as err:  # noqa: BLE001 - a warm-up is an optimisation, never a failure
+            self.say(f"coordinator {self.where}: this spare's warm-up failed ({type(err).__name__}: {err}); "
+                     "it builds everything once it has a place")
+            return
+        self.say(f"coordinator {self.where}: this spare is warm (Lightning, torch, the model's shapes) "
+                 f"{time.monotonic() - t0:.1f} s into its wait")
 
     def _link_port(self, deadline: float) -> int:
         """The link's port from the coordinator's signed record on its store; a store that answers but
@@ -365,8 +384,10 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def open_link(want: int, ntasks: int, heartbeat_s: float, timeout_s: float = 300.0) -> ClusterLink | None:
-    """The link of a task started under a coordinator (`NTP_COORDINATOR` set), else None."""
+def open_link(want: int, ntasks: int, heartbeat_s: float, timeout_s: float = 300.0,
+              warm: Callable[[], None] | None = None) -> ClusterLink | None:
+    """The link of a task started under a coordinator (`NTP_COORDINATOR` set), else None; `warm`: a
+    waiting spare's warm-up (`ClusterLink`)."""
     from ntp_nemo.resilience.cluster_protocol import coordinator_address
 
     address = coordinator_address()
@@ -374,7 +395,8 @@ def open_link(want: int, ntasks: int, heartbeat_s: float, timeout_s: float = 300
         return None
     # The store client waits up to `timeout_s` for the coordinator's server (the batch script starts both
     # at once).
-    return ClusterLink(address, want, ntasks, heartbeat_s=heartbeat_s, timeout_s=timeout_s).open()
+    return ClusterLink(address, want, ntasks, heartbeat_s=heartbeat_s, timeout_s=timeout_s,
+                       warm=warm).open()
 
 
 def run_task(link: ClusterLink, trainer: Any, module: Any, resume: Any, result: Any) -> None:

@@ -24,7 +24,8 @@ from ntp_nemo.resilience.policies import make_policy
 FAULT_KINDS = ("kill_rank", "hang", "slow", "kill_during_save", "corrupt_checkpoint", "bitflip",
                "poison_sample")
 BITFLIP_TARGETS = ("param", "grad", "activation")
-KILL_PHASES = ("step_start", "backward", "optimizer", "validation", "rejoin", "joining", "decided")
+KILL_PHASES = ("step_start", "backward", "optimizer", "validation", "rejoin", "joining", "decided",
+               "integrity")
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,7 @@ def _slow_factor(key: str, kind: str, spec: Any, steps: Any) -> float | None:
 
 
 STRAGGLER_POLICIES = ("report", "rebalance", "exclude")
+STRAGGLER_SHARDS = ("auto", "on", "off")  # fault.straggler_shards
 
 
 def validate_straggler_config(f: FaultConfig) -> None:
@@ -185,6 +187,10 @@ def validate_straggler_config(f: FaultConfig) -> None:
     if int(f.straggler_persist) < 1:
         raise ConfigError("fault.straggler_persist", f"must be >= 1 judgements in a row before a rank is "
                           f"called a straggler, got {f.straggler_persist}; e.g. 2.")
+    if str(getattr(f, "straggler_shards", "auto")) not in STRAGGLER_SHARDS:
+        raise ConfigError("fault.straggler_shards", f"unknown value {f.straggler_shards!r}; use auto (rebalance "
+                          "weighs the shards inside the straggler's TP group by speed in a one-replica job), "
+                          "on (in every job) or off (the batch split only).")
     top = 1 / (1 + float(f.straggler_margin))
     if not 0 <= float(f.straggler_floor) < top:
         raise ConfigError("fault.straggler_floor", f"must lie in [0, 1/(1+fault.straggler_margin)) = "
@@ -288,9 +294,10 @@ def validate_spares(spec: FailoverSpec, context: LaunchContext) -> None:
                           f"this run recovers by restart ({why}); use fault.recovery=live (or auto where "
                           "live can work), or set fault.spares=0.")
     if context.launcher is not None:
-        cluster = (" with an ntp-coordinator: there a spare is a task started beyond the job's task count, "
-                   "which waits for a place (docs/failover.md)" if context.coordinator else
-                   ", which starts no spare processes")
+        cluster = (" with an ntp-coordinator: there the spares are tasks the batch script starts as srun "
+                   "steps of their own (train_live.sbatch runs one per GPU on its last node and starts each "
+                   "again when it exits), which wait warm for a place (docs/failover.md, \"Hot spares\")"
+                   if context.coordinator else ", which starts no spare processes")
         raise ConfigError("fault.spares", f"hot spares are started by ntp-train's own launcher, but the "
                           f"processes of this run are started by {context.launcher}{cluster}; set "
                           "fault.spares=0.")

@@ -235,18 +235,27 @@ def spare_body(conn: Any, parent_conn: Any, warm: Callable[[], None], work: Call
 def warm_up(trainer: Any) -> None:
     """What a spare does before any loss (see the module docstring): nothing here depends on the rank it
     will take."""
+    strategy, module = trainer.strategy, trainer.strategy.lightning_module
+    warm_torch_and_model(module.model_cfg, strategy.root_device, strategy.layout.world_size)
+    data = module.data
+    micro = data.sampler.microbatch_ids(0, module.micro_batch_size)
+    data.train.batch(micro[0])
+
+
+def warm_torch_and_model(model_cfg: Any, device: Any, world_size: int) -> None:
+    """The rank-independent part of a spare's warm-up: torch set up as a rank of a `world_size` layout on
+    `device` (its intra-op threads, a forward and backward: the allocator and autograd's engine) and the
+    model built on `meta` (the model code's imports and its shapes).  Also what a cluster job's spare task
+    does while it waits for a place (`cluster_task.ClusterLink`): there `device` is the CPU, as no CUDA
+    call is made before the task has its place and its GPU."""
     import torch
 
     from ntp_nemo.models import build_model
 
-    strategy, module = trainer.strategy, trainer.strategy.lightning_module
-    device = strategy.root_device
-    if strategy.layout.world_size > 1 and device.type == "cpu":
+    device = torch.device(device)
+    if world_size > 1 and device.type == "cpu":
         torch.set_num_threads(1)  # as the strategy sets it in a CPU rank
     x = torch.randn(64, 64, device=device, requires_grad=True)
     (x @ x).sum().backward()
     with torch.device("meta"):
-        build_model(module.model_cfg)
-    data = module.data
-    micro = data.sampler.microbatch_ids(0, module.micro_batch_size)
-    data.train.batch(micro[0])
+        build_model(model_cfg)

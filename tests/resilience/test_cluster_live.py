@@ -60,6 +60,8 @@ def test_cluster_tasks_recover_live_from_a_kill_and_a_hang_and_a_spare_rejoins(t
     procs = [coordinator, *tasks, spare]
     try:
         spare.wait_for("waits as a spare", 300)
+        # warm before any loss: Lightning, torch and the model's shapes loaded while it waits
+        spare.wait_for("this spare is warm (Lightning, torch, the model's shapes)", 300)
         kill_at = random.Random(7).randint(4, 8)
         _wait_step(run, kill_at, tasks)
         tasks[3].signal(signal.SIGKILL)  # from outside, no checkpoint to fall back on
