@@ -6,7 +6,7 @@ The plain model's parameter names match `ntp_nemo.models.DecoderLM`, so it start
 same (layout-independent) initialisation and the benchmarks can check that both sides do the same
 work by comparing loss curves.
 
-Run as a script it is the plain-loop worker (used by overhead.py and throughput.py):
+Run as a script it is the plain-loop worker (used by throughput.py):
 
     python bench/_common.py --steps 25 --threads 1 --out plain.jsonl -- mesh.dp=1 mesh.tp=1 ...
 """
@@ -59,25 +59,6 @@ TOY_JOB = [*TINY_MODEL, *TINY_DATA, *TINY_OPTIM, "trainer.val_every_n_steps=1000
 
 
 # ---- config ---------------------------------------------------------------------------------------
-def llama_1b_slice(layers: int, tp: int, rank: int) -> Callable[[], nn.Module]:
-    """`make()`: TP rank `rank`'s slice of a Llama of the ~1.2B recipe's widths (hidden 2048, 16 heads /
-    8 KV heads, MLP 5632, vocabulary 128256, untied head) with `layers` layers, built without a process
-    group (the rank's TP context made by hand): what the start-up benches time."""
-    from ntp_nemo.models.model_config import ModelConfig
-    from ntp_nemo.models.transformer import DecoderLM
-    from ntp_nemo.topology.tp_context import TPContext
-
-    cfg = ModelConfig(arch="llama", vocab_size=128256, hidden_size=2048, num_layers=layers, num_heads=16,
-                      num_kv_heads=8, ffn_hidden_size=5632, max_seq_len=4096, tie_embeddings=False)
-    ctx = TPContext(size=tp, rank=rank, group=None)
-
-    class _Plan:  # every slot of the rank's one stage has the same TP context
-        def context(self, slot: int) -> TPContext:
-            return ctx
-
-    return lambda: DecoderLM(cfg, _Plan())
-
-
 def compose(overrides: Sequence[str]):
     """The DictConfig `ntp-train OVERRIDES` would run with."""
     from hydra import compose as hydra_compose
