@@ -205,8 +205,10 @@ class NTPStrategy(StrategyAdapter):
             self._launch_devices = list(self.parallel_devices or [])
             self._own_device = self.root_device if self._launch_devices else None
             return
-        if state.runtime.topology is old.runtime.topology:
-            return  # a rebalance: the same ranks, groups and shards, another batch split
+        if state.runtime.topology.shares_groups(old.runtime.topology):
+            # A rebalance: the same ranks and process groups (another batch split, or the shards re-laid
+            # out among them, `resilience.shard_relayout`)
+            return
         world = state.layout.world_size
         if isinstance(self.cluster_environment, LightningEnvironment):  # forked here: local rank = rank
             # The process keeps its own device (its tensors, its CUDA context) under its new rank: the
@@ -232,10 +234,11 @@ class NTPStrategy(StrategyAdapter):
         """From the next step on, run `layout`: the running layout with other batch shares (a straggler's
         replica measured slower gets less of the global batch, `ResolvedLayout.speeds`).  Every rank holds
         the same shards in the same process groups, so nothing moves; every rank calls it at the same
-        step (the straggler watch's verdicts are computed alike on every rank)."""
-        if not layout.same_ranks(self.layout):
+        step (the straggler watch's verdicts are computed alike on every rank).  Shards that move (other
+        `shard_speeds`) are the live re-layout's (`resilience.shard_relayout`, then `adopt`)."""
+        if not layout.same_shards(self.layout):
             raise ValueError(f"a rebalance keeps the ranks' shards: {layout.describe()} is not "
-                             f"{self.layout.describe()}")
+                             f"{self.layout.describe()} with the same shard weights")
         runtime = copy.copy(self.runtime)  # the same place, groups, sync and engine, read for a new split
         runtime.layout = layout
         self.adopt(dataclasses.replace(self.state, layout=layout, runtime=runtime))

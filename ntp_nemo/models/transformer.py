@@ -87,10 +87,11 @@ def attention_head_intervals(num_heads: int, num_kv_heads: int, tp: TPContext) -
     group carries more than one query head above its peers; each rank keeps the KV heads its query
     heads read, and a KV head whose query heads span two ranks is held by both (its gradient is summed
     over its holders by the gradient sync).  Splitting whole KV groups instead would give one of 7 ranks
-    two of Llama-3-8B's 8 groups: twice its peers' attention.
+    two of Llama-3-8B's 8 groups: twice its peers' attention.  With shard weights (`tp.weights`) the query
+    heads are split in proportion to them, and the KV heads follow the query heads alike.
     """
     group = num_heads // num_kv_heads
-    qlo, qhi = unit_interval(tp.rank, tp.size, num_heads)
+    qlo, qhi = tp.interval(num_heads)
     return (qlo, qhi), (qlo // group, (qhi - 1) // group + 1)
 
 

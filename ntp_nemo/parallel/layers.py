@@ -22,7 +22,7 @@ from ntp_nemo.parallel.sequence import (
     overlapped,
     replicated_grad_sum,
 )
-from ntp_nemo.topology.shard import ShardSpec, aligned_interval
+from ntp_nemo.topology.shard import ShardSpec
 from ntp_nemo.topology.tp_context import TPContext
 
 
@@ -44,11 +44,11 @@ def replicated_param(shape: tuple[int, ...], tp: TPContext, init: tuple) -> nn.P
 
 
 def _interval(tp: TPContext, units: int, interval: tuple[int, int] | None, unit_size: int) -> tuple[int, int]:
-    """The caller's interval, else this rank's balanced share; one-element units are aligned to
-    `tp.align` (larger units, e.g. attention heads, are whole already)."""
+    """The caller's interval, else this rank's share (balanced, or by the group's `tp.weights`); one-element
+    units are aligned to `tp.align` (larger units, e.g. attention heads, are whole already)."""
     if interval is not None:
         return interval
-    return aligned_interval(tp.rank, tp.size, units, tp.align if unit_size == 1 else 1)
+    return tp.interval(units, tp.align if unit_size == 1 else 1)
 
 
 def set_tp_overlap(model: nn.Module, on: bool) -> nn.Module:
@@ -156,7 +156,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, dim: int, tp: TPContext, *, std: float = 0.02) -> None:
         super().__init__()
         self.tp = tp
-        lo, hi = aligned_interval(tp.rank, tp.size, num_embeddings, tp.align)
+        lo, hi = tp.interval(num_embeddings, tp.align)
         self.vocab_start, self.vocab_end = lo, hi
         self.tp_overlap = False  # as the tied output head's projection (`set_tp_overlap`)
         self.weight = sharded_param(

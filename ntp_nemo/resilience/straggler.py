@@ -43,11 +43,13 @@ class StragglerSettings:
     margin: float = 0.4
     persist: int = 3
     floor: float = 0.2
+    shards: str = "auto"  # rebalance inside a TP group: auto (a one-replica job) | on | off
 
     @classmethod
     def from_config(cls, fault) -> StragglerSettings:
         return cls(str(fault.straggler), int(fault.straggler_every), float(fault.straggler_margin),
-                   int(fault.straggler_persist), float(fault.straggler_floor))
+                   int(fault.straggler_persist), float(fault.straggler_floor),
+                   str(getattr(fault, "straggler_shards", "auto")))
 
     @property
     def slow_below(self) -> float:
@@ -60,10 +62,13 @@ class StragglerSettings:
 
 def share_units(layout: ResolvedLayout) -> list[float]:
     """Per global rank, its modelled work per step on `layout` (arbitrary unit): the work model's cost per
-    token of its slices (1 for every rank when the layout carries no work shape) times its replica's
-    micro-batches."""
+    token of its slices (when the layout carries no work shape: 1 for every rank, or its shard weight)
+    times its replica's micro-batches."""
     world = layout.world_size
-    costs = rank_costs(layout.work, layout.topology()) if layout.work is not None else [1.0] * world
+    if layout.work is not None:
+        costs = rank_costs(layout.work, layout.topology())
+    else:  # no work shape: a rank's share of its group's shards is its shard weight
+        costs = list(layout.shard_speeds) if layout.shard_speeds is not None else [1.0] * world
     counts = layout.microbatch_counts()
     return [costs[r] * counts[layout.replica_of(r)] for r in range(layout.world_size)]
 
@@ -183,45 +188,83 @@ class StragglerDetector:
                          wait, ref)
 
 
-def replica_speeds(layout: ResolvedLayout, judgement: Judgement, stragglers: Sequence[int],
-                   step: float = 0.05) -> tuple[float, ...] | None:
-    """Per replica of `layout`, the speed of its slowest straggler (1 without one), rounded down to a
-    multiple of `step` (small changes of the estimate do not re-lay the job out); None when every replica
-    runs at full speed."""
-    out = [1.0] * layout.dp
+def _rounded(speed: float, step: float) -> float:
+    return round(max(step, int(speed / step) * step), 6)
+
+
+def rank_speeds(layout: ResolvedLayout, judgement: Judgement, stragglers: Sequence[int],
+                step: float = 0.05) -> list[float]:
+    """Per global rank of `layout`, its measured speed rounded down to a multiple of `step` if it is a
+    straggler, else 1 (small changes of the estimate do not re-lay the job out)."""
+    out = [1.0] * layout.world_size
     for r in stragglers:
-        i = layout.replica_of(r)
-        v = max(step, int(judgement.speed_of(r) / step) * step)
-        out[i] = min(out[i], round(v, 6))
+        out[r] = _rounded(judgement.speed_of(r), step)
+    return out
+
+
+def replica_speeds(layout: ResolvedLayout, judgement: Judgement, stragglers: Sequence[int],
+                   step: float = 0.05, weighted: Sequence[int] = ()) -> tuple[float, ...] | None:
+    """Per replica of `layout`, the speed of its slowest straggler (1 without one), rounded down to a
+    multiple of `step`; for a replica in `weighted` (its shards follow its ranks' speeds, `shard_speeds`)
+    its slowest stage's mean speed, the pace of shards in proportion.  None when every replica runs at
+    full speed."""
+    speeds = rank_speeds(layout, judgement, stragglers, step)
+    out = []
+    for i in range(layout.dp):
+        stages = [[speeds[r] for r in ranks] for ranks in layout.ranks_of(i)]
+        if i in weighted:
+            out.append(_rounded(min(sum(v) / len(v) for v in stages) + 1e-9, step))
+        else:
+            out.append(min(min(v) for v in stages))
     return None if all(v == 1.0 for v in out) else tuple(out)
+
+
+def shard_replicas(settings: StragglerSettings, layout: ResolvedLayout) -> tuple[int, ...]:
+    """The replicas whose shards `rebalance` weighs by speed: `fault.straggler_shards` on, or auto in a
+    one-replica job (no other replica can take a share of the batch), each with TP groups of 2 ranks or
+    more and the row/column pattern (a block grid's splits stay balanced)."""
+    if settings.shards == "off" or layout.pattern or (settings.shards == "auto" and layout.dp > 1):
+        return ()
+    topo = layout.topology()
+    return tuple(i for i in range(layout.dp)
+                 if max(topo.degree(i, slot) for slot in range(len(layout.layer_tp))) > 1)
 
 
 @dataclass(frozen=True)
 class Decision:
-    """What a policy does after a judgement: ranks to take out of the job, or a new batch split."""
+    """What a policy does after a judgement: ranks to take out of the job, or a new layout (another batch
+    split, other shard weights, or both)."""
 
     exclude: tuple[int, ...] = ()
-    layout: ResolvedLayout | None = None  # the running layout with new `speeds` (None: keep the split)
+    layout: ResolvedLayout | None = None  # the running layout with new `speeds`/`shard_speeds` (None: keep)
 
 
 def decide(settings: StragglerSettings, layout: ResolvedLayout, judgement: Judgement) -> Decision:
     """`report`: nothing.  `exclude`: every straggler leaves.  `rebalance`: a straggler below `floor`
-    leaves; otherwise its replica's share follows its measured speed (a new split only where the speeds
-    moved by more than half the margin and the micro-batch counts change; once no straggler is left, the
-    nominal split)."""
+    leaves; otherwise inside the replicas of `shard_replicas` each rank's shards follow its measured speed
+    (`ResolvedLayout.shard_speeds`), and every replica's share of the batch follows its speed
+    (`replica_speeds`).  Either changes only where the speeds moved by more than half the margin (the
+    batch split also only where the micro-batch counts change); once no straggler is left, the balanced
+    shards and the nominal split."""
     if settings.policy == "report" or not (judgement.new or judgement.recovered or judgement.stragglers):
         return Decision()
     excluded = tuple(r for r in judgement.stragglers
                      if settings.policy == "exclude" or judgement.speed_of(r) < settings.floor)
     if excluded:
         return Decision(exclude=excluded)
-    speeds = replica_speeds(layout, judgement, judgement.stragglers)
-    if not _worth_changing(layout.speeds, speeds, settings.margin / 2):
+    weighted = shard_replicas(settings, layout)
+    speeds = replica_speeds(layout, judgement, judgement.stragglers, weighted=weighted)
+    per_rank = rank_speeds(layout, judgement, judgement.stragglers)
+    shards = tuple(v if layout.replica_of(r) in weighted else 1.0 for r, v in enumerate(per_rank))
+    shards = None if all(v == 1.0 for v in shards) else shards
+    rel = settings.margin / 2
+    move = _worth_changing(layout.shard_speeds, shards, rel)
+    split = _worth_changing(layout.speeds, speeds, rel) and (
+        speeds is None or layout.with_changes(speeds=speeds).microbatches != layout.microbatches)
+    if not (move or split):
         return Decision()
-    new = layout.with_changes(speeds=speeds)
-    if speeds is not None and new.microbatches == layout.microbatches:
-        return Decision()
-    return Decision(layout=new)
+    return Decision(layout=layout.with_changes(speeds=speeds if split else layout.speeds,
+                                               shard_speeds=shards if move else layout.shard_speeds))
 
 
 def _worth_changing(current: tuple[float, ...] | None, wanted: tuple[float, ...] | None, rel: float) -> bool:
@@ -239,4 +282,4 @@ def predicted_compute_s(layout: ResolvedLayout, unit_s: float, rank_speeds: Sequ
 
 
 __all__ = ["Decision", "Judgement", "StragglerDetector", "StragglerSettings", "decide", "peer_groups",
-           "predicted_compute_s", "replica_speeds", "share_units"]
+           "predicted_compute_s", "rank_speeds", "replica_speeds", "shard_replicas", "share_units"]

@@ -11,9 +11,14 @@ added.  On a verdict (`fault.straggler`):
   the time the window's steps lost waiting for slow ranks (`straggler_wait`, its own badput category);
 - `rebalance`: the replica holding the straggler gets a batch share proportional to its measured speed
   (`ResolvedLayout.speeds`, on top of the capacity rule: NTP-PW's machinery fed by measured speed), from
-  the next step on; the shards stay where they are, so the re-layout moves no state, and the global batch
-  and its order stay, so the loss curve stays the failure-free one.  When the device recovers, the
-  shares go back.  A straggler below `fault.straggler_floor` is excluded as under `exclude`;
+  the next step on; a new batch split moves no state, and the global batch and its order stay, so the
+  loss curve stays the failure-free one.  When the device recovers, the
+  shares go back.  Inside the straggler's TP group (`fault.straggler_shards`: auto, in a one-replica
+  job where no other replica can take a share; on; off) each rank's shards follow its measured speed
+  (`ResolvedLayout.shard_speeds`): a live re-layout of the same ranks from their own memory
+  (`shard_relayout`), no restart and no disk; the replica's batch share then follows its mean speed.
+  When the device recovers, the shards go back to balanced the same way.  A straggler below
+  `fault.straggler_floor` is excluded as under `exclude`;
 - `exclude`: the straggler leaves the job as a lost rank does (exit status 137), and the failover path
   (live where it can work) re-plans the layout without it: its replica goes on at a reduced TP degree.
 """
@@ -127,7 +132,9 @@ class StragglerWatch(Callback):
             return  # no change, or the others meet the excluded rank's loss at their next collective
         new = decision.layout
         speeds = new.speeds
-        strategy.rebalance(new)
+        moved = None if new.same_shards(layout) else self._relayout(strategy, new)
+        if moved is None:
+            strategy.rebalance(new)
         self._layout = new
         rank_speed = [1.0] * layout.world_size
         for r in judgement.stragglers:
@@ -135,15 +142,30 @@ class StragglerWatch(Callback):
         predicted = predicted_compute_s(new, judgement.unit_s, rank_speed)
         full = [1.0] * len(rank_speed)
         nominal = predicted_compute_s(new.with_changes(speeds=None), judgement.unit_s, full)
+        shards = {} if moved is None else {
+            "shard_speeds": list(new.shard_speeds) if new.shard_speeds else None,
+            "moved_bytes": moved[0].moved_bytes, "relayout_s": moved[1]}
         if rank == 0:
             print(f"straggler | rebalance at step {step}: replica speeds "
                   f"{list(speeds) if speeds else 'all 1'}, micro-batches per replica "
-                  f"{list(layout.microbatch_counts())} -> {list(new.microbatch_counts())}; "
-                  f"modelled compute per step {predicted:.3f} s", flush=True)
+                  f"{list(layout.microbatch_counts())} -> {list(new.microbatch_counts())}"
+                  f"{_shard_words(new, moved)}; modelled compute per step {predicted:.3f} s", flush=True)
         if goodput is not None:
             goodput.record(REBALANCE, step=step, speeds=list(speeds) if speeds else None,
                            microbatches=list(new.microbatch_counts()), predicted_compute_s=predicted,
-                           nominal_compute_s=nominal, rank_speeds=rank_speed, unit_s=judgement.unit_s)
+                           nominal_compute_s=nominal, rank_speeds=rank_speed, unit_s=judgement.unit_s,
+                           **shards)
+
+    @staticmethod
+    def _relayout(strategy: Any, new: Any) -> tuple[Any, float]:
+        """Every rank takes its shards on `new` (other shard weights) from the ranks' memory and adopts
+        them (`shard_relayout`); returns (the reshard's result, seconds)."""
+        from ntp_nemo.resilience.shard_relayout import relayout, strategy_builder
+
+        t0 = time.perf_counter()
+        state, result = relayout(strategy.state, new, strategy_builder(strategy))
+        strategy.adopt(state)
+        return result, time.perf_counter() - t0
 
     def _report(self, trainer: Trainer, judgement: Judgement, rank: int, step: int) -> None:
         speed = judgement.speed_of(rank)
@@ -153,6 +175,15 @@ class StragglerWatch(Callback):
               f"); policy {self.settings.policy}", flush=True)
         _record_own(trainer, STRAGGLER, rank=rank, host=host, speed=speed, step=step,
                     policy=self.settings.policy)
+
+
+def _shard_words(new: Any, moved: tuple[Any, float] | None) -> str:
+    """The console's words on a shard re-layout (nothing when the shards stayed)."""
+    if moved is None:
+        return ""
+    weights = f"shard weights per rank {list(new.shard_speeds)}" if new.shard_speeds else "balanced shards"
+    return (f"; {weights} (live re-layout from the ranks' memory: {moved[0].moved_bytes} bytes moved in "
+            f"{moved[1]:.2f} s)")
 
 
 def _goodput(trainer: Trainer) -> Any:

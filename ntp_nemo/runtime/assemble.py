@@ -69,6 +69,7 @@ def assemble(
     param_dtype: torch.dtype | None = None,
     sync_plan: SyncPlan | None = None,
     initialize: bool = True,
+    groups_from: Any = None,
 ) -> RankState:
     """Build rank `rank`'s state on `layout` (collective over the layout's ranks: process groups and the
     sync plan).  `optim_cfg` holds the `optim` keys (lr, beta1, beta2, eps, weight_decay, distributed).
@@ -86,8 +87,9 @@ def assemble(
     `runtime.compile.compile_blocks`; the config refuses the options it does not support).
     `initialize=False` draws no initial weight (`place.build_model(..., initialize=False)`): the
     caller overwrites every value before the first step (a checkpoint being resumed, the survivors'
-    shards of a rejoin)."""
-    place = RankPlace(layout, rank, device=device)
+    shards of a rejoin).  `groups_from`: the running topology whose process groups the new place uses
+    (`RankPlace`; a re-layout of the shards among the same ranks)."""
+    place = RankPlace(layout, rank, device=device, groups_from=groups_from)
     if make_model is not None:
         model = make_model(place)
     else:

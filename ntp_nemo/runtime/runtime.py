@@ -10,6 +10,7 @@ squared gradient norm, non-finite flag, stop request) travel in one fused all-re
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,14 +38,19 @@ class RankPlace:
 
     `layout` is the run's `ResolvedLayout`, the only description of who runs what.  `device` defaults
     to the layout's device of this rank, else CPU; `torch.device("meta")` builds shapes only (dry run).
+    `groups_from`: a topology of the same ranks whose process groups this place uses (a re-layout of the
+    shards inside the running job, `Topology.share_groups`); only the groups it lacks are made.
     """
 
     def __init__(
-        self, layout: ResolvedLayout, rank: int, *, device: torch.device | str | None = None
+        self, layout: ResolvedLayout, rank: int, *, device: torch.device | str | None = None,
+        groups_from: Any = None,
     ) -> None:
         if not isinstance(layout, ResolvedLayout):
             raise TypeError(f"RankPlace takes a ResolvedLayout, got {type(layout).__name__}")
         self.topology = layout.topology()
+        if groups_from is not None:
+            self.topology.share_groups(groups_from)
         self.layout = layout
         self.rank = rank
         self.coord = self.topology.coord(rank)

@@ -21,7 +21,7 @@ from ntp_nemo.topology.work import WorkShape, modelled_capacities
 
 PowerBoost = float | tuple[float, ...] | None
 # Topology's own arguments
-_TOPOLOGY_FIELDS = ("tp", "replica_tp", "layer_tp", "pp", "stage_layers", "shard_align")
+_TOPOLOGY_FIELDS = ("tp", "replica_tp", "layer_tp", "pp", "stage_layers", "shard_align", "shard_speeds")
 
 
 def replica_capacities(tp: int, replica_tp: Sequence[int], power_boost: PowerBoost) -> list[float]:
@@ -40,7 +40,10 @@ CPU_TP_BACKENDS = ("ntpdirect", "gloo")  # ntp.cpu_tp_backend: the TP groups of 
 
 
 def _rule_capacities(rule: str, work: WorkShape | None, topo: Topology, boost: PowerBoost) -> list[float]:
+    """The capacities of balanced shards (weighted shards are the measured speeds' business: `speeds`)."""
     if rule == "work" and work is not None:
+        if topo.shard_speeds is not None:
+            topo = Topology(topo.tp, topo.replica_tp, topo.layer_tp, topo.pp, topo.stage_layers, topo.shard_align)
         return modelled_capacities(work, topo, boost)
     return replica_capacities(topo.tp, topo.replica_tp, boost)
 
@@ -85,6 +88,9 @@ class ResolvedLayout:
       q x q grid where the slot's degree is a square, `ntp_nemo.topology.grid`); empty: row/column.
     - `speeds`: per replica, the measured speed of its slowest rank (1: as fast as the work model says;
       `ntp_nemo.resilience.straggler`), multiplying its capacity; None: every replica at full speed.
+    - `shard_speeds`: per global rank, its measured speed, weighing its shards inside each of its TP groups
+      (`Topology.shard_speeds`, `shard.shard_interval`: contiguous intervals in proportion); None: balanced.
+      Not with a block pattern (its grid splits stay balanced).
     """
 
     tp: int
@@ -105,6 +111,7 @@ class ResolvedLayout:
     capacity: str = "ranks"
     speeds: tuple[float, ...] | None = None
     pattern: tuple[str, ...] = ()
+    shard_speeds: tuple[float, ...] | None = None
 
     @classmethod
     def make(
@@ -138,6 +145,9 @@ class ResolvedLayout:
             raise ValueError(f"speeds {list(speeds)}: expected one speed in (0, 1] per replica "
                              f"({len(replica_tp)})")
         caps = _with_speeds(_rule_capacities(capacity, work, topo, boost), speeds)
+        shard_speeds = getattr(t, "shard_speeds", None)
+        if shard_speeds is not None and not all(0 < v <= 1 for v in shard_speeds):
+            raise ValueError(f"shard speeds {list(shard_speeds)}: expected speeds in (0, 1]")
         layout = cls(
             tp=int(t.tp),
             replica_tp=replica_tp,
@@ -157,7 +167,11 @@ class ResolvedLayout:
             capacity=capacity,
             speeds=speeds,
             pattern=_patterns(pattern, len(t.layer_tp)),
+            shard_speeds=shard_speeds,
         )
+        if layout.shard_speeds is not None and layout.pattern:
+            raise ValueError("shard speeds weigh row/column shards only: the block pattern's grid splits "
+                             f"stay balanced (pattern {list(layout.pattern)})")
         if layout.devices is not None and len(layout.devices) != layout.world_size:
             raise ValueError(f"{len(layout.devices)} devices for a layout of {layout.world_size} ranks")
         return layout
@@ -177,7 +191,8 @@ class ResolvedLayout:
 
     def topology(self) -> Topology:
         """A fresh Topology (it owns process groups, so each runtime builds its own)."""
-        return Topology(self.tp, self.replica_tp, self.layer_tp, self.pp, self.stage_layers, self.shard_align)
+        return Topology(self.tp, self.replica_tp, self.layer_tp, self.pp, self.stage_layers, self.shard_align,
+                        self.shard_speeds)
 
     @cached_property
     def _capacities(self) -> tuple[float, ...]:
@@ -224,9 +239,14 @@ class ResolvedLayout:
         return [max(sum(r in bad for r in stage) for stage in self.ranks_of(i)) for i in range(self.dp)]
 
     def same_ranks(self, other: ResolvedLayout) -> bool:
-        """Every global rank holds the same shards in both layouts (saved RNG states carry over)."""
+        """Every global rank has the same place and TP groups in both layouts (saved RNG states carry over);
+        its shards are the same too unless the shard weights differ (`same_shards`)."""
         return (self.tp, self.replica_tp, self.layer_tp, self.pp, self.pattern) == (
             other.tp, other.replica_tp, other.layer_tp, other.pp, other.pattern)
+
+    def same_shards(self, other: ResolvedLayout) -> bool:
+        """Every global rank holds the same shards in both layouts (a batch split may differ)."""
+        return self.same_ranks(other) and self.shard_speeds == other.shard_speeds
 
     def table(self, num_heads: int, ffn_hidden: int, vocab: int) -> str:
         """Readable layout: rank -> replica, stage, slot, and the units held per layer kind."""
@@ -258,6 +278,8 @@ class ResolvedLayout:
         base = {k: v for k, v in asdict(self).items() if k != "microbatches"}
         if "replica_tp" in changes and "devices" not in changes:
             base["devices"] = None  # the old per-rank devices do not fit the new rank count
+        if ("replica_tp" in changes or "pp" in changes) and "shard_speeds" not in changes:
+            base["shard_speeds"] = None  # per-rank speeds of other ranks: the new layout starts balanced
         if "pp" in changes and "stage_layers" not in changes:
             base["stage_layers"] = None
         base.update(changes)

@@ -11,11 +11,20 @@ intervals are then balanced over blocks of `align` elements, so every boundary b
 falls on a multiple of `align` (GEMM shapes a GPU's tensor cores take at full speed) and shards differ
 by whole blocks; only the last rank's end is the tensor's end.  Aligned intervals are still
 contiguous unit-1 intervals, so everything that relates layouts by intersection is unchanged.
+
+Weighted intervals (`shard_interval` with `weights`, one per position: the straggler policy's measured
+speeds, `ResolvedLayout.shard_speeds`) are contiguous too, sized in proportion to the weights: position
+`i` starts at block `floor(B * W_i / W)` (`B` blocks of `align` units, `W_i` the weights before `i`, `W`
+their sum, in exact rational arithmetic); where that leaves a position without a block (and `B >= n`),
+every position gets one block and the other `B - n` are split by the same rule: `i + floor((B - n) W_i /
+W)`.  Equal weights give the balanced intervals exactly; no weights (None) take the balanced rule itself.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: the work model and the config checks import this without torch
@@ -38,9 +47,38 @@ def aligned_interval(index: int, n: int, units: int, align: int = 1) -> tuple[in
     return min(lo * align, units), min(hi * align, units)
 
 
-def aligned_sizes(n: int, units: int, align: int = 1) -> list[int]:
-    """The shard sizes of `units` over `n` ranks (`aligned_interval` of each position)."""
-    return [b - a for a, b in (aligned_interval(i, n, units, align) for i in range(n))]
+def aligned_sizes(n: int, units: int, align: int = 1, weights: Sequence[float] | None = None) -> list[int]:
+    """The shard sizes of `units` over `n` ranks (`shard_interval` of each position)."""
+    return [b - a for a, b in (shard_interval(i, n, units, align, weights) for i in range(n))]
+
+
+def _block_starts(n: int, blocks: int, weights: Sequence[float]) -> list[int]:
+    """First block of every position and the end (`n + 1` values): proportional to `weights`, at least one
+    block each where there are as many blocks as positions."""
+    w = [Fraction(str(float(x))) for x in weights]  # the decimal the weight prints as, exactly
+    total = sum(w)
+    before = [sum(w[:i], Fraction(0)) / total for i in range(n)]
+    starts = [int(blocks * b) for b in before]  # floor: exact, the same on every rank
+    if blocks >= n and any(a == b for a, b in zip(starts, starts[1:] + [blocks], strict=True)):
+        # a weight too small for one block: one block each, the rest in proportion
+        starts = [i + int((blocks - n) * b) for i, b in enumerate(before)]
+    return starts + [blocks]
+
+
+def shard_interval(index: int, n: int, units: int, align: int = 1,
+                   weights: Sequence[float] | None = None) -> tuple[int, int]:
+    """Units `[lo, hi)` of position `index` of `n`: `aligned_interval` without `weights`; with them (one
+    positive weight per position), contiguous intervals of whole `align`-unit blocks in proportion to the
+    weights (see the module docstring)."""
+    if weights is None:
+        return aligned_interval(index, n, units, align)
+    if len(weights) != n or not all(float(x) > 0 for x in weights):
+        raise ValueError(f"shard weights {list(weights)}: expected {n} positive weights")
+    if not 0 <= index < n:
+        raise ValueError(f"position {index} outside a group of {n}")
+    align = max(1, align)
+    starts = _block_starts(n, -(-units // align), weights)
+    return min(starts[index] * align, units), min(starts[index + 1] * align, units)
 
 
 @dataclass(frozen=True)

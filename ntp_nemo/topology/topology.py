@@ -4,6 +4,10 @@ Built once from the mesh and layout config and passed explicitly; there is no gl
 state.  Unlike a uniform `dp x pp x tp` mesh, replicas may hold different numbers of active TP
 ranks (`replica_tp`), so the world size is `pp * sum(replica_tp)` and the groups are a registry of
 rank tuples rather than the axes of a grid.
+
+`shard_speeds` (one per global rank, or None) weighs the shards inside every TP group: a rank's
+interval of a layer's units is in proportion to its speed among its group's (`shard.shard_interval`);
+`group_weights` hands each layer's context its group's weights.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class Topology:
         pp: int = 1,
         stage_layers: Sequence[int] | None = None,
         shard_align: int = 1,
+        shard_speeds: Sequence[float] | None = None,
     ) -> None:
         self.tp = tp
         self.shard_align = int(shard_align)  # elements per block of MLP-column / vocabulary-row splits
@@ -65,6 +70,9 @@ class Topology:
                 for j in range(n):
                     self.coords.append(RankCoord(len(self.coords), r, s, j))
         self._groups: dict[tuple[int, ...], Any] = {}
+        self.shard_speeds = None if shard_speeds is None else tuple(float(v) for v in shard_speeds)
+        if self.shard_speeds is not None and len(self.shard_speeds) != self.world_size:
+            raise ValueError(f"{len(self.shard_speeds)} shard speeds for a layout of {self.world_size} ranks")
 
     # ---- coordinates -------------------------------------------------------------------------
     @property
@@ -108,7 +116,26 @@ class Topology:
         k = c.slot // t
         return tuple(ranks[k * t : (k + 1) * t])
 
+    def group_weights(self, ranks: Sequence[int]) -> tuple[float, ...] | None:
+        """The shard weights of the TP group `ranks` (their `shard_speeds`): None where none are set or
+        the group's are all equal (the balanced intervals, which equal weights give anyway)."""
+        if self.shard_speeds is None or len(ranks) < 2:
+            return None
+        w = tuple(self.shard_speeds[r] for r in ranks)
+        return None if len(set(w)) == 1 else w
+
     # ---- process groups ----------------------------------------------------------------------
+    def share_groups(self, other: Topology) -> Topology:
+        """Use `other`'s process groups (the same ranks: a re-layout of the shards inside the running
+        job); `build_groups` then makes only the groups `other` lacks.  Returns self."""
+        if (self.replica_tp, self.pp) != (other.replica_tp, other.pp):
+            raise ValueError("process groups are shared between topologies of the same ranks only")
+        self._groups = other._groups
+        return self
+
+    def shares_groups(self, other: Topology) -> bool:
+        return self._groups is other._groups
+
     def tp_group_tuples(self) -> list[tuple[int, ...]]:
         """Every per-layer TP subgroup of size > 1, deterministic order (all ranks create them alike)."""
         seen: set[tuple[int, ...]] = set()
@@ -159,10 +186,10 @@ class Topology:
 
     # ---- reporting ---------------------------------------------------------------------------
     def units_held(self, rank: int, slot: int, units: int, align: int = 1) -> tuple[int, int]:
-        from ntp_nemo.topology.shard import aligned_interval
+        from ntp_nemo.topology.shard import shard_interval
 
         g = self.layer_group_ranks(rank, slot)
-        return aligned_interval(g.index(rank), len(g), units, align)
+        return shard_interval(g.index(rank), len(g), units, align, self.group_weights(g))
 
 
 class RankPlan:
@@ -178,5 +205,5 @@ class RankPlan:
         n = topo.replica_tp[topo.coord(self.rank).replica]
         return TPContext(
             size=len(ranks), rank=ranks.index(self.rank), group=topo.group(ranks), copies=n // len(ranks),
-            align=topo.shard_align,
+            align=topo.shard_align, weights=topo.group_weights(ranks),
         )

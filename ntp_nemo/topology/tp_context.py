@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ntp_nemo.topology.shard import shard_interval
+
 
 @dataclass(frozen=True)
 class TPContext:
@@ -18,6 +20,8 @@ class TPContext:
     (`ntp_nemo.parallel.sequence`).
     `align`: elements per block of a split into one-element units (MLP columns, vocabulary rows;
     `ntp.shard_align`), so shard boundaries fall on its multiples.
+    `weights`: one per position of the group, the shares of its sharded units (`shard.shard_interval`:
+    contiguous, in proportion; the straggler policy's measured speeds); None: balanced.
     """
 
     size: int = 1
@@ -26,10 +30,15 @@ class TPContext:
     copies: int = 1
     sequence_parallel: bool = False
     align: int = 1
+    weights: tuple[float, ...] | None = None
 
     @property
     def sharded(self) -> bool:
         return self.size > 1
+
+    def interval(self, units: int, align: int = 1) -> tuple[int, int]:
+        """This rank's units `[lo, hi)` of `units` (blocks of `align`): balanced, or by `weights`."""
+        return shard_interval(self.rank, self.size, units, align, self.weights)
 
 
 SINGLE = TPContext()

@@ -9,6 +9,8 @@ module counts, per rank, the matmul FLOPs of its parameter slices, the attention
 query heads and the bytes of its TP all-reduces (one number: FLOPs plus bytes times the device's FLOPs
 per link byte), and turns each replica's slowest rank into its capacity.  The batch split
 (`ResolvedLayout`), the planner and the simulator all read it, so they agree on who the straggler is.
+Shards weighted by measured speed (`Topology.shard_speeds`) are counted as the model splits them
+(`shard.shard_interval`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ntp_nemo.topology.shard import aligned_interval, unit_interval
+from ntp_nemo.topology.shard import shard_interval
 from ntp_nemo.topology.topology import Topology
 
 # Device FLOP/s over the TP link's bytes/s: the planner's default device (bf16 H100, 989 TFLOP/s dense at
@@ -71,22 +73,28 @@ def _allreduce_bytes(payload: float, degree: int) -> float:
     return 0.0 if degree <= 1 else 2.0 * (degree - 1) / degree * payload
 
 
-def attention_heads(position: int, degree: int, num_heads: int, num_kv_heads: int) -> tuple[int, int]:
-    """(query heads, KV heads) held by `position` of a `degree`-rank group: query heads in balanced
-    contiguous intervals, with every KV head they read (the model's split, `attention_head_intervals`)."""
+Weights = Sequence[float] | None  # a TP group's shard weights (None: balanced)
+
+
+def attention_heads(position: int, degree: int, num_heads: int, num_kv_heads: int,
+                    weights: Weights = None) -> tuple[int, int]:
+    """(query heads, KV heads) held by `position` of a `degree`-rank group: query heads in balanced (or
+    weighted) contiguous intervals, with every KV head they read (the model's split,
+    `attention_head_intervals`)."""
     group = num_heads // num_kv_heads
-    qlo, qhi = unit_interval(position, degree, num_heads)
+    qlo, qhi = shard_interval(position, degree, num_heads, 1, weights)
     return qhi - qlo, (qhi - 1) // group + 1 - qlo // group
 
 
-def layer_work(shape: WorkShape, degree: int, position: int, align: int = 1) -> RankWork:
+def layer_work(shape: WorkShape, degree: int, position: int, align: int = 1, weights: Weights = None
+               ) -> RankWork:
     """A transformer layer on position `position` of a `degree`-rank group: its query heads (balanced
-    intervals), the KV heads they read, its FFN columns (blocks of `align`, `ntp.shard_align`) and the
-    layer's four all-reduces."""
+    intervals, or by the group's `weights`), the KV heads they read, its FFN columns (blocks of `align`,
+    `ntp.shard_align`) and the layer's four all-reduces."""
     h, nh, nkv = shape.hidden_size, shape.num_heads, shape.num_kv_heads
     d = h // nh
-    nq, kv = attention_heads(position, degree, nh, nkv)
-    flo, fhi = aligned_interval(position, degree, shape.ffn_hidden_size, align)
+    nq, kv = attention_heads(position, degree, nh, nkv, weights)
+    flo, fhi = shard_interval(position, degree, shape.ffn_hidden_size, align, weights)
     params = h * d * (2 * nq + 2 * kv) + (3 if shape.gated_mlp else 2) * h * (fhi - flo)
     # Causal scores: QK^T and AV over half the sequence on average (2 * 2 * s/2 * d per head), x3 with
     # the backward.
@@ -94,13 +102,14 @@ def layer_work(shape: WorkShape, degree: int, position: int, align: int = 1) -> 
     return RankWork(6.0 * params, scores, 4 * _allreduce_bytes(h * ACT_BYTES, degree))
 
 
-def vocab_work(shape: WorkShape, degree: int, position: int, head: bool, align: int = 1) -> RankWork:
+def vocab_work(shape: WorkShape, degree: int, position: int, head: bool, align: int = 1,
+               weights: Weights = None) -> RankWork:
     """The embedding (one all-reduce of its output) or the output head (its matmul, the input gradient's
     all-reduce and the cross entropy's statistics) on a vocabulary slice."""
     h = shape.hidden_size
     if not head:
         return RankWork(comm_bytes=_allreduce_bytes(h * ACT_BYTES, degree))
-    lo, hi = aligned_interval(position, degree, shape.vocab_size, align)
+    lo, hi = shard_interval(position, degree, shape.vocab_size, align, weights)
     comm = _allreduce_bytes(h * ACT_BYTES, degree) + _allreduce_bytes(3 * CE_STAT_BYTES, degree)
     return RankWork(6.0 * h * (hi - lo), 0.0, comm)
 
@@ -113,15 +122,14 @@ def rank_work(shape: WorkShape, topology: Topology, rank: int) -> RankWork:
     slots = [0] * (c.stage == 0) + [i + 1 for i in topology.stage_layer_range(c.stage)]
     slots += [last] * (c.stage == topology.pp - 1)
     for slot in slots:
-        t = topology.degree(c.replica, slot)
-        pos = c.slot % t
+        shards = 0 if slot == last and shape.tie_embeddings else slot  # a tied head is the table's split
+        group = topology.layer_group_ranks(rank, shards)
+        t, pos, weights = len(group), group.index(rank), topology.group_weights(group)
         if slot in (0, last):
-            if slot == last and shape.tie_embeddings:
-                t = topology.degree(c.replica, 0)
-                pos = c.slot % t
-            total = total + vocab_work(shape, t, pos, head=slot == last, align=topology.shard_align)
+            total = total + vocab_work(shape, t, pos, head=slot == last, align=topology.shard_align,
+                                       weights=weights)
         else:
-            total = total + layer_work(shape, t, pos, topology.shard_align)
+            total = total + layer_work(shape, t, pos, topology.shard_align, weights)
     return total
 
 

@@ -1,0 +1,109 @@
+"""The in-TP-group straggler rebalance (issue 48): the `rebalance` policy weighs a one-replica job's shards
+by measured speed and puts them back when the device recovers (`straggler.decide`), and the live re-layout
+(`shard_relayout.relayout`: the same ranks take their new shards from each other's memory, no restart, no
+disk) in the middle of training keeps the single-process loss curve (float64, forked gloo workers)."""
+
+from __future__ import annotations
+
+import torch
+
+from ntp_nemo.launch.workers import run_workers
+from ntp_nemo.resilience.shard_relayout import relayout
+from ntp_nemo.resilience.straggler import (
+    StragglerDetector,
+    StragglerSettings,
+    decide,
+    peer_groups,
+    share_units,
+)
+from ntp_nemo.topology import ResolvedLayout, Topology
+from ntp_nemo.topology.work import WorkShape
+from tests.ntp_cases import LLAMA_KV4, OPTIM, SEED
+
+SHAPE = WorkShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4, ffn_hidden_size=128,
+                  vocab_size=257, seq_len=32, gated_mlp=False)
+WEIGHTS = (1.0, 0.5, 0.75)  # LLAMA_KV4's 8 query heads 3/2/3 over 3 ranks; KV heads 1 and 2 shared
+
+
+def _judge(det, layout, steps, speed_of_rank):
+    """The detector's judgements of `steps` whose compute times are the modelled shares at these speeds."""
+    units, peers = share_units(layout), peer_groups(layout)
+    out = [det.observe(s, [1e-9 * u / speed_of_rank(r) for r, u in enumerate(units)], units, peers)
+           for s in steps]
+    return [j for j in out if j is not None]
+
+
+def test_rebalance_weighs_a_one_replica_jobs_shards_and_puts_them_back():
+    settings = StragglerSettings(every=2, persist=1)
+    layout = ResolvedLayout.make(Topology(2, [2], [2] * 4), num_microbatches=6, work=SHAPE, capacity="work")
+    det = StragglerDetector(settings)
+    (j,) = _judge(det, layout, [1, 2], lambda r: 0.5 if r == 1 else 1.0)
+    d = decide(settings, layout, j)
+    assert d.layout.shard_speeds == (1.0, 0.5) and d.layout.same_ranks(layout)
+    assert d.layout.microbatches == layout.microbatches == (6,)  # one replica: the whole batch
+    heads = [d.layout.topology().units_held(r, 1, SHAPE.ffn_hidden_size) for r in range(2)]
+    assert heads == [(0, 85), (85, 128)]  # FFN columns 2:1
+    # on the weighted layout the slow rank, still at half speed, is judged as it was: nothing changes
+    (j,) = _judge(det, d.layout, [3, 4], lambda r: 0.5 if r == 1 else 1.0)
+    assert j.stragglers == (1,) and abs(j.speeds[1] - 0.5) < 0.01
+    assert decide(settings, d.layout, j).layout is None
+    (j,) = _judge(det, d.layout, [5, 6], lambda r: 1.0)  # the device recovers: balanced again
+    assert j.recovered == (1,)
+    assert decide(settings, d.layout, j).layout.shard_speeds is None
+    # `fault.straggler_shards=off`: nothing a one-replica job can do; two replicas with `on`: both apply,
+    # the slow replica's share following its mean speed (0.75), and `auto` there moves the batch only
+    assert decide(StragglerSettings(every=2, persist=1, shards="off"), layout, j).layout is None
+    two = ResolvedLayout.make(Topology(2, [2, 2], [2] * 4), num_microbatches=7, work=SHAPE, capacity="work")
+    (j,) = _judge(StragglerDetector(settings), two, [1, 2], lambda r: 0.5 if r == 1 else 1.0)
+    both = decide(StragglerSettings(every=2, persist=1, shards="on"), two, j).layout
+    assert both.shard_speeds == (1.0, 0.5, 1.0, 1.0) and both.speeds == (0.75, 1.0)
+    assert both.microbatches == (3, 4)
+    auto = decide(settings, two, j).layout
+    assert auto.shard_speeds is None and auto.speeds == (0.5, 1.0)
+
+
+def _train_worker(rank: int, world: int, steps: int, plan: dict) -> dict:
+    """`steps` steps of LLAMA_KV4 in float64 (AdamW, clipping) on one replica of `world` TP ranks
+    (ntp.shard_align=8); before step `s` of `plan`, a live re-layout to shard weights `plan[s]`
+    (None: balanced).  Losses, bytes moved and the FFN columns this rank held at every step."""
+    from ntp_nemo.runtime.assemble import assemble
+    from ntp_nemo.runtime.step import train_step
+
+    cfg = LLAMA_KV4
+    layout = ResolvedLayout.make(Topology(world, [world], [world] * 4, shard_align=8), num_microbatches=6)
+    state = assemble(layout, rank, cfg, OPTIM, None, seed=SEED, param_dtype=torch.float64)
+    losses, moved, held = [], [], []
+    for step in range(1, steps + 1):
+        if world > 1 and step in plan:
+            old = state
+
+            def build(new_layout, r, old=old):
+                return assemble(new_layout, r, cfg, OPTIM, None, seed=SEED, param_dtype=torch.float64,
+                                keep=(old.optimizer, old.model), initialize=False,
+                                groups_from=old.runtime.topology)
+
+            state, result = relayout(old, old.layout.with_changes(shard_speeds=plan[step]), build)
+            old.grad_path.remove()
+            moved.append((result.moved_bytes, result.needed_bytes))
+        gen = torch.Generator().manual_seed(1000 + step)
+        toks = torch.randint(0, cfg.vocab_size, (6, 9), generator=gen)
+        mine = state.runtime.my_microbatches(6)
+        result = train_step(state, [toks[i : i + 1] for i in mine], toks[:, 1:].numel(), max_norm=1.0)
+        losses.append(result.loss)
+        spec = next(p.ntp_spec for n, p in state.model.named_parameters() if n.endswith("up_proj.weight"))
+        held.append((spec.start, spec.start + spec.length))
+    return {"losses": losses, "moved": moved, "held": held}
+
+
+def test_live_relayout_to_weighted_shards_and_back_keeps_the_loss_curve_float64():
+    steps, plan = 4, {2: WEIGHTS, 4: None}
+    (single,) = run_workers(_train_worker, 1, steps, plan)
+    ranks = run_workers(_train_worker, 3, steps, plan)
+    for r in ranks:
+        assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], single["losses"], strict=True)) < 1e-10
+    # 70 FFN columns in 9 blocks of 8: balanced 3/3/3 blocks, weighted 1 : 0.5 : 0.75 -> 4/2/3, then balanced
+    assert [r["held"][0] for r in ranks] == [(0, 24), (24, 48), (48, 70)]
+    assert [r["held"][1] for r in ranks] == [(0, 32), (32, 48), (48, 70)]
+    assert [r["held"][3] for r in ranks] == [r["held"][0] for r in ranks]
+    for r in ranks:  # only what a rank did not hold moved: the plan's lower bound, both ways
+        assert all(0 < m == need for m, need in r["moved"]) and len(r["moved"]) == 2
