@@ -177,11 +177,14 @@ class FaultConfig(Sealable):
     # its share (report | rebalance | exclude), judged every `straggler_every` steps over that many steps
     # (0: no detection), when `straggler_margin` slower than the work model says for `straggler_persist`
     # judgements in a row; below `straggler_floor` speed, `rebalance` excludes the rank too.
+    # `straggler_shards`: `rebalance` also weighs the shards inside the straggler's TP group by speed
+    # (auto: in a one-replica job | on | off).
     straggler: str = "rebalance"
     straggler_every: int = 5
     straggler_margin: float = 0.4
     straggler_persist: int = 3
     straggler_floor: float = 0.2
+    straggler_shards: str = "auto"
 
 
 @dataclass
