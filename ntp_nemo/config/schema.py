@@ -155,7 +155,7 @@ class FaultConfig(Sealable):
     seconds: float = 1.0  # slow: extra seconds per step
     steps: int | None = None  # slow: for this many steps (None: to the end)
     factor: float | None = None  # slow: speed factor in (0, 1) in place of `seconds` (0.5: half speed)
-    phase: str = "step_start"  # kill_rank: step_start | backward | optimizer (when in the step it dies)
+    phase: str = "step_start"  # kill_rank: step_start | backward | optimizer | ... | integrity (when it dies)
     target: str = "param"  # bitflip: param | grad | activation
     bit: int | None = None  # bitflip: bit flipped (None: 22, the top fp32 mantissa bit; 30 grad/activation)
     persistent: bool = False  # bitflip: the same flip on every step from `step` on (a bad device)

@@ -11,7 +11,9 @@ Kinds (each strikes global rank `rank` of the layout running at the time, at opt
   after step `step` starts, before its collectives) or `rejoin` (live recovery: the repaired
   process started in place of rank `rank` dies during its start-up, before it joins the survivors) or
   `joining` (the repaired process dies once the launcher has decided to take it in, while the rejoin's
-  generation forms: the survivors re-form without it).
+  generation forms: the survivors re-form without it) or `integrity` (as it enters the integrity watch's
+  action on a finding at or after step `step`: its replays, cross replay, rollback or repair; the
+  survivors are in that action's collectives).
 - `hang`: the process stops making progress (sleeps forever); only heartbeats or timeouts reveal it.
 - `slow`: a straggler for `steps` steps (None: to the end; after them the device is fine again): with
   `factor`, the rank computes at that speed (its forward and backward take 1/factor of their measured
@@ -164,8 +166,8 @@ class FaultInjector(Callback):
                 if step >= f.step:
                     self._die_before_join(f, trainer, step)
                 continue
-            if f.kind == "kill_rank" and f.phase in ("rejoin", "joining", "validation"):  # not in a step
-                continue
+            if f.kind == "kill_rank" and f.phase in ("rejoin", "joining", "validation", "integrity"):
+                continue  # not in a step
             if f.kind == "kill_rank" and f.phase != "step_start":
                 if step >= f.step and not marker_path(self.fault_dir, f).exists():
                     self._arm(f, pl_module, trainer, step)
@@ -198,6 +200,14 @@ class FaultInjector(Callback):
         step = trainer.global_step  # the steps completed: this validation follows step `step`
         for f in self._mine(trainer, ("kill_rank",)):
             if f.phase == "validation" and step >= f.step and self._claim(f, step):
+                os._exit(KILL_EXIT_CODE)
+
+    def integrity_action(self, trainer: Trainer) -> None:
+        """The integrity watch enters an action after step `trainer.global_step`: a `kill_rank` fault of
+        phase `integrity` on this rank at or before that step kills it now (once per run)."""
+        step = trainer.global_step
+        for f in self._mine(trainer, ("kill_rank",)):
+            if f.phase == "integrity" and step >= f.step and self._claim(f, step):
                 os._exit(KILL_EXIT_CODE)
 
     def _arm(self, fault: Fault, pl_module: LightningModule, trainer: Trainer, step: int) -> None:

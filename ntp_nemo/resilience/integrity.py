@@ -58,7 +58,7 @@ from ntp_nemo.parallel.fingerprint import (
     replica_fingerprints,
 )
 from ntp_nemo.resilience.cross_replay import CrossVerdict, cross_source, cross_verdict, tolerance
-from ntp_nemo.resilience.faults import KILL_EXIT_CODE
+from ntp_nemo.resilience.faults import KILL_EXIT_CODE, FaultInjector
 
 DEVICE_RATIO = 1e6  # a repeated outlier this many times every other rank's (or not finite): a bad device;
 #                    a smaller one that the replay repeats exactly is the data's (kept)
@@ -288,6 +288,7 @@ class IntegrityWatch(Callback):
             return
         if self._model is not None:
             self.verified = None
+            self.divergent.clear()  # counted by the old layout's rank numbers
             for window in self.history.values():
                 window.clear()
         self._model = id(pl_module.model)
@@ -409,9 +410,36 @@ class IntegrityWatch(Callback):
 
     def _suspect_step(self, trainer: Trainer, pl_module: LightningModule, batch: dict, step: int) -> None:
         """The step applied no update: some rank's gradient or loss was not finite, or the per-step check
-        found a rank standing out.  Non-finite samples are looked for first (data); else the step is
-        replayed from the state before it on the same ranks: clean -> transient (the replay is the step),
-        the same rank again -> its device (excluded, the step redone without it)."""
+        found a rank standing out.  Attributed (`_attribute`) as one action under the live path's guard
+        (`_act`); a peer lost during it leaves every survivor with the state before the step: the step is
+        redone on the new layout (and attributed again if it is suspect again), nothing is classified."""
+        t0 = time.perf_counter()
+        first = self._suspects_of(pl_module, pl_module.rank_own)
+        nonfinite = not first or any(s.value != s.value or s.value == float("inf") for s in first)
+        kind = "nonfinite" if nonfinite else "outlier"
+        detail = "; ".join(self._describe(pl_module, x) for x in first[:4]) or None
+        if self._act(trainer, pl_module, lambda: self._attribute(trainer, pl_module, batch, step)):
+            return
+        batch.update(pl_module.batch_of_step(int(batch["step"]), pl_module.runtime.device))
+        if self._before is not None:
+            _set_rng_state(self._before[1])
+            self._restore_schedule(trainer, pl_module, self._before[0])
+        recovery = trainer.strategy.recovery
+        result = recovery.run_step(trainer.strategy, lambda b: self._train(trainer, pl_module, b), batch)
+        pl_module.rank_own = result.own
+        self._record_step(pl_module, result, "redone")
+        self._finding(trainer, t0, step=step, kind=kind, verdict="interrupted", detail=detail,
+                      action="no update applied; a peer was lost during the attribution: every survivor kept "
+                             f"the state before the step, and the step was redone on layout "
+                             f"{trainer.strategy.layout.describe()}: "
+                             + ("suspect again, attributed anew" if result.skipped else "clean, kept"))
+        if result.skipped:
+            self._suspect_step(trainer, pl_module, batch, step)
+
+    def _attribute(self, trainer: Trainer, pl_module: LightningModule, batch: dict, step: int) -> None:
+        """Non-finite samples are looked for first (data); else the step is replayed from the state before
+        it on the same ranks: clean -> transient (the replay is the step), the same rank again -> the
+        cross replay tells its device (excluded, the step redone without it) from the data (kept)."""
         t0 = time.perf_counter()
         rt = pl_module.runtime
         first = self._suspects_of(pl_module, pl_module.rank_own)
@@ -483,8 +511,8 @@ class IntegrityWatch(Callback):
         else:
             device = not again or device_evidence(again)
             confirmed = again
-            said = f"by {'more' if device else 'less'} than {DEVICE_RATIO:.0e}x the other ranks (one replica: " \
-                   "no other to compute the same micro-batches)"
+            said = f"by {'more' if device else 'less'} than {DEVICE_RATIO:.0e}x the other ranks (one " \
+                   "replica: no other to compute the same micro-batches)"
             evidence = {}
         if not device:
             if self._before is not None:
@@ -628,6 +656,15 @@ class IntegrityWatch(Callback):
             self._finding(trainer, t0, step=step, kind="spike", verdict="unknown", detail=why,
                           action="reported (no verified state to replay from)")
             return
+        if not self._act(trainer, pl_module,
+                         lambda: self._spike_replay(trainer, pl_module, batch, step, why, t0)):
+            self._finding(trainer, t0, step=step, kind="spike", verdict="interrupted", detail=why,
+                          action="a peer was lost during the rollback and replay: every survivor kept the "
+                                 "state after the step (applied as computed) and goes on on layout "
+                                 f"{trainer.strategy.layout.describe()}")
+
+    def _spike_replay(self, trainer: Trainer, pl_module: LightningModule, batch: dict, step: int, why: str,
+                      t0: float) -> None:
         first = self.verified.step
         before = dict(pl_module.last_step)
         result = self._rollback_and_replay(trainer, pl_module, step)
@@ -681,11 +718,27 @@ class IntegrityWatch(Callback):
         bad = sorted({m.rank for m in mismatches if m.majority})  # against a majority: the others are good
         first = self.verified.step if self.verified is not None else None
         if first is not None or bad:
-            result, moved = self._rollback_and_replay(trainer, pl_module, step, repair=bad) \
-                if first is not None else (None, self._repair_from_peers(trainer, pl_module, bad))
+            done: dict[str, Any] = {}
+
+            def repair() -> None:
+                result, moved = self._rollback_and_replay(trainer, pl_module, step, repair=bad) \
+                    if first is not None else (None, self._repair_from_peers(trainer, pl_module, bad))
+                _, again = self._fingerprints(trainer, pl_module)
+                done.update(result=result, moved=moved, again=again)
+
+            if not self._act(trainer, pl_module, repair):
+                # every survivor holds the state after the step again (the divergence in it), on a new
+                # layout: compared anew there (no verified copy fits it: a majority's repair alone)
+                self._finding(trainer, t0, step=step, kind="divergence", verdict="interrupted",
+                              detail="; ".join(m.describe() for m in mismatches[:4]),
+                              action="a peer was lost during the rollback and repair: every survivor kept "
+                                     "the state after the step; the replicas are compared again on layout "
+                                     f"{trainer.strategy.layout.describe()}")
+                self._check(trainer, pl_module, step)
+                return
+            result, moved, again = done["result"], done["moved"], done["again"]
             if result is not None:  # the step's record: its replay (what the state now holds)
                 self._record_step(pl_module, result, "replayed")
-            _, again = self._fingerprints(trainer, pl_module)
             fixed = not compare(plan, again)
             if fixed and first is not None:
                 self._keep(trainer, pl_module, step, replica_fingerprints(plan, again))
@@ -710,6 +763,68 @@ class IntegrityWatch(Callback):
             self._finding(trainer, t0, step=step, kind="divergence", replica=m.replica if named else None,
                           rank=m.rank if named else None, parameter=m.parameter, verdict=verdict,
                           action=what, detail=m.describe())
+
+    def _act(self, trainer: Trainer, pl_module: LightningModule, fn: Any) -> bool:
+        """Run `fn()`, an integrity action after the step (replays, sample evaluation, cross replay,
+        rollback, repair: collectives over the world), under the live path's guard
+        (`NTPStrategy.between_steps`).  Each rank keeps its state at the action's start (what every
+        survivor holds, wherever in the action, or before it, a peer was lost) and restores it when the
+        action fails, so that the live recovery reshards that state and never a half-applied one.
+        Returns whether the action ran to its end (False: a peer was lost and the survivors recovered;
+        the caller redoes what it must on the new layout).  Without live recovery `fn` runs as it is."""
+        for cb in trainer.callbacks:
+            if isinstance(cb, FaultInjector):
+                cb.integrity_action(trainer)  # a `kill_rank` fault of phase `integrity`
+        recovery = getattr(trainer.strategy, "recovery", None)
+        if getattr(recovery, "store", None) is None:
+            fn()
+            return True
+        saved = self._snapshot(trainer, pl_module)
+
+        def guarded() -> bool:
+            try:
+                fn()
+            except BaseException:
+                self._restore(trainer, pl_module, saved)
+                raise
+            return True
+
+        if _between_steps(trainer, guarded) is not None:
+            return True
+        self._follow_model(pl_module)
+        return False
+
+    def _snapshot(self, trainer: Trainer, pl_module: LightningModule) -> tuple[Verified, frozenset]:
+        """This rank's state now (parameters and optimizer state in host memory, LR schedule, RNG) and the
+        samples skipped so far."""
+        state = trainer.strategy.state
+        with torch.no_grad():
+            params = [p.detach().to("cpu", copy=True) for p in state.model.parameters()]
+        return (Verified(int(trainer.global_step), id(pl_module.model), params,
+                         _host_copy(state.optimizer.state_dict()),
+                         copy.deepcopy(pl_module.lr_schedulers().state_dict()), _rng_state(), 0),
+                pl_module.data.sampler.skipped)
+
+    def _restore(self, trainer: Trainer, pl_module: LightningModule, saved: tuple[Verified, frozenset]
+                 ) -> None:
+        """Back to `_snapshot`'s state (no collective); nothing when the model was replaced since."""
+        v, skipped = saved
+        if v.model_id != id(pl_module.model):
+            return
+        self._load(trainer, pl_module, v)
+        sampler = pl_module.data.sampler
+        if sampler.skipped != skipped:
+            sampler.skipped = skipped
+            sampler._perms.clear()
+
+    def _load(self, trainer: Trainer, pl_module: LightningModule, v: Verified) -> None:
+        state = trainer.strategy.state
+        with torch.no_grad():
+            for p, saved in zip(state.model.parameters(), v.params, strict=True):
+                p.copy_(saved)
+        state.optimizer.load_state_dict(copy.deepcopy(v.optimizer))
+        self._restore_schedule(trainer, pl_module, v.scheduler)
+        _set_rng_state(v.rng)
 
     def _keep(self, trainer: Trainer, pl_module: LightningModule, step: int, fingerprints: dict) -> None:
         state = trainer.strategy.state
@@ -745,13 +860,7 @@ class IntegrityWatch(Callback):
         memory (`_repair_from_peers`) instead of their own copy; then returns (result, bytes moved)."""
         v = self.verified
         assert v is not None
-        state = trainer.strategy.state
-        with torch.no_grad():
-            for p, saved in zip(state.model.parameters(), v.params, strict=True):
-                p.copy_(saved)
-        state.optimizer.load_state_dict(copy.deepcopy(v.optimizer))
-        self._restore_schedule(trainer, pl_module, v.scheduler)
-        _set_rng_state(v.rng)
+        self._load(trainer, pl_module, v)
         moved = self._repair_from_peers(trainer, pl_module, repair) if repair else 0
         device = pl_module.runtime.device
         result = None

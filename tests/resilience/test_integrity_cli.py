@@ -27,6 +27,10 @@ CASES = {
              "fault.rank=2", "fault.step=3"],
     "device": ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]", "fault=bitflip", "fault.target=grad",
                "fault.rank=2", "fault.step=3", "fault.persistent=true", "fault.recovery=live"],
+    # the same flip once, and rank 1 lost as the watch starts attributing it (inside its replay)
+    "interrupted": ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]", "fault=bitflip", "fault.target=grad",
+                    "fault.rank=2", "fault.step=3", "fault.recovery=live",
+                    "fault.more=[{kind:kill_rank,rank:1,step:3,phase:integrity}]"],
 }
 COMMON = [*TINY, "trainer.max_steps=8", "integrity.every_n_steps=4"]
 
@@ -126,3 +130,23 @@ def test_gradient_flip_caught_before_the_update(runs, reference_losses, case, ve
     if case == "device":
         log = (run / "train.log").read_text()
         assert "layout (2,1) -> (2)" in log and "integrity: step 3 redone without rank 2" in log
+
+
+@pytest.mark.slow
+def test_a_rank_lost_during_an_attribution_is_recovered_live(runs, reference_losses):
+    """Rank 1 dies as the watch starts attributing step 3 (its replay's collectives): the survivors
+    recover live (the attribution runs under the live path's guard) holding the state before the step,
+    which applied no update; the step is redone on the new layout and the finding says it was interrupted,
+    not classified.  Every step lands on the failure-free curve."""
+    run = runs.run_dir("interrupted")
+    (finding,) = _findings(run)
+    assert (finding["step"], finding["kind"], finding["verdict"]) == (3, "outlier", "interrupted")
+    assert finding["action"].endswith("the step was redone on layout (1,1): clean, kept")
+    log = (run / "train.log").read_text()
+    assert "failover | live: policy ntp: layout (2,1) -> (1,1)" in log  # live, not the restart path
+    assert "attempt 1" not in log
+    losses = {m["step"]: m["loss"] for m in read_metrics(run)}
+    ref = reference_losses("single-8")
+    assert sorted(losses) == list(range(1, 9))
+    for step in range(1, 9):
+        assert losses[step] == pytest.approx(ref[step], rel=1e-5), step
