@@ -188,24 +188,27 @@ def main() -> None:
     root = Path(args.dir or tempfile.mkdtemp(prefix="integrity_campaign_"))
     root.mkdir(parents=True, exist_ok=True)
     seeds = ",".join(str(s) for s in range(1, args.trials + 1))
+    right = total = 0
     for kind in [k for k in args.kinds.split(",") if k]:
         t0 = time.perf_counter()
         out = root / kind
         if not (args.reuse and all((out / str(j) / "summary.json").exists() for j in range(args.trials))):
             out = sweep([*COMMON, *KINDS[kind], f"seed={seeds}"], root, kind)
         classified = attributed = equal = 0
-        worst, notes, cross = 0.0, [], []
+        worst, notes, cross, ok = 0.0, [], [], {}
         for job, seed in enumerate(range(1, args.trials + 1)):
             c, a, why = judge(kind, out / str(job), seed)
             classified, attributed = classified + c, attributed + a
+            ok[seed] = c and a
             if not (c and a):
                 notes.append(f"seed {seed}: {why}")
             cross += [(seed, *m) for m in cross_margins(out / str(job))]
         if cross:
             device = [m for m in cross if m[1] == "device"]
             kept = [m for m in cross if m[1] == "reproducible"]
-            notes.append(f"cross replays: {len(device)} device (suspect values differ from the other replica's "
-                         f"computation by at least {min((m[2] for m in device), default=float('nan')):.3g} "
+            notes.append(f"cross replays: {len(device)} device (suspect values differ from the other "
+                         f"replica's computation by at least "
+                         f"{min((m[2] for m in device), default=float('nan')):.3g} "
                          f"relative), {len(kept)} reproducible (false alarms of the per-step check, seeds "
                          f"{sorted({m[0] for m in kept})}: at most "
                          f"{max((m[2] for m in kept), default=float('nan')):.3g}); every other slot at most "
@@ -218,6 +221,7 @@ def main() -> None:
             after = 8 if kind == "param" else FAULT_STEP  # the step the recovery ended in
             diff = max(abs(got[s] - want[s]) / abs(want[s]) for s in want if s >= after)
             equal += diff <= 1e-5
+            ok[seed] = ok[seed] and diff <= 1e-5
             worst = max(worst, diff)
             if diff > 1e-5:
                 notes.append(f"seed {seed}: curve after recovery differs by {diff:.2e} (relative)")
@@ -229,6 +233,10 @@ def main() -> None:
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
         for note in notes:
             print(f"    {note}")
+        right, total = right + sum(ok.values()), total + len(ok)
+    if total:
+        print(f"integrity campaign: {right}/{total} trials right (classified, attributed, and the curve "
+              f"after recovery equal to the failure-free run where compared)", flush=True)
     if args.clean:
         t0 = time.perf_counter()
         seeds = ",".join(str(s) for s in range(1, args.clean + 1))

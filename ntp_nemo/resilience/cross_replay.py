@@ -108,4 +108,5 @@ def cross_verdict(suspects: Sequence[tuple[int, int]], replayed: Sequence[float]
     return CrossVerdict(tuple(unreproduced), suspect_diff, honest_diff)
 
 
-__all__ = ["CrossVerdict", "cross_source", "cross_verdict", "relative_difference", "replica_rows", "tolerance"]
+__all__ = ["CrossVerdict", "cross_source", "cross_verdict", "relative_difference", "replica_rows",
+           "tolerance"]
