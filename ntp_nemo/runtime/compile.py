@@ -14,7 +14,7 @@ the graph and
 are refused (`compile_refusal`): sequence parallelism (the `ReplicatedGradReducer` backward asks autograd
 for its graph task id, which Dynamo cannot trace) and `ntp.tp_overlap` (`async_op=True` collectives,
 which Dynamo does not trace): 4 and 8 graph breaks in a block of gpt_tiny at TP 2
-(`python bench/compile_blocks.py --explain`, docs/performance.md, compile).  Quantisation-aware training
+(docs/performance.md, compile).  Quantisation-aware training
 is refused as well: its modelopt quantisers were not run under compilation.
 
 The first step compiles (15 to 50 s for the models of the tests and benchmarks on 2 shared cores, cold

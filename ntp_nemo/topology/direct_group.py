@@ -1,11 +1,11 @@
 """A CPU process group whose tensor collectives run over direct TCP connections, on the calling thread.
 
 Why: on CPU a gloo collective costs milliseconds whatever its size.  On the 2-core machine of
-`docs/benchmarks.md` (two forked processes, one torch thread each), `python bench/direct_group.py`
-measured a gloo all-reduce of 8 float32 values at 1.58 ms of wall and 0.90 ms of CPU, one of 64 Ki values
+docs/performance.md ("The TP groups' transport: ntpdirect": two forked processes, one torch thread
+each), a bench measured a gloo all-reduce of 8 float32 values at 1.58 ms of wall and 0.90 ms of CPU, one of 64 Ki values
 at 1.32 ms and 0.84 ms: gloo hands every message between the calling thread and its I/O thread.  A TP
 step of the default recipe makes 115 of them (four per layer per micro-batch, the embedding's, the
-head's, the loss's), so half of a TP2 step was collectives (`python bench/step_profile.py --tp 2`).  The
+head's, the loss's), so half of a TP2 step was collectives (docs/performance.md, "Profile of a TP2 step").  The
 same collectives on this group, with non-blocking sockets on the calling thread: 0.13 ms and 0.18 ms of
 wall (0.09 and 0.15 ms of CPU), side by side in the same bench.
 
@@ -58,7 +58,7 @@ _MAGIC = b"NTPD"
 _OPS = {"SUM", "AVG", "MAX", "MIN", "PRODUCT"}
 # An all-reduce of at least this many bytes in a group of 3 or more ranks runs in two phases (reduce-scatter,
 # then all-gather of the reduced chunks): each rank sends 2 (size - 1) / size times its tensor instead of
-# (size - 1) times it, for one more round trip.  `python bench/direct_group.py` (docs/performance.md).
+# (size - 1) times it, for one more round trip (measured: docs/performance.md, ntpdirect).
 TWO_PHASE_BYTES = 1 << 19
 
 

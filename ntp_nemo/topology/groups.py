@@ -25,7 +25,7 @@ tensors need it, except the TP groups (below).
 
 TP groups of a CPU world of CPU ranks: the `ntpdirect` backend (`topology.direct_group`: tensor
 collectives over direct TCP connections on the calling thread; at two ranks 3 to 12 times cheaper per
-collective than gloo on CPU, `python bench/direct_group.py`), unless `ntp.cpu_tp_backend=gloo`; ranks
+collective than gloo on CPU: docs/performance.md, ntpdirect), unless `ntp.cpu_tp_backend=gloo`; ranks
 on GPUs never take it (it moves CPU tensors only: `tp_backend`).  The strategy passes that key to its
 workers as `NTP_NEMO_CPU_TP_BACKEND` (read here, in the worker, when the groups are made: a live
 recovery's groups follow it too).
