@@ -2,12 +2,12 @@
 
 Why: on CPU a gloo collective costs milliseconds whatever its size.  On the 2-core machine of
 docs/performance.md ("The TP groups' transport: ntpdirect": two forked processes, one torch thread
-each), a bench measured a gloo all-reduce of 8 float32 values at 1.58 ms of wall and 0.90 ms of CPU, one of 64 Ki values
-at 1.32 ms and 0.84 ms: gloo hands every message between the calling thread and its I/O thread.  A TP
-step of the default recipe makes 115 of them (four per layer per micro-batch, the embedding's, the
-head's, the loss's), so half of a TP2 step was collectives (docs/performance.md, "Profile of a TP2 step").  The
-same collectives on this group, with non-blocking sockets on the calling thread: 0.13 ms and 0.18 ms of
-wall (0.09 and 0.15 ms of CPU), side by side in the same bench.
+each), a bench measured a gloo all-reduce of 8 float32 values at 1.58 ms of wall and 0.90 ms of CPU,
+one of 64 Ki values at 1.32 ms and 0.84 ms: gloo hands every message between the calling thread and its
+I/O thread.  A TP step of the default recipe makes 115 of them (four per layer per micro-batch, the
+embedding's, the head's, the loss's), so half of a TP2 step was collectives (docs/performance.md,
+"Profile of a TP2 step").  The same collectives on this group, with non-blocking sockets on the calling
+thread: 0.13 ms and 0.18 ms of wall (0.09 and 0.15 ms of CPU), side by side in the same bench.
 
 What: `DirectGroup`, a `torch.distributed.ProcessGroup` written in Python and registered as the
 backend `ntpdirect` for CPU tensors, so `dist.all_reduce(x, group=g)` and the other calls of the TP
