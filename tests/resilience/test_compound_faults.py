@@ -95,7 +95,8 @@ def test_a_survivor_lost_between_a_rejoins_decision_and_its_join_step_is_recover
     failure-free curve."""
     run = tmp_path / "run"
     proc = run_cli([*REJOIN_BASE, "mesh.dp=3", "fault=kill_rank", "fault.rank=2", "fault.step=3",
-                    "fault.repair_after_steps=1", "+fault.more=[{kind:kill_rank,rank:1,step:4,phase:decided}]",
+                    "fault.repair_after_steps=1",
+                    "+fault.more=[{kind:kill_rank,rank:1,step:4,phase:decided}]",
                     f"hydra.run.dir={run}"], cwd=tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
