@@ -9,8 +9,10 @@ Three detectors, each deciding the same way on every rank (from values every ran
   skipped (`GlobalBatchSampler.skip`, recorded in `integrity/skipped_samples.json` so a rerun skips it
   too) and the step redone without it.  If no sample is, the step is replayed whole on the same ranks,
   each rank's gradient checked before the DP sync: finite -> `transient`, the replay is the step;
-  non-finite again on one rank -> `device`: that rank leaves at the next step and the live path goes on
-  without it.
+  suspect again on one rank -> the cross replay (`cross_replay`: another replica computes the same
+  micro-batches): not reproduced -> `device`, that rank leaves and the live path redoes the step without
+  it; reproduced -> `reproducible` (the data's, applied as computed).  The per-step check's held steps
+  (a rank's own largest gradient element or layer input standing out of its stage's) go the same way.
 - **loss or gradient-norm spike** beyond `spike_zscore` standard deviations of the last `spike_window`
   steps: rolled back to the last verified state and replayed; a spike the replay does not repeat was
   `transient`, one it repeats is kept (`reproducible`) unless one rank's own gradient norm stands out
@@ -21,6 +23,9 @@ Three detectors, each deciding the same way on every rank (from values every ran
   every rank rolls back to the last verified state (`keep_verified`: a copy of the parameters, optimizer
   and schedule taken at each passed check, one more model and optimizer in host memory per rank) and
   replays the steps since; the same rank diverging again is a bad device and is excluded.
+
+Every action on a finding runs under the live path's guard (`_act`): a peer lost during it leaves each
+survivor with its state at the action's start, and the recovery reshards that.
 
 Each finding is one console line (global rank 0), a line of `integrity/incidents.jsonl`
 (`goodput.incidents`, read by `ntp-incidents RUN_DIR` and the run summary) and the seconds it took as
@@ -60,8 +65,8 @@ from ntp_nemo.parallel.fingerprint import (
 from ntp_nemo.resilience.cross_replay import CrossVerdict, cross_source, cross_verdict, tolerance
 from ntp_nemo.resilience.faults import KILL_EXIT_CODE, FaultInjector
 
-DEVICE_RATIO = 1e6  # a repeated outlier this many times every other rank's (or not finite): a bad device;
-#                    a smaller one that the replay repeats exactly is the data's (kept)
+DEVICE_RATIO = 1e6  # one replica (no cross replay): a repeated outlier this many times every other rank's
+#                    (or not finite) is a bad device; a smaller one is the data's (kept)
 SLOTS = 64  # the per-step check's slots per rank: parameter i of the rank's stage in slot i % SLOTS, then one
 #             for the activations entering its layers
 

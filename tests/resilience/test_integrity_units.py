@@ -77,7 +77,7 @@ def test_suspect_ranks_of_the_per_step_check():
     assert find_suspects([5.0, -1.0, -1.0, 0.001], [0, 1], 1000) == []
     assert find_suspects([5.0, 0.001], [0, 1], 1000) == []
     assert find_suspects([0.3, 600.0], [0, 0], 0) == []  # 0: the check is off
-    # repeated by the replay: a bad device only beyond what data can give (or not finite)
+    # one replica (no cross replay): a bad device only beyond what data can give (or not finite)
     assert not device_evidence([Suspect(1, 3, 2.0, 0.00185)])  # 1081x: kept as the data's
     assert device_evidence([Suspect(1, 3, 1.06e35, 0.00147)])  # a flipped top exponent bit
     assert device_evidence([Suspect(1, 3, float("nan"), float("nan"))])
