@@ -731,15 +731,9 @@ class IntegrityWatch(Callback):
                 _, again = self._fingerprints(trainer, pl_module)
                 done.update(result=result, moved=moved, again=again)
 
+            named_here = trainer.global_rank in bad  # this process's memory disagreed with a majority
             if not self._act(trainer, pl_module, repair):
-                # every survivor holds the state after the step again (the divergence in it), on a new
-                # layout: compared anew there (no verified copy fits it: a majority's repair alone)
-                self._finding(trainer, t0, step=step, kind="divergence", verdict="interrupted",
-                              detail="; ".join(m.describe() for m in mismatches[:4]),
-                              action="a peer was lost during the rollback and repair: every survivor kept "
-                                     "the state after the step; the replicas are compared again on layout "
-                                     f"{trainer.strategy.layout.describe()}")
-                self._check(trainer, pl_module, step)
+                self._repair_after_loss(trainer, pl_module, step, mismatches, named_here, t0)
                 return
             result, moved, again = done["result"], done["moved"], done["again"]
             if result is not None:  # the step's record: its replay (what the state now holds)
@@ -768,6 +762,32 @@ class IntegrityWatch(Callback):
             self._finding(trainer, t0, step=step, kind="divergence", replica=m.replica if named else None,
                           rank=m.rank if named else None, parameter=m.parameter, verdict=verdict,
                           action=what, detail=m.describe())
+
+    def _repair_after_loss(self, trainer: Trainer, pl_module: LightningModule, step: int, mismatches: list,
+                           named_here: bool, t0: float) -> None:
+        """A peer was lost during a divergence's rollback and repair: every survivor holds the state after
+        the step again (the divergence in it), on the new layout, where no verified copy fits.  The
+        processes the fingerprint named against a majority (each knows it was) take their parameters and
+        optimizer state from the others' memory on the new layout; the updates since the last check are
+        not replayed.  Then the replicas are compared again."""
+        flags = _between_steps(trainer, lambda: self._gather(pl_module, bool(named_here)))
+        named = [r for r, f in enumerate(flags or []) if f]
+        moved: dict[str, int] = {}
+
+        def repair() -> None:
+            moved["n"] = self._repair_from_peers(trainer, pl_module, named)
+
+        if named and not self._act(trainer, pl_module, repair):
+            named = []  # lost again: the next comparison finds what is left
+        took = (f"rank(s) {', '.join(map(str, named))} (the process(es) named) took their parameters and "
+                f"optimizer state from the others' memory there ({moved.get('n', 0)} bytes moved)") if named \
+            else "the process(es) named were not repaired (lost, or the repair was interrupted)"
+        self._finding(trainer, t0, step=step, kind="divergence", verdict="interrupted",
+                      detail="; ".join(m.describe() for m in mismatches[:4]),
+                      action="a peer was lost during the rollback and repair: every survivor kept the state "
+                             f"after the step, on layout {trainer.strategy.layout.describe()}; {took}; the "
+                             "updates since the last check are not replayed; the replicas are compared again")
+        self._check(trainer, pl_module, step)
 
     def _act(self, trainer: Trainer, pl_module: LightningModule, fn: Any) -> bool:
         """Run `fn()`, an integrity action after the step (replays, sample evaluation, cross replay,

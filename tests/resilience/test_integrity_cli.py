@@ -31,6 +31,10 @@ CASES = {
     "interrupted": ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]", "fault=bitflip", "fault.target=grad",
                     "fault.rank=2", "fault.step=3", "fault.recovery=live",
                     "fault.more=[{kind:kill_rank,rank:1,step:3,phase:integrity}]"],
+    # a parameter flip on rank 1 at step 3, and rank 3 lost as the check of step 4 starts its repair
+    "repair_interrupted": ["mesh.dp=3", "mesh.tp=2", "ntp.replica_tp=[2,1,1]", "fault=bitflip",
+                           "fault.rank=1", "fault.step=3", "fault.recovery=live",
+                           "fault.more=[{kind:kill_rank,rank:3,step:4,phase:integrity}]"],
 }
 COMMON = [*TINY, "trainer.max_steps=8", "integrity.every_n_steps=4"]
 
@@ -150,3 +154,19 @@ def test_a_rank_lost_during_an_attribution_is_recovered_live(runs, reference_los
     assert sorted(losses) == list(range(1, 9))
     for step in range(1, 9):
         assert losses[step] == pytest.approx(ref[step], rel=1e-5), step
+
+
+@pytest.mark.slow
+def test_a_rank_lost_during_a_divergence_repair_leaves_no_half_applied_repair(runs):
+    """Rank 3 dies as the check of step 4 starts the rollback and repair of rank 1's flipped weight: every
+    survivor goes back to the state after step 4 (none keeps a half-applied rollback), the live path
+    re-forms (2,1), and the process the fingerprint named takes its state from the others' memory on the
+    new layout; the replicas agree again there and at step 8 (no further finding)."""
+    run = runs.run_dir("repair_interrupted")
+    (finding,) = _findings(run)
+    assert (finding["step"], finding["kind"], finding["verdict"]) == (4, "divergence", "interrupted")
+    assert "rank(s) 1 (the process(es) named) took their parameters" in finding["action"]
+    log = (run / "train.log").read_text()
+    assert "failover | live: policy ntp: layout (2,1,1) -> (2,1)" in log and "attempt 1" not in log
+    losses = {m["step"]: m["loss"] for m in read_metrics(run)}
+    assert sorted(losses) == list(range(1, 9)) and all(v == v for v in losses.values())
