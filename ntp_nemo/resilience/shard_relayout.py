@@ -6,8 +6,10 @@ process groups.  `relayout` is the live reshard of a failure (`live.capture` the
 with every rank of the job as a survivor: each rank builds its state on the new layout (the caller's
 `build`, e.g. `strategy_builder`: `runtime.assemble` with the running optimizer object pointed at the new
 parameters and the running process groups), and the elements it now holds and did not hold come from the
-peers of its TP group that held them; everything else is a local copy.  No restart, no disk; the global
-batch and the optimizer state carry over, so the loss curve is the one the old layout would have given.
+peers of its TP group that held them; everything else is a local copy.  A fake-quantised model (QAT) is
+quantised alike on the new shards first (`quant_state.restore_quant_state`, as a checkpoint load does), its
+amax buffers resharded with the weights.  No restart, no disk; the global batch and the optimizer state
+carry over, so the loss curve is the one the old layout would have given.
 """
 
 from __future__ import annotations
@@ -30,8 +32,15 @@ def relayout(state: Any, layout: ResolvedLayout, build: BuildFn) -> tuple[Any, R
     if not layout.same_ranks(state.layout):
         raise ValueError(f"a shard re-layout keeps the ranks: {layout.describe()} is not "
                          f"{state.layout.describe()}")
+    from ntp_nemo.quant.sharding import is_quantized
+
     snapshot = capture(state.model, state.optimizer)  # references: `build` may rebind the optimizer
     new = build(layout, state.rank)
+    if is_quantized(state.model) and not is_quantized(new.model):
+        from ntp_nemo.quant.quant_state import quant_state, restore_quant_state
+
+        # the quantisers with their amax buffers of the new shards; the reshard fills the buffers
+        restore_quant_state(new.model, quant_state(state.model))
     result = reshard_snapshot(snapshot, new.model, new.optimizer, state.layout.replica_of(state.rank))
     return new, result
 
