@@ -5,7 +5,11 @@ forward and backward, not its waits for peers) and the step's fused all-reduce h
 rank's time, so each rank runs this detector on the same numbers and reaches the same verdicts without a
 collective of its own.  Per rank and step the time is divided by the rank's modelled work on the layout
 that ran the step (`share_units`: the work model's cost per token of its slices, `topology/work.py`, times
-its replica's micro-batches), which makes ranks with unequal shares comparable.  Every `every` steps:
+its replica's micro-batches), which makes ranks with unequal shares comparable; shards weighted by speed
+(`ResolvedLayout.shard_speeds`) are counted as balanced (`judged_units`: the TP collectives inside every
+layer make a group's ranks wait for each other, so a rank's time follows its group's pace, not its own
+shard; a slow rank whose shards were cut keeps the speed it was measured at, and shows full speed again
+once its device recovers).  Every `every` steps:
 
 - a rank's speed is a window median (one slow step, a checkpoint or a GC pause, does not move it): for a
   rank with TP peers, how fast it runs against them at the same steps (its time per unit over the median
@@ -71,6 +75,12 @@ def share_units(layout: ResolvedLayout) -> list[float]:
         costs = list(layout.shard_speeds) if layout.shard_speeds is not None else [1.0] * world
     counts = layout.microbatch_counts()
     return [costs[r] * counts[layout.replica_of(r)] for r in range(layout.world_size)]
+
+
+def judged_units(layout: ResolvedLayout) -> list[float]:
+    """The work the detector divides each rank's time by: `share_units` of `layout` with balanced shards
+    (see the module docstring)."""
+    return share_units(layout if layout.shard_speeds is None else layout.with_changes(shard_speeds=None))
 
 
 def peer_groups(layout: ResolvedLayout) -> list[tuple[int, ...]]:
@@ -281,5 +291,6 @@ def predicted_compute_s(layout: ResolvedLayout, unit_s: float, rank_speeds: Sequ
     return max(u * unit_s / max(v, 1e-9) for u, v in zip(units, rank_speeds, strict=True))
 
 
-__all__ = ["Decision", "Judgement", "StragglerDetector", "StragglerSettings", "decide", "peer_groups",
-           "predicted_compute_s", "rank_speeds", "replica_speeds", "shard_replicas", "share_units"]
+__all__ = ["Decision", "Judgement", "StragglerDetector", "StragglerSettings", "decide", "judged_units",
+           "peer_groups", "predicted_compute_s", "rank_speeds", "replica_speeds", "shard_replicas",
+           "share_units"]

@@ -39,9 +39,9 @@ from ntp_nemo.resilience.straggler import (
     StragglerDetector,
     StragglerSettings,
     decide,
+    judged_units,
     peer_groups,
     predicted_compute_s,
-    share_units,
 )
 
 EXCLUDE_EXIT_CODE = 137  # the failover path's lost rank
@@ -53,7 +53,7 @@ class StragglerWatch(Callback):
         self.detector = StragglerDetector(settings)
         self.last: Judgement | None = None
         self._layout: Any = None  # the layout whose ranks the detector's history numbers
-        self._units: tuple[Any, list[float], list] | None = None  # (layout, `share_units`, `peer_groups`)
+        self._units: tuple[Any, list[float], list] | None = None  # (layout, `judged_units`, `peer_groups`)
         self.own_cpu_s = 0.0  # CPU seconds the watch spent after the steps (detector, policy), this rank
         self.steps = 0
 
@@ -106,7 +106,7 @@ class StragglerWatch(Callback):
         self._layout = layout
         step = int(trainer.global_step)
         if self._units is None or self._units[0] != layout:
-            self._units = (layout, share_units(layout), peer_groups(layout))
+            self._units = (layout, judged_units(layout), peer_groups(layout))
         judgement = self.detector.observe(step, compute_s, self._units[1], self._units[2])
         if judgement is None:
             return

@@ -43,7 +43,8 @@ def _rule_capacities(rule: str, work: WorkShape | None, topo: Topology, boost: P
     """The capacities of balanced shards (weighted shards are the measured speeds' business: `speeds`)."""
     if rule == "work" and work is not None:
         if topo.shard_speeds is not None:
-            topo = Topology(topo.tp, topo.replica_tp, topo.layer_tp, topo.pp, topo.stage_layers, topo.shard_align)
+            topo = Topology(topo.tp, topo.replica_tp, topo.layer_tp, topo.pp, topo.stage_layers,
+                            topo.shard_align)
         return modelled_capacities(work, topo, boost)
     return replica_capacities(topo.tp, topo.replica_tp, boost)
 

@@ -13,8 +13,8 @@ from ntp_nemo.resilience.straggler import (
     StragglerDetector,
     StragglerSettings,
     decide,
+    judged_units,
     peer_groups,
-    share_units,
 )
 from ntp_nemo.topology import ResolvedLayout, Topology
 from ntp_nemo.topology.work import WorkShape
@@ -26,8 +26,10 @@ WEIGHTS = (1.0, 0.5, 0.75)  # LLAMA_KV4's 8 query heads 3/2/3 over 3 ranks; KV h
 
 
 def _judge(det, layout, steps, speed_of_rank):
-    """The detector's judgements of `steps` whose compute times are the modelled shares at these speeds."""
-    units, peers = share_units(layout), peer_groups(layout)
+    """The detector's judgements of `steps` whose compute times are the balanced shares at these speeds (a
+    TP group's ranks wait for each other inside every layer: their times follow the group's pace, and a
+    slow device's own slowness on top, whatever the weights)."""
+    units, peers = judged_units(layout), peer_groups(layout)
     out = [det.observe(s, [1e-9 * u / speed_of_rank(r) for r, u in enumerate(units)], units, peers)
            for s in steps]
     return [j for j in out if j is not None]
@@ -80,7 +82,8 @@ def _train_worker(rank: int, world: int, steps: int, plan: dict, qat_at: int = 0
             from ntp_nemo.quant.calibrate import quantize_model
 
             calib = torch.randint(0, cfg.vocab_size, (6, 9), generator=torch.Generator().manual_seed(7))
-            quantize_model(state.model, "int8", [], [calib[i : i + 1] for i in state.runtime.my_microbatches(6)])
+            mine = state.runtime.my_microbatches(6)
+            quantize_model(state.model, "int8", [], [calib[i : i + 1] for i in mine])
         if world > 1 and step in plan:
             old = state
 
