@@ -213,12 +213,13 @@ def rank_speeds(layout: ResolvedLayout, judgement: Judgement, stragglers: Sequen
 
 
 def replica_speeds(layout: ResolvedLayout, judgement: Judgement, stragglers: Sequence[int],
-                   step: float = 0.05, weighted: Sequence[int] = ()) -> tuple[float, ...] | None:
+                   step: float = 0.05, weighted: Sequence[int] = (),
+                   per_rank: Sequence[float] | None = None) -> tuple[float, ...] | None:
     """Per replica of `layout`, the speed of its slowest straggler (1 without one), rounded down to a
     multiple of `step`; for a replica in `weighted` (its shards follow its ranks' speeds, `shard_speeds`)
-    its slowest stage's mean speed, the pace of shards in proportion.  None when every replica runs at
-    full speed."""
-    speeds = rank_speeds(layout, judgement, stragglers, step)
+    its slowest stage's mean speed, the pace of shards in proportion.  `per_rank`: the ranks' speeds to
+    use (default `rank_speeds`).  None when every replica runs at full speed."""
+    speeds = rank_speeds(layout, judgement, stragglers, step) if per_rank is None else per_rank
     out = []
     for i in range(layout.dp):
         stages = [[speeds[r] for r in ranks] for ranks in layout.ranks_of(i)]
@@ -252,8 +253,9 @@ class Decision:
 def decide(settings: StragglerSettings, layout: ResolvedLayout, judgement: Judgement) -> Decision:
     """`report`: nothing.  `exclude`: every straggler leaves.  `rebalance`: a straggler below `floor`
     leaves; otherwise inside the replicas of `shard_replicas` each rank's shards follow its measured speed
-    (`ResolvedLayout.shard_speeds`), and every replica's share of the batch follows its speed
-    (`replica_speeds`).  Either changes only where the speeds moved by more than half the margin (the
+    (`ResolvedLayout.shard_speeds`; a straggler not slow in this window and not yet recovered keeps its
+    weight, so noise around the margin does not move shards), and every replica's share of the batch
+    follows its speed (`replica_speeds`).  Either changes only where the speeds moved by more than half the margin (the
     batch split also only where the micro-batch counts change); once no straggler is left, the balanced
     shards and the nominal split."""
     if settings.policy == "report" or not (judgement.new or judgement.recovered or judgement.stragglers):
@@ -263,8 +265,11 @@ def decide(settings: StragglerSettings, layout: ResolvedLayout, judgement: Judge
     if excluded:
         return Decision(exclude=excluded)
     weighted = shard_replicas(settings, layout)
-    speeds = replica_speeds(layout, judgement, judgement.stragglers, weighted=weighted)
     per_rank = rank_speeds(layout, judgement, judgement.stragglers)
+    for r in judgement.stragglers:  # not slow in this window, not yet recovered: its weight stays
+        if layout.shard_speeds is not None and judgement.speeds[r] >= settings.slow_below:
+            per_rank[r] = layout.shard_speeds[r]
+    speeds = replica_speeds(layout, judgement, judgement.stragglers, weighted=weighted, per_rank=per_rank)
     shards = tuple(v if layout.replica_of(r) in weighted else 1.0 for r, v in enumerate(per_rank))
     shards = None if all(v == 1.0 for v in shards) else shards
     rel = settings.margin / 2
