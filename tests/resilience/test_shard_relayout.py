@@ -5,6 +5,7 @@ disk) in the middle of training keeps the single-process loss curve (float64, fo
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ntp_nemo.launch.workers import run_workers
@@ -108,6 +109,7 @@ def _train_worker(rank: int, world: int, steps: int, plan: dict, qat_at: int = 0
     return {"losses": losses, "moved": moved, "held": held}
 
 
+@pytest.mark.slow
 def test_live_relayout_to_weighted_shards_and_back_keeps_the_loss_curve_float64():
     """Balanced at step 1, weighted from step 2, int8 QAT calibrated on the weighted shards from step 3,
     balanced again at step 4: the quantised model's shards are quantised alike on the new layout and its

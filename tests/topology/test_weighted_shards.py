@@ -94,6 +94,7 @@ def _weighted_worker(rank: int, world: int, cfg, replica_tp: list[int], shard_sp
     return step_against_reference(rt, model, cfg)[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg,replica_tp,speeds,align,sp", [
     (LLAMA_KV4, [3], (1.0, 0.5, 0.75), 8, False),  # GQA heads 3/2/3 (KV shared), MLP and vocab in 8-blocks
     (GPT, [2, 2], (0.35, 1.0, 1.0, 1.0), 1, False),  # replica 0 weighted, replica 1 balanced: the syncs
