@@ -99,6 +99,12 @@ SUITE: tuple[Comparison, ...] = (
         Figure("scenarios held", r"fault campaign: (\d+/\d+) scenarios held", "30/30",
                "python bench/fault_campaign.py --seed 5", "748262d"),
     )),
+    Comparison("integrity_campaign", "seeded silent-corruption trials (poisoned sample, parameter, "
+               "activation and gradient bit flips, a bad device): classified, attributed, the curve kept",
+               ("--trials", "1", "--curves", "1", "--clean", "0"), (
+        Figure("trials right", r"integrity campaign: (\d+/\d+) trials right", "100/100",
+               "python bench/integrity_campaign.py --trials 20 --clean 0", "8a4d6b3"),
+    )),
     Comparison("hostile", "hostile clients against a live cluster coordinator", ("--quick",), (
         Figure("attacks withstood", r"hostile clients: (\d+/\d+) attacks withstood", "23/23",
                "python bench/hostile.py", "dee24dc"),

@@ -29,6 +29,9 @@ PRINTED = {
     ("failure_trace", "simulator's worst error on time to step 200"):
         "simulator: every policy's time to step 200 predicted within 1.4% (inside the 10% bound)",
     ("fault_campaign", "scenarios held"): "\nfault campaign: 30/30 scenarios held (seed 5)",
+    ("integrity_campaign", "trials right"):
+        "integrity campaign: 100/100 trials right (classified, attributed, and the curve after recovery "
+        "equal to the failure-free run where compared)",
     ("hostile", "attacks withstood"): "hostile clients: 23/23 attacks withstood",
     ("memory", "saved bytes, none / full recompute"):
         "gpt2   default  full             7.03         9.56             True",
@@ -41,8 +44,8 @@ PRINTED = {
 }
 EXPECTED = {"throughput": ["2.379", "0.988", "2.121"], "checkpoint": ["1.76", "1.64", "0.94"],
             "failover": ["0.16"], "spares": ["5.71"], "failure_trace": ["1.4%"], "fault_campaign": ["30/30"],
-            "hostile": ["23/23"], "memory": ["9.56"], "dry_run": ["2.4x"], "gpu_check": ["4/4"],
-            "block_sharding": ["0.00%"]}
+            "integrity_campaign": ["100/100"], "hostile": ["23/23"], "memory": ["9.56"], "dry_run": ["2.4x"],
+            "gpu_check": ["4/4"], "block_sharding": ["0.00%"]}
 
 
 def test_the_doc_holds_one_row_per_figure_of_the_suite():
