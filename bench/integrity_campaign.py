@@ -17,7 +17,9 @@ the fault at step 7 on a rank (and element, or sample) drawn from the seed, `int
   the fault struck;
 - `persistent` (bitflip of a gradient on every step from 7 on, a bad device) on (2,1) with live recovery:
   one finding at step 7, verdict `device`, naming the struck rank, which is excluded; the survivors redo
-  step 7 without it.
+  step 7 without it;
+- `persistent_activation`: the same with the flip in the output of the rank's first layer on every
+  forward from step 7 on (some make a sample's loss not finite on the struck replica only).
 
 After the fault's finding, a later finding of the per-step check with verdict `reproducible` whose cross
 replay (another replica computing the same micro-batches) reproduced it is honest data: a false alarm,
@@ -61,6 +63,8 @@ KINDS = {
     "grad": [*NTP21, "fault=bitflip", "fault.target=grad", f"fault.step={FAULT_STEP}"],
     "persistent": [*NTP21, "fault=bitflip", "fault.target=grad", "fault.persistent=true",
                    "fault.recovery=live", f"fault.step={FAULT_STEP}"],
+    "persistent_activation": [*NTP21, "fault=bitflip", "fault.target=activation", "fault.persistent=true",
+                              "fault.recovery=live", f"fault.step={FAULT_STEP}"],
 }
 
 
@@ -160,7 +164,7 @@ def judge(kind: str, run: Path, seed: int) -> tuple[bool, bool, str]:
         classified = [(f["step"], f["kind"], f["verdict"]) for f in found] == [(8, "divergence", "bitflip")]
         return classified, classified and (found[0]["rank"], found[0]["replica"]) == (rank, replica), \
             f"rank {rank}: {[(f['kind'], f['verdict'], f['rank'], f['replica']) for f in found]}"
-    verdict = "device" if kind == "persistent" else "transient"
+    verdict = "device" if kind.startswith("persistent") else "transient"
     # After the fault's finding, an honest outlier of the per-step check (the data's: another replica
     # computing the same micro-batches reproduced it, `cross`) is a false alarm classified right: kept
     classified = [(f["step"], f["verdict"]) for f in found[:1]] == [(FAULT_STEP, verdict)] \

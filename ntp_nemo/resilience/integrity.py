@@ -474,13 +474,15 @@ class IntegrityWatch(Callback):
                 _set_rng_state(rng)
                 if data:
                     self._skip(trainer, pl_module, batch, step, data, bad_on, t0)
-                for i in suspects:
-                    if i not in data:
-                        (rep,) = bad_on[i] or {None}
-                        self._finding(trainer, t0, step=step, kind="nonfinite", replica=rep, sample=i,
-                                      verdict="device", action="reported: the sample's loss is finite on the "
-                                      "other replicas, not on this one (no single rank named)")
-                return
+                    for i in suspects:
+                        if i not in data:
+                            (rep,) = bad_on[i] or {None}
+                            self._finding(trainer, t0, step=step, kind="nonfinite", replica=rep, sample=i,
+                                          verdict="device", action="reported: the sample's loss is finite on "
+                                          "the other replicas, not on this one (no single rank named)")
+                    return
+                # Not finite on one replica only: not the data's.  The replay below decides (transient, or
+                # the device a cross replay names, excluded and the step redone without it).
         _set_rng_state(self._before[1] if self._before else rng)
         self._restore_schedule(trainer, pl_module, self._before[0])
         result = self._train(trainer, pl_module, batch)
