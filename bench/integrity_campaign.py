@@ -174,7 +174,8 @@ def judge(kind: str, run: Path, seed: int) -> tuple[bool, bool, str]:
 
 
 def cross_margins(run: Path) -> list[tuple[str, float, float]]:
-    """(verdict, relative difference of the suspect values, of every other slot) of each cross replay."""
+    """(verdict, relative difference of the suspect values, of the suspect replica's other slots) of each
+    cross replay."""
     return [(f["verdict"], f["cross"]["suspect_diff"], f["cross"]["honest_diff"])
             for f in load_incidents(run) if "cross" in f]
 
@@ -215,8 +216,10 @@ def main() -> None:
                          f"{min((m[2] for m in device), default=float('nan')):.3g} "
                          f"relative), {len(kept)} reproducible (false alarms of the per-step check, seeds "
                          f"{sorted({m[0] for m in kept})}: at most "
-                         f"{max((m[2] for m in kept), default=float('nan')):.3g}); every other slot at most "
-                         f"{max(m[3] for m in cross):.3g}")
+                         f"{max((m[2] for m in kept), default=float('nan')):.3g}); the suspect replicas' "
+                         f"other slots at most {max(m[3] for m in cross):.3g} (honest agreement where the "
+                         f"fault struck one gradient element; an activation's flip moves every gradient "
+                         f"after it)")
         n = min(args.curves, args.trials)
         for job, seed in enumerate(range(1, n + 1)):
             run = out / str(job)

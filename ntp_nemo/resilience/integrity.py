@@ -512,7 +512,7 @@ class IntegrityWatch(Callback):
             confirmed = [s for s in again if (s.rank, s.slot) in set(verdict.unreproduced)]
             said = (f"replica(s) {q_of} computed the same micro-batches: the suspect value(s) "
                     f"{'not ' if device else ''}reproduced (relative difference {verdict.suspect_diff:.3g}, "
-                    f"tolerance {tol:.2g}; every other slot within {verdict.honest_diff:.2g})")
+                    f"tolerance {tol:.2g}; the replica's other slots within {verdict.honest_diff:.2g})")
             evidence = {"cross": {"suspect_diff": verdict.suspect_diff, "honest_diff": verdict.honest_diff,
                                   "tolerance": tol}}
         else:
