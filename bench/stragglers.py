@@ -3,6 +3,14 @@ job that only reports it, the failure-free job, and the detector's own cost.
 
     python bench/stragglers.py [--steps 200] [--fault-step 20] [--factor 0.5] [--clean-runs 3] [overrides ...]
     python bench/stragglers.py --components    # only the CPU cost per step of each piece, timed alone
+    python bench/stragglers.py --in-group [--steps 60] [--fault-step 3]   # shards by speed, one replica
+
+`--in-group`: one replica of TP 2 (`mesh.dp=1`: no other replica to take batch share), a wider tiny GPT
+(hidden 256, FFN 1024, 64 tokens: compute, not collectives, fills the step), rank 1 at `--factor` from
+`--fault-step`: `rebalance` (its shards weighted by measured speed, `fault.straggler_shards=auto`, a live
+re-layout) beside `report` and the failure-free job, step by step; printed: the re-layout's step and
+weights, the median step time after it on each side, rebalance / report, and the loss against the
+failure-free job.
 
 The job: 2 DP replicas of TP 2 (4 processes, `ntp.replica_tp=[2,2]`), the tests' tiny GPT at a batch of
 6 micro-batches, through the real `ntp-train` CLI; global rank 1 computes at `--factor` of its speed from
@@ -96,6 +104,42 @@ def jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+WIDE = ["model.hidden_size=256", "model.ffn_hidden_size=1024", "data.seq_len=64", "model.max_seq_len=64"]
+
+
+def in_group(a: argparse.Namespace) -> None:
+    """One TP-2 replica with a slow rank: its shards weighted by speed (live) against only reported."""
+    job = [*TOY_JOB, *WIDE, "mesh.dp=1", "mesh.tp=2", "ntp.replica_tp=null", "checkpoint.every_n_steps=0",
+           "checkpoint.save_on_end=false", "resume=never", f"trainer.max_steps={a.steps}", *a.overrides]
+    fault = ["fault=slow", "fault.rank=1", f"fault.step={a.fault_step}", f"fault.factor={a.factor}"]
+    print(f"load before: {load_average()}")
+    with tempfile.TemporaryDirectory(prefix="stragglers-in-group-") as tmp:
+        root = Path(tmp)
+        sides = [ntp_side("rebalance", [*job, *fault], root, 2, 1),
+                 ntp_side("report", [*job, *fault, "fault.straggler=report"], root, 2, 1),
+                 ntp_side("clean_ref", job, root, 2, 1)]
+        runs = run_side_by_side(sides, a.steps, root, timeout=3600)
+        rebal = [e for e in jsonl(root / "rebalance" / "goodput.jsonl")
+                 if e["event"] == "rebalance" and e.get("shard_speeds")]
+        if not rebal:
+            raise SystemExit("no re-layout of the shards by speed happened")
+        first = rebal[0]
+        since = first["step"] + 3
+        m = {k: {r["step"]: r for r in runs[k]["records"]} for k in ("rebalance", "report", "clean_ref")}
+        med = {k: statistics.median(r["step_time_s"] for st, r in m[k].items() if st >= since) for k in m}
+        ref = {st: r["loss"] for st, r in m["clean_ref"].items()}
+        worst = max(abs(r["loss"] - ref[st]) / abs(ref[st]) for st, r in m["rebalance"].items())
+        paired = paired_ratio([runs["rebalance"]], [runs["report"]], "step_time_s", since)
+        print(f"re-layout: shard weights {first['shard_speeds']} from step {first['step'] + 1} "
+              f"({first.get('moved_bytes')} bytes moved in {first.get('relayout_s', 0):.3f} s)")
+        print(f"median step time steps {since}-{a.steps}: rebalance {med['rebalance']:.4f} s, report "
+              f"{med['report']:.4f} s, failure-free {med['clean_ref']:.4f} s")
+        print(f"loss: max relative difference rebalance vs failure-free over {len(ref)} steps: {worst:.2e}")
+        print(f"in-group stragglers: rebalance / report {med['rebalance'] / med['report']:.3f} "
+              f"(paired per step {paired:.3f})")
+    print(f"load after: {load_average()}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=200)
@@ -104,7 +148,11 @@ def main() -> None:
     ap.add_argument("--clean-runs", type=int, default=3)
     ap.add_argument("overrides", nargs="*")
     ap.add_argument("--components", action="store_true", help="only the per-step costs of the pieces")
+    ap.add_argument("--in-group", action="store_true", help="shards by speed inside one TP-2 replica")
     a = ap.parse_args()
+    if a.in_group:
+        in_group(a)
+        return
     print(f"detector pieces, CPU per step: {component_costs()}")
     if a.components:
         return

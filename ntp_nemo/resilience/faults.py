@@ -145,7 +145,9 @@ class FaultInjector(Callback):
             seen = f.index in self._slow_device
             if f.kind == "slow" and f.factor is not None and (f.active_at(step) or seen):
                 here = self._slow_device.setdefault(f.index, f.rank == trainer.global_rank)
-                _compute_timer(pl_module).slowdown(f.factor if here and f.active_at(step) else 1.0)
+                timer = _compute_timer(pl_module)
+                timer.watch(tp_groups(trainer))  # the slowdown's sleeps fall before their exchanges
+                timer.slowdown(f.factor if here and f.active_at(step) else 1.0)
         for f in self._mine(trainer, ("kill_rank", "hang", "slow", "corrupt_checkpoint")):
             if f.kind == "slow":
                 if f.factor is None and f.active_at(step):
@@ -253,6 +255,12 @@ class FaultInjector(Callback):
         while not tmp.exists() and time.monotonic() < deadline:
             time.sleep(0.0005)
         os._exit(KILL_EXIT_CODE)
+
+
+def tp_groups(trainer: Trainer) -> list[Any]:
+    """This rank's TP process groups on the running layout (`ComputeTimer.watch`)."""
+    topology = getattr(getattr(trainer, "strategy", None), "topology", None)
+    return [] if topology is None else topology.tp_groups_of(trainer.global_rank)
 
 
 def _compute_timer(pl_module: LightningModule) -> Any:

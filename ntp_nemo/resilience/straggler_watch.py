@@ -68,6 +68,16 @@ class StragglerWatch(Callback):
         if getattr(pl_module, "compute_timer", None) is None:
             pl_module.compute_timer = ComputeTimer()
 
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        """The timer watches this rank's TP groups of the running layout (a re-layout may change them):
+        the time in their exchanges is not compute."""
+        from ntp_nemo.resilience.faults import tp_groups
+
+        timer = getattr(pl_module, "compute_timer", None)
+        if timer is not None:
+            timer.watch(tp_groups(trainer))
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         c0 = time.process_time()

@@ -1,15 +1,24 @@
 """`ComputeTimer`: how long this rank spends computing its share of a step, not waiting for its peers.
-
 The window is the step's micro-batch phase (`train_step`'s `microbatches`: every forward and backward of
 this replica's micro-batches), from its start to the moment the rank is ready for the step's data-parallel
-collectives; the waits for slower peers come after it (the gradient sync, the fused scalars).  On a CPU
-runtime the host clock measures the work itself; on a GPU the phase only queues kernels, so a pair of
-CUDA events brackets it and is read at the next step, when the step's one host read has completed them
-(the figure then lags one step; nothing waits for the device in the hot path).
+collectives; the waits for slower peers at the step's end come after it (the gradient sync, the fused
+scalars).  Inside the window a TP rank also exchanges with its TP peers in every layer: on a CPU runtime
+its TP groups (`ntpdirect`, `DirectGroup.watch`) report each exchange, and the time in them (the
+transfer and the wait for a slower peer) is not counted.  On a CPU runtime the host clock measures the
+work itself; on a GPU the phase only queues kernels, so a pair of CUDA events brackets it and is read at
+the next step, when the step's one host read has completed them (the figure then lags one step; nothing
+waits for the device in the hot path).
 
-`slowdown` makes the rank behave as a slower device (the `slow` fault's `factor`): after measuring the
-phase it sleeps `(1/factor - 1)` times the measured time, inside the window, so the figure it reports is
-the slow device's.
+`slowdown` makes the rank behave as a slower device (the `slow` fault's `factor`): it sleeps
+`(1/factor - 1)` times the work it did, inside the window, so the figure it reports is the slow
+device's.  On a CPU runtime the work is the calling thread's CPU time (a CPU rank computes on that
+thread: one intra-op thread), not its wall time, which also holds the time other processes had the
+cores; and the sleep falls where a slow device's time would: before each exchange of its TP groups, for
+the work since the previous one, and at the phase's end for the rest.  A slow device's TP peers then
+wait for it inside every layer, in proportion to its own share of the layer, so that weighting the shards
+by speed (`fault.straggler_shards`) shortens the step as it would on the device; one sleep at the phase's
+end would not (the peers' larger shares would only be added to it).  A rank without such groups (TP 1,
+`ntp.cpu_tp_backend=gloo`) sleeps at the phase's end for the whole phase.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -32,10 +42,43 @@ class ComputeTimer:
         self.last_s = 0.0  # the last completed measurement, seconds
         self.own_cpu_s = 0.0  # CPU seconds this timer spent on itself (its bookkeeping, not the phase)
         self._events: tuple | None = None  # CUDA: the events of the last phase, read at the next one
+        self._watched: list[Any] = []  # the TP groups that report their exchanges (`watch`)
+        self._mark: float | None = None  # in the phase: thread CPU time up to which the work is accounted
+        self._entered: float | None = None  # when the exchange under way began
+        self._exchanged = 0.0  # seconds of the phase spent in exchanges of watched groups
 
     def slowdown(self, factor: float) -> None:
         """From the next step on, compute at `factor` of this device's speed (1: its own speed)."""
         self.factor = float(factor)
+
+    def watch(self, groups: list[Any]) -> None:
+        """Be told of the exchanges of `groups` (this rank's TP process groups on the running layout; those
+        without a `watch` slot are passed over); the groups watched before are let go."""
+        groups = [g for g in groups if hasattr(g, "watch")]
+        if groups == self._watched:
+            return
+        for g in self._watched:
+            if g.watch is self:
+                g.watch = None
+        for g in groups:
+            g.watch = self
+        self._watched = groups
+
+    def before_exchange(self) -> None:
+        """An exchange of a watched group starts: a slowed device first sleeps for its work since the
+        last mark (inside the measured phase only)."""
+        if self._mark is None:
+            return
+        if self.factor < 1.0 and self.device.type != "cuda":
+            time.sleep((time.thread_time() - self._mark) * (1.0 / self.factor - 1.0))
+        self._entered = time.perf_counter()
+
+    def after_exchange(self) -> None:
+        if self._mark is None or self._entered is None:
+            return
+        self._exchanged += time.perf_counter() - self._entered
+        self._entered = None
+        self._mark = time.thread_time()  # the exchange's own CPU (copies, polling) is not the device's work
 
     def _cuda_reading(self) -> float | None:
         if self._events is None:
@@ -57,13 +100,18 @@ class ComputeTimer:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
         t0 = time.perf_counter()
+        self._mark, self._exchanged, self._entered = time.thread_time(), 0.0, None
         c1 = time.process_time()
-        yield
+        try:
+            yield
+        finally:
+            mark, self._mark = self._mark, None
         c2 = time.process_time()
-        took = time.perf_counter() - t0
+        took = time.perf_counter() - t0 - self._exchanged
         if self.factor < 1.0:
-            # CUDA: the host saw only the kernels' launch; stretch by the last device reading instead
-            base = self.last_s * self.factor if cuda else took
+            # CUDA: the host saw only the kernels' launch; stretch by the last device reading instead.
+            # CPU: this thread's own work since the last paced exchange, not its waits (module docstring).
+            base = self.last_s * self.factor if cuda else time.thread_time() - mark
             extra = base * (1.0 / self.factor - 1.0)
             if cuda:
                 torch.cuda._sleep(int(extra * 1.4e9))  # device cycles at roughly 1.4 GHz

@@ -106,6 +106,9 @@ class DirectGroup(dist.ProcessGroup):
         self._rank, self._size = rank, size
         self._timeout_s = max(float(timeout.total_seconds()), 1e-3)
         self.two_phase_bytes = TWO_PHASE_BYTES  # (a bench sets it per group to compare the two paths)
+        # watch.before_exchange() / after_exchange(): around each exchange (`runtime.compute_time.
+        # ComputeTimer`: the time in it is not the rank's compute; a slowed device sleeps before it)
+        self.watch: Any = None
         self._peers: dict[int, socket.socket] = {}
         self._group_name = ""
         self._connect(store)
@@ -185,7 +188,19 @@ class DirectGroup(dist.ProcessGroup):
                                      f"({detail})")
 
     def _exchange(self, what: str, sends: dict[int, memoryview], recvs: dict[int, memoryview]) -> None:
-        """Send `sends[p]` to and receive `recvs[p]` from each peer p at once; bounded by the timeout."""
+        """Send `sends[p]` to and receive `recvs[p]` from each peer p at once; bounded by the timeout.
+        A `watch` is told when it starts and ends (time in it is communication and waiting, not work)."""
+        watch = self.watch
+        if watch is None:
+            self._exchange_now(what, sends, recvs)
+            return
+        watch.before_exchange()
+        try:
+            self._exchange_now(what, sends, recvs)
+        finally:
+            watch.after_exchange()
+
+    def _exchange_now(self, what: str, sends: dict[int, memoryview], recvs: dict[int, memoryview]) -> None:
         outgoing = {p: [mv, 0] for p, mv in sends.items() if len(mv)}
         incoming = {p: [mv, 0] for p, mv in recvs.items() if len(mv)}
         deadline = None

@@ -167,6 +167,10 @@ class Topology:
             if ranks not in self._groups:
                 self._groups[ranks] = (make_tp if ranks in tp else new_group)(list(ranks))
 
+    def tp_groups_of(self, rank: int) -> list[Any]:
+        """The process groups made for the TP subgroups that hold `rank` (those `build_groups` created)."""
+        return [self._groups[g] for g in self.tp_group_tuples() if rank in g and g in self._groups]
+
     def group(self, ranks: Sequence[int]) -> Any:
         ranks = tuple(ranks)
         if len(ranks) <= 1:

@@ -151,22 +151,69 @@ def test_policies_decide(policy, speed, want):
         assert decide(settings, d.layout, j2).layout.speeds is None
 
 
-def test_slowdown_stretches_the_measured_compute(monkeypatch):
-    """factor 0.5: the phase's measured time is followed by as much sleep, inside the reported time."""
-    clock = {"t": 100.0}
+def test_slowdown_stretches_the_ranks_own_work_not_its_waits(monkeypatch):
+    """factor f: the phase is followed by (1/f - 1) times the thread's CPU work in it (0.1 s of the phase's
+    0.25 s of wall: the rest is waiting for TP peers), inside the reported time."""
+    clock = {"t": 100.0, "cpu": 7.0}
     slept = []
     monkeypatch.setattr("ntp_nemo.runtime.compute_time.time.perf_counter", lambda: clock["t"])
+    monkeypatch.setattr("ntp_nemo.runtime.compute_time.time.thread_time", lambda: clock["cpu"])
     monkeypatch.setattr("ntp_nemo.runtime.compute_time.time.sleep", lambda s: slept.append(s))
     timer = ComputeTimer()
-    for factor, want_sleep in ((1.0, []), (0.5, [0.25]), (0.25, [0.75])):
+    for factor, want_sleep in ((1.0, []), (0.5, [0.1]), (0.25, [0.3])):
         slept.clear()
         timer.slowdown(factor)
         with timer.phase("grad_sync"):
             clock["t"] += 5.0  # not measured
+            clock["cpu"] += 1.0
         with timer.phase("microbatches"):
             clock["t"] += 0.25
+            clock["cpu"] += 0.1
         assert slept == pytest.approx(want_sleep)
-        assert timer.last_s == pytest.approx(0.25 / factor)
+        assert timer.last_s == pytest.approx(0.25 + sum(want_sleep))
+
+
+def test_the_timer_counts_work_not_tp_exchanges_and_a_slow_rank_sleeps_before_each(monkeypatch):
+    """A watched TP group reports its exchanges: their time (transfer, waiting for a slower peer) is not
+    the rank's compute.  A slow rank sleeps before each exchange for its work since the previous one (so
+    its peers wait for it inside the layer, in proportion to its share) and at the phase's end for the
+    rest; an exchange outside the measured phase counts for nothing; a group let go is left alone."""
+    from types import SimpleNamespace
+
+    clock = {"t": 0.0, "cpu": 0.0}
+    slept = []
+
+    def sleep(s):
+        slept.append(round(s, 9))
+        clock["t"] += s
+
+    def work(s):
+        clock["t"] += s
+        clock["cpu"] += s
+
+    monkeypatch.setattr("ntp_nemo.runtime.compute_time.time.perf_counter", lambda: clock["t"])
+    monkeypatch.setattr("ntp_nemo.runtime.compute_time.time.thread_time", lambda: clock["cpu"])
+    monkeypatch.setattr("ntp_nemo.runtime.compute_time.time.sleep", sleep)
+    group, other = SimpleNamespace(watch=None), SimpleNamespace(watch=None)
+    timer = ComputeTimer()
+    timer.watch([group])
+    assert group.watch is timer
+    for factor, want_sleeps, want_s in ((1.0, [], 0.15), (0.5, [0.1, 0.05], 0.3)):
+        slept.clear()
+        timer.slowdown(factor)
+        group.watch.before_exchange()  # between steps: nothing measured
+        clock["t"] += 1.0
+        group.watch.after_exchange()
+        with timer.phase("microbatches"):
+            work(0.1)
+            group.watch.before_exchange()
+            clock["t"] += 0.3  # in the exchange: waiting for a peer
+            group.watch.after_exchange()
+            work(0.05)
+        assert slept == want_sleeps
+        assert timer.last_s == pytest.approx(want_s)
+    timer.watch([other])
+    assert group.watch is None and other.watch is timer
 
 
 def _cfg(*overrides):
