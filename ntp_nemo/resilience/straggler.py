@@ -6,10 +6,12 @@ rank's time, so each rank runs this detector on the same numbers and reaches the
 collective of its own.  Per rank and step the time is divided by the rank's modelled work on the layout
 that ran the step (`share_units`: the work model's cost per token of its slices, `topology/work.py`, times
 its replica's micro-batches), which makes ranks with unequal shares comparable; shards weighted by speed
-(`ResolvedLayout.shard_speeds`) are counted as balanced (`judged_units`: the TP collectives inside every
-layer make a group's ranks wait for each other, so a rank's time follows its group's pace, not its own
-shard; a slow rank whose shards were cut keeps the speed it was measured at, and shows full speed again
-once its device recovers).  Every `every` steps:
+(`ResolvedLayout.shard_speeds`) are counted as they are where the timer leaves out the TP exchanges (a
+CPU runtime's `ntpdirect` groups report them: a rank's time is then its own shard's work), and as
+balanced elsewhere (`judged_units`: a GPU's CUDA events or gloo's TP groups include the waits inside
+every layer, so a rank's time follows its group's pace, not its own shard); either way a slow rank whose
+shards were cut keeps the speed it was measured at, and shows full speed again once its device
+recovers.  Every `every` steps:
 
 - a rank's speed is a window median (one slow step, a checkpoint or a GC pause, does not move it): for a
   rank with TP peers, how fast it runs against them at the same steps (its time per unit over the median
@@ -77,10 +79,12 @@ def share_units(layout: ResolvedLayout) -> list[float]:
     return [costs[r] * counts[layout.replica_of(r)] for r in range(layout.world_size)]
 
 
-def judged_units(layout: ResolvedLayout) -> list[float]:
-    """The work the detector divides each rank's time by: `share_units` of `layout` with balanced shards
-    (see the module docstring)."""
-    return share_units(layout if layout.shard_speeds is None else layout.with_changes(shard_speeds=None))
+def judged_units(layout: ResolvedLayout, own_work: bool = False) -> list[float]:
+    """The work the detector divides each rank's time by: `share_units` of `layout`, with balanced shards
+    unless `own_work` (see the module docstring)."""
+    if own_work or layout.shard_speeds is None:
+        return share_units(layout)
+    return share_units(layout.with_changes(shard_speeds=None))
 
 
 def peer_groups(layout: ResolvedLayout) -> list[tuple[int, ...]]:
@@ -255,9 +259,9 @@ def decide(settings: StragglerSettings, layout: ResolvedLayout, judgement: Judge
     leaves; otherwise inside the replicas of `shard_replicas` each rank's shards follow its measured speed
     (`ResolvedLayout.shard_speeds`; a straggler not slow in this window and not yet recovered keeps its
     weight, so noise around the margin does not move shards), and every replica's share of the batch
-    follows its speed (`replica_speeds`).  Either changes only where the speeds moved by more than half the margin (the
-    batch split also only where the micro-batch counts change); once no straggler is left, the balanced
-    shards and the nominal split."""
+    follows its speed (`replica_speeds`).  Either changes only where the speeds moved by more than half
+    the margin (the batch split also only where the micro-batch counts change); once no straggler is
+    left, the balanced shards and the nominal split."""
     if settings.policy == "report" or not (judgement.new or judgement.recovered or judgement.stragglers):
         return Decision()
     excluded = tuple(r for r in judgement.stragglers

@@ -47,6 +47,16 @@ from ntp_nemo.resilience.straggler import (
 EXCLUDE_EXIT_CODE = 137  # the failover path's lost rank
 
 
+def _times_own_work(strategy: Any) -> bool:
+    """Whether every rank's compute time leaves out its TP exchanges (`ComputeTimer.watch`): CPU ranks of a
+    gloo world, whose TP groups are `ntpdirect` (the same on every rank: `topology.groups.tp_backend`)."""
+    from ntp_nemo.topology.groups import tp_backend
+
+    device = getattr(strategy, "root_device", "cpu")
+    backend = getattr(strategy, "process_group_backend", None) or "gloo"
+    return tp_backend(backend, device) == "ntpdirect"
+
+
 class StragglerWatch(Callback):
     def __init__(self, settings: StragglerSettings) -> None:
         self.settings = settings
@@ -116,7 +126,8 @@ class StragglerWatch(Callback):
         self._layout = layout
         step = int(trainer.global_step)
         if self._units is None or self._units[0] != layout:
-            self._units = (layout, judged_units(layout), peer_groups(layout))
+            units = judged_units(layout, own_work=_times_own_work(strategy))
+            self._units = (layout, units, peer_groups(layout))
         judgement = self.detector.observe(step, compute_s, self._units[1], self._units[2])
         if judgement is None:
             return

@@ -16,6 +16,7 @@ from ntp_nemo.resilience.straggler import (
     decide,
     judged_units,
     peer_groups,
+    share_units,
 )
 from ntp_nemo.topology import ResolvedLayout, Topology
 from ntp_nemo.topology.work import WorkShape
@@ -34,6 +35,23 @@ def _judge(det, layout, steps, speed_of_rank):
     out = [det.observe(s, [1e-9 * u / speed_of_rank(r) for r, u in enumerate(units)], units, peers)
            for s in steps]
     return [j for j in out if j is not None]
+
+
+def test_where_the_timer_leaves_out_the_tp_exchanges_a_weighted_rank_is_judged_on_its_own_shard():
+    """`own_work` (CPU ranks, ntpdirect TP groups: a rank's time is its own shard's work): each rank's time
+    is divided by the work of the shards it holds on the weighted layout, so the slow rank on weights
+    (1, 0.5), still at half speed, is judged at half speed and the healthy one at full speed; otherwise
+    the balanced shares (a GPU's or gloo's times follow the group's pace)."""
+    settings = StragglerSettings(every=2, persist=1)
+    layout = ResolvedLayout.make(Topology(2, [2], [2] * 4), num_microbatches=6, work=SHAPE, capacity="work")
+    weighted = layout.with_changes(shard_speeds=(1.0, 0.5))
+    own = judged_units(weighted, own_work=True)
+    assert own == share_units(weighted) and judged_units(weighted) == share_units(layout)
+    assert own[0] > own[1]  # the healthy rank holds more
+    det = StragglerDetector(settings)
+    times = [1e-9 * u / (0.5 if r == 1 else 1.0) for r, u in enumerate(own)]
+    j = [det.observe(s, times, own, peer_groups(weighted)) for s in (1, 2)][-1]
+    assert j.speeds == pytest.approx((1.0, 0.5), rel=1e-6) and j.stragglers == (1,)
 
 
 def test_rebalance_weighs_a_one_replica_jobs_shards_and_puts_them_back():
