@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ntp_nemo.models.model_config import ModelConfig
 from ntp_nemo.models.families import family_of
+from ntp_nemo.models.model_config import ModelConfig
 from ntp_nemo.models.tp_contexts import SingleDevicePlan, TPPlan
 from ntp_nemo.parallel.block import (
     BlockEmbedding,
@@ -53,7 +53,6 @@ from ntp_nemo.parallel.sequence import (
     seq_split,
 )
 from ntp_nemo.topology.grid import is_grid
-from ntp_nemo.topology.shard import unit_interval
 from ntp_nemo.topology.tp_context import TPContext
 
 
@@ -93,16 +92,6 @@ def attention_head_intervals(num_heads: int, num_kv_heads: int, tp: TPContext) -
     group = num_heads // num_kv_heads
     qlo, qhi = tp.interval(num_heads)
     return (qlo, qhi), (qlo // group, (qhi - 1) // group + 1)
-
-
-def _whole_kv_group_intervals(num_heads: int, num_kv_heads: int, tp: TPContext) -> tuple[tuple, tuple]:
-    """The former split (whole KV groups up to `num_kv_heads` ranks), kept only for `bench/head_split.py`
-    to time against the balanced one."""
-    if tp.size > num_kv_heads:
-        return attention_head_intervals(num_heads, num_kv_heads, tp)
-    group = num_heads // num_kv_heads
-    klo, khi = unit_interval(tp.rank, tp.size, num_kv_heads)
-    return (klo * group, khi * group), (klo, khi)
 
 
 def rope_tables(
@@ -190,7 +179,7 @@ class Attention(nn.Module):
         # q, k and v as one GEMM over their stacked local rows (`gather_and_project`); the parameters stay
         # three, so checkpoints and Hugging Face names do not change.  None: fused on CUDA (larger GEMMs
         # for tensor cores, fewer launches: Megatron's layout), one GEMM each on CPU, where the fused
-        # step measured slower (`bench/fused_proj.py`, docs/performance.md); True/False force it.
+        # step measured slower (docs/performance.md, "Fused projections"); True/False force it.
         self.fuse_projections: bool | None = None
 
     def _block_projections(self, cfg: ModelConfig, grid, out_std: float, bias: bool, o_bias: bool) -> None:

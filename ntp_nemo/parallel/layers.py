@@ -202,7 +202,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     dtype: bf16 under autocast) and the per-token log-sum-exp.  So neither pass holds float32 logits of
     the whole batch: at 8 x 2048 tokens and 128K columns those are 8.4 GB a copy, and the whole-batch
     version held three of them at its forward's peak and saved one for the backward
-    (`python bench/ce_memory.py`)."""
+    (docs/performance.md, ce_memory)."""
 
     @staticmethod
     def forward(ctx, logits, target, vocab_start, group, chunk_tokens=None):  # type: ignore[override]
