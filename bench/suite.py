@@ -102,8 +102,8 @@ SUITE: tuple[Comparison, ...] = (
     Comparison("integrity_campaign", "seeded silent-corruption trials (poisoned sample, parameter, "
                "activation and gradient bit flips, a bad device): classified, attributed, the curve kept",
                ("--trials", "1", "--curves", "1", "--clean", "0"), (
-        Figure("trials right", r"integrity campaign: (\d+/\d+) trials right", "100/100",
-               "python bench/integrity_campaign.py --trials 20 --clean 0", "8a4d6b3"),
+        Figure("trials right", r"integrity campaign: (\d+/\d+) trials right", "120/120",
+               "python bench/integrity_campaign.py --trials 20 --clean 0", "11cb710"),
     )),
     Comparison("hostile", "hostile clients against a live cluster coordinator", ("--quick",), (
         Figure("attacks withstood", r"hostile clients: (\d+/\d+) attacks withstood", "23/23",

@@ -61,9 +61,10 @@ def relative_difference(a: float, b: float, scale: float) -> float:
 class CrossVerdict:
     """What the cross replay found: the suspect (rank, slot)s the other replica did not reproduce, the
     largest relative difference among the suspects' slots, and among every other slot of the suspects'
-    replicas held by both (the honest agreement of the two computations: the margin below `tolerance`;
-    the suspect replicas' own computations of the other replicas' micro-batches are not compared: a bad
-    device may be among them)."""
+    replicas held by both (the honest agreement of the two computations, the margin below `tolerance`,
+    when the fault touched one element only: a corrupted activation moves every gradient computed after
+    it; the suspect replicas' own computations of the other replicas' micro-batches are not compared: a
+    bad device may be among them)."""
 
     unreproduced: tuple[tuple[int, int], ...]
     suspect_diff: float

@@ -30,7 +30,7 @@ PRINTED = {
         "simulator: every policy's time to step 200 predicted within 1.4% (inside the 10% bound)",
     ("fault_campaign", "scenarios held"): "\nfault campaign: 30/30 scenarios held (seed 5)",
     ("integrity_campaign", "trials right"):
-        "integrity campaign: 100/100 trials right (classified, attributed, and the curve after recovery "
+        "integrity campaign: 120/120 trials right (classified, attributed, and the curve after recovery "
         "equal to the failure-free run where compared)",
     ("hostile", "attacks withstood"): "hostile clients: 23/23 attacks withstood",
     ("memory", "saved bytes, none / full recompute"):
@@ -44,7 +44,7 @@ PRINTED = {
 }
 EXPECTED = {"throughput": ["2.379", "0.988", "2.121"], "checkpoint": ["1.76", "1.64", "0.94"],
             "failover": ["0.16"], "spares": ["5.71"], "failure_trace": ["1.4%"], "fault_campaign": ["30/30"],
-            "integrity_campaign": ["100/100"], "hostile": ["23/23"], "memory": ["9.56"], "dry_run": ["2.4x"],
+            "integrity_campaign": ["120/120"], "hostile": ["23/23"], "memory": ["9.56"], "dry_run": ["2.4x"],
             "gpu_check": ["4/4"], "block_sharding": ["0.00%"]}
 
 
