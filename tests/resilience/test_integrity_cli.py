@@ -31,6 +31,12 @@ CASES = {
     "interrupted": ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]", "fault=bitflip", "fault.target=grad",
                     "fault.rank=2", "fault.step=3", "fault.recovery=live",
                     "fault.more=[{kind:kill_rank,rank:1,step:3,phase:integrity}]"],
+    # an activation flip on rank 2 on every forward from step 7 (seed 2's element: some samples' loss is
+    # not finite on replica 1 only), and the same seed without a fault
+    "device_nonfinite": ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]", "fault=bitflip",
+                         "fault.target=activation", "fault.rank=2", "fault.step=7", "fault.persistent=true",
+                         "fault.recovery=live", "seed=2"],
+    "clean_seed2": ["mesh.dp=2", "mesh.tp=2", "ntp.replica_tp=[2,1]", "seed=2"],
     # a parameter flip on rank 1 at step 3, and rank 3 lost as the check of step 4 starts its repair
     "repair_interrupted": ["mesh.dp=3", "mesh.tp=2", "ntp.replica_tp=[2,1,1]", "fault=bitflip",
                            "fault.rank=1", "fault.step=3", "fault.recovery=live",
@@ -170,3 +176,21 @@ def test_a_rank_lost_during_a_divergence_repair_leaves_no_half_applied_repair(ru
     assert "failover | live: policy ntp: layout (2,1,1) -> (2,1)" in log and "attempt 1" not in log
     losses = {m["step"]: m["loss"] for m in read_metrics(run)}
     assert sorted(losses) == list(range(1, 9)) and all(v == v for v in losses.values())
+
+
+@pytest.mark.slow
+def test_a_sample_not_finite_on_one_replica_only_names_the_device(runs):
+    """Seed 2's persistent activation flip makes some samples' loss not finite on rank 2's replica only:
+    not the data's, so the step is replayed and the cross replay names rank 2 (the other replica computes
+    its micro-batches finite); it is excluded and the survivors redo step 7 without it.  The curve is the
+    failure-free run of the same seed."""
+    run = runs.run_dir("device_nonfinite")
+    (finding,) = _findings(run)
+    assert (finding["step"], finding["kind"], finding["verdict"]) == (7, "nonfinite", "device")
+    assert finding["rank"] == 2 and "not reproduced" in finding["action"]
+    assert "integrity: step 7 redone without rank 2" in (run / "train.log").read_text()
+    losses = {m["step"]: m["loss"] for m in read_metrics(run)}
+    ref = {m["step"]: m["loss"] for m in read_metrics(runs.run_dir("clean_seed2"))}
+    assert sorted(losses) == sorted(ref) == list(range(1, 9))
+    for step in range(1, 9):
+        assert losses[step] == pytest.approx(ref[step], rel=1e-5), step
