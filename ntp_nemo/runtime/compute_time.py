@@ -4,8 +4,11 @@ this replica's micro-batches), from its start to the moment the rank is ready fo
 collectives; the waits for slower peers at the step's end come after it (the gradient sync, the fused
 scalars).  Inside the window a TP rank also exchanges with its TP peers in every layer: on a CPU runtime
 its TP groups (`ntpdirect`, `DirectGroup.watch`) report each exchange, and the time in them (the
-transfer and the wait for a slower peer) is not counted.  On a CPU runtime the host clock measures the
-work itself; on a GPU the phase only queues kernels, so a pair of CUDA events brackets it and is read at
+transfer and the wait for a slower peer) is not counted.  On a CPU runtime the figure is the calling
+thread's CPU time (a CPU rank computes on that thread: one intra-op thread), which the other processes
+sharing the cores do not change (on this 2-core machine a rank's wall time in the phase ran at 1.8
+times its CPU time beside a test run); a CPU starved by other processes is not seen as slow by it.  On
+a GPU the phase only queues kernels, so a pair of CUDA events brackets it and is read at
 the next step, when the step's one host read has completed them (the figure then lags one step; nothing
 waits for the device in the hot path).
 
@@ -31,6 +34,7 @@ from typing import Any
 import torch
 
 MEASURED_PHASE = "microbatches"
+MIN_SLEEP_S = 1e-3  # a slowed device sleeps before an exchange once it owes this much (`ComputeTimer._owe`)
 
 
 class ComputeTimer:
@@ -45,7 +49,9 @@ class ComputeTimer:
         self._watched: list[Any] = []  # the TP groups that report their exchanges (`watch`)
         self._mark: float | None = None  # in the phase: thread CPU time up to which the work is accounted
         self._entered: float | None = None  # when the exchange under way began
-        self._exchanged = 0.0  # seconds of the phase spent in exchanges of watched groups
+        self._exchanged = 0.0  # CPU seconds of the phase spent in exchanges of watched groups
+        self._slept = 0.0  # seconds a slowed device slept in the phase
+        self._owed = 0.0  # a slowed device's sleep owed and not slept yet (negative: overslept)
 
     def slowdown(self, factor: float) -> None:
         """From the next step on, compute at `factor` of this device's speed (1: its own speed)."""
@@ -70,15 +76,30 @@ class ComputeTimer:
         if self._mark is None:
             return
         if self.factor < 1.0 and self.device.type != "cuda":
-            time.sleep((time.thread_time() - self._mark) * (1.0 / self.factor - 1.0))
-        self._entered = time.perf_counter()
+            self._owe(time.thread_time() - self._mark, MIN_SLEEP_S)
+        self._entered = time.thread_time()
+
+    def _owe(self, work_s: float, at_least_s: float) -> float:
+        """Add the sleep a slow device owes for `work_s` of work and sleep what is owed once it reaches
+        `at_least_s`; returns the seconds slept.  What a sleep overshoots (a wake-up is late by tens of
+        microseconds, more on a loaded machine) is taken off what is owed next: over a step the device
+        sleeps what it owes, though a TINY layer's segments are shorter than a wake-up's delay."""
+        self._owed += work_s * (1.0 / self.factor - 1.0)
+        if self._owed < at_least_s or self._owed <= 0.0:
+            return 0.0
+        t = time.perf_counter()
+        time.sleep(self._owed)
+        slept = time.perf_counter() - t
+        self._owed -= slept
+        self._slept += slept
+        return slept
 
     def after_exchange(self) -> None:
         if self._mark is None or self._entered is None:
             return
-        self._exchanged += time.perf_counter() - self._entered
-        self._entered = None
         self._mark = time.thread_time()  # the exchange's own CPU (copies, polling) is not the device's work
+        self._exchanged += self._mark - self._entered
+        self._entered = None
 
     def _cuda_reading(self) -> float | None:
         if self._events is None:
@@ -99,25 +120,25 @@ class ComputeTimer:
                 self.last_s = done
             start = torch.cuda.Event(enable_timing=True)
             start.record()
-        t0 = time.perf_counter()
-        self._mark, self._exchanged, self._entered = time.thread_time(), 0.0, None
+        w0 = time.thread_time()
+        self._mark, self._exchanged, self._entered, self._slept = w0, 0.0, None, 0.0
         c1 = time.process_time()
         try:
             yield
         finally:
             mark, self._mark = self._mark, None
         c2 = time.process_time()
-        took = time.perf_counter() - t0 - self._exchanged
+        # CPU: the thread's CPU time outside the TP exchanges, and a slowed device's sleeps
+        took = time.thread_time() - w0 - self._exchanged
         if self.factor < 1.0:
             # CUDA: the host saw only the kernels' launch; stretch by the last device reading instead.
             # CPU: this thread's own work since the last paced exchange, not its waits (module docstring).
-            base = self.last_s * self.factor if cuda else time.thread_time() - mark
-            extra = base * (1.0 / self.factor - 1.0)
             if cuda:
+                extra = self.last_s * (1.0 - self.factor)  # (1/f - 1) times the device's own time
                 torch.cuda._sleep(int(extra * 1.4e9))  # device cycles at roughly 1.4 GHz
             else:
-                time.sleep(extra)
-            took += extra
+                self._owe(time.thread_time() - mark, 0.0)
+        took += self._slept
         if cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()

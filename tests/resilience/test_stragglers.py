@@ -153,12 +153,18 @@ def test_policies_decide(policy, speed, want):
 
 def test_slowdown_stretches_the_ranks_own_work_not_its_waits(monkeypatch):
     """factor f: the phase is followed by (1/f - 1) times the thread's CPU work in it (0.1 s of the phase's
-    0.25 s of wall: the rest is waiting for TP peers), inside the reported time."""
+    0.25 s of wall: the rest is other processes having the cores), and the figure is that work plus the
+    sleep: what the slow device would have taken."""
     clock = {"t": 100.0, "cpu": 7.0}
     slept = []
     monkeypatch.setattr("ntp_nemo.runtime.compute_time.time.perf_counter", lambda: clock["t"])
     monkeypatch.setattr("ntp_nemo.runtime.compute_time.time.thread_time", lambda: clock["cpu"])
-    monkeypatch.setattr("ntp_nemo.runtime.compute_time.time.sleep", lambda s: slept.append(s))
+
+    def sleep(s):
+        slept.append(s)
+        clock["t"] += s
+
+    monkeypatch.setattr("ntp_nemo.runtime.compute_time.time.sleep", sleep)
     timer = ComputeTimer()
     for factor, want_sleep in ((1.0, []), (0.5, [0.1]), (0.25, [0.3])):
         slept.clear()
@@ -170,7 +176,38 @@ def test_slowdown_stretches_the_ranks_own_work_not_its_waits(monkeypatch):
             clock["t"] += 0.25
             clock["cpu"] += 0.1
         assert slept == pytest.approx(want_sleep)
-        assert timer.last_s == pytest.approx(0.25 + sum(want_sleep))
+        assert timer.last_s == pytest.approx(0.1 + sum(want_sleep))  # its CPU work, then the sleeps
+
+
+def test_a_slow_device_sleeps_what_it_owes_over_short_segments_and_late_wake_ups(monkeypatch):
+    """Segments shorter than 1 ms of owed sleep are added up before a sleep, and a wake-up that comes
+    late (0.4 ms here) is taken off the next sleep: over the step the device sleeps what it owes."""
+    from types import SimpleNamespace
+
+    clock = {"t": 0.0, "cpu": 0.0}
+    slept = []
+
+    def sleep(s):
+        slept.append(round(s, 9))
+        clock["t"] += s + 0.0004
+
+    monkeypatch.setattr("ntp_nemo.runtime.compute_time.time.perf_counter", lambda: clock["t"])
+    monkeypatch.setattr("ntp_nemo.runtime.compute_time.time.thread_time", lambda: clock["cpu"])
+    monkeypatch.setattr("ntp_nemo.runtime.compute_time.time.sleep", sleep)
+    group = SimpleNamespace(watch=None)
+    timer = ComputeTimer()
+    timer.watch([group])
+    timer.slowdown(0.5)
+    with timer.phase("microbatches"):
+        for _ in range(10):  # 0.3 ms of work per segment: a sleep every fourth exchange
+            clock["cpu"] += 0.0003
+            clock["t"] += 0.0003
+            group.watch.before_exchange()
+            group.watch.after_exchange()
+    # 1.2 ms owed after four segments; the 0.4 ms overslept is off the next: 1.1 ms after five more
+    assert slept == [0.0012, 0.0011]
+    actual = sum(slept) + 0.0004 * len(slept)  # 3 ms of work at half speed owes 3 ms
+    assert abs(actual - 0.003) <= 0.0004 + 1e-12  # within one late wake-up (its rest: off the next step)
 
 
 def test_the_timer_counts_work_not_tp_exchanges_and_a_slow_rank_sleeps_before_each(monkeypatch):
