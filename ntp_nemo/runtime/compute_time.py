@@ -50,7 +50,7 @@ class ComputeTimer:
         self._mark: float | None = None  # in the phase: thread CPU time up to which the work is accounted
         self._entered: float | None = None  # when the exchange under way began
         self._exchanged = 0.0  # CPU seconds of the phase spent in exchanges of watched groups
-        self._slept = 0.0  # seconds a slowed device slept in the phase
+        self._slept = 0.0  # seconds a slowed device's work took beyond this one's in the phase (its sleeps)
         self._owed = 0.0  # a slowed device's sleep owed and not slept yet (negative: overslept)
 
     def slowdown(self, factor: float) -> None:
@@ -82,16 +82,20 @@ class ComputeTimer:
     def _owe(self, work_s: float, at_least_s: float) -> float:
         """Add the sleep a slow device owes for `work_s` of work and sleep what is owed once it reaches
         `at_least_s`; returns the seconds slept.  What a sleep overshoots (a wake-up is late by tens of
-        microseconds, more on a loaded machine) is taken off what is owed next: over a step the device
-        sleeps what it owes, though a TINY layer's segments are shorter than a wake-up's delay."""
-        self._owed += work_s * (1.0 / self.factor - 1.0)
+        microseconds) is taken off what is owed next, up to `MIN_SLEEP_S`: over a step the device sleeps
+        what it owes, though a TINY layer's segments are shorter than a wake-up's delay, and a wake-up
+        late by more (the host was busy) is not paid back.  The figure the timer reports counts what is
+        owed, not what the sleeps came to."""
+        owed = work_s * (1.0 / self.factor - 1.0)
+        self._slept += owed  # the slow device's time, whatever the host's sleeps come to
+        self._owed += owed
         if self._owed < at_least_s or self._owed <= 0.0:
             return 0.0
         t = time.perf_counter()
         time.sleep(self._owed)
         slept = time.perf_counter() - t
-        self._owed -= slept
-        self._slept += slept
+        # a wake-up late by more than a threshold's worth is the host's (a loaded machine), not owed back
+        self._owed = max(self._owed - slept, -MIN_SLEEP_S)
         return slept
 
     def after_exchange(self) -> None:
