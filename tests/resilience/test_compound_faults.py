@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import re
 import signal
 from pathlib import Path
 from types import SimpleNamespace
@@ -70,8 +71,10 @@ def test_a_failed_rejoin_cancels_the_rejoin_not_the_job(tmp_path, reference_loss
             "go on without them") in out
     assert ("the rejoin of process(es) [1] failed after it was decided (process(es) [1] died): the "
             "survivors re-form without them") in out
-    assert ("the rejoin failed (RendezvousAborted); processes [1] lost: the survivors re-form layout "
-            "(1)") in out
+    # RendezvousAborted when the notice comes before the survivor's rendezvous, a connection error of the
+    # process group when it dies inside it (a loaded machine's timing): re-formed live either way
+    assert re.search(r"the rejoin failed \(\w+\); processes \[1\] lost: the survivors re-form layout \(1\)",
+                     out), out[-4000:]
     assert "falling back" not in out
     assert "repaired process(es) rejoined: layout (1) -> (1,1)" in out
     metrics = read_metrics(run)
