@@ -347,31 +347,13 @@ class LiveRecovery(Callback, RecoveryHooks):
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item() > 0)
 
-    def _builder(self, strategy: Any) -> Callable:
-        """build(layout, rank) -> RankState (`runtime.assemble`, as at start-up) on the current default
-        group; the optimizer object is kept, pointed at the new parameters (the LR scheduler and
-        Lightning hold it)."""
-        from ntp_nemo.runtime.assemble import assemble
+    @staticmethod
+    def _builder(strategy: Any) -> Callable:
+        """build(layout, rank) -> RankState on the current default group (`shard_relayout.strategy_builder`:
+        `runtime.assemble` as at start-up, the optimizer object kept and pointed at the new parameters)."""
+        from ntp_nemo.resilience.shard_relayout import strategy_builder
 
-        module = strategy.lightning_module
-        keep = (strategy.torch_optimizer, module.model)
-        # The parameters' dtype as training has them: at start-up Lightning's precision plugin casts the
-        # model after `assemble` (64-true: float64, bf16-true: bfloat16); a rebuilt model must match the
-        # optimizer state it inherits.
-        param_dtype = next((p.dtype for p in module.model.parameters()), None)
-
-        # The re-planned layout as it is: it keeps sequence parallelism (SP holds no state: the new
-        # layout's sequence split follows its degrees), the shard alignment, the work model and the
-        # capacity rule, so every rank computes the same batch split.
-        def build(layout: ResolvedLayout, rank: int):
-            return assemble(layout, rank, module.model_cfg, module.optim_cfg, strategy.root_device,
-                            seed=module.seed, bucket_mb=strategy.bucket_mb,
-                            overlap_grad_sync=module.overlap_grad_sync, tp_overlap=module.tp_overlap,
-                            tp_chunks=module.tp_chunks, compile=module.compile_blocks,
-                            keep=keep, param_dtype=param_dtype,
-                            initialize=False)  # the reshard writes every value: nothing is drawn
-
-        return build
+        return strategy_builder(strategy, share_groups=False)
 
     def _recover(self, strategy: Any, step: int, phase: int | None = None,
                  failed_rejoin: tuple[BaseException, Any] | None = None) -> Recovery:

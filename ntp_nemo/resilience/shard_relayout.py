@@ -45,24 +45,29 @@ def relayout(state: Any, layout: ResolvedLayout, build: BuildFn) -> tuple[Any, R
     return new, result
 
 
-def strategy_builder(strategy: Any) -> BuildFn:
+def strategy_builder(strategy: Any, share_groups: bool = True) -> BuildFn:
     """build(layout, rank) -> RankState for an `NTPStrategy` holding a state: `runtime.assemble` with the
     Lightning module's options (as at start-up), the running optimizer object pointed at the new
-    parameters (the LR scheduler and Lightning hold it), the parameters' running dtype, nothing drawn
-    (the reshard writes every value) and the running topology's process groups."""
+    parameters (the LR scheduler and Lightning hold it), the parameters' running dtype (at start-up
+    Lightning's precision plugin casts the model after `assemble`: a rebuilt model must match the
+    optimizer state it inherits) and nothing drawn (the reshard writes every value).  `share_groups`: the
+    running topology's process groups (a re-layout of the same ranks); else the groups are made on the
+    current default group (a live recovery's new generation: `live_worker.LiveRecovery`).  The layout is
+    taken as it is: sequence parallelism, shard alignment, work model and capacity rule follow it, so every
+    rank computes the same batch split."""
     from ntp_nemo.runtime.assemble import assemble
 
     module = strategy.lightning_module
-    old = strategy.state
-    keep = (old.optimizer, old.model)
-    param_dtype = next((p.dtype for p in old.model.parameters()), None)
+    keep = (strategy.torch_optimizer, module.model)
+    param_dtype = next((p.dtype for p in module.model.parameters()), None)
+    groups_from = strategy.state.runtime.topology if share_groups else None
 
     def build(layout: ResolvedLayout, rank: int) -> Any:
         return assemble(layout, rank, module.model_cfg, module.optim_cfg, strategy.root_device,
                         seed=module.seed, bucket_mb=strategy.bucket_mb,
                         overlap_grad_sync=module.overlap_grad_sync, tp_overlap=module.tp_overlap,
                         tp_chunks=module.tp_chunks, compile=module.compile_blocks, keep=keep,
-                        param_dtype=param_dtype, initialize=False, groups_from=old.runtime.topology)
+                        param_dtype=param_dtype, initialize=False, groups_from=groups_from)
 
     return build
 
