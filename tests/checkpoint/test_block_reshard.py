@@ -1,7 +1,8 @@
 """Checkpoints across sharding patterns: saved on a 2x2 grid (`ntp.pattern=block`, weights in 2D blocks)
-and loaded on row/column TP 3, and the reverse.  The loading ranks (another seed: every value must come
-from the checkpoint) hold exactly the saved logical parameters and continue the saved run's loss curve
-(float64, AdamW moments carried over)."""
+and loaded on row/column TP 3, and the reverse; and saved on TP 3 whose shards a straggler rebalance
+weighed by speed (`ResolvedLayout.shard_speeds`: uneven heads and columns) and loaded on balanced TP 3.
+The loading ranks (another seed: every value must come from the checkpoint) hold exactly the saved
+logical parameters and continue the saved run's loss curve (float64, AdamW moments carried over)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,10 @@ TP3 = ((3, [3], [3] * 4), "row_column")
 # Two replicas of different patterns: a 2x2 grid beside a row/column TP-2 replica (degree 2 is no
 # square), one micro-batch of 2 sequences each; the grid's norms are split, the TP-2 replica's whole.
 MIXED = ((4, [4, 2], [4] * 4), "block", 2)
+# TP 3 with shards weighed 1 : 0.4 : 0.6 (LLAMA's 6 query heads 3/1/2, its 2 KV heads following them;
+# its 70 FFN columns in blocks of 4: 36/12/22), as `fault.straggler=rebalance` leaves a one-replica job
+# with a slow rank.
+WEIGHTED = ((3, [3], [3] * 4), "row_column", 1, (1.0, 0.4, 0.6))
 
 
 def _tokens(cfg: ModelConfig, step: int) -> torch.Tensor:
@@ -33,8 +38,10 @@ def worker(rank: int, world: int, cfg: ModelConfig, side: tuple, path: str, save
     """Saving side: one step, save, then the continuation; loading side (seed + 1): load, continuation.
     Returns this rank's parameter slices right after the save / load, and the continuation's losses."""
     torch.set_num_threads(1)
-    (topology, pattern, micro) = (*side, 1)[:3]
-    layout = ResolvedLayout.make(Topology(*topology), num_microbatches=micro, pattern=pattern)
+    topology, pattern = side[:2]
+    micro, speeds = (side[2] if len(side) > 2 else 1), (side[3] if len(side) > 3 else None)
+    weighed = {"shard_align": 4, "shard_speeds": speeds} if speeds else {}
+    layout = ResolvedLayout.make(Topology(*topology, **weighed), num_microbatches=micro, pattern=pattern)
     state = assemble(layout, rank, cfg, OPTIM, "cpu", seed=SEED + (not save), param_dtype=torch.float64)
 
     def step(s: int) -> float:
@@ -72,8 +79,9 @@ def _exports_as_unsharded(cfg: ModelConfig, path: str, full: dict[str, torch.Ten
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cfg,saved_on,loaded_on",
-                         [(LLAMA, BLOCK, TP3), (GPT, TP3, BLOCK), (GPT, MIXED, TP3)],
-                         ids=["llama-block-to-tp3", "gpt-tp3-to-block", "gpt-grid-beside-tp2-to-tp3"])
+                         [(LLAMA, BLOCK, TP3), (GPT, TP3, BLOCK), (GPT, MIXED, TP3), (LLAMA, WEIGHTED, TP3)],
+                         ids=["llama-block-to-tp3", "gpt-tp3-to-block", "gpt-grid-beside-tp2-to-tp3",
+                              "llama-weighted-tp3-to-balanced"])
 def test_checkpoint_moves_between_patterns(tmp_path, cfg, saved_on, loaded_on):
     path = str(tmp_path / "ckpt")
     saved = run_workers(worker, sum(saved_on[0][1]), cfg, saved_on, path, True)
@@ -84,6 +92,11 @@ def test_checkpoint_moves_between_patterns(tmp_path, cfg, saved_on, loaded_on):
             full.setdefault(name, torch.full(spec.global_shape, float("nan"), dtype=torch.float64))
             spec.narrow(full[name]).copy_(torch.from_numpy(value))
     assert not any(t.isnan().any() for t in full.values())
+    if len(saved_on) > 3:  # the saved shards are the weighed ones: rank 1 holds the fewest heads and columns
+        for suffix in ("q_proj.weight", "up_proj.weight"):
+            rows = [next(spec.length for n, (spec, _) in held.items() if n.endswith(suffix))
+                    for held, _ in saved]
+            assert rows[1] < rows[2] < rows[0], (suffix, rows)
     if saved_on[1] == "block":  # Hugging Face export reads a grid's checkpoint as any other
         _exports_as_unsharded(cfg, path, full, tmp_path)
     for held, _ in loaded:
