@@ -25,9 +25,11 @@ bytes moved, work between synchronisations), and map where block sharding wins o
 bandwidths (a model: ntp_nemo/planner/patterns.py derives it), e.g.
     ntp-plan model=llama3_8b hardware=h100 mesh.tp=64 --patterns
 speeds=[...] (one measured speed in (0, 1] per global rank, 1: as fast as the work model says): instead
-of the ranking, the batch split the straggler watch's rebalance would run at those speeds on a training
-model's or recipe's layout (the mesh, ntp and data keys change it), e.g.
+of the ranking, what the straggler watch would do at those speeds on a training model's or recipe's
+layout (the mesh, ntp, data and fault.straggler* keys change it): the ranks it excludes, the batch split
+across replicas, the shard weights inside a TP group (a one-replica job, or fault.straggler_shards=on), e.g.
     ntp-plan model=gpt_tiny mesh.dp=2 mesh.tp=2 ntp.replica_tp=[2,2] speeds=[1,0.5,1,1]
+    ntp-plan model=gpt_tiny mesh.dp=1 mesh.tp=2 ntp.replica_tp=null speeds=[1,0.5]
 """
 
 from __future__ import annotations
@@ -389,8 +391,10 @@ PATTERN_GBPS = (25.0, 50.0, 100.0, 200.0, 450.0, 900.0, 1800.0)
 
 
 def print_speed_split(argv: Sequence[str]) -> int:
-    """`speeds=[...]`: the rebalanced batch split of a training layout at measured per-rank speeds."""
-    from ntp_nemo.resilience.straggler import predicted_compute_s
+    """`speeds=[...]`: what the straggler watch makes of a training layout at measured per-rank speeds,
+    by the policy's own decision (`straggler.decide`, the run's `fault.straggler*` keys): the ranks it
+    would exclude, the batch split across replicas, the shard weights inside a TP group."""
+    from ntp_nemo.resilience.straggler import Judgement, StragglerSettings, decide, predicted_compute_s
 
     pairs = [(a.partition("=")[0], a.partition("=")[2], a) for a in argv]
     raw = next(v for k, v, _ in pairs if k == "speeds")
@@ -408,16 +412,30 @@ def print_speed_split(argv: Sequence[str]) -> int:
     if len(speeds) != layout.world_size or not all(0 < v <= 1 for v in speeds):
         raise ConfigError("speeds", f"needs one speed in (0, 1] per global rank of layout "
                           f"{layout.describe()} ({layout.world_size} ranks), got {raw}.")
-    replica = [min(speeds[r] for stage in layout.ranks_of(i) for r in stage) for i in range(layout.dp)]
-    new = layout.with_changes(speeds=None if all(v == 1 for v in replica) else replica)
-    before = predicted_compute_s(layout, 1.0, speeds)
-    after = predicted_compute_s(new, 1.0, speeds)
+    settings = StragglerSettings.from_config(spec.failover.fault)
+    slow = tuple(r for r, v in enumerate(speeds) if v < settings.slow_below)
+    decision = decide(settings, layout, Judgement(0, tuple(speeds), slow, slow, slow, (), 0.0, 1.0))
+    new = decision.layout or layout
     full = predicted_compute_s(layout, 1.0, [1.0] * layout.world_size)
-    print(f"layout {layout.describe()}, {sum(layout.microbatches)} micro-batches per step; replica speeds "
-          f"(slowest rank) {replica}\n"
-          f"  micro-batches per replica: {list(layout.microbatches)} -> {list(new.microbatches)}\n"
-          f"  modelled compute per step (the work model, relative to full speed): {before / full:.3f} -> "
-          f"{after / full:.3f}")
+    named = ", ".join(f"rank {r} at {speeds[r]:g}" for r in slow) or "none"
+    lines = [f"layout {layout.describe()}, {sum(layout.microbatches)} micro-batches per step, "
+             f"fault.straggler={settings.policy}; stragglers (speed below 1/(1+margin) = "
+             f"{settings.slow_below:.3f}): {named}"]
+    if decision.exclude:
+        lines.append(f"  excluded: ranks {list(decision.exclude)} (exclude policy, or below "
+                     f"fault.straggler_floor={settings.floor:g}); the survivors re-form by fault.policy="
+                     f"{spec.failover.fault.policy}, as after a lost rank")
+    else:
+        speeds_of = list(new.speeds) if new.speeds is not None else [1.0] * layout.dp
+        weights = "balanced" if new.shard_speeds is None else str(list(new.shard_speeds))
+        after = predicted_compute_s(new, 1.0, speeds)
+        lines += [f"  replica speeds for the batch split {speeds_of}",
+                  f"  micro-batches per replica: {list(layout.microbatches)} -> {list(new.microbatches)}",
+                  f"  shard weights inside the TP groups (fault.straggler_shards={settings.shards}): "
+                  f"{weights}",
+                  f"  modelled compute per step (the work model, relative to full speed): "
+                  f"{predicted_compute_s(layout, 1.0, speeds) / full:.3f} -> {after / full:.3f}"]
+    print("\n".join(lines))
     return 0
 
 
