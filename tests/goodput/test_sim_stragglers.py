@@ -66,6 +66,38 @@ def test_rebalance_recovers_the_speed_weighted_share():
     assert state_throughput(fine, REPORT, {2: 0.5}, {2: 0.5}) == pytest.approx(0.5)
 
 
+# One replica of TP 8, 6 micro-batches: no other replica can take a share of the batch.
+ONE = JobShape(num_replicas=1, tp=8, pp=1, microbatches=6, ntp_batch=(0, 1, 1, 2, 3, 4, 4, 5, 6))
+
+
+def test_rebalance_weighs_a_one_replica_jobs_shards_by_speed():
+    # GPU 2 at 0.5, named: its 8 shards weighed 1 x 7 : 0.5, it holds 0.5/7.5 of the work and takes
+    # (0.5/7.5)/0.5 = 1/7.5 of a balanced step's 1/8 x 8: the group runs at 7.5/8, its mean speed.
+    assert state_throughput(ONE, REBALANCE, {2: 0.5}, {2: 0.5}, shards=True) == pytest.approx(7.5 / 8)
+    assert state_throughput(ONE, REBALANCE, {2: 0.5}, {2: 0.5}, shards=False) == pytest.approx(0.5)
+    assert state_throughput(ONE, REPORT, {2: 0.5}, {2: 0.5}, shards=True) == pytest.approx(0.5)
+    # The device recovered, the watch not yet: the others carry 7 of 7.5, at full speed: 7.5/8 again.
+    assert state_throughput(ONE, REBALANCE, {}, {2: 0.5}, shards=True) == pytest.approx(7.5 / 8)
+    # Slower than believed (0.3, weighed 0.5): it takes (0.5/7.5)/0.3 against 1/8: 0.3 x 7.5/8 / 0.5.
+    assert state_throughput(ONE, REBALANCE, {2: 0.3}, {2: 0.5}, shards=True) == pytest.approx(0.5625)
+    # Two stages of TP 4 (GPUs 0-3, 4-7), GPU 5 at 0.5: stage 2 runs at 3.5/4, stage 1 at 1.
+    two = JobShape(num_replicas=1, tp=4, pp=2, microbatches=6, ntp_batch=(0, 1, 3, 4, 6))
+    assert state_throughput(two, REBALANCE, {5: 0.5}, {5: 0.5}, shards=True) == pytest.approx(3.5 / 4)
+
+
+def test_the_shards_setting_follows_fault_straggler_shards():
+    assert StragglerSpec().weighs_shards(1) and not StragglerSpec().weighs_shards(4)  # auto: one replica
+    assert StragglerSpec(shards="on").weighs_shards(4) and not StragglerSpec(shards="off").weighs_shards(1)
+    # Over a trace: 2 h of 10 at 0.5, named after 0.5 h, the weights kept 0.5 h after it recovers:
+    # 0.5 h at 0.5, 1.5 h + 0.5 h at 7.5/8.
+    ep = Episodes(np.array([2]), np.array([1.0]), np.array([3.0]), np.array([0.5]), 10.0)
+    mean, low, _ = trace_throughput(ONE, StragglerSpec(detect_minutes=30.0), ep, REBALANCE)
+    assert low == pytest.approx(0.5)
+    assert mean == pytest.approx(1 - (0.5 * 0.5 + 2.0 * (1 - 7.5 / 8)) / 10)
+    off, _, _ = trace_throughput(ONE, StragglerSpec(detect_minutes=30.0, shards="off"), ep, REBALANCE)
+    assert off == pytest.approx(1 - 2.0 * 0.5 / 10)  # no other replica: rebalance changes nothing
+
+
 @pytest.mark.parametrize("speed", [0.1, 0.5, 0.9])
 def test_exclude_equals_a_lost_gpu(speed):
     # Named: the GPU is out whatever its speed; its replica keeps the NTP table's 4 micro-batches on time.
@@ -120,6 +152,7 @@ def test_the_straggler_study_orders_its_policies():
     ("stragglers.speed=[0.5,1.5]", "stragglers.speed"),
     ("stragglers.policies=[report,skip]", "stragglers.policies"),
     ("stragglers.rate_per_gpu_hour=-1", "stragglers.rate_per_gpu_hour"),
+    ("stragglers.shards=sometimes", "stragglers.shards"),
     ("++stragglers.sped=1", "stragglers"),
 ])
 def test_bad_straggler_settings_name_the_key(override, key):

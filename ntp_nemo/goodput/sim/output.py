@@ -192,7 +192,8 @@ def format_tables(results: SimResults, s: SimSettings) -> str:
         out.append(
             f"{r0['days']:g}-day straggler trace: {r0['episodes']} slow-GPU episodes "
             f"({g.rate_per_gpu_hour:.3g}/GPU-hour, speed {g.speed[0]:g}-{g.speed[1]:g}, mean "
-            f"{g.duration_hours:g} h), named after {g.detect_minutes:g} min, floor {g.floor:g}; "
+            f"{g.duration_hours:g} h), named after {g.detect_minutes:g} min, floor {g.floor:g}"
+            f"{', shards weighed by speed in the TP group' if r0.get('weighs_shards') else ''}; "
             f"{_pct(r0['slow_gpu_fraction'], 4)} of GPUs slow on average"
         )
         out.append(f"{'policy':<10} {'throughput':>10} {'min':>8}")

@@ -11,7 +11,11 @@ rank of a TP group waits for it), and every synchronous step waits for the slowe
 - `rebalance`: `detect_minutes` after the episode starts (the watch's `straggler_every x persist` steps)
   the batch is split by the replicas' speeds, whole micro-batches, the global batch kept (NTP-PW's
   capacity split fed by measured speed); the split goes back `detect_minutes` after the device recovers
-  (meanwhile the recovered replica is under-loaded).  Below `floor` the GPU is excluded as under `exclude`;
+  (meanwhile the recovered replica is under-loaded).  Below `floor` the GPU is excluded as under `exclude`.
+  With `shards` (`fault.straggler_shards`: `on`, or `auto` in a one-replica job) the TP group holding
+  the straggler also weighs its shards by the believed speeds, so its pace is
+  `sum(w) / (tp * max_g(w_g / s_g))` (believed speeds `w`, actual `s`): the group's mean speed when the
+  belief is right, its slowest GPU's speed when nothing is believed;
 - `exclude`: `detect_minutes` after the episode starts the GPU leaves as a lost one does: its replica
   runs at one TP degree fewer, with the on-time micro-batches of the NTP policy table at that degree as
   its capacity, and comes back `detect_minutes` after the device recovers.
@@ -34,6 +38,7 @@ from ntp_nemo.errors import ConfigError
 
 REPORT, REBALANCE, EXCLUDE = "report", "rebalance", "exclude"
 STRAGGLER_POLICIES = (REPORT, REBALANCE, EXCLUDE)
+SHARD_MODES = ("auto", "on", "off")
 _EPS = 1e-9
 
 
@@ -47,6 +52,7 @@ class StragglerSpec:
     detect_minutes: float = 5.0
     floor: float = 0.2
     policies: tuple[str, ...] = STRAGGLER_POLICIES
+    shards: str = "auto"  # rebalance weighs the straggler's TP-group shards: auto (one replica) | on | off
 
     def __post_init__(self) -> None:
         if isinstance(self.rate_per_gpu_hour, bool) or not self.rate_per_gpu_hour >= 0:
@@ -65,6 +71,9 @@ class StragglerSpec:
         if not 0 <= self.floor < 1:
             raise ConfigError("stragglers.floor", f"must be in [0, 1) (below it rebalance excludes the GPU), "
                               f"got {self.floor!r}.")
+        if self.shards not in SHARD_MODES:
+            raise ConfigError("stragglers.shards", f"{self.shards!r}: choose one of {list(SHARD_MODES)} "
+                              "(auto: weighted shards in a one-replica job, as fault.straggler_shards).")
         bad = [p for p in self.policies if p not in STRAGGLER_POLICIES]
         if bad or not self.policies:
             raise ConfigError("stragglers.policies",
@@ -73,6 +82,11 @@ class StragglerSpec:
     @property
     def detect_hours(self) -> float:
         return self.detect_minutes / 60.0
+
+    def weighs_shards(self, num_replicas: int) -> bool:
+        """Whether `rebalance` weighs the shards inside a straggler's TP group in a job of `num_replicas`
+        (`resilience.straggler.shard_replicas`: on, or auto with one replica)."""
+        return self.shards == "on" or (self.shards == "auto" and num_replicas == 1)
 
 
 def split(capacity: np.ndarray, total: int) -> np.ndarray:
@@ -154,11 +168,28 @@ class JobShape:
         return self.tp * self.pp
 
 
+def weighted_pace(job: JobShape, replica: int, actual: dict[int, float], believed: dict[int, float]
+                  ) -> tuple[float, float]:
+    """(believed, actual) pace of `replica` whose TP groups weigh their shards by the `believed` speeds
+    (GPU -> speed, absent = 1): per stage, a GPU holds `w_g / sum(w)` of the work and takes
+    `w_g / (sum(w) s_g)` against a balanced `1 / tp`; the replica runs at its slowest stage."""
+    believed_pace = actual_pace = 1.0
+    for stage in range(job.pp):
+        gpus = [replica * job.gpus_per_replica + stage * job.tp + j for j in range(job.tp)]
+        w = [believed.get(g, 1.0) for g in gpus]
+        a = [actual.get(g, 1.0) for g in gpus]
+        believed_pace = min(believed_pace, sum(w) / job.tp)
+        longest = max(wg / max(ag, _EPS) for wg, ag in zip(w, a, strict=True))  # x (sum(w) / tp)
+        actual_pace = min(actual_pace, sum(w) / (job.tp * longest))
+    return believed_pace, actual_pace
+
+
 def state_throughput(job: JobShape, policy: str, actual: dict[int, float], believed: dict[int, float],
-                     floor: float = 0.0) -> float:
+                     floor: float = 0.0, shards: bool = False) -> float:
     """Throughput relative to failure-free with the job GPUs' `actual` speeds (GPU -> speed, absent = 1) and
     the speeds the watch `believed` (GPU -> speed, the episodes it has named): report ignores `believed`;
-    rebalance splits by it (below `floor` the GPU is excluded); exclude takes every believed GPU out."""
+    rebalance splits by it (below `floor` the GPU is excluded) and, with `shards`, weighs the shards of a
+    replica that lost no GPU by it (`weighted_pace`); exclude takes every believed GPU out."""
     r_n = job.num_replicas
     degree = np.full(r_n, job.tp)
     a = np.ones(r_n)
@@ -175,6 +206,9 @@ def state_throughput(job: JobShape, policy: str, actual: dict[int, float], belie
             if g not in out:
                 i = g // job.gpus_per_replica
                 v[i] = min(v[i], s)
+        if shards:
+            for i in {g // job.gpus_per_replica for g in believed} - {g // job.gpus_per_replica for g in out}:
+                v[i], a[i] = weighted_pace(job, i, actual, believed)
     cap = np.array([job.ntp_batch[max(0, int(t))] for t in degree], dtype=float)
     t = step_time(cap * v, cap * a, job.num_replicas * job.microbatches)
     return 0.0 if math.isinf(t) else 1.0 / t
@@ -206,11 +240,13 @@ def trace_throughput(job: JobShape, spec: StragglerSpec, episodes: Episodes, pol
         slow_frac[k] = len(actual) / n_gpus
         key = (tuple(sorted(actual.items())), tuple(sorted(believed.items())))
         if key not in cache:
-            cache[key] = state_throughput(job, policy, actual, believed, spec.floor)
+            cache[key] = state_throughput(job, policy, actual, believed, spec.floor,
+                                          spec.weighs_shards(job.num_replicas))
         thr[k] = cache[key]
     w = durations / durations.sum()
     return float(w @ thr), float(thr.min()), float(w @ slow_frac)
 
 
-__all__ = ["EXCLUDE", "REBALANCE", "REPORT", "STRAGGLER_POLICIES", "Episodes", "JobShape", "StragglerSpec",
-           "generate_episodes", "split", "state_throughput", "step_time", "trace_throughput"]
+__all__ = ["EXCLUDE", "REBALANCE", "REPORT", "SHARD_MODES", "STRAGGLER_POLICIES", "Episodes", "JobShape",
+           "StragglerSpec", "generate_episodes", "split", "state_throughput", "step_time", "trace_throughput",
+           "weighted_pace"]

@@ -293,6 +293,7 @@ def run_stragglers(s: SimSettings) -> list[dict]:
             "rate_per_gpu_hour": spec.rate_per_gpu_hour, "speed": list(spec.speed),
             "duration_hours": spec.duration_hours, "detect_minutes": spec.detect_minutes, "floor": spec.floor,
             "tp": job.tp, "pp": job.pp, "num_gpus": gpus, "num_replicas": job.num_replicas,
+            "shards": spec.shards, "weighs_shards": spec.weighs_shards(job.num_replicas),
         })
     return records
 
