@@ -63,10 +63,36 @@ def _shared_cache(tmp_path_factory):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _warm_cli(_shared_cache, tmp_path_factory):
+    """This test worker's warm interpreter for `run_cli` (tests/warm_cli.py), started in the background at
+    once; NTP_TEST_COLD_CLI=1 starts every command as a fresh interpreter instead."""
+    if os.environ.get("NTP_TEST_COLD_CLI"):
+        yield
+        return
+    from tests import warm_cli
+
+    proc = warm_cli.start(tmp_path_factory.mktemp("warm_cli"))
+    yield
+    os.environ.pop(warm_cli.ENV, None)
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def run_cli(
     args: list[str], cwd: Path, timeout: int = 300, module: str = "ntp_nemo.train"
 ) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` in `cwd`, its output captured: through this worker's warm interpreter
+    where it runs (tests/warm_cli.py: a fork of a process that did the imports), else a fresh one."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    from tests import warm_cli
+
+    if os.environ.get(warm_cli.ENV):
+        return warm_cli.run(module, args, cwd, env, timeout)
     return subprocess.run(
         [sys.executable, "-m", module, *args],
         cwd=cwd,
