@@ -6,10 +6,12 @@ The child is the command as a fresh `python -m MODULE ARGS` would run it: its ow
 process group, with the caller's arguments, working directory, environment, umask and resource limits,
 stdin from /dev/null, stdout and stderr on the caller's pipes (passed over the socket), signal
 dispositions back to an interpreter's defaults, `sys.argv` and `sys.path[0]` as `-m` sets them, and the
-module run as `__main__` (`runpy`).  What a fresh interpreter adds besides imports (the console scripts'
-start-up, the import-time choices such as `ntp-train`'s fast config errors before Hydra) is covered by
-the tests that start real processes (`tests/cli/test_startup_imports.py`, the signal and stop tests,
-which use `subprocess` directly).
+module run as `__main__` (`runpy`).  The rest of `sys.path` is the server's: a `PYTHONPATH` of the
+command's own environment is not read again.  What a fresh interpreter adds besides imports (the
+console scripts' start-up, the import-time choices such as `ntp-train`'s fast config errors before
+Hydra) is covered by the tests that start real processes (`tests/cli/test_startup_imports.py`, the
+signal and stop tests, which use `subprocess` directly); `tests/house/test_warm_cli.py` compares a
+warm and a fresh run of the same commands.
 
     python -m tests.warm_cli SOCKET     # the server (started by `start`)
 
