@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import inspect
 import os
+import socket
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,7 @@ from typing import Any
 import lightning
 import lightning.pytorch as pl
 import torch.multiprocessing as mp
+from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.utilities.distributed import (
     _destroy_dist_connection,
     _distributed_is_initialized,
@@ -35,7 +37,7 @@ from lightning.fabric.utilities.distributed import (
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 
-from ntp_nemo.launch.loopback import loopback_children_env
+from ntp_nemo.launch.loopback import loopback_children_env, loopback_listener
 from ntp_nemo.lightning.signals import FORWARDED_INTERRUPT, hold_stop_signals
 
 # Lightning releases (major.minor) whose private names below were checked: the launcher's
@@ -203,6 +205,7 @@ class ForkLauncher(_MultiProcessingLauncher):
     stop_requested: float | None = None  # when (time.time()) the first stop signal was forwarded
     abandoned: bool = False  # a second Ctrl-C killed the workers: the run ends without a checkpoint
     _spawned: _Spawned | None = None
+    listener: socket.socket | None = None  # the rendezvous port while `launch` runs (see `launch`)
 
     @property
     def procs(self) -> Any:
@@ -210,8 +213,11 @@ class ForkLauncher(_MultiProcessingLauncher):
 
     @procs.setter
     def procs(self, value: Any) -> None:
-        """The workers, once forked; a stop signal that reached the parent while it forked them follows."""
+        """The workers, once forked; a stop signal that reached the parent while it forked them follows.
+        The rendezvous port's socket is theirs from now on: the parent closes its copy."""
         self._procs = value
+        if value and self.listener is not None:
+            self.listener.close()
         pending, self._pending_signal = self._pending_signal, None
         for proc in (value or []) if pending is not None else []:
             if proc.is_alive():
@@ -223,9 +229,34 @@ class ForkLauncher(_MultiProcessingLauncher):
 
     def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         """Forward SIGTERM/SIGUSR1 sent to the parent to every worker (they checkpoint and stop together);
-        the workers rendezvous and listen on loopback only."""
-        with self.forwarding_signals(), loopback_children_env():
+        the workers rendezvous and listen on loopback only, on a port held from before the fork."""
+        with self.forwarding_signals(), loopback_children_env(), self._held_rendezvous_port():
             return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    @contextmanager
+    def _held_rendezvous_port(self) -> Iterator[None]:
+        """The env:// rendezvous port, bound and listening on loopback before the workers are forked
+        (`listener`; rank 0's store serves on it, the other workers and, once they are forked, this
+        process close their copies): no other process
+        can take the port between its choice and the store's bind, as it could take Lightning's own
+        choice (a port found free, then closed, then bound after the fork; "Address already in use"
+        was seen on a busy machine).  A MASTER_PORT the user set is used as it is."""
+        env = self._strategy.cluster_environment
+        if not isinstance(env, LightningEnvironment) or "MASTER_PORT" in os.environ:
+            yield
+            return
+        try:
+            sock = loopback_listener(max(0, env._main_port))  # -1: not chosen yet
+        except OSError:  # the port chosen earlier is taken: the store's bind says so as before
+            yield
+            return
+        env._main_port = sock.getsockname()[1]
+        self.listener = sock
+        try:
+            yield
+        finally:
+            self.listener = None
+            sock.close()
 
     def start_workers(self, function: Callable, args: tuple, kwargs: dict, trainer: Any) -> Any:
         """Fork one worker per process (Lightning's worker wrapper around `function`) without waiting for

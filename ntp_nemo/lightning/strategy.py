@@ -248,11 +248,17 @@ class NTPStrategy(StrategyAdapter):
         rendezvous store's server, bound to loopback; torch's rendezvous, asking for a multi-tenant
         server on the same port, serves from it instead of binding every interface."""
         # Not `creates_processes_externally`: Lightning sets LOCAL_RANK in the workers it forks too.
+        listener = getattr(self.launcher, "listener", None)  # the port the launcher held over the fork
         if (self.launcher is None or self.global_rank != 0
                 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
+            if listener is not None:
+                listener.close()  # this worker's inherited copy: rank 0 serves on the port
             return None
-        return host_loopback_store(self.cluster_environment.main_port, multi_tenant=True,
-                                   timeout_s=self._timeout.total_seconds())
+        port = self.cluster_environment.main_port
+        if listener is None or listener.getsockname()[1] != port:
+            listener = None
+        return host_loopback_store(port, multi_tenant=True, timeout_s=self._timeout.total_seconds(),
+                                   listener=listener)
 
     def set_world_ranks(self) -> None:
         """Ranks we launched: local rank = global rank (one node).  Under torchrun/SLURM the launcher's
