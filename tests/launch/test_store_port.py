@@ -28,19 +28,26 @@ def _bind_error(port: int) -> int | None:
         other.close()
     return None
 
-
-def test_a_reserved_port_cannot_be_taken_and_the_store_serves_on_it():
-    listener, port = reserve_port()
-    assert _bind_error(port) == errno.EADDRINUSE
-    server = host_store(timeout_s=30, listener=listener)
+def _serves(server: dist.TCPStore, port: int) -> None:
+    """The store `server` is on `port`: a client there sets a key the server then holds."""
     client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
     try:
         assert server.port == port
         client.set("k", "v")
         assert server.get("k") == b"v"
     finally:
+        del client
+
+
+def test_a_reserved_port_cannot_be_taken_and_the_store_serves_on_it():
+    listener, port = reserve_port()
+    assert _bind_error(port) == errno.EADDRINUSE
+    server = host_store(timeout_s=30, listener=listener)
+    try:
+        _serves(server, port)
+    finally:
         # Destroyed here, where the server thread runs, not in a later test's forked child's collection.
-        del client, server
+        del server
         gc.collect()
 
 
@@ -65,13 +72,10 @@ def test_a_forked_launch_holds_the_env_rendezvous_port_and_rank_0_serves_on_it(m
         assert launcher.listener is not None and launcher.listener.getsockname()[1] == port
         assert _bind_error(port) == errno.EADDRINUSE  # nothing can take it before rank 0's store serves
         server = strategy._loopback_rendezvous_store()  # rank 0 (forked, it holds a copy of the socket)
-        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
         try:
-            assert server.port == port
-            client.set("k", "v")
-            assert server.get("k") == b"v"
+            _serves(server, port)
         finally:
-            del client, server
+            del server
             gc.collect()
     assert launcher.listener is None and _bind_error(port) is None  # released with the launch
 
