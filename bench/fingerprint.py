@@ -29,7 +29,6 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 
 from ntp_nemo.launch.workers import run_workers  # noqa: E402
-from ntp_nemo.models.model_config import ModelConfig  # noqa: E402
 from ntp_nemo.parallel.fingerprint import (  # noqa: E402
     compare,
     gather_fingerprints,
@@ -40,10 +39,10 @@ from ntp_nemo.resilience.integrity import LayerInputs, find_suspects, own_row  #
 from ntp_nemo.runtime.assemble import assemble  # noqa: E402
 from ntp_nemo.runtime.step import train_step  # noqa: E402
 from ntp_nemo.topology import ResolvedLayout, Topology  # noqa: E402
+from tests.shapes import adamw, gpt_tiny  # noqa: E402
 
-MODEL = ModelConfig(arch="gpt2", name="gpt_tiny", vocab_size=257, hidden_size=256, num_layers=4, num_heads=4,
-                    ffn_hidden_size=1024, max_seq_len=256, tie_embeddings=True)
-OPTIM = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
+MODEL = gpt_tiny()
+OPTIM = adamw(1e-3)
 SEQ, BATCH, MICRO = 128, 12, 2
 
 

@@ -20,9 +20,10 @@ from ntp_nemo.runtime.step import train_step
 from ntp_nemo.topology import ResolvedLayout, Topology
 from ntp_nemo.topology.grid import BLOCK, ROW_COLUMN, GridContext
 from tests.ntp_cases import GPT, LLAMA
+from tests.shapes import adamw
 
 SEED, SEQ, BATCH, STEPS = 3, 6, 5, 2
-OPTIM = {"lr": 2e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
+OPTIM = adamw(2e-2)
 MICRO = ((0, 5),)  # one micro-batch of 5 sequences: grid rows of 2 and 3 (2x2), 1, 2 and 2 (3x3)
 # A smaller Llama for the 3x3 grid (9 processes on 2 cores): 6 query heads over 3 KV heads: columns hold
 # query heads 2/2/2 and KV heads {0}, {0, 1}, {1, 2}... shared between neighbouring columns.
