@@ -77,8 +77,8 @@ from ntp_nemo.checkpoint.storage import (
     write_records,
 )
 from ntp_nemo.errors import ConfigError
-from ntp_nemo.quant.sharding import is_quantized
 from ntp_nemo.quant.quant_state import restore_quant_state
+from ntp_nemo.quant.sharding import is_quantized
 from ntp_nemo.topology.shard import ShardSpec
 
 SMALL_FILES = (INDEX_FILE, META_FILE)

@@ -88,8 +88,8 @@ async def _serve_until_stopped(root: Path, host: str, port: int, token: str,
 
 
 def _main() -> int:
-    from ntp_nemo.dashboard.server import new_token
     from ntp_nemo.dashboard.page_state import classify
+    from ntp_nemo.dashboard.server import new_token
 
     args = parse_args()
     root = Path(args.run_dir).resolve()

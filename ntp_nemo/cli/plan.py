@@ -49,8 +49,8 @@ from omegaconf.errors import OmegaConfBaseException
 from ntp_nemo.config.paths import conf_dir, recipes_dir
 from ntp_nemo.errors import ConfigError, cli_main
 from ntp_nemo.models import families
-from ntp_nemo.planner.solver import Plan, Ranking, rank_layouts, run_length
 from ntp_nemo.planner.shapes import DeviceModel, LinkModel, ModelShape
+from ntp_nemo.planner.solver import Plan, Ranking, rank_layouts, run_length
 
 if TYPE_CHECKING:
     from ntp_nemo.config.resolve import RunSpec

@@ -120,8 +120,8 @@ def resolve(cfg: DictConfig, explicit: Collection[str] = (), *, reads_data: bool
     from ntp_nemo.config import checks
     from ntp_nemo.config.data_keys import resolve_data_config
     from ntp_nemo.config.failover import failover_spec
-    from ntp_nemo.config.resolve_layout import resolve_layout
     from ntp_nemo.config.model import model_config
+    from ntp_nemo.config.resolve_layout import resolve_layout
     from ntp_nemo.config.validate import resolve_init_from, validate
 
     explicit = set(explicit)

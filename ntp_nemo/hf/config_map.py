@@ -21,8 +21,8 @@ from typing import Any
 
 from ntp_nemo.data.bounded_json import read_json
 from ntp_nemo.errors import ConfigError
-from ntp_nemo.models.model_config import ModelConfig
 from ntp_nemo.models.families import by_hf_model_type, family_of
+from ntp_nemo.models.model_config import ModelConfig
 
 KEY = "model.init_from"
 # Fields of ModelConfig that a HF config.json determines.

@@ -18,8 +18,8 @@ from torch import nn
 
 from ntp_nemo.errors import ConfigError
 from ntp_nemo.hf.config_map import check_matches, read_hf_config
-from ntp_nemo.hf.safetensors_files import HFWeightsReader
 from ntp_nemo.hf.mapping import HFTensor, weight_map
+from ntp_nemo.hf.safetensors_files import HFWeightsReader
 from ntp_nemo.topology.shard import ShardSpec
 
 

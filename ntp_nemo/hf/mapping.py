@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from ntp_nemo.errors import ConfigError
-from ntp_nemo.models.model_config import ModelConfig
 from ntp_nemo.models.families import family_of
+from ntp_nemo.models.model_config import ModelConfig
 
 
 @dataclass(frozen=True)

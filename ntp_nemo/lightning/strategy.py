@@ -179,8 +179,8 @@ class NTPStrategy(StrategyAdapter):
     def _check_placement(self) -> None:
         """Collective, once at start-up of a launcher-started job: every TP group inside one node (else
         ConfigError), and a warning from rank 0 for tasks that each see one GPU of a larger node."""
-        from ntp_nemo.launch.node_layout import check_placement
         from ntp_nemo.launch.devices import visible_gpus
+        from ntp_nemo.launch.node_layout import check_placement
 
         def warn(text: str) -> None:  # printed before a refusal too (check_placement)
             if self.global_rank == 0:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ntp_nemo.models.model_config import ModelConfig
 from ntp_nemo.models.families import family_of, model_shape
+from ntp_nemo.models.model_config import ModelConfig
 
 
 def param_count(cfg: ModelConfig) -> int:

@@ -3,7 +3,8 @@
 `NTPRuntime` builds a `PipelineEngine` when the topology has more than one stage; the rest of the
 training step (gradient sync, clipping, optimizer) is unchanged. The names load on first use: the
 partition (`balanced_partition`) runs in the launching process before anything imports torch; the
-config keys are checked and resolved by the config layer (`config/pipeline_keys.py`, `config/resolve_layout.py`).
+config keys are checked and resolved by the config layer (`config/pipeline_keys.py`,
+`config/resolve_layout.py`).
 """
 
 from __future__ import annotations

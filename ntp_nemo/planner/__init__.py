@@ -2,8 +2,8 @@
 
 from ntp_nemo.planner.cost import ItemCost, item_cost
 from ntp_nemo.planner.layer_tp import effective_degree, parse_layer_tp, validate_layer_tp
-from ntp_nemo.planner.solver import Plan, PlanRow, Ranking, plan_layout, rank_layouts
 from ntp_nemo.planner.shapes import DeviceModel, LinkModel, ModelShape
+from ntp_nemo.planner.solver import Plan, PlanRow, Ranking, plan_layout, rank_layouts
 
 __all__ = [
     "DeviceModel",

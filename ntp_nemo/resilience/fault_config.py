@@ -188,9 +188,9 @@ def validate_straggler_config(f: FaultConfig) -> None:
         raise ConfigError("fault.straggler_persist", f"must be >= 1 judgements in a row before a rank is "
                           f"called a straggler, got {f.straggler_persist}; e.g. 2.")
     if str(getattr(f, "straggler_shards", "auto")) not in STRAGGLER_SHARDS:
-        raise ConfigError("fault.straggler_shards", f"unknown value {f.straggler_shards!r}; use auto (rebalance "
-                          "weighs the shards inside the straggler's TP group by speed in a one-replica job), "
-                          "on (in every job) or off (the batch split only).")
+        raise ConfigError("fault.straggler_shards", f"unknown value {f.straggler_shards!r}; use auto "
+                          "(rebalance weighs the shards inside the straggler's TP group by speed in a "
+                          "one-replica job), on (in every job) or off (the batch split only).")
     top = 1 / (1 + float(f.straggler_margin))
     if not 0 <= float(f.straggler_floor) < top:
         raise ConfigError("fault.straggler_floor", f"must lie in [0, 1/(1+fault.straggler_margin)) = "

@@ -23,8 +23,8 @@ def validate_integrity_config(cfg: IntegrityConfig) -> None:
     ratio = float(cfg.outlier_ratio)
     if not (ratio == 0 or ratio > 1):
         raise ConfigError("integrity.outlier_ratio", f"must be 0 (no per-step check) or > 1: how many times "
-                          f"every other rank's value a rank's own largest gradient element or activation must "
-                          f"be to hold the step suspect, got {cfg.outlier_ratio}; e.g. 1000.")
+                          f"every other rank's value a rank's own largest gradient element or activation "
+                          f"must be to hold the step suspect, got {cfg.outlier_ratio}; e.g. 1000.")
     bad = [s for s in cfg.skip_samples or [] if int(s) < 0]
     if bad:
         raise ConfigError("integrity.skip_samples", f"training sample ids are >= 0, got {bad}; list the ids "

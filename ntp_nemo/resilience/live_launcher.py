@@ -514,7 +514,8 @@ class LiveMonitor(threading.Thread):
         if self.heartbeat_dir is None or self.heartbeat_s is None:
             return
         running = {i: p.pid for i, p in enumerate(procs) if p.exitcode is None and p.pid is not None}
-        beats = {i: b for i, b in read_beats(self.heartbeat_dir, len(procs)).items() if running.get(i) == b.pid}
+        beats = {i: b for i, b in read_beats(self.heartbeat_dir, len(procs)).items()
+                 if running.get(i) == b.pid}
         now = time.time()
         if not beats or len(beats) < len(running) or not any(
                 b.training and now - max(b.t, self._window_t) > self.heartbeat_s for b in beats.values()):

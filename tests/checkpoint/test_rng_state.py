@@ -12,8 +12,8 @@ import torch
 from ntp_nemo.checkpoint import load, save_checkpoint
 from ntp_nemo.checkpoint.rng import rng_state, set_rng_state
 from ntp_nemo.launch.workers import run_workers
-from tests.ntp_cases import GPT
 from tests.checkpoint.test_reshard import _setup, _train_step
+from tests.ntp_cases import GPT
 
 LAYOUT = (2, [2], [2] * 4)
 DROPOUT = dataclasses.replace(GPT, dropout=0.2)

@@ -12,7 +12,6 @@ from ntp_nemo.config.resolve_layout import resolve_layout
 from ntp_nemo.config.validate import validate
 from ntp_nemo.errors import ConfigError
 from ntp_nemo.topology import ResolvedLayout, Topology
-
 from tests.conftest import ROOT, compose
 
 LOWER = ("parallel", "topology", "models")

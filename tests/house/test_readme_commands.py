@@ -191,8 +191,8 @@ def check_config(args: list[str]) -> None:
     """What ntp-train checks before it launches anything, in process."""
     from ntp_nemo.config import checks
     from ntp_nemo.config.keys import check_override_keys
-    from ntp_nemo.config.resolve_layout import resolve_layout
     from ntp_nemo.config.resolve import with_values
+    from ntp_nemo.config.resolve_layout import resolve_layout
     from ntp_nemo.config.validate import validate
 
     args = [a for a in args if a != "-m" and not a.startswith("hydra.")]

@@ -8,8 +8,8 @@ import random
 import pytest
 from omegaconf import OmegaConf
 
-from ntp_nemo.config.resolve_layout import resolve_stage_layers
 from ntp_nemo.config.pipeline_keys import validate_pipeline
+from ntp_nemo.config.resolve_layout import resolve_stage_layers
 from ntp_nemo.errors import ConfigError
 from ntp_nemo.pipeline.memory import in_flight
 from ntp_nemo.pipeline.p2p import link_pairs

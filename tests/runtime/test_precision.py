@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 
 from ntp_nemo.errors import EXIT_CONFIG, ConfigError
-
 from tests.conftest import SINGLE, TINY, compose, read_metrics, run_cli
 
 STEPS = 5
