@@ -68,6 +68,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):  # run as `python bench/gpu_check.py` (and its workers): the root on the path
+    sys.path.insert(0, str(ROOT))
+from tests.shapes import TINY_DATA, TINY_MODEL  # noqa: E402  (the suite's tiny model: the rehearsal's sizes)
+
 PARTS = ("devices", "default", "ntp", "ckpt", "llama")
 
 # Dense (no sparsity) bf16 tensor-core peaks, TFLOPS, by device-name fragment (first match wins).
@@ -104,10 +108,7 @@ SINGLE = ["mesh.dp=1", "mesh.tp=1", "mesh.pp=1", "ntp.replica_tp=null"]
 # The rehearsal's sizes: a CPU shared with other work runs the default recipe at minutes per step, so
 # the rehearsed children train a smaller model on shorter steps; layouts, precisions, launcher
 # environment and device mapping stay those of the GPU run.
-REHEARSAL_SIZES = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=4",
-                   "model.ffn_hidden_size=128", "model.max_seq_len=64", "data.seq_len=32",
-                   "data.global_batch_size=12", "data.micro_batch_size=2", "optim.warmup_steps=1",
-                   "optim.lr=3e-3"]
+REHEARSAL_SIZES = [*TINY_MODEL, *TINY_DATA, "optim.warmup_steps=1", "optim.lr=3e-3"]
 LLAMA_1B = {
     "arch": "llama",
     "name": "llama_1b",
@@ -731,7 +732,6 @@ def main() -> int:
         worker_llama(Path(p), precision, int(mb), int(seq), int(steps), float(peak) or None, args.rehearse)
         return 0
 
-    sys.path.insert(0, str(ROOT))
     from ntp_nemo.launch.devices import cuda_device_count  # NVML: no CUDA context in this process
 
     args.steps = args.steps or (4 if args.rehearse else 20)

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from tests.conftest import SINGLE, TINY, read_metrics, run_cli, sweep_cases
+from tests.shapes import QUIET_RUN, TINY_DATA, TINY_MODEL
 
 
 @pytest.fixture(scope="module")
@@ -131,12 +132,12 @@ def test_ntp_layout_follows_single_process_loss_curve(layout_sweep, single_proce
 
 
 # llama_tiny with 4 KV heads: on 3 ranks its 8 query heads split 2/3/3 and two KV heads are held by two
-# ranks each (shared KV heads, gradients summed over their holders).
+# ranks each (shared KV heads, gradients summed over their holders). The tiny model's sizes and quiet run,
+# with llama_tiny's 8 query heads and its own optimizer.
 LLAMA_TINY = [
-    "recipe=llama_tiny", "model.num_kv_heads=4", "model.num_layers=2", "model.hidden_size=64",
-    "model.ffn_hidden_size=128", "model.max_seq_len=64", "data.seq_len=32", "data.global_batch_size=12",
-    "data.micro_batch_size=2", "trainer.val_every_n_steps=1000", "trainer.progress_bar=false",
-    "checkpoint.every_n_steps=0", "logger=none", "callbacks=none", "trainer.max_steps=6",
+    "recipe=llama_tiny", "model.num_kv_heads=4",
+    *(o for o in TINY_MODEL if not o.startswith("model.num_heads=")), *TINY_DATA, *QUIET_RUN,
+    "checkpoint.every_n_steps=0", "trainer.max_steps=6",
 ]
 LLAMA_LAYOUTS = {
     "ntp-3-2": ["mesh.dp=2", "mesh.tp=3", "ntp.replica_tp=[3,2]"],
