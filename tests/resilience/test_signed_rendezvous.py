@@ -8,8 +8,10 @@ group unpickle what arrives.  These tests run torch's real rendezvous (gloo, for
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import threading
 import time
+from contextlib import contextmanager
 from datetime import timedelta
 
 import pytest
@@ -69,14 +71,38 @@ def _rank(rank: int, port: int, secrets: list[bytes], generations: list[int], de
         out.put((rank, None, type(err).__name__, str(err)[:400], None))
 
 
+def _gated(go, target, *args) -> None:
+    if not go.wait(30):
+        os._exit(3)
+    target(*args)
+
+
+@contextmanager
+def _forked(ctx, target, args_of_rank: list[tuple]):
+    """The ranks, all forked before any of them connects to the store this process hosts, then released:
+    a fork while the store's server thread accepts a connection copies glibc's resolver lock held (the
+    accept looks up the peer's name), and the child's own connect then waits on it forever. Ranks still
+    running when the block ends are killed."""
+    go = ctx.Event()
+    procs = [ctx.Process(target=_gated, args=(go, target, *args)) for args in args_of_rank]
+    for p in procs:
+        p.start()
+    go.set()
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
 def _run(secrets: list[bytes], generations: list[int], delay: list[float], port: int) -> list[tuple]:
     ctx = mp.get_context("fork")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, secrets, generations, delay, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
+    with _forked(ctx, _rank, [(r, port, secrets, generations, delay, out) for r in range(2)]) as procs:
+        for p in procs:
+            p.join(60)
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     results = []
     while not out.empty():
@@ -145,12 +171,10 @@ def test_the_group_proof_names_the_rank_that_does_not_hold_the_secret():
         out = ctx.Queue()
         for k in [k for k in server.list_keys() if k.startswith("plain")]:
             server.delete_key(k)
-        procs = [ctx.Process(target=_prove, args=(r, server.port, secrets[r], out)) for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(60)
-        got = dict(out.get(timeout=5) for _ in range(2))
+        with _forked(ctx, _prove, [(r, server.port, secrets[r], out) for r in range(2)]) as procs:
+            for p in procs:
+                p.join(60)
+            got = dict(out.get(timeout=5) for _ in range(2))
         if expect is not None:
             assert [got[0], got[1]] == expect, got
         else:
