@@ -237,10 +237,10 @@ class ForkLauncher(_MultiProcessingLauncher):
     def _held_rendezvous_port(self) -> Iterator[None]:
         """The env:// rendezvous port, bound and listening on loopback before the workers are forked
         (`listener`; rank 0's store serves on it, the other workers and, once they are forked, this
-        process close their copies): no other process
-        can take the port between its choice and the store's bind, as it could take Lightning's own
-        choice (a port found free, then closed, then bound after the fork; "Address already in use"
-        was seen on a busy machine).  A MASTER_PORT the user set is used as it is."""
+        process close their copies): no other process can take the port between its choice and the
+        store's bind, as it could take Lightning's own choice (a port found free, then closed, then bound
+        after the fork; "Address already in use" was seen on a busy machine).  A MASTER_PORT the user set
+        is used as it is."""
         env = self._strategy.cluster_environment
         if not isinstance(env, LightningEnvironment) or "MASTER_PORT" in os.environ:
             yield

@@ -28,6 +28,7 @@ def _bind_error(port: int) -> int | None:
         other.close()
     return None
 
+
 def _serves(server: dist.TCPStore, port: int) -> None:
     """The store `server` is on `port`: a client there sets a key the server then holds."""
     client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
